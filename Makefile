@@ -1,0 +1,34 @@
+# The two commands of the README: `make demo` and `make test` (both create .venv first).
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+DEMO_OUT ?= out/demo
+
+.PHONY: demo test lint format bench clean
+
+$(BIN)/netpart: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[dev]"
+	@touch $@
+
+demo: $(BIN)/netpart
+	$(BIN)/netpart plan --model image-80m --workers 16 --compare --out $(DEMO_OUT)
+	@echo "report: $(DEMO_OUT)/report.md"
+
+test: $(BIN)/netpart
+	$(BIN)/ruff check netpart tests benchmarks experiments
+	$(BIN)/ruff format --check netpart tests benchmarks experiments
+	$(BIN)/python -m pytest
+
+bench: $(BIN)/netpart
+	$(BIN)/python benchmarks/plan_bench.py --out benchmarks/results/plan_bench.json
+
+lint format:
+	$(BIN)/ruff check --fix netpart tests benchmarks experiments
+	$(BIN)/ruff format netpart tests benchmarks experiments
+
+clean:
+	rm -rf $(VENV) out .pytest_cache .hypothesis

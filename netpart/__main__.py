@@ -1,0 +1,3 @@
+from netpart.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,188 @@
+"""The single-process reference model: the plain `nn.Module` every partitioned run must equal.
+
+Initial weights depend only on (spec, seed, layer, row) through counter-based Philox streams, so
+a model worker that owns a slice of a layer can draw exactly the reference's values for that
+slice without materialising the rest. A "row" is one output position of a locally connected
+layer (its `[K, out]` filter bank), one output unit of a dense layer, or the whole of a conv.
+Biases start at zero.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from netpart.models.spec import LayerSpec, ModelSpec, Shape
+
+__all__ = [
+    "LocalContrastNorm",
+    "LocallyConnected2d",
+    "Pool2d",
+    "ReferenceModel",
+    "build_reference",
+    "init_rows",
+]
+
+L2_POOL_EPS = 1e-6  # sqrt(sum x^2 + eps): keeps the gradient finite where a window is all zero
+
+
+def init_rows(spec: ModelSpec, seed: int, index: int, rows: np.ndarray) -> np.ndarray:
+    """Initial weights of layer `index` for the given rows, float64, shape [len(rows), *row_shape].
+
+    Local: row = output position, row shape [Cin*k*k, Cout]. Dense: row = output unit, row shape
+    [n_in]. Conv: the single row 0, shape [Cout, Cin, k, k]. Values ~ N(0, 1/fan_in).
+    """
+    layer, src = spec.layers[index], spec.input_shape(index)
+    if layer.kind == "local":
+        fan_in = src.channels * layer.kernel**2
+        row_shape: tuple[int, ...] = (fan_in, layer.channels)
+    elif layer.kind == "dense":
+        fan_in = src.size
+        row_shape = (fan_in,)
+    elif layer.kind == "conv":
+        fan_in = src.channels * layer.kernel**2
+        row_shape = (layer.channels, src.channels, layer.kernel, layer.kernel)
+    else:
+        raise ValueError(f"layer {index} ({layer.kind}) has no weights")
+    count = math.prod(row_shape)
+    scale = 1.0 / math.sqrt(fan_in)
+    out = np.empty((len(rows), count), dtype=np.float64)
+    for i, row in enumerate(np.asarray(rows, dtype=np.int64).tolist()):
+        stream = np.random.Generator(np.random.Philox(np.random.SeedSequence([seed, index, row])))
+        out[i] = stream.standard_normal(count)
+    out *= scale
+    return out.reshape((len(rows), *row_shape))
+
+
+def _activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    if name == "relu":
+        return torch.relu(x)
+    if name == "sigmoid":
+        return torch.sigmoid(x)
+    if name == "tanh":
+        return torch.tanh(x)
+    return x  # none, and softmax (the loss takes logits)
+
+
+class LocallyConnected2d(nn.Module):
+    """Untied filters: out[n, o, y, x] = sum_k W[y*Wo+x, k, o] * patch[n, k, y, x] + b[o, y, x]."""
+
+    def __init__(self, src: Shape, out: Shape, layer: LayerSpec) -> None:
+        super().__init__()
+        self.kernel, self.stride, self.padding = layer.kernel, layer.stride, layer.padding
+        self.out_shape = out
+        positions, fan_in = out.height * out.width, src.channels * layer.kernel**2
+        self.weight = nn.Parameter(torch.empty(positions, fan_in, out.channels))
+        self.bias = nn.Parameter(torch.zeros(out.channels, out.height, out.width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        patches = F.unfold(x, self.kernel, padding=self.padding, stride=self.stride)  # [N, K, L]
+        y = torch.bmm(patches.permute(2, 0, 1), self.weight)  # [L, N, out]
+        o = self.out_shape
+        return y.permute(1, 2, 0).reshape(x.shape[0], o.channels, o.height, o.width) + self.bias
+
+
+class Pool2d(nn.Module):
+    """Per-channel max, average (zero padding counted) or L2 (sqrt(sum x^2 + eps)) pooling."""
+
+    def __init__(self, layer: LayerSpec) -> None:
+        super().__init__()
+        self.mode, self.kernel = layer.mode, layer.kernel
+        self.stride, self.padding = layer.stride, layer.padding
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k, s, p = self.kernel, self.stride, self.padding
+        if self.mode == "max":
+            if p:
+                x = F.pad(x, (p, p, p, p), value=float("-inf"))
+            return F.max_pool2d(x, k, s)
+        if self.mode == "avg":
+            return F.avg_pool2d(x, k, s, p, count_include_pad=True)
+        return torch.sqrt(
+            F.avg_pool2d(x * x, k, s, p, count_include_pad=True) * k * k + L2_POOL_EPS
+        )
+
+
+class LocalContrastNorm(nn.Module):
+    """y = (x - m) / sqrt(v + eps); m, v = mean and variance over a k x k window and all channels.
+
+    Windows are zero padded at the border (the zeros count), so output size equals input size.
+    """
+
+    def __init__(self, layer: LayerSpec) -> None:
+        super().__init__()
+        self.kernel, self.eps = layer.kernel, layer.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = self.kernel
+        mean = F.avg_pool2d(x.mean(1, keepdim=True), k, 1, k // 2, count_include_pad=True)
+        sq = F.avg_pool2d((x * x).mean(1, keepdim=True), k, 1, k // 2, count_include_pad=True)
+        return (x - mean) / torch.sqrt(sq - mean * mean + self.eps)
+
+
+class _Dense(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.flatten(1))
+
+
+class ReferenceModel(nn.Module):
+    """The whole network in one process; `forward` returns the last layer's pre-softmax output."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        mods: list[nn.Module] = []
+        for i, layer in enumerate(spec.layers):
+            src, out = spec.input_shape(i), spec.shapes[i]
+            if layer.kind == "local":
+                mods.append(LocallyConnected2d(src, out, layer))
+            elif layer.kind == "conv":
+                mods.append(
+                    nn.Conv2d(src.channels, out.channels, layer.kernel, layer.stride, layer.padding)
+                )
+            elif layer.kind == "dense":
+                mods.append(_Dense(src.size, layer.units))
+            elif layer.kind == "pool":
+                mods.append(Pool2d(layer))
+            else:
+                mods.append(LocalContrastNorm(layer))
+        self.layers = nn.ModuleList(mods)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.spec.input.flat:
+            x = x.reshape(x.shape[0], -1)
+        else:
+            i = self.spec.input
+            x = x.reshape(x.shape[0], i.channels, i.height, i.width)
+        for layer, mod in zip(self.spec.layers, self.layers, strict=True):
+            x = _activation(layer.activation, mod(x))
+        return x
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy on logits (softmax output) or mean squared error."""
+        if self.spec.loss == "cross_entropy":
+            return F.cross_entropy(outputs.flatten(1), targets)
+        return F.mse_loss(outputs.flatten(1), targets.flatten(1))
+
+
+@torch.no_grad()
+def build_reference(
+    spec: ModelSpec, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> ReferenceModel:
+    """The single-process model with the deterministic initial weights of (spec, seed)."""
+    model = ReferenceModel(spec).to(dtype)
+    for i, (layer, mod) in enumerate(zip(spec.layers, model.layers, strict=True)):
+        if layer.kind == "local":
+            rows = np.arange(mod.weight.shape[0])
+        elif layer.kind in ("dense", "conv"):
+            rows = np.arange(mod.weight.shape[0] if layer.kind == "dense" else 1)
+        else:
+            continue
+        values = torch.from_numpy(init_rows(spec, seed, i, rows))
+        mod.weight.copy_(values.reshape(mod.weight.shape))
+        mod.bias.zero_()
+    return model

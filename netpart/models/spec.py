@@ -1,0 +1,340 @@
+"""Model specs: frozen, validated descriptions of a layered network.
+
+A `ModelSpec` is an input shape and a sequence of layers. Every layer maps a (C, H, W) activation
+to a (C', H', W'); dense layers flatten their input and produce (units, 1, 1). A spec is validated
+when it is constructed, so every `ModelSpec` in the program describes a network that can be built.
+
+Schema (TOML, or the same structure as JSON)::
+
+    name = "my-net"
+    input = { channels = 3, height = 32, width = 32 }   # or: input = { features = 440 }
+    [[layer]]
+    kind = "local"       # local (untied weights) | conv (tied) | dense | pool | lcn
+    channels = 8         # local, conv: output channels
+    kernel = 5           # local, conv, pool, lcn: square receptive field
+    stride = 1           # local, conv (default 1), pool (default = kernel)
+    padding = 0          # local, conv, pool (zeros; never sent between workers)
+    activation = "relu"  # relu | sigmoid | tanh | none; softmax on the last dense layer only
+    [[layer]]
+    kind = "pool"
+    mode = "l2"          # max | avg | l2
+    kernel = 2
+    [[layer]]
+    kind = "lcn"         # local contrast normalisation over a kernel x kernel window (odd kernel)
+    kernel = 5
+    eps = 0.01           # (x - mean) / sqrt(var + eps), mean and var over window and channels
+    [[layer]]
+    kind = "dense"
+    units = 10
+    activation = "softmax"
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from netpart.errors import SpecError
+
+__all__ = ["ACTIVATIONS", "LAYER_KINDS", "InputSpec", "LayerSpec", "ModelSpec", "Shape"]
+
+LAYER_KINDS = ("local", "conv", "dense", "pool", "lcn")
+ACTIVATIONS = ("relu", "sigmoid", "tanh", "none", "softmax")
+POOL_MODES = ("max", "avg", "l2")
+SPATIAL_KINDS = ("local", "conv", "pool", "lcn")
+
+# Keys each layer kind accepts (besides "kind").
+_ALLOWED_KEYS = {
+    "local": ("channels", "kernel", "stride", "padding", "activation"),
+    "conv": ("channels", "kernel", "stride", "padding", "activation"),
+    "dense": ("units", "activation"),
+    "pool": ("mode", "kernel", "stride", "padding"),
+    "lcn": ("kernel", "eps"),
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """An activation shape per example: channels x height x width (dense: units x 1 x 1)."""
+
+    channels: int
+    height: int
+    width: int
+
+    @property
+    def size(self) -> int:
+        return self.channels * self.height * self.width
+
+    def __str__(self) -> str:
+        if self.height == self.width == 1:
+            return f"{self.channels}"
+        return f"{self.channels}x{self.height}x{self.width}"
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """The input of a network: an image (channels, height, width) or a feature vector."""
+
+    channels: int
+    height: int = 1
+    width: int = 1
+    flat: bool = False  # written back as {features = channels}
+
+    @property
+    def shape(self) -> Shape:
+        return Shape(self.channels, self.height, self.width)
+
+    def to_dict(self) -> dict[str, int]:
+        if self.flat:
+            return {"features": self.channels}
+        return {"channels": self.channels, "height": self.height, "width": self.width}
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer. Fields that do not apply to its kind are None; defaults are filled at parse."""
+
+    kind: str
+    channels: int | None = None
+    units: int | None = None
+    kernel: int | None = None
+    stride: int | None = None
+    padding: int = 0
+    activation: str = "none"
+    mode: str | None = None
+    eps: float | None = None
+
+    @property
+    def is_spatial(self) -> bool:
+        return self.kind in SPATIAL_KINDS
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind}
+        for key in _ALLOWED_KEYS[self.kind]:
+            out[key] = getattr(self, key)
+        return out
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A validated network: input, layers, and the derived per-layer output shapes."""
+
+    name: str
+    input: InputSpec
+    layers: tuple[LayerSpec, ...]
+    shapes: tuple[Shape, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shapes", _infer_shapes(self))
+
+    # ---- derived figures -------------------------------------------------------------------
+    def input_shape(self, index: int) -> Shape:
+        """The shape layer `index` reads: the network input for layer 0."""
+        return self.input.shape if index == 0 else self.shapes[index - 1]
+
+    def layer_params(self, index: int) -> int:
+        """Trainable parameters of layer `index` (weights and biases)."""
+        layer, src, out = self.layers[index], self.input_shape(index), self.shapes[index]
+        if layer.kind == "local":
+            return out.height * out.width * out.channels * (src.channels * layer.kernel**2 + 1)
+        if layer.kind == "conv":
+            return out.channels * (src.channels * layer.kernel**2 + 1)
+        if layer.kind == "dense":
+            return src.size * layer.units + layer.units
+        return 0
+
+    @property
+    def num_params(self) -> int:
+        return sum(self.layer_params(i) for i in range(len(self.layers)))
+
+    @property
+    def loss(self) -> str:
+        """`cross_entropy` when the last layer is softmax (trained on logits), else `mse`."""
+        return "cross_entropy" if self.layers[-1].activation == "softmax" else "mse"
+
+    def layer_name(self, index: int) -> str:
+        return f"{index}:{self.layers[index].kind}"
+
+    # ---- serialisation ---------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "input": self.input.to_dict(),
+            "layer": [layer.to_dict() for layer in self.layers],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "<json>") -> ModelSpec:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SpecError(
+                f"{source}:{exc.lineno}:{exc.colno}: malformed JSON: {exc.msg}"
+            ) from None
+        return cls.from_dict(data, source)
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<spec>") -> ModelSpec:
+        """Parse and validate the schema above; errors name the source and the layer."""
+        if not isinstance(data, dict):
+            raise SpecError(
+                f"{source}: a model spec must be a table/object with name, input, layer"
+            )
+        unknown = set(data) - {"name", "input", "layer", "layers"}
+        if unknown:
+            raise SpecError(
+                f"{source}: unknown top-level key {sorted(unknown)[0]!r}; "
+                "allowed: name, input, layer"
+            )
+        name = data.get("name", "unnamed")
+        if not isinstance(name, str) or not name:
+            raise SpecError(f"{source}: 'name' must be a non-empty string")
+        layers_raw = data.get("layer", data.get("layers"))
+        if not isinstance(layers_raw, list) or not layers_raw:
+            raise SpecError(f"{source}: the spec needs at least one [[layer]] table")
+        inp = _parse_input(data.get("input"), source)
+        layers = tuple(_parse_layer(raw, i, source) for i, raw in enumerate(layers_raw))
+        try:
+            return cls(name=name, input=inp, layers=layers)
+        except SpecError as exc:
+            raise SpecError(f"{source}: {exc}") from None
+
+    def fingerprint(self) -> str:
+        """A digest of the architecture (input and layers, not the name): plans are tied to it."""
+        body = json.dumps(
+            {"input": self.input.to_dict(), "layer": [ly.to_dict() for ly in self.layers]},
+            sort_keys=True,
+        )
+        return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+# ---- parsing ---------------------------------------------------------------------------------
+def _positive_int(value: Any, what: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SpecError(f"{what} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _parse_input(raw: Any, source: str) -> InputSpec:
+    if not isinstance(raw, dict):
+        raise SpecError(
+            f"{source}: 'input' must be {{channels, height, width}} or {{features}}, got {raw!r}"
+        )
+    try:
+        if "features" in raw:
+            if set(raw) != {"features"}:
+                raise SpecError("input: give either features or channels/height/width, not both")
+            return InputSpec(_positive_int(raw["features"], "input.features"), flat=True)
+        if set(raw) != {"channels", "height", "width"}:
+            raise SpecError(
+                f"input: expected keys channels, height, width (or features), got {sorted(raw)}"
+            )
+        return InputSpec(
+            _positive_int(raw["channels"], "input.channels"),
+            _positive_int(raw["height"], "input.height"),
+            _positive_int(raw["width"], "input.width"),
+        )
+    except SpecError as exc:
+        raise SpecError(f"{source}: {exc}") from None
+
+
+def _parse_layer(raw: Any, index: int, source: str) -> LayerSpec:
+    where = f"{source}: layer {index}"
+    if not isinstance(raw, dict) or "kind" not in raw:
+        raise SpecError(f"{where}: each [[layer]] needs a 'kind' ({' | '.join(LAYER_KINDS)})")
+    kind = raw["kind"]
+    if kind not in LAYER_KINDS:
+        raise SpecError(f"{where}: unknown kind {kind!r}; use one of {', '.join(LAYER_KINDS)}")
+    where = f"{where} ({kind})"
+    allowed = _ALLOWED_KEYS[kind]
+    for key in raw:
+        if key != "kind" and key not in allowed:
+            raise SpecError(f"{where}: unknown key {key!r}; allowed: kind, {', '.join(allowed)}")
+    try:
+        if kind in ("local", "conv"):
+            return LayerSpec(
+                kind,
+                channels=_positive_int(raw.get("channels"), "channels"),
+                kernel=_positive_int(raw.get("kernel"), "kernel"),
+                stride=_positive_int(raw.get("stride", 1), "stride"),
+                padding=_positive_int(raw.get("padding", 0), "padding", minimum=0),
+                activation=_activation(raw.get("activation", "relu")),
+            )
+        if kind == "dense":
+            return LayerSpec(
+                kind,
+                units=_positive_int(raw.get("units"), "units"),
+                activation=_activation(raw.get("activation", "relu")),
+            )
+        if kind == "pool":
+            mode = raw.get("mode", "max")
+            if mode not in POOL_MODES:
+                raise SpecError(f"mode {mode!r} is not one of {', '.join(POOL_MODES)}")
+            kernel = _positive_int(raw.get("kernel"), "kernel")
+            return LayerSpec(
+                kind,
+                kernel=kernel,
+                stride=_positive_int(raw.get("stride", kernel), "stride"),
+                padding=_positive_int(raw.get("padding", 0), "padding", minimum=0),
+                mode=mode,
+            )
+        eps = raw.get("eps", 0.01)
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or eps <= 0:
+            raise SpecError(f"eps must be a positive number, got {eps!r}")
+        return LayerSpec(kind, kernel=_positive_int(raw.get("kernel"), "kernel"), eps=float(eps))
+    except SpecError as exc:
+        raise SpecError(f"{where}: {exc}") from None
+
+
+def _activation(value: Any) -> str:
+    if value not in ACTIVATIONS:
+        raise SpecError(f"activation {value!r} is not one of {', '.join(ACTIVATIONS)}")
+    return value
+
+
+# ---- geometry --------------------------------------------------------------------------------
+def _infer_shapes(spec: ModelSpec) -> tuple[Shape, ...]:
+    """Output shape of every layer; raises SpecError for geometry that cannot exist."""
+    shapes: list[Shape] = []
+    src = spec.input.shape
+    flat_input = spec.input.flat
+    n = len(spec.layers)
+    for i, layer in enumerate(spec.layers):
+        where = f"layer {i} ({layer.kind})"
+        if layer.activation == "softmax" and (i != n - 1 or layer.kind != "dense"):
+            raise SpecError(f"{where}: softmax is only allowed on the last layer, a dense one")
+        if layer.kind == "dense":
+            out = Shape(layer.units, 1, 1)
+            flat_input = True
+        else:
+            if flat_input:
+                raise SpecError(
+                    f"{where}: a spatial layer needs an image input, but its input is a flat "
+                    "vector (after a dense layer or a features input); move it before the dense "
+                    "layers"
+                )
+            k = layer.kernel
+            if layer.kind == "lcn":
+                if k % 2 == 0:
+                    raise SpecError(f"{where}: lcn kernel must be odd (same-size output), got {k}")
+                out = Shape(src.channels, src.height, src.width)
+            else:
+                s, p = layer.stride, layer.padding
+                if p >= k:
+                    raise SpecError(f"{where}: padding {p} must be smaller than kernel {k}")
+                h_in, w_in = src.height + 2 * p, src.width + 2 * p
+                if k > h_in or k > w_in:
+                    raise SpecError(
+                        f"{where}: kernel {k} is larger than its input {src.height}x{src.width}"
+                        f"{f' padded by {p}' if p else ''}; use a smaller kernel or more padding"
+                    )
+                channels = layer.channels if layer.kind in ("local", "conv") else src.channels
+                out = Shape(channels, (h_in - k) // s + 1, (w_in - k) // s + 1)
+        shapes.append(out)
+        src = out
+    return tuple(shapes)

@@ -1,0 +1,101 @@
+"""The model zoo and `load_spec`, which reads a zoo name, a TOML file or a JSON file.
+
+Zoo models follow the DistBelief paper (Dean et al., 2012): `speech` is its fully connected
+acoustic model (440 inputs, 4 x 2560 sigmoid, 8192-way softmax, ~42M parameters); the
+`image-*` models are locally connected nets on 100x100 RGB input with three stages of
+10x10 untied filtering + L2 pooling + local contrast normalisation, sized to 80M, 330M and
+1.7B parameters (the largest with a 21841-way output, as for ImageNet-21k).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from netpart.errors import SpecError
+from netpart.models.spec import ModelSpec
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["ZOO", "load_spec", "zoo_names"]
+
+
+def _image(name: str, c1: int, c2: int, c3: int, classes: int) -> dict[str, Any]:
+    layers: list[dict[str, Any]] = []
+    for channels in (c1, c2, c3):
+        layers += [
+            {"kind": "local", "channels": channels, "kernel": 10, "stride": 1},
+            {"kind": "pool", "mode": "l2", "kernel": 2, "stride": 2},
+            {"kind": "lcn", "kernel": 5},
+        ]
+    layers.append({"kind": "dense", "units": classes, "activation": "softmax"})
+    return {"name": name, "input": {"channels": 3, "height": 100, "width": 100}, "layer": layers}
+
+
+_ZOO_DICTS: dict[str, dict[str, Any]] = {
+    "tiny-mlp": {
+        "name": "tiny-mlp",
+        "input": {"features": 64},
+        "layer": [
+            {"kind": "dense", "units": 32, "activation": "tanh"},
+            {"kind": "dense", "units": 10, "activation": "softmax"},
+        ],
+    },
+    "tiny-local": {
+        "name": "tiny-local",
+        "input": {"channels": 1, "height": 16, "width": 16},
+        "layer": [
+            {"kind": "local", "channels": 8, "kernel": 3, "stride": 1, "activation": "relu"},
+            {"kind": "pool", "mode": "max", "kernel": 2, "stride": 2},
+            {"kind": "lcn", "kernel": 3},
+            {"kind": "local", "channels": 8, "kernel": 3, "stride": 1, "activation": "relu"},
+            {"kind": "dense", "units": 10, "activation": "softmax"},
+        ],
+    },
+    "speech": {
+        "name": "speech",
+        "input": {"features": 440},
+        "layer": [{"kind": "dense", "units": 2560, "activation": "sigmoid"}] * 4
+        + [{"kind": "dense", "units": 8192, "activation": "softmax"}],
+    },
+    "image-80m": _image("image-80m", 12, 24, 48, 1000),
+    "image-330m": _image("image-330m", 32, 48, 96, 1000),
+    "image-1.7b": _image("image-1.7b", 64, 144, 224, 21841),
+}
+
+ZOO: dict[str, ModelSpec] = {
+    name: ModelSpec.from_dict(d, f"zoo:{name}") for name, d in _ZOO_DICTS.items()
+}
+
+
+def zoo_names() -> list[str]:
+    return list(ZOO)
+
+
+def load_spec(name_or_path: str | Path) -> ModelSpec:
+    """A zoo name, or a path to a `.toml` or `.json` spec; raises SpecError naming the problem."""
+    key = str(name_or_path)
+    if key in ZOO:
+        return ZOO[key]
+    path = Path(key)
+    if not path.exists():
+        if path.suffix in (".toml", ".json"):
+            raise SpecError(f"{key}: no such file")
+        raise SpecError(
+            f"unknown model {key!r}: not a zoo model ({', '.join(ZOO)}) nor a .toml/.json file"
+        )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"{key}: cannot read: {exc}") from None
+    if path.suffix == ".json":
+        return ModelSpec.from_json(text, key)
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"{key}: malformed TOML: {exc}") from None
+    return ModelSpec.from_dict(data, key)

@@ -1,0 +1,340 @@
+"""The unit graph: blocks of units as vertices, "reads" as edges, in symmetric CSR form.
+
+Each layer's output (C x H x W; dense layers C x 1 x 1) is cut into a regular grid of blocks:
+`nc` channel groups x `ny` row bands x `nx` column bands, with bounds split as evenly as integers
+allow. A block is one vertex; block ids are contiguous per layer, ordered (group, row, column).
+Vertex weight is the block's forward+backward FLOPs per example, vertex size its activation
+values per example; an edge joins a block to every block of the previous layer it reads, and its
+weight is the number of units read. The network input is data, not a layer: every worker reads the
+input pixels it needs from its batch, so layer 0 has no in-edges.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import networkx as nx
+import numpy as np
+
+from netpart.models.spec import ModelSpec, Shape
+
+__all__ = ["Granularity", "LayerBlocks", "UnitGraph", "build_unit_graph", "read_window"]
+
+BYTES_PER_VALUE = 4  # activations travel as float32
+
+
+@dataclass(frozen=True)
+class Granularity:
+    """How finely layers are cut into blocks.
+
+    Spatial layers get at least `spatial_blocks` blocks where their units allow: near-square tiles
+    first, channel groups only when a layer has fewer positions than that. Dense layers get
+    `min(units, dense_blocks)` equal groups of neurons: a dense block reads the whole previous
+    layer, so more dense blocks add edges but no partitioning freedom; a multiple of the worker
+    count balances them exactly. `max_blocks` caps any layer (keeps graphs tractable).
+    """
+
+    spatial_blocks: int = 64
+    dense_blocks: int = 16
+    max_blocks: int = 16384
+
+    @classmethod
+    def for_workers(cls, workers: int, blocks_per_worker: int = 24) -> Granularity:
+        """The default for a plan over `workers`: enough blocks to balance every layer."""
+        return cls(
+            spatial_blocks=max(64, blocks_per_worker * workers),
+            dense_blocks=workers * max(2, math.ceil(16 / workers)),
+        )
+
+    def grid(self, shape: Shape, dense: bool) -> tuple[int, int, int]:
+        """(nc, ny, nx) for a layer of this output shape."""
+        if dense:
+            return min(shape.channels, self.dense_blocks, self.max_blocks), 1, 1
+        h, w = shape.height, shape.width
+        tile = max(1, math.isqrt((h * w) // max(1, self.spatial_blocks)))
+        while math.ceil(h / tile) * math.ceil(w / tile) > self.max_blocks:
+            tile += 1
+        ny, nx = math.ceil(h / tile), math.ceil(w / tile)
+        nc = 1
+        if ny * nx < self.spatial_blocks:
+            nc = min(shape.channels, math.ceil(self.spatial_blocks / (ny * nx)))
+            nc = max(1, min(nc, self.max_blocks // (ny * nx)))
+        return nc, ny, nx
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "spatial_blocks": self.spatial_blocks,
+            "dense_blocks": self.dense_blocks,
+            "max_blocks": self.max_blocks,
+        }
+
+
+def _even_bounds(n: int, parts: int) -> np.ndarray:
+    return (np.arange(parts + 1, dtype=np.int64) * n) // parts
+
+
+@dataclass(frozen=True, eq=False)
+class LayerBlocks:
+    """The block grid of one layer: ids `first .. first+count`, ordered (group, row, column)."""
+
+    index: int
+    kind: str
+    shape: Shape
+    cbounds: np.ndarray
+    ybounds: np.ndarray
+    xbounds: np.ndarray
+    first: int
+
+    @property
+    def nc(self) -> int:
+        return len(self.cbounds) - 1
+
+    @property
+    def ny(self) -> int:
+        return len(self.ybounds) - 1
+
+    @property
+    def nx(self) -> int:
+        return len(self.xbounds) - 1
+
+    @property
+    def count(self) -> int:
+        return self.nc * self.ny * self.nx
+
+    @property
+    def ids(self) -> np.ndarray:
+        return np.arange(self.first, self.first + self.count)
+
+    def owner_grid(self, node_map: np.ndarray) -> np.ndarray:
+        """Worker owning each unit of this layer, as a [nc, H, W] grid over channel groups."""
+        owners = node_map[self.first : self.first + self.count].reshape(self.nc, self.ny, self.nx)
+        ty = np.repeat(np.arange(self.ny), np.diff(self.ybounds))
+        tx = np.repeat(np.arange(self.nx), np.diff(self.xbounds))
+        return owners[:, ty][:, :, tx]
+
+
+@dataclass(frozen=True, eq=False)
+class UnitGraph:
+    """Blocks of units with FLOPs, sizes and symmetric CSR adjacency (`xadj`, `adjncy`, `adjwgt`).
+
+    Invariants: every unit of every layer lies in exactly one block; the adjacency is symmetric
+    with equal weights both ways; `box[v] = (c0, c1, y0, y1, x0, x1)` is block v's unit range.
+    """
+
+    spec: ModelSpec
+    granularity: Granularity
+    layers: tuple[LayerBlocks, ...]
+    layer_of: np.ndarray
+    box: np.ndarray
+    flops: np.ndarray
+    units: np.ndarray
+    xadj: np.ndarray
+    adjncy: np.ndarray
+    adjwgt: np.ndarray
+
+    @property
+    def num_vertices(self) -> int:
+        return len(self.layer_of)
+
+    @property
+    def num_edges(self) -> int:
+        return len(self.adjncy) // 2
+
+    @property
+    def sizes_bytes(self) -> np.ndarray:
+        return self.units * BYTES_PER_VALUE
+
+    def edge_list(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(u, v, w) for each undirected edge once, u < v."""
+        src = np.repeat(np.arange(self.num_vertices), np.diff(self.xadj))
+        keep = src < self.adjncy
+        return src[keep], self.adjncy[keep], self.adjwgt[keep]
+
+    def to_networkx(self, max_vertices: int = 20000) -> nx.Graph:
+        """A networkx view (small graphs only): node attrs layer/flops/units/box, edge weight."""
+        if self.num_vertices > max_vertices:
+            raise ValueError(
+                f"graph has {self.num_vertices} vertices; networkx export is for <= {max_vertices}"
+            )
+        g = nx.Graph(model=self.spec.name)
+        for v in range(self.num_vertices):
+            g.add_node(
+                v,
+                layer=int(self.layer_of[v]),
+                flops=int(self.flops[v]),
+                units=int(self.units[v]),
+                box=tuple(int(b) for b in self.box[v]),
+            )
+        u, w_, wt = self.edge_list()
+        g.add_weighted_edges_from(zip(u.tolist(), w_.tolist(), wt.tolist(), strict=True))
+        return g
+
+    def to_metis_text(self, per_layer_constraints: bool = True) -> str:
+        """METIS `.graph` text (1-based): vertex sizes, weights (one per layer), edge weights."""
+        ncon = len(self.layers) if per_layer_constraints else 1
+        weights = self.vertex_weights(per_layer_constraints)
+        head = f"{self.num_vertices} {self.num_edges} 111" + (f" {ncon}" if ncon > 1 else "")
+        lines = [head]
+        for v in range(self.num_vertices):
+            lo, hi = self.xadj[v], self.xadj[v + 1]
+            pairs = np.stack([self.adjncy[lo:hi] + 1, self.adjwgt[lo:hi]], axis=1).ravel()
+            lines.append(" ".join(map(str, [self.units[v], *weights[v], *pairs])))
+        return "\n".join(lines) + "\n"
+
+    def vertex_weights(self, per_layer_constraints: bool = True) -> np.ndarray:
+        """[V, ncon] int64: FLOPs in the column of the vertex's layer (or one column of all)."""
+        if not per_layer_constraints:
+            return self.flops[:, None].copy()
+        w = np.zeros((self.num_vertices, len(self.layers)), dtype=np.int64)
+        w[np.arange(self.num_vertices), self.layer_of] = self.flops
+        return w
+
+
+def read_window(spec: ModelSpec, index: int) -> tuple[int, int, int]:
+    """(kernel, stride, padding) through which spatial layer `index` reads its input."""
+    layer = spec.layers[index]
+    if layer.kind == "lcn":
+        return layer.kernel, 1, layer.kernel // 2
+    return layer.kernel, layer.stride, layer.padding
+
+
+def _flops_per_unit(spec: ModelSpec, index: int) -> int:
+    """Forward+backward FLOPs per output unit (backward ~2x forward with weights, ~1x without)."""
+    layer, src = spec.layers[index], spec.input_shape(index)
+    if layer.kind in ("local", "conv"):
+        return 3 * (2 * src.channels * layer.kernel**2 + 2)
+    if layer.kind == "dense":
+        return 3 * (2 * src.size + 2)
+    if layer.kind == "pool":
+        return 2 * (2 * layer.kernel**2 + 1)
+    return 2 * (4 * layer.kernel**2 + 4)
+
+
+def _layer_blocks(spec: ModelSpec, granularity: Granularity) -> tuple[LayerBlocks, ...]:
+    out, first = [], 0
+    for i, (layer, shape) in enumerate(zip(spec.layers, spec.shapes, strict=True)):
+        nc, ny, nx = granularity.grid(shape, dense=not layer.is_spatial)
+        lb = LayerBlocks(
+            index=i,
+            kind=layer.kind,
+            shape=shape,
+            cbounds=_even_bounds(shape.channels, nc),
+            ybounds=_even_bounds(shape.height, ny),
+            xbounds=_even_bounds(shape.width, nx),
+            first=first,
+        )
+        out.append(lb)
+        first += lb.count
+    return tuple(out)
+
+
+def _boxes(lb: LayerBlocks) -> np.ndarray:
+    gc, gy, gx = np.unravel_index(np.arange(lb.count), (lb.nc, lb.ny, lb.nx))
+    return np.stack(
+        [
+            lb.cbounds[gc],
+            lb.cbounds[gc + 1],
+            lb.ybounds[gy],
+            lb.ybounds[gy + 1],
+            lb.xbounds[gx],
+            lb.xbounds[gx + 1],
+        ],
+        axis=1,
+    )
+
+
+def needed_boxes(spec: ModelSpec, index: int, boxes: np.ndarray) -> np.ndarray:
+    """For reader blocks of layer `index` (boxes [B, 6]), the input-unit box each one reads."""
+    src = spec.input_shape(index)
+    layer = spec.layers[index]
+    n = len(boxes)
+    if not layer.is_spatial:
+        full = np.array([0, src.channels, 0, src.height, 0, src.width], dtype=np.int64)
+        return np.broadcast_to(full, (n, 6)).copy()
+    k, s, p = read_window(spec, index)
+    need = np.empty((n, 6), dtype=np.int64)
+    if layer.kind == "pool":
+        need[:, 0:2] = boxes[:, 0:2]
+    else:
+        need[:, 0], need[:, 1] = 0, src.channels
+    need[:, 2] = np.clip(boxes[:, 2] * s - p, 0, src.height)
+    need[:, 3] = np.clip((boxes[:, 3] - 1) * s - p + k, 0, src.height)
+    need[:, 4] = np.clip(boxes[:, 4] * s - p, 0, src.width)
+    need[:, 5] = np.clip((boxes[:, 5] - 1) * s - p + k, 0, src.width)
+    return need
+
+
+def _range_of(bounds: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Indices [a, b) of the bands of `bounds` that intersect [lo, hi) (empty if lo >= hi)."""
+    a = np.searchsorted(bounds, lo, side="right") - 1
+    b = np.searchsorted(bounds, hi, side="left")
+    return a, np.maximum(b, a)
+
+
+def _expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For groups of sizes `counts`: (group index, offset within group) of every element."""
+    owner = np.repeat(np.arange(len(counts)), counts)
+    starts = np.cumsum(counts) - counts
+    return owner, np.arange(counts.sum()) - starts[owner]
+
+
+def _read_edges(
+    spec: ModelSpec, reader: LayerBlocks, source: LayerBlocks, boxes: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(reader id, source id, units read) for every block pair where the reader reads the source."""
+    rb = boxes[reader.first : reader.first + reader.count]
+    need = needed_boxes(spec, reader.index, rb)
+    c_a, c_b = _range_of(source.cbounds, need[:, 0], need[:, 1])
+    y_a, y_b = _range_of(source.ybounds, need[:, 2], need[:, 3])
+    x_a, x_b = _range_of(source.xbounds, need[:, 4], need[:, 5])
+    dc, dy, dx = c_b - c_a, y_b - y_a, x_b - x_a
+    r, off = _expand(dc * dy * dx)
+    oc, rem = np.divmod(off, (dy * dx)[r])
+    oy, ox = np.divmod(rem, dx[r])
+    gc, gy, gx = c_a[r] + oc, y_a[r] + oy, x_a[r] + ox
+    sid = source.first + (gc * source.ny + gy) * source.nx + gx
+    sb = boxes[sid]
+    nr = need[r]
+    overlap = np.ones(len(r), dtype=np.int64)
+    for lo, hi in ((0, 1), (2, 3), (4, 5)):
+        overlap *= np.minimum(nr[:, hi], sb[:, hi]) - np.maximum(nr[:, lo], sb[:, lo])
+    return reader.first + r, sid, overlap
+
+
+def build_unit_graph(spec: ModelSpec, granularity: Granularity | None = None) -> UnitGraph:
+    """Blocks, FLOPs, sizes and symmetric CSR adjacency for `spec` (vectorised numpy)."""
+    granularity = granularity or Granularity()
+    layers = _layer_blocks(spec, granularity)
+    box = np.concatenate([_boxes(lb) for lb in layers])
+    layer_of = np.concatenate([np.full(lb.count, lb.index, dtype=np.int64) for lb in layers])
+    units = (box[:, 1] - box[:, 0]) * (box[:, 3] - box[:, 2]) * (box[:, 5] - box[:, 4])
+    per_unit = np.array([_flops_per_unit(spec, i) for i in range(len(layers))], dtype=np.int64)
+    flops = units * per_unit[layer_of]
+
+    parts = [_read_edges(spec, layers[i], layers[i - 1], box) for i in range(1, len(layers))]
+    if parts:
+        rd = np.concatenate([p[0] for p in parts])
+        sr = np.concatenate([p[1] for p in parts])
+        wt = np.concatenate([p[2] for p in parts])
+    else:
+        rd = sr = wt = np.zeros(0, dtype=np.int64)
+    u = np.concatenate([rd, sr])
+    v = np.concatenate([sr, rd])
+    w = np.concatenate([wt, wt])
+    order = np.lexsort((v, u))
+    u, v, w = u[order], v[order], w[order]
+    xadj = np.zeros(len(layer_of) + 1, dtype=np.int64)
+    np.cumsum(np.bincount(u, minlength=len(layer_of)), out=xadj[1:])
+    return UnitGraph(
+        spec=spec,
+        granularity=granularity,
+        layers=layers,
+        layer_of=layer_of,
+        box=box,
+        flops=flops,
+        units=units,
+        xadj=xadj,
+        adjncy=v.astype(np.int64),
+        adjwgt=w.astype(np.int64),
+    )

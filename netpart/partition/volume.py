@@ -1,0 +1,162 @@
+"""Exact halo traffic of an assignment, and the lower bound it is compared with.
+
+Traffic is counted at unit level, as the runtime sends it: in layer l's forward pass, worker s
+sends worker d each unit of layer l-1 that s owns and that some unit owned by d reads, once,
+however many of d's units read it. The backward pass sends the same number of gradient values
+the other way. Units are activation values per example.
+
+Lower bound per layer, with q = min(workers, blocks of the layer) workers sharing it:
+dense readers all-gather their input, (q-1)*n; spatial readers need at least the halo of the
+best regular tiling of their output into q tiles (row bands of near-equal tile counts, times
+channel groups), each input unit owned by one of the tiles that read it:
+sum_t |input read by t| - |input read by anyone|.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from netpart.models.spec import ModelSpec
+from netpart.partition.graph import LayerBlocks, UnitGraph, needed_boxes, read_window
+
+__all__ = ["layer_lower_bounds", "layer_traffic", "workers_per_layer"]
+
+
+def layer_traffic(graph: UnitGraph, node_map: np.ndarray, workers: int) -> np.ndarray:
+    """T[l, s, d]: units of layer l-1 sent from worker s to worker d for layer l (T[0] = 0)."""
+    spec = graph.spec
+    out = np.zeros((len(graph.layers), workers, workers), dtype=np.int64)
+    for reader in graph.layers[1:]:
+        source = graph.layers[reader.index - 1]
+        if spec.layers[reader.index].is_spatial:
+            t = _spatial_traffic(spec, graph, reader, source, node_map, workers)
+        else:
+            t = _dense_traffic(graph, reader, source, node_map, workers)
+        np.fill_diagonal(t, 0)
+        out[reader.index] = t
+    return out
+
+
+def _dense_traffic(
+    graph: UnitGraph, reader: LayerBlocks, source: LayerBlocks, node_map: np.ndarray, workers: int
+) -> np.ndarray:
+    src_ids = source.ids
+    owned = np.bincount(node_map[src_ids], weights=graph.units[src_ids], minlength=workers)
+    takes_part = np.bincount(node_map[reader.ids], minlength=workers) > 0
+    return np.outer(owned.astype(np.int64), takes_part.astype(np.int64))
+
+
+def _spatial_traffic(
+    spec: ModelSpec,
+    graph: UnitGraph,
+    reader: LayerBlocks,
+    source: LayerBlocks,
+    node_map: np.ndarray,
+    workers: int,
+) -> np.ndarray:
+    """Coverage of each worker's needed input (difference arrays), then counts per owner."""
+    rb = graph.box[reader.ids]
+    need = needed_boxes(spec, reader.index, rb)
+    h, w = source.shape.height, source.shape.width
+    channelwise = spec.layers[reader.index].kind == "pool"
+    # Slabs: channel ranges read as a unit (the reader's channel groups if channelwise, else all).
+    if channelwise:
+        slab_of = np.searchsorted(reader.cbounds, rb[:, 0], side="right") - 1
+        slab_bounds = reader.cbounds
+    else:
+        slab_of = np.zeros(len(rb), dtype=np.int64)
+        slab_bounds = np.array([0, source.shape.channels])
+    nslab = len(slab_bounds) - 1
+    dst = node_map[reader.ids]
+    diff = np.zeros((workers, nslab, h + 1, w + 1), dtype=np.int32)
+    for ys, xs, sign in ((2, 4, 1), (2, 5, -1), (3, 4, -1), (3, 5, 1)):
+        np.add.at(diff, (dst, slab_of, need[:, ys], need[:, xs]), sign)
+    covered = diff.cumsum(axis=2).cumsum(axis=3)[:, :, :h, :w] > 0
+    owners = source.owner_grid(node_map)  # [G, H, W]
+    cb = source.cbounds
+    t = np.zeros((workers, workers), dtype=np.float64)
+    for j in range(nslab):
+        lo, hi = slab_bounds[j], slab_bounds[j + 1]
+        overlap = np.clip(np.minimum(cb[1:], hi) - np.maximum(cb[:-1], lo), 0, None)
+        groups = np.nonzero(overlap)[0]
+        # m[pos, s] = channels at pos (within this slab) that worker s owns.
+        idx = np.arange(h * w)[None, :] * workers + owners[groups].reshape(len(groups), -1)
+        weights = np.broadcast_to(overlap[groups][:, None], idx.shape)
+        m = np.bincount(idx.ravel(), weights=weights.ravel(), minlength=h * w * workers)
+        t += covered[:, j].reshape(workers, -1).astype(np.float64) @ m.reshape(h * w, workers)
+    return np.rint(t.T).astype(np.int64)  # [s, d]
+
+
+def workers_per_layer(graph: UnitGraph, workers: int) -> np.ndarray:
+    """q_l = min(workers, blocks of layer l): how many workers a balanced plan spreads it over."""
+    return np.array([min(workers, lb.count) for lb in graph.layers], dtype=np.int64)
+
+
+def _covered(a: np.ndarray, b: np.ndarray, k: int, s: int, p: int, n_in: int) -> np.ndarray:
+    """Input rows read by output rows [a, b) through windows (k, s, p), clipped to [0, n_in)."""
+    if s <= k:  # windows overlap or touch: one interval
+        return np.maximum(0, np.minimum((b - 1) * s - p + k, n_in) - np.maximum(a * s - p, 0))
+    rows = np.arange(max(int(b.max()), 1) + 1)
+    size = np.clip(np.minimum(rows * s - p + k, n_in) - np.maximum(rows * s - p, 0), 0, None)
+    prefix = np.concatenate([[0], np.cumsum(size)])
+    return prefix[b] - prefix[a]
+
+
+def _tiling_halo(h: int, w: int, parts: int, k: int, s: int, p: int, h_in: int, w_in: int) -> float:
+    """Smallest sum_t |N(t)| - |N(all)| (positions) over brick tilings of h x w into `parts`."""
+    full = _covered(np.array([0]), np.array([h]), k, s, p, h_in)[0]
+    full *= _covered(np.array([0]), np.array([w]), k, s, p, w_in)[0]
+    best = np.inf
+    for rows, cols, n_r, n_c in ((h, w, h_in, w_in), (w, h, w_in, h_in)):
+
+        def row_cost(c: int, cols: int = cols, n_c: int = n_c) -> int:
+            xe = (np.arange(c + 1) * cols) // c
+            return int(_covered(xe[:-1], xe[1:], k, s, p, n_c).sum())
+
+        for bands in range(1, min(parts, rows) + 1):
+            per_band = np.full(bands, parts // bands) + (np.arange(bands) < parts % bands)
+            if per_band.max() > cols:
+                continue
+            # Band heights proportional to their tile counts, integer, each >= 1.
+            edges = np.rint(np.concatenate([[0], np.cumsum(per_band)]) * rows / parts)
+            edges = edges.astype(np.int64)
+            if np.any(np.diff(edges) < 1):
+                continue
+            band_rows = _covered(edges[:-1], edges[1:], k, s, p, n_r)
+            cost = {c: row_cost(c) for c in set(per_band.tolist())}
+            total = int((band_rows * np.array([cost[c] for c in per_band.tolist()])).sum())
+            best = min(best, total - full)
+    return float(best)
+
+
+def layer_lower_bounds(spec: ModelSpec, q: np.ndarray) -> np.ndarray:
+    """Lower bound of each layer's forward traffic (units per example) with q[l] workers."""
+    out = np.zeros(len(spec.layers), dtype=np.int64)
+    for i in range(1, len(spec.layers)):
+        parts, layer, src = int(q[i]), spec.layers[i], spec.input_shape(i)
+        if parts <= 1:
+            continue
+        if not layer.is_spatial:
+            out[i] = (parts - 1) * src.size
+            continue
+        k, s, p = read_window(spec, i)
+        o = spec.shapes[i]
+        best = np.inf
+        for groups in range(1, min(parts, o.channels) + 1):
+            if parts % groups:
+                continue
+            spatial = parts // groups
+            if spatial > o.height * o.width:
+                continue
+            halo = _tiling_halo(o.height, o.width, spatial, k, s, p, src.height, src.width)
+            # Channelwise readers (pool) split by channel for free; others re-read all channels
+            # for each channel group sharing a tile.
+            if layer.kind == "pool":
+                cost = halo * src.channels
+            else:
+                n_all = _covered(np.array([0]), np.array([o.height]), k, s, p, src.height)[0]
+                n_all *= _covered(np.array([0]), np.array([o.width]), k, s, p, src.width)[0]
+                cost = ((halo + n_all) * groups - n_all) * src.channels
+            best = min(best, cost)
+        out[i] = int(best) if np.isfinite(best) else 0
+    return out

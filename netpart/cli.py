@@ -1,0 +1,271 @@
+"""`netpart` command line: parse, call the library, write the results. Thin on purpose.
+
+Errors a user can cause end in one line on stderr and exit code 2, with nothing half-written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from netpart import __version__
+from netpart.errors import NetpartError, PlanError
+
+log = logging.getLogger("netpart")
+
+EPILOG_PLAN = """\
+outputs in --out DIR:
+  plan.json        schema_version, model + fingerprint, method, options, metrics
+                   (edge_cut, volume, lower_bound, max_layer_imbalance, predicted_step_s),
+                   per-layer and per-worker figures
+  node_map.npy     block -> worker (int64), loads back with netpart.files.load_plan
+  report.md        the report, with the figures below
+  partition_map.png, load.png, halo_traffic.png (+ compare.png with --compare)
+
+examples:
+  netpart plan --model image-80m --workers 16 --out out/img16
+  netpart plan --model speech --workers 8 --compare --out out/speech8
+  netpart plan --model my-net.toml --workers 4 --net bandwidth=10Gbit,latency=20us
+"""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _capacities(text: str) -> list[float]:
+    try:
+        caps = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers (e.g. 1,1,2), got {text!r}"
+        ) from None
+    if not caps or any(c <= 0 for c in caps):
+        raise argparse.ArgumentTypeError(f"capacities must be positive numbers, got {text!r}")
+    return caps
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from netpart.partition.methods import METHODS
+
+    parser = argparse.ArgumentParser(
+        prog="netpart",
+        description=(
+            "Partition neural networks DistBelief-style: a network is a graph of unit blocks, "
+            "METIS cuts it across model workers with one balance constraint per layer."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"netpart {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    sub.add_parser("models", help="list the zoo models with their parameter counts")
+
+    p = sub.add_parser(
+        "plan",
+        help="partition a model across N workers and write plan files and a report",
+        description=(
+            "Partition MODEL across WORKERS model workers and report per-worker load, halo "
+            "traffic, the lower bound and the predicted step time."
+        ),
+        epilog=EPILOG_PLAN,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", required=True, help="zoo name (see `netpart models`) or .toml/.json")
+    p.add_argument("--workers", required=True, type=_positive_int, help="number of model workers")
+    p.add_argument(
+        "--method",
+        default="metis",
+        choices=list(METHODS),
+        help="partitioner (default: metis, per-layer balance, volume objective)",
+    )
+    p.add_argument(
+        "--batch", type=_positive_int, default=32, help="batch size for step time (default 32)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="partitioner seed (default 0)")
+    p.add_argument(
+        "--imbalance",
+        type=float,
+        default=None,
+        help="metis: allowed per-layer imbalance, 0.03 = 3%% (default 0.03)",
+    )
+    p.add_argument(
+        "--capacities",
+        type=_capacities,
+        default=None,
+        help="metis: relative speed of each worker for unequal machines, e.g. 1,1,2,2",
+    )
+    p.add_argument(
+        "--objective",
+        choices=["vol", "cut"],
+        default=None,
+        help="metis objective: vol = communication volume (default), cut = edge cut",
+    )
+    p.add_argument(
+        "--blocks-per-worker",
+        type=_positive_int,
+        default=24,
+        help="granularity: target blocks per worker in each spatial layer (default 24)",
+    )
+    p.add_argument(
+        "--net",
+        default="",
+        metavar="SPEC",
+        help="network model, e.g. bandwidth=10Gbit,latency=20us,flops=50G "
+        "(defaults: 1Gbit, 50us, 20G FLOP/s per worker)",
+    )
+    p.add_argument(
+        "--compare", action="store_true", help="also run every method and add a comparison"
+    )
+    p.add_argument("--out", type=Path, default=None, help="directory for plan files and report")
+    p.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
+
+    g = sub.add_parser(
+        "graph",
+        help="export a model's unit graph (METIS .graph or GraphML)",
+        description="Build the unit graph of MODEL at the granularity a plan for WORKERS uses "
+        "and write it as METIS .graph text (one weight per layer) or GraphML (small graphs).",
+    )
+    g.add_argument("--model", required=True, help="zoo name or .toml/.json")
+    g.add_argument("--workers", type=_positive_int, default=1, help="granularity as for N workers")
+    g.add_argument("--format", choices=["metis", "graphml"], default="metis")
+    g.add_argument("--out", type=Path, required=True, help="output file")
+    return parser
+
+
+def _cmd_models() -> int:
+    from netpart.models import ZOO
+
+    print(f"{'model':<12} {'params':>15}  {'input':<10} layers")
+    for name, spec in ZOO.items():
+        kinds = " ".join(layer.kind for layer in spec.layers)
+        print(f"{name:<12} {spec.num_params:>15,}  {spec.input.shape!s:<10} {kinds}")
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from netpart.files import plan_files, write_files
+    from netpart.models import load_spec
+    from netpart.partition import Granularity, NetworkModel, build_unit_graph, plan
+    from netpart.partition.methods import METHODS
+    from netpart.partition.report import (
+        compare_table,
+        figures,
+        layer_table,
+        report_markdown,
+        summary_line,
+    )
+
+    spec = load_spec(args.model)
+    network = NetworkModel.parse(args.net) if args.net else NetworkModel()
+    options = {
+        k: v
+        for k, v in (
+            ("imbalance", args.imbalance),
+            ("capacities", args.capacities),
+            ("objective", args.objective),
+        )
+        if v is not None
+    }
+    if options and args.method != "metis":
+        raise PlanError(f"--{next(iter(options))} applies to --method metis only")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise PlanError(f"--out {args.out}: exists and is not a directory")
+    granularity = Granularity.for_workers(args.workers, args.blocks_per_worker)
+    common = {"seed": args.seed, "batch": args.batch, "network": network}
+    common["granularity"] = granularity
+
+    methods = [args.method] + ([m for m in METHODS if m != args.method] if args.compare else [])
+    plans = []
+    show = sys.stderr.isatty()
+    with tqdm(total=3 * len(methods), desc="plan", disable=not show, leave=False) as bar:
+        for method in methods:
+            opts = options if method == args.method else {}
+
+            def phase(name: str, method: str = method) -> None:
+                bar.set_postfix_str(f"{method}: {name}")
+                bar.update(1)
+
+            plans.append(plan(spec, args.workers, method, on_phase=phase, **common, **opts))
+    main_plan = plans[0]
+    comparison = plans if args.compare else []
+
+    print(summary_line(main_plan))
+    print(layer_table(main_plan))
+    if comparison:
+        print()
+        print(compare_table(comparison))
+
+    if args.out is None:
+        return 0
+    files = plan_files(main_plan)
+    figs: dict[str, bytes] = {}
+    if not args.no_figures:
+        graph = build_unit_graph(spec, granularity)
+        figs = figures(graph, main_plan, comparison)
+    files["report.md"] = report_markdown(spec, main_plan, comparison, list(figs)).encode()
+    files.update(figs)
+    write_files(args.out, files)
+    print(f"wrote {', '.join(files)} to {args.out}")
+    return 0
+
+
+def _cmd_graph(args: argparse.Namespace) -> int:
+    import networkx as nx
+
+    from netpart.files import write_atomic
+    from netpart.models import load_spec
+    from netpart.partition import Granularity, build_unit_graph
+
+    spec = load_spec(args.model)
+    graph = build_unit_graph(spec, Granularity.for_workers(args.workers))
+    if args.format == "metis":
+        data = graph.to_metis_text().encode()
+    else:
+        try:
+            g = graph.to_networkx()
+        except ValueError as exc:
+            raise PlanError(f"--format graphml: {exc}; use --format metis") from None
+        for _, attrs in g.nodes(data=True):
+            attrs["box"] = ",".join(map(str, attrs["box"]))
+        data = "\n".join(nx.generate_graphml(g)).encode()
+    write_atomic(args.out, data)
+    print(
+        f"wrote {args.out}: {graph.num_vertices} blocks, {graph.num_edges} edges, "
+        f"{len(graph.layers)} layers"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        if args.command == "models":
+            return _cmd_models()
+        if args.command == "plan":
+            return _cmd_plan(args)
+        if args.command == "graph":
+            return _cmd_graph(args)
+    except NetpartError as exc:
+        print(f"netpart: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("netpart: interrupted", file=sys.stderr)
+        return 130
+    parser.error(f"unknown command {args.command!r}")
+    return 2

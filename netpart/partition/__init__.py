@@ -1,0 +1,28 @@
+"""Unit graphs, partitioners (METIS with per-layer balance, baselines), plans and their costs."""
+
+from netpart.partition.cost import NetworkModel
+from netpart.partition.graph import Granularity, LayerBlocks, UnitGraph, build_unit_graph
+from netpart.partition.methods import METHODS
+from netpart.partition.planner import (
+    LayerFigures,
+    PartitionPlan,
+    PlanMetrics,
+    WorkerFigures,
+    evaluate,
+    plan,
+)
+
+__all__ = [
+    "METHODS",
+    "Granularity",
+    "LayerBlocks",
+    "LayerFigures",
+    "NetworkModel",
+    "PartitionPlan",
+    "PlanMetrics",
+    "UnitGraph",
+    "WorkerFigures",
+    "build_unit_graph",
+    "evaluate",
+    "plan",
+]

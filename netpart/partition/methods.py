@@ -1,0 +1,167 @@
+"""Partitioners: each maps a UnitGraph to a node map (block -> worker). Pure functions, no I/O.
+
+`metis` balances every layer separately (one METIS constraint per layer: workers run layers in
+lockstep, so balancing only total work serialises the model) and minimises communication
+volume. The baselines are what one would do by hand:
+`spatial` regular 2-D tiles, the same in every layer; `stripe` every layer cut evenly in block
+order; `layers` contiguous layers per worker (pipeline); `round-robin`; `random`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from netpart.errors import PlanError
+from netpart.partition._metis import part_graph_kway
+from netpart.partition.graph import UnitGraph
+
+__all__ = ["METHODS", "METHOD_OPTIONS", "assign"]
+
+
+def _metis(
+    graph: UnitGraph,
+    workers: int,
+    seed: int,
+    imbalance: float = 0.03,
+    capacities: list[float] | None = None,
+    objective: str = "vol",
+    ncuts: int = 1,
+    niter: int = 10,
+) -> np.ndarray:
+    """METIS k-way with one balance constraint per layer and a communication-volume objective.
+
+    Layers with fewer blocks than workers cannot be balanced over all of them; they share one
+    extra constraint so METIS spreads them over a subset instead of failing to balance.
+    """
+    counts = np.array([lb.count for lb in graph.layers])
+    small = counts < workers
+    column = np.cumsum(~small) - 1
+    ncon = int((~small).sum()) + int(small.any())
+    column[small] = ncon - 1
+    if not (~small).any():
+        column[:] = 0
+        ncon = 1
+    vwgt = np.zeros((graph.num_vertices, ncon), dtype=np.int64)
+    vwgt[np.arange(graph.num_vertices), column[graph.layer_of]] = graph.flops
+    tpwgts = None
+    if capacities is not None:
+        cap = np.asarray(capacities, dtype=np.float64)
+        tpwgts = np.repeat((cap / cap.sum())[:, None], ncon, axis=1)
+    ubvec = np.full(ncon, 1.0 + imbalance)
+    result = part_graph_kway(
+        graph.xadj,
+        graph.adjncy,
+        vwgt,
+        workers,
+        vsize=graph.units,
+        adjwgt=graph.adjwgt,
+        tpwgts=tpwgts,
+        ubvec=ubvec,
+        objective=objective,
+        seed=seed,
+        ncuts=ncuts,
+        niter=niter,
+    )
+    return result.parts
+
+
+def _grid_factors(workers: int) -> tuple[int, int]:
+    """py x px = workers with py <= px as close to square as possible."""
+    py = math.isqrt(workers)
+    while workers % py:
+        py -= 1
+    return py, workers // py
+
+
+def _spatial(graph: UnitGraph, workers: int, seed: int) -> np.ndarray:
+    """Regular py x px tiles by block centre, the same relative grid in every layer."""
+    del seed
+    py, px = _grid_factors(workers)
+    out = np.empty(graph.num_vertices, dtype=np.int64)
+    for lb in graph.layers:
+        ids = lb.ids
+        if graph.spec.layers[lb.index].is_spatial:
+            b = graph.box[ids]
+            cy = (b[:, 2] + b[:, 3]) / 2.0 / lb.shape.height
+            cx = (b[:, 4] + b[:, 5]) / 2.0 / lb.shape.width
+            ty = np.minimum((cy * py).astype(np.int64), py - 1)
+            tx = np.minimum((cx * px).astype(np.int64), px - 1)
+            out[ids] = ty * px + tx
+        else:
+            out[ids] = (np.arange(lb.count) * workers) // lb.count
+    return out
+
+
+def _stripe(graph: UnitGraph, workers: int, seed: int) -> np.ndarray:
+    del seed
+    out = np.empty(graph.num_vertices, dtype=np.int64)
+    for lb in graph.layers:
+        out[lb.ids] = (np.arange(lb.count) * workers) // lb.count
+    return out
+
+
+def _layers(graph: UnitGraph, workers: int, seed: int) -> np.ndarray:
+    """Contiguous layers per worker, cut where cumulative FLOPs cross multiples of total/P."""
+    del seed
+    per_layer = np.bincount(graph.layer_of, weights=graph.flops, minlength=len(graph.layers))
+    mid = np.cumsum(per_layer) - per_layer / 2.0
+    worker_of_layer = np.minimum((mid / per_layer.sum() * workers).astype(np.int64), workers - 1)
+    return worker_of_layer[graph.layer_of]
+
+
+def _round_robin(graph: UnitGraph, workers: int, seed: int) -> np.ndarray:
+    del seed
+    return np.arange(graph.num_vertices, dtype=np.int64) % workers
+
+
+def _random(graph: UnitGraph, workers: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, workers, graph.num_vertices)
+
+
+METHODS: dict[str, Callable[..., np.ndarray]] = {
+    "metis": _metis,
+    "spatial": _spatial,
+    "stripe": _stripe,
+    "layers": _layers,
+    "round-robin": _round_robin,
+    "random": _random,
+}
+
+METHOD_OPTIONS: dict[str, tuple[str, ...]] = {
+    "metis": ("imbalance", "capacities", "objective", "ncuts", "niter"),
+}
+
+
+def _check_options(method: str, workers: int, options: dict[str, Any]) -> None:
+    allowed = METHOD_OPTIONS.get(method, ())
+    for key in options:
+        if key not in allowed:
+            hint = f"allowed: {', '.join(allowed)}" if allowed else "it takes no options"
+            raise PlanError(f"unknown option {key!r} for method {method!r}; {hint}")
+    imb = options.get("imbalance")
+    if imb is not None and not (0 < imb < 1):
+        raise PlanError(f"imbalance must be in (0, 1) (0.03 = 3%), got {imb}")
+    caps = options.get("capacities")
+    if caps is not None and (len(caps) != workers or any(not (c > 0) for c in caps)):
+        raise PlanError(f"capacities must be {workers} positive numbers, got {list(caps)}")
+    if options.get("objective", "vol") not in ("vol", "cut"):
+        raise PlanError(f"objective must be 'vol' or 'cut', got {options['objective']!r}")
+    for key in ("ncuts", "niter"):
+        if key in options and (not isinstance(options[key], int) or options[key] < 1):
+            raise PlanError(f"{key} must be an integer >= 1, got {options[key]!r}")
+
+
+def assign(
+    graph: UnitGraph, workers: int, method: str, seed: int, options: dict[str, Any]
+) -> np.ndarray:
+    """Node map (int64 [V], values in 0..workers-1) of `method`; raises PlanError on bad input."""
+    if method not in METHODS:
+        raise PlanError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
+    _check_options(method, workers, options)
+    if workers == 1:
+        return np.zeros(graph.num_vertices, dtype=np.int64)
+    return METHODS[method](graph, workers, seed, **options).astype(np.int64)

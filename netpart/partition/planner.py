@@ -1,0 +1,349 @@
+"""PartitionPlan: which worker owns which block, and what that costs. Built by pure functions.
+
+`plan.json` schema (version 1), written next to `node_map.npy` (int64 [blocks], block -> worker,
+block ids as in `UnitGraph`, i.e. contiguous per layer in (channel group, row, column) order)::
+
+    schema_version      1
+    model, fingerprint  the ModelSpec's name and architecture digest; loading checks the digest
+    method, seed        partitioner and its seed; options: method options + granularity
+    workers, batch      worker count; batch size the step-time prediction assumes
+    network             {bandwidth_bps, latency_s, flops_per_s} of the prediction
+    metrics             edge_cut (units read across workers, summed over cut block edges),
+                        volume and lower_bound (activation values sent per example per forward
+                        pass; backward sends as many gradients back), max_layer_imbalance
+                        (max over layers of max/mean worker FLOPs, mean over the min(P, blocks)
+                        workers a layer can be spread over), predicted_step_s, compute_s,
+                        exchange_s
+    layers              per layer: name, shape, blocks, spread (min(P, blocks)), workers_used,
+                        volume, lower_bound, imbalance, compute_s, exchange_s
+    per_worker          per worker: flops (forward+backward per example, per layer), params,
+                        halo_in_bytes / halo_out_bytes (forward, per example), neighbours
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from netpart.errors import PlanError
+from netpart.models.spec import ModelSpec
+from netpart.partition.cost import NetworkModel, layer_times
+from netpart.partition.graph import BYTES_PER_VALUE, Granularity, UnitGraph, build_unit_graph
+from netpart.partition.methods import assign
+from netpart.partition.volume import layer_lower_bounds, layer_traffic, workers_per_layer
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "LayerFigures",
+    "PartitionPlan",
+    "PlanMetrics",
+    "WorkerFigures",
+    "evaluate",
+    "plan",
+]
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PlanMetrics:
+    edge_cut: int
+    volume: int
+    lower_bound: int
+    max_layer_imbalance: float
+    predicted_step_s: float
+    compute_s: float
+    exchange_s: float
+
+    @property
+    def volume_ratio(self) -> float:
+        """volume / lower_bound (inf when the bound is 0 but traffic is not)."""
+        if self.lower_bound == 0:
+            return 1.0 if self.volume == 0 else float("inf")
+        return self.volume / self.lower_bound
+
+
+@dataclass(frozen=True)
+class LayerFigures:
+    name: str
+    shape: str
+    blocks: int
+    spread: int
+    workers_used: int
+    volume: int
+    lower_bound: int
+    imbalance: float
+    compute_s: float
+    exchange_s: float
+
+
+@dataclass(frozen=True)
+class WorkerFigures:
+    worker: int
+    flops: tuple[int, ...]
+    params: int
+    halo_in_bytes: int
+    halo_out_bytes: int
+    neighbours: tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class PartitionPlan:
+    """A node map with its provenance and figures. Equal plans have equal JSON and node maps."""
+
+    model: str
+    fingerprint: str
+    method: str
+    workers: int
+    seed: int
+    options: dict[str, Any]
+    batch: int
+    network: NetworkModel
+    node_map: np.ndarray
+    metrics: PlanMetrics
+    layers: tuple[LayerFigures, ...]
+    per_worker: tuple[WorkerFigures, ...]
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def granularity(self) -> Granularity:
+        return Granularity(**self.options["granularity"])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PartitionPlan):
+            return NotImplemented
+        return self.to_dict() == other.to_dict() and np.array_equal(self.node_map, other.node_map)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "model": self.model,
+            "fingerprint": self.fingerprint,
+            "method": self.method,
+            "seed": self.seed,
+            "options": self.options,
+            "workers": self.workers,
+            "batch": self.batch,
+            "network": self.network.to_dict(),
+            "num_blocks": len(self.node_map),
+            "metrics": asdict(self.metrics),
+            "layers": [asdict(x) for x in self.layers],
+            "per_worker": [asdict(x) for x in self.per_worker],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, node_map: np.ndarray, source: str = "plan.json") -> PartitionPlan:
+        """Parse `plan.json` text with its node map; raises PlanError naming what is wrong."""
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(
+                f"{source}:{exc.lineno}:{exc.colno}: malformed JSON: {exc.msg}"
+            ) from None
+        if not isinstance(d, dict) or d.get("schema_version") != SCHEMA_VERSION:
+            got = d.get("schema_version") if isinstance(d, dict) else None
+            raise PlanError(
+                f"{source}: schema_version {got!r} is not {SCHEMA_VERSION}; re-run `netpart plan`"
+            )
+        try:
+            plan_ = cls(
+                model=d["model"],
+                fingerprint=d["fingerprint"],
+                method=d["method"],
+                workers=int(d["workers"]),
+                seed=int(d["seed"]),
+                options=d["options"],
+                batch=int(d["batch"]),
+                network=NetworkModel.from_dict(d["network"]),
+                node_map=np.asarray(node_map, dtype=np.int64),
+                metrics=PlanMetrics(**d["metrics"]),
+                layers=tuple(LayerFigures(**x) for x in d["layers"]),
+                per_worker=tuple(
+                    WorkerFigures(
+                        **{**x, "flops": tuple(x["flops"]), "neighbours": tuple(x["neighbours"])}
+                    )
+                    for x in d["per_worker"]
+                ),
+            )
+            expected_blocks = int(d["num_blocks"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(
+                f"{source}: missing or invalid field ({exc}); re-run `netpart plan`"
+            ) from None
+        if plan_.node_map.ndim != 1 or len(plan_.node_map) != expected_blocks:
+            raise PlanError(
+                f"{source}: node_map.npy has {plan_.node_map.shape} entries, "
+                f"plan.json expects {expected_blocks}"
+            )
+        if len(plan_.node_map) and (
+            plan_.node_map.min() < 0 or plan_.node_map.max() >= plan_.workers
+        ):
+            raise PlanError(f"{source}: node_map.npy names workers outside 0..{plan_.workers - 1}")
+        return plan_
+
+    def check_model(self, spec: ModelSpec) -> None:
+        """Raise PlanError unless this plan was made for `spec`'s architecture."""
+        if spec.fingerprint() != self.fingerprint:
+            raise PlanError(
+                f"this plan is for model {self.model!r} (fingerprint {self.fingerprint}), not "
+                f"{spec.name!r} (fingerprint {spec.fingerprint()}); re-run `netpart plan` for it"
+            )
+
+
+def evaluate(
+    graph: UnitGraph,
+    node_map: np.ndarray,
+    workers: int,
+    batch: int,
+    network: NetworkModel,
+    capacities: list[float] | None = None,
+) -> tuple[PlanMetrics, tuple[LayerFigures, ...], tuple[WorkerFigures, ...]]:
+    """All figures of an assignment: exact traffic, bound, balance, predicted step time."""
+    spec, nlayers = graph.spec, len(graph.layers)
+    traffic = layer_traffic(graph, node_map, workers)  # [L, P, P]
+    flops = np.zeros((nlayers, workers), dtype=np.int64)
+    np.add.at(flops, (graph.layer_of, node_map), graph.flops)
+    share = np.full(workers, 1.0 / workers)
+    if capacities is not None:
+        share = np.asarray(capacities, dtype=np.float64) / np.sum(capacities)
+    spread = workers_per_layer(graph, workers)
+    speed = share * workers  # relative speed of each worker (1.0 on equal machines)
+    # Imbalance: worst load relative to a fair share of the q_l workers a layer can use.
+    used = flops > 0
+    fair = flops.sum(axis=1, keepdims=True) * share[None, :] * workers / spread[:, None]
+    imbalance = (flops / fair).max(axis=1)
+    compute, exchange = layer_times(flops / speed[None, :], traffic, batch, network)
+    lower = layer_lower_bounds(spec, spread)
+    per_layer_volume = traffic.sum(axis=(1, 2))
+
+    u, v, w = graph.edge_list()
+    edge_cut = int(w[node_map[u] != node_map[v]].sum())
+    metrics = PlanMetrics(
+        edge_cut=edge_cut,
+        volume=int(per_layer_volume.sum()),
+        lower_bound=int(lower.sum()),
+        max_layer_imbalance=float(imbalance.max()),
+        predicted_step_s=float(compute.sum() + exchange.sum()),
+        compute_s=float(compute.sum()),
+        exchange_s=float(exchange.sum()),
+    )
+    layers = tuple(
+        LayerFigures(
+            name=spec.layer_name(i),
+            shape=str(spec.shapes[i]),
+            blocks=graph.layers[i].count,
+            spread=int(spread[i]),
+            workers_used=int(used[i].sum()),
+            volume=int(per_layer_volume[i]),
+            lower_bound=int(lower[i]),
+            imbalance=float(imbalance[i]),
+            compute_s=float(compute[i]),
+            exchange_s=float(exchange[i]),
+        )
+        for i in range(nlayers)
+    )
+    params = _worker_params(graph, node_map, workers)
+    total = traffic.sum(axis=0)
+    links = (total + total.T) > 0
+    per_worker = tuple(
+        WorkerFigures(
+            worker=d,
+            flops=tuple(int(x) for x in flops[:, d]),
+            params=int(params[d]),
+            halo_in_bytes=int(total[:, d].sum() * BYTES_PER_VALUE),
+            halo_out_bytes=int(total[d, :].sum() * BYTES_PER_VALUE),
+            neighbours=tuple(int(x) for x in np.nonzero(links[d])[0]),
+        )
+        for d in range(workers)
+    )
+    return metrics, layers, per_worker
+
+
+def _worker_params(graph: UnitGraph, node_map: np.ndarray, workers: int) -> np.ndarray:
+    """Parameters each worker holds: untied weights of its units; a conv's kernels per channel."""
+    spec = graph.spec
+    out = np.zeros(workers, dtype=np.int64)
+    for lb in graph.layers:
+        layer, src = spec.layers[lb.index], spec.input_shape(lb.index)
+        ids = lb.ids
+        if layer.kind == "local":
+            per_unit = src.channels * layer.kernel**2 + 1
+            out += (
+                np.bincount(node_map[ids], weights=graph.units[ids], minlength=workers).astype(
+                    np.int64
+                )
+                * per_unit
+            )
+        elif layer.kind == "dense":
+            per_unit = src.size + 1
+            out += (
+                np.bincount(node_map[ids], weights=graph.units[ids], minlength=workers).astype(
+                    np.int64
+                )
+                * per_unit
+            )
+        elif layer.kind == "conv":
+            # A worker needs the kernel of every output channel it computes any unit of.
+            group = np.arange(lb.count) // (lb.ny * lb.nx)
+            holds = np.zeros((workers, lb.nc), dtype=bool)
+            holds[node_map[ids], group] = True
+            per_channel = src.channels * layer.kernel**2 + 1
+            out += holds.astype(np.int64) @ (np.diff(lb.cbounds) * per_channel)
+    return out
+
+
+def plan(
+    spec: ModelSpec,
+    workers: int,
+    method: str = "metis",
+    *,
+    seed: int = 0,
+    batch: int = 32,
+    network: NetworkModel | None = None,
+    granularity: Granularity | None = None,
+    on_phase: Callable[[str], None] | None = None,
+    **options: Any,
+) -> PartitionPlan:
+    """Partition `spec` over `workers` with `method` and measure the result.
+
+    Options of `metis`: imbalance (0.03), capacities (per-worker relative speeds), objective
+    ("vol" | "cut"), ncuts, niter. Raises PlanError for bad input.
+    """
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise PlanError(f"workers must be an integer >= 1, got {workers!r}")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise PlanError(f"batch must be an integer >= 1, got {batch!r}")
+    network = network or NetworkModel()
+    granularity = granularity or Granularity.for_workers(workers)
+    phase = on_phase or (lambda _name: None)
+    phase("graph")
+    graph = build_unit_graph(spec, granularity)
+    phase("partition")
+    node_map = assign(graph, workers, method, seed, dict(options))
+    phase("metrics")
+    metrics, layers, per_worker = evaluate(
+        graph, node_map, workers, batch, network, options.get("capacities")
+    )
+    return PartitionPlan(
+        model=spec.name,
+        fingerprint=spec.fingerprint(),
+        method=method,
+        workers=workers,
+        seed=seed,
+        options={**options, "granularity": granularity.to_dict()},
+        batch=batch,
+        network=network,
+        node_map=node_map,
+        metrics=metrics,
+        layers=layers,
+        per_worker=per_worker,
+    )

@@ -1,0 +1,239 @@
+"""Plan reports: console tables, `report.md`, and PNG figures, returned as text and bytes.
+
+Nothing here writes files; the CLI decides where the bytes go.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+
+from netpart.models.spec import ModelSpec
+from netpart.partition.graph import BYTES_PER_VALUE, UnitGraph
+from netpart.partition.planner import PartitionPlan
+from netpart.partition.volume import layer_traffic
+
+__all__ = ["compare_table", "figures", "layer_table", "report_markdown", "summary_line"]
+
+
+def _fmt_ratio(x: float) -> str:
+    return "—" if not np.isfinite(x) else f"{x:.2f}"
+
+
+def _si(x: float, unit: str = "") -> str:
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= factor:
+            return f"{x / factor:.2f} {prefix}{unit}"
+    return f"{x:.0f} {unit}".rstrip()
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    body = [
+        "| " + " | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in rows
+    ]
+    return "\n".join([line, sep, *body])
+
+
+def summary_line(plan: PartitionPlan) -> str:
+    m = plan.metrics
+    return (
+        f"{plan.model} on {plan.workers} workers ({plan.method}): "
+        f"volume {m.volume:,} values/example "
+        f"({_fmt_ratio(m.volume_ratio)} x lower bound {m.lower_bound:,}), "
+        f"max layer imbalance {m.max_layer_imbalance:.3f}, "
+        f"predicted step {m.predicted_step_s * 1e3:.1f} ms at batch {plan.batch}"
+    )
+
+
+def layer_table(plan: PartitionPlan) -> str:
+    rows = []
+    for ly in plan.layers:
+        ratio = ly.volume / ly.lower_bound if ly.lower_bound else float("nan")
+        note = "" if ly.blocks >= plan.workers else f" (on {ly.workers_used} of {plan.workers})"
+        rows.append(
+            [
+                ly.name,
+                ly.shape,
+                f"{ly.blocks}{note}",
+                f"{ly.volume:,}",
+                f"{ly.lower_bound:,}",
+                _fmt_ratio(ratio) if ly.lower_bound else ("—" if ly.volume else "0"),
+                f"{ly.imbalance:.3f}",
+                f"{ly.compute_s * 1e3:.2f}",
+                f"{ly.exchange_s * 1e3:.2f}",
+            ]
+        )
+    headers = ["layer", "shape", "blocks", "volume", "bound", "vol/bound", "imbalance"]
+    return _table([*headers, "compute ms", "exchange ms"], rows)
+
+
+def compare_table(plans: Sequence[PartitionPlan]) -> str:
+    rows = [
+        [
+            p.method,
+            f"{p.metrics.volume:,}",
+            _fmt_ratio(p.metrics.volume_ratio),
+            f"{p.metrics.max_layer_imbalance:.3f}",
+            f"{p.metrics.edge_cut:,}",
+            f"{p.metrics.predicted_step_s * 1e3:.1f}",
+        ]
+        for p in plans
+    ]
+    headers = ["method", "volume", "vol/bound", "max imbalance", "edge cut", "step ms"]
+    return _table(headers, rows)
+
+
+def report_markdown(
+    spec: ModelSpec,
+    plan: PartitionPlan,
+    comparison: Sequence[PartitionPlan] = (),
+    figure_names: Sequence[str] = (),
+) -> str:
+    m, net = plan.metrics, plan.network
+    small = [ly for ly in plan.layers if ly.blocks < plan.workers]
+    lines = [
+        f"# Partition plan: {plan.model} on {plan.workers} workers",
+        "",
+        f"- model: `{plan.model}` (fingerprint `{plan.fingerprint}`), "
+        f"{spec.num_params:,} parameters, {len(spec.layers)} layers",
+        f"- method: `{plan.method}`, seed {plan.seed}, options `{plan.options}`",
+        f"- blocks: {len(plan.node_map):,}",
+        f"- network model: {_si(net.bandwidth_bps, 'bit/s')}, latency "
+        f"{net.latency_s * 1e6:.0f} µs, {_si(net.flops_per_s, 'FLOP/s')} per worker; "
+        f"batch {plan.batch}",
+        "",
+        "## Summary",
+        "",
+        f"- **volume**: {m.volume:,} activation values per example per forward pass "
+        f"({m.volume * BYTES_PER_VALUE * plan.batch / 1e6:.2f} MB per step each way)",
+        f"- **lower bound**: {m.lower_bound:,} (volume / bound = {_fmt_ratio(m.volume_ratio)})",
+        f"- **max layer imbalance**: {m.max_layer_imbalance:.3f} (max over layers of the "
+        "slowest worker's FLOPs over the mean)",
+        f"- **edge cut**: {m.edge_cut:,} units read across workers",
+        f"- **predicted step time**: {m.predicted_step_s * 1e3:.2f} ms "
+        f"(compute {m.compute_s * 1e3:.2f} ms + exchange {m.exchange_s * 1e3:.2f} ms)",
+        "",
+    ]
+    if small:
+        names = ", ".join(f"{ly.name} ({ly.blocks} blocks)" for ly in small)
+        lines += [
+            f"Layers with fewer blocks than workers are spread over a subset of them: {names}.",
+            "",
+        ]
+    lines += ["## Layers", "", layer_table(plan), ""]
+    lines += [
+        "Volume counts each unit once per remote worker that reads it (forward pass; the "
+        "backward pass sends as many gradients back). The bound per layer: dense layers "
+        "all-gather their input, (q-1)·n; spatial layers need the halo of the best regular "
+        "tiling into q tiles, with q = min(workers, blocks of the layer).",
+        "",
+        "## Workers",
+        "",
+    ]
+    rows = [
+        [
+            str(w.worker),
+            _si(sum(w.flops), "FLOP"),
+            f"{w.params:,}",
+            _si(w.halo_in_bytes, "B"),
+            _si(w.halo_out_bytes, "B"),
+            str(len(w.neighbours)),
+        ]
+        for w in plan.per_worker
+    ]
+    lines += [
+        _table(
+            ["worker", "FLOPs/example", "params", "halo in/ex", "halo out/ex", "neighbours"], rows
+        ),
+        "",
+    ]
+    if comparison:
+        lines += ["## Methods compared", "", compare_table(comparison), ""]
+    if figure_names:
+        lines += ["## Figures", ""] + [f"![{n}]({n})" for n in figure_names] + [""]
+    return "\n".join(lines)
+
+
+def _png(fig: plt.Figure) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _cmap(workers: int) -> str:
+    return "tab20" if workers <= 20 else "nipy_spectral"
+
+
+def figures(
+    graph: UnitGraph, plan: PartitionPlan, comparison: Sequence[PartitionPlan] = ()
+) -> dict[str, bytes]:
+    """PNG bytes: partition maps (image models), load per worker per layer, halo heatmap."""
+    spec, workers = graph.spec, plan.workers
+    out: dict[str, bytes] = {}
+    spatial = [lb for lb in graph.layers if spec.layers[lb.index].is_spatial]
+    if spatial:
+        cols = min(5, len(spatial))
+        rows = -(-len(spatial) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.2 * rows), squeeze=False)
+        for ax in axes.ravel()[len(spatial) :]:
+            ax.axis("off")
+        for ax, lb in zip(axes.ravel(), spatial, strict=False):
+            owners = lb.owner_grid(plan.node_map)
+            ax.imshow(
+                owners[0],
+                cmap=_cmap(workers),
+                vmin=0,
+                vmax=max(workers - 1, 1),
+                interpolation="nearest",
+            )
+            extra = f", channel group 1 of {lb.nc}" if lb.nc > 1 else ""
+            ax.set_title(f"{spec.layer_name(lb.index)} {lb.shape}{extra}", fontsize=8)
+            ax.set_xticks([])
+            ax.set_yticks([])
+        fig.suptitle(f"{plan.model}: owner of each unit ({workers} workers, {plan.method})")
+        out["partition_map.png"] = _png(fig)
+
+    flops = np.array([w.flops for w in plan.per_worker], dtype=np.float64).T  # [L, P]
+    spread = np.array([ly.spread for ly in plan.layers], dtype=np.float64)
+    rel = flops / (flops.sum(axis=1, keepdims=True) / spread[:, None])
+    fig, ax = plt.subplots(figsize=(max(6, 0.12 * workers + 4), 0.4 * len(plan.layers) + 2))
+    im = ax.imshow(rel, aspect="auto", cmap="viridis", interpolation="nearest")
+    ax.set_yticks(range(len(plan.layers)), [ly.name for ly in plan.layers])
+    ax.set_xlabel("worker")
+    ax.set_title("load per worker per layer (1.0 = fair share of the layer)")
+    fig.colorbar(im, ax=ax)
+    out["load.png"] = _png(fig)
+
+    traffic = layer_traffic(graph, plan.node_map, workers).sum(axis=0) * BYTES_PER_VALUE
+    fig, ax = plt.subplots(figsize=(6, 5))
+    im = ax.imshow(traffic, cmap="magma", interpolation="nearest")
+    ax.set_xlabel("receiving worker")
+    ax.set_ylabel("sending worker")
+    ax.set_title("halo traffic, bytes per example (forward)")
+    fig.colorbar(im, ax=ax)
+    out["halo_traffic.png"] = _png(fig)
+
+    if comparison:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
+        names = [p.method for p in comparison]
+        ratio = [min(p.metrics.volume_ratio, 1e9) for p in comparison]
+        a1.bar(names, ratio, color="tab:blue")
+        a1.axhline(1.0, color="k", lw=0.8, ls="--")
+        a1.set_ylabel("volume / lower bound")
+        a1.tick_params(axis="x", rotation=30)
+        a2.bar(names, [p.metrics.predicted_step_s * 1e3 for p in comparison], color="tab:orange")
+        a2.set_ylabel("predicted step (ms)")
+        a2.tick_params(axis="x", rotation=30)
+        fig.suptitle(f"{plan.model} on {workers} workers: methods compared")
+        out["compare.png"] = _png(fig)
+    return out

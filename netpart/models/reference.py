@@ -96,15 +96,13 @@ class Pool2d(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k, s, p = self.kernel, self.stride, self.padding
+        if p:  # explicit padding: torch's pools limit padding to half the kernel
+            x = F.pad(x, (p, p, p, p), value=float("-inf") if self.mode == "max" else 0.0)
         if self.mode == "max":
-            if p:
-                x = F.pad(x, (p, p, p, p), value=float("-inf"))
             return F.max_pool2d(x, k, s)
         if self.mode == "avg":
-            return F.avg_pool2d(x, k, s, p, count_include_pad=True)
-        return torch.sqrt(
-            F.avg_pool2d(x * x, k, s, p, count_include_pad=True) * k * k + L2_POOL_EPS
-        )
+            return F.avg_pool2d(x, k, s)
+        return torch.sqrt(F.avg_pool2d(x * x, k, s) * (k * k) + L2_POOL_EPS)
 
 
 class LocalContrastNorm(nn.Module):

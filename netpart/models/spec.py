@@ -325,6 +325,11 @@ def _infer_shapes(spec: ModelSpec) -> tuple[Shape, ...]:
                 out = Shape(src.channels, src.height, src.width)
             else:
                 s, p = layer.stride, layer.padding
+                if s > k:
+                    raise SpecError(
+                        f"{where}: stride {s} is larger than kernel {k}, so inputs between "
+                        "windows would never be read; use stride <= kernel"
+                    )
                 if p >= k:
                     raise SpecError(f"{where}: padding {p} must be smaller than kernel {k}")
                 h_in, w_in = src.height + 2 * p, src.width + 2 * p

@@ -1,0 +1,114 @@
+"""Shared test helpers: random small specs (hypothesis) and a brute-force unit-level recount."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+from hypothesis import assume
+from hypothesis import strategies as st
+
+from netpart.errors import SpecError
+from netpart.models import ModelSpec
+from netpart.partition.graph import UnitGraph
+
+
+@st.composite
+def small_specs(draw: st.DrawFn, max_layers: int = 4) -> ModelSpec:
+    """Random valid specs mixing local, conv, pool, lcn and dense layers, a few units each."""
+    flat = draw(st.booleans().map(lambda b: b and draw(st.integers(0, 3)) == 0))
+    if flat:
+        inp = {"features": draw(st.integers(2, 12))}
+    else:
+        side = draw(st.integers(5, 11))
+        inp = {
+            "channels": draw(st.integers(1, 3)),
+            "height": side,
+            "width": draw(st.integers(5, 11)),
+        }
+    layers = []
+    spatial = not flat
+    for _ in range(draw(st.integers(1, max_layers))):
+        kinds = ["local", "conv", "pool", "lcn", "dense"] if spatial else ["dense"]
+        kind = draw(st.sampled_from(kinds))
+        if kind in ("local", "conv"):
+            layers.append(
+                {
+                    "kind": kind,
+                    "channels": draw(st.integers(1, 3)),
+                    "kernel": (k := draw(st.integers(1, 3))),
+                    "stride": draw(st.integers(1, min(k, 2))),
+                    "padding": draw(st.integers(0, 1)),
+                    "activation": draw(st.sampled_from(["relu", "tanh", "sigmoid", "none"])),
+                }
+            )
+        elif kind == "pool":
+            k = draw(st.integers(1, 3))
+            layers.append(
+                {
+                    "kind": "pool",
+                    "mode": draw(st.sampled_from(["max", "avg", "l2"])),
+                    "kernel": k,
+                    "stride": draw(st.integers(1, min(k, 2))),
+                    "padding": draw(st.integers(0, k - 1)),
+                }
+            )
+        elif kind == "lcn":
+            layers.append({"kind": "lcn", "kernel": draw(st.sampled_from([1, 3]))})
+        else:
+            layers.append({"kind": "dense", "units": draw(st.integers(1, 6)), "activation": "tanh"})
+            spatial = False
+    try:
+        return ModelSpec.from_dict({"name": "random", "input": inp, "layer": layers})
+    except SpecError:
+        assume(False)
+        raise
+
+
+def reads(spec: ModelSpec, index: int, unit: tuple[int, int, int]) -> list[tuple[int, int, int]]:
+    """Input units (c, y, x) that output unit `unit` of layer `index` reads: explicit loops."""
+    layer, src = spec.layers[index], spec.input_shape(index)
+    c, y, x = unit
+    if layer.kind == "dense":
+        return list(itertools.product(range(src.channels), range(src.height), range(src.width)))
+    if layer.kind == "lcn":
+        k, s, p = layer.kernel, 1, layer.kernel // 2
+    else:
+        k, s, p = layer.kernel, layer.stride, layer.padding
+    chans = [c] if layer.kind == "pool" else range(src.channels)
+    out = []
+    for ch in chans:
+        for dy in range(k):
+            for dx in range(k):
+                yy, xx = y * s - p + dy, x * s - p + dx
+                if 0 <= yy < src.height and 0 <= xx < src.width:
+                    out.append((ch, yy, xx))
+    return out
+
+
+def unit_owner(graph: UnitGraph, node_map: np.ndarray, index: int) -> dict:
+    """Owner of every unit (c, y, x) of layer `index`, found by scanning block boxes."""
+    lb = graph.layers[index]
+    owner = {}
+    for b in range(lb.first, lb.first + lb.count):
+        c0, c1, y0, y1, x0, x1 = graph.box[b]
+        for u in itertools.product(range(c0, c1), range(y0, y1), range(x0, x1)):
+            assert u not in owner, f"unit {u} of layer {index} is in two blocks"
+            owner[u] = int(node_map[b])
+    return owner
+
+
+def brute_force_volume(graph: UnitGraph, node_map: np.ndarray) -> list[int]:
+    """Per-layer forward volume: distinct (input unit, remote reader worker) pairs."""
+    spec = graph.spec
+    out = [0]
+    for i in range(1, len(spec.layers)):
+        dst_owner = unit_owner(graph, node_map, i)
+        src_owner = unit_owner(graph, node_map, i - 1)
+        pairs = set()
+        for unit, d in dst_owner.items():
+            for src in reads(spec, i, unit):
+                if src_owner[src] != d:
+                    pairs.add((src, d))
+        out.append(len(pairs))
+    return out

@@ -1,0 +1,158 @@
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from netpart.cli import main
+from netpart.files import load_plan
+from netpart.models import ZOO
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_models_lists_the_zoo(capsys):
+    code, out, _ = run(capsys, "models")
+    assert code == 0
+    for name, spec in ZOO.items():
+        assert name in out and f"{spec.num_params:,}" in out
+
+
+def test_plan_writes_files_that_load_back(tmp_path, capsys):
+    out_dir = tmp_path / "p"
+    code, out, _ = run(
+        capsys,
+        "plan",
+        "--model",
+        "tiny-local",
+        "--workers",
+        "3",
+        "--compare",
+        "--out",
+        str(out_dir),
+    )
+    assert code == 0
+    assert "tiny-local on 3 workers (metis)" in out and "round-robin" in out
+    names = {p.name for p in out_dir.iterdir()}
+    assert {"plan.json", "node_map.npy", "report.md", "load.png", "halo_traffic.png"} <= names
+    assert {"partition_map.png", "compare.png"} <= names
+    assert not [n for n in names if n.endswith(".tmp")]
+    plan = load_plan(out_dir, ZOO["tiny-local"])
+    data = json.loads((out_dir / "plan.json").read_text())
+    for key in ("schema_version", "model", "fingerprint", "method", "options", "seed", "workers"):
+        assert key in data
+    for key in ("edge_cut", "volume", "lower_bound", "max_layer_imbalance", "predicted_step_s"):
+        assert key in data["metrics"]
+    assert np.array_equal(np.load(out_dir / "node_map.npy"), plan.node_map)
+    report = (out_dir / "report.md").read_text()
+    assert "## Methods compared" in report and "![load.png](load.png)" in report
+
+
+def test_plan_from_a_toml_file_with_network_override(tmp_path, capsys):
+    spec = tmp_path / "net.toml"
+    spec.write_text(
+        'name = "n"\ninput = { features = 20 }\n[[layer]]\nkind = "dense"\nunits = 8\n'
+        '[[layer]]\nkind = "dense"\nunits = 4\nactivation = "softmax"\n'
+    )
+    code, out, _ = run(
+        capsys, "plan", "--model", str(spec), "--workers", "2", "--net", "bandwidth=10Gbit"
+    )
+    assert code == 0 and "n on 2 workers" in out
+
+
+def test_graph_export(tmp_path, capsys):
+    out = tmp_path / "g.graph"
+    code, text, _ = run(capsys, "graph", "--model", "tiny-mlp", "--workers", "2", "--out", str(out))
+    assert code == 0 and "blocks" in text
+    header = out.read_text().splitlines()[0].split()
+    assert header[2:] == ["111", "2"]
+    code, _, _ = run(
+        capsys, "graph", "--model", "tiny-mlp", "--format", "graphml", "--out", str(out)
+    )
+    assert code == 0 and "<graphml" in out.read_text()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "resnet", "--workers", "2"], "unknown model 'resnet'"),
+        (
+            ["--model", "tiny-mlp", "--workers", "2", "--method", "stripe", "--imbalance", "0.1"],
+            "--imbalance applies to --method metis only",
+        ),
+        (
+            ["--model", "tiny-mlp", "--workers", "2", "--capacities", "1,2,3"],
+            "capacities must be 2 positive numbers",
+        ),
+        (["--model", "tiny-mlp", "--workers", "2", "--net", "speed=1"], "unknown key 'speed'"),
+        (["--model", "BAD_TOML", "--workers", "2"], "malformed TOML"),
+        (["--model", "BAD_GEOMETRY", "--workers", "2"], "kernel 7 is larger than its input"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, argv, message):
+    (tmp_path / "bad.toml").write_text("name = 'x'\ninput = { features = \n")
+    (tmp_path / "geo.toml").write_text(
+        "name = 'g'\ninput = { channels = 1, height = 5, width = 5 }\n"
+        "[[layer]]\nkind = 'local'\nchannels = 2\nkernel = 7\n"
+    )
+    argv = [
+        {"BAD_TOML": str(tmp_path / "bad.toml"), "BAD_GEOMETRY": str(tmp_path / "geo.toml")}.get(
+            a, a
+        )
+        for a in argv
+    ]
+    out_dir = tmp_path / "out"
+    code, _, err = run(capsys, "plan", *argv, "--out", str(out_dir))
+    assert code == 2
+    assert message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not out_dir.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "--model", "tiny-mlp", "--workers", "0"], "must be >= 1"),
+        (["plan", "--model", "tiny-mlp", "--workers", "2", "--method", "kmeans"], "invalid choice"),
+        (["plan", "--model", "tiny-mlp", "--workers", "2", "--colour", "red"], "unrecognized"),
+    ],
+)
+def test_argument_errors_exit_2(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_out_that_is_a_file_is_refused(tmp_path, capsys):
+    target = tmp_path / "file"
+    target.write_text("keep me")
+    code, _, err = run(
+        capsys, "plan", "--model", "tiny-mlp", "--workers", "2", "--out", str(target)
+    )
+    assert code == 2 and "not a directory" in err
+    assert target.read_text() == "keep me"
+
+
+def test_python_dash_m_entry_point_and_help():
+    res = subprocess.run(
+        [sys.executable, "-m", "netpart", "plan", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0
+    for option in ("--model", "--workers", "--method", "--batch", "--compare", "--out", "--net"):
+        assert option in res.stdout
+    res = subprocess.run(
+        [sys.executable, "-m", "netpart", "plan", "--model", "nope", "--workers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0

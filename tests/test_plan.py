@@ -1,0 +1,102 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from netpart.errors import PlanError
+from netpart.files import load_plan, plan_files, write_files
+from netpart.models import ZOO
+from netpart.partition import Granularity, NetworkModel, PartitionPlan, plan
+from netpart.partition.cost import layer_times
+from tests.conftest import small_specs
+
+
+@given(small_specs(), st.integers(1, 5), st.sampled_from(["metis", "stripe", "random"]))
+@settings(max_examples=30, deadline=None)
+def test_plans_round_trip_through_json(spec, workers, method):
+    p = plan(spec, workers, method, granularity=Granularity(spatial_blocks=8, dense_blocks=4))
+    again = PartitionPlan.from_json(p.to_json(), p.node_map.copy())
+    assert again == p
+    assert len(p.per_worker) == workers
+    assert p.node_map.min() >= 0 and p.node_map.max() < workers
+
+
+def test_files_load_back_equal_and_refuse_another_model(tmp_path):
+    p = plan(ZOO["tiny-local"], 3)
+    write_files(tmp_path, plan_files(p))
+    assert load_plan(tmp_path, ZOO["tiny-local"]) == p
+    assert load_plan(tmp_path / "plan.json") == p
+    with pytest.raises(PlanError, match=r"is for model 'tiny-local'.*not 'tiny-mlp'"):
+        load_plan(tmp_path, ZOO["tiny-mlp"])
+
+
+def test_corrupt_plan_files_are_named(tmp_path):
+    p = plan(ZOO["tiny-mlp"], 2)
+    files = plan_files(p)
+    write_files(tmp_path, files)
+    np.save(tmp_path / "node_map.npy", p.node_map[:-1])
+    with pytest.raises(PlanError, match=r"node_map\.npy has"):
+        load_plan(tmp_path)
+    np.save(tmp_path / "node_map.npy", p.node_map + 5)
+    with pytest.raises(PlanError, match=r"outside 0\.\.1"):
+        load_plan(tmp_path)
+    (tmp_path / "plan.json").write_text('{"schema_version": 99}')
+    with pytest.raises(PlanError, match="schema_version 99"):
+        load_plan(tmp_path)
+    with pytest.raises(PlanError, match="no such plan file"):
+        load_plan(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"workers": 0}, "workers must be an integer >= 1"),
+        ({"method": "kmeans"}, "unknown method 'kmeans'"),
+        ({"method": "stripe", "imbalance": 0.1}, "unknown option 'imbalance' for method 'stripe'"),
+        ({"colour": "red"}, "unknown option 'colour' for method 'metis'"),
+        ({"capacities": [1, 2]}, "capacities must be 3 positive numbers"),
+        ({"imbalance": 2.0}, "imbalance must be in"),
+    ],
+)
+def test_bad_requests_raise_plan_errors(kwargs, message):
+    args = {"workers": 3, **kwargs}
+    with pytest.raises(PlanError, match=message):
+        plan(ZOO["tiny-local"], **args)
+
+
+def test_metis_balances_each_layer_of_an_image_model():
+    p = plan(ZOO["image-80m"], 16)
+    assert p.metrics.max_layer_imbalance <= 1.05
+    assert all(ly.workers_used == 16 for ly in p.layers)
+
+
+def test_capacities_give_faster_workers_more_work():
+    p = plan(ZOO["tiny-local"], 2, capacities=[1.0, 3.0])
+    flops = np.array([w.flops for w in p.per_worker]).sum(axis=1)
+    assert 2.0 < flops[1] / flops[0] < 4.0
+
+
+def test_fewer_blocks_than_workers_spreads_over_a_subset():
+    p = plan(ZOO["tiny-mlp"], 16)  # output layer: 10 units, so 10 blocks at most
+    last = p.layers[-1]
+    assert last.blocks == 10 and last.spread == 10 and last.workers_used <= 10
+
+
+def test_step_time_model_by_hand():
+    net = NetworkModel(bandwidth_bps=8e9, latency_s=1e-3, flops_per_s=1e9)
+    flops = np.array([[0, 0], [2e6, 1e6]])  # layer 1: worker 0 has 2 MFLOP per example
+    traffic = np.zeros((2, 2, 2), dtype=np.int64)
+    traffic[1, 0, 1] = 250  # 250 values x 4 B x batch 4 = 4000 B = 32 kbit -> 4 us at 8 Gbit/s
+    compute, exchange = layer_times(flops, traffic, 4, net)
+    assert compute.tolist() == [0.0, pytest.approx(8e-3)]
+    assert exchange.tolist() == [0.0, pytest.approx(2 * (1e-3 + 4e-6))]
+
+
+def test_network_model_parses_units():
+    net = NetworkModel.parse("bandwidth=10Gbit,latency=20us,flops=50G")
+    assert (net.bandwidth_bps, net.flops_per_s) == (1e10, 5e10)
+    assert net.latency_s == pytest.approx(2e-5)
+    with pytest.raises(PlanError, match="unknown key 'speed'"):
+        NetworkModel.parse("speed=3")
+    with pytest.raises(PlanError, match="cannot read"):
+        NetworkModel.parse("bandwidth=fast")

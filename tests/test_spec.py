@@ -1,0 +1,141 @@
+import json
+
+import pytest
+from hypothesis import given, settings
+
+from netpart.errors import SpecError
+from netpart.models import ZOO, ModelSpec, load_spec
+from tests.conftest import small_specs
+
+TOML = """
+name = "my-net"
+input = { channels = 3, height = 32, width = 32 }
+[[layer]]
+kind = "local"
+channels = 8
+kernel = 5
+stride = 1
+padding = 0
+activation = "relu"
+[[layer]]
+kind = "pool"
+mode = "l2"
+kernel = 2
+stride = 2
+[[layer]]
+kind = "lcn"
+kernel = 5
+[[layer]]
+kind = "dense"
+units = 10
+activation = "softmax"
+"""
+
+
+@pytest.mark.parametrize(
+    ("name", "target"),
+    [("speech", 42e6), ("image-80m", 80e6), ("image-330m", 330e6), ("image-1.7b", 1.7e9)],
+)
+def test_zoo_sizes_within_ten_percent(name, target):
+    assert abs(ZOO[name].num_params - target) <= 0.10 * target
+
+
+def test_paper_shapes():
+    speech = ZOO["speech"]
+    assert [s.channels for s in speech.shapes] == [2560] * 4 + [8192]
+    assert [ly.activation for ly in speech.layers] == ["sigmoid"] * 4 + ["softmax"]
+    big = ZOO["image-1.7b"]
+    assert big.shapes[-1].channels == 21841
+    assert [ly.kernel for ly in big.layers if ly.kind == "local"] == [10, 10, 10]
+
+
+def test_issue_toml_example_loads(tmp_path):
+    path = tmp_path / "net.toml"
+    path.write_text(TOML)
+    spec = load_spec(path)
+    assert [str(s) for s in spec.shapes] == ["8x28x28", "8x14x14", "8x14x14", "10"]
+    assert spec.loss == "cross_entropy"
+    assert spec.num_params == 28 * 28 * 8 * (3 * 25 + 1) + (8 * 14 * 14 * 10 + 10)
+
+
+@given(small_specs())
+@settings(max_examples=60, deadline=None)
+def test_dict_and_json_round_trip(spec):
+    again = ModelSpec.from_json(spec.to_json())
+    assert again == spec
+    assert again.fingerprint() == spec.fingerprint()
+    assert ModelSpec.from_dict(json.loads(spec.to_json())).shapes == spec.shapes
+
+
+def test_fingerprint_ignores_name_but_not_structure():
+    d = ZOO["tiny-local"].to_dict()
+    renamed = ModelSpec.from_dict({**d, "name": "other"})
+    assert renamed.fingerprint() == ZOO["tiny-local"].fingerprint()
+    d["layer"][0]["channels"] = 9
+    assert ModelSpec.from_dict(d).fingerprint() != ZOO["tiny-local"].fingerprint()
+
+
+@pytest.mark.parametrize(
+    ("layers", "inp", "message"),
+    [
+        (
+            [{"kind": "local", "channels": 4, "kernel": 9}],
+            None,
+            "kernel 9 is larger than its input",
+        ),
+        ([{"kind": "local", "channels": 0, "kernel": 3}], None, "channels must be an integer >= 1"),
+        ([{"kind": "conv", "channels": 2}], None, "kernel must be an integer"),
+        ([{"kind": "mlp", "units": 3}], None, "unknown kind 'mlp'"),
+        ([{"kind": "dense", "units": 3, "kernel": 2}], None, "unknown key 'kernel'"),
+        ([{"kind": "pool", "kernel": 2, "mode": "median"}], None, "mode 'median'"),
+        ([{"kind": "lcn", "kernel": 4}], None, "lcn kernel must be odd"),
+        ([{"kind": "pool", "kernel": 2, "stride": 3}], None, "stride 3 is larger than kernel 2"),
+        (
+            [{"kind": "dense", "units": 3, "activation": "softmax"}, {"kind": "dense", "units": 2}],
+            None,
+            "softmax is only allowed on the last layer",
+        ),
+        (
+            [{"kind": "dense", "units": 3}, {"kind": "pool", "kernel": 2}],
+            None,
+            "a spatial layer needs an image input",
+        ),
+        (
+            [{"kind": "dense", "units": 3}],
+            {"channels": 0, "height": 4, "width": 4},
+            "input.channels",
+        ),
+        ([], None, "at least one [[layer]]"),
+    ],
+)
+def test_bad_specs_name_the_layer_and_problem(layers, inp, message):
+    data = {
+        "name": "bad",
+        "input": inp or {"channels": 1, "height": 6, "width": 6},
+        "layer": layers,
+    }
+    with pytest.raises(SpecError) as err:
+        ModelSpec.from_dict(data, "bad.toml")
+    text = str(err.value)
+    assert message in text
+    assert text.startswith("bad.toml")
+    assert "\n" not in text
+
+
+def test_malformed_toml_says_where(tmp_path):
+    path = tmp_path / "broken.toml"
+    path.write_text('name = "x"\ninput = { features = 4 \n[[layer]]\n')
+    with pytest.raises(SpecError, match=r"broken\.toml: malformed TOML: .*line 2"):
+        load_spec(path)
+
+
+def test_malformed_json_says_where(tmp_path):
+    path = tmp_path / "broken.json"
+    path.write_text('{"name": "x",\n "input": {"features": 4},\n "layer": [,]}')
+    with pytest.raises(SpecError, match=r"broken\.json:3:\d+: malformed JSON"):
+        load_spec(path)
+
+
+def test_unknown_model_lists_the_zoo():
+    with pytest.raises(SpecError, match=r"unknown model 'resnet'.*speech"):
+        load_spec("resnet")

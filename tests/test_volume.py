@@ -1,0 +1,61 @@
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from netpart.models import ZOO
+from netpart.partition import Granularity, build_unit_graph, plan
+from netpart.partition.volume import layer_lower_bounds, layer_traffic
+from tests.conftest import brute_force_volume, small_specs
+
+METHODS = ["metis", "spatial", "stripe", "layers", "round-robin", "random"]
+
+
+@given(small_specs(max_layers=3), st.integers(1, 4), st.integers(0, 2**16))
+@settings(max_examples=60, deadline=None)
+def test_traffic_equals_a_unit_level_recount_for_any_assignment(spec, workers, seed):
+    g = build_unit_graph(spec, Granularity(spatial_blocks=12, dense_blocks=3))
+    node_map = np.random.default_rng(seed).integers(0, workers, g.num_vertices)
+    t = layer_traffic(g, node_map, workers)
+    assert t.sum(axis=(1, 2)).tolist() == brute_force_volume(g, node_map)
+    assert np.all(np.diagonal(t, axis1=1, axis2=2) == 0)
+
+
+@given(small_specs(), st.integers(1, 4), st.sampled_from(METHODS))
+@settings(max_examples=60, deadline=None)
+def test_plan_volume_recounts_and_respects_the_bound(spec, workers, method):
+    p = plan(spec, workers, method, granularity=Granularity(spatial_blocks=16, dense_blocks=4))
+    g = build_unit_graph(spec, p.granularity)
+    per_layer = brute_force_volume(g, p.node_map)
+    assert p.metrics.volume == sum(per_layer)
+    assert [ly.volume for ly in p.layers] == per_layer
+    if method != "layers":  # the bound assumes every layer is spread over min(P, blocks) workers
+        assert p.metrics.lower_bound <= p.metrics.volume
+
+
+def test_dense_bound_is_an_all_gather():
+    spec = ZOO["speech"]
+    q = np.array([8] * 5)
+    lb = layer_lower_bounds(spec, q)
+    assert lb.tolist() == [0, 7 * 2560, 7 * 2560, 7 * 2560, 7 * 2560]
+    p = plan(spec, 8, "stripe")
+    assert p.metrics.volume == p.metrics.lower_bound
+
+
+def test_spatial_bound_is_the_halo_of_a_regular_tiling():
+    # Layer 1 (3x3, stride 1) maps a 2-channel 10x10 input to 8x8.
+    from netpart.models import ModelSpec
+
+    spec = ModelSpec.from_dict(
+        {
+            "name": "t",
+            "input": {"channels": 1, "height": 12, "width": 12},
+            "layer": [
+                {"kind": "conv", "channels": 2, "kernel": 3},
+                {"kind": "local", "channels": 1, "kernel": 3},
+            ],
+        }
+    )
+    # Two 4x8 tiles each read 6x10 inputs: 2 * 60 - 100 = 20 positions, x 2 channels.
+    assert layer_lower_bounds(spec, np.array([2, 2])).tolist() == [0, 40]
+    # Four 4x4 tiles each read 6x6: 4 * 36 - 100 = 44 (strips would give 4 * 40 - 100 = 60).
+    assert layer_lower_bounds(spec, np.array([4, 4])).tolist() == [0, 88]

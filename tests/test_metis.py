@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from netpart.errors import MetisError
-from netpart.partition._metis import metis_available, part_graph_kway
+from netpart.partition._metis import metis_available, part_graph
 
 
 def _two_layer_chain(n: int = 8):
@@ -29,10 +29,19 @@ def test_two_constraints_balance_each_layer():
     single = np.concatenate([np.full(n, 9), np.full(n, 1)])[:, None]
     multi = np.zeros((2 * n, 2), dtype=np.int64)
     multi[:n, 0], multi[n:, 1] = 9, 1
-    parts = part_graph_kway(xadj, adjncy, multi, 2, ubvec=np.array([1.01, 1.01])).parts
-    for layer in (parts[:n], parts[n:]):
-        assert np.bincount(layer, minlength=2).tolist() == [n // 2, n // 2]
-    assert part_graph_kway(xadj, adjncy, single, 2).parts.shape == (2 * n,)
+    for algorithm, objective in (("kway", "vol"), ("kway", "cut"), ("recursive", "cut")):
+        parts = part_graph(
+            xadj,
+            adjncy,
+            multi,
+            2,
+            ubvec=np.array([1.01, 1.01]),
+            algorithm=algorithm,
+            objective=objective,
+        ).parts
+        for layer in (parts[:n], parts[n:]):
+            assert np.bincount(layer, minlength=2).tolist() == [n // 2, n // 2]
+    assert part_graph(xadj, adjncy, single, 2).parts.shape == (2 * n,)
 
 
 def test_capacities_shift_load():
@@ -40,7 +49,7 @@ def test_capacities_shift_load():
     xadj, adjncy = _two_layer_chain(n)
     w = np.ones((2 * n, 1), dtype=np.int64)
     tp = np.array([[0.25], [0.75]])
-    parts = part_graph_kway(xadj, adjncy, w, 2, tpwgts=tp, ubvec=np.array([1.05])).parts
+    parts = part_graph(xadj, adjncy, w, 2, tpwgts=tp, ubvec=np.array([1.05])).parts
     assert abs(np.bincount(parts, minlength=2)[1] - 60) <= 4
 
 
@@ -59,13 +68,15 @@ def test_invalid_graphs_are_rejected_before_metis_sees_them(mutate, message):
     w = np.ones((16, 1), dtype=np.int64)
     x, a, ww = mutate(xadj, adjncy, w)
     with pytest.raises(MetisError, match=message):
-        part_graph_kway(x, a, ww, 2)
+        part_graph(x, a, ww, 2)
 
 
 def test_bad_options_are_rejected():
     xadj, adjncy = _two_layer_chain()
     w = np.ones((16, 1), dtype=np.int64)
     with pytest.raises(MetisError, match="ubvec"):
-        part_graph_kway(xadj, adjncy, w, 2, ubvec=np.array([0.9]))
+        part_graph(xadj, adjncy, w, 2, ubvec=np.array([0.9]))
     with pytest.raises(MetisError, match="tpwgts"):
-        part_graph_kway(xadj, adjncy, w, 2, tpwgts=np.array([1.0]))
+        part_graph(xadj, adjncy, w, 2, tpwgts=np.array([1.0]))
+    with pytest.raises(MetisError, match="edge cut only"):
+        part_graph(xadj, adjncy, w, 2, algorithm="recursive", objective="vol")

@@ -28,8 +28,7 @@ def test_plan_volume_recounts_and_respects_the_bound(spec, workers, method):
     per_layer = brute_force_volume(g, p.node_map)
     assert p.metrics.volume == sum(per_layer)
     assert [ly.volume for ly in p.layers] == per_layer
-    if method != "layers":  # the bound assumes every layer is spread over min(P, blocks) workers
-        assert p.metrics.lower_bound <= p.metrics.volume
+    assert p.metrics.lower_bound <= p.metrics.volume
 
 
 def test_dense_bound_is_an_all_gather():

@@ -1,4 +1,4 @@
-"""METIS_PartGraphKway through ctypes, on the METIS library compiled into pymetis's extension.
+"""METIS_PartGraphKway/Recursive through ctypes, on the METIS compiled into pymetis's extension.
 
 pymetis's Python API takes a single balance constraint; its extension module also exports the
 METIS 5 C API (64-bit `idx_t`, 32-bit `real_t`), which takes several. This is the only module
@@ -16,7 +16,7 @@ import numpy as np
 
 from netpart.errors import MetisError
 
-__all__ = ["MetisResult", "metis_available", "part_graph_kway", "validate_csr"]
+__all__ = ["MetisResult", "metis_available", "part_graph", "validate_csr"]
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +35,16 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         return None, f"pymetis is not importable ({exc}); install it with `pip install pymetis`"
     try:
         lib = ctypes.CDLL(ext.__file__)
-        fn = lib.METIS_PartGraphKway
+        fns = [lib.METIS_PartGraphKway, lib.METIS_PartGraphRecursive]
         lib.METIS_SetDefaultOptions  # noqa: B018 - probe the symbol
     except (OSError, AttributeError) as exc:  # pragma: no cover
         return None, (
             f"pymetis's extension {ext.__file__} does not export the METIS C API ({exc}); "
             "multi-constraint partitioning needs it (pymetis >= 2023.1)"
         )
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 13
+    for fn in fns:
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 13
     return lib, ""
 
 
@@ -51,7 +52,7 @@ _LIB, _WHY = _load()
 
 
 def metis_available() -> tuple[bool, str]:
-    """(True, "") when METIS_PartGraphKway can be called, else (False, why)."""
+    """(True, "") when METIS_PartGraphKway/Recursive can be called, else (False, why)."""
     return _LIB is not None, _WHY
 
 
@@ -102,7 +103,7 @@ def validate_csr(
         raise MetisError("METIS input: edge weights differ between u->v and v->u")
 
 
-def part_graph_kway(
+def part_graph(
     xadj: np.ndarray,
     adjncy: np.ndarray,
     vwgt: np.ndarray,
@@ -112,16 +113,19 @@ def part_graph_kway(
     adjwgt: np.ndarray | None = None,
     tpwgts: np.ndarray | None = None,
     ubvec: np.ndarray | None = None,
+    algorithm: str = "kway",
     objective: str = "vol",
     seed: int = 0,
     ncuts: int = 1,
     niter: int = 10,
     minconn: bool = False,
 ) -> MetisResult:
-    """k-way partition with `vwgt.shape[1]` balance constraints; validates the graph first.
+    """Partition into `nparts` with `vwgt.shape[1]` balance constraints; validates the graph first.
 
-    `tpwgts` [nparts, ncon] are target fractions per part (columns sum to 1); `ubvec` [ncon]
-    the allowed imbalance per constraint (1.05 = 5%).
+    `algorithm` is "kway" (METIS_PartGraphKway; objective "vol" or "cut") or "recursive"
+    (METIS_PartGraphRecursive, recursive bisection; objective "cut" only). `tpwgts`
+    [nparts, ncon] are target fractions per part (columns sum to 1); `ubvec` [ncon] the allowed
+    imbalance per constraint (1.05 = 5%).
     """
     if _LIB is None:
         raise MetisError(_WHY)
@@ -138,13 +142,18 @@ def part_graph_kway(
         return MetisResult(np.zeros(n, dtype=np.int64), 0)
     if objective not in _OBJTYPE:
         raise MetisError(f"METIS objective must be one of {sorted(_OBJTYPE)}, got {objective!r}")
+    if algorithm not in ("kway", "recursive"):
+        raise MetisError(f"METIS algorithm must be 'kway' or 'recursive', got {algorithm!r}")
+    if algorithm == "recursive" and objective != "cut":
+        raise MetisError("METIS recursive bisection minimises the edge cut only; use objective cut")
     opts = np.full(_NOPTIONS, -1, dtype=_IDX)
     _LIB.METIS_SetDefaultOptions(opts.ctypes.data_as(ctypes.c_void_p))
-    opts[_OPT_OBJTYPE] = _OBJTYPE[objective]
+    if algorithm == "kway":
+        opts[_OPT_OBJTYPE] = _OBJTYPE[objective]
+        opts[_OPT_MINCONN] = int(minconn)
     opts[_OPT_SEED] = seed
     opts[_OPT_NCUTS] = ncuts
     opts[_OPT_NITER] = niter
-    opts[_OPT_MINCONN] = int(minconn)
     opts[_OPT_NUMBERING] = 0
 
     def arr(a: np.ndarray | None, dtype: type) -> np.ndarray | None:
@@ -164,7 +173,8 @@ def part_graph_kway(
     def ptr(a: np.ndarray | None) -> ctypes.c_void_p | None:
         return None if a is None else a.ctypes.data_as(ctypes.c_void_p)
 
-    status = _LIB.METIS_PartGraphKway(
+    fn = _LIB.METIS_PartGraphKway if algorithm == "kway" else _LIB.METIS_PartGraphRecursive
+    status = fn(
         ptr(nvtxs),
         ptr(ncon_a),
         ptr(xadj),
@@ -180,8 +190,8 @@ def part_graph_kway(
         ptr(part),
     )
     if status != 1:
-        raise MetisError(f"METIS_PartGraphKway failed: {_STATUS.get(status, status)}")
+        raise MetisError(f"METIS ({algorithm}) failed: {_STATUS.get(status, status)}")
     if part.min() < 0 or part.max() >= nparts:
         raise MetisError("METIS returned part ids outside 0..nparts-1")
-    log.debug("METIS %d parts, %d constraints: objval %d", nparts, ncon, objval[0])
+    log.debug("METIS %s %d parts, %d constraints: objval %d", algorithm, nparts, ncon, objval[0])
     return MetisResult(part.astype(np.int64), int(objval[0]))

@@ -10,7 +10,8 @@ block ids as in `UnitGraph`, i.e. contiguous per layer in (channel group, row, c
     network             {bandwidth_bps, latency_s, flops_per_s} of the prediction
     metrics             edge_cut (units read across workers, summed over cut block edges),
                         volume and lower_bound (activation values sent per example per forward
-                        pass; backward sends as many gradients back), max_layer_imbalance
+                        pass; backward sends as many gradients back; the bound is for the number
+                        of workers each layer is spread over), max_layer_imbalance
                         (max over layers of max/mean worker FLOPs, mean over the min(P, blocks)
                         workers a layer can be spread over), predicted_step_s, compute_s,
                         exchange_s
@@ -222,7 +223,7 @@ def evaluate(
     fair = flops.sum(axis=1, keepdims=True) * share[None, :] * workers / spread[:, None]
     imbalance = (flops / fair).max(axis=1)
     compute, exchange = layer_times(flops / speed[None, :], traffic, batch, network)
-    lower = layer_lower_bounds(spec, spread)
+    lower = layer_lower_bounds(spec, used.sum(axis=1))
     per_layer_volume = traffic.sum(axis=(1, 2))
 
     u, v, w = graph.edge_list()

@@ -134,7 +134,7 @@ def report_markdown(
         "Volume counts each unit once per remote worker that reads it (forward pass; the "
         "backward pass sends as many gradients back). The bound per layer: dense layers "
         "all-gather their input, (q-1)·n; spatial layers need the halo of the best regular "
-        "tiling into q tiles, with q = min(workers, blocks of the layer).",
+        "tiling into q tiles, q being the number of workers the plan spreads the layer over.",
         "",
         "## Workers",
         "",

@@ -5,10 +5,10 @@ sends worker d each unit of layer l-1 that s owns and that some unit owned by d 
 however many of d's units read it. The backward pass sends the same number of gradient values
 the other way. Units are activation values per example.
 
-Lower bound per layer, with q = min(workers, blocks of the layer) workers sharing it:
+Lower bound per layer, for q workers sharing it (a plan reports it for the q it uses):
 dense readers all-gather their input, (q-1)*n; spatial readers need at least the halo of the
-best regular tiling of their output into q tiles (row bands of near-equal tile counts, times
-channel groups), each input unit owned by one of the tiles that read it:
+best regular tiling of their output into q tiles (channel groups, each cut into row bands of
+near-equal tile counts), each input unit owned by one of the tiles that read it:
 sum_t |input read by t| - |input read by anyone|.
 """
 
@@ -127,34 +127,49 @@ def _tiling_halo(h: int, w: int, parts: int, k: int, s: int, p: int, h_in: int, 
     return float(best)
 
 
+def _compositions(parts: int, groups: int) -> list[list[int]]:
+    """Tile counts per channel group: the even split and the most uneven one."""
+    even = [parts // groups + (i < parts % groups) for i in range(groups)]
+    uneven = [1] * (groups - 1) + [parts - groups + 1]
+    return [even, uneven]
+
+
 def layer_lower_bounds(spec: ModelSpec, q: np.ndarray) -> np.ndarray:
-    """Lower bound of each layer's forward traffic (units per example) with q[l] workers."""
+    """Lower bound of each layer's forward traffic (units per example) with q[l] workers.
+
+    Spatial layers: the best of tilings that cut the output channels into G groups and tile
+    group i into m_i near-equal brick tiles (sum m_i = q). A channel-wise reader (pool) pays
+    halo(m_i) per channel of group i, and the channels go where the halo is smallest; other
+    readers re-read all input channels in every group: Cin * (sum_i halo(m_i) + (G-1) * |N|).
+    """
     out = np.zeros(len(spec.layers), dtype=np.int64)
     for i in range(1, len(spec.layers)):
         parts, layer, src = int(q[i]), spec.layers[i], spec.input_shape(i)
         if parts <= 1:
             continue
-        if not layer.is_spatial:
-            out[i] = (parts - 1) * src.size
-            continue
-        k, s, p = read_window(spec, i)
-        o = spec.shapes[i]
-        best = np.inf
-        for groups in range(1, min(parts, o.channels) + 1):
-            if parts % groups:
-                continue
-            spatial = parts // groups
-            if spatial > o.height * o.width:
-                continue
-            halo = _tiling_halo(o.height, o.width, spatial, k, s, p, src.height, src.width)
-            # Channelwise readers (pool) split by channel for free; others re-read all channels
-            # for each channel group sharing a tile.
-            if layer.kind == "pool":
-                cost = halo * src.channels
-            else:
-                n_all = _covered(np.array([0]), np.array([o.height]), k, s, p, src.height)[0]
-                n_all *= _covered(np.array([0]), np.array([o.width]), k, s, p, src.width)[0]
-                cost = ((halo + n_all) * groups - n_all) * src.channels
-            best = min(best, cost)
-        out[i] = int(best) if np.isfinite(best) else 0
+        out[i] = (parts - 1) * src.size if not layer.is_spatial else _spatial_bound(spec, i, parts)
     return out
+
+
+def _spatial_bound(spec: ModelSpec, index: int, parts: int) -> int:
+    layer, src, o = spec.layers[index], spec.input_shape(index), spec.shapes[index]
+    k, s, p = read_window(spec, index)
+    n_all = _covered(np.array([0]), np.array([o.height]), k, s, p, src.height)[0]
+    n_all *= _covered(np.array([0]), np.array([o.width]), k, s, p, src.width)[0]
+    options = [
+        tiles
+        for groups in range(1, min(parts, o.channels) + 1)
+        for tiles in _compositions(parts, groups)
+        if max(tiles) <= o.height * o.width
+    ]
+    needed = sorted({m for tiles in options for m in tiles})
+    halo = {m: _tiling_halo(o.height, o.width, m, k, s, p, src.height, src.width) for m in needed}
+    best = np.inf
+    for tiles in options:
+        costs = sorted(halo[m] for m in tiles)
+        if layer.kind == "pool":
+            cost = costs[0] * (o.channels - len(tiles) + 1) + sum(costs[1:])
+        else:
+            cost = src.channels * (sum(costs) + (len(tiles) - 1) * n_all)
+        best = min(best, cost)
+    return int(best) if np.isfinite(best) else 0

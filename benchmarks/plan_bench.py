@@ -1,8 +1,8 @@
 """Planner benchmark: wall time and peak memory of `netpart.partition.plan`, and plan quality.
 
 Each timed case runs in a fresh subprocess so its peak RSS is its own. Quality cases report
-metis volume / lower bound and max layer imbalance on the image models, and metis vs stripe
-predicted step time on speech. Prints a table and writes JSON (--out).
+volume / lower bound, max layer imbalance and predicted step time of metis and tiles on the
+image models, and metis vs stripe predicted step time on speech. Prints tables, writes JSON.
 
     python benchmarks/plan_bench.py --out benchmarks/results/plan_bench.json
     python benchmarks/plan_bench.py --quick      # smaller set, for a smoke run

@@ -43,7 +43,7 @@ class Granularity:
     def for_workers(cls, workers: int, blocks_per_worker: int = 24) -> Granularity:
         """The default for a plan over `workers`: enough blocks to balance every layer."""
         return cls(
-            spatial_blocks=max(64, blocks_per_worker * workers),
+            spatial_blocks=max(256, blocks_per_worker * workers),
             dense_blocks=workers * max(2, math.ceil(16 / workers)),
         )
 

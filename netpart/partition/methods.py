@@ -2,13 +2,16 @@
 
 `metis` balances every layer separately (one METIS constraint per layer: workers run layers in
 lockstep, so balancing only total work serialises the model) and minimises communication
-volume. The baselines are what one would do by hand:
+volume. `tiles` is the geometric alternative for image models: regular tiles cut at each
+layer's weight quantiles, so every layer balances and receptive fields stay aligned.
+The baselines are what one would do by hand:
 `spatial` regular 2-D tiles, the same in every layer; `stripe` every layer cut evenly in block
 order; `layers` contiguous layers per worker (pipeline); `round-robin`; `random`.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -148,6 +151,65 @@ def _spatial(graph: UnitGraph, workers: int, seed: int) -> np.ndarray:
     return out
 
 
+def _quantile_cut(weights: np.ndarray, shares: np.ndarray) -> np.ndarray:
+    """Part of each item (in the given order) so that part j gets ~shares[j] of the weight.
+
+    An item goes to the part its weight midpoint falls in: every part is within one item's
+    weight of its share.
+    """
+    cum = np.cumsum(weights, dtype=np.float64)
+    mid = (cum - weights / 2.0) / cum[-1]
+    return np.minimum(np.searchsorted(np.cumsum(shares), mid, side="right"), len(shares) - 1)
+
+
+def _brick_counts(workers: int) -> np.ndarray:
+    """Tiles per band: round(sqrt(P)) bands of near-equal counts (a grid when P factors so)."""
+    py, px = _grid_factors(workers)
+    if px <= 2 * py:  # a near-square grid exists
+        return np.full(py, px)
+    bands = max(1, round(math.sqrt(workers)))
+    return np.full(bands, workers // bands) + (np.arange(bands) < workers % bands)
+
+
+def _tiles(
+    graph: UnitGraph, workers: int, seed: int, capacities: list[float] | None = None
+) -> np.ndarray:
+    """Brick tiles (bands of near-equal tile counts), cut in every layer at its weight quantiles.
+
+    Bands first: blocks ordered by (row, column, channel) and cut into bands whose weight is
+    proportional to their tile count; then each band ordered by (column, row, channel) and cut
+    into its tiles. Cuts land at the same relative place in every layer, so receptive fields
+    stay aligned, and every layer is balanced to within one block; a cut may pass between a
+    position's channel groups.
+    """
+    del seed
+    counts = _brick_counts(workers)
+    first = np.concatenate([[0], np.cumsum(counts)])
+    share = np.full(workers, 1.0 / workers)
+    if capacities is not None:
+        share = np.asarray(capacities, dtype=np.float64) / np.sum(capacities)
+    band_share = np.add.reduceat(share, first[:-1])
+    out = np.empty(graph.num_vertices, dtype=np.int64)
+    for lb in graph.layers:
+        ids = lb.ids
+        w = graph.flops[ids].astype(np.float64)
+        if not graph.spec.layers[lb.index].is_spatial:
+            out[ids] = _quantile_cut(w, share)
+            continue
+        b = graph.box[ids]
+        cy, cx, ch = b[:, 2] + b[:, 3], b[:, 4] + b[:, 5], b[:, 0]
+        order = np.lexsort((ch, cx, cy))
+        band = np.empty(len(ids), dtype=np.int64)
+        band[order] = _quantile_cut(w[order], band_share)
+        for j, (lo, hi) in enumerate(itertools.pairwise(first)):
+            members = np.nonzero(band == j)[0]
+            if len(members) == 0:
+                continue
+            order = members[np.lexsort((ch[members], cy[members], cx[members]))]
+            out[ids[order]] = lo + _quantile_cut(w[order], share[lo:hi] / share[lo:hi].sum())
+    return out
+
+
 def _stripe(graph: UnitGraph, workers: int, seed: int) -> np.ndarray:
     del seed
     out = np.empty(graph.num_vertices, dtype=np.int64)
@@ -176,6 +238,7 @@ def _random(graph: UnitGraph, workers: int, seed: int) -> np.ndarray:
 
 METHODS: dict[str, Callable[..., np.ndarray]] = {
     "metis": _metis,
+    "tiles": _tiles,
     "spatial": _spatial,
     "stripe": _stripe,
     "layers": _layers,
@@ -185,6 +248,7 @@ METHODS: dict[str, Callable[..., np.ndarray]] = {
 
 METHOD_OPTIONS: dict[str, tuple[str, ...]] = {
     "metis": ("imbalance", "capacities", "algorithm", "objective", "ncuts", "niter"),
+    "tiles": ("capacities",),
 }
 
 

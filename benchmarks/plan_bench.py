@@ -87,15 +87,20 @@ def main() -> int:
         )
 
     quality = []
-    print(f"\n{'model':<12} {'P':>4} {'vol/bound':>10} {'imbalance':>10} {'wall s':>8}")
+    print(
+        f"\n{'model':<12} {'P':>4} {'method':>7} {'vol/bound':>10} {'imbalance':>10} "
+        f"{'step ms':>8} {'wall s':>8}"
+    )
     for model in models:
         for workers in workers_list:
-            r = _run(model, workers)
-            quality.append(r)
-            print(
-                f"{model:<12} {workers:>4} {r['volume_ratio']:>10.3f} "
-                f"{r['max_layer_imbalance']:>10.3f} {r['wall_s']:>8.2f}"
-            )
+            for method in ("metis", "tiles"):
+                r = _run(model, workers, method)
+                quality.append(r)
+                print(
+                    f"{model:<12} {workers:>4} {method:>7} {r['volume_ratio']:>10.3f} "
+                    f"{r['max_layer_imbalance']:>10.3f} {r['predicted_step_s'] * 1e3:>8.1f} "
+                    f"{r['wall_s']:>8.2f}"
+                )
 
     speech_metis = next((r for r in timed if r["model"] == "speech"), None) or _run("speech", 8)
     speech_stripe = _run("speech", 8, "stripe")

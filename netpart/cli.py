@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -277,5 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("netpart: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # output piped into e.g. `head`: stop quietly
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - never written to again
+        return 0
     parser.error(f"unknown command {args.command!r}")
     return 2

@@ -139,6 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="directory for plan files and report")
     p.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
 
+    i = sub.add_parser(
+        "inspect",
+        help="check a plan directory against its model and print its summary",
+        description="Load PLAN (a directory or its plan.json), check that it was made for MODEL "
+        "(default: the zoo model the plan names) and print its summary and layer table.",
+    )
+    i.add_argument("plan", type=Path, help="plan directory written by `netpart plan --out`")
+    i.add_argument("--model", default=None, help="zoo name or .toml/.json the plan must match")
+
     g = sub.add_parser(
         "graph",
         help="export a model's unit graph (METIS .graph or GraphML)",
@@ -231,6 +240,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from netpart.files import load_plan
+    from netpart.models import ZOO, load_spec
+    from netpart.partition.report import layer_table, summary_line
+
+    plan = load_plan(args.plan)
+    if args.model is None and plan.model not in ZOO:
+        raise PlanError(
+            f"{args.plan}: plan is for {plan.model!r}, not a zoo model; pass --model FILE"
+        )
+    plan.check_model(load_spec(args.model or plan.model))
+    print(summary_line(plan))
+    print(layer_table(plan))
+    return 0
+
+
 def _cmd_graph(args: argparse.Namespace) -> int:
     import networkx as nx
 
@@ -272,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_plan(args)
         if args.command == "graph":
             return _cmd_graph(args)
+        if args.command == "inspect":
+            return _cmd_inspect(args)
     except NetpartError as exc:
         print(f"netpart: error: {exc}", file=sys.stderr)
         return 2

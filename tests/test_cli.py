@@ -53,6 +53,19 @@ def test_plan_writes_files_that_load_back(tmp_path, capsys):
     assert "## Methods compared" in report and "![load.png](load.png)" in report
 
 
+def test_inspect_checks_the_plan_against_its_model(tmp_path, capsys):
+    out_dir = tmp_path / "p"
+    assert (
+        run(capsys, "plan", "--model", "tiny-mlp", "--workers", "2", "--out", str(out_dir))[0] == 0
+    )
+    code, out, _ = run(capsys, "inspect", str(out_dir))
+    assert code == 0 and "tiny-mlp on 2 workers" in out
+    code, _, err = run(capsys, "inspect", str(out_dir), "--model", "tiny-local")
+    assert code == 2 and "is for model 'tiny-mlp'" in err and err.count("\n") == 1
+    code, _, err = run(capsys, "inspect", str(tmp_path / "missing"))
+    assert code == 2 and "no such plan file" in err
+
+
 def test_plan_from_a_toml_file_with_network_override(tmp_path, capsys):
     spec = tmp_path / "net.toml"
     spec.write_text(

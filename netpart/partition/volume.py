@@ -19,7 +19,7 @@ import numpy as np
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import LayerBlocks, UnitGraph, needed_boxes, read_window
 
-__all__ = ["layer_lower_bounds", "layer_traffic", "workers_per_layer"]
+__all__ = ["coverage", "layer_lower_bounds", "layer_traffic", "workers_per_layer"]
 
 
 def layer_traffic(graph: UnitGraph, node_map: np.ndarray, workers: int) -> np.ndarray:
@@ -29,7 +29,7 @@ def layer_traffic(graph: UnitGraph, node_map: np.ndarray, workers: int) -> np.nd
     for reader in graph.layers[1:]:
         source = graph.layers[reader.index - 1]
         if spec.layers[reader.index].is_spatial:
-            t = _spatial_traffic(spec, graph, reader, source, node_map, workers)
+            t = _spatial_traffic(graph, reader.index, node_map, workers)
         else:
             t = _dense_traffic(graph, reader, source, node_map, workers)
         np.fill_diagonal(t, 0)
@@ -46,36 +46,46 @@ def _dense_traffic(
     return np.outer(owned.astype(np.int64), takes_part.astype(np.int64))
 
 
-def _spatial_traffic(
-    spec: ModelSpec,
-    graph: UnitGraph,
-    reader: LayerBlocks,
-    source: LayerBlocks,
-    node_map: np.ndarray,
-    workers: int,
-) -> np.ndarray:
-    """Coverage of each worker's needed input (difference arrays), then counts per owner."""
+def coverage(
+    graph: UnitGraph, index: int, node_map: np.ndarray, workers: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Which input units of spatial layer `index` each worker reads: (covered, slab_bounds).
+
+    covered[w, j, y, x] is True when worker w's blocks of the layer read position (y, x) of
+    the input in channel slab j = [slab_bounds[j], slab_bounds[j+1]): the reader's channel
+    groups for a channel-wise reader (pool), else one slab of all channels. Computed with
+    difference arrays over every reader block's (rectangular) window at once.
+    """
+    spec = graph.spec
+    reader = graph.layers[index]
+    source = graph.layers[index - 1]
     rb = graph.box[reader.ids]
-    need = needed_boxes(spec, reader.index, rb)
+    need = needed_boxes(spec, index, rb)
     h, w = source.shape.height, source.shape.width
-    channelwise = spec.layers[reader.index].kind == "pool"
-    # Slabs: channel ranges read as a unit (the reader's channel groups if channelwise, else all).
-    if channelwise:
+    if spec.layers[index].kind == "pool":
         slab_of = np.searchsorted(reader.cbounds, rb[:, 0], side="right") - 1
         slab_bounds = reader.cbounds
     else:
         slab_of = np.zeros(len(rb), dtype=np.int64)
         slab_bounds = np.array([0, source.shape.channels])
-    nslab = len(slab_bounds) - 1
     dst = node_map[reader.ids]
-    diff = np.zeros((workers, nslab, h + 1, w + 1), dtype=np.int32)
+    diff = np.zeros((workers, len(slab_bounds) - 1, h + 1, w + 1), dtype=np.int32)
     for ys, xs, sign in ((2, 4, 1), (2, 5, -1), (3, 4, -1), (3, 5, 1)):
         np.add.at(diff, (dst, slab_of, need[:, ys], need[:, xs]), sign)
-    covered = diff.cumsum(axis=2).cumsum(axis=3)[:, :, :h, :w] > 0
+    return diff.cumsum(axis=2).cumsum(axis=3)[:, :, :h, :w] > 0, slab_bounds
+
+
+def _spatial_traffic(
+    graph: UnitGraph, index: int, node_map: np.ndarray, workers: int
+) -> np.ndarray:
+    """Counts per (owner, reader) of the covered input units."""
+    covered, slab_bounds = coverage(graph, index, node_map, workers)
+    source = graph.layers[index - 1]
+    h, w = source.shape.height, source.shape.width
     owners = source.owner_grid(node_map)  # [G, H, W]
     cb = source.cbounds
     t = np.zeros((workers, workers), dtype=np.float64)
-    for j in range(nslab):
+    for j in range(len(slab_bounds) - 1):
         lo, hi = slab_bounds[j], slab_bounds[j + 1]
         overlap = np.clip(np.minimum(cb[1:], hi) - np.maximum(cb[:-1], lo), 0, None)
         groups = np.nonzero(overlap)[0]

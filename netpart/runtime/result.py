@@ -1,0 +1,55 @@
+"""StepResult: the outcome of one partitioned step, assembled in reference-module terms."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from netpart.models.reference import ReferenceModel
+from netpart.models.spec import ModelSpec
+from netpart.runtime.worker import WorkerResult
+
+__all__ = ["StepResult", "assemble"]
+
+
+@dataclass
+class StepResult:
+    """loss; outputs [B, *last shape]; grads keyed by the reference module's parameter names;
+    sent/received[w][(layer, phase)] = bytes that worker w actually moved."""
+
+    loss: float
+    outputs: torch.Tensor
+    grads: dict[str, torch.Tensor]
+    sent: list[dict[tuple[int, str], int]]
+    received: list[dict[tuple[int, str], int]]
+
+
+def assemble(
+    spec: ModelSpec, results: list[WorkerResult], batch: int, dtype: torch.dtype
+) -> StepResult:
+    """Combine the workers' slices: grads are index-added (tied conv kernels sum)."""
+    shapes = {name: p.shape for name, p in ReferenceModel(spec).named_parameters()}
+    grads = {name: torch.zeros(shape, dtype=dtype) for name, shape in shapes.items()}
+    outputs = torch.zeros(batch, spec.shapes[-1].size, dtype=dtype)
+    for r in sorted(results, key=lambda r: r.rank):
+        for name, idx, values in r.grads:
+            grads[name].view(-1).index_add_(
+                0, torch.from_numpy(np.asarray(idx)), values.reshape(-1)
+            )
+        outputs[:, torch.from_numpy(r.output_units)] = r.outputs
+    losses = {round(r.loss, 12) for r in results}
+    if len(losses) > 1:
+        raise RuntimeError(f"workers disagree on the loss: {sorted(losses)}")
+    last = spec.shapes[-1]
+    out_shape = (
+        (batch, last.channels) if last.height == last.width == 1 else (batch, *vars(last).values())
+    )
+    return StepResult(
+        loss=results[0].loss,
+        outputs=outputs.reshape(out_shape),
+        grads=grads,
+        sent=[r.sent for r in sorted(results, key=lambda r: r.rank)],
+        received=[r.received for r in sorted(results, key=lambda r: r.rank)],
+    )

@@ -1,0 +1,254 @@
+"""A worker's slice of one layer: its parameters and the dense computation of its units.
+
+Every slice reads a full-size input buffer `x` of shape [B, N_in + 2] in which the worker has
+filled the units it owns and the halo it received (the rest stays zero and is never read);
+slot N_in holds 0 (zero padding) and slot N_in + 1 holds -inf (max-pool padding). It returns
+its owned units [B, len(units)] in the order of `units` (sorted flat indices of the layer's
+(C, H, W) output). Computation is gathers plus batched matmuls, never loops over units; the
+only Python loops are over the channel groups of the plan's blocks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from netpart.models.reference import L2_POOL_EPS, init_rows
+from netpart.models.spec import ModelSpec
+from netpart.partition.graph import LayerBlocks, read_window
+
+__all__ = ["LayerSlice", "build_slice", "window_index"]
+
+
+def window_index(
+    spec: ModelSpec, index: int, positions: np.ndarray, channels: np.ndarray | None, pad_slot: int
+) -> np.ndarray:
+    """Flat input indices [len(positions), C*k*k] read by output positions of layer `index`.
+
+    Order (channel, ky, kx) as in `torch.nn.functional.unfold`; reads outside the input point
+    at `pad_slot`. `channels` restricts to one channel per position (pool), giving [Q, k*k].
+    """
+    src, out = spec.input_shape(index), spec.shapes[index]
+    k, s, p = read_window(spec, index)
+    y, x = np.divmod(positions, out.width)
+    iy = y[:, None] * s - p + np.arange(k)[None, :]  # [Q, k]
+    ix = x[:, None] * s - p + np.arange(k)[None, :]
+    inside = ((iy >= 0) & (iy < src.height))[:, :, None] & ((ix >= 0) & (ix < src.width))[:, None]
+    pos = iy[:, :, None] * src.width + ix[:, None, :]  # [Q, k, k]
+    hw = src.height * src.width
+    if channels is not None:
+        idx = channels[:, None, None] * hw + pos
+        return np.where(inside, idx, pad_slot).reshape(len(positions), k * k)
+    idx = np.arange(src.channels)[None, :, None, None] * hw + pos[:, None]
+    return np.where(inside[:, None], idx, pad_slot).reshape(len(positions), src.channels * k * k)
+
+
+def _activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    if name == "relu":
+        return torch.relu(x)
+    if name == "sigmoid":
+        return torch.sigmoid(x)
+    if name == "tanh":
+        return torch.tanh(x)
+    return x
+
+
+class LayerSlice(nn.Module):
+    """Base: the owned `units` of layer `index`; `param_slices` maps grads into the reference."""
+
+    def __init__(self, spec: ModelSpec, index: int, units: np.ndarray) -> None:
+        super().__init__()
+        self.spec, self.index = spec, index
+        self.units = units
+        self.activation = spec.layers[index].activation
+        out = spec.shapes[index]
+        self.hw = out.height * out.width
+        self.channel, self.position = np.divmod(units, self.hw)
+        self.n_in = spec.input_shape(index).size
+
+    def param_slices(self) -> list[tuple[str, np.ndarray, nn.Parameter]]:
+        """(reference parameter name, flat indices into it, this worker's parameter)."""
+        return []
+
+
+class _GroupedSlice(LayerSlice):
+    """Local and conv: units grouped by the plan's channel groups, one matmul per group."""
+
+    def __init__(self, spec: ModelSpec, index: int, units: np.ndarray, blocks: LayerBlocks):
+        super().__init__(spec, index, units)
+        group = np.searchsorted(blocks.cbounds, self.channel, side="right") - 1
+        self.groups: list[tuple[int, int, np.ndarray, np.ndarray]] = []
+        for g in np.unique(group):
+            c0, c1 = int(blocks.cbounds[g]), int(blocks.cbounds[g + 1])
+            sel = np.nonzero(group == g)[0]
+            positions = np.unique(self.position[sel])
+            # Each owned block covers whole channel groups, so every position in this group
+            # holds all channels c0..c1: rows of the output are (position, channel).
+            assert len(sel) == len(positions) * (c1 - c0), "blocks must hold whole groups"
+            self.groups.append((c0, c1, positions, sel))
+        # Where each (group, position, channel) output lands in `units` order.
+        self._out_index = [
+            torch.from_numpy(
+                np.searchsorted(units, (np.arange(c0, c1)[None, :] * self.hw + pos[:, None]))
+            )
+            for c0, c1, pos, _ in self.groups
+        ]
+        self._patch_index = [
+            torch.from_numpy(window_index(spec, index, pos, None, self.n_in))
+            for _, _, pos, _ in self.groups
+        ]
+
+
+class LocalSlice(_GroupedSlice):
+    """Untied filters: per group, [Q, B, K] @ [Q, K, cg] (batched over owned positions)."""
+
+    def __init__(self, spec, index, units, blocks, seed: int, dtype: torch.dtype) -> None:
+        super().__init__(spec, index, units, blocks)
+        k_in = spec.input_shape(index).channels * spec.layers[index].kernel ** 2
+        self.weights = nn.ParameterList()
+        self.biases = nn.ParameterList()
+        for c0, c1, pos, _ in self.groups:
+            rows = init_rows(spec, seed, index, pos)[:, :, c0:c1]  # [Q, K, cg]
+            self.weights.append(
+                nn.Parameter(torch.from_numpy(np.ascontiguousarray(rows)).to(dtype))
+            )
+            self.biases.append(nn.Parameter(torch.zeros(len(pos), c1 - c0, dtype=dtype)))
+        self.k_in = k_in
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty(x.shape[0], len(self.units))
+        for w, b, pidx, oidx in zip(
+            self.weights, self.biases, self._patch_index, self._out_index, strict=True
+        ):
+            patches = x[:, pidx].transpose(0, 1)  # [Q, B, K]
+            y = torch.baddbmm(b[:, None, :], patches, w)  # [Q, B, cg]
+            out = out.index_copy(1, oidx.reshape(-1), y.transpose(0, 1).reshape(x.shape[0], -1))
+        return _activation(self.activation, out)
+
+    def param_slices(self):
+        out = []
+        cout = self.spec.shapes[self.index].channels
+        for (c0, c1, pos, _), w, b in zip(self.groups, self.weights, self.biases, strict=True):
+            ch = np.arange(c0, c1)
+            k = np.arange(self.k_in)
+            w_idx = (pos[:, None, None] * self.k_in + k[None, :, None]) * cout + ch[None, None, :]
+            b_idx = ch[None, :] * self.hw + pos[:, None]
+            name = f"layers.{self.index}"
+            out += [(f"{name}.weight", w_idx.ravel(), w), (f"{name}.bias", b_idx.ravel(), b)]
+        return out
+
+
+class ConvSlice(_GroupedSlice):
+    """Tied filters: per group, [Q*B, K] @ [K, cg]; each worker holds its groups' kernels."""
+
+    def __init__(self, spec, index, units, blocks, seed: int, dtype: torch.dtype) -> None:
+        super().__init__(spec, index, units, blocks)
+        full = init_rows(spec, seed, index, np.array([0]))[0]  # [Cout, Cin, k, k]
+        self.weights = nn.ParameterList()
+        self.biases = nn.ParameterList()
+        for c0, c1, _, _ in self.groups:
+            kernel = np.ascontiguousarray(full[c0:c1].reshape(c1 - c0, -1).T)  # [K, cg]
+            self.weights.append(nn.Parameter(torch.from_numpy(kernel).to(dtype)))
+            self.biases.append(nn.Parameter(torch.zeros(c1 - c0, dtype=dtype)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty(x.shape[0], len(self.units))
+        for w, b, pidx, oidx in zip(
+            self.weights, self.biases, self._patch_index, self._out_index, strict=True
+        ):
+            y = torch.matmul(x[:, pidx], w) + b  # [B, Q, cg]
+            out = out.index_copy(1, oidx.reshape(-1), y.reshape(x.shape[0], -1))
+        return _activation(self.activation, out)
+
+    def param_slices(self):
+        out = []
+        k_in = self.weights[0].shape[0] if len(self.weights) else 0
+        for (c0, c1, _, _), w, b in zip(self.groups, self.weights, self.biases, strict=True):
+            ch = np.arange(c0, c1)
+            # reference weight [Cout, Cin, k, k] flattened: c * K + k; ours is [K, cg].
+            w_idx = ch[None, :] * k_in + np.arange(k_in)[:, None]
+            name = f"layers.{self.index}"
+            out += [(f"{name}.weight", w_idx.ravel(), w), (f"{name}.bias", ch, b)]
+        return out
+
+
+class DenseSlice(LayerSlice):
+    """Owned neurons: [B, n_in] @ [n_in, |U|] + b."""
+
+    def __init__(self, spec, index, units, seed: int, dtype: torch.dtype) -> None:
+        super().__init__(spec, index, units)
+        rows = init_rows(spec, seed, index, units)  # [|U|, n_in]
+        self.weight = nn.Parameter(torch.from_numpy(np.ascontiguousarray(rows.T)).to(dtype))
+        self.bias = nn.Parameter(torch.zeros(len(units), dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _activation(self.activation, torch.addmm(self.bias, x[:, : self.n_in], self.weight))
+
+    def param_slices(self):
+        n_in = self.n_in
+        w_idx = self.units[None, :] * n_in + np.arange(n_in)[:, None]  # ours is [n_in, |U|]
+        name = f"layers.{self.index}"
+        return [
+            (f"{name}.weight", w_idx.ravel(), self.weight),
+            (f"{name}.bias", self.units, self.bias),
+        ]
+
+
+class PoolSlice(LayerSlice):
+    """Per-unit windows over the unit's own channel: max, average or L2."""
+
+    def __init__(self, spec, index, units) -> None:
+        super().__init__(spec, index, units)
+        layer = spec.layers[index]
+        self.mode, self.k2 = layer.mode, layer.kernel**2
+        pad = self.n_in + 1 if self.mode == "max" else self.n_in
+        idx = window_index(spec, index, self.position, self.channel, pad)
+        self._index = torch.from_numpy(idx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        win = x[:, self._index]  # [B, U, k*k]
+        if self.mode == "max":
+            return win.amax(dim=2)
+        if self.mode == "avg":
+            return win.sum(dim=2) / self.k2
+        return torch.sqrt((win * win).sum(dim=2) + L2_POOL_EPS)
+
+
+class LcnSlice(LayerSlice):
+    """(x - mean) / sqrt(var + eps), mean and var over the k x k window and all channels."""
+
+    def __init__(self, spec, index, units) -> None:
+        super().__init__(spec, index, units)
+        self.eps = spec.layers[index].eps
+        positions, self._pos_of_unit = np.unique(self.position, return_inverse=True)
+        self._window = torch.from_numpy(window_index(spec, index, positions, None, self.n_in))
+        self._centre = torch.from_numpy(self.units)  # same size: input unit = output unit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        win = x[:, self._window]  # [B, Q, C*k*k]
+        mean = win.mean(dim=2)
+        var = (win * win).mean(dim=2) - mean * mean
+        pos = torch.from_numpy(self._pos_of_unit)
+        return (x[:, self._centre] - mean[:, pos]) / torch.sqrt(var[:, pos] + self.eps)
+
+
+def build_slice(
+    spec: ModelSpec,
+    index: int,
+    units: np.ndarray,
+    blocks: LayerBlocks,
+    seed: int,
+    dtype: torch.dtype,
+) -> LayerSlice:
+    """The slice of layer `index` holding `units`, with the reference's initial weights."""
+    kind = spec.layers[index].kind
+    if kind == "local":
+        return LocalSlice(spec, index, units, blocks, seed, dtype)
+    if kind == "conv":
+        return ConvSlice(spec, index, units, blocks, seed, dtype)
+    if kind == "dense":
+        return DenseSlice(spec, index, units, seed, dtype)
+    if kind == "pool":
+        return PoolSlice(spec, index, units)
+    return LcnSlice(spec, index, units)

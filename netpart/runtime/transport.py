@@ -1,0 +1,143 @@
+"""Transports: how model workers of one replica exchange halos and reduce the loss.
+
+`GlooTransport` moves every byte through torch.distributed point-to-point (gloo on CPU; the
+calls are backend-neutral so NCCL works on GPUs). All messages of a phase are posted at once
+(isend/irecv) and then waited for, so the lockstep schedule cannot deadlock; a dead or stuck
+peer surfaces as an error from the process group after its timeout, re-raised naming the peer.
+`ThreadTransport` runs N workers as threads of one process: for unit tests only.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from netpart.errors import NetpartError
+from netpart.runtime.schedule import ShapeMismatchError
+
+__all__ = ["GlooTransport", "PeerError", "ThreadTransport", "Transport"]
+
+
+class PeerError(NetpartError):
+    """A peer died, hung past the timeout, or broke the protocol."""
+
+
+class Transport(Protocol):
+    rank: int
+    size: int
+
+    def exchange(
+        self, tag: int, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]
+    ) -> None:
+        """Send each tensor to its peer and fill each receive buffer from its peer."""
+
+    def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """Reduce `tensor` ("sum" or "max") over all workers, in place; returns it."""
+
+
+class GlooTransport:
+    """Point-to-point over the default torch.distributed process group (or `group`)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, ranks: list[int] | None = None):
+        self.group = group
+        self.ranks = ranks if ranks is not None else list(range(dist.get_world_size(group)))
+        self.rank = self.ranks.index(dist.get_rank())
+        self.size = len(self.ranks)
+
+    def exchange(self, tag, sends, recvs):
+        works = []
+        for peer, t in sends.items():
+            works.append(("send to", peer, dist.isend(t, self.ranks[peer], self.group, tag=tag)))
+        for peer, buf in recvs.items():
+            works.append(
+                ("receive from", peer, dist.irecv(buf, self.ranks[peer], self.group, tag=tag))
+            )
+        for what, peer, work in works:
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                raise PeerError(
+                    f"worker {self.rank}: {what} worker {peer} failed in phase {tag} "
+                    f"(peer dead or past the timeout): {str(exc).splitlines()[0]}"
+                ) from None
+
+    def all_reduce(self, tensor, op):
+        red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        try:
+            dist.all_reduce(tensor, red, self.group)
+        except RuntimeError as exc:
+            raise PeerError(
+                f"worker {self.rank}: all-reduce failed (a peer is dead or past the timeout): "
+                f"{str(exc).splitlines()[0]}"
+            ) from None
+        return tensor
+
+
+class _Hub:
+    """Shared mailboxes and a reduction barrier for ThreadTransport."""
+
+    def __init__(self, size: int, timeout: float) -> None:
+        self.size, self.timeout = size, timeout
+        self.boxes: dict[tuple[int, int, int], queue.Queue] = {}
+        self.lock = threading.Lock()
+        self.barrier = threading.Barrier(size, timeout=timeout)
+        self.slots: list[torch.Tensor | None] = [None] * size
+        self.failed = threading.Event()
+
+    def fail(self) -> None:
+        """A worker died: wake everyone waiting instead of letting them time out."""
+        self.failed.set()
+        self.barrier.abort()
+
+    def box(self, key: tuple[int, int, int]) -> queue.Queue:
+        with self.lock:
+            return self.boxes.setdefault(key, queue.Queue())
+
+
+class ThreadTransport:
+    """In-process stand-in for tests: workers are threads, messages are cloned tensors."""
+
+    def __init__(self, hub: _Hub, rank: int) -> None:
+        self.hub, self.rank, self.size = hub, rank, hub.size
+
+    @classmethod
+    def group(cls, size: int, timeout: float = 30.0) -> list[ThreadTransport]:
+        hub = _Hub(size, timeout)
+        return [cls(hub, r) for r in range(size)]
+
+    def exchange(self, tag, sends, recvs):
+        for peer, t in sends.items():
+            self.hub.box((tag, self.rank, peer)).put(t.clone())
+        for peer, buf in recvs.items():
+            box = self.hub.box((tag, peer, self.rank))
+            deadline = time.monotonic() + self.hub.timeout
+            while True:
+                try:
+                    got = box.get(timeout=0.05)
+                    break
+                except queue.Empty:
+                    if self.hub.failed.is_set() or time.monotonic() > deadline:
+                        raise PeerError(
+                            f"worker {self.rank}: nothing from worker {peer} in phase {tag}"
+                        ) from None
+            if got.shape != buf.shape:
+                raise ShapeMismatchError(
+                    f"worker {self.rank}: phase {tag} from worker {peer}: got {tuple(got.shape)}, "
+                    f"buffer is {tuple(buf.shape)}"
+                )
+            buf.copy_(got)
+
+    def all_reduce(self, tensor, op):
+        hub = self.hub
+        hub.slots[self.rank] = tensor.clone()
+        hub.barrier.wait()
+        stacked = torch.stack(hub.slots)  # every rank reduces the same values in rank order
+        result = stacked.amax(dim=0) if op == "max" else stacked.sum(dim=0)
+        hub.barrier.wait()
+        tensor.copy_(result)
+        return tensor

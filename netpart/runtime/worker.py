@@ -1,0 +1,177 @@
+"""ModelWorker: one model worker's lockstep forward and backward pass over a Transport.
+
+Forward, layer by layer: send each owned boundary unit of layer l-1 once to every worker that
+reads it, receive the halo into a preallocated buffer, compute the owned units of layer l.
+Backward mirrors it: after the local backward of layer l, gradients for halo inputs go back to
+their owners, which add them to the gradients of their own units. The loss over a distributed
+output layer needs two or three all-reduces of [B] vectors (max, sum of exponentials, target
+logit): cross-entropy is computed exactly as on one process.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from netpart.models.spec import ModelSpec
+from netpart.partition.graph import UnitGraph
+from netpart.runtime.schedule import HaloSchedule, ShapeMismatchError
+from netpart.runtime.slices import LayerSlice, build_slice
+from netpart.runtime.transport import Transport
+
+__all__ = ["ModelWorker", "WorkerResult"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerResult:
+    """What one worker returns from a step: its loss (same on all), grads and byte counters."""
+
+    rank: int
+    loss: float
+    outputs: torch.Tensor  # [B, owned output units]
+    output_units: np.ndarray
+    grads: list[tuple[str, np.ndarray, torch.Tensor]]  # (reference name, flat index, values)
+    sent: dict[tuple[int, str], int] = field(default_factory=dict)  # (layer, phase) -> bytes
+    received: dict[tuple[int, str], int] = field(default_factory=dict)
+
+
+class ModelWorker:
+    """Holds worker `rank`'s slices of every layer and runs steps through `transport`."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        graph: UnitGraph,
+        schedule: HaloSchedule,
+        rank: int,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.spec, self.schedule, self.rank, self.dtype = spec, schedule, rank, dtype
+        self.owned = [schedule.owned[i][rank] for i in range(len(spec.layers))]
+        self.slices: list[LayerSlice] = [
+            build_slice(spec, i, self.owned[i], graph.layers[i], seed, dtype)
+            for i in range(len(spec.layers))
+        ]
+        # Per layer: what this worker sends (positions in its owned buffer) and receives (units).
+        self.sends: list[dict[int, torch.Tensor]] = [{}]
+        self.recvs: list[dict[int, torch.Tensor]] = [{}]
+        for i in range(1, len(spec.layers)):
+            mine = self.owned[i - 1]
+            out: dict[int, torch.Tensor] = {}
+            into: dict[int, torch.Tensor] = {}
+            for (s, d), units in schedule.sends[i].items():
+                if s == rank:
+                    out[d] = torch.from_numpy(np.searchsorted(mine, units))
+                if d == rank:
+                    into[s] = torch.from_numpy(units)
+            self.sends.append(out)
+            self.recvs.append(into)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for s in self.slices for p in s.parameters()]
+
+    def step(
+        self, inputs: torch.Tensor, targets: torch.Tensor, transport: Transport
+    ) -> WorkerResult:
+        """One forward/backward pass of the whole batch; grads accumulate in the slices."""
+        batch = inputs.shape[0]
+        sent: dict[tuple[int, str], int] = {}
+        received: dict[tuple[int, str], int] = {}
+        leaves: list[torch.Tensor | None] = []
+        outs: list[torch.Tensor] = []
+        x = self._buffer(batch, self.spec.input.shape.size)
+        x[:, : inputs[0].numel()] = inputs.reshape(batch, -1).to(self.dtype)
+        leaves.append(None)
+        outs.append(self.slices[0](x))
+        for i in range(1, len(self.spec.layers)):
+            prev = outs[-1].detach()
+            halo = {s: self._empty(batch, len(u)) for s, u in self.recvs[i].items()}
+            payload = {d: prev[:, pos].contiguous() for d, pos in self.sends[i].items()}
+            transport.exchange(2 * i, payload, halo)
+            sent[(i, "forward")] = sum(t.numel() * t.element_size() for t in payload.values())
+            received[(i, "forward")] = sum(t.numel() * t.element_size() for t in halo.values())
+            x = self._buffer(batch, self.spec.input_shape(i).size)
+            x[:, torch.from_numpy(self.owned[i - 1])] = prev
+            for s, units in self.recvs[i].items():
+                x[:, units] = halo[s]
+            x.requires_grad_(True)
+            leaves.append(x)
+            outs.append(self.slices[i](x))
+
+        loss, grad = self._loss_and_grad(outs[-1], targets, transport)
+        for i in range(len(self.spec.layers) - 1, -1, -1):
+            if outs[i].requires_grad:  # False for a parameter-free layer 0, or no owned units
+                torch.autograd.backward(outs[i], grad)
+            if i == 0:
+                break
+            gx = leaves[i].grad if leaves[i].grad is not None else torch.zeros_like(leaves[i])
+            grad = gx[:, torch.from_numpy(self.owned[i - 1])].clone()
+            back = {s: gx[:, units].contiguous() for s, units in self.recvs[i].items()}
+            incoming = {d: self._empty(batch, len(pos)) for d, pos in self.sends[i].items()}
+            transport.exchange(2 * i + 1, back, incoming)
+            sent[(i, "backward")] = sum(t.numel() * t.element_size() for t in back.values())
+            received[(i, "backward")] = sum(t.numel() * t.element_size() for t in incoming.values())
+            for d, pos in self.sends[i].items():
+                grad.index_add_(1, pos, incoming[d])
+        return WorkerResult(
+            rank=self.rank,
+            loss=loss,
+            outputs=outs[-1].detach(),
+            output_units=self.owned[-1],
+            grads=[
+                (name, idx, p.grad.detach().clone())
+                for s in self.slices
+                for name, idx, p in s.param_slices()
+            ],
+            sent=sent,
+            received=received,
+        )
+
+    def zero_grad(self) -> None:
+        for p in self.parameters():
+            p.grad = None
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _buffer(self, batch: int, n: int) -> torch.Tensor:
+        """Input buffer [B, n + 2]: slot n is zero padding, slot n + 1 is -inf padding."""
+        x = torch.zeros(batch, n + 2, dtype=self.dtype)
+        x[:, n + 1] = float("-inf")
+        return x
+
+    def _empty(self, batch: int, n: int) -> torch.Tensor:
+        return torch.empty(batch, n, dtype=self.dtype)
+
+    def _loss_and_grad(
+        self, logits: torch.Tensor, targets: torch.Tensor, transport: Transport
+    ) -> tuple[float, torch.Tensor]:
+        """The global loss and its gradient w.r.t. this worker's output units."""
+        logits = logits.detach()
+        batch = logits.shape[0]
+        units = torch.from_numpy(self.owned[-1])
+        if self.spec.loss == "cross_entropy":
+            if targets.shape != (batch,):
+                raise ShapeMismatchError(
+                    f"targets must be [{batch}] class ids, got {targets.shape}"
+                )
+            local_max = (
+                logits.amax(dim=1) if logits.shape[1] else logits.new_full((batch,), -torch.inf)
+            )
+            gmax = transport.all_reduce(local_max.clone(), "max")
+            sumexp = transport.all_reduce(torch.exp(logits - gmax[:, None]).sum(dim=1), "sum")
+            lse = gmax + torch.log(sumexp)
+            mine = targets[:, None] == units[None, :]  # [B, |U|]
+            target_logit = transport.all_reduce((logits * mine).sum(dim=1), "sum")
+            loss = (lse - target_logit).mean()
+            grad = (torch.exp(logits - lse[:, None]) - mine.to(logits.dtype)) / batch
+            return float(loss), grad
+        n_out = self.spec.shapes[-1].size
+        t = targets.reshape(batch, -1).to(self.dtype)[:, units]
+        diff = logits - t
+        total = transport.all_reduce((diff * diff).sum().reshape(1), "sum")
+        return float(total[0] / (batch * n_out)), 2.0 * diff / (batch * n_out)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["MetisError", "NetpartError", "PlanError", "SpecError"]
+__all__ = ["MetisError", "NetpartError", "PlanError", "RuntimeFailure", "SpecError"]
 
 
 class NetpartError(Exception):
@@ -19,3 +19,7 @@ class PlanError(NetpartError):
 
 class MetisError(NetpartError):
     """METIS is missing, was handed an invalid graph, or reported a failure."""
+
+
+class RuntimeFailure(Exception):
+    """A run that failed while running (a worker died, a peer timed out): exit code 1."""

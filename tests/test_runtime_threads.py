@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from netpart.models import ZOO, build_reference
 from netpart.partition import Granularity, build_unit_graph, plan
+from netpart.runtime.check import make_batch
 from netpart.runtime.local import run_step_threads
 from netpart.runtime.schedule import ScheduleError, ShapeMismatchError, build_schedule
 from tests.conftest import small_specs
@@ -26,16 +27,6 @@ def reference_step(spec, inputs, targets, seed=0):
     if loss.requires_grad:  # a spec of pool/lcn layers only has no parameters
         loss.backward()
     return float(loss.detach()), out.detach(), {n: p.grad for n, p in model.named_parameters()}
-
-
-def make_batch(spec, batch, seed):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch, spec.input.shape.size, generator=gen, dtype=torch.float64)
-    if spec.loss == "cross_entropy":
-        y = torch.randint(0, spec.shapes[-1].channels, (batch,), generator=gen)
-    else:
-        y = torch.randn(batch, spec.shapes[-1].size, generator=gen, dtype=torch.float64)
-    return x, y
 
 
 def assert_equal_to_reference(spec, result, inputs, targets):

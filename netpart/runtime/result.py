@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from netpart.files import write_atomic
 from netpart.models.reference import ReferenceModel
 from netpart.models.spec import ModelSpec
 from netpart.runtime.worker import WorkerResult
 
-__all__ = ["StepResult", "assemble"]
+__all__ = ["StepResult", "assemble", "load_worker_result", "save_worker_result"]
 
 
 @dataclass
@@ -53,3 +56,41 @@ def assemble(
         sent=[r.sent for r in sorted(results, key=lambda r: r.rank)],
         received=[r.received for r in sorted(results, key=lambda r: r.rank)],
     )
+
+
+def load_worker_result(path: Path) -> WorkerResult:
+    d = torch.load(path, weights_only=True)
+    return WorkerResult(
+        rank=int(d["rank"]),
+        loss=float(d["loss"]),
+        outputs=d["outputs"],
+        output_units=d["output_units"].numpy(),
+        grads=[
+            (n, i.numpy(), v) for n, i, v in zip(d["names"], d["indices"], d["values"], strict=True)
+        ],
+        sent={(int(k[0]), k[1]): int(v) for k, v in zip(d["sent_keys"], d["sent"], strict=True)},
+        received={
+            (int(k[0]), k[1]): int(v) for k, v in zip(d["recv_keys"], d["received"], strict=True)
+        },
+    )
+
+
+def save_worker_result(path: Path, r: WorkerResult) -> None:
+    buf = io.BytesIO()
+    torch.save(
+        {
+            "rank": r.rank,
+            "loss": r.loss,
+            "outputs": r.outputs,
+            "output_units": torch.from_numpy(r.output_units),
+            "names": [n for n, _, _ in r.grads],
+            "indices": [torch.from_numpy(np.asarray(i)) for _, i, _ in r.grads],
+            "values": [v for _, _, v in r.grads],
+            "sent_keys": [[k[0], k[1]] for k in r.sent],
+            "sent": list(r.sent.values()),
+            "recv_keys": [[k[0], k[1]] for k in r.received],
+            "received": list(r.received.values()),
+        },
+        buf,
+    )
+    write_atomic(path, buf.getvalue())

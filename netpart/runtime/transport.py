@@ -10,6 +10,7 @@ peer surfaces as an error from the process group after its timeout, re-raised na
 from __future__ import annotations
 
 import queue
+import re
 import threading
 import time
 from typing import Protocol
@@ -17,13 +18,15 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from netpart.errors import NetpartError
+from netpart.errors import RuntimeFailure
 from netpart.runtime.schedule import ShapeMismatchError
 
-__all__ = ["GlooTransport", "PeerError", "ThreadTransport", "Transport"]
+__all__ = ["PEER_LOST", "GlooTransport", "PeerError", "ThreadTransport", "Transport"]
+
+PEER_LOST = "peer dead or past the timeout"
 
 
-class PeerError(NetpartError):
+class PeerError(RuntimeFailure):
     """A peer died, hung past the timeout, or broke the protocol."""
 
 
@@ -63,7 +66,7 @@ class GlooTransport:
             except RuntimeError as exc:
                 raise PeerError(
                     f"worker {self.rank}: {what} worker {peer} failed in phase {tag} "
-                    f"(peer dead or past the timeout): {str(exc).splitlines()[0]}"
+                    f"({PEER_LOST}): {_gloo_reason(exc)}"
                 ) from None
 
     def all_reduce(self, tensor, op):
@@ -72,10 +75,16 @@ class GlooTransport:
             dist.all_reduce(tensor, red, self.group)
         except RuntimeError as exc:
             raise PeerError(
-                f"worker {self.rank}: all-reduce failed (a peer is dead or past the timeout): "
-                f"{str(exc).splitlines()[0]}"
+                f"worker {self.rank}: all-reduce failed ({PEER_LOST}): {_gloo_reason(exc)}"
             ) from None
         return tensor
+
+
+def _gloo_reason(exc: BaseException) -> str:
+    """gloo's message without its source location and boilerplate advice."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)
+    return text.split(". This is typically")[0]
 
 
 class _Hub:

@@ -1,0 +1,134 @@
+"""`netpart check`: one partitioned step against the single-process reference, in float64.
+
+This is how a user validates a custom spec: the same batch and the same initial weights go
+through the reference module and through N worker processes; loss, outputs and every
+parameter gradient must agree to `tolerance`, and the bytes each worker moved must equal what
+the plan predicts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from netpart.errors import PlanError
+from netpart.models.reference import build_reference
+from netpart.models.spec import ModelSpec
+from netpart.partition.graph import build_unit_graph
+from netpart.partition.planner import PartitionPlan
+from netpart.runtime.launch import run_step
+from netpart.runtime.result import StepResult
+from netpart.runtime.schedule import build_schedule
+
+__all__ = ["CheckReport", "check_step", "estimate_check_bytes", "make_batch", "require_memory"]
+
+
+@dataclass(frozen=True)
+class Difference:
+    name: str
+    max_abs: float
+    max_rel: float
+    ok: bool
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    differences: tuple[Difference, ...]
+    bytes_match: bool
+    bytes_rows: tuple[tuple[int, str, int, int], ...]  # (layer, phase, measured, planned)
+
+    @property
+    def ok(self) -> bool:
+        return self.bytes_match and all(d.ok for d in self.differences)
+
+
+def make_batch(spec: ModelSpec, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deterministic float64 batch: normal inputs, random classes (or normal MSE targets)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, spec.input.shape.size, generator=gen, dtype=torch.float64)
+    if spec.loss == "cross_entropy":
+        return x, torch.randint(0, spec.shapes[-1].channels, (batch,), generator=gen)
+    return x, torch.randn(batch, spec.shapes[-1].size, generator=gen, dtype=torch.float64)
+
+
+def estimate_check_bytes(spec: ModelSpec, batch: int) -> int:
+    """Memory a float64 check needs: reference and workers each hold params + grads +
+    activations (workers also a full-size input buffer per layer)."""
+    acts = sum(s.size for s in spec.shapes) + spec.input.shape.size
+    return 8 * (2 * 2 * spec.num_params + 4 * batch * acts)
+
+
+def require_memory(spec: ModelSpec, batch: int) -> None:
+    """Raise PlanError when a float64 check of `spec` cannot fit in the available memory."""
+    need, have = estimate_check_bytes(spec, batch), _available_bytes()
+    if need > have:
+        raise PlanError(
+            f"checking {spec.name} needs about {need / 2**30:.1f} GiB in float64 but "
+            f"{have / 2**30:.1f} GiB are available; check a smaller model or batch"
+        )
+
+
+def _available_bytes() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):  # pragma: no cover - non-POSIX
+        return 1 << 62
+
+
+def _diff(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> Difference:
+    err = (got - want).abs()
+    max_abs = float(err.max()) if err.numel() else 0.0
+    denom = want.abs().clamp_min(1e-300)
+    max_rel = float((err / denom).max()) if err.numel() else 0.0
+    ok = bool(torch.all(err <= tol + tol * want.abs())) if err.numel() else True
+    return Difference(name, max_abs, max_rel, ok)
+
+
+def check_step(
+    spec: ModelSpec,
+    plan: PartitionPlan,
+    batch: int = 4,
+    seed: int = 0,
+    tolerance: float = 1e-9,
+    timeout: float = 60.0,
+) -> tuple[CheckReport, StepResult]:
+    """Run the reference and the partitioned step on the same batch and compare everything."""
+    require_memory(spec, batch)
+    x, y = make_batch(spec, batch, seed)
+    model = build_reference(spec, seed, torch.float64)
+    out = model(x)
+    loss = model.loss(out, y)
+    if loss.requires_grad:
+        loss.backward()
+    result = run_step(spec, plan, x, y, seed=seed, dtype=torch.float64, timeout=timeout)
+    diffs = [
+        _diff(
+            "loss",
+            torch.tensor([result.loss], dtype=torch.float64),
+            loss.detach().reshape(1),
+            tolerance,
+        ),
+        _diff("outputs", result.outputs.reshape(out.shape), out.detach(), tolerance),
+    ]
+    for name, p in model.named_parameters():
+        diffs.append(_diff(f"grad {name}", result.grads[name], p.grad, tolerance))
+    traffic = build_schedule(build_unit_graph(spec, plan.granularity), plan.node_map, plan.workers)
+    planned = traffic.traffic() * batch * 8
+    rows = []
+    match = True
+    for layer in range(1, len(spec.layers)):
+        for phase in ("forward", "backward"):
+            measured = sum(s.get((layer, phase), 0) for s in result.sent)
+            want = int(planned[layer].sum())
+            rows.append((layer, phase, measured, want))
+            match &= measured == want
+        for w in range(plan.workers):
+            per_worker = planned[layer, w].sum(), planned[layer, :, w].sum()
+            got = (
+                result.sent[w].get((layer, "forward"), 0),
+                result.received[w].get((layer, "forward"), 0),
+            )
+            match &= tuple(int(v) for v in per_worker) == got
+    return CheckReport(tuple(diffs), bool(match), tuple(rows)), result

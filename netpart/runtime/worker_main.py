@@ -1,0 +1,83 @@
+"""Entry point of one model-worker process: `python -m netpart.runtime.worker_main --job DIR`.
+
+RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT come from the environment (set by `run_step`,
+the same names torchrun uses). The process reads the job directory, joins the gloo process
+group through the launcher's store, runs one step and writes `result_<rank>.pt`. Any error
+ends the process with code 1 and one line on stderr naming what failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from netpart.files import load_plan
+from netpart.models.spec import ModelSpec
+from netpart.partition.graph import build_unit_graph
+from netpart.runtime.result import save_worker_result
+from netpart.runtime.schedule import build_schedule
+from netpart.runtime.transport import GlooTransport
+from netpart.runtime.worker import ModelWorker
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+def _fault_injection(rank: int) -> None:
+    """Test hook: NETPART_TEST_FAULT=die:R or hang:R makes worker R die or hang mid-run."""
+    fault = os.environ.get("NETPART_TEST_FAULT", "")
+    kind, _, who = fault.partition(":")
+    if who and int(who) == rank:
+        if kind == "die":
+            os._exit(17)
+        if kind == "hang":
+            time.sleep(3600)
+
+
+def _worker_main(job: Path) -> int:
+    """Entry of one worker process: RANK/WORLD_SIZE/MASTER_* come from the environment."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    logging.basicConfig(level=logging.INFO, format=f"worker {rank}: %(levelname)s %(message)s")
+    config = json.loads((job / "config.json").read_text())
+    torch.set_num_threads(int(config["threads"]))
+    spec = ModelSpec.from_json((job / "spec.json").read_text(), str(job / "spec.json"))
+    plan = load_plan(job, spec)
+    batch = torch.load(job / "batch.pt", weights_only=True)
+    timeout = datetime.timedelta(seconds=float(config["timeout"]))
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world + 1, False, timeout=timeout
+    )
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    try:
+        graph = build_unit_graph(spec, plan.granularity)
+        schedule = build_schedule(graph, plan.node_map, plan.workers)
+        worker = ModelWorker(spec, graph, schedule, rank, config["seed"], DTYPES[config["dtype"]])
+        _fault_injection(rank)
+        result = worker.step(batch["inputs"], batch["targets"], GlooTransport())
+        save_worker_result(job / f"result_{rank}.pt", result)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m netpart.runtime.launch")
+    ap.add_argument("--job", type=Path, required=True)
+    args = ap.parse_args()
+    try:
+        return _worker_main(args.job)
+    except Exception as exc:
+        print(f"worker {os.environ.get('RANK', '?')}: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

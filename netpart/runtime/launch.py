@@ -52,8 +52,14 @@ def run_step(
     dtype: torch.dtype = torch.float64,
     timeout: float = 60.0,
     threads: int = 1,
+    steps: int = 1,
 ) -> StepResult:
-    """One forward/backward step of `spec` partitioned by `plan`, in `plan.workers` processes."""
+    """One forward/backward step of `spec` partitioned by `plan`, in `plan.workers` processes.
+
+    `threads` is torch's intra-op thread count per worker. With `steps` > 1 each worker repeats
+    the step (gradients zeroed, a barrier before each) and reports per-step wall times; the
+    result describes the last step.
+    """
     plan.check_model(spec)
     graph = build_unit_graph(spec, plan.granularity)
     build_schedule(graph, plan.node_map, plan.workers).validate(plan)
@@ -63,7 +69,13 @@ def run_step(
         files = plan_files(plan)
         files["spec.json"] = spec.to_json().encode()
         files["config.json"] = json.dumps(
-            {"seed": seed, "dtype": dtype_name, "timeout": timeout, "threads": threads}
+            {
+                "seed": seed,
+                "dtype": dtype_name,
+                "timeout": timeout,
+                "threads": threads,
+                "steps": steps,
+            }
         ).encode()
         write_files(job, files)
         torch.save({"inputs": inputs, "targets": targets}, job / "batch.pt")

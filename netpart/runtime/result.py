@@ -27,6 +27,9 @@ class StepResult:
     grads: dict[str, torch.Tensor]
     sent: list[dict[tuple[int, str], int]]
     received: list[dict[tuple[int, str], int]]
+    step_times: list[list[float]]  # per worker, per timed step (empty unless timed)
+    compute_s: list[dict[tuple[int, str], float]]  # per worker, last step, per (layer, phase)
+    exchange_s: list[dict[tuple[int, str], float]]
 
 
 def assemble(
@@ -55,6 +58,9 @@ def assemble(
         grads=grads,
         sent=[r.sent for r in sorted(results, key=lambda r: r.rank)],
         received=[r.received for r in sorted(results, key=lambda r: r.rank)],
+        step_times=[r.step_times for r in sorted(results, key=lambda r: r.rank)],
+        compute_s=[r.compute_s for r in sorted(results, key=lambda r: r.rank)],
+        exchange_s=[r.exchange_s for r in sorted(results, key=lambda r: r.rank)],
     )
 
 
@@ -71,6 +77,17 @@ def load_worker_result(path: Path) -> WorkerResult:
         sent={(int(k[0]), k[1]): int(v) for k, v in zip(d["sent_keys"], d["sent"], strict=True)},
         received={
             (int(k[0]), k[1]): int(v) for k, v in zip(d["recv_keys"], d["received"], strict=True)
+        },
+        step_times=[float(t) for t in d["step_times"]],
+        compute_s={
+            (int(k[0]), k[1]): float(v)
+            for k, kind, v in zip(d["timing_keys"], d["timing_kind"], d["timing_s"], strict=True)
+            if kind == "compute"
+        },
+        exchange_s={
+            (int(k[0]), k[1]): float(v)
+            for k, kind, v in zip(d["timing_keys"], d["timing_kind"], d["timing_s"], strict=True)
+            if kind == "exchange"
         },
     )
 
@@ -90,6 +107,11 @@ def save_worker_result(path: Path, r: WorkerResult) -> None:
             "sent": list(r.sent.values()),
             "recv_keys": [[k[0], k[1]] for k in r.received],
             "received": list(r.received.values()),
+            "step_times": list(r.step_times),
+            "timing_keys": [[k[0], k[1]] for k in r.compute_s]
+            + [[k[0], k[1]] for k in r.exchange_s],
+            "timing_kind": ["compute"] * len(r.compute_s) + ["exchange"] * len(r.exchange_s),
+            "timing_s": list(r.compute_s.values()) + list(r.exchange_s.values()),
         },
         buf,
     )

@@ -1,11 +1,12 @@
 """A worker's slice of one layer: its parameters and the dense computation of its units.
 
-Every slice reads a full-size input buffer `x` of shape [B, N_in + 2] in which the worker has
-filled the units it owns and the halo it received (the rest stays zero and is never read);
-slot N_in holds 0 (zero padding) and slot N_in + 1 holds -inf (max-pool padding). It returns
-its owned units [B, len(units)] in the order of `units` (sorted flat indices of the layer's
-(C, H, W) output). Computation is gathers plus batched matmuls, never loops over units; the
-only Python loops are over the channel groups of the plan's blocks.
+Buffers are units-major: a slice reads a full-size input buffer `x` of shape [N_in + 2, B] in
+which the worker has filled the units it owns and the halo it received (other rows stay zero
+and are never read); row N_in holds 0 (zero padding) and row N_in + 1 holds -inf (max-pool
+padding). It returns its owned units as [len(units), B] in the order of `units` (sorted flat
+indices of the layer's (C, H, W) output). Gathers copy whole rows of B contiguous values, and
+locally connected layers run as one batched matmul [Q, cg, K] @ [Q, K, B] per channel group.
+Computation never loops over units; the only Python loops are over the plan's channel groups.
 """
 
 from __future__ import annotations
@@ -98,33 +99,40 @@ class _GroupedSlice(LayerSlice):
             torch.from_numpy(window_index(spec, index, pos, None, self.n_in))
             for _, _, pos, _ in self.groups
         ]
+        self._order = (
+            torch.from_numpy(np.argsort(np.concatenate([o.reshape(-1) for o in self._out_index])))
+            if self.groups
+            else torch.zeros(0, dtype=torch.long)
+        )
+
+    def _place(self, parts: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """Rows of each group's [Q, cg, B] output, put in `units` order: [len(units), B]."""
+        if not parts:
+            return x[:0]
+        return torch.cat([p.reshape(-1, x.shape[1]) for p in parts])[self._order]
 
 
 class LocalSlice(_GroupedSlice):
-    """Untied filters: per group, [Q, B, K] @ [Q, K, cg] (batched over owned positions)."""
+    """Untied filters: per group, [Q, cg, K] @ [Q, K, B] (batched over owned positions)."""
 
     def __init__(self, spec, index, units, blocks, seed: int, dtype: torch.dtype) -> None:
         super().__init__(spec, index, units, blocks)
-        k_in = spec.input_shape(index).channels * spec.layers[index].kernel ** 2
+        self.k_in = spec.input_shape(index).channels * spec.layers[index].kernel ** 2
         self.weights = nn.ParameterList()
         self.biases = nn.ParameterList()
         for c0, c1, pos, _ in self.groups:
-            rows = init_rows(spec, seed, index, pos)[:, :, c0:c1]  # [Q, K, cg]
+            rows = init_rows(spec, seed, index, pos)[:, :, c0:c1].transpose(0, 2, 1)  # [Q, cg, K]
             self.weights.append(
                 nn.Parameter(torch.from_numpy(np.ascontiguousarray(rows)).to(dtype))
             )
-            self.biases.append(nn.Parameter(torch.zeros(len(pos), c1 - c0, dtype=dtype)))
-        self.k_in = k_in
+            self.biases.append(nn.Parameter(torch.zeros(len(pos), c1 - c0, 1, dtype=dtype)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.new_empty(x.shape[0], len(self.units))
-        for w, b, pidx, oidx in zip(
-            self.weights, self.biases, self._patch_index, self._out_index, strict=True
-        ):
-            patches = x[:, pidx].transpose(0, 1)  # [Q, B, K]
-            y = torch.baddbmm(b[:, None, :], patches, w)  # [Q, B, cg]
-            out = out.index_copy(1, oidx.reshape(-1), y.transpose(0, 1).reshape(x.shape[0], -1))
-        return _activation(self.activation, out)
+        parts = [
+            torch.baddbmm(b, w, x[pidx])  # [Q, cg, B]
+            for w, b, pidx in zip(self.weights, self.biases, self._patch_index, strict=True)
+        ]
+        return _activation(self.activation, self._place(parts, x))
 
     def param_slices(self):
         out = []
@@ -132,7 +140,7 @@ class LocalSlice(_GroupedSlice):
         for (c0, c1, pos, _), w, b in zip(self.groups, self.weights, self.biases, strict=True):
             ch = np.arange(c0, c1)
             k = np.arange(self.k_in)
-            w_idx = (pos[:, None, None] * self.k_in + k[None, :, None]) * cout + ch[None, None, :]
+            w_idx = (pos[:, None, None] * self.k_in + k[None, None, :]) * cout + ch[None, :, None]
             b_idx = ch[None, :] * self.hw + pos[:, None]
             name = f"layers.{self.index}"
             out += [(f"{name}.weight", w_idx.ravel(), w), (f"{name}.bias", b_idx.ravel(), b)]
@@ -148,46 +156,44 @@ class ConvSlice(_GroupedSlice):
         self.weights = nn.ParameterList()
         self.biases = nn.ParameterList()
         for c0, c1, _, _ in self.groups:
-            kernel = np.ascontiguousarray(full[c0:c1].reshape(c1 - c0, -1).T)  # [K, cg]
+            kernel = np.ascontiguousarray(full[c0:c1].reshape(c1 - c0, -1))  # [cg, K]
             self.weights.append(nn.Parameter(torch.from_numpy(kernel).to(dtype)))
-            self.biases.append(nn.Parameter(torch.zeros(c1 - c0, dtype=dtype)))
+            self.biases.append(nn.Parameter(torch.zeros(c1 - c0, 1, dtype=dtype)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.new_empty(x.shape[0], len(self.units))
-        for w, b, pidx, oidx in zip(
-            self.weights, self.biases, self._patch_index, self._out_index, strict=True
-        ):
-            y = torch.matmul(x[:, pidx], w) + b  # [B, Q, cg]
-            out = out.index_copy(1, oidx.reshape(-1), y.reshape(x.shape[0], -1))
-        return _activation(self.activation, out)
+        parts = [
+            torch.matmul(w, x[pidx]) + b  # [cg, K] @ [Q, K, B] -> [Q, cg, B]
+            for w, b, pidx in zip(self.weights, self.biases, self._patch_index, strict=True)
+        ]
+        return _activation(self.activation, self._place(parts, x))
 
     def param_slices(self):
         out = []
-        k_in = self.weights[0].shape[0] if len(self.weights) else 0
+        k_in = self.weights[0].shape[1] if len(self.weights) else 0
         for (c0, c1, _, _), w, b in zip(self.groups, self.weights, self.biases, strict=True):
             ch = np.arange(c0, c1)
-            # reference weight [Cout, Cin, k, k] flattened: c * K + k; ours is [K, cg].
-            w_idx = ch[None, :] * k_in + np.arange(k_in)[:, None]
+            # reference weight [Cout, Cin, k, k] flattened: c * K + k; ours is [cg, K].
+            w_idx = ch[:, None] * k_in + np.arange(k_in)[None, :]
             name = f"layers.{self.index}"
             out += [(f"{name}.weight", w_idx.ravel(), w), (f"{name}.bias", ch, b)]
         return out
 
 
 class DenseSlice(LayerSlice):
-    """Owned neurons: [B, n_in] @ [n_in, |U|] + b."""
+    """Owned neurons: [|U|, n_in] @ [n_in, B] + b."""
 
     def __init__(self, spec, index, units, seed: int, dtype: torch.dtype) -> None:
         super().__init__(spec, index, units)
         rows = init_rows(spec, seed, index, units)  # [|U|, n_in]
-        self.weight = nn.Parameter(torch.from_numpy(np.ascontiguousarray(rows.T)).to(dtype))
-        self.bias = nn.Parameter(torch.zeros(len(units), dtype=dtype))
+        self.weight = nn.Parameter(torch.from_numpy(rows).to(dtype))
+        self.bias = nn.Parameter(torch.zeros(len(units), 1, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _activation(self.activation, torch.addmm(self.bias, x[:, : self.n_in], self.weight))
+        return _activation(self.activation, torch.addmm(self.bias, self.weight, x[: self.n_in]))
 
     def param_slices(self):
         n_in = self.n_in
-        w_idx = self.units[None, :] * n_in + np.arange(n_in)[:, None]  # ours is [n_in, |U|]
+        w_idx = self.units[:, None] * n_in + np.arange(n_in)[None, :]
         name = f"layers.{self.index}"
         return [
             (f"{name}.weight", w_idx.ravel(), self.weight),
@@ -207,30 +213,43 @@ class PoolSlice(LayerSlice):
         self._index = torch.from_numpy(idx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        win = x[:, self._index]  # [B, U, k*k]
+        win = x[self._index]  # [U, k*k, B]
         if self.mode == "max":
-            return win.amax(dim=2)
+            return win.amax(dim=1)
         if self.mode == "avg":
-            return win.sum(dim=2) / self.k2
-        return torch.sqrt((win * win).sum(dim=2) + L2_POOL_EPS)
+            return win.sum(dim=1) / self.k2
+        return torch.sqrt((win * win).sum(dim=1) + L2_POOL_EPS)
 
 
 class LcnSlice(LayerSlice):
-    """(x - mean) / sqrt(var + eps), mean and var over the k x k window and all channels."""
+    """(x - mean) / sqrt(var + eps), mean and var over the k x k window and all channels.
+
+    As in the reference: average over channels first (one pass over the input), then over
+    each owned position's window of positions.
+    """
 
     def __init__(self, spec, index, units) -> None:
         super().__init__(spec, index, units)
-        self.eps = spec.layers[index].eps
-        positions, self._pos_of_unit = np.unique(self.position, return_inverse=True)
-        self._window = torch.from_numpy(window_index(spec, index, positions, None, self.n_in))
+        src = spec.input_shape(index)
+        self.eps, self.c_in, self.hw_in = (
+            spec.layers[index].eps,
+            src.channels,
+            src.height * src.width,
+        )
+        positions, pos_of_unit = np.unique(self.position, return_inverse=True)
+        zeros = np.zeros(len(positions), dtype=np.int64)  # channel 0: flat index = position
+        self._window = torch.from_numpy(window_index(spec, index, positions, zeros, self.hw_in))
+        self._pos_of_unit = torch.from_numpy(pos_of_unit.reshape(-1))
         self._centre = torch.from_numpy(self.units)  # same size: input unit = output unit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        win = x[:, self._window]  # [B, Q, C*k*k]
-        mean = win.mean(dim=2)
-        var = (win * win).mean(dim=2) - mean * mean
-        pos = torch.from_numpy(self._pos_of_unit)
-        return (x[:, self._centre] - mean[:, pos]) / torch.sqrt(var[:, pos] + self.eps)
+        planes = x[: self.n_in].reshape(self.c_in, self.hw_in, -1)
+        pad = x.new_zeros(1, x.shape[1])
+        mean_c = torch.cat([planes.mean(dim=0), pad])  # [HW + 1, B], last row = zero padding
+        sq_c = torch.cat([(planes * planes).mean(dim=0), pad])
+        mean = mean_c[self._window].mean(dim=1)[self._pos_of_unit]  # [U, B]
+        var = sq_c[self._window].mean(dim=1)[self._pos_of_unit] - mean * mean
+        return (x[self._centre] - mean) / torch.sqrt(var + self.eps)
 
 
 def build_slice(

@@ -11,6 +11,7 @@ logit): cross-entropy is computed exactly as on one process.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +39,9 @@ class WorkerResult:
     grads: list[tuple[str, np.ndarray, torch.Tensor]]  # (reference name, flat index, values)
     sent: dict[tuple[int, str], int] = field(default_factory=dict)  # (layer, phase) -> bytes
     received: dict[tuple[int, str], int] = field(default_factory=dict)
+    step_times: list[float] = field(default_factory=list)  # seconds, when timed
+    compute_s: dict[tuple[int, str], float] = field(default_factory=dict)  # (layer, phase)
+    exchange_s: dict[tuple[int, str], float] = field(default_factory=dict)
 
 
 class ModelWorker:
@@ -59,6 +63,7 @@ class ModelWorker:
             for i in range(len(spec.layers))
         ]
         # Per layer: what this worker sends (positions in its owned buffer) and receives (units).
+        self._owned_t = [torch.from_numpy(u) for u in self.owned]
         self.sends: list[dict[int, torch.Tensor]] = [{}]
         self.recvs: list[dict[int, torch.Tensor]] = [{}]
         for i in range(1, len(spec.layers)):
@@ -77,61 +82,91 @@ class ModelWorker:
         return [p for s in self.slices for p in s.parameters()]
 
     def step(
-        self, inputs: torch.Tensor, targets: torch.Tensor, transport: Transport
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        transport: Transport,
+        collect_grads: bool = True,
     ) -> WorkerResult:
-        """One forward/backward pass of the whole batch; grads accumulate in the slices."""
+        """One forward/backward pass of the whole batch; grads accumulate in the slices.
+
+        With `collect_grads` the result carries copies of the gradients keyed for the
+        reference module (costly: leave it off for steps whose gradients stay local).
+        """
         batch = inputs.shape[0]
         sent: dict[tuple[int, str], int] = {}
         received: dict[tuple[int, str], int] = {}
         leaves: list[torch.Tensor | None] = []
         outs: list[torch.Tensor] = []
+        compute: dict[tuple[int, str], float] = {}
+        exchange: dict[tuple[int, str], float] = {}
+        clock = time.perf_counter
+        t0 = clock()
         x = self._buffer(batch, self.spec.input.shape.size)
-        x[:, : inputs[0].numel()] = inputs.reshape(batch, -1).to(self.dtype)
+        x[: inputs[0].numel()] = inputs.reshape(batch, -1).T.to(self.dtype)
         leaves.append(None)
         outs.append(self.slices[0](x))
+        compute[(0, "forward")] = clock() - t0
         for i in range(1, len(self.spec.layers)):
-            prev = outs[-1].detach()
-            halo = {s: self._empty(batch, len(u)) for s, u in self.recvs[i].items()}
-            payload = {d: prev[:, pos].contiguous() for d, pos in self.sends[i].items()}
+            t0 = clock()
+            prev = outs[-1].detach()  # [owned units of layer i-1, B]
+            halo = {s: self._empty(len(u), batch) for s, u in self.recvs[i].items()}
+            payload = {d: prev[pos] for d, pos in self.sends[i].items()}
             transport.exchange(2 * i, payload, halo)
-            sent[(i, "forward")] = sum(t.numel() * t.element_size() for t in payload.values())
-            received[(i, "forward")] = sum(t.numel() * t.element_size() for t in halo.values())
+            t1 = clock()
+            exchange[(i, "forward")] = t1 - t0
+            sent[(i, "forward")] = _nbytes(payload)
+            received[(i, "forward")] = _nbytes(halo)
             x = self._buffer(batch, self.spec.input_shape(i).size)
-            x[:, torch.from_numpy(self.owned[i - 1])] = prev
+            x[self._owned_t[i - 1]] = prev
             for s, units in self.recvs[i].items():
-                x[:, units] = halo[s]
+                x[units] = halo[s]
             x.requires_grad_(True)
             leaves.append(x)
             outs.append(self.slices[i](x))
+            compute[(i, "forward")] = clock() - t1
 
+        t0 = clock()
         loss, grad = self._loss_and_grad(outs[-1], targets, transport)
+        exchange[(len(self.spec.layers), "loss")] = clock() - t0
         for i in range(len(self.spec.layers) - 1, -1, -1):
+            t0 = clock()
             if outs[i].requires_grad:  # False for a parameter-free layer 0, or no owned units
                 torch.autograd.backward(outs[i], grad)
             if i == 0:
+                compute[(0, "backward")] = clock() - t0
                 break
             gx = leaves[i].grad if leaves[i].grad is not None else torch.zeros_like(leaves[i])
-            grad = gx[:, torch.from_numpy(self.owned[i - 1])].clone()
-            back = {s: gx[:, units].contiguous() for s, units in self.recvs[i].items()}
-            incoming = {d: self._empty(batch, len(pos)) for d, pos in self.sends[i].items()}
+            grad = gx[self._owned_t[i - 1]]
+            back = {s: gx[units] for s, units in self.recvs[i].items()}
+            incoming = {d: self._empty(len(pos), batch) for d, pos in self.sends[i].items()}
+            t1 = clock()
+            compute[(i, "backward")] = t1 - t0
             transport.exchange(2 * i + 1, back, incoming)
-            sent[(i, "backward")] = sum(t.numel() * t.element_size() for t in back.values())
-            received[(i, "backward")] = sum(t.numel() * t.element_size() for t in incoming.values())
+            exchange[(i, "backward")] = clock() - t1
+            sent[(i, "backward")] = _nbytes(back)
+            received[(i, "backward")] = _nbytes(incoming)
             for d, pos in self.sends[i].items():
-                grad.index_add_(1, pos, incoming[d])
+                grad.index_add_(0, pos, incoming[d])
         return WorkerResult(
             rank=self.rank,
             loss=loss,
-            outputs=outs[-1].detach(),
+            outputs=outs[-1].detach().T,
             output_units=self.owned[-1],
-            grads=[
-                (name, idx, p.grad.detach().clone())
-                for s in self.slices
-                for name, idx, p in s.param_slices()
-            ],
+            grads=self.collect_grads() if collect_grads else [],
             sent=sent,
             received=received,
+            compute_s=compute,
+            exchange_s=exchange,
         )
+
+    def collect_grads(self) -> list[tuple[str, np.ndarray, torch.Tensor]]:
+        """(reference parameter name, flat index into it, gradient values) of every slice."""
+        return [
+            (name, idx, p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+            for s in self.slices
+            for name, idx, p in s.param_slices()
+        ]
 
     def zero_grad(self) -> None:
         for p in self.parameters():
@@ -139,19 +174,19 @@ class ModelWorker:
 
     # ---- helpers -------------------------------------------------------------------------
     def _buffer(self, batch: int, n: int) -> torch.Tensor:
-        """Input buffer [B, n + 2]: slot n is zero padding, slot n + 1 is -inf padding."""
-        x = torch.zeros(batch, n + 2, dtype=self.dtype)
-        x[:, n + 1] = float("-inf")
+        """Input buffer [n + 2, B]: row n is zero padding, row n + 1 is -inf padding."""
+        x = torch.zeros(n + 2, batch, dtype=self.dtype)
+        x[n + 1] = float("-inf")
         return x
 
-    def _empty(self, batch: int, n: int) -> torch.Tensor:
-        return torch.empty(batch, n, dtype=self.dtype)
+    def _empty(self, n: int, batch: int) -> torch.Tensor:
+        return torch.empty(n, batch, dtype=self.dtype)
 
     def _loss_and_grad(
         self, logits: torch.Tensor, targets: torch.Tensor, transport: Transport
     ) -> tuple[float, torch.Tensor]:
-        """The global loss and its gradient w.r.t. this worker's output units."""
-        logits = logits.detach()
+        """The global loss and its gradient w.r.t. this worker's output units ([U, B])."""
+        logits = logits.detach().T  # [B, U]
         batch = logits.shape[0]
         units = torch.from_numpy(self.owned[-1])
         if self.spec.loss == "cross_entropy":
@@ -169,9 +204,13 @@ class ModelWorker:
             target_logit = transport.all_reduce((logits * mine).sum(dim=1), "sum")
             loss = (lse - target_logit).mean()
             grad = (torch.exp(logits - lse[:, None]) - mine.to(logits.dtype)) / batch
-            return float(loss), grad
+            return float(loss), grad.T
         n_out = self.spec.shapes[-1].size
         t = targets.reshape(batch, -1).to(self.dtype)[:, units]
         diff = logits - t
         total = transport.all_reduce((diff * diff).sum().reshape(1), "sum")
-        return float(total[0] / (batch * n_out)), 2.0 * diff / (batch * n_out)
+        return float(total[0] / (batch * n_out)), (2.0 * diff / (batch * n_out)).T
+
+
+def _nbytes(tensors: dict[int, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -61,7 +61,16 @@ def _worker_main(job: Path) -> int:
         schedule = build_schedule(graph, plan.node_map, plan.workers)
         worker = ModelWorker(spec, graph, schedule, rank, config["seed"], DTYPES[config["dtype"]])
         _fault_injection(rank)
-        result = worker.step(batch["inputs"], batch["targets"], GlooTransport())
+        transport = GlooTransport()
+        times = []
+        steps = int(config.get("steps", 1))  # > 1 only for benchmarks
+        for i in range(steps):
+            worker.zero_grad()
+            dist.barrier()
+            start = time.perf_counter()
+            result = worker.step(batch["inputs"], batch["targets"], transport, i == steps - 1)
+            times.append(time.perf_counter() - start)
+        result.step_times = times
         save_worker_result(job / f"result_{rank}.pt", result)
     finally:
         dist.destroy_process_group()

@@ -1,0 +1,185 @@
+"""Runtime benchmark: overhead, speedup and local-kernel rate, each as a side-by-side ratio.
+
+(a) one model worker (N=1, no peers) vs the plain reference module, fwd+bwd, same thread
+    count, alternated in one process; (b) a mid-size locally connected model at N=2 worker
+    processes (one thread each) vs N=1 (one thread), step time = slowest worker per step;
+(c) the locally connected slice kernel's GFLOP/s vs a dense matmul's, one thread.
+
+    python benchmarks/runtime_bench.py --out benchmarks/results/runtime_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from netpart.models import ModelSpec, build_reference
+from netpart.partition import build_unit_graph, plan
+from netpart.runtime import build_schedule, run_step
+from netpart.runtime.check import make_batch
+from netpart.runtime.transport import ThreadTransport
+from netpart.runtime.worker import ModelWorker
+
+MID_LOCAL = ModelSpec.from_dict(
+    {
+        "name": "bench-local",
+        "input": {"channels": 3, "height": 48, "width": 48},
+        "layer": [
+            {"kind": "local", "channels": 24, "kernel": 5},
+            {"kind": "pool", "mode": "max", "kernel": 2},
+            {"kind": "lcn", "kernel": 5},
+            {"kind": "local", "channels": 32, "kernel": 5},
+            {"kind": "pool", "mode": "max", "kernel": 2},
+            {"kind": "dense", "units": 10, "activation": "softmax"},
+        ],
+    }
+)
+
+
+def _timeit(fn, repeat: int) -> list[float]:
+    out = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def overhead(batch: int, repeat: int) -> dict:
+    """(a) N=1 worker step vs reference fwd+bwd, alternated, one thread."""
+    torch.set_num_threads(1)
+    spec = MID_LOCAL
+    x, y = make_batch(spec, batch, 0)
+    x = x.float()
+    model = build_reference(spec, 0, torch.float32)
+    p = plan(spec, 1)
+    graph = build_unit_graph(spec, p.granularity)
+    worker = ModelWorker(spec, graph, build_schedule(graph, p.node_map, 1), 0, 0, torch.float32)
+    transport = ThreadTransport.group(1)[0]
+
+    def ref_step():
+        model.zero_grad(set_to_none=True)
+        model.loss(model(x), y).backward()
+
+    def worker_step():
+        worker.zero_grad()
+        worker.step(x, y, transport, collect_grads=False)
+
+    ref_step(), worker_step()  # warm-up
+    ratios, ref_t, work_t = [], [], []
+    for _ in range(repeat):
+        (a,) = _timeit(worker_step, 1)
+        (b,) = _timeit(ref_step, 1)
+        ratios.append(a / b)
+        work_t.append(a)
+        ref_t.append(b)
+    return {
+        "worker_step_s": statistics.median(work_t),
+        "reference_step_s": statistics.median(ref_t),
+        "ratio_median": statistics.median(ratios),
+    }
+
+
+def speedup(batch: int, steps: int, methods: list[str]) -> dict:
+    """(b) N=2 processes (1 thread each) vs N=1 (1 thread), same batch, lockstep step time."""
+    spec = MID_LOCAL
+    x, y = make_batch(spec, batch, 0)
+    x = x.float()
+
+    def step_time(workers: int, method: str) -> float:
+        r = run_step(
+            spec, plan(spec, workers, method), x, y, dtype=torch.float32, steps=steps, threads=1
+        )
+        # Slowest worker per step; drop 5 warm-up steps and the last (it collects gradients).
+        per_step = np.max(np.array(r.step_times), axis=0)[5:-1]
+        return float(np.median(per_step))
+
+    out = {}
+    for method in methods:
+        one, two = step_time(1, method), step_time(2, method)
+        out[method] = {"n1_step_s": one, "n2_step_s": two, "speedup": one / two}
+    return out
+
+
+def kernel_rate(batch: int, repeat: int) -> dict:
+    """(c) the local slice (whole layer 3 of bench-local) vs a dense matmul, GFLOP/s, 1 thread."""
+    torch.set_num_threads(1)
+    spec = MID_LOCAL
+    p = plan(spec, 1)
+    graph = build_unit_graph(spec, p.granularity)
+    worker = ModelWorker(spec, graph, build_schedule(graph, p.node_map, 1), 0, 0, torch.float32)
+    layer = 3
+    sl = worker.slices[layer]
+    src = spec.input_shape(layer)
+    x = torch.randn(src.size + 2, batch)  # units-major, as the runtime holds it
+    flops = 2.0 * spec.layer_params(layer) * batch  # multiply-adds of every weight, per example
+    with torch.no_grad():
+        sl(x)
+        local_t = statistics.median(_timeit(lambda: sl(x), repeat))
+    ref = build_reference(spec, 0, torch.float32).layers[layer]
+    xr = torch.randn(batch, src.channels, src.height, src.width)
+    with torch.no_grad():
+        ref(xr)
+        ref_t = statistics.median(_timeit(lambda: ref(xr), repeat))
+    n = 1024
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    mm_t = statistics.median(_timeit(lambda: torch.mm(a, b), repeat))
+    mm_rate = 2.0 * n**3 / mm_t / 1e9
+    local_rate = flops / local_t / 1e9
+    return {
+        "local_slice_gflops": local_rate,
+        "reference_unfold_bmm_gflops": flops / ref_t / 1e9,
+        "dense_matmul_gflops": mm_rate,
+        "ratio_local_over_matmul": local_rate / mm_rate,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=9)
+    ap.add_argument("--steps", type=int, default=30)
+    args = ap.parse_args()
+    a = overhead(args.batch, args.repeat)
+    print(
+        f"(a) N=1 worker {a['worker_step_s'] * 1e3:.1f} ms vs reference "
+        f"{a['reference_step_s'] * 1e3:.1f} ms per step: ratio {a['ratio_median']:.3f} "
+        "(target <= 1.15)"
+    )
+    b = speedup(args.batch, args.steps, ["metis", "tiles"])
+    for method, r in b.items():
+        print(
+            f"(b) {method}: N=1 {r['n1_step_s'] * 1e3:.1f} ms, N=2 {r['n2_step_s'] * 1e3:.1f} ms: "
+            f"speedup {r['speedup']:.2f}x (target >= 1.6)"
+        )
+    c = kernel_rate(args.batch, args.repeat)
+    print(
+        f"(c) local slice {c['local_slice_gflops']:.1f} GFLOP/s, reference unfold+bmm "
+        f"{c['reference_unfold_bmm_gflops']:.1f}, dense matmul {c['dense_matmul_gflops']:.1f}: "
+        f"ratio {c['ratio_local_over_matmul']:.2f} (target >= 0.3)"
+    )
+    result = {
+        "machine": {"python": platform.python_version(), "torch": torch.__version__},
+        "batch": args.batch,
+        "overhead": a,
+        "speedup": b,
+        "kernel": c,
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -9,6 +9,7 @@ peer surfaces as an error from the process group after its timeout, re-raised na
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import re
 import threading
@@ -53,21 +54,34 @@ class GlooTransport:
         self.size = len(self.ranks)
 
     def exchange(self, tag, sends, recvs):
+        ops = [("send to", peer, dist.isend, t) for peer, t in sends.items()]
+        ops += [("receive from", peer, dist.irecv, buf) for peer, buf in recvs.items()]
         works = []
-        for peer, t in sends.items():
-            works.append(("send to", peer, dist.isend(t, self.ranks[peer], self.group, tag=tag)))
-        for peer, buf in recvs.items():
-            works.append(
-                ("receive from", peer, dist.irecv(buf, self.ranks[peer], self.group, tag=tag))
-            )
+        for what, peer, post, tensor in ops:  # posting can fail too: a closed connection
+            with self._naming(what, peer, tag):
+                works.append((what, peer, post(tensor, self.ranks[peer], self.group, tag=tag)))
         for what, peer, work in works:
-            try:
+            with self._naming(what, peer, tag):
                 work.wait()
-            except RuntimeError as exc:
-                raise PeerError(
-                    f"worker {self.rank}: {what} worker {peer} failed in phase {tag} "
-                    f"({PEER_LOST}): {_gloo_reason(exc)}"
-                ) from None
+
+    @contextlib.contextmanager
+    def _naming(self, what: str, peer: int, tag: int):
+        """Re-raise a process-group error as PeerError naming the peer and the phase."""
+        try:
+            yield
+        except RuntimeError as exc:
+            raise PeerError(
+                f"worker {self.rank}: {what} worker {peer} failed in phase {tag} "
+                f"({PEER_LOST}): {_gloo_reason(exc)}"
+            ) from None
+
+    def barrier(self) -> None:
+        try:
+            dist.barrier(self.group)
+        except RuntimeError as exc:
+            raise PeerError(
+                f"worker {self.rank}: barrier failed ({PEER_LOST}): {_gloo_reason(exc)}"
+            ) from None
 
     def all_reduce(self, tensor, op):
         red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM

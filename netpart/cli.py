@@ -271,7 +271,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from netpart.files import load_plan, write_atomic
     from netpart.models import load_spec
     from netpart.partition import plan
-    from netpart.runtime.check import check_step, require_memory
+    from netpart.runtime.check import (
+        check_step,
+        check_step_distributed,
+        require_memory,
+        under_torchrun,
+    )
 
     spec = load_spec(args.model)
     if args.timeout <= 0:
@@ -285,7 +290,15 @@ def _cmd_check(args: argparse.Namespace) -> int:
             )
     else:
         p = plan(spec, args.workers, args.method, seed=args.seed)
-    report, result = check_step(spec, p, args.batch, args.seed, args.tolerance, args.timeout)
+    if under_torchrun():
+        report = check_step_distributed(
+            spec, p, args.batch, args.seed, args.tolerance, args.timeout
+        )
+        if report is None:  # not rank 0: rank 0 prints the verdict
+            return 0
+        result = None
+    else:
+        report, result = check_step(spec, p, args.batch, args.seed, args.tolerance, args.timeout)
     print(f"{spec.name}: {args.workers} worker processes ({p.method}) vs reference, float64")
     print(f"{'quantity':<28} {'max abs diff':>14} {'max rel diff':>14}  ok")
     for d in report.differences:
@@ -293,7 +306,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     print(f"\n{'layer':>5} {'phase':<9} {'bytes sent':>12} {'planned':>12}")
     for layer, phase, measured, planned in report.bytes_rows:
         print(f"{layer:>5} {phase:<9} {measured:>12,} {planned:>12,}")
-    if args.stats is not None:
+    if args.stats is not None and result is not None:
         stats = {
             "model": spec.name,
             "workers": args.workers,

@@ -157,3 +157,31 @@ def test_check_refuses_bad_input_without_starting_processes(tmp_path, capsys):
         assert message in err and err.count("\n") == 1, err
     assert workers_alive() == 0
     assert os.environ.get("NETPART_TEST_FAULT") is None
+
+
+def test_check_under_torchrun_uses_its_environment(tmp_path):
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "netpart",
+            "check",
+            "--model",
+            "tiny-local",
+            "--workers",
+            "2",
+            "--method",
+            "tiles",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=tmp_path,
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert res.stdout.count("OK: all within 1e-09; bytes equal the plan") == 1  # rank 0 only

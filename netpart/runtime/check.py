@@ -22,7 +22,15 @@ from netpart.runtime.launch import run_step
 from netpart.runtime.result import StepResult
 from netpart.runtime.schedule import build_schedule
 
-__all__ = ["CheckReport", "check_step", "estimate_check_bytes", "make_batch", "require_memory"]
+__all__ = [
+    "CheckReport",
+    "check_step",
+    "check_step_distributed",
+    "estimate_check_bytes",
+    "make_batch",
+    "require_memory",
+    "under_torchrun",
+]
 
 
 @dataclass(frozen=True)
@@ -132,3 +140,81 @@ def check_step(
             )
             match &= tuple(int(v) for v in per_worker) == got
     return CheckReport(tuple(diffs), bool(match), tuple(rows)), result
+
+
+def under_torchrun() -> bool:
+    """True when this process was started by torchrun (or another env:// launcher)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    )
+
+
+def check_step_distributed(
+    spec: ModelSpec,
+    plan: PartitionPlan,
+    batch: int = 4,
+    seed: int = 0,
+    tolerance: float = 1e-9,
+    timeout: float = 60.0,
+) -> CheckReport | None:
+    """`check_step` for a rank started by torchrun: one step over the env:// process group.
+
+    Every rank adds its gradient slices into zero tensors of the reference shapes and an
+    all-reduce sums them (tied conv kernels included); rank 0 compares and gets the report,
+    the other ranks get None.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    from netpart.runtime.result import assemble
+    from netpart.runtime.transport import GlooTransport
+    from netpart.runtime.worker import ModelWorker
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if world != plan.workers:
+            raise PlanError(
+                f"torchrun started {world} ranks but the plan has {plan.workers} workers"
+            )
+        graph = build_unit_graph(spec, plan.granularity)
+        schedule = build_schedule(graph, plan.node_map, plan.workers)
+        schedule.validate(plan)
+        x, y = make_batch(spec, batch, seed)
+        worker = ModelWorker(spec, graph, schedule, rank, seed, torch.float64)
+        mine = worker.step(x, y, GlooTransport())
+        result = assemble(spec, [mine], batch, torch.float64, check_loss=False)
+        for t in (*result.grads.values(), result.outputs):
+            dist.all_reduce(t)
+        sent = torch.tensor(schedule.traffic().shape[0] * [[0, 0]], dtype=torch.int64)
+        for (layer, phase), v in mine.sent.items():
+            sent[layer, 0 if phase == "forward" else 1] += v
+        dist.all_reduce(sent)
+        if rank != 0:
+            return None
+        model = build_reference(spec, seed, torch.float64)
+        out = model(x)
+        loss = model.loss(out, y)
+        if loss.requires_grad:
+            loss.backward()
+        diffs = [
+            _diff(
+                "loss",
+                torch.tensor([mine.loss], dtype=torch.float64),
+                loss.detach()[None],
+                tolerance,
+            ),
+            _diff("outputs", result.outputs.reshape(out.shape), out.detach(), tolerance),
+        ]
+        for name, p in model.named_parameters():
+            diffs.append(_diff(f"grad {name}", result.grads[name], p.grad, tolerance))
+        planned = schedule.traffic() * batch * 8
+        rows = []
+        for layer in range(1, len(spec.layers)):
+            for j, phase in enumerate(("forward", "backward")):
+                rows.append((layer, phase, int(sent[layer, j]), int(planned[layer].sum())))
+        match = all(m == p for _, _, m, p in rows)
+        return CheckReport(tuple(diffs), match, tuple(rows))
+    finally:
+        dist.destroy_process_group()

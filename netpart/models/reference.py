@@ -23,6 +23,7 @@ __all__ = [
     "LocallyConnected2d",
     "Pool2d",
     "ReferenceModel",
+    "activation",
     "build_reference",
     "init_rows",
 ]
@@ -58,7 +59,8 @@ def init_rows(spec: ModelSpec, seed: int, index: int, rows: np.ndarray) -> np.nd
     return out.reshape((len(rows), *row_shape))
 
 
-def _activation(name: str, x: torch.Tensor) -> torch.Tensor:
+def activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    """Apply a spec activation; softmax is left to the loss, which takes logits."""
     if name == "relu":
         return torch.relu(x)
     if name == "sigmoid":
@@ -157,7 +159,7 @@ class ReferenceModel(nn.Module):
             i = self.spec.input
             x = x.reshape(x.shape[0], i.channels, i.height, i.width)
         for layer, mod in zip(self.spec.layers, self.layers, strict=True):
-            x = _activation(layer.activation, mod(x))
+            x = activation(layer.activation, mod(x))
         return x
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

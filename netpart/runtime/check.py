@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from netpart.errors import PlanError
@@ -94,6 +95,39 @@ def _diff(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> Diffe
     return Difference(name, max_abs, max_rel, ok)
 
 
+def _against_reference(
+    spec: ModelSpec,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    seed: int,
+    result: StepResult,
+    tolerance: float,
+) -> tuple[Difference, ...]:
+    """Run the reference step on the same batch and compare loss, outputs and every grad."""
+    model = build_reference(spec, seed, torch.float64)
+    out = model(x)
+    loss = model.loss(out, y)
+    if loss.requires_grad:
+        loss.backward()
+    got_loss = torch.tensor([result.loss], dtype=torch.float64)
+    diffs = [
+        _diff("loss", got_loss, loss.detach().reshape(1), tolerance),
+        _diff("outputs", result.outputs.reshape(out.shape), out.detach(), tolerance),
+    ]
+    for name, p in model.named_parameters():
+        diffs.append(_diff(f"grad {name}", result.grads[name], p.grad, tolerance))
+    return tuple(diffs)
+
+
+def _byte_rows(sent: np.ndarray, planned: np.ndarray) -> tuple[tuple[int, str, int, int], ...]:
+    """(layer, phase, measured, planned) from sent[L, 2] and planned traffic [L, P, P] bytes."""
+    return tuple(
+        (layer, phase, int(sent[layer, j]), int(planned[layer].sum()))
+        for layer in range(1, len(sent))
+        for j, phase in enumerate(("forward", "backward"))
+    )
+
+
 def check_step(
     spec: ModelSpec,
     plan: PartitionPlan,
@@ -105,41 +139,25 @@ def check_step(
     """Run the reference and the partitioned step on the same batch and compare everything."""
     require_memory(spec, batch)
     x, y = make_batch(spec, batch, seed)
-    model = build_reference(spec, seed, torch.float64)
-    out = model(x)
-    loss = model.loss(out, y)
-    if loss.requires_grad:
-        loss.backward()
     result = run_step(spec, plan, x, y, seed=seed, dtype=torch.float64, timeout=timeout)
-    diffs = [
-        _diff(
-            "loss",
-            torch.tensor([result.loss], dtype=torch.float64),
-            loss.detach().reshape(1),
-            tolerance,
-        ),
-        _diff("outputs", result.outputs.reshape(out.shape), out.detach(), tolerance),
-    ]
-    for name, p in model.named_parameters():
-        diffs.append(_diff(f"grad {name}", result.grads[name], p.grad, tolerance))
-    traffic = build_schedule(build_unit_graph(spec, plan.granularity), plan.node_map, plan.workers)
-    planned = traffic.traffic() * batch * 8
-    rows = []
+    diffs = _against_reference(spec, x, y, seed, result, tolerance)
+    schedule = build_schedule(build_unit_graph(spec, plan.granularity), plan.node_map, plan.workers)
+    planned = schedule.traffic() * batch * 8
+    sent = np.zeros((len(spec.layers), 2), dtype=np.int64)
     match = True
-    for layer in range(1, len(spec.layers)):
-        for phase in ("forward", "backward"):
-            measured = sum(s.get((layer, phase), 0) for s in result.sent)
-            want = int(planned[layer].sum())
-            rows.append((layer, phase, measured, want))
-            match &= measured == want
-        for w in range(plan.workers):
-            per_worker = planned[layer, w].sum(), planned[layer, :, w].sum()
+    for w, per_worker in enumerate(result.sent):
+        for (layer, phase), v in per_worker.items():
+            sent[layer, 0 if phase == "forward" else 1] += v
+        for layer in range(1, len(spec.layers)):  # per worker too, forward in and out
+            want = int(planned[layer, w].sum()), int(planned[layer, :, w].sum())
             got = (
-                result.sent[w].get((layer, "forward"), 0),
+                per_worker.get((layer, "forward"), 0),
                 result.received[w].get((layer, "forward"), 0),
             )
-            match &= tuple(int(v) for v in per_worker) == got
-    return CheckReport(tuple(diffs), bool(match), tuple(rows)), result
+            match &= want == got
+    rows = _byte_rows(sent, planned)
+    match &= all(m == p for _, _, m, p in rows)
+    return CheckReport(diffs, bool(match), rows), result
 
 
 def under_torchrun() -> bool:
@@ -187,34 +205,14 @@ def check_step_distributed(
         result = assemble(spec, [mine], batch, torch.float64, check_loss=False)
         for t in (*result.grads.values(), result.outputs):
             dist.all_reduce(t)
-        sent = torch.tensor(schedule.traffic().shape[0] * [[0, 0]], dtype=torch.int64)
+        sent = torch.zeros(len(spec.layers), 2, dtype=torch.int64)
         for (layer, phase), v in mine.sent.items():
             sent[layer, 0 if phase == "forward" else 1] += v
         dist.all_reduce(sent)
         if rank != 0:
             return None
-        model = build_reference(spec, seed, torch.float64)
-        out = model(x)
-        loss = model.loss(out, y)
-        if loss.requires_grad:
-            loss.backward()
-        diffs = [
-            _diff(
-                "loss",
-                torch.tensor([mine.loss], dtype=torch.float64),
-                loss.detach()[None],
-                tolerance,
-            ),
-            _diff("outputs", result.outputs.reshape(out.shape), out.detach(), tolerance),
-        ]
-        for name, p in model.named_parameters():
-            diffs.append(_diff(f"grad {name}", result.grads[name], p.grad, tolerance))
-        planned = schedule.traffic() * batch * 8
-        rows = []
-        for layer in range(1, len(spec.layers)):
-            for j, phase in enumerate(("forward", "backward")):
-                rows.append((layer, phase, int(sent[layer, j]), int(planned[layer].sum())))
-        match = all(m == p for _, _, m, p in rows)
-        return CheckReport(tuple(diffs), match, tuple(rows))
+        diffs = _against_reference(spec, x, y, seed, result, tolerance)
+        rows = _byte_rows(sent.numpy(), schedule.traffic() * batch * 8)
+        return CheckReport(diffs, all(m == p for _, _, m, p in rows), rows)
     finally:
         dist.destroy_process_group()

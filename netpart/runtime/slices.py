@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from netpart.models.reference import L2_POOL_EPS, init_rows
+from netpart.models.reference import L2_POOL_EPS, activation, init_rows
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import LayerBlocks, read_window
 
@@ -43,16 +43,6 @@ def window_index(
         return np.where(inside, idx, pad_slot).reshape(len(positions), k * k)
     idx = np.arange(src.channels)[None, :, None, None] * hw + pos[:, None]
     return np.where(inside[:, None], idx, pad_slot).reshape(len(positions), src.channels * k * k)
-
-
-def _activation(name: str, x: torch.Tensor) -> torch.Tensor:
-    if name == "relu":
-        return torch.relu(x)
-    if name == "sigmoid":
-        return torch.sigmoid(x)
-    if name == "tanh":
-        return torch.tanh(x)
-    return x
 
 
 class LayerSlice(nn.Module):
@@ -132,7 +122,7 @@ class LocalSlice(_GroupedSlice):
             torch.baddbmm(b, w, x[pidx])  # [Q, cg, B]
             for w, b, pidx in zip(self.weights, self.biases, self._patch_index, strict=True)
         ]
-        return _activation(self.activation, self._place(parts, x))
+        return activation(self.activation, self._place(parts, x))
 
     def param_slices(self):
         out = []
@@ -165,7 +155,7 @@ class ConvSlice(_GroupedSlice):
             torch.matmul(w, x[pidx]) + b  # [cg, K] @ [Q, K, B] -> [Q, cg, B]
             for w, b, pidx in zip(self.weights, self.biases, self._patch_index, strict=True)
         ]
-        return _activation(self.activation, self._place(parts, x))
+        return activation(self.activation, self._place(parts, x))
 
     def param_slices(self):
         out = []
@@ -189,7 +179,7 @@ class DenseSlice(LayerSlice):
         self.bias = nn.Parameter(torch.zeros(len(units), 1, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _activation(self.activation, torch.addmm(self.bias, self.weight, x[: self.n_in]))
+        return activation(self.activation, torch.addmm(self.bias, self.weight, x[: self.n_in]))
 
     def param_slices(self):
         n_in = self.n_in

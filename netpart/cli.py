@@ -227,8 +227,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise PlanError(f"--out {args.out}: exists and is not a directory")
     granularity = Granularity.for_workers(args.workers, args.blocks_per_worker)
-    common = {"seed": args.seed, "batch": args.batch, "network": network}
-    common["granularity"] = granularity
+    common = {
+        "seed": args.seed,
+        "batch": args.batch,
+        "network": network,
+        "granularity": granularity,
+    }
 
     methods = [args.method] + ([m for m in METHODS if m != args.method] if args.compare else [])
     plans = []

@@ -110,3 +110,10 @@ def test_network_model_parses_units():
         NetworkModel.parse("speed=3")
     with pytest.raises(PlanError, match="cannot read"):
         NetworkModel.parse("bandwidth=fast")
+
+
+@pytest.mark.parametrize("method", ["metis", "tiles", "random"])
+def test_worker_parameters_add_up_to_the_model(method):
+    for name in ("tiny-local", "speech", "image-80m"):
+        p = plan(ZOO[name], 4, method)
+        assert sum(w.params for w in p.per_worker) == ZOO[name].num_params

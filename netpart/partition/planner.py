@@ -276,22 +276,10 @@ def _worker_params(graph: UnitGraph, node_map: np.ndarray, workers: int) -> np.n
     for lb in graph.layers:
         layer, src = spec.layers[lb.index], spec.input_shape(lb.index)
         ids = lb.ids
-        if layer.kind == "local":
-            per_unit = src.channels * layer.kernel**2 + 1
-            out += (
-                np.bincount(node_map[ids], weights=graph.units[ids], minlength=workers).astype(
-                    np.int64
-                )
-                * per_unit
-            )
-        elif layer.kind == "dense":
-            per_unit = src.size + 1
-            out += (
-                np.bincount(node_map[ids], weights=graph.units[ids], minlength=workers).astype(
-                    np.int64
-                )
-                * per_unit
-            )
+        if layer.kind in ("local", "dense"):  # untied: every unit has its own weights
+            per_unit = spec.layer_params(lb.index) // lb.shape.size
+            units = np.bincount(node_map[ids], weights=graph.units[ids], minlength=workers)
+            out += units.astype(np.int64) * per_unit
         elif layer.kind == "conv":
             # A worker needs the kernel of every output channel it computes any unit of.
             group = np.arange(lb.count) // (lb.ny * lb.nx)

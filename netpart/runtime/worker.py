@@ -64,6 +64,7 @@ class ModelWorker:
         ]
         # Per layer: what this worker sends (positions in its owned buffer) and receives (units).
         self._owned_t = [torch.from_numpy(u) for u in self.owned]
+        self._buffers: dict[tuple[int, str, int], dict[int, torch.Tensor]] = {}
         self.sends: list[dict[int, torch.Tensor]] = [{}]
         self.recvs: list[dict[int, torch.Tensor]] = [{}]
         for i in range(1, len(spec.layers)):
@@ -110,7 +111,7 @@ class ModelWorker:
         for i in range(1, len(self.spec.layers)):
             t0 = clock()
             prev = outs[-1].detach()  # [owned units of layer i-1, B]
-            halo = {s: self._empty(len(u), batch) for s, u in self.recvs[i].items()}
+            halo = self._receive_buffers(i, "forward", batch)
             payload = {d: prev[pos] for d, pos in self.sends[i].items()}
             transport.exchange(2 * i, payload, halo)
             t1 = clock()
@@ -139,7 +140,7 @@ class ModelWorker:
             gx = leaves[i].grad if leaves[i].grad is not None else torch.zeros_like(leaves[i])
             grad = gx[self._owned_t[i - 1]]
             back = {s: gx[units] for s, units in self.recvs[i].items()}
-            incoming = {d: self._empty(len(pos), batch) for d, pos in self.sends[i].items()}
+            incoming = self._receive_buffers(i, "backward", batch)
             t1 = clock()
             compute[(i, "backward")] = t1 - t0
             transport.exchange(2 * i + 1, back, incoming)
@@ -179,8 +180,19 @@ class ModelWorker:
         x[n + 1] = float("-inf")
         return x
 
-    def _empty(self, n: int, batch: int) -> torch.Tensor:
-        return torch.empty(n, batch, dtype=self.dtype)
+    def _receive_buffers(self, layer: int, phase: str, batch: int) -> dict[int, torch.Tensor]:
+        """Receive buffers sized by the schedule, allocated once per (layer, phase, batch).
+
+        Reuse is safe: their contents are copied into the layer's input buffer (forward) or
+        added into the gradients (backward) before the next step overwrites them.
+        """
+        key = (layer, phase, batch)
+        if key not in self._buffers:
+            peers = self.recvs[layer] if phase == "forward" else self.sends[layer]
+            self._buffers[key] = {
+                p: torch.empty(len(idx), batch, dtype=self.dtype) for p, idx in peers.items()
+            }
+        return self._buffers[key]
 
     def _loss_and_grad(
         self, logits: torch.Tensor, targets: torch.Tensor, transport: Transport

@@ -45,7 +45,6 @@ def _fault_injection(rank: int) -> None:
 def _worker_main(job: Path) -> int:
     """Entry of one worker process: RANK/WORLD_SIZE/MASTER_* come from the environment."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    logging.basicConfig(level=logging.INFO, format=f"worker {rank}: %(levelname)s %(message)s")
     config = json.loads((job / "config.json").read_text())
     torch.set_num_threads(int(config["threads"]))
     spec = ModelSpec.from_json((job / "spec.json").read_text(), str(job / "spec.json"))
@@ -79,13 +78,17 @@ def _worker_main(job: Path) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(prog="python -m netpart.runtime.launch")
+    ap = argparse.ArgumentParser(prog="python -m netpart.runtime.worker_main")
     ap.add_argument("--job", type=Path, required=True)
     args = ap.parse_args()
+    rank = os.environ.get("RANK", "?")
+    logging.basicConfig(
+        level=logging.INFO, format=f"worker {rank}: %(message)s", stream=sys.stderr, force=True
+    )
     try:
         return _worker_main(args.job)
-    except Exception as exc:
-        print(f"worker {os.environ.get('RANK', '?')}: error: {exc}", file=sys.stderr, flush=True)
+    except Exception as exc:  # one line for the launcher, which reports the last error line
+        logging.getLogger("netpart.worker").error("error: %s", exc)
         return 1
 
 

@@ -19,7 +19,7 @@ from netpart.models.reference import L2_POOL_EPS, activation, init_rows
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import LayerBlocks, read_window
 
-__all__ = ["LayerSlice", "build_slice", "window_index"]
+__all__ = ["LayerSlice", "build_slice", "rows", "window_index"]
 
 
 def window_index(
@@ -43,6 +43,14 @@ def window_index(
         return np.where(inside, idx, pad_slot).reshape(len(positions), k * k)
     idx = np.arange(src.channels)[None, :, None, None] * hw + pos[:, None]
     return np.where(inside[:, None], idx, pad_slot).reshape(len(positions), src.channels * k * k)
+
+
+def rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[index] for a (possibly 2-D) row index: index_select on the flat index, then a view.
+
+    Several times faster than advanced indexing here, forward and backward (index_add).
+    """
+    return torch.index_select(x, 0, index.reshape(-1)).view(*index.shape, *x.shape[1:])
 
 
 class LayerSlice(nn.Module):
@@ -99,7 +107,7 @@ class _GroupedSlice(LayerSlice):
         """Rows of each group's [Q, cg, B] output, put in `units` order: [len(units), B]."""
         if not parts:
             return x[:0]
-        return torch.cat([p.reshape(-1, x.shape[1]) for p in parts])[self._order]
+        return rows(torch.cat([p.reshape(-1, x.shape[1]) for p in parts]), self._order)
 
 
 class LocalSlice(_GroupedSlice):
@@ -119,7 +127,7 @@ class LocalSlice(_GroupedSlice):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         parts = [
-            torch.baddbmm(b, w, x[pidx])  # [Q, cg, B]
+            torch.baddbmm(b, w, rows(x, pidx))  # [Q, cg, B]
             for w, b, pidx in zip(self.weights, self.biases, self._patch_index, strict=True)
         ]
         return activation(self.activation, self._place(parts, x))
@@ -152,7 +160,7 @@ class ConvSlice(_GroupedSlice):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         parts = [
-            torch.matmul(w, x[pidx]) + b  # [cg, K] @ [Q, K, B] -> [Q, cg, B]
+            torch.matmul(w, rows(x, pidx)) + b  # [cg, K] @ [Q, K, B] -> [Q, cg, B]
             for w, b, pidx in zip(self.weights, self.biases, self._patch_index, strict=True)
         ]
         return activation(self.activation, self._place(parts, x))
@@ -203,7 +211,7 @@ class PoolSlice(LayerSlice):
         self._index = torch.from_numpy(idx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        win = x[self._index]  # [U, k*k, B]
+        win = rows(x, self._index)  # [U, k*k, B]
         if self.mode == "max":
             return win.amax(dim=1)
         if self.mode == "avg":
@@ -237,9 +245,9 @@ class LcnSlice(LayerSlice):
         pad = x.new_zeros(1, x.shape[1])
         mean_c = torch.cat([planes.mean(dim=0), pad])  # [HW + 1, B], last row = zero padding
         sq_c = torch.cat([(planes * planes).mean(dim=0), pad])
-        mean = mean_c[self._window].mean(dim=1)[self._pos_of_unit]  # [U, B]
-        var = sq_c[self._window].mean(dim=1)[self._pos_of_unit] - mean * mean
-        return (x[self._centre] - mean) / torch.sqrt(var + self.eps)
+        mean = rows(rows(mean_c, self._window).mean(dim=1), self._pos_of_unit)  # [U, B]
+        var = rows(rows(sq_c, self._window).mean(dim=1), self._pos_of_unit) - mean * mean
+        return (rows(x, self._centre) - mean) / torch.sqrt(var + self.eps)
 
 
 def build_slice(

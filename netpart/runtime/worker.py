@@ -20,7 +20,7 @@ import torch
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import UnitGraph
 from netpart.runtime.schedule import HaloSchedule, ShapeMismatchError
-from netpart.runtime.slices import LayerSlice, build_slice
+from netpart.runtime.slices import LayerSlice, build_slice, rows
 from netpart.runtime.transport import Transport
 
 __all__ = ["ModelWorker", "WorkerResult"]
@@ -112,16 +112,16 @@ class ModelWorker:
             t0 = clock()
             prev = outs[-1].detach()  # [owned units of layer i-1, B]
             halo = self._receive_buffers(i, "forward", batch)
-            payload = {d: prev[pos] for d, pos in self.sends[i].items()}
+            payload = {d: rows(prev, pos) for d, pos in self.sends[i].items()}
             transport.exchange(2 * i, payload, halo)
             t1 = clock()
             exchange[(i, "forward")] = t1 - t0
             sent[(i, "forward")] = _nbytes(payload)
             received[(i, "forward")] = _nbytes(halo)
             x = self._buffer(batch, self.spec.input_shape(i).size)
-            x[self._owned_t[i - 1]] = prev
+            x.index_copy_(0, self._owned_t[i - 1], prev)
             for s, units in self.recvs[i].items():
-                x[units] = halo[s]
+                x.index_copy_(0, units, halo[s])
             x.requires_grad_(True)
             leaves.append(x)
             outs.append(self.slices[i](x))
@@ -138,8 +138,8 @@ class ModelWorker:
                 compute[(0, "backward")] = clock() - t0
                 break
             gx = leaves[i].grad if leaves[i].grad is not None else torch.zeros_like(leaves[i])
-            grad = gx[self._owned_t[i - 1]]
-            back = {s: gx[units] for s, units in self.recvs[i].items()}
+            grad = rows(gx, self._owned_t[i - 1])
+            back = {s: rows(gx, units) for s, units in self.recvs[i].items()}
             incoming = self._receive_buffers(i, "backward", batch)
             t1 = clock()
             compute[(i, "backward")] = t1 - t0

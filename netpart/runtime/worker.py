@@ -4,8 +4,8 @@ Forward, layer by layer: send each owned boundary unit of layer l-1 once to ever
 reads it, receive the halo into a preallocated buffer, compute the owned units of layer l.
 Backward mirrors it: after the local backward of layer l, gradients for halo inputs go back to
 their owners, which add them to the gradients of their own units. The loss over a distributed
-output layer needs two or three all-reduces of [B] vectors (max, sum of exponentials, target
-logit): cross-entropy is computed exactly as on one process.
+output layer needs two all-reduces of [B] vectors (max; then sum of exponentials and target
+logit, the last two in one call): cross-entropy is computed exactly as on one process.
 """
 
 from __future__ import annotations
@@ -210,10 +210,13 @@ class ModelWorker:
                 logits.amax(dim=1) if logits.shape[1] else logits.new_full((batch,), -torch.inf)
             )
             gmax = transport.all_reduce(local_max.clone(), "max")
-            sumexp = transport.all_reduce(torch.exp(logits - gmax[:, None]).sum(dim=1), "sum")
-            lse = gmax + torch.log(sumexp)
             mine = targets[:, None] == units[None, :]  # [B, |U|]
-            target_logit = transport.all_reduce((logits * mine).sum(dim=1), "sum")
+            # One all-reduce for both sums: [sum of exponentials; target logit].
+            sums = torch.stack(
+                [torch.exp(logits - gmax[:, None]).sum(dim=1), (logits * mine).sum(dim=1)]
+            )
+            sumexp, target_logit = transport.all_reduce(sums, "sum")
+            lse = gmax + torch.log(sumexp)
             loss = (lse - target_logit).mean()
             grad = (torch.exp(logits - lse[:, None]) - mine.to(logits.dtype)) / batch
             return float(loss), grad.T

@@ -139,6 +139,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="directory for plan files and report")
     p.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
 
+    r = sub.add_parser(
+        "run",
+        help="time partitioned steps in N processes against the plan's prediction",
+        description="Run STEPS forward/backward steps of MODEL partitioned across WORKERS "
+        "processes (torch.distributed, gloo; weights are not updated) and report the measured "
+        "step time (slowest worker, median after warm-up) next to the plan's predicted step "
+        "time, the per-layer compute and exchange time, and the bytes moved.",
+    )
+    r.add_argument("--model", required=True, help="zoo name or .toml/.json")
+    r.add_argument("--workers", required=True, type=_positive_int, help="model worker processes")
+    r.add_argument("--method", default="metis", choices=list(METHODS), help="partitioner")
+    r.add_argument("--plan", type=Path, default=None, help="use this plan directory instead")
+    r.add_argument("--batch", type=_positive_int, default=32, help="examples per step (32)")
+    r.add_argument("--steps", type=_positive_int, default=10, help="timed steps (default 10)")
+    r.add_argument("--threads", type=_positive_int, default=1, help="torch threads per worker")
+    r.add_argument("--seed", type=int, default=0, help="weights, batch and partitioner seed")
+    r.add_argument("--timeout", type=float, default=60.0, help="peer timeout in seconds (60)")
+    r.add_argument("--stats", type=Path, default=None, help="write the measurements as JSON")
+
     c = sub.add_parser(
         "check",
         help="run one partitioned step in N processes and compare it with the reference",
@@ -269,11 +288,95 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_for_run(args: argparse.Namespace):
+    """The spec and plan `run` and `check` use: --plan (checked) or a fresh one."""
+    from netpart.files import load_plan
+    from netpart.models import load_spec
+
+    spec = load_spec(args.model)
+    if args.timeout <= 0:
+        raise PlanError(f"--timeout must be positive, got {args.timeout}")
+    if args.plan is None:
+        return spec, None
+    p = load_plan(args.plan, spec)
+    if p.workers != args.workers:
+        raise PlanError(
+            f"{args.plan}: the plan is for {p.workers} workers, not --workers {args.workers}"
+        )
+    return spec, p
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    import json
+
+    import numpy as np
+    import torch
+
+    from netpart.files import write_atomic
+    from netpart.partition import plan
+    from netpart.runtime import run_step
+    from netpart.runtime.check import make_batch
+
+    spec, p = _plan_for_run(args)
+    p = p or plan(spec, args.workers, args.method, seed=args.seed, batch=args.batch)
+    x, y = make_batch(spec, args.batch, args.seed)
+    warmup = min(3, args.steps - 1) if args.steps > 1 else 0
+    result = run_step(
+        spec,
+        p,
+        x.float(),
+        y,
+        seed=args.seed,
+        dtype=torch.float32,
+        timeout=args.timeout,
+        threads=args.threads,
+        steps=args.steps + warmup,
+    )
+    per_step = np.max(np.array(result.step_times), axis=0)[warmup:]
+    measured = float(np.median(per_step))
+    scale = args.batch / p.batch  # the plan predicts at its own batch size; both terms scale
+    predicted = p.metrics.predicted_step_s * scale
+    print(
+        f"{spec.name} on {args.workers} worker processes ({p.method}), batch {args.batch}, "
+        f"{args.threads} thread(s) each: step {measured * 1e3:.1f} ms (median of {len(per_step)}; "
+        f"plan predicts {predicted * 1e3:.1f} ms with its network model)"
+    )
+    print(f"{'layer':<10} {'compute ms':>11} {'exchange ms':>12}  (slowest worker, last step)")
+    for i in range(len(spec.layers)):
+        comp = max(c.get((i, "forward"), 0) + c.get((i, "backward"), 0) for c in result.compute_s)
+        exch = max(e.get((i, "forward"), 0) + e.get((i, "backward"), 0) for e in result.exchange_s)
+        print(f"{spec.layer_name(i):<10} {comp * 1e3:>11.2f} {exch * 1e3:>12.2f}")
+    sent = sum(v for s in result.sent for v in s.values())
+    print(f"bytes moved per step: {sent:,} (plan: {2 * p.metrics.volume * args.batch * 4:,})")
+    if args.stats is not None:
+        stats = {
+            "model": spec.name,
+            "workers": args.workers,
+            "method": p.method,
+            "batch": args.batch,
+            "threads": args.threads,
+            "step_s": per_step.tolist(),
+            "step_s_median": measured,
+            "predicted_step_s": predicted,
+            "per_worker": [
+                {
+                    "worker": w,
+                    "compute_s": {f"{k[0]}:{k[1]}": v for k, v in result.compute_s[w].items()},
+                    "exchange_s": {f"{k[0]}:{k[1]}": v for k, v in result.exchange_s[w].items()},
+                    "sent": {f"{k[0]}:{k[1]}": v for k, v in result.sent[w].items()},
+                    "received": {f"{k[0]}:{k[1]}": v for k, v in result.received[w].items()},
+                }
+                for w in range(args.workers)
+            ],
+        }
+        write_atomic(args.stats, json.dumps(stats, indent=1).encode())
+    return 0
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     import json
 
-    from netpart.files import load_plan, write_atomic
-    from netpart.models import load_spec
+    from netpart.files import write_atomic
     from netpart.partition import plan
     from netpart.runtime.check import (
         check_step,
@@ -282,18 +385,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
         under_torchrun,
     )
 
-    spec = load_spec(args.model)
-    if args.timeout <= 0:
-        raise PlanError(f"--timeout must be positive, got {args.timeout}")
+    spec, p = _plan_for_run(args)
     require_memory(spec, args.batch)
-    if args.plan is not None:
-        p = load_plan(args.plan, spec)
-        if p.workers != args.workers:
-            raise PlanError(
-                f"{args.plan}: the plan is for {p.workers} workers, not --workers {args.workers}"
-            )
-    else:
-        p = plan(spec, args.workers, args.method, seed=args.seed)
+    p = p or plan(spec, args.workers, args.method, seed=args.seed)
     if under_torchrun():
         report = check_step_distributed(
             spec, p, args.batch, args.seed, args.tolerance, args.timeout
@@ -396,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_inspect(args)
         if args.command == "check":
             return _cmd_check(args)
+        if args.command == "run":
+            return _cmd_run(args)
     except NetpartError as exc:
         print(f"netpart: error: {exc}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
 """Real processes over torch.distributed (gloo): few tests, each bounded, none leaves a process."""
 
+import json
 import os
 import re
 import subprocess
@@ -185,3 +186,16 @@ def test_check_under_torchrun_uses_its_environment(tmp_path):
     )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert res.stdout.count("OK: all within 1e-09; bytes equal the plan") == 1  # rank 0 only
+
+
+def test_run_times_steps_and_reports_bytes_equal_to_the_plan(tmp_path, capsys):
+    stats = tmp_path / "run.json"
+    argv = ["run", "--model", "tiny-mlp", "--workers", "2", "--steps", "3", "--batch", "8"]
+    assert main([*argv, "--stats", str(stats)]) == 0
+    out = capsys.readouterr().out
+    assert "tiny-mlp on 2 worker processes" in out and "plan predicts" in out
+    moved = int(out.split("bytes moved per step: ")[1].split(" ")[0].replace(",", ""))
+    planned = int(out.split("(plan: ")[1].split(")")[0].replace(",", ""))
+    assert moved == planned > 0
+    data = json.loads(stats.read_text())
+    assert len(data["step_s"]) == 3 and data["step_s_median"] > 0

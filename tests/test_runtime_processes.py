@@ -199,3 +199,38 @@ def test_run_times_steps_and_reports_bytes_equal_to_the_plan(tmp_path, capsys):
     assert moved == planned > 0
     data = json.loads(stats.read_text())
     assert len(data["step_s"]) == 3 and data["step_s_median"] > 0
+
+
+LAUNCH_AND_HANG = """
+import os
+from netpart.models import ZOO
+from netpart.partition import plan
+from netpart.runtime import run_step
+from netpart.runtime.check import make_batch
+os.environ["NETPART_TEST_FAULT"] = "hang:1"
+spec = ZOO["tiny-local"]
+x, y = make_batch(spec, 2, 0)
+run_step(spec, plan(spec, 3), x, y, timeout=120)
+"""
+
+
+@pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGTERM"])
+def test_killing_the_launcher_takes_its_workers_with_it(signal_name):
+    import signal
+
+    parent = subprocess.Popen([sys.executable, "-c", LAUNCH_AND_HANG])
+    try:
+        deadline = time.monotonic() + 60
+        while workers_alive() < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert workers_alive() == 3
+        parent.send_signal(getattr(signal, signal_name))
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while workers_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+    assert workers_alive() == 0

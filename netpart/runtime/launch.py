@@ -10,13 +10,17 @@ then they are killed. Results come back as `result_<rank>.pt` files (loaded weig
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -37,6 +41,7 @@ __all__ = ["WorkerFailure", "run_step"]
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
+_PR_SET_PDEATHSIG = 1
 
 
 class WorkerFailure(RuntimeFailure):
@@ -92,7 +97,35 @@ def run_step(
     return assemble(spec, results, inputs.shape[0], dtype)
 
 
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: the kernel kills this worker if the launcher dies, even by SIGKILL."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit():
+    """Turn SIGTERM into SystemExit while workers run, so the cleanup below still happens."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _spawn_and_wait(job: Path, workers: int, port: int, timeout: float) -> None:
+    with _sigterm_as_exit():
+        _spawn_and_wait_inner(job, workers, port, timeout)
+
+
+def _spawn_and_wait_inner(job: Path, workers: int, port: int, timeout: float) -> None:
     procs: list[subprocess.Popen] = []
     logs = [job / f"worker_{r}.log" for r in range(workers)]
     try:
@@ -112,6 +145,7 @@ def _spawn_and_wait(job: Path, workers: int, port: int, timeout: float) -> None:
                         env=env,
                         stdout=fh,
                         stderr=subprocess.STDOUT,
+                        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
                     )
                 )
         first_failure: float | None = None

@@ -21,9 +21,10 @@ import numpy as np
 import torch
 
 from netpart.models import ModelSpec, build_reference
-from netpart.partition import build_unit_graph, plan
-from netpart.runtime import build_schedule, run_step
+from netpart.partition import plan
+from netpart.runtime import run_step
 from netpart.runtime.check import make_batch
+from netpart.runtime.schedule import plan_schedule
 from netpart.runtime.transport import ThreadTransport
 from netpart.runtime.worker import ModelWorker
 
@@ -60,8 +61,7 @@ def overhead(batch: int, repeat: int) -> dict:
     x = x.float()
     model = build_reference(spec, 0, torch.float32)
     p = plan(spec, 1)
-    graph = build_unit_graph(spec, p.granularity)
-    worker = ModelWorker(spec, graph, build_schedule(graph, p.node_map, 1), 0, 0, torch.float32)
+    worker = ModelWorker(spec, *plan_schedule(spec, p), 0, 0, torch.float32)
     transport = ThreadTransport.group(1)[0]
 
     def ref_step():
@@ -126,8 +126,7 @@ def kernel_rate(batch: int, repeat: int) -> dict:
     torch.set_num_threads(1)
     spec = MID_LOCAL
     p = plan(spec, 1)
-    graph = build_unit_graph(spec, p.granularity)
-    worker = ModelWorker(spec, graph, build_schedule(graph, p.node_map, 1), 0, 0, torch.float32)
+    worker = ModelWorker(spec, *plan_schedule(spec, p), 0, 0, torch.float32)
     layer = 3
     sl = worker.slices[layer]
     src = spec.input_shape(layer)

@@ -56,6 +56,47 @@ def _capacities(text: str) -> list[float]:
     return caps
 
 
+def _add_launch_args(parser: argparse.ArgumentParser, batch: int, stats_help: str) -> None:
+    """The options `run` and `check` share: what to run, how to split it, where to report."""
+    from netpart.partition.methods import METHODS
+
+    parser.add_argument("--model", required=True, help="zoo name or .toml/.json")
+    parser.add_argument(
+        "--workers", required=True, type=_positive_int, help="model worker processes"
+    )
+    parser.add_argument("--method", default="metis", choices=list(METHODS), help="partitioner")
+    parser.add_argument("--plan", type=Path, default=None, help="use this plan directory instead")
+    parser.add_argument(
+        "--batch", type=_positive_int, default=batch, help=f"examples per step (default {batch})"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="weights, batch and partitioner seed")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds a worker waits for a peer before giving up (default 60)",
+    )
+    parser.add_argument("--stats", type=Path, default=None, help=stats_help)
+
+
+def _per_worker_stats(result) -> list[dict]:
+    """Bytes and seconds per worker, keyed "layer:phase", for the --stats JSON files."""
+
+    def keyed(d: dict) -> dict:
+        return {f"{k[0]}:{k[1]}": v for k, v in d.items()}
+
+    return [
+        {
+            "worker": w,
+            "sent": keyed(result.sent[w]),
+            "received": keyed(result.received[w]),
+            "compute_s": keyed(result.compute_s[w]),
+            "exchange_s": keyed(result.exchange_s[w]),
+        }
+        for w in range(len(result.sent))
+    ]
+
+
 def build_parser() -> argparse.ArgumentParser:
     from netpart.partition.methods import METHODS
 
@@ -147,16 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
         "step time (slowest worker, median after warm-up) next to the plan's predicted step "
         "time, the per-layer compute and exchange time, and the bytes moved.",
     )
-    r.add_argument("--model", required=True, help="zoo name or .toml/.json")
-    r.add_argument("--workers", required=True, type=_positive_int, help="model worker processes")
-    r.add_argument("--method", default="metis", choices=list(METHODS), help="partitioner")
-    r.add_argument("--plan", type=Path, default=None, help="use this plan directory instead")
-    r.add_argument("--batch", type=_positive_int, default=32, help="examples per step (32)")
+    _add_launch_args(r, batch=32, stats_help="write the measurements as JSON")
     r.add_argument("--steps", type=_positive_int, default=10, help="timed steps (default 10)")
     r.add_argument("--threads", type=_positive_int, default=1, help="torch threads per worker")
-    r.add_argument("--seed", type=int, default=0, help="weights, batch and partitioner seed")
-    r.add_argument("--timeout", type=float, default=60.0, help="peer timeout in seconds (60)")
-    r.add_argument("--stats", type=Path, default=None, help="write the measurements as JSON")
 
     c = sub.add_parser(
         "check",
@@ -166,22 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
         "float64; print the largest differences of loss, outputs and every parameter gradient "
         "and the bytes each layer moved against the plan. Exit 0 only when all agree.",
     )
-    c.add_argument("--model", required=True, help="zoo name or .toml/.json")
-    c.add_argument("--workers", required=True, type=_positive_int, help="model worker processes")
-    c.add_argument("--method", default="metis", choices=list(METHODS), help="partitioner")
-    c.add_argument("--plan", type=Path, default=None, help="use this plan directory instead")
-    c.add_argument("--batch", type=_positive_int, default=4, help="examples (default 4)")
-    c.add_argument("--seed", type=int, default=0, help="weights, batch and partitioner seed")
+    _add_launch_args(c, batch=4, stats_help="write bytes per layer/worker as JSON")
     c.add_argument(
         "--tolerance", type=float, default=1e-9, help="abs and rel tolerance (default 1e-9)"
     )
-    c.add_argument(
-        "--timeout",
-        type=float,
-        default=60.0,
-        help="seconds a worker waits for a peer before giving up (default 60)",
-    )
-    c.add_argument("--stats", type=Path, default=None, help="write bytes per layer/worker as JSON")
 
     i = sub.add_parser(
         "inspect",
@@ -358,16 +380,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             "step_s": per_step.tolist(),
             "step_s_median": measured,
             "predicted_step_s": predicted,
-            "per_worker": [
-                {
-                    "worker": w,
-                    "compute_s": {f"{k[0]}:{k[1]}": v for k, v in result.compute_s[w].items()},
-                    "exchange_s": {f"{k[0]}:{k[1]}": v for k, v in result.exchange_s[w].items()},
-                    "sent": {f"{k[0]}:{k[1]}": v for k, v in result.sent[w].items()},
-                    "received": {f"{k[0]}:{k[1]}": v for k, v in result.received[w].items()},
-                }
-                for w in range(args.workers)
-            ],
+            "per_worker": _per_worker_stats(result),
         }
         write_atomic(args.stats, json.dumps(stats, indent=1).encode())
     return 0
@@ -410,14 +423,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
             "workers": args.workers,
             "batch": args.batch,
             "bytes_match_plan": report.bytes_match,
-            "per_worker": [
-                {
-                    "worker": w,
-                    "sent": {f"{k[0]}:{k[1]}": v for k, v in result.sent[w].items()},
-                    "received": {f"{k[0]}:{k[1]}": v for k, v in result.received[w].items()},
-                }
-                for w in range(args.workers)
-            ],
+            "per_worker": _per_worker_stats(result),
             "differences": [vars(d) for d in report.differences],
         }
         write_atomic(args.stats, json.dumps(stats, indent=1).encode())

@@ -17,11 +17,10 @@ import torch
 from netpart.errors import PlanError
 from netpart.models.reference import build_reference
 from netpart.models.spec import ModelSpec
-from netpart.partition.graph import build_unit_graph
 from netpart.partition.planner import PartitionPlan
 from netpart.runtime.launch import run_step
 from netpart.runtime.result import StepResult
-from netpart.runtime.schedule import build_schedule
+from netpart.runtime.schedule import plan_schedule
 
 __all__ = [
     "CheckReport",
@@ -141,7 +140,7 @@ def check_step(
     x, y = make_batch(spec, batch, seed)
     result = run_step(spec, plan, x, y, seed=seed, dtype=torch.float64, timeout=timeout)
     diffs = _against_reference(spec, x, y, seed, result, tolerance)
-    schedule = build_schedule(build_unit_graph(spec, plan.granularity), plan.node_map, plan.workers)
+    _, schedule = plan_schedule(spec, plan, validate=False)  # run_step validated it
     planned = schedule.traffic() * batch * 8
     sent = np.zeros((len(spec.layers), 2), dtype=np.int64)
     match = True
@@ -196,9 +195,7 @@ def check_step_distributed(
             raise PlanError(
                 f"torchrun started {world} ranks but the plan has {plan.workers} workers"
             )
-        graph = build_unit_graph(spec, plan.granularity)
-        schedule = build_schedule(graph, plan.node_map, plan.workers)
-        schedule.validate(plan)
+        graph, schedule = plan_schedule(spec, plan)
         x, y = make_batch(spec, batch, seed)
         worker = ModelWorker(spec, graph, schedule, rank, seed, torch.float64)
         mine = worker.step(x, y, GlooTransport())

@@ -30,10 +30,9 @@ import torch.distributed as dist
 from netpart.errors import RuntimeFailure
 from netpart.files import plan_files, write_files
 from netpart.models.spec import ModelSpec
-from netpart.partition.graph import build_unit_graph
 from netpart.partition.planner import PartitionPlan
 from netpart.runtime.result import StepResult, assemble, load_worker_result
-from netpart.runtime.schedule import build_schedule
+from netpart.runtime.schedule import plan_schedule
 from netpart.runtime.transport import PEER_LOST
 
 __all__ = ["WorkerFailure", "run_step"]
@@ -65,9 +64,7 @@ def run_step(
     the step (gradients zeroed, a barrier before each) and reports per-step wall times; the
     result describes the last step.
     """
-    plan.check_model(spec)
-    graph = build_unit_graph(spec, plan.granularity)
-    build_schedule(graph, plan.node_map, plan.workers).validate(plan)
+    plan_schedule(spec, plan)  # refuse a foreign or corrupted plan before any process starts
     dtype_name = next(k for k, v in _DTYPES.items() if v == dtype)
     with tempfile.TemporaryDirectory(prefix="netpart-job-") as tmp:
         job = Path(tmp)

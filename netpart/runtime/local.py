@@ -12,10 +12,9 @@ import threading
 import torch
 
 from netpart.models.spec import ModelSpec
-from netpart.partition.graph import build_unit_graph
 from netpart.partition.planner import PartitionPlan
 from netpart.runtime.result import StepResult, assemble
-from netpart.runtime.schedule import build_schedule
+from netpart.runtime.schedule import plan_schedule
 from netpart.runtime.transport import ThreadTransport
 from netpart.runtime.worker import ModelWorker, WorkerResult
 
@@ -30,9 +29,7 @@ def run_step_threads(
     seed: int = 0,
     dtype: torch.dtype = torch.float64,
 ) -> StepResult:
-    graph = build_unit_graph(spec, plan.granularity)
-    schedule = build_schedule(graph, plan.node_map, plan.workers)
-    schedule.validate(plan)
+    graph, schedule = plan_schedule(spec, plan)
     transports = ThreadTransport.group(plan.workers)
     results: list[WorkerResult | None] = [None] * plan.workers
     errors: list[BaseException] = []

@@ -16,11 +16,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from netpart.errors import NetpartError
-from netpart.partition.graph import BYTES_PER_VALUE, UnitGraph
+from netpart.models.spec import ModelSpec
+from netpart.partition.graph import BYTES_PER_VALUE, UnitGraph, build_unit_graph
 from netpart.partition.planner import PartitionPlan
 from netpart.partition.volume import coverage
 
-__all__ = ["HaloSchedule", "Instruction", "ScheduleError", "ShapeMismatchError", "build_schedule"]
+__all__ = [
+    "HaloSchedule",
+    "Instruction",
+    "ScheduleError",
+    "ShapeMismatchError",
+    "build_schedule",
+    "plan_schedule",
+]
 
 
 class ScheduleError(NetpartError):
@@ -182,3 +190,19 @@ def build_schedule(graph: UnitGraph, node_map: np.ndarray, workers: int) -> Halo
                 msgs[(int(s), d)] = units[order[cuts[s] : cuts[s + 1]]]
         sends.append(msgs)
     return HaloSchedule(workers=workers, owned=owned, sends=tuple(sends))
+
+
+def plan_schedule(
+    spec: ModelSpec, plan: PartitionPlan, validate: bool = True
+) -> tuple[UnitGraph, HaloSchedule]:
+    """The unit graph and halo schedule of `plan` for `spec`, checked against the plan files.
+
+    `validate=False` only where the same plan was validated already (worker processes of a
+    launcher that validated before starting them).
+    """
+    plan.check_model(spec)
+    graph = build_unit_graph(spec, plan.granularity)
+    schedule = build_schedule(graph, plan.node_map, plan.workers)
+    if validate:
+        schedule.validate(plan)
+    return graph, schedule

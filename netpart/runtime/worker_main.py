@@ -22,9 +22,8 @@ import torch.distributed as dist
 
 from netpart.files import load_plan
 from netpart.models.spec import ModelSpec
-from netpart.partition.graph import build_unit_graph
 from netpart.runtime.result import save_worker_result
-from netpart.runtime.schedule import build_schedule
+from netpart.runtime.schedule import plan_schedule
 from netpart.runtime.transport import GlooTransport
 from netpart.runtime.worker import ModelWorker
 
@@ -56,8 +55,7 @@ def _worker_main(job: Path) -> int:
     )
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     try:
-        graph = build_unit_graph(spec, plan.granularity)
-        schedule = build_schedule(graph, plan.node_map, plan.workers)
+        graph, schedule = plan_schedule(spec, plan, validate=False)  # the launcher validated
         worker = ModelWorker(spec, graph, schedule, rank, config["seed"], DTYPES[config["dtype"]])
         _fault_injection(rank)
         transport = GlooTransport()

@@ -224,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--workers", type=_positive_int, default=1, help="granularity as for N workers")
     g.add_argument("--format", choices=["metis", "graphml"], default="metis")
     g.add_argument("--out", type=Path, required=True, help="output file")
+    from netpart.cli_train import add_parsers
+
+    add_parsers(sub)
     return parser
 
 
@@ -498,6 +501,10 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_check(args)
         if args.command == "run":
             return _cmd_run(args)
+        if args.command in ("train", "export"):
+            from netpart.cli_train import cmd_export, cmd_train
+
+            return cmd_train(args) if args.command == "train" else cmd_export(args)
     except NetpartError as exc:
         print(f"netpart: error: {exc}", file=sys.stderr)
         return 2

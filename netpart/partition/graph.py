@@ -19,7 +19,14 @@ import numpy as np
 
 from netpart.models.spec import ModelSpec, Shape
 
-__all__ = ["Granularity", "LayerBlocks", "UnitGraph", "build_unit_graph", "read_window"]
+__all__ = [
+    "Granularity",
+    "LayerBlocks",
+    "UnitGraph",
+    "build_unit_graph",
+    "owned_units",
+    "read_window",
+]
 
 BYTES_PER_VALUE = 4  # activations travel as float32
 
@@ -338,3 +345,15 @@ def build_unit_graph(spec: ModelSpec, granularity: Granularity | None = None) ->
         adjncy=v.astype(np.int64),
         adjwgt=w.astype(np.int64),
     )
+
+
+def owned_units(graph: UnitGraph, node_map: np.ndarray, workers: int) -> tuple:
+    """owned[l][w]: the sorted flat units of layer l that worker w computes."""
+    out = []
+    for lb in graph.layers:
+        owner = lb.owner_grid(node_map)  # [G, H, W]
+        per_channel = np.repeat(owner, np.diff(lb.cbounds), axis=0).ravel()
+        order = np.argsort(per_channel, kind="stable")
+        cuts = np.searchsorted(per_channel[order], np.arange(workers + 1))
+        out.append(tuple(order[cuts[w] : cuts[w + 1]] for w in range(workers)))
+    return tuple(out)

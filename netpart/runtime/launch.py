@@ -146,7 +146,7 @@ def _spawn_and_wait_inner(job: Path, workers: int, port: int, timeout: float) ->
                     )
                 )
         first_failure: float | None = None
-        while any(p.poll() is None for p in procs):
+        while [p.poll() for p in procs].count(None):  # poll every process, every round
             if first_failure is None and any(p.returncode not in (None, 0) for p in procs):
                 first_failure = time.monotonic()  # the others now have `timeout` to notice
             if first_failure is not None and time.monotonic() - first_failure > timeout:

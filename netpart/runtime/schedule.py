@@ -17,7 +17,7 @@ import numpy as np
 
 from netpart.errors import NetpartError
 from netpart.models.spec import ModelSpec
-from netpart.partition.graph import BYTES_PER_VALUE, UnitGraph, build_unit_graph
+from netpart.partition.graph import BYTES_PER_VALUE, UnitGraph, build_unit_graph, owned_units
 from netpart.partition.planner import PartitionPlan
 from netpart.partition.volume import coverage
 
@@ -148,21 +148,10 @@ def _owner_of_units(owned: tuple[np.ndarray, ...]) -> np.ndarray:
     return owner
 
 
-def _owned_units(graph: UnitGraph, node_map: np.ndarray, workers: int) -> tuple:
-    out = []
-    for lb in graph.layers:
-        owner = lb.owner_grid(node_map)  # [G, H, W]
-        per_channel = np.repeat(owner, np.diff(lb.cbounds), axis=0).ravel()
-        order = np.argsort(per_channel, kind="stable")
-        cuts = np.searchsorted(per_channel[order], np.arange(workers + 1))
-        out.append(tuple(order[cuts[w] : cuts[w + 1]] for w in range(workers)))
-    return tuple(out)
-
-
 def build_schedule(graph: UnitGraph, node_map: np.ndarray, workers: int) -> HaloSchedule:
     """The halo schedule of an assignment (pure; vectorised per layer)."""
     spec = graph.spec
-    owned = _owned_units(graph, node_map, workers)
+    owned = owned_units(graph, node_map, workers)
     sends: list[dict[tuple[int, int], np.ndarray]] = [{}]
     for index in range(1, len(graph.layers)):
         source = graph.layers[index - 1]

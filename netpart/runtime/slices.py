@@ -15,9 +15,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from netpart.models.reference import L2_POOL_EPS, activation, init_rows
+from netpart.models.reference import L2_POOL_EPS, activation
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import LayerBlocks, read_window
+from netpart.partition.shards import (
+    ParamPiece,
+    channel_groups,
+    layer_pieces,
+    piece_index,
+    piece_initial,
+)
 
 __all__ = ["LayerSlice", "build_slice", "rows", "window_index"]
 
@@ -65,10 +72,20 @@ class LayerSlice(nn.Module):
         self.hw = out.height * out.width
         self.channel, self.position = np.divmod(units, self.hw)
         self.n_in = spec.input_shape(index).size
+        self.pieces: list[ParamPiece] = []
+
+    def param_tensors(self) -> list[nn.Parameter]:
+        """This slice's parameters in the order of `pieces`."""
+        return []
 
     def param_slices(self) -> list[tuple[str, np.ndarray, nn.Parameter]]:
         """(reference parameter name, flat indices into it, this worker's parameter)."""
-        return []
+        tensors = self.param_tensors()
+        for piece, t in zip(self.pieces, tensors, strict=True):
+            if t.numel() != piece.size:
+                raise ValueError(f"{piece.name}: slice holds {t.numel()}, layout {piece.size}")
+        pairs = zip(self.pieces, tensors, strict=True)
+        return [(p.name, piece_index(self.spec, p), t) for p, t in pairs]
 
 
 class _GroupedSlice(LayerSlice):
@@ -76,16 +93,8 @@ class _GroupedSlice(LayerSlice):
 
     def __init__(self, spec: ModelSpec, index: int, units: np.ndarray, blocks: LayerBlocks):
         super().__init__(spec, index, units)
-        group = np.searchsorted(blocks.cbounds, self.channel, side="right") - 1
-        self.groups: list[tuple[int, int, np.ndarray, np.ndarray]] = []
-        for g in np.unique(group):
-            c0, c1 = int(blocks.cbounds[g]), int(blocks.cbounds[g + 1])
-            sel = np.nonzero(group == g)[0]
-            positions = np.unique(self.position[sel])
-            # Each owned block covers whole channel groups, so every position in this group
-            # holds all channels c0..c1: rows of the output are (position, channel).
-            assert len(sel) == len(positions) * (c1 - c0), "blocks must hold whole groups"
-            self.groups.append((c0, c1, positions, sel))
+        self.groups = channel_groups(spec, index, units, blocks)
+        self.pieces = layer_pieces(spec, index, units, blocks)
         # Where each (group, position, channel) output lands in `units` order.
         self._out_index = [
             torch.from_numpy(
@@ -115,15 +124,7 @@ class LocalSlice(_GroupedSlice):
 
     def __init__(self, spec, index, units, blocks, seed: int, dtype: torch.dtype) -> None:
         super().__init__(spec, index, units, blocks)
-        self.k_in = spec.input_shape(index).channels * spec.layers[index].kernel ** 2
-        self.weights = nn.ParameterList()
-        self.biases = nn.ParameterList()
-        for c0, c1, pos, _ in self.groups:
-            rows = init_rows(spec, seed, index, pos)[:, :, c0:c1].transpose(0, 2, 1)  # [Q, cg, K]
-            self.weights.append(
-                nn.Parameter(torch.from_numpy(np.ascontiguousarray(rows)).to(dtype))
-            )
-            self.biases.append(nn.Parameter(torch.zeros(len(pos), c1 - c0, 1, dtype=dtype)))
+        self.weights, self.biases = _grouped_params(spec, seed, self.pieces, dtype, local=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         parts = [
@@ -132,17 +133,8 @@ class LocalSlice(_GroupedSlice):
         ]
         return activation(self.activation, self._place(parts, x))
 
-    def param_slices(self):
-        out = []
-        cout = self.spec.shapes[self.index].channels
-        for (c0, c1, pos, _), w, b in zip(self.groups, self.weights, self.biases, strict=True):
-            ch = np.arange(c0, c1)
-            k = np.arange(self.k_in)
-            w_idx = (pos[:, None, None] * self.k_in + k[None, None, :]) * cout + ch[None, :, None]
-            b_idx = ch[None, :] * self.hw + pos[:, None]
-            name = f"layers.{self.index}"
-            out += [(f"{name}.weight", w_idx.ravel(), w), (f"{name}.bias", b_idx.ravel(), b)]
-        return out
+    def param_tensors(self):
+        return [t for pair in zip(self.weights, self.biases, strict=True) for t in pair]
 
 
 class ConvSlice(_GroupedSlice):
@@ -150,13 +142,7 @@ class ConvSlice(_GroupedSlice):
 
     def __init__(self, spec, index, units, blocks, seed: int, dtype: torch.dtype) -> None:
         super().__init__(spec, index, units, blocks)
-        full = init_rows(spec, seed, index, np.array([0]))[0]  # [Cout, Cin, k, k]
-        self.weights = nn.ParameterList()
-        self.biases = nn.ParameterList()
-        for c0, c1, _, _ in self.groups:
-            kernel = np.ascontiguousarray(full[c0:c1].reshape(c1 - c0, -1))  # [cg, K]
-            self.weights.append(nn.Parameter(torch.from_numpy(kernel).to(dtype)))
-            self.biases.append(nn.Parameter(torch.zeros(c1 - c0, 1, dtype=dtype)))
+        self.weights, self.biases = _grouped_params(spec, seed, self.pieces, dtype, local=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         parts = [
@@ -165,38 +151,25 @@ class ConvSlice(_GroupedSlice):
         ]
         return activation(self.activation, self._place(parts, x))
 
-    def param_slices(self):
-        out = []
-        k_in = self.weights[0].shape[1] if len(self.weights) else 0
-        for (c0, c1, _, _), w, b in zip(self.groups, self.weights, self.biases, strict=True):
-            ch = np.arange(c0, c1)
-            # reference weight [Cout, Cin, k, k] flattened: c * K + k; ours is [cg, K].
-            w_idx = ch[:, None] * k_in + np.arange(k_in)[None, :]
-            name = f"layers.{self.index}"
-            out += [(f"{name}.weight", w_idx.ravel(), w), (f"{name}.bias", ch, b)]
-        return out
+    def param_tensors(self):
+        return [t for pair in zip(self.weights, self.biases, strict=True) for t in pair]
 
 
 class DenseSlice(LayerSlice):
     """Owned neurons: [|U|, n_in] @ [n_in, B] + b."""
 
-    def __init__(self, spec, index, units, seed: int, dtype: torch.dtype) -> None:
+    def __init__(self, spec, index, units, blocks, seed: int, dtype: torch.dtype) -> None:
         super().__init__(spec, index, units)
-        rows = init_rows(spec, seed, index, units)  # [|U|, n_in]
-        self.weight = nn.Parameter(torch.from_numpy(rows).to(dtype))
+        self.pieces = layer_pieces(spec, index, units, blocks)
+        weight = piece_initial(spec, seed, self.pieces[0]).reshape(len(units), self.n_in)
+        self.weight = nn.Parameter(torch.from_numpy(weight).to(dtype))
         self.bias = nn.Parameter(torch.zeros(len(units), 1, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return activation(self.activation, torch.addmm(self.bias, self.weight, x[: self.n_in]))
 
-    def param_slices(self):
-        n_in = self.n_in
-        w_idx = self.units[:, None] * n_in + np.arange(n_in)[None, :]
-        name = f"layers.{self.index}"
-        return [
-            (f"{name}.weight", w_idx.ravel(), self.weight),
-            (f"{name}.bias", self.units, self.bias),
-        ]
+    def param_tensors(self):
+        return [self.weight, self.bias]
 
 
 class PoolSlice(LayerSlice):
@@ -250,6 +223,21 @@ class LcnSlice(LayerSlice):
         return (rows(x, self._centre) - mean) / torch.sqrt(var + self.eps)
 
 
+def _grouped_params(
+    spec: ModelSpec, seed: int, pieces: list[ParamPiece], dtype: torch.dtype, local: bool
+) -> tuple[nn.ParameterList, nn.ParameterList]:
+    """Weights ([Q, cg, K] local, [cg, K] conv) and zero biases of (weight, bias) piece pairs."""
+    weights, biases = nn.ParameterList(), nn.ParameterList()
+    for w, b in zip(pieces[::2], pieces[1::2], strict=True):
+        cg = w.c1 - w.c0
+        shape = (len(w.rows), cg, -1) if local else (cg, -1)
+        values = torch.from_numpy(piece_initial(spec, seed, w)).reshape(shape)
+        weights.append(nn.Parameter(values.to(dtype)))
+        bias_shape = (len(b.rows), cg, 1) if local else (cg, 1)
+        biases.append(nn.Parameter(torch.zeros(bias_shape, dtype=dtype)))
+    return weights, biases
+
+
 def build_slice(
     spec: ModelSpec,
     index: int,
@@ -265,7 +253,7 @@ def build_slice(
     if kind == "conv":
         return ConvSlice(spec, index, units, blocks, seed, dtype)
     if kind == "dense":
-        return DenseSlice(spec, index, units, seed, dtype)
+        return DenseSlice(spec, index, units, blocks, seed, dtype)
     if kind == "pool":
         return PoolSlice(spec, index, units)
     return LcnSlice(spec, index, units)

@@ -1,0 +1,422 @@
+"""The parameter server: shard processes and the client each model worker talks to them with.
+
+Every byte moves over torch.distributed point-to-point on the default (world) process group.
+A message is a header, int64 [kind, sender, shard, step, length, replica] (tag 1), then for
+PUSH and PARAMS a payload of `length` values (tag 2); a FETCH is a header alone. Lengths come
+from the `ShardLayout`: worker w's message to shard s carries exactly the segments of w's flat
+parameter vector that s holds, so both sides know every size before anything moves.
+
+`ShardServer` serves each (replica, worker) peer from its own thread (gloo isolates pairs: a
+dead peer fails only its own thread), and applies updates under one lock:
+- downpour: each push is applied on arrival; a fetch is answered at once (with `step` > 0:
+  once replica 0 has pushed that step, the warm start);
+- sync: pushes for step t are summed per replica; when every live replica's workers have
+  pushed, the mean over replicas is applied once; fetches for step t wait for that.
+A peer whose connection fails marks its whole replica lost: the shard keeps serving the rest.
+
+`ShardClient` runs a worker's pushes and fetches in a background thread, so the replica keeps
+computing while messages fly; fetched parameters land in one of two staging buffers and are
+swapped in by the caller between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import torch
+import torch.distributed as dist
+
+from netpart.errors import RuntimeFailure
+from netpart.partition.shards import Segment, ShardLayout
+from netpart.runtime.transport import PeerError, _gloo_reason
+from netpart.runtime.updates import UpdateRule
+
+__all__ = ["Kind", "ProtocolError", "ShardClient", "ShardServer", "ShardState"]
+
+log = logging.getLogger(__name__)
+
+HEADER_LEN = 6
+TAG_HEADER, TAG_PAYLOAD = 1, 2
+MODES = ("downpour", "sync")
+
+
+class Kind(IntEnum):
+    PUSH = 1
+    FETCH = 2
+    PARAMS = 3
+    BYE = 4
+
+
+class ProtocolError(RuntimeFailure):
+    """A message whose header disagrees with the layout (wrong sender, shard or length)."""
+
+
+def _header(kind: Kind, sender: int, shard: int, step: int, length: int, replica: int):
+    return torch.tensor([int(kind), sender, shard, step, length, replica], dtype=torch.int64)
+
+
+def _length(segments: tuple[Segment, ...]) -> int:
+    return sum(s.length for s in segments)
+
+
+@dataclass
+class ShardState:
+    """What a shard checkpoints: values, optimizer state, and how far each replica got."""
+
+    values: torch.Tensor
+    state: torch.Tensor | None
+    clock: int = 0  # sync: last step applied
+    updates: int = 0  # updates applied (pushes in downpour, steps in sync)
+    progress: dict[int, int] = field(default_factory=dict)  # replica -> last step pushed
+
+
+class ShardServer:
+    """Shard `shard` of the layout, serving `replicas` replicas of the partitioned model."""
+
+    def __init__(
+        self,
+        layout: ShardLayout,
+        shard: int,
+        replicas: int,
+        mode: str,
+        rule: UpdateRule,
+        rank_of: Callable[[int, int], int],
+        rank: int,
+        state: ShardState,
+        on_update: Callable[[ShardServer], None] | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.layout, self.shard, self.replicas, self.mode = layout, shard, replicas, mode
+        self.rule, self.rank_of, self.rank, self.state = rule, rank_of, rank, state
+        self.on_update = on_update
+        self.workers = layout.peers(shard)
+        self.routes = {w: layout.routes(w)[shard] for w in self.workers}
+        self.size = int(layout.shard_sizes()[shard])
+        self.cond = threading.Condition()
+        self.lost: dict[int, str] = {}  # replica -> why
+        self.done: set[tuple[int, int]] = set()
+        self.pushed = {
+            (r, w): state.progress.get(r, 0) for r in range(replicas) for w in self.workers
+        }
+        self.pending: dict[int, dict[int, torch.Tensor]] = {}  # sync: step -> replica -> sum
+        self.arrived: dict[int, set[tuple[int, int]]] = {}
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+    # ---- serving -------------------------------------------------------------------------
+    def serve(self, stop: threading.Event | None = None, grace: float = 60.0) -> None:
+        """Serve until every peer said goodbye or was lost (or `grace` s after `stop` is set)."""
+        threads = [
+            threading.Thread(target=self._peer, args=(r, w), daemon=True, name=f"peer-{r}-{w}")
+            for r in range(self.replicas)
+            for w in self.workers
+        ]
+        for t in threads:
+            t.start()
+        deadline = None
+        with self.cond:
+            while not self._finished():
+                if stop is not None and stop.is_set() and deadline is None:
+                    log.info("shard %d: stopping; waiting %.0f s for workers", self.shard, grace)
+                    deadline = time.monotonic() + grace
+                if deadline is not None and time.monotonic() > deadline:
+                    log.warning("shard %d: workers did not finish in time", self.shard)
+                    break
+                self.cond.wait(timeout=0.2)
+
+    def _finished(self) -> bool:
+        return all(
+            (r, w) in self.done or r in self.lost
+            for r in range(self.replicas)
+            for w in self.workers
+        )
+
+    def _peer(self, replica: int, worker: int) -> None:
+        src = self.rank_of(replica, worker)
+        segments = self.routes[worker]
+        n = _length(segments)
+        header = torch.empty(HEADER_LEN, dtype=torch.int64)
+        payload = torch.empty(n, dtype=self.state.values.dtype)
+        try:
+            while True:
+                dist.recv(header, src=src, tag=TAG_HEADER)
+                kind, sender, shard, step, length, rep = header.tolist()
+                if (sender, shard, rep) != (src, self.shard, replica):
+                    raise ProtocolError(
+                        f"shard {self.shard}: header from rank {src} says sender {sender}, "
+                        f"shard {shard}, replica {rep}"
+                    )
+                if kind == Kind.PUSH:
+                    if length != n:
+                        raise ProtocolError(
+                            f"shard {self.shard}: push of {length} values from replica "
+                            f"{replica} worker {worker}, the layout says {n}"
+                        )
+                    dist.recv(payload, src=src, tag=TAG_PAYLOAD)
+                    self.bytes_in += payload.numel() * payload.element_size()
+                    self._push(replica, worker, step, payload, segments)
+                elif kind == Kind.FETCH:
+                    out, version = self._snapshot_when_ready(replica, step, segments)
+                    dist.send(
+                        _header(Kind.PARAMS, self.rank, self.shard, version, n, replica),
+                        dst=src,
+                        tag=TAG_HEADER,
+                    )
+                    dist.send(out, dst=src, tag=TAG_PAYLOAD)
+                    self.bytes_out += out.numel() * out.element_size()
+                elif kind == Kind.BYE:
+                    with self.cond:
+                        self.done.add((replica, worker))
+                        self.cond.notify_all()
+                    return
+                else:
+                    raise ProtocolError(f"shard {self.shard}: unknown message kind {kind}")
+        except (RuntimeError, ProtocolError) as exc:
+            reason = str(exc) if isinstance(exc, ProtocolError) else _gloo_reason(exc)
+            self.lose(replica, f"worker {worker}: {reason}")
+
+    def lose(self, replica: int, why: str) -> None:
+        """Stop waiting for `replica`: its pushes in flight are dropped, its fetches answered."""
+        with self.cond:
+            if replica not in self.lost:
+                log.warning("shard %d: replica %d lost (%s)", self.shard, replica, why)
+                self.lost[replica] = why
+                self._apply_complete_steps()
+            self.cond.notify_all()
+
+    def _push(self, replica, worker, step, payload, segments) -> None:
+        with self.cond:
+            if replica in self.lost:
+                return
+            self.pushed[(replica, worker)] = step
+            self.state.progress[replica] = min(self.pushed[(replica, w)] for w in self.workers)
+            if self.mode == "downpour":
+                off = 0
+                for seg in segments:
+                    self.rule.apply(seg.shard_lo, payload[off : off + seg.length])
+                    off += seg.length
+                self.state.updates += 1
+                applied = True
+            else:
+                total = self.pending.setdefault(step, {})
+                if replica not in total:
+                    total[replica] = torch.zeros(self.size, dtype=payload.dtype)
+                off = 0
+                for seg in segments:
+                    total[replica][seg.shard_lo : seg.shard_lo + seg.length] += payload[
+                        off : off + seg.length
+                    ]
+                    off += seg.length
+                self.arrived.setdefault(step, set()).add((replica, worker))
+                applied = self._apply_complete_steps()
+            self.cond.notify_all()
+        if applied and self.on_update is not None:
+            self.on_update(self)
+
+    def _apply_complete_steps(self) -> bool:
+        """Sync: apply every step all live replicas have pushed (caller holds the lock)."""
+        applied = False
+        while self.mode == "sync":
+            step = self.state.clock + 1
+            live = [r for r in range(self.replicas) if r not in self.lost]
+            expected = {(r, w) for r in live for w in self.workers}
+            if not live or not expected <= self.arrived.get(step, set()):
+                break
+            sums = [g for r, g in self.pending.pop(step, {}).items() if r in live]
+            self.arrived.pop(step, None)
+            if sums:
+                self.rule.apply(0, torch.stack(sums).sum(dim=0) / len(sums))
+            self.state.clock = step
+            self.state.updates += 1
+            applied = True
+        return applied
+
+    def _snapshot_when_ready(self, replica, step, segments) -> tuple[torch.Tensor, int]:
+        with self.cond:
+            while not self._ready(replica, step):
+                self.cond.wait(timeout=0.5)
+            parts = [self.rule.values[s.shard_lo : s.shard_lo + s.length] for s in segments]
+            out = parts[0].clone() if len(parts) == 1 else torch.cat(parts)
+            version = self.state.clock if self.mode == "sync" else self.state.updates
+        return out, version
+
+    def _ready(self, replica: int, step: int) -> bool:
+        if replica in self.lost or step <= 0:
+            return True
+        if self.mode == "sync":
+            return self.state.clock >= step
+        # Downpour warm start: wait until replica 0 pushed `step` (or is gone).
+        if 0 in self.lost or all((0, w) in self.done for w in self.workers):
+            return True
+        return all(self.pushed[(0, w)] >= step for w in self.workers)
+
+    def snapshot(self) -> ShardState:
+        """A consistent copy of the shard's state (for checkpoints)."""
+        with self.cond:
+            s = self.state
+            return ShardState(
+                values=self.rule.values.clone(),
+                state=None if self.rule.state is None else self.rule.state.clone(),
+                clock=s.clock,
+                updates=s.updates,
+                progress=dict(s.progress),
+            )
+
+
+class ShardClient:
+    """Model worker `worker` of replica `replica`: pushes and fetches in a background thread."""
+
+    def __init__(
+        self,
+        layout: ShardLayout,
+        worker: int,
+        replica: int,
+        rank: int,
+        shard_ranks: list[int],
+        dtype: torch.dtype,
+    ) -> None:
+        self.worker, self.replica, self.rank, self.shard_ranks = worker, replica, rank, shard_ranks
+        self.routes = layout.routes(worker)
+        self.size = layout.worker_size(worker)
+        self._buffers = [torch.zeros(self.size, dtype=dtype) for _ in range(2)]
+        self._ready: int | None = None  # staging buffer holding the newest parameters
+        self._in_use: int | None = None
+        self._requests: queue.Queue = queue.Queue()
+        self._cond = threading.Condition()
+        self._outstanding = 0
+        self._error: BaseException | None = None
+        self.versions: list[int] = []
+        self._thread = threading.Thread(target=self._run, daemon=True, name="shard-client")
+        self._thread.start()
+
+    # ---- caller side ---------------------------------------------------------------------
+    def push(self, grads: torch.Tensor, step: int) -> None:
+        """Queue `grads` (flat, this worker's piece order; the client owns it now)."""
+        self._check()
+        self._submit((Kind.PUSH, step, grads))
+
+    def fetch(self, step: int = 0) -> None:
+        """Queue a fetch; `step` > 0 makes the shards answer only once that step is applied."""
+        self._check()
+        self._submit((Kind.FETCH, step, None))
+
+    def take(self, wait: bool = False) -> torch.Tensor | None:
+        """The newest fetched parameters not yet taken (with `wait`: after all queued requests).
+
+        The buffer stays reserved until the next `take`; copy it out before then.
+        """
+        with self._cond:
+            while wait and self._outstanding and self._error is None:
+                self._cond.wait(timeout=0.5)
+            self._check()
+            self._in_use = None
+            if self._ready is None:
+                return None
+            self._in_use, self._ready = self._ready, None
+            self._cond.notify_all()
+            return self._buffers[self._in_use]
+
+    def close(self) -> None:
+        """Say goodbye to every shard after the queued requests, and stop the thread."""
+        if self._error is None and self._thread.is_alive():
+            self._submit((Kind.BYE, 0, None))
+            self._thread.join()
+        self._check()
+
+    # ---- background thread ---------------------------------------------------------------
+    def _submit(self, request) -> None:
+        with self._cond:
+            self._outstanding += 1
+        self._requests.put(request)
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        try:
+            while True:
+                kind, step, data = self._requests.get()
+                if kind == Kind.PUSH:
+                    self._send_push(step, data)
+                elif kind == Kind.FETCH:
+                    self._fetch(step)
+                else:
+                    for s in self.routes:
+                        dist.send(self._hdr(Kind.BYE, s, 0, 0), self.shard_ranks[s], tag=TAG_HEADER)
+                with self._cond:
+                    self._outstanding -= 1
+                    self._cond.notify_all()
+                if kind == Kind.BYE:
+                    return
+        except RuntimeError as exc:
+            self._fail(f"parameter-server shard unreachable ({_gloo_reason(exc)})")
+        except ProtocolError as exc:
+            self._fail(str(exc))
+
+    def _fail(self, why: str) -> None:
+        with self._cond:
+            self._error = PeerError(f"replica {self.replica} worker {self.worker}: {why}")
+            self._cond.notify_all()
+
+    def _hdr(self, kind: Kind, shard: int, step: int, length: int) -> torch.Tensor:
+        return _header(kind, self.rank, shard, step, length, self.replica)
+
+    def _send_push(self, step: int, grads: torch.Tensor) -> None:
+        works, keep = [], []
+        for s, segs in self.routes.items():
+            parts = [grads[g.local_lo : g.local_lo + g.length] for g in segs]
+            payload = parts[0] if len(parts) == 1 else torch.cat(parts)
+            hdr = self._hdr(Kind.PUSH, s, step, payload.numel())
+            keep += [hdr, payload]
+            dst = self.shard_ranks[s]
+            works.append(dist.isend(hdr, dst, tag=TAG_HEADER))
+            works.append(dist.isend(payload, dst, tag=TAG_PAYLOAD))
+        for w in works:
+            w.wait()
+
+    def _fetch(self, step: int) -> None:
+        with self._cond:  # the buffer the caller is not reading; a newer fetch replaces `ready`
+            target = 1 if self._in_use == 0 else 0
+            if self._ready == target:
+                self._ready = None
+        buf = self._buffers[target]
+        works, replies = [], []
+        for s, segs in self.routes.items():
+            dst = self.shard_ranks[s]
+            n = _length(segs)
+            hdr = self._hdr(Kind.FETCH, s, step, 0)
+            reply = torch.empty(HEADER_LEN, dtype=torch.int64)
+            direct = len(segs) == 1
+            data = buf[segs[0].local_lo : segs[0].local_lo + n] if direct else buf.new_empty(n)
+            replies.append((s, segs, reply, data, direct, hdr))
+            works.append(dist.isend(hdr, dst, tag=TAG_HEADER))
+            works.append(dist.irecv(reply, dst, tag=TAG_HEADER))
+            works.append(dist.irecv(data, dst, tag=TAG_PAYLOAD))
+        for w in works:
+            w.wait()
+        version = None
+        for s, segs, reply, data, direct, _ in replies:
+            kind, _sender, shard, v, length, _rep = reply.tolist()
+            if kind != Kind.PARAMS or shard != s or length != data.numel():
+                raise ProtocolError(
+                    f"replica {self.replica} worker {self.worker}: bad reply from shard {s} "
+                    f"(kind {kind}, shard {shard}, {length} values, expected {data.numel()})"
+                )
+            version = v if version is None else min(version, v)
+            if not direct:
+                off = 0
+                for g in segs:
+                    buf[g.local_lo : g.local_lo + g.length] = data[off : off + g.length]
+                    off += g.length
+        with self._cond:
+            self._ready = target
+            self.versions.append(-1 if version is None else version)
+            self._cond.notify_all()

@@ -1,0 +1,144 @@
+"""Shard layout, update rules and data sharding: pure, in-process checks."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from netpart.data import DataError, load_data
+from netpart.models import build_reference, load_spec
+from netpart.partition import build_unit_graph, plan
+from netpart.partition.methods import METHODS
+from netpart.partition.shards import ShardLayout, piece_index, shard_bounds
+from netpart.runtime.checkpoint import export_state_dict
+from netpart.runtime.config import TrainConfig, TrainError
+from netpart.runtime.trainer import initial_values
+from netpart.runtime.updates import Optimizer, UpdateRule
+from tests.conftest import small_specs
+
+
+def _layout(spec, workers, method, shards):
+    p = plan(spec, workers, method, seed=1)
+    return ShardLayout.build(build_unit_graph(spec, p.granularity), p.node_map, workers, shards)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    spec=small_specs(),
+    workers=st.integers(1, 4),
+    shards=st.integers(1, 6),
+    method=st.sampled_from(sorted(METHODS)),
+)
+def test_layout_covers_every_parameter_once_and_routes_cover_every_worker(
+    spec, workers, shards, method
+):
+    layout = _layout(spec, workers, method, shards)
+    assert layout.total == spec.num_params
+    assert layout.shard_sizes().sum() == spec.num_params and (layout.shard_sizes() >= 0).all()
+    # Worker-major space -> reference parameters is a bijection.
+    hits = {}
+    for w in range(workers):
+        for piece, off in zip(layout.pieces[w], layout.offsets[w], strict=True):
+            for k, g in enumerate(piece_index(spec, piece).tolist()):
+                key = (piece.name, g)
+                assert hits.setdefault(key, off + k) == off + k  # shared pieces agree
+    assert sorted(hits.values()) == list(range(spec.num_params))
+    # Each worker's routes cover its flat vector exactly once, inside the shard ranges.
+    for w in range(workers):
+        covered = np.zeros(layout.worker_size(w), dtype=int)
+        for s, segs in layout.routes(w).items():
+            for g in segs:
+                covered[g.local_lo : g.local_lo + g.length] += 1
+                assert g.shard_lo >= 0 and g.shard_lo + g.length <= layout.shard_sizes()[s]
+        assert (covered == 1).all()
+
+
+def test_one_shard_per_worker_when_shards_equal_balanced_workers():
+    spec = load_spec("image-80m")
+    layout = _layout(spec, 16, "metis", 16)
+    assert [sorted(layout.routes(w)) for w in range(16)] == [[w] for w in range(16)]
+    layout = _layout(spec, 16, "metis", 5)
+    sizes = layout.shard_sizes()
+    assert sizes.max() / sizes.mean() < 1.1  # balanced even when workers straddle
+
+
+def test_shard_bounds_rule():
+    assert shard_bounds(np.array([10, 10, 10]), 3).tolist() == [0, 10, 20, 30]
+    assert shard_bounds(np.array([10, 10]), 4).tolist() == [0, 5, 10, 15, 20]
+    assert shard_bounds(np.array([10, 30]), 2).tolist() == [0, 20, 40]  # 10 is too far from 20
+    with pytest.raises(ValueError):
+        shard_bounds(np.array([1]), 0)
+
+
+@pytest.mark.parametrize("name,workers,shards", [("tiny-local", 3, 2), ("tiny-mlp", 2, 3)])
+def test_shards_start_from_the_reference_initialisation(name, workers, shards):
+    spec = load_spec(name)
+    layout = _layout(spec, workers, "metis", shards)
+    values = [initial_values(spec, layout, s, 7, torch.float64) for s in range(shards)]
+    got = export_state_dict(spec, layout, values)
+    want = build_reference(spec, 7, torch.float64).state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_adagrad_rule_equals_torch_adagrad():
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(50, generator=gen, dtype=torch.float64)
+    grads = [torch.randn(50, generator=gen, dtype=torch.float64) for _ in range(5)]
+    ref = torch.nn.Parameter(start.clone())
+    opt = torch.optim.Adagrad([ref], lr=0.1)
+    rule = UpdateRule(Optimizer("adagrad", 0.1), start.clone())
+    for g in grads:
+        ref.grad = g.clone()
+        opt.step()
+        rule.apply(0, g[:20])  # two segments, as two pushes would
+        rule.apply(20, g[20:])
+    assert torch.allclose(rule.values, ref.detach(), rtol=0, atol=1e-15)
+    assert torch.allclose(rule.state, opt.state[ref]["sum"], rtol=0, atol=1e-15)
+
+
+def test_sgd_rule():
+    rule = UpdateRule(Optimizer("sgd", 0.5), torch.ones(4))
+    rule.apply(1, torch.tensor([2.0, 4.0]))
+    assert rule.values.tolist() == [1.0, 0.0, -1.0, 1.0] and rule.state is None
+
+
+def test_replicas_read_disjoint_shards_and_batches_are_pure():
+    spec = load_spec("tiny-mlp")
+    data = load_data("synthetic", spec, seed=3, examples=100)
+    seen = [set(data.indices(r, 3, 1, 33).tolist()) for r in range(3)]
+    assert not (seen[0] & seen[1]) and not (seen[1] & seen[2]) and not (seen[0] & seen[2])
+    x1, y1 = data.batch(1, 3, 5, 8, torch.float64)
+    x2, y2 = data.batch(1, 3, 5, 8, torch.float64)
+    assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    epoch = data.indices(0, 3, 1, 34)
+    assert sorted(epoch.tolist()) == list(range(0, 100, 3))  # one epoch = the whole shard
+
+
+def test_npz_data_is_checked(tmp_path):
+    spec = load_spec("tiny-mlp")
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, x=np.zeros((5, 3)), y=np.zeros(5, dtype=np.int64))
+    with pytest.raises(DataError, match="needs x"):
+        load_data(str(bad), spec)
+    with pytest.raises(DataError, match="synthetic"):
+        load_data("data.csv", spec)
+
+
+def test_train_config_round_trip_and_errors():
+    cfg = TrainConfig(replicas=3, shards=2, mode="sync", optimizer="sgd", lr=0.2, steps=7)
+    assert TrainConfig.from_json(cfg.to_json()) == cfg
+    for bad, match in (
+        ({"replicas": 0}, "--replicas"),
+        ({"shards": 0}, "--ps-shards"),
+        ({"n_fetch": 0}, "--n-fetch"),
+        ({"n_push": 0}, "--n-push"),
+        ({"mode": "async"}, "--mode"),
+        ({"lr": 0.0}, "--lr"),
+    ):
+        with pytest.raises(TrainError, match=match):
+            TrainConfig(**bad)
+    with pytest.raises(TrainError, match="unknown"):
+        TrainConfig.from_dict({"replica": 2})

@@ -1,0 +1,194 @@
+"""Training jobs in real processes (gloo): few, bounded, and none leaves a process behind."""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from netpart.cli import main
+from netpart.data import load_data
+from netpart.models import build_reference, load_spec
+from netpart.partition import build_unit_graph, plan
+from netpart.partition.shards import ShardLayout
+from netpart.runtime.config import TrainConfig
+from netpart.runtime.train_launch import train
+
+pytestmark = pytest.mark.timeout(240)
+
+SPEC = load_spec("tiny-local")
+
+
+def alive() -> int:
+    count = 0
+    for proc in Path("/proc").iterdir():
+        try:
+            if b"netpart.runtime.train_main" in (proc / "cmdline").read_bytes():
+                count += 1
+        except OSError:
+            continue
+    return count
+
+
+def metrics(run: Path, replica: int = 0) -> list[dict]:
+    text = (run / f"metrics_replica{replica}.jsonl").read_text()
+    return [json.loads(x) for x in text.splitlines()]
+
+
+@pytest.fixture(autouse=True)
+def no_orphans():
+    yield
+    deadline = time.monotonic() + 5
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert alive() == 0, "a training process outlived its test"
+
+
+def _sync(steps):
+    return TrainConfig(
+        replicas=2, shards=3, mode="sync", optimizer="sgd", lr=0.1, steps=steps, batch=8,
+        dtype="float64", timeout=30, checkpoint_every=1,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def sync_run(tmp_path_factory):
+    """Sync SGD, 2 replicas x 2 workers + 3 shards, float64, 4 steps."""
+    run = tmp_path_factory.mktemp("sync") / "run"
+    p = plan(SPEC, 2, "metis")
+    train(SPEC, p, _sync(4), run)
+    return p, run
+
+
+def test_sync_equals_single_process_sgd_on_the_concatenated_batch(sync_run):
+    _, run = sync_run
+    got = torch.load(run / "model.pt", weights_only=True)
+    ref = build_reference(SPEC, 0, torch.float64)
+    data = load_data("synthetic", SPEC, 0, TrainConfig().examples)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for t in range(1, 5):
+        xs, ys = zip(*[data.batch(r, 2, t, 8, torch.float64) for r in range(2)], strict=True)
+        opt.zero_grad()
+        ref.loss(ref(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(got[k], v, rtol=0, atol=1e-12), k
+
+
+def test_resume_continues_from_identical_parameters(sync_run, tmp_path):
+    p, straight = sync_run
+    run = tmp_path / "run"
+    train(SPEC, p, _sync(2), run)
+    half = torch.load(run / "model.pt", weights_only=True)
+    meta = json.loads((run / "shard_0.json").read_text())
+    assert meta["clock"] == 2 and meta["progress"] == {"0": 2, "1": 2}
+    train(SPEC, p, _sync(4), run, resume=True)
+    got = torch.load(run / "model.pt", weights_only=True)
+    want = torch.load(straight / "model.pt", weights_only=True)
+    for k in want:
+        assert torch.allclose(got[k], want[k], rtol=0, atol=1e-13), k
+        assert not torch.equal(half[k], want[k]) or "bias" in k
+    steps = [m["step"] for m in metrics(run)]
+    assert steps == [1, 2, 3, 4]  # the resumed replicas went on with steps 3 and 4
+
+
+def test_downpour_lowers_the_loss_and_pushes_reach_only_their_shards(tmp_path):
+    p = plan(SPEC, 2, "metis")
+    cfg = TrainConfig(replicas=2, shards=2, steps=40, n_push=2, n_fetch=3, lr=0.05, timeout=30)
+    summary = train(SPEC, p, cfg, tmp_path / "run")
+    first = metrics(tmp_path / "run")[0]
+    for r in (0, 1):
+        assert summary.steps[r] == 40 and summary.final_loss[r] < 0.5 * first["loss"]
+    layout = ShardLayout.build(build_unit_graph(SPEC, p.granularity), p.node_map, 2, 2)
+    pushes = 40 // 2  # per worker and replica
+    for s in range(2):
+        meta = json.loads((tmp_path / "run" / f"shard_{s}.json").read_text())
+        # Bytes that reached shard s: exactly the route lengths of the workers routed to it.
+        want = (
+            sum(seg.length for w in range(2) for seg in layout.routes(w).get(s, ()))
+            * 4
+            * pushes
+            * 2
+        )
+        assert meta["bytes_in"] == want and meta["updates"] == pushes * len(layout.peers(s)) * 2
+
+
+def test_a_dead_replica_does_not_stop_training(tmp_path, monkeypatch):
+    monkeypatch.setenv("NETPART_TEST_FAULT", "die:2@5")  # replica 1, worker 0, step 5
+    p = plan(SPEC, 2, "metis")
+    cfg = TrainConfig(replicas=2, shards=2, steps=30, lr=0.05, timeout=10)
+    summary = train(SPEC, p, cfg, tmp_path / "run")
+    assert list(summary.lost) == [1] and "code 17" in summary.lost[1]
+    assert summary.steps[0] == 30 and summary.steps[1] == 4
+    losses = [m["loss"] for m in metrics(tmp_path / "run")]
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_sigterm_stops_cleanly_with_a_final_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "netpart", "train", "--model", "tiny-local", "--workers", "2",
+        "--replicas", "1", "--steps", "100000", "--out", str(run), "--timeout", "20",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        lines = run / "metrics_replica0.jsonl"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (
+            not lines.exists() or lines.read_text().count("\n") < 3
+        ):
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130
+    steps = len(metrics(run))
+    for s in range(2):
+        meta = json.loads((run / f"shard_{s}.json").read_text())
+        assert meta["progress"]["0"] == steps  # the last step was pushed before goodbye
+    assert torch.load(run / "model.pt", weights_only=True)
+
+
+def test_bad_resume_input_exits_2_and_overwrites_nothing(sync_run, tmp_path, capsys):
+    _, straight = sync_run
+    run = tmp_path / "copy"
+    shutil.copytree(straight, run)
+    before = {f.name: f.read_bytes() for f in run.iterdir() if f.is_file()}
+    x = str(tmp_path / "x")
+    cases = [
+        ["--resume", str(run), "--model", "tiny-mlp"],
+        ["--resume", str(run), "--ps-shards", "2"],
+        ["--resume", str(run), "--optimizer", "adagrad"],
+        ["--resume", str(tmp_path / "nothing")],
+        ["--model", "tiny-local", "--workers", "2", "--out", str(run)],
+        [
+            "--model",
+            "tiny-local",
+            "--workers",
+            "2",
+            "--replicas",
+            "0",
+            "--out",
+            str(tmp_path / "x"),
+        ],
+        ["--model", "tiny-local", "--workers", "2", "--n-push", "0", "--out", x],
+    ]
+    for args in cases:
+        assert main(["train", *args]) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("netpart: error:"), err
+    (run / "shard_1.pt").write_bytes(b"not a checkpoint")
+    before["shard_1.pt"] = b"not a checkpoint"
+    assert main(["train", "--resume", str(run), "--steps", "6"]) == 2
+    assert "shard_1.pt: not a readable netpart checkpoint" in capsys.readouterr().err
+    after = {f.name: f.read_bytes() for f in run.iterdir() if f.is_file()}
+    assert after == before
+    assert not (tmp_path / "x").exists()

@@ -177,6 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compare", action="store_true", help="also run every method and add a comparison"
     )
+    p.add_argument(
+        "--ps-shards",
+        type=_positive_int,
+        default=None,
+        help="parameter-server shards to lay the parameters out over (default: workers)",
+    )
     p.add_argument("--out", type=Path, default=None, help="directory for plan files and report")
     p.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
 
@@ -250,8 +256,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         figures,
         layer_table,
         report_markdown,
+        shard_table,
         summary_line,
     )
+    from netpart.partition.shards import ShardLayout
 
     spec = load_spec(args.model)
     network = NetworkModel.parse(args.net) if args.net else NetworkModel()
@@ -292,9 +300,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             plans.append(plan(spec, args.workers, method, on_phase=phase, **common, **opts))
     main_plan = plans[0]
     comparison = plans if args.compare else []
+    graph = build_unit_graph(spec, granularity)
+    shards = ShardLayout.build(
+        graph, main_plan.node_map, args.workers, args.ps_shards or args.workers
+    )
 
     print(summary_line(main_plan))
     print(layer_table(main_plan))
+    print()
+    print(f"parameter server: {shards.shards} shards")
+    print(shard_table(shards))
     if comparison:
         print()
         print(compare_table(comparison))
@@ -304,9 +319,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     files = plan_files(main_plan)
     figs: dict[str, bytes] = {}
     if not args.no_figures:
-        graph = build_unit_graph(spec, granularity)
         figs = figures(graph, main_plan, comparison)
-    files["report.md"] = report_markdown(spec, main_plan, comparison, list(figs)).encode()
+    report = report_markdown(spec, main_plan, comparison, list(figs), shards)
+    files["report.md"] = report.encode()
     files.update(figs)
     write_files(args.out, files)
     print(f"wrote {', '.join(files)} to {args.out}")

@@ -17,9 +17,17 @@ import numpy as np
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import BYTES_PER_VALUE, UnitGraph
 from netpart.partition.planner import PartitionPlan
+from netpart.partition.shards import ShardLayout
 from netpart.partition.volume import layer_traffic
 
-__all__ = ["compare_table", "figures", "layer_table", "report_markdown", "summary_line"]
+__all__ = [
+    "compare_table",
+    "figures",
+    "layer_table",
+    "report_markdown",
+    "shard_table",
+    "summary_line",
+]
 
 
 def _fmt_ratio(x: float) -> str:
@@ -97,6 +105,7 @@ def report_markdown(
     plan: PartitionPlan,
     comparison: Sequence[PartitionPlan] = (),
     figure_names: Sequence[str] = (),
+    shards: ShardLayout | None = None,
 ) -> str:
     m, net = plan.metrics, plan.network
     small = [ly for ly in plan.layers if ly.blocks < plan.workers]
@@ -156,11 +165,38 @@ def report_markdown(
         ),
         "",
     ]
+    if shards is not None:
+        lines += [
+            f"## Parameter server: {shards.shards} shards",
+            "",
+            "Every replica's worker w pushes to and fetches from the shards listed for it; "
+            "bytes are float32 values, one push (or fetch) per worker.",
+            "",
+            shard_table(shards),
+            "",
+        ]
     if comparison:
         lines += ["## Methods compared", "", compare_table(comparison), ""]
     if figure_names:
         lines += ["## Figures", ""] + [f"![{n}]({n})" for n in figure_names] + [""]
     return "\n".join(lines)
+
+
+def shard_table(layout: ShardLayout) -> str:
+    """Values and bytes per parameter-server shard, and the workers routed to each."""
+    sizes = layout.shard_sizes()
+    mean = sizes.mean() if len(sizes) else 0
+    rows = [
+        [
+            str(s),
+            f"{int(n):,}",
+            _si(int(n) * BYTES_PER_VALUE, "B"),
+            f"{n / mean:.2f}" if mean else "—",
+            ",".join(map(str, layout.peers(s))),
+        ]
+        for s, n in enumerate(sizes)
+    ]
+    return _table(["shard", "values", "bytes", "vs mean", "workers"], rows)
 
 
 def _png(fig: plt.Figure) -> bytes:

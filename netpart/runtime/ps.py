@@ -243,7 +243,10 @@ class ShardServer:
             while not self._ready(replica, step):
                 self.cond.wait(timeout=0.5)
             parts = [self.rule.values[s.shard_lo : s.shard_lo + s.length] for s in segments]
-            out = parts[0].clone() if len(parts) == 1 else torch.cat(parts)
+            # One segment goes out as a view, without a copy: in sync mode nothing changes the
+            # values while fetches are served; in Downpour a read racing an update is accepted,
+            # as in DistBelief (each value is read whole, either before or after the update).
+            out = parts[0] if len(parts) == 1 else torch.cat(parts)
             version = self.state.clock if self.mode == "sync" else self.state.updates
         return out, version
 

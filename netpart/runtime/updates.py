@@ -14,6 +14,8 @@ import torch
 
 __all__ = ["OPTIMIZERS", "Optimizer", "UpdateRule"]
 
+_FUSED = getattr(torch, "_fused_adagrad_", None)  # the kernel of Adagrad(fused=True) on CPU
+
 OPTIMIZERS = ("sgd", "adagrad")
 
 
@@ -46,6 +48,7 @@ class UpdateRule:
         if optimizer.has_state and state is None:
             state = torch.zeros_like(values)
         self.state = state if optimizer.has_state else None
+        self._steps = torch.zeros(())  # the fused kernel's step counter (unused without decay)
 
     def apply(self, lo: int, grad: torch.Tensor) -> None:
         p = self.values[lo : lo + grad.numel()]
@@ -54,5 +57,11 @@ class UpdateRule:
             p.add_(grad, alpha=-lr)
             return
         s = self.state[lo : lo + grad.numel()]
+        if _FUSED is not None:  # one pass over memory; the same arithmetic per element
+            _FUSED(
+                [p], [grad], [s], [self._steps], lr=lr, lr_decay=0.0, weight_decay=0.0,
+                eps=self.optimizer.eps, maximize=False,
+            )  # fmt: skip
+            return
         s.addcmul_(grad, grad, value=1.0)
         p.addcdiv_(grad, s.sqrt().add_(self.optimizer.eps), value=-lr)

@@ -1,0 +1,213 @@
+"""Parameter-server benchmark, each figure a ratio measured side by side in one run.
+
+(a) Shard throughput: one model worker pushes its gradients to and fetches its parameters from
+    its shard (ShardClient -> ShardServer, headers, update rule and all) vs raw gloo send/recv
+    of the same bytes between the same two processes. Worker 0 of image-80m on 16 workers
+    (16 shards: shard 0 holds exactly worker 0's 4.8M values).
+(b) A replica's step time with Downpour (n_push = n_fetch = 1) vs the same replica whose
+    pushes and fetches never come due (the job still starts its shards, nothing moves):
+    bench-local (10M parameters) on 2 workers, 2 shards, Adagrad, batch 32 and 128, median
+    step over alternating runs. Shards share this machine's 2 cores with the workers.
+
+    python benchmarks/ps_bench.py --out benchmarks/results/ps_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from netpart.models import load_spec
+from netpart.partition import build_unit_graph, plan
+from netpart.partition.shards import ShardLayout
+from netpart.runtime.config import TrainConfig
+from netpart.runtime.ps import ShardClient, ShardServer, ShardState
+from netpart.runtime.train_launch import train
+from netpart.runtime.updates import Optimizer, UpdateRule
+
+sys.path.insert(0, str(Path(__file__).parent))
+from runtime_bench import MID_LOCAL
+
+
+def _layout() -> ShardLayout:
+    spec = load_spec("image-80m")
+    p = plan(spec, 16, "metis")
+    return ShardLayout.build(build_unit_graph(spec, p.granularity), p.node_map, 16, 16)
+
+
+def _peer(rank: int, port: int, iters: int, rounds: int, optimizer: str, result: Path) -> None:
+    """One of the two processes of (a): rank 0 = model worker 0, rank 1 = shard 0."""
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    layout = _layout()
+    n = layout.worker_size(0)
+    assert list(layout.routes(0)) == [0], "worker 0 should talk to shard 0 only"
+    buf = torch.randn(n)
+    grads = torch.randn(n)
+    raw_s, ps_s = [], []
+    for _ in range(rounds):  # alternate raw and PS rounds: the machine is noisy
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):  # raw gloo: the same bytes each way, a round trip each
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            else:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+        raw_s.append(time.perf_counter() - t0)
+        dist.barrier()
+        if rank == 1:
+            values = torch.zeros(n)
+            server = ShardServer(
+                layout, 0, 1, "downpour", UpdateRule(Optimizer(optimizer, 0.01), values),
+                rank_of=lambda r, w: 0, rank=1, state=ShardState(values=values, state=None),
+            )  # fmt: skip
+            server.serve()
+            continue
+        client = ShardClient(layout, 0, 0, 0, [1] + [-1] * 15, torch.float32)
+        t0 = time.perf_counter()
+        for step in range(1, iters + 1):
+            client.push(grads, step)
+            client.fetch()
+            client.take(wait=True)
+        ps_s.append(time.perf_counter() - t0)
+        client.close()
+    if rank == 0:
+        mb = 2 * n * 4 * iters / 1e6
+        ratios = [r / p for r, p in zip(raw_s, ps_s, strict=True)]
+        result.write_text(
+            json.dumps(
+                {
+                    "values": n,
+                    "iterations": iters,
+                    "rounds": rounds,
+                    "raw_MBps": [mb / t for t in raw_s],
+                    "ps_MBps": [mb / t for t in ps_s],
+                    "ratios": ratios,
+                    "median_ratio": statistics.median(ratios),
+                }
+            )
+        )
+    os._exit(0)
+
+
+def shard_throughput(iters: int, rounds: int, optimizer: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "r.json"
+        store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+        port = store.port
+        del store
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--peer",
+                    str(r),
+                    "--port",
+                    str(port),
+                    "--iters",
+                    str(iters),
+                    "--optimizer",
+                    optimizer,
+                    "--result",
+                    str(result),
+                ]
+            )
+            for r in (0, 1)
+        ]
+        try:
+            for p in procs:
+                p.wait(timeout=600)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        return {"optimizer": optimizer, **json.loads(result.read_text())}
+
+
+def _median_step(run: Path, skip: int) -> float:
+    lines = (run / "metrics_replica0.jsonl").read_text().splitlines()
+    times = [json.loads(x)["time"] for x in lines]
+    steps = [b - a for a, b in itertools.pairwise(times)][skip:]
+    return statistics.median(steps)
+
+
+def downpour_step(pairs: int, steps: int, batch: int) -> dict:
+    spec = MID_LOCAL
+    p = plan(spec, 2, "metis")
+    base = dict(replicas=1, shards=2, steps=steps, batch=batch, lr=0.01, timeout=60)
+    downpour, local, ratios = [], [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(pairs):
+            a = Path(tmp) / f"ps{i}"
+            b = Path(tmp) / f"none{i}"
+            train(spec, p, TrainConfig(**base), a)
+            never = steps + 1
+            train(spec, p, TrainConfig(**base, n_push=never, n_fetch=never), b)
+            downpour.append(_median_step(a, 3))
+            local.append(_median_step(b, 3))
+            ratios.append(downpour[-1] / local[-1])
+    return {
+        "model": spec.name,
+        "workers": 2,
+        "shards": 2,
+        "batch": batch,
+        "steps": steps,
+        "downpour_step_s": downpour,
+        "no_ps_step_s": local,
+        "ratios": ratios,
+        "median_ratio": statistics.median(ratios),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--iters", type=int, default=10, help="push+fetch round trips per round")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating raw/PS rounds")
+    ap.add_argument("--batches", default="32,128", help="batch sizes for (b)")
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--peer", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--optimizer", default="sgd", help=argparse.SUPPRESS)
+    ap.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.peer is not None:
+        _peer(args.peer, args.port, args.iters, args.rounds, args.optimizer, args.result)
+        return
+    torch.set_num_threads(1)
+    out = {
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "torch": torch.__version__},
+        "shard_throughput": [
+            shard_throughput(args.iters, args.rounds, o) for o in ("sgd", "adagrad")
+        ],
+        "downpour_step": [
+            downpour_step(args.pairs, args.steps, int(b)) for b in args.batches.split(",")
+        ],
+    }  # fmt: skip
+    print(json.dumps(out, indent=1))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -228,6 +228,13 @@ def _train_under_torchrun(spec, p, config, run: Path, resume: bool) -> int:
         run_process(rank, spec, p, config, run, starts, resume, stop)
     finally:
         sys.stderr.flush()
+    if rank < first_shard and rank % p.workers == 0:
+        lines = (run / f"metrics_replica{rank // p.workers}.jsonl").read_text().splitlines()
+        last = json.loads(lines[-1]) if lines else {"step": 0, "loss": float("nan")}
+        print(f"replica {rank // p.workers}: step {last['step']}, loss {last['loss']:.4g}")
+    elif rank == first_shard:
+        print(f"shard checkpoints in {run}; `netpart export {run}` writes the model")
+    sys.stdout.flush()
     os._exit(0)
 
 

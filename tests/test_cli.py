@@ -33,11 +33,15 @@ def test_plan_writes_files_that_load_back(tmp_path, capsys):
         "--workers",
         "3",
         "--compare",
+        "--ps-shards",
+        "2",
         "--out",
         str(out_dir),
     )
     assert code == 0
     assert "tiny-local on 3 workers (metis)" in out and "round-robin" in out
+    assert "parameter server: 2 shards" in out
+    assert "## Parameter server: 2 shards" in (out_dir / "report.md").read_text()
     names = {p.name for p in out_dir.iterdir()}
     assert {"plan.json", "node_map.npy", "report.md", "load.png", "halo_traffic.png"} <= names
     assert {"partition_map.png", "compare.png"} <= names

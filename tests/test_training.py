@@ -192,3 +192,23 @@ def test_bad_resume_input_exits_2_and_overwrites_nothing(sync_run, tmp_path, cap
     after = {f.name: f.read_bytes() for f in run.iterdir() if f.is_file()}
     assert after == before
     assert not (tmp_path / "x").exists()
+
+
+def test_torchrun_runs_the_same_job_and_export_loads_back(tmp_path):
+    run = tmp_path / "run"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [
+        str(torchrun), "--standalone", "--nproc-per-node", "5", "-m", "netpart", "train",
+        "--model", "tiny-local", "--workers", "2", "--replicas", "2", "--ps-shards", "1",
+        "--steps", "12", "--out", str(run), "--timeout", "30",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "replica 0: step 12" in out.stdout and "replica 1: step 12" in out.stdout
+    assert main(["export", str(run), "--output", str(tmp_path / "m.pt")]) == 0
+    state = torch.load(tmp_path / "m.pt", weights_only=True)
+    model = build_reference(SPEC, 0)
+    model.load_state_dict(state)  # same names and shapes as the reference module
+    assert not torch.equal(
+        state["layers.0.weight"], build_reference(SPEC, 0).state_dict()["layers.0.weight"]
+    )

@@ -11,6 +11,7 @@ from netpart.partition.planner import (
     evaluate,
     plan,
 )
+from netpart.partition.shards import ShardLayout
 
 __all__ = [
     "METHODS",
@@ -20,6 +21,7 @@ __all__ = [
     "NetworkModel",
     "PartitionPlan",
     "PlanMetrics",
+    "ShardLayout",
     "UnitGraph",
     "WorkerFigures",
     "build_unit_graph",

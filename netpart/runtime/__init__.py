@@ -1,6 +1,8 @@
-"""Model-parallel runtime: halo schedules, model workers, transports, process launch."""
+"""Runtime: halo schedules, model workers, transports, parameter-server shards, launchers."""
 
+from netpart.runtime.config import TrainConfig, TrainError
 from netpart.runtime.launch import WorkerFailure, run_step
+from netpart.runtime.ps import ShardClient, ShardServer
 from netpart.runtime.result import StepResult
 from netpart.runtime.schedule import (
     HaloSchedule,
@@ -9,7 +11,9 @@ from netpart.runtime.schedule import (
     ShapeMismatchError,
     build_schedule,
 )
+from netpart.runtime.train_launch import TrainSummary, train
 from netpart.runtime.transport import GlooTransport, PeerError, Transport
+from netpart.runtime.updates import Optimizer, UpdateRule
 from netpart.runtime.worker import ModelWorker
 
 __all__ = [
@@ -17,12 +21,20 @@ __all__ = [
     "HaloSchedule",
     "Instruction",
     "ModelWorker",
+    "Optimizer",
     "PeerError",
     "ScheduleError",
     "ShapeMismatchError",
+    "ShardClient",
+    "ShardServer",
     "StepResult",
+    "TrainConfig",
+    "TrainError",
+    "TrainSummary",
     "Transport",
+    "UpdateRule",
     "WorkerFailure",
     "build_schedule",
     "run_step",
+    "train",
 ]

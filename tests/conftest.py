@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import numpy as np
 from hypothesis import assume
@@ -112,3 +113,15 @@ def brute_force_volume(graph: UnitGraph, node_map: np.ndarray) -> list[int]:
                     pairs.add((src, d))
         out.append(len(pairs))
     return out
+
+
+def count_processes(marker: bytes) -> int:
+    """Processes whose command line contains `marker` (read from /proc)."""
+    count = 0
+    for proc in Path("/proc").iterdir():
+        try:
+            if marker in (proc / "cmdline").read_bytes():
+                count += 1
+        except OSError:
+            continue
+    return count

@@ -6,7 +6,6 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from netpart.models import ZOO, build_reference, load_spec
 from netpart.partition import plan
 from netpart.runtime import WorkerFailure, run_step
 from netpart.runtime.check import make_batch
+from tests.conftest import count_processes
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -50,14 +50,7 @@ activation = "none"
 
 
 def workers_alive() -> int:
-    count = 0
-    for proc in Path("/proc").iterdir():
-        try:
-            if b"netpart.runtime.worker_main" in (proc / "cmdline").read_bytes():
-                count += 1
-        except OSError:
-            continue
-    return count
+    return count_processes(b"netpart.runtime.worker_main")
 
 
 @pytest.fixture(autouse=True)

@@ -18,6 +18,7 @@ from netpart.partition import build_unit_graph, plan
 from netpart.partition.shards import ShardLayout
 from netpart.runtime.config import TrainConfig
 from netpart.runtime.train_launch import train
+from tests.conftest import count_processes
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -25,14 +26,7 @@ SPEC = load_spec("tiny-local")
 
 
 def alive() -> int:
-    count = 0
-    for proc in Path("/proc").iterdir():
-        try:
-            if b"netpart.runtime.train_main" in (proc / "cmdline").read_bytes():
-                count += 1
-        except OSError:
-            continue
-    return count
+    return count_processes(b"netpart.runtime.train_main")
 
 
 def metrics(run: Path, replica: int = 0) -> list[dict]:

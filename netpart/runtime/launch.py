@@ -35,7 +35,7 @@ from netpart.runtime.result import StepResult, assemble, load_worker_result
 from netpart.runtime.schedule import plan_schedule
 from netpart.runtime.transport import PEER_LOST
 
-__all__ = ["WorkerFailure", "run_step"]
+__all__ = ["WorkerFailure", "run_step", "spawn"]
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,30 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def spawn(
+    module_args: list[str], rank: int, world: int, port: int, log: Path, new_session: bool = False
+) -> subprocess.Popen:
+    """Start `python -m MODULE ARGS` as rank `rank` of `world` with the variables torchrun sets
+    (rendezvous on 127.0.0.1:`port`), output appended to `log`; it dies with this process."""
+    env = {
+        **os.environ,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    with open(log, "ab") as fh:
+        return subprocess.Popen(
+            [sys.executable, "-m", *module_args],
+            env=env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            start_new_session=new_session,
+        )
+
+
 @contextlib.contextmanager
 def _sigterm_as_exit():
     """Turn SIGTERM into SystemExit while workers run, so the cleanup below still happens."""
@@ -127,24 +151,8 @@ def _spawn_and_wait_inner(job: Path, workers: int, port: int, timeout: float) ->
     logs = [job / f"worker_{r}.log" for r in range(workers)]
     try:
         for rank in range(workers):
-            env = {
-                **os.environ,
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": str(workers),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-            }
-            with open(logs[rank], "wb") as fh:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "netpart.runtime.worker_main", "--job", str(job)],
-                        env=env,
-                        stdout=fh,
-                        stderr=subprocess.STDOUT,
-                        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-                    )
-                )
+            args = ["netpart.runtime.worker_main", "--job", str(job)]
+            procs.append(spawn(args, rank, workers, port, logs[rank]))
         first_failure: float | None = None
         while [p.poll() for p in procs].count(None):  # poll every process, every round
             if first_failure is None and any(p.returncode not in (None, 0) for p in procs):

@@ -15,10 +15,8 @@ import datetime
 import io
 import json
 import logging
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,7 +31,7 @@ from netpart.partition.planner import PartitionPlan
 from netpart.partition.shards import ShardLayout
 from netpart.runtime.checkpoint import export_state_dict, load_shard, read_progress, shard_path
 from netpart.runtime.config import SCHEMA_VERSION, TrainConfig, TrainError, layout_key
-from netpart.runtime.launch import WorkerFailure, _die_with_parent, _last_error
+from netpart.runtime.launch import WorkerFailure, _last_error, spawn
 from netpart.runtime.schedule import plan_schedule
 from netpart.runtime.trainer import checkpoint_meta
 
@@ -198,26 +196,10 @@ def _supervise(run, workers, config, port, resume, summary, starts, on_progress)
     total = sum(config.steps - starts.get(r, 0) for r in range(config.replicas))
     try:
         for rank in range(world):
-            env = {
-                **os.environ,
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": str(world),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-            }
-            cmd = [sys.executable, "-m", "netpart.runtime.train_main", "--run", str(run)]
-            with open(logs[rank], "ab") as fh:
-                procs.append(
-                    subprocess.Popen(
-                        cmd + (["--resume"] if resume else []),
-                        env=env,
-                        stdout=fh,
-                        stderr=subprocess.STDOUT,
-                        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-                        start_new_session=True,  # a terminal's Ctrl-C reaches them through us
-                    )
-                )
+            args = ["netpart.runtime.train_main", "--run", str(run)]
+            # A new session: a terminal's Ctrl-C reaches the processes through the launcher.
+            args += ["--resume"] if resume else []
+            procs.append(spawn(args, rank, world, port, logs[rank], new_session=True))
         lost_at: dict[int, float] = {}
         shard_failed_at: float | None = None
         while [p.poll() for p in procs].count(None):  # poll every process, every round

@@ -83,8 +83,11 @@ def _peer(rank: int, port: int, iters: int, rounds: int, optimizer: str, result:
         for step in range(1, iters + 1):
             client.push(grads, step)
             client.fetch()
-            client.take(wait=True)
+            got = client.take(wait=True)
         ps_s.append(time.perf_counter() - t0)
+        if optimizer == "sgd":  # every chunk of every push landed where it belongs
+            want = -0.01 * iters * grads
+            assert torch.allclose(got, want, rtol=1e-3, atol=1e-5), "shard values are wrong"
         client.close()
     if rank == 0:
         mb = 2 * n * 4 * iters / 1e6

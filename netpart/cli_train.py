@@ -220,7 +220,8 @@ def _train_under_torchrun(spec, p, config, run: Path, resume: bool) -> int:
     if rank == first_shard:  # validates the run directory, then writes the run files
         _, starts = prepare_run(spec, p, config, run, resume)
         _write_run(spec, p, config, run, starts, resume)
-    starts = read_progress(run, config.shards, config.replicas) if resume else {}
+    sync = config.mode == "sync"
+    starts = read_progress(run, config.shards, config.replicas, sync) if resume else {}
     torch.set_num_threads(config.threads)
     stop = stop_on_signals()
     dist.init_process_group("gloo", timeout=PS_TIMEOUT)

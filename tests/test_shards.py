@@ -142,3 +142,41 @@ def test_train_config_round_trip_and_errors():
             TrainConfig(**bad)
     with pytest.raises(TrainError, match="unknown"):
         TrainConfig.from_dict({"replica": 2})
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6),
+    chunk=st.integers(1, 50),
+)
+def test_push_chunks_fold_into_exactly_the_segments(lengths, chunk):
+    """Every payload value lands once, at its segment's shard offset, whatever the chunking."""
+    from netpart.partition.shards import Segment
+    from netpart.runtime import ps
+
+    shard_lo = np.cumsum([0] + [n + 3 for n in lengths])[:-1]  # gaps between segments
+    segments = tuple(
+        Segment(local_lo=0, shard_lo=int(g), length=n)
+        for g, n in zip(shard_lo, lengths, strict=True)
+    )
+    total = sum(lengths)
+    old = ps.CHUNK
+    ps.CHUNK = chunk
+    try:
+        chunks = ps._chunks(total)
+    finally:
+        ps.CHUNK = old
+    assert chunks[0][0] == 0 and chunks[-1][1] == total
+    assert all(b - a <= chunk for a, b in chunks)
+    landed = {}
+    for a, b in chunks:
+        for lo, hi, at in ps._overlaps(segments, a, b):
+            for k in range(hi - lo):
+                assert at + k not in landed
+                landed[at + k] = lo + k
+    want = {
+        int(g) + k: off + k
+        for g, n, off in zip(shard_lo, lengths, np.cumsum([0, *lengths]), strict=False)
+        for k in range(n)
+    }
+    assert landed == want

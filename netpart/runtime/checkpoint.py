@@ -80,8 +80,10 @@ def load_shard(run: Path, shard: int, expect: dict[str, Any], size: int) -> Shar
     )
 
 
-def read_progress(run: Path, shards: int, replicas: int) -> dict[int, int]:
-    """Per replica, the last step every shard has from it (where a resumed replica restarts)."""
+def read_progress(run: Path, shards: int, replicas: int, sync: bool = False) -> dict[int, int]:
+    """Per replica, the step a resumed replica restarts after: the last step every shard has
+    from it (downpour), or the last step every shard applied (sync: replicas move together,
+    and one added on resume joins them there)."""
     out = {r: 0 for r in range(replicas)}
     for s in range(shards):
         try:
@@ -90,7 +92,8 @@ def read_progress(run: Path, shards: int, replicas: int) -> dict[int, int]:
             return {r: 0 for r in range(replicas)}
         prog = {int(r): int(v) for r, v in meta.get("progress", {}).items()}
         for r in out:
-            out[r] = prog.get(r, 0) if s == 0 else min(out[r], prog.get(r, 0))
+            mine = int(meta.get("clock", 0)) if sync else prog.get(r, 0)
+            out[r] = mine if s == 0 else min(out[r], mine)
     return out
 
 

@@ -21,6 +21,7 @@ swapped in by the caller between steps.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 
 HEADER_LEN = 6
 TAG_HEADER, TAG_PAYLOAD = 1, 2
+TAG_CHUNK = 16  # chunk i of a push travels with tag TAG_CHUNK + i
+CHUNK = 1 << 18  # values per push chunk
 MODES = ("downpour", "sync")
 
 
@@ -63,6 +66,22 @@ def _header(kind: Kind, sender: int, shard: int, step: int, length: int, replica
 
 def _length(segments: tuple[Segment, ...]) -> int:
     return sum(s.length for s in segments)
+
+
+def _chunks(n: int) -> list[tuple[int, int]]:
+    """[a, b) ranges of a push payload of n values, CHUNK values each (the last shorter)."""
+    cuts = [*range(0, n, CHUNK), n]
+    return [(a, b) for a, b in itertools.pairwise(cuts) if b > a] or [(0, 0)]
+
+
+def _overlaps(segments: tuple[Segment, ...], a: int, b: int):
+    """(payload lo, payload hi, shard offset) of the parts of `segments` in payload [a, b)."""
+    off = 0
+    for seg in segments:
+        lo, hi = max(a, off), min(b, off + seg.length)
+        if lo < hi:
+            yield lo, hi, seg.shard_lo + lo - off
+        off += seg.length
 
 
 @dataclass
@@ -159,9 +178,8 @@ class ShardServer:
                             f"shard {self.shard}: push of {length} values from replica "
                             f"{replica} worker {worker}, the layout says {n}"
                         )
-                    dist.recv(payload, src=src, tag=TAG_PAYLOAD)
+                    self._receive_push(replica, worker, step, payload, segments, src)
                     self.bytes_in += payload.numel() * payload.element_size()
-                    self._push(replica, worker, step, payload, segments)
                 elif kind == Kind.FETCH:
                     out, version = self._snapshot_when_ready(replica, step, segments)
                     dist.send(
@@ -191,29 +209,39 @@ class ShardServer:
                 self._apply_complete_steps()
             self.cond.notify_all()
 
-    def _push(self, replica, worker, step, payload, segments) -> None:
+    def _receive_push(self, replica, worker, step, payload, segments, src) -> None:
+        """Receive a push in chunks and fold each into the shard as soon as it lands, so the
+        update of one chunk overlaps the transfer of the next."""
+        chunks = _chunks(payload.numel())
+        works = [
+            dist.irecv(payload[a:b], src=src, tag=TAG_CHUNK + i) for i, (a, b) in enumerate(chunks)
+        ]
+        for (a, b), work in zip(chunks, works, strict=True):
+            work.wait()
+            with self.cond:
+                if replica in self.lost:
+                    continue
+                if self.mode == "downpour":
+                    into = None
+                else:
+                    pending = self.pending.setdefault(step, {})
+                    if replica not in pending:
+                        pending[replica] = torch.zeros(self.size, dtype=payload.dtype)
+                    into = pending[replica]
+                for lo, hi, at in _overlaps(segments, a, b):
+                    if into is None:
+                        self.rule.apply(at, payload[lo:hi])
+                    else:
+                        into[at : at + hi - lo] += payload[lo:hi]
         with self.cond:
             if replica in self.lost:
                 return
             self.pushed[(replica, worker)] = step
             self.state.progress[replica] = min(self.pushed[(replica, w)] for w in self.workers)
             if self.mode == "downpour":
-                off = 0
-                for seg in segments:
-                    self.rule.apply(seg.shard_lo, payload[off : off + seg.length])
-                    off += seg.length
                 self.state.updates += 1
                 applied = True
             else:
-                total = self.pending.setdefault(step, {})
-                if replica not in total:
-                    total[replica] = torch.zeros(self.size, dtype=payload.dtype)
-                off = 0
-                for seg in segments:
-                    total[replica][seg.shard_lo : seg.shard_lo + seg.length] += payload[
-                        off : off + seg.length
-                    ]
-                    off += seg.length
                 self.arrived.setdefault(step, set()).add((replica, worker))
                 applied = self._apply_complete_steps()
             self.cond.notify_all()
@@ -381,7 +409,8 @@ class ShardClient:
             keep += [hdr, payload]
             dst = self.shard_ranks[s]
             works.append(dist.isend(hdr, dst, tag=TAG_HEADER))
-            works.append(dist.isend(payload, dst, tag=TAG_PAYLOAD))
+            for i, (a, b) in enumerate(_chunks(payload.numel())):
+                works.append(dist.isend(payload[a:b], dst, tag=TAG_CHUNK + i))
         for w in works:
             w.wait()
 

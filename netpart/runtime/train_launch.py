@@ -84,9 +84,7 @@ def prepare_run(
         )
         if old.replicas != config.replicas:
             log.info("resuming with %d replicas (was %d)", config.replicas, old.replicas)
-        starts = read_progress(run, config.shards, config.replicas)
-        if config.mode == "sync":  # replicas of a sync run are in step
-            starts = dict.fromkeys(starts, min(starts.values(), default=0))
+        starts = read_progress(run, config.shards, config.replicas, config.mode == "sync")
     else:
         if shard_path(run, 0).exists() or (run / "train.json").exists():
             raise TrainError(

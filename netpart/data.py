@@ -12,7 +12,7 @@ spec, no files) and `.npz` files with arrays `x` [n, ...] and `y` [n].
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +22,8 @@ from netpart.errors import NetpartError
 from netpart.models.spec import ModelSpec
 
 __all__ = ["DataError", "Dataset", "load_data"]
+
+PROTOTYPE_CACHE = 256  # prototypes kept per process (each is one input's worth of floats)
 
 
 class DataError(NetpartError):
@@ -39,6 +41,7 @@ class Dataset:
     x: np.ndarray | None = None  # in-memory arrays (npz); None for synthetic
     y: np.ndarray | None = None
     noise: float = 1.0
+    _cache: dict = field(default_factory=dict, repr=False)  # class -> prototype
 
     def indices(self, replica: int, replicas: int, step: int, batch: int) -> np.ndarray:
         """Example ids of replica `replica`'s batch at `step` (1-based)."""
@@ -66,15 +69,25 @@ class Dataset:
             return x, (y.long() if self.spec.loss == "cross_entropy" else y.to(dtype))
         return self._synthetic(ids, dtype)
 
+    def _prototype(self, c: int) -> np.ndarray:
+        """Class c's prototype, drawn once per process (at most `PROTOTYPE_CACHE` kept)."""
+        cache = self._cache
+        if c not in cache:
+            if len(cache) >= PROTOTYPE_CACHE:
+                cache.pop(next(iter(cache)))
+            d = self.spec.input.shape.size
+            cache[c] = np.random.default_rng([self.seed, 1, c]).standard_normal(d, dtype=np.float32)
+        return cache[c]
+
     def _synthetic(self, ids: np.ndarray, dtype: torch.dtype):
         spec = self.spec
         d, out = spec.input.shape.size, spec.shapes[-1].size
         classes = spec.shapes[-1].channels if spec.loss == "cross_entropy" else 10
         labels = np.random.default_rng([self.seed, 0]).integers(0, classes, self.n)[ids]
-        x = np.empty((len(ids), d))
-        for j, (i, c) in enumerate(zip(ids.tolist(), labels.tolist(), strict=True)):
-            proto = np.random.default_rng([self.seed, 1, c]).standard_normal(d)
-            x[j] = proto + self.noise * np.random.default_rng([self.seed, 2, i]).standard_normal(d)
+        x = np.stack([self._prototype(c) for c in labels.tolist()])
+        for j, i in enumerate(ids.tolist()):  # one stream per example: a batch is a pure function
+            gen = np.random.default_rng([self.seed, 2, i])
+            x[j] += self.noise * gen.standard_normal(d, dtype=np.float32)
         if spec.loss == "cross_entropy":
             return torch.from_numpy(x).to(dtype), torch.from_numpy(labels)
         targets = np.stack(

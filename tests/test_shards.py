@@ -180,3 +180,44 @@ def test_push_chunks_fold_into_exactly_the_segments(lengths, chunk):
         for k in range(n)
     }
     assert landed == want
+
+
+def _server(mode, replicas=2):
+    from netpart.runtime.ps import ShardServer, ShardState
+
+    layout = _layout(load_spec("tiny-mlp"), 2, "metis", 1)
+    values = torch.zeros(layout.total, dtype=torch.float64)
+    rule = UpdateRule(Optimizer("sgd", 1.0), values)
+    state = ShardState(values=values, state=None)
+    return ShardServer(layout, 0, replicas, mode, rule, lambda r, w: r * 2 + w, 4, state)
+
+
+def test_sync_shard_applies_the_mean_once_every_live_replica_pushed():
+    server = _server("sync")
+    n = {w: sum(g.length for g in server.routes[w]) for w in server.workers}
+    one = {w: torch.ones(n[w], dtype=torch.float64) for w in server.workers}
+    for w in server.workers:  # replica 0 pushes step 1: nothing applied yet
+        server._fold(0, w, 1, one[w], server.routes[w])
+    assert server.state.clock == 0 and not server._ready(0, 1)
+    for w in server.workers:
+        server._fold(1, w, 1, 3 * one[w], server.routes[w])
+    assert server.state.clock == 1 and server._ready(0, 1)
+    assert torch.equal(server.rule.values, torch.full_like(server.rule.values, -2.0))  # mean 2
+    for w in server.workers:  # step 2: replica 1 is lost mid-step; its push is dropped
+        server._fold(1, w, 2, one[w], server.routes[w])
+    server.lose(1, "test")
+    assert server.state.clock == 1
+    for w in server.workers:
+        server._fold(0, w, 2, one[w], server.routes[w])
+    assert server.state.clock == 2 and server.rule.values[0] == -3.0
+
+
+def test_downpour_warm_start_waits_for_replica_0():
+    server = _server("downpour")
+    n = {w: sum(g.length for g in server.routes[w]) for w in server.workers}
+    assert server._ready(1, 0) and not server._ready(1, 3)
+    for step in (1, 2, 3):
+        assert not server._ready(1, 3)
+        for w in server.workers:
+            server._fold(0, w, step, torch.zeros(n[w], dtype=torch.float64), server.routes[w])
+    assert server._ready(1, 3) and server.state.updates == 3 * len(server.workers)

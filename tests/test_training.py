@@ -16,6 +16,7 @@ from netpart.data import load_data
 from netpart.models import build_reference, load_spec
 from netpart.partition import build_unit_graph, plan
 from netpart.partition.shards import ShardLayout
+from netpart.runtime import WorkerFailure
 from netpart.runtime.config import TrainConfig
 from netpart.runtime.train_launch import train
 from tests.conftest import count_processes
@@ -206,3 +207,16 @@ def test_torchrun_runs_the_same_job_and_export_loads_back(tmp_path):
     assert not torch.equal(
         state["layers.0.weight"], build_reference(SPEC, 0).state_dict()["layers.0.weight"]
     )
+
+
+def test_a_dead_shard_stops_the_job_with_its_last_checkpoint_intact(tmp_path, monkeypatch):
+    monkeypatch.setenv("NETPART_TEST_FAULT", "die:5@9")  # shard 1 (rank 2*2+1), 9th update
+    p = plan(SPEC, 2, "metis")
+    cfg = TrainConfig(replicas=2, shards=2, steps=200, lr=0.05, timeout=10, checkpoint_every=4)
+    with pytest.raises(WorkerFailure, match=r"shard 1 exited with code 17.*--resume"):
+        train(SPEC, p, cfg, tmp_path / "run")
+    meta = json.loads((tmp_path / "run" / "shard_1.json").read_text())
+    assert meta["updates"] == 8  # the checkpoint before the death, whole
+    state = torch.load(tmp_path / "run" / "shard_1.pt", weights_only=True)
+    assert json.loads(state["meta"])["updates"] == 8 and torch.isfinite(state["values"]).all()
+    assert not list((tmp_path / "run").glob(".*.tmp"))

@@ -218,21 +218,33 @@ class ShardServer:
         ]
         for (a, b), work in zip(chunks, works, strict=True):
             work.wait()
-            with self.cond:
-                if replica in self.lost:
-                    continue
-                if self.mode == "downpour":
-                    into = None
+            self._fold_chunk(replica, step, payload, segments, a, b)
+        self._finish_push(replica, worker, step)
+
+    def _fold(self, replica, worker, step, payload, segments) -> None:
+        """Fold a whole push that is already in memory (what `_receive_push` does by parts)."""
+        self._fold_chunk(replica, step, payload, segments, 0, payload.numel())
+        self._finish_push(replica, worker, step)
+
+    def _fold_chunk(self, replica, step, payload, segments, a: int, b: int) -> None:
+        """Downpour: apply payload[a:b] now. Sync: add it to the replica's sum for `step`."""
+        with self.cond:
+            if replica in self.lost:
+                return
+            if self.mode == "downpour":
+                into = None
+            else:
+                pending = self.pending.setdefault(step, {})
+                if replica not in pending:
+                    pending[replica] = torch.zeros(self.size, dtype=payload.dtype)
+                into = pending[replica]
+            for lo, hi, at in _overlaps(segments, a, b):
+                if into is None:
+                    self.rule.apply(at, payload[lo:hi])
                 else:
-                    pending = self.pending.setdefault(step, {})
-                    if replica not in pending:
-                        pending[replica] = torch.zeros(self.size, dtype=payload.dtype)
-                    into = pending[replica]
-                for lo, hi, at in _overlaps(segments, a, b):
-                    if into is None:
-                        self.rule.apply(at, payload[lo:hi])
-                    else:
-                        into[at : at + hi - lo] += payload[lo:hi]
+                    into[at : at + hi - lo] += payload[lo:hi]
+
+    def _finish_push(self, replica, worker, step) -> None:
         with self.cond:
             if replica in self.lost:
                 return

@@ -119,6 +119,7 @@ def _serve_shard(spec, plan, layout, config, shard, rank, run, resume, stop) -> 
     saving = threading.Lock()
 
     def save(server: ShardServer, final: bool = False) -> None:
+        _fault(rank, server.state.updates)  # a shard "dies" after that many updates
         if final or server.state.updates % config.checkpoint_every == 0:
             with saving:
                 extra = (
@@ -142,7 +143,8 @@ def _serve_shard(spec, plan, layout, config, shard, rank, run, resume, stop) -> 
 
 
 def _fault(rank: int, step: int) -> None:
-    """Test hook: NETPART_TEST_FAULT=die:RANK@STEP kills this worker at that step."""
+    """Test hook: NETPART_TEST_FAULT=die:RANK@N kills worker RANK at step N, or shard RANK
+    after its N-th update."""
     kind, _, where = os.environ.get("NETPART_TEST_FAULT", "").partition(":")
     who, _, when = where.partition("@")
     if kind == "die" and who and int(who) == rank and int(when or 0) == step:

@@ -18,6 +18,7 @@ contiguous segments, computed identically on both sides.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -81,9 +82,14 @@ def channel_groups(
 
 
 def layer_pieces(
-    spec: ModelSpec, index: int, units: np.ndarray, blocks: LayerBlocks
+    spec: ModelSpec,
+    index: int,
+    units: np.ndarray,
+    blocks: LayerBlocks,
+    groups: list[tuple[int, int, np.ndarray, np.ndarray]] | None = None,
 ) -> list[ParamPiece]:
-    """The pieces of layer `index` a worker owning `units` holds, in its slice's order."""
+    """The pieces of layer `index` a worker owning `units` holds, in its slice's order
+    (`groups`: its `channel_groups`, when the caller has them already)."""
     layer, src = spec.layers[index], spec.input_shape(index)
     kind = layer.kind
     empty = np.zeros(0, dtype=np.int64)
@@ -97,7 +103,9 @@ def layer_pieces(
         return []
     k_in = src.channels * layer.kernel**2
     pieces = []
-    for c0, c1, pos, _ in channel_groups(spec, index, units, blocks):
+    if groups is None:
+        groups = channel_groups(spec, index, units, blocks)
+    for c0, c1, pos, _ in groups:
         cg = c1 - c0
         if kind == "local":
             pieces.append(ParamPiece(index, "weight", kind, c0, c1, pos, len(pos) * cg * k_in))
@@ -232,6 +240,13 @@ class ShardLayout:
 
     def routes(self, worker: int) -> dict[int, tuple[Segment, ...]]:
         """Per shard, the segments of `worker`'s flat vector it holds (merged where contiguous)."""
+        return self._routes[worker]
+
+    @cached_property
+    def _routes(self) -> tuple[dict[int, tuple[Segment, ...]], ...]:
+        return tuple(self._compute_routes(w) for w in range(self.workers))
+
+    def _compute_routes(self, worker: int) -> dict[int, tuple[Segment, ...]]:
         sizes = np.array([p.size for p in self.pieces[worker]], dtype=np.int64)
         keep = sizes > 0
         local = (np.cumsum(sizes) - sizes)[keep]

@@ -108,7 +108,7 @@ class ShardServer:
         rank_of: Callable[[int, int], int],
         rank: int,
         state: ShardState,
-        on_update: Callable[[ShardServer], None] | None = None,
+        on_update: Callable[[ShardServer, int], None] | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -116,7 +116,7 @@ class ShardServer:
         self.rule, self.rank_of, self.rank, self.state = rule, rank_of, rank, state
         self.on_update = on_update
         self.workers = layout.peers(shard)
-        self.routes = {w: layout.routes(w)[shard] for w in self.workers}
+        self.routes = {w: layout.routes(w)[shard] for w in self.workers}  # cached by the layout
         self.size = int(layout.shard_sizes()[shard])
         self.cond = threading.Condition()
         self.lost: dict[int, str] = {}  # replica -> why
@@ -179,7 +179,8 @@ class ShardServer:
                             f"{replica} worker {worker}, the layout says {n}"
                         )
                     self._receive_push(replica, worker, step, payload, segments, src)
-                    self.bytes_in += payload.numel() * payload.element_size()
+                    with self.cond:  # peers run in threads: count under the lock
+                        self.bytes_in += payload.numel() * payload.element_size()
                 elif kind == Kind.FETCH:
                     out, version = self._snapshot_when_ready(replica, step, segments)
                     dist.send(
@@ -188,11 +189,16 @@ class ShardServer:
                         tag=TAG_HEADER,
                     )
                     dist.send(out, dst=src, tag=TAG_PAYLOAD)
-                    self.bytes_out += out.numel() * out.element_size()
+                    with self.cond:
+                        self.bytes_out += out.numel() * out.element_size()
                 elif kind == Kind.BYE:
                     with self.cond:
                         self.done.add((replica, worker))
+                        applied = self._apply_complete_steps()  # sync: stop waiting for it
+                        count = self.state.updates
                         self.cond.notify_all()
+                    if applied and self.on_update is not None:
+                        self.on_update(self, count)
                     return
                 else:
                     raise ProtocolError(f"shard {self.shard}: unknown message kind {kind}")
@@ -256,9 +262,10 @@ class ShardServer:
             else:
                 self.arrived.setdefault(step, set()).add((replica, worker))
                 applied = self._apply_complete_steps()
+            count = self.state.updates  # read under the lock: another peer may update next
             self.cond.notify_all()
         if applied and self.on_update is not None:
-            self.on_update(self)
+            self.on_update(self, count)
 
     def _apply_complete_steps(self) -> bool:
         """Sync: apply every step all live replicas have pushed (caller holds the lock)."""
@@ -266,8 +273,10 @@ class ShardServer:
         while self.mode == "sync":
             step = self.state.clock + 1
             live = [r for r in range(self.replicas) if r not in self.lost]
-            expected = {(r, w) for r in live for w in self.workers}
-            if not live or not expected <= self.arrived.get(step, set()):
+            # Workers that said goodbye (stopped by a signal, or done) push nothing more.
+            expected = {(r, w) for r in live for w in self.workers if (r, w) not in self.done}
+            arrived = self.arrived.get(step, set())
+            if not expected or not expected <= arrived:
                 break
             sums = [g for r, g in self.pending.pop(step, {}).items() if r in live]
             self.arrived.pop(step, None)

@@ -94,7 +94,7 @@ class _GroupedSlice(LayerSlice):
     def __init__(self, spec: ModelSpec, index: int, units: np.ndarray, blocks: LayerBlocks):
         super().__init__(spec, index, units)
         self.groups = channel_groups(spec, index, units, blocks)
-        self.pieces = layer_pieces(spec, index, units, blocks)
+        self.pieces = layer_pieces(spec, index, units, blocks, self.groups)
         # Where each (group, position, channel) output lands in `units` order.
         self._out_index = [
             torch.from_numpy(

@@ -118,9 +118,10 @@ def _serve_shard(spec, plan, layout, config, shard, rank, run, resume, stop) -> 
     rule = UpdateRule(config.optim, state.values, state.state)
     saving = threading.Lock()
 
-    def save(server: ShardServer, final: bool = False) -> None:
-        _fault(rank, server.state.updates)  # a shard "dies" after that many updates
-        if final or server.state.updates % config.checkpoint_every == 0:
+    def save(server: ShardServer, updates: int, final: bool = False) -> None:
+        """After update number `updates` (and at the end): a checkpoint every K updates."""
+        _fault(rank, updates)  # test hook: a shard "dies" after that many updates
+        if final or updates % config.checkpoint_every == 0:
             with saving:
                 extra = (
                     {"bytes_in": server.bytes_in, "bytes_out": server.bytes_out} if final else {}
@@ -134,7 +135,7 @@ def _serve_shard(spec, plan, layout, config, shard, rank, run, resume, stop) -> 
     )  # fmt: skip
     log.info("shard %d: %d values, serving workers %s", shard, size, server.workers)
     server.serve(stop, grace=config.timeout)
-    save(server, final=True)
+    save(server, server.state.updates, final=True)
     log.info(
         "shard %d: done after %d updates (%.1f MB in, %.1f MB out); lost replicas: %s",
         shard, server.state.updates, server.bytes_in / 1e6, server.bytes_out / 1e6,

@@ -519,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("train", "export"):
             from netpart.cli_train import cmd_export, cmd_train
 
-            return cmd_train(args) if args.command == "train" else cmd_export(args)
+            command = cmd_train if args.command == "train" else cmd_export
+            return command(args, print)
     except NetpartError as exc:
         print(f"netpart: error: {exc}", file=sys.stderr)
         return 2

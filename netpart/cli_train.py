@@ -7,6 +7,7 @@ import io
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from tqdm import tqdm
@@ -164,12 +165,13 @@ def _job(args):
     return spec, p, config, args.out
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def cmd_train(args: argparse.Namespace, echo: Callable[[str], None]) -> int:
+    """Run `netpart train`; `echo` writes a line of output (the CLI passes `print`)."""
     from netpart.runtime.config import TrainError
 
     spec, p, config, run = _job(args)
     if os.environ.get("RANK") is not None and os.environ.get("TORCHELASTIC_RUN_ID"):
-        return _train_under_torchrun(spec, p, config, run, args.resume is not None)
+        return _train_under_torchrun(spec, p, config, run, args.resume is not None, echo)
     from netpart.runtime.train_launch import train
 
     if run.exists() and not run.is_dir():
@@ -191,14 +193,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         summary = train(spec, p, config, run, resume=args.resume is not None, on_progress=progress)
     for r in sorted(summary.final_loss):
-        print(f"replica {r}: step {summary.steps[r]}, loss {summary.final_loss[r]:.4g}")
+        echo(f"replica {r}: step {summary.steps[r]}, loss {summary.final_loss[r]:.4g}")
     for r, why in summary.lost.items():
-        print(f"replica {r} was lost: {why}")
-    print(f"wrote {run}/model.pt and shard checkpoints ({summary.wall_s:.1f} s)")
+        echo(f"replica {r} was lost: {why}")
+    echo(f"wrote {run}/model.pt and shard checkpoints ({summary.wall_s:.1f} s)")
     return 130 if summary.stopped else 0
 
 
-def _train_under_torchrun(spec, p, config, run: Path, resume: bool) -> int:
+def _train_under_torchrun(spec, p, config, run: Path, resume: bool, echo) -> int:
     """Every torchrun process runs this: join the group and play the role of its RANK."""
     import torch
     import torch.distributed as dist
@@ -232,14 +234,14 @@ def _train_under_torchrun(spec, p, config, run: Path, resume: bool) -> int:
     if rank < first_shard and rank % p.workers == 0:
         lines = (run / f"metrics_replica{rank // p.workers}.jsonl").read_text().splitlines()
         last = json.loads(lines[-1]) if lines else {"step": 0, "loss": float("nan")}
-        print(f"replica {rank // p.workers}: step {last['step']}, loss {last['loss']:.4g}")
+        echo(f"replica {rank // p.workers}: step {last['step']}, loss {last['loss']:.4g}")
     elif rank == first_shard:
-        print(f"shard checkpoints in {run}; `netpart export {run}` writes the model")
+        echo(f"shard checkpoints in {run}; `netpart export {run}` writes the model")
     sys.stdout.flush()
     os._exit(0)
 
 
-def cmd_export(args: argparse.Namespace) -> int:
+def cmd_export(args: argparse.Namespace, echo: Callable[[str], None]) -> int:
     from netpart.files import load_plan, write_atomic
     from netpart.models.spec import ModelSpec
     from netpart.partition import build_unit_graph
@@ -266,5 +268,5 @@ def cmd_export(args: argparse.Namespace) -> int:
     torch.save(export_state_dict(spec, layout, values), buf)
     out = args.output or run / "model.pt"
     write_atomic(out, buf.getvalue())
-    print(f"wrote {out}: {spec.name}, {layout.total:,} parameters")
+    echo(f"wrote {out}: {spec.name}, {layout.total:,} parameters")
     return 0

@@ -29,6 +29,7 @@ in --out DIR:
 
 examples:
   netpart train --model tiny-local --workers 2 --replicas 2 --ps-shards 2 --steps 200
+  netpart train --model tiny-local --workers 2 --replicas 2 --data digits --steps 300
   netpart train --model tiny-local --workers 2 --replicas 4 --mode sync --optimizer sgd
   netpart train --resume out/train --steps 400       # continue a run to 400 steps
 """
@@ -64,7 +65,11 @@ def add_parsers(sub) -> None:
     flag("batch", int, "examples per step and replica")
     flag("warm_start", int, "downpour: steps replica 0 trains alone first")
     flag("checkpoint_every", int, "shard updates between checkpoints")
-    flag("data", str, "synthetic, or a .npz file with arrays x and y")
+    flag(
+        "data",
+        str,
+        "synthetic; digits (sklearn's bundled digits, 20%% held out); or a .npz with x, y",
+    )
     flag("seed", int, "weights, data and partitioner seed")
     flag("dtype", str, "float32 | float64")
     flag("timeout", float, "seconds a worker waits for a peer before giving up")

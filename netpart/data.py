@@ -7,7 +7,9 @@ and a resumed run continues where it stopped.
 
 Sources: `synthetic` (Gaussian class prototypes: example i has class y_i and input
 prototype[y_i] + noise, each drawn from a Philox stream keyed by (seed, i); learnable by any
-spec, no files) and `.npz` files with arrays `x` [n, ...] and `y` [n].
+spec, no files), `digits` (scikit-learn's bundled 1797 handwritten 8x8 digits, offline,
+resized bilinearly to the model's input and standardised; a fixed 20% is held out) and `.npz`
+files with arrays `x` [n, ...] and `y` [n].
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ class Dataset:
     n: int
     seed: int
     source: str
-    x: np.ndarray | None = None  # in-memory arrays (npz); None for synthetic
+    x: np.ndarray | None = None  # in-memory arrays (npz, digits); None for synthetic
     y: np.ndarray | None = None
+    held_out: tuple[np.ndarray, np.ndarray] | None = None  # (x, y) never trained on
     noise: float = 1.0
     _cache: dict = field(default_factory=dict, repr=False)  # class -> prototype
 
@@ -97,12 +100,16 @@ class Dataset:
 
 
 def load_data(source: str, spec: ModelSpec, seed: int = 0, examples: int = 60000) -> Dataset:
-    """`synthetic` or a `.npz` path with `x` and `y`; checked against the spec's input size."""
+    """`synthetic`, `digits` or a `.npz` path with `x` and `y`, checked against the spec."""
     if source == "synthetic":
         return Dataset(spec, examples, seed, source)
+    if source == "digits":
+        return _digits(spec, seed)
     path = Path(source)
     if path.suffix != ".npz":
-        raise DataError(f"--data {source}: expected 'synthetic' or a .npz file with x and y")
+        raise DataError(
+            f"--data {source}: expected 'synthetic', 'digits' or a .npz file with x and y"
+        )
     try:
         with np.load(path, allow_pickle=False) as f:
             x, y = f["x"], f["y"]
@@ -119,3 +126,32 @@ def load_data(source: str, spec: ModelSpec, seed: int = 0, examples: int = 60000
         if not np.issubdtype(y.dtype, np.integer) or y.min() < 0 or y.max() >= classes:
             raise DataError(f"{path}: y must be integer classes in [0, {classes})")
     return Dataset(spec, len(x), seed, str(path), x=x, y=y)
+
+
+HELD_OUT = 0.2  # fraction of `digits` held out, chosen by a fixed permutation (not --seed)
+
+
+def _digits(spec: ModelSpec, seed: int) -> Dataset:
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:  # pragma: no cover - a declared dependency
+        raise DataError("--data digits needs scikit-learn (pip install scikit-learn)") from None
+    if spec.loss != "cross_entropy" or spec.shapes[-1].channels < 10:
+        raise DataError(f"--data digits: {spec.name} needs a softmax output of at least 10 classes")
+    digits = load_digits()
+    images = torch.from_numpy(digits.images.astype(np.float32) / 16.0)[:, None]  # [n, 1, 8, 8]
+    inp = spec.input
+    if inp.flat:
+        if inp.shape.size != 64:
+            raise DataError(f"--data digits: {spec.name} takes {inp.shape.size} features, not 64")
+        x = images.reshape(len(images), 64)
+    else:
+        x = torch.nn.functional.interpolate(
+            images, size=(inp.height, inp.width), mode="bilinear", align_corners=False
+        ).repeat(1, inp.channels, 1, 1)
+    x = ((x - x.mean()) / x.std()).reshape(len(x), -1).numpy()
+    y = digits.target.astype(np.int64)
+    order = np.random.default_rng(12345).permutation(len(x))
+    cut = round(len(x) * (1 - HELD_OUT))
+    train, test = order[:cut], order[cut:]
+    return Dataset(spec, cut, seed, "digits", x=x[train], y=y[train], held_out=(x[test], y[test]))

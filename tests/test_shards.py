@@ -221,3 +221,19 @@ def test_downpour_warm_start_waits_for_replica_0():
         for w in server.workers:
             server._fold(0, w, step, torch.zeros(n[w], dtype=torch.float64), server.routes[w])
     assert server._ready(1, 3) and server.state.updates == 3 * len(server.workers)
+
+
+def test_digits_are_resized_standardised_and_hold_out_a_fixed_fifth():
+    spec = load_spec("tiny-local")  # 1 x 16 x 16 input, 10 classes
+    data = load_data("digits", spec, seed=1)
+    x_test, y_test = data.held_out
+    assert data.x.shape == (1438, 256) and x_test.shape == (359, 256)
+    assert abs(float(np.concatenate([data.x, x_test]).mean())) < 1e-5
+    assert set(np.unique(y_test)) == set(range(10))
+    again = load_data("digits", spec, seed=2)  # the split does not depend on the seed
+    assert np.array_equal(again.held_out[1], y_test)
+    train_rows = {r.tobytes() for r in data.x}
+    assert not any(r.tobytes() in train_rows for r in x_test)  # no example on both sides
+    assert load_data("digits", load_spec("tiny-mlp")).x.shape[1] == 64  # flat 64 features
+    with pytest.raises(DataError, match="takes 440 features, not 64"):
+        load_data("digits", load_spec("speech"))

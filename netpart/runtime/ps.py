@@ -344,7 +344,7 @@ class ShardClient:
         self._cond = threading.Condition()
         self._outstanding = 0
         self._error: BaseException | None = None
-        self.versions: list[int] = []
+        self.version = -1  # the oldest shard version in the newest fetch (for staleness)
         self._thread = threading.Thread(target=self._run, daemon=True, name="shard-client")
         self._thread.start()
 
@@ -471,5 +471,5 @@ class ShardClient:
                     off += g.length
         with self._cond:
             self._ready = target
-            self.versions.append(-1 if version is None else version)
+            self.version = -1 if version is None else version
             self._cond.notify_all()

@@ -516,10 +516,10 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_check(args)
         if args.command == "run":
             return _cmd_run(args)
-        if args.command in ("train", "export"):
-            from netpart.cli_train import cmd_export, cmd_train
+        if args.command in ("train", "eval", "export"):
+            from netpart.cli_train import cmd_eval, cmd_export, cmd_train
 
-            command = cmd_train if args.command == "train" else cmd_export
+            command = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export}[args.command]
             return command(args, print)
     except NetpartError as exc:
         print(f"netpart: error: {exc}", file=sys.stderr)

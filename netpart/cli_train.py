@@ -79,6 +79,17 @@ def add_parsers(sub) -> None:
     t.add_argument("--out", type=Path, default=Path("out/train"), help="run directory")
     t.add_argument("--resume", type=Path, default=None, metavar="DIR", help="continue this run")
 
+    v = sub.add_parser(
+        "eval",
+        help="evaluate a run's model on held-out data",
+        description="Load the model of a training run (its model.pt, or the shard checkpoints) "
+        "into the single-process reference module and report loss and accuracy on the "
+        "held-out part of --data (digits: the fixed 20%%), or on every example of a .npz.",
+    )
+    v.add_argument("--checkpoint", type=Path, required=True, metavar="RUN", help="run directory")
+    v.add_argument("--data", default=None, help="default: the data the run trained on")
+    v.add_argument("--batch", type=int, default=256, help="examples per forward pass")
+
     e = sub.add_parser(
         "export",
         help="write a run's parameters as the reference module's state_dict",
@@ -246,8 +257,46 @@ def _train_under_torchrun(spec, p, config, run: Path, resume: bool, echo) -> int
     os._exit(0)
 
 
-def cmd_export(args: argparse.Namespace, echo: Callable[[str], None]) -> int:
-    from netpart.files import load_plan, write_atomic
+def cmd_eval(args: argparse.Namespace, echo: Callable[[str], None]) -> int:
+    import torch
+
+    from netpart.data import load_data
+    from netpart.models.reference import build_reference
+    from netpart.runtime.config import TrainError
+
+    run = args.checkpoint
+    spec, config, state = _run_model(run)
+    source = args.data or config.data
+    data = load_data(source, spec, config.seed, config.examples)
+    if data.held_out is not None:
+        x, y, part = *data.held_out, "held-out"
+    elif data.x is not None:
+        x, y, part = data.x, data.y, "all"
+    else:
+        raise TrainError(f"--data {source}: has no held-out examples; pass digits or a .npz")
+    model = build_reference(spec, config.seed)
+    model.load_state_dict({k: v.float() for k, v in state.items()})
+    loss_sum, correct = 0.0, 0
+    with torch.no_grad():
+        for lo in range(0, len(x), max(1, args.batch)):
+            xb = torch.from_numpy(x[lo : lo + args.batch]).float()
+            yb = torch.from_numpy(y[lo : lo + args.batch])
+            out = model(xb)
+            loss_sum += float(model.loss(out, yb)) * len(xb)
+            if spec.loss == "cross_entropy":
+                correct += int((out.flatten(1).argmax(1) == yb).sum())
+    accuracy = f", accuracy {correct / len(x):.4f}" if spec.loss == "cross_entropy" else ""
+    echo(f"{spec.name} from {run} on {source} ({part}, {len(x)} examples): "
+         f"loss {loss_sum / len(x):.4f}{accuracy}")  # fmt: skip
+    return 0
+
+
+def _run_model(run: Path, from_shards: bool = False):
+    """(spec, config, reference state_dict) of a run: model.pt if there is one (unless
+    `from_shards`), else the shard checkpoints."""
+    import torch
+
+    from netpart.files import load_plan
     from netpart.models.spec import ModelSpec
     from netpart.partition import build_unit_graph
     from netpart.partition.shards import ShardLayout
@@ -255,23 +304,34 @@ def cmd_export(args: argparse.Namespace, echo: Callable[[str], None]) -> int:
     from netpart.runtime.config import TrainConfig, TrainError
     from netpart.runtime.trainer import checkpoint_meta
 
-    run = args.run
     try:
         manifest = json.loads((run / "train.json").read_text())
         spec = ModelSpec.from_json((run / "spec.json").read_text(), str(run / "spec.json"))
     except (OSError, ValueError) as exc:
         raise TrainError(f"{run}: not a netpart run directory ({exc})") from None
     config = TrainConfig.from_dict(manifest.get("config"), str(run / "train.json"))
+    if not from_shards and (run / "model.pt").exists():
+        try:
+            return spec, config, torch.load(run / "model.pt", weights_only=True)
+        except Exception as exc:  # a torn or foreign file
+            raise TrainError(f"{run / 'model.pt'}: not readable ({exc})") from None
     p = load_plan(run, spec)
     graph = build_unit_graph(spec, p.granularity)
     layout = ShardLayout.build(graph, p.node_map, p.workers, config.shards)
     meta = checkpoint_meta(spec, p, config)
     values = [load_shard(run, s, meta, int(n)).values for s, n in enumerate(layout.shard_sizes())]
+    return spec, config, export_state_dict(spec, layout, values)
+
+
+def cmd_export(args: argparse.Namespace, echo: Callable[[str], None]) -> int:
     import torch
 
+    from netpart.files import write_atomic
+
+    spec, _, state = _run_model(args.run, from_shards=True)
     buf = io.BytesIO()
-    torch.save(export_state_dict(spec, layout, values), buf)
-    out = args.output or run / "model.pt"
+    torch.save(state, buf)
+    out = args.output or args.run / "model.pt"
     write_atomic(out, buf.getvalue())
-    echo(f"wrote {out}: {spec.name}, {layout.total:,} parameters")
+    echo(f"wrote {out}: {spec.name}, {sum(v.numel() for v in state.values()):,} parameters")
     return 0

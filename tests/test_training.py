@@ -201,6 +201,7 @@ def test_torchrun_runs_the_same_job_and_export_loads_back(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "replica 0: step 12" in out.stdout and "replica 1: step 12" in out.stdout
     assert main(["export", str(run), "--output", str(tmp_path / "m.pt")]) == 0
+    assert main(["eval", "--checkpoint", str(run), "--data", "digits"]) == 0  # from the shards
     state = torch.load(tmp_path / "m.pt", weights_only=True)
     model = build_reference(SPEC, 0)
     model.load_state_dict(state)  # same names and shapes as the reference module
@@ -221,3 +222,16 @@ def test_a_dead_shard_stops_the_job_with_its_last_checkpoint_intact(tmp_path, mo
     state = torch.load(tmp_path / "run" / "shard_1.pt", weights_only=True)
     assert json.loads(state["meta"])["updates"] == 8 and torch.isfinite(state["values"]).all()
     assert not list((tmp_path / "run").glob(".*.tmp"))
+
+
+def test_eval_reports_held_out_digits_accuracy(tmp_path, capsys):
+    run = tmp_path / "run"
+    p = plan(SPEC, 2, "metis")
+    cfg = TrainConfig(replicas=2, shards=2, steps=120, lr=0.05, data="digits", timeout=30)
+    train(SPEC, p, cfg, run)
+    assert main(["eval", "--checkpoint", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "digits (held-out, 359 examples)" in out
+    accuracy = float(out.rsplit("accuracy ", 1)[1])
+    assert accuracy > 0.9  # measured 0.98 after 300 steps; 120 steps suffice for 0.9
+    assert main(["eval", "--checkpoint", str(tmp_path / "none")]) == 2

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import sys
@@ -129,23 +128,15 @@ def _job(args):
     """Spec, plan and config from the flags, or from the run directory with --resume."""
     from netpart.files import load_plan
     from netpart.models import load_spec
-    from netpart.models.spec import ModelSpec
     from netpart.partition import plan
+    from netpart.runtime.checkpoint import read_run
     from netpart.runtime.config import TrainConfig, TrainError
 
     if args.resume is not None:
         run = args.resume
-        manifest_path = run / "train.json"
-        if not manifest_path.exists():
-            raise TrainError(f"--resume {run}: no train.json there; is it a netpart run directory?")
-        try:
-            manifest = json.loads(manifest_path.read_text())
-            spec = ModelSpec.from_json((run / "spec.json").read_text(), str(run / "spec.json"))
-        except (OSError, ValueError) as exc:
-            raise TrainError(f"--resume {run}: unreadable run files ({exc})") from None
+        manifest, spec, old = read_run(run)
         if args.model is not None and load_spec(args.model).fingerprint() != spec.fingerprint():
             raise TrainError(f"--resume {run}: the run trained {spec.name}, not {args.model}")
-        old = TrainConfig.from_dict(manifest.get("config"), str(manifest_path))
         if args.workers is not None and args.workers != manifest.get("workers"):
             raise TrainError(
                 f"--workers {args.workers}: the run in {run} has {manifest.get('workers')} "
@@ -297,41 +288,29 @@ def _run_model(run: Path, from_shards: bool = False):
     import torch
 
     from netpart.files import load_plan
-    from netpart.models.spec import ModelSpec
     from netpart.partition import build_unit_graph
     from netpart.partition.shards import ShardLayout
-    from netpart.runtime.checkpoint import export_state_dict, load_shard
-    from netpart.runtime.config import TrainConfig, TrainError
-    from netpart.runtime.trainer import checkpoint_meta
+    from netpart.runtime.checkpoint import model_from_shards, read_run
+    from netpart.runtime.config import TrainError
 
-    try:
-        manifest = json.loads((run / "train.json").read_text())
-        spec = ModelSpec.from_json((run / "spec.json").read_text(), str(run / "spec.json"))
-    except (OSError, ValueError) as exc:
-        raise TrainError(f"{run}: not a netpart run directory ({exc})") from None
-    config = TrainConfig.from_dict(manifest.get("config"), str(run / "train.json"))
+    _, spec, config = read_run(run)
     if not from_shards and (run / "model.pt").exists():
         try:
             return spec, config, torch.load(run / "model.pt", weights_only=True)
         except Exception as exc:  # a torn or foreign file
             raise TrainError(f"{run / 'model.pt'}: not readable ({exc})") from None
     p = load_plan(run, spec)
-    graph = build_unit_graph(spec, p.granularity)
-    layout = ShardLayout.build(graph, p.node_map, p.workers, config.shards)
-    meta = checkpoint_meta(spec, p, config)
-    values = [load_shard(run, s, meta, int(n)).values for s, n in enumerate(layout.shard_sizes())]
-    return spec, config, export_state_dict(spec, layout, values)
+    layout = ShardLayout.build(
+        build_unit_graph(spec, p.granularity), p.node_map, p.workers, config.shards
+    )
+    return spec, config, model_from_shards(spec, p, config, run, layout)
 
 
 def cmd_export(args: argparse.Namespace, echo: Callable[[str], None]) -> int:
-    import torch
-
-    from netpart.files import write_atomic
+    from netpart.runtime.checkpoint import save_model
 
     spec, _, state = _run_model(args.run, from_shards=True)
-    buf = io.BytesIO()
-    torch.save(state, buf)
     out = args.output or args.run / "model.pt"
-    write_atomic(out, buf.getvalue())
+    save_model(out, state)
     echo(f"wrote {out}: {spec.name}, {sum(v.numel() for v in state.values()):,} parameters")
     return 0

@@ -20,11 +20,45 @@ import torch
 from netpart.files import write_atomic
 from netpart.models.reference import ReferenceModel
 from netpart.models.spec import ModelSpec
+from netpart.partition.planner import PartitionPlan
 from netpart.partition.shards import ShardLayout, piece_index
-from netpart.runtime.config import TrainError
+from netpart.runtime.config import TrainConfig, TrainError, layout_key
 from netpart.runtime.ps import ShardState
 
-__all__ = ["export_state_dict", "load_shard", "read_progress", "save_shard", "shard_path"]
+__all__ = [
+    "checkpoint_meta",
+    "export_state_dict",
+    "load_shard",
+    "model_from_shards",
+    "read_progress",
+    "read_run",
+    "save_model",
+    "save_shard",
+    "shard_path",
+]
+
+
+def checkpoint_meta(spec: ModelSpec, plan: PartitionPlan, config: TrainConfig) -> dict:
+    """What a shard checkpoint must agree with to be resumed by this job."""
+    return {
+        "schema_version": 1,
+        "fingerprint": spec.fingerprint(),
+        "layout": layout_key(plan, config.shards),
+        "optimizer": config.optimizer,
+        "dtype": config.dtype,
+    }
+
+
+def read_run(run: Path) -> tuple[dict[str, Any], ModelSpec, TrainConfig]:
+    """(train.json, spec, config) of a run directory; TrainError if it is not one."""
+    if not (run / "train.json").exists():
+        raise TrainError(f"{run}: no train.json there; is it a netpart run directory?")
+    try:
+        manifest = json.loads((run / "train.json").read_text())
+        spec = ModelSpec.from_json((run / "spec.json").read_text(), str(run / "spec.json"))
+    except (OSError, ValueError) as exc:
+        raise TrainError(f"{run}: unreadable run files ({exc})") from None
+    return manifest, spec, TrainConfig.from_dict(manifest.get("config"), str(run / "train.json"))
 
 
 def shard_path(run: Path, shard: int) -> Path:
@@ -110,6 +144,22 @@ def export_state_dict(
             idx = torch.from_numpy(piece_index(spec, piece))
             out[piece.name][idx] = flat[int(off) : int(off) + piece.size]
     return {k: v.reshape(shapes[k]) for k, v in out.items()}
+
+
+def model_from_shards(
+    spec: ModelSpec, plan: PartitionPlan, config: TrainConfig, run: Path, layout: ShardLayout
+) -> dict[str, torch.Tensor]:
+    """The reference `state_dict` of a run, from its shard checkpoints (each one checked)."""
+    meta = checkpoint_meta(spec, plan, config)
+    values = [load_shard(run, s, meta, int(n)).values for s, n in enumerate(layout.shard_sizes())]
+    return export_state_dict(spec, layout, values)
+
+
+def save_model(path: Path, state: dict[str, torch.Tensor]) -> None:
+    """Write a `state_dict` atomically (it loads with `torch.load(weights_only=True)`)."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    write_atomic(path, buf.getvalue())
 
 
 def _short(exc: BaseException) -> str:

@@ -12,7 +12,6 @@ killed on every exit path, and dies with the launcher (PR_SET_PDEATHSIG).
 from __future__ import annotations
 
 import datetime
-import io
 import json
 import logging
 import signal
@@ -22,18 +21,24 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from netpart.files import plan_files, write_atomic, write_files
 from netpart.models.spec import ModelSpec
 from netpart.partition.planner import PartitionPlan
 from netpart.partition.shards import ShardLayout
-from netpart.runtime.checkpoint import export_state_dict, load_shard, read_progress, shard_path
+from netpart.runtime.checkpoint import (
+    checkpoint_meta,
+    load_shard,
+    model_from_shards,
+    read_progress,
+    read_run,
+    save_model,
+    shard_path,
+)
 from netpart.runtime.config import SCHEMA_VERSION, TrainConfig, TrainError, layout_key
 from netpart.runtime.launch import WorkerFailure, _last_error, spawn
 from netpart.runtime.schedule import plan_schedule
-from netpart.runtime.trainer import checkpoint_meta
 
 __all__ = ["TrainSummary", "prepare_run", "train"]
 
@@ -73,15 +78,10 @@ def prepare_run(
     graph, _ = plan_schedule(spec, plan)
     layout = ShardLayout.build(graph, plan.node_map, plan.workers, config.shards)
     if resume:
-        manifest = run / "train.json"
-        if not manifest.exists():
-            raise TrainError(f"--resume {run}: no train.json there; is it a netpart run directory?")
+        _, _, old = read_run(run)
         meta = checkpoint_meta(spec, plan, config)
         for s in range(config.shards):  # every checkpoint must load before anything is written
             load_shard(run, s, meta, int(layout.shard_sizes()[s]))
-        old = TrainConfig.from_json(
-            json.dumps(json.loads(manifest.read_text()).get("config", {})), str(manifest)
-        )
         if old.replicas != config.replicas:
             log.info("resuming with %d replicas (was %d)", config.replicas, old.replicas)
         starts = read_progress(run, config.shards, config.replicas, config.mode == "sync")
@@ -137,14 +137,7 @@ def train(
     _supervise(run, plan.workers, config, store.port, resume, summary, starts, on_progress)
     summary.wall_s = time.monotonic() - t0
     _read_metrics(run, config.replicas, summary)
-    values = [
-        load_shard(run, s, checkpoint_meta(spec, plan, config), int(n)).values
-        for s, n in enumerate(layout.shard_sizes())
-    ]
-    state = export_state_dict(spec, layout, values)
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    write_atomic(run / "model.pt", buf.getvalue())
+    save_model(run / "model.pt", model_from_shards(spec, plan, config, run, layout))
     write_atomic(run / "summary.json", json.dumps(summary.to_dict(), indent=1).encode())
     return summary
 
@@ -160,15 +153,26 @@ def _read_metrics(run: Path, replicas: int, summary: TrainSummary) -> None:
             summary.final_loss[r] = lines[-1]["loss"]
 
 
-def _count_steps(run: Path, replicas: int) -> int:
-    total = 0
-    for r in range(replicas):
-        try:
-            with open(run / f"metrics_replica{r}.jsonl", "rb") as fh:
-                total += fh.read().count(b"\n")
-        except OSError:
-            pass
-    return total
+class _StepCounter:
+    """Steps logged since it was made: reads only what the metrics files gained since the
+    last call (a resumed run's earlier lines are not counted, nor read again)."""
+
+    def __init__(self, run: Path, replicas: int) -> None:
+        self.paths = [run / f"metrics_replica{r}.jsonl" for r in range(replicas)]
+        self.offsets = [p.stat().st_size if p.exists() else 0 for p in self.paths]
+        self.steps = 0
+
+    def __call__(self) -> int:
+        for i, path in enumerate(self.paths):
+            try:
+                with open(path, "rb") as fh:
+                    fh.seek(self.offsets[i])
+                    new = fh.read()
+            except OSError:
+                continue
+            self.steps += new.count(b"\n")
+            self.offsets[i] += len(new)
+        return self.steps
 
 
 def _supervise(run, workers, config, port, resume, summary, starts, on_progress) -> None:
@@ -192,6 +196,7 @@ def _supervise(run, workers, config, port, resume, summary, starts, on_progress)
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, forward)
     total = sum(config.steps - starts.get(r, 0) for r in range(config.replicas))
+    count_steps = _StepCounter(run, config.replicas)
     try:
         for rank in range(world):
             args = ["netpart.runtime.train_main", "--run", str(run)]
@@ -226,10 +231,10 @@ def _supervise(run, workers, config, port, resume, summary, starts, on_progress)
             if stop.is_set() and all(p.poll() is not None for p in procs[n_workers:]):
                 break
             if on_progress is not None:
-                on_progress(_count_steps(run, config.replicas), total)
+                on_progress(count_steps(), total)
             time.sleep(0.1)
         if on_progress is not None:
-            on_progress(_count_steps(run, config.replicas), total)
+            on_progress(count_steps(), total)
     finally:
         deadline = time.monotonic() + (config.timeout if stop.is_set() else 0)
         for p in procs:

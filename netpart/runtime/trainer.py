@@ -28,15 +28,15 @@ from netpart.data import load_data
 from netpart.models.spec import ModelSpec
 from netpart.partition.planner import PartitionPlan
 from netpart.partition.shards import ShardLayout, piece_initial
-from netpart.runtime.checkpoint import load_shard, save_shard
-from netpart.runtime.config import TrainConfig, layout_key
+from netpart.runtime.checkpoint import checkpoint_meta, load_shard, save_shard
+from netpart.runtime.config import TrainConfig
 from netpart.runtime.ps import ShardClient, ShardServer, ShardState
 from netpart.runtime.schedule import plan_schedule
 from netpart.runtime.transport import GlooTransport
 from netpart.runtime.updates import UpdateRule
 from netpart.runtime.worker import ModelWorker
 
-__all__ = ["checkpoint_meta", "initial_values", "run_process"]
+__all__ = ["initial_values", "run_process"]
 
 log = logging.getLogger(__name__)
 
@@ -44,17 +44,6 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 PS_TIMEOUT = datetime.timedelta(
     days=1
 )  # parameter-server pairs idle for long; deaths are seen at once
-
-
-def checkpoint_meta(spec: ModelSpec, plan: PartitionPlan, config: TrainConfig) -> dict:
-    """What a shard checkpoint must agree with to be resumed by this job."""
-    return {
-        "schema_version": 1,
-        "fingerprint": spec.fingerprint(),
-        "layout": layout_key(plan, config.shards),
-        "optimizer": config.optimizer,
-        "dtype": config.dtype,
-    }
 
 
 def initial_values(

@@ -14,9 +14,15 @@ $(BIN)/netpart: pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	@touch $@
 
+# The demo plans image-80m over 16 workers, then trains a small locally connected model on the
+# bundled digits: 2 model workers x 2 replicas + 2 parameter-server shards (6 processes).
 demo: $(BIN)/netpart
-	$(BIN)/netpart plan --model image-80m --workers 16 --compare --out $(DEMO_OUT)
-	@echo "report: $(DEMO_OUT)/report.md"
+	$(BIN)/netpart plan --model image-80m --workers 16 --compare --out $(DEMO_OUT)/plan
+	rm -rf $(DEMO_OUT)/train
+	$(BIN)/netpart train --model tiny-local --workers 2 --replicas 2 --ps-shards 2 \
+		--data digits --steps 300 --out $(DEMO_OUT)/train
+	@echo "plan report:     $(DEMO_OUT)/plan/report.md"
+	@echo "training report: $(DEMO_OUT)/train/report.md"
 
 test: $(BIN)/netpart
 	$(BIN)/ruff check netpart tests benchmarks experiments

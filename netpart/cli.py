@@ -516,10 +516,15 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_check(args)
         if args.command == "run":
             return _cmd_run(args)
-        if args.command in ("train", "eval", "export"):
-            from netpart.cli_train import cmd_eval, cmd_export, cmd_train
+        if args.command in ("train", "eval", "report", "export"):
+            from netpart.cli_train import cmd_eval, cmd_export, cmd_report, cmd_train
 
-            command = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export}[args.command]
+            command = {
+                "train": cmd_train,
+                "eval": cmd_eval,
+                "report": cmd_report,
+                "export": cmd_export,
+            }[args.command]
             return command(args, print)
     except NetpartError as exc:
         print(f"netpart: error: {exc}", file=sys.stderr)

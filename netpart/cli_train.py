@@ -1,4 +1,4 @@
-"""`netpart train` and `netpart export`: the training half of the command line (thin)."""
+"""`netpart train`, `eval`, `report` and `export`: the training half of the command line."""
 
 from __future__ import annotations
 
@@ -14,21 +14,30 @@ from tqdm import tqdm
 from netpart.errors import PlanError
 
 EPILOG_TRAIN = """\
-the job: R replicas x N model workers + S parameter-server shards = R*N+S processes
-  (worker w of replica r is rank r*N+w, shard s is rank R*N+s). Spawned on this machine,
-  or started by torchrun with WORLD_SIZE = R*N+S (every process runs this same command).
+the job: R replicas x N model workers + S parameter-server shards = R*N+S processes,
+  spawned on this machine, or started by torchrun on one or more machines with
+  WORLD_SIZE = R*N+S (every process runs this same command; see docs/multi-node.md).
+  --placement pack keeps each replica's workers on as few machines as possible and spreads
+  the shards; spread puts worker w on machine w mod K; ordered makes rank r*N+w worker w of
+  replica r and rank R*N+s shard s (on one machine every policy gives this order).
 
 in --out DIR:
   train.json, spec.json, plan.json, node_map.npy   the job (a resume must match them)
   shard_<s>.pt (+ .json)   parameters and optimizer state, written atomically every
                            --checkpoint-every updates and at the end
-  metrics_replica<r>.jsonl one line per step: step, loss, seconds since start
+  metrics_replica<r>.jsonl one line per step of replica r: time, loss, accuracy, staleness,
+                           samples, step time split into compute / halo / ps / data, bytes
+  metrics.jsonl            all replicas' lines in time order (written at the end)
   model.pt                 the reference module's state_dict (torch.load weights_only=True)
-  summary.json, logs/rank<k>.log
+  summary.json             last step and loss per replica, lost replicas, held-out figures
+  report.md, curves.png, step_time.png, staleness.png   (`netpart report DIR` redraws them)
+  logs/rank<k>.log
 
 examples:
   netpart train --model tiny-local --workers 2 --replicas 2 --ps-shards 2 --steps 200
   netpart train --model tiny-local --workers 2 --replicas 2 --data digits --steps 300
+  netpart train --model image-80m --workers 4 --replicas 1 --data shapes --batch 16
+  netpart train --model tiny-local --workers 2 --data my_images/ --steps 500
   netpart train --model tiny-local --workers 2 --replicas 4 --mode sync --optimizer sgd
   netpart train --resume out/train --steps 400       # continue a run to 400 steps
 """
@@ -67,12 +76,15 @@ def add_parsers(sub) -> None:
     flag(
         "data",
         str,
-        "synthetic; digits (sklearn's bundled digits, 20%% held out); or a .npz with x, y",
+        "synthetic; shapes (procedural images at the model's resolution); digits (sklearn's "
+        "bundled digits); a .npz with x, y [x_test, y_test]; or a folder of class subfolders "
+        "of images (20%% held out where no test set is given)",
     )
     flag("seed", int, "weights, data and partitioner seed")
     flag("dtype", str, "float32 | float64")
     flag("timeout", float, "seconds a worker waits for a peer before giving up")
     flag("threads", int, "torch threads per process")
+    flag("placement", str, "pack | spread | ordered: which ranks play which role")
     t.add_argument("--method", default="metis", choices=list(METHODS), help="partitioner")
     t.add_argument("--plan", type=Path, default=None, help="use this plan directory")
     t.add_argument("--out", type=Path, default=Path("out/train"), help="run directory")
@@ -83,11 +95,22 @@ def add_parsers(sub) -> None:
         help="evaluate a run's model on held-out data",
         description="Load the model of a training run (its model.pt, or the shard checkpoints) "
         "into the single-process reference module and report loss and accuracy on the "
-        "held-out part of --data (digits: the fixed 20%%), or on every example of a .npz.",
+        "held-out part of --data (never trained on: a fixed 20%% of digits, .npz and folders, "
+        "the npz's x_test/y_test when given, 1,000 extra examples of synthetic and shapes).",
     )
     v.add_argument("--checkpoint", type=Path, required=True, metavar="RUN", help="run directory")
     v.add_argument("--data", default=None, help="default: the data the run trained on")
     v.add_argument("--batch", type=int, default=256, help="examples per forward pass")
+
+    rp = sub.add_parser(
+        "report",
+        help="redraw a run's plots and Markdown report",
+        description="Read RUN's metrics files and shard sidecars and write metrics.jsonl, "
+        "curves.png (loss and accuracy vs wall time per replica), step_time.png (compute / halo "
+        "exchange / parameter server / data per step), staleness.png (Downpour: updates between "
+        "a fetch and the push computed on it) and report.md. Works on a run still in progress.",
+    )
+    rp.add_argument("run", type=Path, help="run directory of `netpart train`")
 
     e = sub.add_parser(
         "export",
@@ -115,7 +138,7 @@ def _config_flag(parser, defaults):
 
 _FIELDS = (
     "replicas", "shards", "mode", "optimizer", "lr", "n_fetch", "n_push", "steps", "batch",
-    "warm_start", "checkpoint_every", "data", "seed", "dtype", "timeout", "threads",
+    "warm_start", "checkpoint_every", "data", "seed", "dtype", "timeout", "threads", "placement",
 )  # fmt: skip
 _FIXED_ON_RESUME = ("shards", "optimizer", "dtype", "seed", "data")
 
@@ -191,11 +214,13 @@ def cmd_train(args: argparse.Namespace, echo: Callable[[str], None]) -> int:
     )
     with tqdm(total=0, desc="train", unit="step", disable=None) as bar:
 
-        def progress(done: int, total: int) -> None:
+        def progress(done: int, stats: dict, total: int) -> None:
             if bar.total == 0:  # the first call comes once the job is validated and started
                 tqdm.write(banner)
             bar.total = total
             bar.n = done
+            if stats:
+                bar.set_postfix_str(_postfix(stats), refresh=False)
             bar.refresh()
 
         summary = train(spec, p, config, run, resume=args.resume is not None, on_progress=progress)
@@ -203,20 +228,42 @@ def cmd_train(args: argparse.Namespace, echo: Callable[[str], None]) -> int:
         echo(f"replica {r}: step {summary.steps[r]}, loss {summary.final_loss[r]:.4g}")
     for r, why in summary.lost.items():
         echo(f"replica {r} was lost: {why}")
-    echo(f"wrote {run}/model.pt and shard checkpoints ({summary.wall_s:.1f} s)")
+    _echo_held_out(summary.held_out, config.data, echo)
+    echo(f"wrote {run}/model.pt and shard checkpoints ({summary.wall_s:.1f} s); "
+         f"report: {run}/report.md")  # fmt: skip
     return 130 if summary.stopped else 0
 
 
+def _postfix(stats: dict) -> str:
+    return (
+        f"loss {stats['loss']:.3f}, {stats['samples_s']:.0f} samples/s, "
+        f"{stats['step_ms']:.0f} ms/step, {stats['mb']:.0f} MB"
+    )
+
+
+def _echo_held_out(held: dict | None, source: str, echo) -> None:
+    if held:
+        acc = f", accuracy {held['accuracy']:.4f}" if "accuracy" in held else ""
+        echo(f"held-out {source} ({held['examples']} examples): loss {held['loss']:.4f}{acc}")
+
+
 def _train_under_torchrun(spec, p, config, run: Path, resume: bool, echo) -> int:
-    """Every torchrun process runs this: join the group and play the role of its RANK."""
+    """Every torchrun process runs this: join the group, learn its role from the placement,
+    play it. Shard 0 writes the run files first and, once every shard has finished, the
+    model, summary and report (the run directory must be shared by the machines)."""
+    import logging
+    import time
+
     import torch
     import torch.distributed as dist
 
+    from netpart.partition import build_unit_graph
+    from netpart.partition.shards import ShardLayout
     from netpart.runtime.checkpoint import read_progress
     from netpart.runtime.config import TrainError
-    from netpart.runtime.train_launch import _write_run, prepare_run
-    from netpart.runtime.train_main import stop_on_signals
-    from netpart.runtime.trainer import PS_TIMEOUT, run_process
+    from netpart.runtime.train_launch import TrainSummary, _write_run, finish_run, prepare_run
+    from netpart.runtime.train_main import log_as, stop_on_signals
+    from netpart.runtime.trainer import PS_TIMEOUT, job_placement, run_process
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     if world != config.world(p.workers):
@@ -224,61 +271,93 @@ def _train_under_torchrun(spec, p, config, run: Path, resume: bool, echo) -> int
             f"torchrun started {world} processes; this job needs replicas x workers + shards = "
             f"{config.world(p.workers)}"
         )
-    run.mkdir(parents=True, exist_ok=True)
-    first_shard = config.replicas * p.workers
-    if rank == first_shard:  # validates the run directory, then writes the run files
-        _, starts = prepare_run(spec, p, config, run, resume)
-        _write_run(spec, p, config, run, starts, resume)
-    sync = config.mode == "sync"
-    starts = read_progress(run, config.shards, config.replicas, sync) if resume else {}
     torch.set_num_threads(config.threads)
     stop = stop_on_signals()
     dist.init_process_group("gloo", timeout=PS_TIMEOUT)
+    placement = job_placement(config, p.workers)
+    log_as(f"{placement.name(rank)} (rank {rank})")
+    first_shard = placement.shard_rank(0)
+    status = [None]
+    if rank == first_shard:  # validates the run directory, then writes the run files
+        try:
+            run.mkdir(parents=True, exist_ok=True)
+            _, starts = prepare_run(spec, p, config, run, resume)
+            _write_run(spec, p, config, run, starts, resume)
+            (run / "placement.json").write_text(json.dumps(placement.to_dict(), indent=1))
+        except Exception as exc:  # every rank must hear of it, or it would wait for ever
+            status = [f"{type(exc).__name__}: {exc}"]
+    dist.broadcast_object_list(status, src=first_shard)
+    if status[0] is not None:
+        raise TrainError(status[0].partition(": ")[2])
+    sync = config.mode == "sync"
+    starts = read_progress(run, config.shards, config.replicas, sync) if resume else {}
+    total = config.steps - starts.get(0, 0)
+    bar = tqdm(total=total, desc="train", unit="step", disable=None) if rank == 0 else None
+    done = [0]
+
+    def on_step(line: dict) -> None:  # rank 0 only: its replica's steps
+        done[0] += 1
+        stats = {
+            "loss": line["loss"],
+            "samples_s": config.replicas * config.batch / max(line["step_s"], 1e-9),
+            "step_ms": line["step_s"] * 1e3,
+            "mb": (line["halo_bytes"] + line["ps_bytes"]) * done[0] / 1e6,
+        }
+        bar.set_postfix_str(_postfix(stats), refresh=False)
+        bar.update(1)
+
+    t0 = time.monotonic()
     try:
-        run_process(rank, spec, p, config, run, starts, resume, stop)
+        server = run_process(
+            rank, spec, p, config, run, starts, resume, stop, placement,
+            on_step=on_step if bar is not None else None,
+        )  # fmt: skip
     finally:
+        if bar is not None:
+            bar.close()
         sys.stderr.flush()
-    if rank < first_shard and rank % p.workers == 0:
-        lines = (run / f"metrics_replica{rank // p.workers}.jsonl").read_text().splitlines()
+    kind, a, b = placement.roles[rank]
+    if kind == "worker" and b == 0:
+        lines = (run / f"metrics_replica{a}.jsonl").read_text().splitlines()
         last = json.loads(lines[-1]) if lines else {"step": 0, "loss": float("nan")}
-        echo(f"replica {rank // p.workers}: step {last['step']}, loss {last['loss']:.4g}")
+        echo(f"replica {a}: step {last['step']}, loss {last['loss']:.4g}")
+    elif rank == first_shard and server is not None:
+        layout = ShardLayout.build(
+            build_unit_graph(spec, p.granularity), p.node_map, p.workers, config.shards
+        )
+        summary = TrainSummary(run=run, stopped=stop.is_set(), wall_s=time.monotonic() - t0)
+        finish_run(spec, p, config, run, layout, summary)
+        _echo_held_out(summary.held_out, config.data, echo)
+        echo(f"wrote {run}/model.pt; report: {run}/report.md")
     elif rank == first_shard:
-        echo(f"shard checkpoints in {run}; `netpart export {run}` writes the model")
+        logging.getLogger("netpart.train").error("a shard failed: continue with --resume %s", run)
     sys.stdout.flush()
     os._exit(0)
 
 
 def cmd_eval(args: argparse.Namespace, echo: Callable[[str], None]) -> int:
-    import torch
-
     from netpart.data import load_data
-    from netpart.models.reference import build_reference
-    from netpart.runtime.config import TrainError
+    from netpart.runtime.run_report import evaluate
 
     run = args.checkpoint
     spec, config, state = _run_model(run)
     source = args.data or config.data
     data = load_data(source, spec, config.seed, config.examples)
-    if data.held_out is not None:
-        x, y, part = *data.held_out, "held-out"
-    elif data.x is not None:
-        x, y, part = data.x, data.y, "all"
-    else:
-        raise TrainError(f"--data {source}: has no held-out examples; pass digits or a .npz")
-    model = build_reference(spec, config.seed)
-    model.load_state_dict({k: v.float() for k, v in state.items()})
-    loss_sum, correct = 0.0, 0
-    with torch.no_grad():
-        for lo in range(0, len(x), max(1, args.batch)):
-            xb = torch.from_numpy(x[lo : lo + args.batch]).float()
-            yb = torch.from_numpy(y[lo : lo + args.batch])
-            out = model(xb)
-            loss_sum += float(model.loss(out, yb)) * len(xb)
-            if spec.loss == "cross_entropy":
-                correct += int((out.flatten(1).argmax(1) == yb).sum())
-    accuracy = f", accuracy {correct / len(x):.4f}" if spec.loss == "cross_entropy" else ""
-    echo(f"{spec.name} from {run} on {source} ({part}, {len(x)} examples): "
-         f"loss {loss_sum / len(x):.4f}{accuracy}")  # fmt: skip
+    x, y = data.held_out_set()
+    result = evaluate(spec, state, x, y, seed=config.seed, batch=max(1, args.batch))
+    accuracy = f", accuracy {result['accuracy']:.4f}" if "accuracy" in result else ""
+    echo(f"{spec.name} from {run} on {source} (held-out, {len(x)} examples): "
+         f"loss {result['loss']:.4f}{accuracy}")  # fmt: skip
+    return 0
+
+
+def cmd_report(args: argparse.Namespace, echo: Callable[[str], None]) -> int:
+    from netpart.runtime.checkpoint import read_run
+    from netpart.runtime.run_report import write_report
+
+    read_run(args.run)  # a clear error for a directory that is not a run
+    path = write_report(args.run)
+    echo(f"wrote {path} and its plots")
     return 0
 
 

@@ -36,6 +36,12 @@ def assert_equal_to_reference(spec, result, inputs, targets):
     assert torch.allclose(result.outputs.reshape(out.shape), out, rtol=1e-9, atol=1e-9)
     for name, g in grads.items():
         assert torch.allclose(result.grads[name], g, rtol=1e-9, atol=1e-9), name
+    if spec.loss == "cross_entropy":  # correct: the target's logit is the largest
+        flat = out.reshape(out.shape[0], -1)
+        want = (flat.gather(1, targets[:, None])[:, 0] >= flat.max(1).values).double().mean()
+        assert result.accuracy == pytest.approx(float(want), abs=1e-12)
+    else:
+        assert result.accuracy is None
 
 
 @given(

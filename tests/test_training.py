@@ -75,6 +75,13 @@ def test_sync_equals_single_process_sgd_on_the_concatenated_batch(sync_run):
         assert torch.allclose(got[k], v, rtol=0, atol=1e-12), k
 
 
+def test_sync_pushes_are_never_stale(sync_run):
+    _, run = sync_run
+    for s in range(3):
+        meta = json.loads((run / f"shard_{s}.json").read_text())
+        assert set(meta["staleness"]) == {"0"} and sum(meta["staleness"].values()) > 0
+
+
 def test_resume_continues_from_identical_parameters(sync_run, tmp_path):
     p, straight = sync_run
     run = tmp_path / "run"
@@ -139,12 +146,12 @@ def test_sigterm_stops_cleanly_with_a_final_checkpoint(tmp_path):
         ):
             time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
+        _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 130
+    assert proc.returncode == 130, err.decode()[-2000:]
     steps = len(metrics(run))
     for s in range(2):
         meta = json.loads((run / f"shard_{s}.json").read_text())
@@ -200,6 +207,8 @@ def test_torchrun_runs_the_same_job_and_export_loads_back(tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "replica 0: step 12" in out.stdout and "replica 1: step 12" in out.stdout
+    assert "held-out synthetic (1000 examples)" in out.stdout and (run / "report.md").exists()
+    assert "[shard 0 (rank 4)]" in out.stderr  # logs name role and rank
     assert main(["export", str(run), "--output", str(tmp_path / "m.pt")]) == 0
     assert main(["eval", "--checkpoint", str(run), "--data", "digits"]) == 0  # from the shards
     state = torch.load(tmp_path / "m.pt", weights_only=True)
@@ -235,3 +244,19 @@ def test_eval_reports_held_out_digits_accuracy(tmp_path, capsys):
     accuracy = float(out.rsplit("accuracy ", 1)[1])
     assert accuracy > 0.9  # measured 0.98 after 300 steps; 120 steps suffice for 0.9
     assert main(["eval", "--checkpoint", str(tmp_path / "none")]) == 2
+    # The run directory's report: every step of every replica, in time order, and the plots.
+    for name in ("curves.png", "step_time.png", "staleness.png", "report.md", "metrics.jsonl"):
+        (run / name).unlink()
+    assert main(["report", str(run)]) == 0
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 240 and [x["time"] for x in lines] == sorted(x["time"] for x in lines)
+    assert all(0 <= x["accuracy"] <= 1 and x["halo_bytes"] > 0 for x in lines)
+    for name in ("curves.png", "step_time.png", "staleness.png"):
+        assert (run / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = (run / "report.md").read_text()
+    held = json.loads((run / "summary.json").read_text())["held_out"]
+    assert f"accuracy **{held['accuracy']:.4f}**" in report and held["examples"] == 359
+    # Downpour: one staleness count per push; the shards' updates are those pushes.
+    metas = [json.loads((run / f"shard_{s}.json").read_text()) for s in range(2)]
+    assert sum(sum(m["staleness"].values()) for m in metas) == sum(m["updates"] for m in metas)
+    assert main(["report", str(tmp_path / "none")]) == 2

@@ -5,7 +5,8 @@ Schema (`train.json` in the run directory, next to `spec.json`, `plan.json`, `no
   model, fingerprint   the spec's name and fingerprint (a resume must match)
   layout          hash of the node map, granularity, workers and shards (a resume must match)
   config          the fields of TrainConfig below
-Ranks of a job: worker w of replica r is rank r * workers + w; shard s is rank R * workers + s.
+Ranks of a job: on one machine, worker w of replica r is rank r * workers + w and shard s is
+rank R * workers + s; across machines `placement` decides (netpart.runtime.placement).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 from netpart.errors import NetpartError
 from netpart.partition.planner import PartitionPlan
+from netpart.runtime.placement import POLICIES
 from netpart.runtime.ps import MODES
 from netpart.runtime.updates import OPTIMIZERS, Optimizer
 
@@ -50,6 +52,7 @@ class TrainConfig:
     dtype: str = "float32"
     timeout: float = 60.0  # seconds a replica waits for a peer in the halo exchange
     threads: int = 1
+    placement: str = "pack"  # pack | spread | ordered (see netpart.runtime.placement)
 
     def __post_init__(self) -> None:
         for name in ("replicas", "shards", "n_fetch", "n_push", "batch", "checkpoint_every"):
@@ -65,6 +68,8 @@ class TrainConfig:
             raise TrainError(f"--lr {self.lr}: the learning rate must be > 0")
         if self.dtype not in DTYPES:
             raise TrainError(f"dtype {self.dtype}: choose one of {', '.join(DTYPES)}")
+        if self.placement not in POLICIES:
+            raise TrainError(f"--placement {self.placement}: choose one of {', '.join(POLICIES)}")
         if not self.timeout > 0:
             raise TrainError(f"--timeout {self.timeout}: must be > 0 seconds")
 

@@ -1,8 +1,10 @@
 """The parameter server: shard processes and the client each model worker talks to them with.
 
 Every byte moves over torch.distributed point-to-point on the default (world) process group.
-A message is a header, int64 [kind, sender, shard, step, length, replica] (tag 1), then for
-PUSH and PARAMS a payload of `length` values (tag 2); a FETCH is a header alone. Lengths come
+A message is a header, int64 [kind, sender, shard, step, length, replica, extra] (tag 1),
+then for PUSH and PARAMS a payload of `length` values (tag 2); a FETCH is a header alone.
+`extra` of a PUSH is the shard version its gradient was computed on; of a PARAMS reply, the
+staleness of that peer's last applied push (-1: none yet). Lengths come
 from the `ShardLayout`: worker w's message to shard s carries exactly the segments of w's flat
 parameter vector that s holds, so both sides know every size before anything moves.
 
@@ -13,6 +15,8 @@ dead peer fails only its own thread), and applies updates under one lock:
 - sync: pushes for step t are summed per replica; when every live replica's workers have
   pushed, the mean over replicas is applied once; fetches for step t wait for that.
 A peer whose connection fails marks its whole replica lost: the shard keeps serving the rest.
+Staleness of a push = updates the shard applied between serving the values the gradient was
+computed on and applying it (0 in sync mode); the shard keeps a histogram of it.
 
 `ShardClient` runs a worker's pushes and fetches in a background thread, so the replica keeps
 computing while messages fly; fetched parameters land in one of two staging buffers and are
@@ -21,6 +25,7 @@ swapped in by the caller between steps.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import queue
@@ -42,7 +47,7 @@ __all__ = ["Kind", "ProtocolError", "ShardClient", "ShardServer", "ShardState"]
 
 log = logging.getLogger(__name__)
 
-HEADER_LEN = 6
+HEADER_LEN = 7
 TAG_HEADER, TAG_PAYLOAD = 1, 2
 TAG_CHUNK = 16  # chunk i of a push travels with tag TAG_CHUNK + i
 CHUNK = 1 << 18  # values per push chunk
@@ -60,8 +65,10 @@ class ProtocolError(RuntimeFailure):
     """A message whose header disagrees with the layout (wrong sender, shard or length)."""
 
 
-def _header(kind: Kind, sender: int, shard: int, step: int, length: int, replica: int):
-    return torch.tensor([int(kind), sender, shard, step, length, replica], dtype=torch.int64)
+def _header(
+    kind: Kind, sender: int, shard: int, step: int, length: int, replica: int, extra: int = -1
+):
+    return torch.tensor([int(kind), sender, shard, step, length, replica, extra], dtype=torch.int64)
 
 
 def _length(segments: tuple[Segment, ...]) -> int:
@@ -128,6 +135,8 @@ class ShardServer:
         self.arrived: dict[int, set[tuple[int, int]]] = {}
         self.bytes_in = 0
         self.bytes_out = 0
+        self.staleness: collections.Counter[int] = collections.Counter()
+        self.last_staleness: dict[tuple[int, int], int] = {}
 
     # ---- serving -------------------------------------------------------------------------
     def serve(self, stop: threading.Event | None = None, grace: float = 60.0) -> None:
@@ -166,7 +175,7 @@ class ShardServer:
         try:
             while True:
                 dist.recv(header, src=src, tag=TAG_HEADER)
-                kind, sender, shard, step, length, rep = header.tolist()
+                kind, sender, shard, step, length, rep, extra = header.tolist()
                 if (sender, shard, rep) != (src, self.shard, replica):
                     raise ProtocolError(
                         f"shard {self.shard}: header from rank {src} says sender {sender}, "
@@ -178,13 +187,14 @@ class ShardServer:
                             f"shard {self.shard}: push of {length} values from replica "
                             f"{replica} worker {worker}, the layout says {n}"
                         )
-                    self._receive_push(replica, worker, step, payload, segments, src)
+                    self._receive_push(replica, worker, step, payload, segments, src, extra)
                     with self.cond:  # peers run in threads: count under the lock
                         self.bytes_in += payload.numel() * payload.element_size()
                 elif kind == Kind.FETCH:
                     out, version = self._snapshot_when_ready(replica, step, segments)
+                    stale = self.last_staleness.get((replica, worker), -1)
                     dist.send(
-                        _header(Kind.PARAMS, self.rank, self.shard, version, n, replica),
+                        _header(Kind.PARAMS, self.rank, self.shard, version, n, replica, stale),
                         dst=src,
                         tag=TAG_HEADER,
                     )
@@ -215,7 +225,7 @@ class ShardServer:
                 self._apply_complete_steps()
             self.cond.notify_all()
 
-    def _receive_push(self, replica, worker, step, payload, segments, src) -> None:
+    def _receive_push(self, replica, worker, step, payload, segments, src, version) -> None:
         """Receive a push in chunks and fold each into the shard as soon as it lands, so the
         update of one chunk overlaps the transfer of the next."""
         chunks = _chunks(payload.numel())
@@ -225,12 +235,12 @@ class ShardServer:
         for (a, b), work in zip(chunks, works, strict=True):
             work.wait()
             self._fold_chunk(replica, step, payload, segments, a, b)
-        self._finish_push(replica, worker, step)
+        self._finish_push(replica, worker, step, version)
 
-    def _fold(self, replica, worker, step, payload, segments) -> None:
+    def _fold(self, replica, worker, step, payload, segments, version: int = -1) -> None:
         """Fold a whole push that is already in memory (what `_receive_push` does by parts)."""
         self._fold_chunk(replica, step, payload, segments, 0, payload.numel())
-        self._finish_push(replica, worker, step)
+        self._finish_push(replica, worker, step, version)
 
     def _fold_chunk(self, replica, step, payload, segments, a: int, b: int) -> None:
         """Downpour: apply payload[a:b] now. Sync: add it to the replica's sum for `step`."""
@@ -250,12 +260,17 @@ class ShardServer:
                 else:
                     into[at : at + hi - lo] += payload[lo:hi]
 
-    def _finish_push(self, replica, worker, step) -> None:
+    def _finish_push(self, replica, worker, step, version: int = -1) -> None:
         with self.cond:
             if replica in self.lost:
                 return
             self.pushed[(replica, worker)] = step
             self.state.progress[replica] = min(self.pushed[(replica, w)] for w in self.workers)
+            if version >= 0:  # sync: the values of step t-1 are still in place (staleness 0)
+                now = self.state.updates if self.mode == "downpour" else self.state.clock
+                stale = max(0, now - version)
+                self.staleness[stale] += 1
+                self.last_staleness[(replica, worker)] = stale
             if self.mode == "downpour":
                 self.state.updates += 1
                 applied = True
@@ -344,15 +359,19 @@ class ShardClient:
         self._cond = threading.Condition()
         self._outstanding = 0
         self._error: BaseException | None = None
-        self.version = -1  # the oldest shard version in the newest fetch (for staleness)
+        self.version = -1  # the oldest shard version in the newest fetch
+        self.staleness = -1  # the largest staleness the shards reported in the newest fetch
+        self._versions: list[dict[int, int]] = [{}, {}]  # shard -> version, per buffer
+        self._used: dict[int, int] = {}  # versions of the parameters last taken
         self._thread = threading.Thread(target=self._run, daemon=True, name="shard-client")
         self._thread.start()
 
     # ---- caller side ---------------------------------------------------------------------
     def push(self, grads: torch.Tensor, step: int) -> None:
-        """Queue `grads` (flat, this worker's piece order; the client owns it now)."""
+        """Queue `grads` (flat, this worker's piece order; the client owns it now), computed
+        on the parameters last taken."""
         self._check()
-        self._submit((Kind.PUSH, step, grads))
+        self._submit((Kind.PUSH, step, (grads, dict(self._used))))
 
     def fetch(self, step: int = 0) -> None:
         """Queue a fetch; `step` > 0 makes the shards answer only once that step is applied."""
@@ -372,6 +391,7 @@ class ShardClient:
             if self._ready is None:
                 return None
             self._in_use, self._ready = self._ready, None
+            self._used = self._versions[self._in_use]
             self._cond.notify_all()
             return self._buffers[self._in_use]
 
@@ -397,7 +417,7 @@ class ShardClient:
             while True:
                 kind, step, data = self._requests.get()
                 if kind == Kind.PUSH:
-                    self._send_push(step, data)
+                    self._send_push(step, *data)
                 elif kind == Kind.FETCH:
                     self._fetch(step)
                 else:
@@ -418,15 +438,15 @@ class ShardClient:
             self._error = PeerError(f"replica {self.replica} worker {self.worker}: {why}")
             self._cond.notify_all()
 
-    def _hdr(self, kind: Kind, shard: int, step: int, length: int) -> torch.Tensor:
-        return _header(kind, self.rank, shard, step, length, self.replica)
+    def _hdr(self, kind: Kind, shard: int, step: int, length: int, extra: int = -1):
+        return _header(kind, self.rank, shard, step, length, self.replica, extra)
 
-    def _send_push(self, step: int, grads: torch.Tensor) -> None:
+    def _send_push(self, step: int, grads: torch.Tensor, versions: dict[int, int]) -> None:
         works, keep = [], []
         for s, segs in self.routes.items():
             parts = [grads[g.local_lo : g.local_lo + g.length] for g in segs]
             payload = parts[0] if len(parts) == 1 else torch.cat(parts)
-            hdr = self._hdr(Kind.PUSH, s, step, payload.numel())
+            hdr = self._hdr(Kind.PUSH, s, step, payload.numel(), versions.get(s, -1))
             keep += [hdr, payload]
             dst = self.shard_ranks[s]
             works.append(dist.isend(hdr, dst, tag=TAG_HEADER))
@@ -455,15 +475,16 @@ class ShardClient:
             works.append(dist.irecv(data, dst, tag=TAG_PAYLOAD))
         for w in works:
             w.wait()
-        version = None
+        version, versions, stale = None, {}, -1
         for s, segs, reply, data, direct, _ in replies:
-            kind, _sender, shard, v, length, _rep = reply.tolist()
+            kind, _sender, shard, v, length, _rep, extra = reply.tolist()
             if kind != Kind.PARAMS or shard != s or length != data.numel():
                 raise ProtocolError(
                     f"replica {self.replica} worker {self.worker}: bad reply from shard {s} "
                     f"(kind {kind}, shard {shard}, {length} values, expected {data.numel()})"
                 )
             version = v if version is None else min(version, v)
+            versions[s], stale = v, max(stale, extra)
             if not direct:
                 off = 0
                 for g in segs:
@@ -471,5 +492,7 @@ class ShardClient:
                     off += g.length
         with self._cond:
             self._ready = target
+            self._versions[target] = versions
             self.version = -1 if version is None else version
+            self.staleness = stale
             self._cond.notify_all()

@@ -30,6 +30,7 @@ class StepResult:
     step_times: list[list[float]]  # per worker, per timed step (empty unless timed)
     compute_s: list[dict[tuple[int, str], float]]  # per worker, last step, per (layer, phase)
     exchange_s: list[dict[tuple[int, str], float]]
+    accuracy: float | None = None  # cross-entropy: share of the batch whose target logit is max
 
 
 def assemble(
@@ -66,6 +67,7 @@ def assemble(
         step_times=[r.step_times for r in sorted(results, key=lambda r: r.rank)],
         compute_s=[r.compute_s for r in sorted(results, key=lambda r: r.rank)],
         exchange_s=[r.exchange_s for r in sorted(results, key=lambda r: r.rank)],
+        accuracy=results[0].accuracy,
     )
 
 

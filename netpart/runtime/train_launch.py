@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from netpart.data import load_data
 from netpart.files import plan_files, write_atomic, write_files
 from netpart.models.spec import ModelSpec
 from netpart.partition.planner import PartitionPlan
@@ -38,9 +39,10 @@ from netpart.runtime.checkpoint import (
 )
 from netpart.runtime.config import SCHEMA_VERSION, TrainConfig, TrainError, layout_key
 from netpart.runtime.launch import WorkerFailure, _last_error, spawn
+from netpart.runtime.run_report import evaluate, read_metrics, write_report
 from netpart.runtime.schedule import plan_schedule
 
-__all__ = ["TrainSummary", "prepare_run", "train"]
+__all__ = ["TrainSummary", "finish_run", "prepare_run", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class TrainSummary:
     lost: dict[int, str] = field(default_factory=dict)
     stopped: bool = False
     wall_s: float = 0.0
+    held_out: dict | None = None  # loss, accuracy and examples of the held-out set
 
     def to_dict(self) -> dict:
         return {
@@ -64,6 +67,7 @@ class TrainSummary:
             "lost": self.lost,
             "stopped": self.stopped,
             "wall_s": self.wall_s,
+            "held_out": self.held_out,
         }
 
 
@@ -123,7 +127,8 @@ def train(
 ) -> TrainSummary:
     """Train `spec` partitioned by `plan` with `config` in processes on this machine.
 
-    `on_progress(done_steps, total_steps)` is called as replica losses arrive. Raises TrainError
+    `on_progress(done_steps, stats, total_steps)` is called as replica losses arrive; `stats`
+    holds the mean latest loss, samples/s, step time (ms) and MB moved so far. Raises TrainError
     for bad input (before any process starts) and WorkerFailure when a shard fails or every
     replica is lost.
     """
@@ -136,33 +141,42 @@ def train(
     t0 = time.monotonic()
     _supervise(run, plan.workers, config, store.port, resume, summary, starts, on_progress)
     summary.wall_s = time.monotonic() - t0
-    _read_metrics(run, config.replicas, summary)
-    save_model(run / "model.pt", model_from_shards(spec, plan, config, run, layout))
-    write_atomic(run / "summary.json", json.dumps(summary.to_dict(), indent=1).encode())
+    finish_run(spec, plan, config, run, layout, summary)
     return summary
 
 
-def _read_metrics(run: Path, replicas: int, summary: TrainSummary) -> None:
-    for r in range(replicas):
-        path = run / f"metrics_replica{r}.jsonl"
-        if not path.exists():
-            continue
-        lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-        if lines:
-            summary.steps[r] = lines[-1]["step"]
-            summary.final_loss[r] = lines[-1]["loss"]
+def finish_run(spec, plan, config, run: Path, layout, summary: TrainSummary) -> None:
+    """After the job: model.pt from the shards, held-out figures, summary.json, the report."""
+    for line in read_metrics(run):  # time order: the last line of a replica wins
+        summary.steps[line["replica"]] = line["step"]
+        summary.final_loss[line["replica"]] = line["loss"]
+    for s in range(config.shards):  # replicas a shard dropped (under torchrun: the only record)
+        meta = json.loads(shard_path(run, s).with_suffix(".json").read_text())
+        for r, why in meta.get("lost", {}).items():
+            summary.lost.setdefault(int(r), why)
+    state = model_from_shards(spec, plan, config, run, layout)
+    save_model(run / "model.pt", state)
+    data = load_data(config.data, spec, config.seed, config.examples)
+    summary.held_out = evaluate(spec, state, *data.held_out_set(), seed=config.seed)
+    write_atomic(run / "summary.json", json.dumps(summary.to_dict(), indent=1).encode())
+    write_report(run)
 
 
-class _StepCounter:
-    """Steps logged since it was made: reads only what the metrics files gained since the
-    last call (a resumed run's earlier lines are not counted, nor read again)."""
+class _Progress:
+    """Steps logged since it was made, and running figures for a progress bar: reads only
+    what the metrics files gained since the last call (a resumed run's earlier lines are
+    neither counted nor read again)."""
 
     def __init__(self, run: Path, replicas: int) -> None:
         self.paths = [run / f"metrics_replica{r}.jsonl" for r in range(replicas)]
         self.offsets = [p.stat().st_size if p.exists() else 0 for p in self.paths]
-        self.steps = 0
+        self.partial = [b""] * replicas
+        self.steps = self.samples = self.bytes = 0
+        self.loss: dict[int, float] = {}
+        self.step_s: dict[int, float] = {}
+        self.t0 = time.monotonic()
 
-    def __call__(self) -> int:
+    def __call__(self) -> tuple[int, dict]:
         for i, path in enumerate(self.paths):
             try:
                 with open(path, "rb") as fh:
@@ -170,9 +184,24 @@ class _StepCounter:
                     new = fh.read()
             except OSError:
                 continue
-            self.steps += new.count(b"\n")
             self.offsets[i] += len(new)
-        return self.steps
+            *complete, self.partial[i] = (self.partial[i] + new).split(b"\n")
+            for raw in filter(bytes.strip, complete):
+                line = json.loads(raw)
+                self.steps += 1
+                self.samples += line.get("samples", 0)
+                self.bytes += line.get("halo_bytes", 0) + line.get("ps_bytes", 0)
+                self.loss[i], self.step_s[i] = line["loss"], line.get("step_s", 0.0)
+        stats = {}
+        if self.loss:
+            elapsed = max(1e-9, time.monotonic() - self.t0)
+            stats = {
+                "loss": sum(self.loss.values()) / len(self.loss),
+                "samples_s": self.samples / elapsed,
+                "step_ms": 1e3 * sum(self.step_s.values()) / len(self.step_s),
+                "mb": self.bytes / 1e6,
+            }
+        return self.steps, stats
 
 
 def _supervise(run, workers, config, port, resume, summary, starts, on_progress) -> None:
@@ -196,7 +225,7 @@ def _supervise(run, workers, config, port, resume, summary, starts, on_progress)
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, forward)
     total = sum(config.steps - starts.get(r, 0) for r in range(config.replicas))
-    count_steps = _StepCounter(run, config.replicas)
+    progress = _Progress(run, config.replicas)
     try:
         for rank in range(world):
             args = ["netpart.runtime.train_main", "--run", str(run)]
@@ -231,10 +260,10 @@ def _supervise(run, workers, config, port, resume, summary, starts, on_progress)
             if stop.is_set() and all(p.poll() is not None for p in procs[n_workers:]):
                 break
             if on_progress is not None:
-                on_progress(count_steps(), total)
+                on_progress(*progress(), total)
             time.sleep(0.1)
         if on_progress is not None:
-            on_progress(count_steps(), total)
+            on_progress(*progress(), total)
     finally:
         deadline = time.monotonic() + (config.timeout if stop.is_set() else 0)
         for p in procs:

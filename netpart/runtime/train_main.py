@@ -25,7 +25,7 @@ import torch.distributed as dist
 from netpart.files import load_plan
 from netpart.models.spec import ModelSpec
 from netpart.runtime.config import TrainConfig
-from netpart.runtime.trainer import PS_TIMEOUT, run_process
+from netpart.runtime.trainer import PS_TIMEOUT, job_placement, run_process
 
 
 def stop_on_signals() -> threading.Event:
@@ -41,15 +41,20 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
+def log_as(who: str) -> None:
+    """Prefix this process's log lines with its role and rank: '[replica 1 worker 0 (rank 2)]'."""
+    logging.basicConfig(
+        level=logging.INFO, format=f"[{who}] %(message)s", stream=sys.stderr, force=True
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m netpart.runtime.train_main")
     ap.add_argument("--run", type=Path, required=True)
     ap.add_argument("--resume", action="store_true")
     args = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    logging.basicConfig(
-        level=logging.INFO, format=f"rank {rank}: %(message)s", stream=sys.stderr, force=True
-    )
+    log_as(f"rank {rank}")
     stop = stop_on_signals()
     run: Path = args.run
     try:
@@ -69,7 +74,9 @@ def main() -> int:
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world, timeout=PS_TIMEOUT
         )
-        run_process(rank, spec, plan, config, run, starts, args.resume, stop)
+        placement = job_placement(config, plan.workers)
+        log_as(f"{placement.name(rank)} (rank {rank})")
+        run_process(rank, spec, plan, config, run, starts, args.resume, stop, placement)
     except Exception as exc:  # one line for the launcher, which reports the last error line
         logging.getLogger("netpart.train").error("error: %s", exc)
         sys.stderr.flush()

@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,13 +31,14 @@ from netpart.partition.planner import PartitionPlan
 from netpart.partition.shards import ShardLayout, piece_initial
 from netpart.runtime.checkpoint import checkpoint_meta, load_shard, save_shard
 from netpart.runtime.config import TrainConfig
+from netpart.runtime.placement import Placement, place
 from netpart.runtime.ps import ShardClient, ShardServer, ShardState
 from netpart.runtime.schedule import plan_schedule
-from netpart.runtime.transport import GlooTransport
+from netpart.runtime.transport import GlooTransport, _gloo_reason
 from netpart.runtime.updates import UpdateRule
 from netpart.runtime.worker import ModelWorker
 
-__all__ = ["initial_values", "run_process"]
+__all__ = ["initial_values", "job_placement", "run_process"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,16 @@ def initial_values(
     return out
 
 
+def job_placement(config: TrainConfig, workers: int, node: str | None = None) -> Placement:
+    """The placement of this job: the node id of every rank is gathered over the default group
+    (torchrun's GROUP_RANK; one node when spawned locally), then placed by `config.placement`."""
+    world = config.world(workers)
+    node = node if node is not None else os.environ.get("GROUP_RANK", "0")
+    hosts: list = [None] * world
+    dist.all_gather_object(hosts, f"node{node}")
+    return place(hosts, config.replicas, workers, config.shards, config.placement)
+
+
 def run_process(
     rank: int,
     spec: ModelSpec,
@@ -73,27 +85,41 @@ def run_process(
     start_steps: dict[int, int],
     resume: bool,
     stop: threading.Event,
-) -> None:
-    """The role of `rank` in the job (see the module docstring)."""
+    placement: Placement,
+    on_step: Callable[[dict], None] | None = None,
+) -> ShardServer | None:
+    """The role of `rank` in the job (see the module docstring). A shard returns its server
+    once every shard has written its final checkpoint (None if one failed).
+
+    `on_step(line)` is called with every metrics line this process writes (worker 0 of each
+    replica writes them), for a progress bar.
+    """
     n, r_count = plan.workers, config.replicas
     halo_timeout = datetime.timedelta(seconds=config.timeout)
     groups = [
-        dist.new_group(list(range(r * n, (r + 1) * n)), timeout=halo_timeout)
-        for r in range(r_count)
+        dist.new_group(placement.replica_ranks(r), timeout=halo_timeout) for r in range(r_count)
     ]
+    shard_ranks = [placement.shard_rank(s) for s in range(config.shards)]
+    shard_group = dist.new_group(shard_ranks, timeout=halo_timeout)
     graph, schedule = plan_schedule(spec, plan, validate=False)  # the launcher validated
     layout = ShardLayout.build(graph, plan.node_map, n, config.shards)
-    if rank < r_count * n:
-        replica, worker = divmod(rank, n)
+    kind, a, b = placement.roles[rank]
+    if kind == "worker":
         _train_worker(
-            spec, graph, schedule, layout, config, replica, worker, rank, groups[replica], run,
-            start_steps.get(replica, 0), stop,
+            spec, graph, schedule, layout, config, a, b, rank, groups[a], run,
+            start_steps.get(a, 0), stop, placement, on_step,
         )  # fmt: skip
-    else:
-        _serve_shard(spec, plan, layout, config, rank - r_count * n, rank, run, resume, stop)
+        return None
+    server = _serve_shard(spec, plan, layout, config, a, rank, run, resume, stop, placement)
+    try:  # after this, every shard's final checkpoint is on disk
+        dist.barrier(group=shard_group)
+    except RuntimeError as exc:
+        log.warning("not every shard finished: %s", _gloo_reason(exc))
+        return None
+    return server
 
 
-def _serve_shard(spec, plan, layout, config, shard, rank, run, resume, stop) -> None:
+def _serve_shard(spec, plan, layout, config, shard, rank, run, resume, stop, placement):
     dtype = DTYPES[config.dtype]
     meta = checkpoint_meta(spec, plan, config)
     size = int(layout.shard_sizes()[shard])
@@ -113,23 +139,30 @@ def _serve_shard(spec, plan, layout, config, shard, rank, run, resume, stop) -> 
         if final or updates % config.checkpoint_every == 0:
             with saving:
                 extra = (
-                    {"bytes_in": server.bytes_in, "bytes_out": server.bytes_out} if final else {}
+                    {
+                        "bytes_in": server.bytes_in,
+                        "bytes_out": server.bytes_out,
+                        "staleness": {str(k): v for k, v in sorted(server.staleness.items())},
+                        "lost": {str(r): why for r, why in server.lost.items()},
+                    }
+                    if final
+                    else {}
                 )
                 save_shard(run, shard, server.snapshot(), {**meta, **extra})
 
-    n = layout.workers
     server = ShardServer(
         layout, shard, config.replicas, config.mode, rule,
-        rank_of=lambda r, w: r * n + w, rank=rank, state=state, on_update=save,
+        rank_of=placement.worker_rank, rank=rank, state=state, on_update=save,
     )  # fmt: skip
-    log.info("shard %d: %d values, serving workers %s", shard, size, server.workers)
+    log.info("%d values, serving workers %s", size, server.workers)
     server.serve(stop, grace=config.timeout)
     save(server, server.state.updates, final=True)
     log.info(
-        "shard %d: done after %d updates (%.1f MB in, %.1f MB out); lost replicas: %s",
-        shard, server.state.updates, server.bytes_in / 1e6, server.bytes_out / 1e6,
+        "done after %d updates (%.1f MB in, %.1f MB out); lost replicas: %s",
+        server.state.updates, server.bytes_in / 1e6, server.bytes_out / 1e6,
         sorted(server.lost) or "none",
     )  # fmt: skip
+    return server
 
 
 def _fault(rank: int, step: int) -> None:
@@ -142,64 +175,98 @@ def _fault(rank: int, step: int) -> None:
 
 
 def _train_worker(
-    spec, graph, schedule, layout, config, replica, worker, rank, group, run, start, stop
-) -> None:
+    spec, graph, schedule, layout, config, replica, worker, rank, group, run, start, stop,
+    placement, on_step,
+) -> None:  # fmt: skip
     dtype = DTYPES[config.dtype]
     n, replicas = layout.workers, config.replicas
     model = ModelWorker(spec, graph, schedule, worker, config.seed, dtype)
     tensors = [t for s in model.slices for t in s.param_tensors()]
     if sum(t.numel() for t in tensors) != layout.worker_size(worker):
         raise RuntimeError(f"worker {worker}: slices and shard layout disagree on sizes")
-    transport = GlooTransport(group, ranks=list(range(replica * n, (replica + 1) * n)))
-    client = ShardClient(
-        layout, worker, replica, rank, [replicas * n + s for s in range(config.shards)], dtype
-    )
+    transport = GlooTransport(group, ranks=placement.replica_ranks(replica))
+    shard_ranks = [placement.shard_rank(s) for s in range(config.shards)]
+    client = ShardClient(layout, worker, replica, rank, shard_ranks, dtype)
     data = load_data(config.data, spec, config.seed, config.examples)
     sync = config.mode == "sync"
     warm = config.warm_start if (replica > 0 and not sync and start < config.warm_start) else 0
     if warm:
-        log.info(
-            "replica %d worker %d: waiting for replica 0's %d warm-start steps",
-            replica,
-            worker,
-            warm,
-        )
+        log.info("waiting for replica 0's %d warm-start steps", warm)
     client.fetch(warm)
     _load(tensors, client.take(wait=True))
     metrics = (run / f"metrics_replica{replica}.jsonl").open("a") if worker == 0 else None
-    unpushed, t, t0 = 0, start, time.perf_counter()
+    size = torch.empty(0, dtype=dtype).element_size()
+    halo_values = sum(len(u) for layer in schedule.sends for u in layer.values())
+    halo_bytes = 2 * halo_values * config.batch * size  # forward and backward, all workers
+    ps_values = sum(layout.worker_size(w) for w in range(n))  # one push or fetch, all workers
+    unpushed, t = 0, start
+    clock = time.perf_counter
     try:
         for t in range(start + 1, config.steps + 1):
-            if stop.is_set():
-                log.info("replica %d worker %d: stopping at step %d", replica, worker, t)
+            if _agreed(stop, transport, n):
+                log.info("stopping before step %d", t)
                 t -= 1
                 break
             _fault(rank, t)
+            t0 = clock()
             fresh = client.take()
             if fresh is not None:
                 _load(tensors, fresh)
+            t1 = clock()
             x, y = data.batch(replica, replicas, t, config.batch, dtype)
+            t2 = clock()
             result = model.step(x, y, transport, collect_grads=False)
+            t3 = clock()
             unpushed += 1
-            if sync or t % config.n_push == 0:
+            pushed = sync or t % config.n_push == 0
+            if pushed:
                 client.push(_flat_grads(tensors), t)
                 model.zero_grad()
                 unpushed = 0
+            fetched = sync or t % config.n_fetch == 0
             if sync:
                 client.fetch(t)
                 _load(tensors, client.take(wait=True))
-            elif t % config.n_fetch == 0:
+            elif fetched:
                 client.fetch()
+            t4 = clock()
             if metrics is not None:
-                line = {"step": t, "loss": result.loss, "time": time.perf_counter() - t0}
+                halo_s = sum(result.exchange_s.values())
+                line = {
+                    "step": t,
+                    "replica": replica,
+                    "time": time.time(),
+                    "loss": result.loss,
+                    "accuracy": result.accuracy,
+                    "staleness": client.staleness if client.staleness >= 0 else None,
+                    "samples": config.batch,
+                    "step_s": t4 - t0,
+                    "compute_s": (t3 - t2) - halo_s,
+                    "halo_s": halo_s,
+                    "ps_s": (t1 - t0) + (t4 - t3),
+                    "data_s": t2 - t1,
+                    "halo_bytes": halo_bytes,
+                    "ps_bytes": (int(pushed) + int(fetched)) * ps_values * size,
+                }
                 metrics.write(json.dumps(line) + "\n")
                 metrics.flush()
+                if on_step is not None:
+                    on_step(line)
         if unpushed:
             client.push(_flat_grads(tensors), t)
         client.close()
     finally:
         if metrics is not None:
             metrics.close()
+
+
+def _agreed(stop: threading.Event, transport: GlooTransport, workers: int) -> bool:
+    """Whether the replica stops now: a signal reaches its workers at different moments, so
+    they agree (one all-reduce of a flag) lest one leave another waiting in an exchange."""
+    if workers == 1:
+        return stop.is_set()
+    flag = torch.tensor([1.0 if stop.is_set() else 0.0])
+    return bool(transport.all_reduce(flag, "max")[0] > 0)
 
 
 def _flat_grads(tensors: list[torch.Tensor]) -> torch.Tensor:

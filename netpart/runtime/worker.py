@@ -42,6 +42,7 @@ class WorkerResult:
     step_times: list[float] = field(default_factory=list)  # seconds, when timed
     compute_s: dict[tuple[int, str], float] = field(default_factory=dict)  # (layer, phase)
     exchange_s: dict[tuple[int, str], float] = field(default_factory=dict)
+    accuracy: float | None = None  # cross-entropy: share of the batch whose target logit is max
 
 
 class ModelWorker:
@@ -128,7 +129,7 @@ class ModelWorker:
             compute[(i, "forward")] = clock() - t1
 
         t0 = clock()
-        loss, grad = self._loss_and_grad(outs[-1], targets, transport)
+        loss, grad, accuracy = self._loss_and_grad(outs[-1], targets, transport)
         exchange[(len(self.spec.layers), "loss")] = clock() - t0
         for i in range(len(self.spec.layers) - 1, -1, -1):
             t0 = clock()
@@ -159,6 +160,7 @@ class ModelWorker:
             received=received,
             compute_s=compute,
             exchange_s=exchange,
+            accuracy=accuracy,
         )
 
     def collect_grads(self) -> list[tuple[str, np.ndarray, torch.Tensor]]:
@@ -196,8 +198,10 @@ class ModelWorker:
 
     def _loss_and_grad(
         self, logits: torch.Tensor, targets: torch.Tensor, transport: Transport
-    ) -> tuple[float, torch.Tensor]:
-        """The global loss and its gradient w.r.t. this worker's output units ([U, B])."""
+    ) -> tuple[float, torch.Tensor, float | None]:
+        """The global loss, its gradient w.r.t. this worker's output units ([U, B]) and the
+        batch accuracy (a target logit equal to the global max counts as correct: no extra
+        message is needed)."""
         logits = logits.detach().T  # [B, U]
         batch = logits.shape[0]
         units = torch.from_numpy(self.owned[-1])
@@ -219,12 +223,13 @@ class ModelWorker:
             lse = gmax + torch.log(sumexp)
             loss = (lse - target_logit).mean()
             grad = (torch.exp(logits - lse[:, None]) - mine.to(logits.dtype)) / batch
-            return float(loss), grad.T
+            accuracy = float((target_logit >= gmax).to(torch.float64).mean())
+            return float(loss), grad.T, accuracy
         n_out = self.spec.shapes[-1].size
         t = targets.reshape(batch, -1).to(self.dtype)[:, units]
         diff = logits - t
         total = transport.all_reduce((diff * diff).sum().reshape(1), "sum")
-        return float(total[0] / (batch * n_out)), (2.0 * diff / (batch * n_out)).T
+        return float(total[0] / (batch * n_out)), (2.0 * diff / (batch * n_out)).T, None
 
 
 def _nbytes(tensors: dict[int, torch.Tensor]) -> int:

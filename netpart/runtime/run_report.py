@@ -1,0 +1,256 @@
+"""What a finished (or stopped) run directory says: metrics, held-out figures, plots, report.
+
+Inputs, all in the run directory: `metrics_replica<r>.jsonl` (one line per step from worker 0
+of replica r: step, replica, time, loss, accuracy, staleness, samples, step_s, compute_s,
+halo_s, ps_s, data_s, halo_bytes, ps_bytes), the shards' `shard_<s>.json` sidecars (their
+staleness histograms: updates applied between serving a worker its parameters and applying
+the gradient computed on them) and `summary.json`. Outputs: `metrics.jsonl` (every replica's
+lines in time order), `curves.png`, `step_time.png`, `staleness.png` and `report.md`. Every
+file is written to a temporary name and renamed.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from netpart.files import write_atomic
+from netpart.models.spec import ModelSpec
+
+__all__ = ["evaluate", "read_metrics", "staleness_histogram", "write_report"]
+
+log = logging.getLogger(__name__)
+
+PARTS = ("compute_s", "halo_s", "ps_s", "data_s")
+PART_NAMES = {
+    "compute_s": "compute", "halo_s": "halo exchange (incl. waiting)",
+    "ps_s": "parameter server", "data_s": "data", "other": "other",
+}  # fmt: skip
+
+
+def read_metrics(run: Path) -> list[dict]:
+    """Every replica's metrics lines, in time order (a torn last line is skipped)."""
+    lines = []
+    for path in sorted(run.glob("metrics_replica*.jsonl")):
+        for text in path.read_text().splitlines():
+            try:
+                lines.append(json.loads(text))
+            except json.JSONDecodeError:
+                continue  # a line being written when the process died
+    return sorted(lines, key=lambda x: (x.get("time", 0.0), x.get("replica", 0)))
+
+
+def staleness_histogram(run: Path) -> collections.Counter[int]:
+    """Pushes per staleness value, summed over the shards' final sidecars."""
+    total: collections.Counter[int] = collections.Counter()
+    for path in sorted(run.glob("shard_*.json")):
+        try:
+            meta = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        for k, v in meta.get("staleness", {}).items():
+            total[int(k)] += int(v)
+    return total
+
+
+@torch.no_grad()
+def evaluate(
+    spec: ModelSpec, state: dict, x: np.ndarray, y: np.ndarray, seed: int = 0, batch: int = 256
+) -> dict:
+    """Loss and accuracy (softmax models) of the reference module holding `state` on (x, y)."""
+    from netpart.models.reference import build_reference
+
+    model = build_reference(spec, seed)
+    model.load_state_dict({k: v.float() for k, v in state.items()})
+    loss_sum, correct = 0.0, 0
+    for lo in range(0, len(x), max(1, batch)):
+        xb = torch.from_numpy(np.ascontiguousarray(x[lo : lo + batch])).float()
+        yb = torch.from_numpy(y[lo : lo + batch])
+        out = model(xb)
+        loss_sum += float(model.loss(out, yb)) * len(xb)
+        if spec.loss == "cross_entropy":
+            correct += int((out.flatten(1).argmax(1) == yb).sum())
+    result = {"examples": len(x), "loss": loss_sum / len(x)}
+    if spec.loss == "cross_entropy":
+        result["accuracy"] = correct / len(x)
+    return result
+
+
+def write_report(run: Path) -> Path:
+    """Write metrics.jsonl, the PNG plots and report.md of `run`; returns report.md's path."""
+    lines = read_metrics(run)
+    write_atomic(run / "metrics.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode())
+    hist = staleness_histogram(run)
+    summary = _read_json(run / "summary.json")
+    train = _read_json(run / "train.json")
+    images = _plots(run, lines, hist, train.get("config", {}).get("mode", "downpour"))
+    text = _markdown(run, lines, hist, summary, train, images)
+    write_atomic(run / "report.md", text.encode())
+    return run / "report.md"
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _by_replica(lines: list[dict]) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = collections.defaultdict(list)
+    for x in lines:
+        out[int(x.get("replica", 0))].append(x)
+    return dict(sorted(out.items()))
+
+
+def _smooth(v: np.ndarray, window: int) -> np.ndarray:
+    if len(v) < window or window < 2:
+        return v
+    c = np.cumsum(np.insert(v, 0, 0.0))
+    head = c[1:window] / np.arange(1, window)
+    return np.concatenate([head, (c[window:] - c[:-window]) / window])
+
+
+def _breakdown(rows: list[dict]) -> dict[str, float]:
+    """Mean seconds per step of each part, and `other` (the rest of the step)."""
+    if not rows or "step_s" not in rows[0]:
+        return {}
+    rows = rows[1:] if len(rows) > 10 else rows  # the first step includes warm-up
+    mean = {p: float(np.mean([x.get(p, 0.0) for x in rows])) for p in PARTS}
+    mean["other"] = max(0.0, float(np.mean([x["step_s"] for x in rows])) - sum(mean.values()))
+    return mean
+
+
+def _plots(run: Path, lines: list[dict], hist, mode: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    reps = _by_replica(lines)
+    if reps:
+        t0 = min(x["time"] for x in lines)
+        has_acc = any(x.get("accuracy") is not None for x in lines)
+        fig, axes = plt.subplots(1, 2 if has_acc else 1, figsize=(11 if has_acc else 6, 4))
+        axes = np.atleast_1d(axes)
+        for r, rows in reps.items():
+            t = np.array([x["time"] - t0 for x in rows])
+            loss = np.array([x["loss"] for x in rows], dtype=float)
+            (ln,) = axes[0].plot(t, _smooth(loss, 20), label=f"replica {r}")
+            axes[0].plot(t, loss, color=ln.get_color(), alpha=0.2, linewidth=0.8)
+            if has_acc:
+                acc = np.array([x.get("accuracy") or 0.0 for x in rows], dtype=float)
+                axes[1].plot(t, _smooth(acc, 20), color=ln.get_color(), label=f"replica {r}")
+        axes[0].set(xlabel="wall time (s)", ylabel="training loss (batch; line: mean of 20)")
+        if has_acc:
+            axes[1].set(xlabel="wall time (s)", ylabel="training accuracy (mean of 20 steps)")
+            axes[1].set_ylim(0, 1)
+        for ax in axes:
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.suptitle(f"{run.name}: loss and accuracy per replica")
+        written.append(_save(fig, run / "curves.png"))
+        parts = {r: _breakdown(rows) for r, rows in reps.items()}
+        if all(parts.values()):
+            fig, ax = plt.subplots(figsize=(7, 1.2 + 0.5 * len(parts)))
+            left = np.zeros(len(parts))
+            for p in (*PARTS, "other"):
+                ms = np.array([parts[r][p] * 1e3 for r in parts])
+                ax.barh([f"replica {r}" for r in parts], ms, left=left, label=PART_NAMES[p])
+                left += ms
+            ax.set(xlabel="mean step time of worker 0 (ms)")
+            ax.legend(ncol=5, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.35))
+            fig.tight_layout()
+            written.append(_save(fig, run / "step_time.png"))
+    if hist:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ks = np.array(sorted(hist))
+        ax.bar(ks, [hist[k] for k in ks], width=0.8)
+        mean = sum(k * v for k, v in hist.items()) / sum(hist.values())
+        ax.set(
+            xlabel="staleness (updates applied between fetch and push)",
+            ylabel="pushes",
+            title=f"{mode}: mean staleness {mean:.2f}, max {max(hist)}",
+        )
+        ax.grid(alpha=0.3, axis="y")
+        written.append(_save(fig, run / "staleness.png"))
+    return written
+
+
+def _save(fig, path: Path) -> str:
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    write_atomic(path, buf.getvalue())
+    return path.name
+
+
+def _markdown(run, lines, hist, summary, train, images) -> str:
+    cfg = train.get("config", {})
+    reps = _by_replica(lines)
+    out = [f"# Training run `{run}`", ""]
+    if train:
+        out += [
+            f"{train.get('model')}: {cfg.get('replicas')} replica(s) x {train.get('workers')} "
+            f"model worker(s) + {cfg.get('shards')} parameter-server shard(s); {cfg.get('mode')}, "
+            f"{cfg.get('optimizer')} lr {cfg.get('lr')}, batch {cfg.get('batch')}, data "
+            f"`{cfg.get('data')}`, {cfg.get('dtype')}.",
+            "",
+        ]
+    if lines:
+        wall = max(x["time"] for x in lines) - min(x["time"] for x in lines)
+        samples = sum(x.get("samples", 0) for x in lines)
+        out += [
+            "| replica | steps | loss (last 10%) | train accuracy (last 10%) | step ms |",
+            "|---|---|---|---|---|",
+        ]
+        for r, rows in reps.items():
+            tail = rows[-max(1, len(rows) // 10) :]
+            acc = [x["accuracy"] for x in tail if x.get("accuracy") is not None]
+            acc_s = f"{np.mean(acc):.3f}" if acc else "-"
+            step_ms = np.mean([x.get("step_s", np.nan) for x in rows]) * 1e3
+            out.append(
+                f"| {r} | {rows[-1]['step']} | {np.mean([x['loss'] for x in tail]):.4f} | "
+                f"{acc_s} | {step_ms:.1f} |"
+            )
+        halo = sum(x.get("halo_bytes", 0) for x in lines)
+        ps = sum(x.get("ps_bytes", 0) for x in lines)
+        out += [
+            "",
+            f"- Throughput: {samples:,} samples in {wall:.1f} s of metrics "
+            f"({samples / wall if wall > 0 else float('nan'):.0f} samples/s over all replicas).",
+            f"- Bytes moved: {halo / 1e6:.1f} MB halo exchange, {ps / 1e6:.1f} MB to and from "
+            "the parameter server.",
+        ]
+        parts = _breakdown(lines)
+        if parts:
+            total = sum(parts.values())
+            shares = ", ".join(
+                f"{PART_NAMES[p]} {v * 1e3:.1f} ms ({v / total:.0%})" for p, v in parts.items()
+            )
+            out.append(f"- Step time of worker 0, mean over replicas: {shares}.")
+    if hist:
+        n = sum(hist.values())
+        values = np.repeat(np.array(sorted(hist)), [hist[k] for k in sorted(hist)])
+        out.append(
+            f"- Staleness over {n:,} pushes: mean {values.mean():.2f}, median "
+            f"{np.median(values):.0f}, 95th percentile {np.percentile(values, 95):.0f}, "
+            f"max {values.max()} updates."
+        )
+    held = summary.get("held_out")
+    if held:
+        acc = f", accuracy **{held['accuracy']:.4f}**" if "accuracy" in held else ""
+        out.append(f"- Held-out: {held['examples']} examples, loss {held['loss']:.4f}{acc}.")
+    for r, why in summary.get("lost", {}).items():
+        out.append(f"- Replica {r} was lost: {why}")
+    out += ["", *[f"![{name}]({name})" for name in images], ""]
+    return "\n".join(out)

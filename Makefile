@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 DEMO_OUT ?= out/demo
 
-.PHONY: demo test lint format bench clean
+.PHONY: demo test lint format bench experiments clean
 
 $(BIN)/netpart: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,14 @@ test: $(BIN)/netpart
 	$(BIN)/ruff check netpart tests benchmarks experiments
 	$(BIN)/ruff format --check netpart tests benchmarks experiments
 	$(BIN)/python -m pytest
+
+# Regenerates every CSV/JSON/PNG in experiments/results (about 20 minutes here; the scaling
+# slice timings are cached in experiments/results/traces, FRESH=--fresh measures them again).
+experiments: $(BIN)/netpart
+	$(BIN)/python experiments/scaling.py $(FRESH)
+	$(BIN)/python experiments/validate_sim.py
+	$(BIN)/python experiments/convergence.py
+	$(BIN)/python experiments/ddp_baseline.py
 
 bench: $(BIN)/netpart
 	$(BIN)/python benchmarks/plan_bench.py --out benchmarks/results/plan_bench.json

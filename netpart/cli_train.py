@@ -73,6 +73,7 @@ def add_parsers(sub) -> None:
     flag("batch", int, "examples per step and replica")
     flag("warm_start", int, "downpour: steps replica 0 trains alone first")
     flag("checkpoint_every", int, "shard updates between checkpoints")
+    flag("snapshot_every", int, "keep a copy of every shard each K updates in snapshots/ (0: off)")
     flag(
         "data",
         str,
@@ -138,7 +139,8 @@ def _config_flag(parser, defaults):
 
 _FIELDS = (
     "replicas", "shards", "mode", "optimizer", "lr", "n_fetch", "n_push", "steps", "batch",
-    "warm_start", "checkpoint_every", "data", "seed", "dtype", "timeout", "threads", "placement",
+    "warm_start", "checkpoint_every", "snapshot_every", "data", "seed", "dtype", "timeout",
+    "threads", "placement",
 )  # fmt: skip
 _FIXED_ON_RESUME = ("shards", "optimizer", "dtype", "seed", "data")
 

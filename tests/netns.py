@@ -54,8 +54,11 @@ def unavailable() -> str | None:
 
 
 @contextlib.contextmanager
-def two_hosts(rate: str = "200mbit", subnet: int = 0) -> Iterator[tuple[Host, Host]]:
-    """Two namespaces a <-> b over a veth pair limited to `rate` each way."""
+def two_hosts(
+    rate: str = "200mbit", burst: str = "256kb", subnet: int = 0
+) -> Iterator[tuple[Host, Host]]:
+    """Two namespaces a <-> b over a veth pair limited to `rate` each way (token bucket of
+    `burst` bytes: messages smaller than it pass at full speed after an idle pause)."""
     tag = f"{os.getpid() % 100000}"
     hosts = [
         Host(f"np{tag}{side}", f"np{tag}{side}", SUBNET.format(subnet, i + 1))
@@ -75,7 +78,7 @@ def two_hosts(rate: str = "200mbit", subnet: int = 0) -> Iterator[tuple[Host, Ho
             _run([*ns, "link", "set", h.device, "up"])
             _run([*ns, "link", "set", "lo", "up"])
             _run(["tc", "-n", h.netns, "qdisc", "add", "dev", h.device, "root", "tbf",
-                  "rate", rate, "burst", "256kb", "latency", "100ms"])  # fmt: skip
+                  "rate", rate, "burst", burst, "latency", "100ms"])  # fmt: skip
         yield a, b
     finally:
         for name in made:

@@ -17,6 +17,7 @@ from netpart.models import build_reference, load_spec
 from netpart.partition import build_unit_graph, plan
 from netpart.partition.shards import ShardLayout
 from netpart.runtime import WorkerFailure
+from netpart.runtime.checkpoint import model_from_shards
 from netpart.runtime.config import TrainConfig
 from netpart.runtime.train_launch import train
 from tests.conftest import count_processes
@@ -236,8 +237,18 @@ def test_a_dead_shard_stops_the_job_with_its_last_checkpoint_intact(tmp_path, mo
 def test_eval_reports_held_out_digits_accuracy(tmp_path, capsys):
     run = tmp_path / "run"
     p = plan(SPEC, 2, "metis")
-    cfg = TrainConfig(replicas=2, shards=2, steps=120, lr=0.05, data="digits", timeout=30)
+    cfg = TrainConfig(
+        replicas=2, shards=2, steps=120, lr=0.05, data="digits", timeout=30, snapshot_every=80
+    )
     train(SPEC, p, cfg, run)
+    # Snapshots every 80 updates of each shard (240 each): 3 kept, each a loadable model.
+    snaps = sorted((run / "snapshots").iterdir())
+    assert [s.name for s in snaps] == ["00001", "00002", "00003"]
+    layout = ShardLayout.build(build_unit_graph(SPEC, p.granularity), p.node_map, 2, 2)
+    first = model_from_shards(SPEC, p, cfg, snaps[0], layout)
+    assert json.loads((snaps[0] / "shard_1.json").read_text())["updates"] == 80
+    final = torch.load(run / "model.pt", weights_only=True)
+    assert not torch.equal(first["layers.0.weight"], final["layers.0.weight"])
     assert main(["eval", "--checkpoint", str(run)]) == 0
     out = capsys.readouterr().out
     assert "digits (held-out, 359 examples)" in out

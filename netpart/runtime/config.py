@@ -46,6 +46,7 @@ class TrainConfig:
     batch: int = 32
     warm_start: int = 0  # steps replica 0 trains alone (downpour)
     checkpoint_every: int = 50  # shard updates between checkpoints
+    snapshot_every: int = 0  # shard updates between kept snapshots (0: none), for curves
     seed: int = 0
     data: str = "synthetic"
     examples: int = 60000  # synthetic dataset size
@@ -57,7 +58,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("replicas", "shards", "n_fetch", "n_push", "batch", "checkpoint_every"):
             _at_least(name, getattr(self, name), 1)
-        for name in ("steps", "warm_start"):
+        for name in ("steps", "warm_start", "snapshot_every"):
             _at_least(name, getattr(self, name), 0)
         _at_least("threads", self.threads, 1)
         if self.mode not in MODES:

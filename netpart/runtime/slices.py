@@ -122,7 +122,7 @@ class _GroupedSlice(LayerSlice):
 class LocalSlice(_GroupedSlice):
     """Untied filters: per group, [Q, cg, K] @ [Q, K, B] (batched over owned positions)."""
 
-    def __init__(self, spec, index, units, blocks, seed: int, dtype: torch.dtype) -> None:
+    def __init__(self, spec, index, units, blocks, seed: int | None, dtype: torch.dtype) -> None:
         super().__init__(spec, index, units, blocks)
         self.weights, self.biases = _grouped_params(spec, seed, self.pieces, dtype, local=True)
 
@@ -140,7 +140,7 @@ class LocalSlice(_GroupedSlice):
 class ConvSlice(_GroupedSlice):
     """Tied filters: per group, [Q*B, K] @ [K, cg]; each worker holds its groups' kernels."""
 
-    def __init__(self, spec, index, units, blocks, seed: int, dtype: torch.dtype) -> None:
+    def __init__(self, spec, index, units, blocks, seed: int | None, dtype: torch.dtype) -> None:
         super().__init__(spec, index, units, blocks)
         self.weights, self.biases = _grouped_params(spec, seed, self.pieces, dtype, local=False)
 
@@ -158,10 +158,10 @@ class ConvSlice(_GroupedSlice):
 class DenseSlice(LayerSlice):
     """Owned neurons: [|U|, n_in] @ [n_in, B] + b."""
 
-    def __init__(self, spec, index, units, blocks, seed: int, dtype: torch.dtype) -> None:
+    def __init__(self, spec, index, units, blocks, seed: int | None, dtype: torch.dtype) -> None:
         super().__init__(spec, index, units)
         self.pieces = layer_pieces(spec, index, units, blocks)
-        weight = piece_initial(spec, seed, self.pieces[0]).reshape(len(units), self.n_in)
+        weight = _initial(spec, seed, self.pieces[0]).reshape(len(units), self.n_in)
         self.weight = nn.Parameter(torch.from_numpy(weight).to(dtype))
         self.bias = nn.Parameter(torch.zeros(len(units), 1, dtype=dtype))
 
@@ -223,15 +223,23 @@ class LcnSlice(LayerSlice):
         return (rows(x, self._centre) - mean) / torch.sqrt(var + self.eps)
 
 
+def _initial(spec: ModelSpec, seed: int | None, piece: ParamPiece) -> np.ndarray:
+    """The reference's initial values; with seed None a constant (float32, no random draws:
+    for timing slices of models too large to initialise quickly)."""
+    if seed is None:
+        return np.full(piece.size, 0.01, dtype=np.float32)
+    return piece_initial(spec, seed, piece)
+
+
 def _grouped_params(
-    spec: ModelSpec, seed: int, pieces: list[ParamPiece], dtype: torch.dtype, local: bool
+    spec: ModelSpec, seed: int | None, pieces: list[ParamPiece], dtype: torch.dtype, local: bool
 ) -> tuple[nn.ParameterList, nn.ParameterList]:
     """Weights ([Q, cg, K] local, [cg, K] conv) and zero biases of (weight, bias) piece pairs."""
     weights, biases = nn.ParameterList(), nn.ParameterList()
     for w, b in zip(pieces[::2], pieces[1::2], strict=True):
         cg = w.c1 - w.c0
         shape = (len(w.rows), cg, -1) if local else (cg, -1)
-        values = torch.from_numpy(piece_initial(spec, seed, w)).reshape(shape)
+        values = torch.from_numpy(_initial(spec, seed, w)).reshape(shape)
         weights.append(nn.Parameter(values.to(dtype)))
         bias_shape = (len(b.rows), cg, 1) if local else (cg, 1)
         biases.append(nn.Parameter(torch.zeros(bias_shape, dtype=dtype)))
@@ -243,10 +251,11 @@ def build_slice(
     index: int,
     units: np.ndarray,
     blocks: LayerBlocks,
-    seed: int,
+    seed: int | None,
     dtype: torch.dtype,
 ) -> LayerSlice:
-    """The slice of layer `index` holding `units`, with the reference's initial weights."""
+    """The slice of layer `index` holding `units`, with the reference's initial weights
+    (constant ones with `seed` None)."""
     kind = spec.layers[index].kind
     if kind == "local":
         return LocalSlice(spec, index, units, blocks, seed, dtype)

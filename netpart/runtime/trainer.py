@@ -136,6 +136,10 @@ def _serve_shard(spec, plan, layout, config, shard, rank, run, resume, stop, pla
     def save(server: ShardServer, updates: int, final: bool = False) -> None:
         """After update number `updates` (and at the end): a checkpoint every K updates."""
         _fault(rank, updates)  # test hook: a shard "dies" after that many updates
+        every = config.snapshot_every
+        if every and not final and updates % every == 0:  # kept: run/snapshots/<k>/
+            snap = run / "snapshots" / f"{updates // every:05d}"
+            save_shard(snap, shard, server.snapshot(), {**meta, "time": time.time()})
         if final or updates % config.checkpoint_every == 0:
             with saving:
                 extra = (

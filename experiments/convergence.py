@@ -1,0 +1,167 @@
+"""Figures 4/5 of the paper: held-out accuracy against wall time and samples, for one replica,
+synchronous SGD with R replicas and Downpour SGD with R replicas (SGD and Adagrad).
+
+Every run trains tiny-local split over 2 model workers on scikit-learn's bundled digits
+(`--data digits`, 359 held-out images) with `netpart train`'s library entry point, keeping a
+snapshot of every shard every K updates (`snapshot_every`); afterwards each snapshot is
+assembled into the reference model and evaluated on the held-out set. Time 0 is the start of
+the first step.
+
+    python experiments/convergence.py            # 8 runs, ~6 min here
+    python experiments/convergence.py --steps 100 --replicas 1,2
+
+Writes experiments/results/convergence.csv, convergence.json and convergence.png; the runs'
+directories go to experiments/results/runs/ (not committed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from netpart.data import load_data
+from netpart.files import write_atomic
+from netpart.models import load_spec
+from netpart.partition import build_unit_graph, plan
+from netpart.partition.shards import ShardLayout
+from netpart.runtime.checkpoint import model_from_shards
+from netpart.runtime.config import TrainConfig
+from netpart.runtime.run_report import evaluate, read_metrics
+from netpart.runtime.train_launch import train
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MODEL, WORKERS, DATA = "tiny-local", 2, "digits"
+SNAPSHOTS = 15  # per run
+
+
+def algorithms(replicas: list[int]) -> list[dict]:
+    """The runs: one replica (plain SGD), then sync SGD, Downpour SGD and Downpour Adagrad."""
+    runs = [{"name": "1 replica SGD", "mode": "sync", "optimizer": "sgd", "lr": 0.1,
+             "replicas": 1}]  # fmt: skip
+    for r in (r for r in replicas if r > 1):
+        runs.append({"name": f"sync SGD R={r}", "mode": "sync", "optimizer": "sgd", "lr": 0.1,
+                     "replicas": r})  # fmt: skip
+        runs.append({"name": f"Downpour SGD R={r}", "mode": "downpour", "optimizer": "sgd",
+                     "lr": 0.1, "replicas": r})  # fmt: skip
+    for r in replicas:
+        runs.append({"name": f"Downpour Adagrad R={r}", "mode": "downpour",
+                     "optimizer": "adagrad", "lr": 0.05, "replicas": r})  # fmt: skip
+    return runs
+
+
+def run_one(spec, p, layout, algo: dict, steps: int, batch: int, out: Path) -> list[dict]:
+    """Train one configuration and evaluate its snapshots: rows of (time, samples, accuracy)."""
+    r = algo["replicas"]
+    updates = steps if algo["mode"] == "sync" else steps * r  # per shard (one per worker)
+    config = TrainConfig(
+        replicas=r, shards=WORKERS, mode=algo["mode"], optimizer=algo["optimizer"],
+        lr=algo["lr"], steps=steps, batch=batch, data=DATA, timeout=60,
+        checkpoint_every=10**9, snapshot_every=max(1, updates // SNAPSHOTS),
+    )  # fmt: skip
+    run = out / algo["name"].replace(" ", "_").replace("=", "")
+    shutil.rmtree(run, ignore_errors=True)
+    summary = train(spec, p, config, run)
+    lines = read_metrics(run)
+    t0 = min(x["time"] - x["step_s"] for x in lines)
+    held = load_data(DATA, spec, config.seed).held_out_set()
+    rows = [{"time_s": 0.0, "samples": 0, **_scores(spec, held, _initial_state(spec))}]
+    for snap in sorted((run / "snapshots").iterdir()):
+        metas = [json.loads(f.read_text()) for f in sorted(snap.glob("shard_*.json"))]
+        if len(metas) != WORKERS:
+            continue  # a snapshot some shard did not reach
+        state = model_from_shards(spec, p, config, snap, layout)
+        rows.append({
+            "time_s": float(np.mean([m["time"] for m in metas])) - t0,
+            "samples": batch * sum(int(v) for v in metas[0]["progress"].values()),
+            **_scores(spec, held, state),
+        })  # fmt: skip
+    end = {"time_s": max(x["time"] for x in lines) - t0, "samples": batch * steps * r}
+    rows.append({**end, "loss": summary.held_out["loss"], "accuracy": summary.held_out["accuracy"]})
+    keys = {k: algo[k] for k in ("mode", "optimizer", "replicas")}
+    return [{"run": algo["name"], **keys, **row} for row in rows]
+
+
+def _initial_state(spec):
+    from netpart.models.reference import build_reference
+
+    return build_reference(spec, 0).state_dict()
+
+
+def _scores(spec, held, state) -> dict:
+    x, y = held
+    result = evaluate(spec, state, x, y)
+    return {"loss": result["loss"], "accuracy": result["accuracy"]}
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
+    runs = list(dict.fromkeys(r["run"] for r in rows))
+    styles = {"sync": "--", "downpour": "-"}
+    for name in runs:
+        pts = [r for r in rows if r["run"] == name]
+        style = styles.get(pts[0]["mode"], "-") if pts[0]["replicas"] > 1 else ":"
+        marker = "o" if pts[0]["optimizer"] == "adagrad" else "s"
+        for ax, key in zip(axes, ("time_s", "samples"), strict=True):
+            ax.plot([r[key] for r in pts], [r["accuracy"] for r in pts], style, marker=marker,
+                    markersize=3, label=name)  # fmt: skip
+    axes[0].set(xlabel="wall time (s)", ylabel="held-out accuracy")
+    axes[1].set(xlabel="training examples processed (all replicas)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.set_ylim(0, 1)
+    axes[1].legend(fontsize=8, loc="lower right")
+    fig.suptitle(title)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=250, help="steps per replica")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--replicas", default="1,2,4")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    spec = load_spec(MODEL)
+    p = plan(spec, WORKERS, "metis", seed=0, batch=args.batch)
+    layout = ShardLayout.build(build_unit_graph(spec, p.granularity), p.node_map, WORKERS, WORKERS)
+    replicas = [int(r) for r in args.replicas.split(",")]
+    rows: list[dict] = []
+    for algo in tqdm(algorithms(replicas), desc="convergence", unit="run"):
+        rows += run_one(spec, p, layout, algo, args.steps, args.batch, args.out / "runs")
+    args.out.mkdir(parents=True, exist_ok=True)
+    tmp = args.out / "convergence.csv.tmp"
+    with tmp.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    tmp.replace(args.out / "convergence.csv")
+    final = {r["run"]: {k: r[k] for k in ("accuracy", "time_s", "samples")} for r in rows}
+    doc = {"steps": args.steps, "batch": args.batch, "final": final, "rows": rows}
+    write_atomic(args.out / "convergence.json", json.dumps(doc, indent=1).encode())
+    title = f"{MODEL} on {WORKERS} model workers, digits: held-out accuracy (2-core machine)"
+    plot(rows, args.out / "convergence.png", title)
+    for name, f in final.items():
+        print(f"{name:<22} accuracy {f['accuracy']:.3f} after {f['time_s']:5.1f} s, "
+              f"{f['samples']:,} samples")  # fmt: skip
+    print(f"wrote {args.out}/convergence.csv, convergence.json, convergence.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""Figure 3 of the paper: speedup of one training step against the number of model workers.
+
+For each model and N, plan with METIS (and baselines for contrast), execute every worker's
+slice of every layer alone on one thread to measure its compute time (`netpart.runtime.trace`),
+and put the measurements on the plan's lockstep critical path with the halo bytes over a
+network model (`netpart.partition.simulate`). Speedup = simulated step at N=1 / at N.
+
+    python experiments/scaling.py                      # all models, ~10 min here
+    python experiments/scaling.py --models speech,image-80m --workers 1,2,4,8
+
+Slice timings are cached in experiments/results/traces/ (one .npz per model, method, N,
+batch); --fresh measures again. Writes experiments/results/scaling.csv, scaling.json,
+scaling.png and scaling.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from netpart.files import write_atomic
+from netpart.models import load_spec
+from netpart.partition import plan
+from netpart.partition.cost import NetworkModel
+from netpart.partition.simulate import simulate_step
+from netpart.runtime.schedule import plan_schedule
+from netpart.runtime.trace import SliceTimes, measure_slices
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MODELS = ("speech", "image-80m", "image-330m", "image-1.7b")
+WORKERS = (1, 2, 4, 8, 16, 32, 64, 81, 128)
+CONTRAST = {"speech": ("stripe",), "image-80m": ("tiles", "stripe")}
+NETWORKS = {
+    "1 Gbit/s": NetworkModel(bandwidth_bps=1e9, latency_s=50e-6),
+    "10 Gbit/s": NetworkModel(bandwidth_bps=10e9, latency_s=20e-6),
+    "1 Gbit/s, 8-core workers": NetworkModel(bandwidth_bps=1e9, latency_s=50e-6),
+}
+# Scenario: machines like the paper's, each worker 8x faster than one measured core (ideal
+# multi-threading: an assumption, not a measurement).
+COMPUTE_SCALE = {"1 Gbit/s, 8-core workers": 1 / 8}
+PAPER = {"speech": (8, 2.2, "speech: 2.2x at 8 machines"),
+         "image-1.7b": (81, 12.0, "1.7B image model: >12x at 81")}  # fmt: skip
+
+
+def traced(spec, method: str, workers: int, batch: int, cache: Path, fresh: bool, bar):
+    """(plan, slice times), the times from the cache unless `fresh`."""
+    p = plan(spec, workers, method, seed=0, batch=batch)
+    path = cache / f"{spec.name}_{method}_{workers}_b{batch}.npz"
+    if path.exists() and not fresh:
+        with np.load(path) as f:
+            return p, SliceTimes.from_arrays(f)
+
+    def progress(done: int, total: int) -> None:
+        if done % max(1, total // 10) == 0:
+            bar.set_postfix_str(f"{spec.name} {method} N={workers}: slice {done}/{total}")
+
+    times = measure_slices(spec, p, batch, on_slice=progress)
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, **times.to_arrays())
+    tmp.replace(path)
+    return p, times
+
+
+def run(models, workers, batch: int, out: Path, fresh: bool) -> list[dict]:
+    jobs = [(m, meth, n) for m in models for meth in ("metis", *CONTRAST.get(m, ()))
+            for n in workers]  # fmt: skip
+    rows = []
+    with tqdm(jobs, desc="scaling", unit="plan") as bar:
+        for model, method, n in bar:
+            spec = load_spec(model)
+            t0 = time.perf_counter()
+            p, times = traced(spec, method, n, batch, out / "traces", fresh, bar)
+            _, schedule = plan_schedule(spec, p, validate=False)
+            traffic = schedule.traffic()
+            for net_name, net in NETWORKS.items():
+                scale = COMPUTE_SCALE.get(net_name, 1.0)
+                fwd, bwd = times.forward * scale, times.backward * scale
+                sim = simulate_step(fwd, bwd, traffic, batch, net)
+                rows.append({
+                    "model": model, "method": method, "workers": n, "network": net_name,
+                    "step_s": sim.step_s, "compute_s": sim.compute_s,
+                    "exchange_s": sim.exchange_s + sim.loss_s,
+                    "halo_mb": 2 * float(traffic.sum()) * batch * 4 / 1e6,
+                    "imbalance": float(_imbalance(times)), "seconds": time.perf_counter() - t0,
+                })  # fmt: skip
+    base = {(r["model"], r["method"], r["network"]): r["step_s"] for r in rows if r["workers"] == 1}
+    for r in rows:
+        one = base.get((r["model"], "metis", r["network"]))
+        r["speedup"] = one / r["step_s"] if one else float("nan")
+    return rows
+
+
+def _imbalance(times: SliceTimes) -> float:
+    """Measured: sum over layers of the slowest slice over sum of the mean slice."""
+    t = times.forward + times.backward
+    return t.max(axis=1).sum() / max(t.mean(axis=1).sum(), 1e-12)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    nets = list(NETWORKS)
+    fig, axes = plt.subplots(1, len(nets), figsize=(5.5 * len(nets), 4.6), sharey=True)
+    colors = {}
+    for ax, net in zip(axes, nets, strict=True):
+        for (model, method), pts in _curves(rows, net).items():
+            ns, sp = zip(*pts, strict=True)
+            style = "-o" if method == "metis" else ":"
+            label = model if method == "metis" else f"{model} ({method})"
+            kw = {"color": colors[model]} if model in colors else {}
+            (ln,) = ax.plot(ns, sp, style, markersize=3, label=label, **kw)
+            colors.setdefault(model, ln.get_color())
+        for model, (n, s, text) in PAPER.items():
+            if model in colors:
+                ax.plot([n], [s], marker="*", markersize=14, color=colors[model],
+                        markeredgecolor="black", linestyle="none")  # fmt: skip
+                ax.annotate(text, (n, s), textcoords="offset points", xytext=(-60, 8),
+                            fontsize=8)  # fmt: skip
+        ax.set(xscale="log", yscale="log", xlabel="model workers (machines)", title=net)
+        ax.set_xticks(WORKERS, [str(n) for n in WORKERS])
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set_ylabel("speedup of one step over 1 worker")
+    axes[-1].legend(fontsize=8)
+    fig.suptitle(
+        "Speedup of one step, simulated from measured slice times (stars: the paper's Figure 3)"
+    )
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def _curves(rows, net):
+    out: dict[tuple[str, str], list] = {}
+    for r in rows:
+        if r["network"] == net:
+            out.setdefault((r["model"], r["method"]), []).append((r["workers"], r["speedup"]))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def summary(rows: list[dict]) -> dict:
+    """Per model and network (metis): where the speedup peaks, and its value there."""
+    out = {}
+    for net in NETWORKS:
+        for (model, method), pts in _curves(rows, net).items():
+            if method != "metis":
+                continue
+            n, s = max(pts, key=lambda p: p[1])
+            out.setdefault(model, {})[net] = {
+                "peak_workers": n, "peak_speedup": s, "curve": dict(pts),
+            }  # fmt: skip
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--workers", default=",".join(map(str, WORKERS)))
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--fresh", action="store_true", help="measure slices again")
+    args = ap.parse_args(argv)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    workers = [int(n) for n in args.workers.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = run(models, workers, args.batch, args.out, args.fresh)
+    tmp = args.out / "scaling.csv.tmp"
+    with tmp.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    tmp.replace(args.out / "scaling.csv")
+    result = {"batch": args.batch, "networks": {k: v.to_dict() for k, v in NETWORKS.items()},
+              "peaks": summary(rows), "rows": rows}  # fmt: skip
+    write_atomic(args.out / "scaling.json", json.dumps(result, indent=1).encode())
+    plot(rows, args.out / "scaling.png")
+    for model, nets in result["peaks"].items():
+        for net, peak in nets.items():
+            print(f"{model:<11} {net:<9} peak {peak['peak_speedup']:6.2f}x at "
+                  f"{peak['peak_workers']} workers")  # fmt: skip
+    print(f"wrote {args.out}/scaling.csv, scaling.json, scaling.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Compute traces: the time of every worker's slice of every layer, measured by executing it.
+
+For the scaling simulation (`netpart.partition.simulate`): a plan for N workers cannot be run
+as N busy processes on a small machine, but each worker's slice of each layer can be built
+and run alone, one at a time, on one thread, exactly as the worker would run it (same slice
+classes, full-size input buffer, backward through the input for every layer but the first).
+Weights are a constant (building reference initialisations of a 1.7B-parameter model would
+take longer than timing it); the arithmetic is the same.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from netpart.models.spec import ModelSpec
+from netpart.partition.planner import PartitionPlan
+from netpart.runtime.schedule import plan_schedule
+from netpart.runtime.slices import build_slice
+
+__all__ = ["SliceTimes", "measure_slices"]
+
+log = logging.getLogger(__name__)
+
+REPEAT_BELOW_S = 0.2  # slices faster than this are timed three times after the warm-up, not two
+
+
+@dataclass(frozen=True, eq=False)
+class SliceTimes:
+    """forward[l, w] and backward[l, w]: seconds of worker w's slice of layer l at `batch`."""
+
+    forward: np.ndarray
+    backward: np.ndarray
+    batch: int
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        return {"forward": self.forward, "backward": self.backward, "batch": np.array(self.batch)}
+
+    @classmethod
+    def from_arrays(cls, a) -> SliceTimes:
+        return cls(np.asarray(a["forward"]), np.asarray(a["backward"]), int(a["batch"]))
+
+
+def measure_slices(
+    spec: ModelSpec,
+    plan: PartitionPlan,
+    batch: int,
+    dtype: torch.dtype = torch.float32,
+    on_slice: Callable[[int, int], None] | None = None,
+) -> SliceTimes:
+    """Run every (layer, worker) slice of `plan` alone on one thread and time it.
+
+    `on_slice(done, total)` reports progress. Restores the caller's torch thread count.
+    """
+    graph, schedule = plan_schedule(spec, plan, validate=False)
+    layers, workers = len(spec.layers), plan.workers
+    fwd = np.zeros((layers, workers))
+    bwd = np.zeros((layers, workers))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for i in range(layers):
+            n_in = spec.input_shape(i).size
+            x = torch.randn(n_in + 2, batch, dtype=dtype)
+            x[n_in] = 0.0
+            x[n_in + 1] = float("-inf")  # the padding rows of ModelWorker's buffers
+            x.requires_grad_(i > 0)
+            for w in range(workers):
+                units = schedule.owned[i][w]
+                if len(units):
+                    layer_slice = build_slice(spec, i, units, graph.layers[i], None, dtype)
+                    fwd[i, w], bwd[i, w] = _time_slice(layer_slice, x)
+                    del layer_slice
+                if on_slice is not None:
+                    on_slice(i * workers + w + 1, layers * workers)
+    finally:
+        torch.set_num_threads(threads)
+    return SliceTimes(fwd, bwd, batch)
+
+
+def _time_slice(layer_slice, x: torch.Tensor) -> tuple[float, float]:
+    """(forward, backward) seconds: the best of two runs after a warm-up run (which also
+    allocates and first-touches the gradients); of three runs for fast slices."""
+    runs = []
+    for _ in range(4):
+        x.grad = None
+        t0 = time.perf_counter()
+        out = layer_slice(x)
+        t1 = time.perf_counter()
+        if out.requires_grad:
+            torch.autograd.backward(out, torch.ones_like(out))
+        t2 = time.perf_counter()
+        runs.append((t1 - t0, t2 - t1))
+        del out
+        for p in layer_slice.parameters():
+            p.grad = None
+        if len(runs) == 3 and sum(runs[0]) >= REPEAT_BELOW_S:
+            break
+    best = min(runs[1:], key=sum)
+    return float(best[0]), float(best[1])

@@ -17,7 +17,6 @@ directories go to experiments/results/runs/ (not committed).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import shutil
 import sys
@@ -35,6 +34,9 @@ from netpart.runtime.checkpoint import model_from_shards
 from netpart.runtime.config import TrainConfig
 from netpart.runtime.run_report import evaluate, read_metrics
 from netpart.runtime.train_launch import train
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # experiments._common
+from experiments._common import save_figure, write_csv
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL, WORKERS, DATA = "tiny-local", 2, "digits"
@@ -124,10 +126,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     axes[1].legend(fontsize=8, loc="lower right")
     fig.suptitle(title)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:
@@ -145,12 +144,7 @@ def main(argv=None) -> int:
     for algo in tqdm(algorithms(replicas), desc="convergence", unit="run"):
         rows += run_one(spec, p, layout, algo, args.steps, args.batch, args.out / "runs")
     args.out.mkdir(parents=True, exist_ok=True)
-    tmp = args.out / "convergence.csv.tmp"
-    with tmp.open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    tmp.replace(args.out / "convergence.csv")
+    write_csv(args.out / "convergence.csv", rows)
     final = {r["run"]: {k: r[k] for k in ("accuracy", "time_s", "samples")} for r in rows}
     doc = {"steps": args.steps, "batch": args.batch, "final": final, "rows": rows}
     write_atomic(args.out / "convergence.json", json.dumps(doc, indent=1).encode())

@@ -16,11 +16,9 @@ Writes experiments/results/ddp.csv, ddp.json and ddp.png.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import shutil
-import socket
 import sys
 import time
 from pathlib import Path
@@ -39,6 +37,9 @@ from netpart.runtime.checkpoint import model_from_shards
 from netpart.runtime.config import TrainConfig
 from netpart.runtime.run_report import evaluate, read_metrics
 from netpart.runtime.train_launch import train
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # experiments._common
+from experiments._common import free_port, save_figure, write_csv
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL, DATA, LR, BATCH = "tiny-local", "digits", 0.1, 32
@@ -74,9 +75,7 @@ def _ddp_worker(rank: int, world: int, port: int, steps: int, queue) -> None:
 
 
 def run_ddp(replicas: int, steps: int) -> tuple[list[float], list]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_ddp_worker, args=(r, replicas, port, steps, queue))
@@ -138,10 +137,7 @@ def plot(curves: list[dict], rows: list[dict], path: Path) -> None:
     bx.tick_params(axis="y", labelsize=7)
     fig.suptitle("Synchronous data parallelism: DDP all-reduce vs netpart's parameter server")
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:
@@ -173,12 +169,7 @@ def main(argv=None) -> int:
                          "epoch_s": float(np.median(step_s[3:])) * per_epoch,
                          "accuracy": held_out["accuracy"]})  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    tmp = args.out / "ddp.csv.tmp"
-    with tmp.open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    tmp.replace(args.out / "ddp.csv")
+    write_csv(args.out / "ddp.csv", rows)
     doc = {"steps": args.steps, "batch": BATCH, "lr": LR, "rows": rows, "ddp_curves": curves}
     write_atomic(args.out / "ddp.json", json.dumps(doc, indent=1).encode())
     for row in rows:

@@ -16,7 +16,6 @@ scaling.png and scaling.md.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 import time
@@ -32,6 +31,9 @@ from netpart.partition.cost import NetworkModel
 from netpart.partition.simulate import simulate_step
 from netpart.runtime.schedule import plan_schedule
 from netpart.runtime.trace import SliceTimes, measure_slices
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # experiments._common
+from experiments._common import save_figure, write_csv
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = ("speech", "image-80m", "image-330m", "image-1.7b")
@@ -136,10 +138,7 @@ def plot(rows: list[dict], path: Path) -> None:
         "Speedup of one step, simulated from measured slice times (stars: the paper's Figure 3)"
     )
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    save_figure(fig, path)
 
 
 def _curves(rows, net):
@@ -176,12 +175,7 @@ def main(argv=None) -> int:
     workers = [int(n) for n in args.workers.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     rows = run(models, workers, args.batch, args.out, args.fresh)
-    tmp = args.out / "scaling.csv.tmp"
-    with tmp.open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    tmp.replace(args.out / "scaling.csv")
+    write_csv(args.out / "scaling.csv", rows)
     result = {"batch": args.batch, "networks": {k: v.to_dict() for k, v in NETWORKS.items()},
               "peaks": summary(rows), "rows": rows}  # fmt: skip
     write_atomic(args.out / "scaling.json", json.dumps(result, indent=1).encode())

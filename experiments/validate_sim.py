@@ -15,10 +15,8 @@ Writes experiments/results/validation.json (and .csv).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # benchmarks/ and tests/ helpers
 
 from benchmarks.runtime_bench import MID_LOCAL  # noqa: E402
+from experiments._common import free_port, write_csv  # noqa: E402
 from netpart.files import plan_files, write_atomic, write_files  # noqa: E402
 from netpart.partition import plan  # noqa: E402
 from netpart.partition.cost import NetworkModel  # noqa: E402
@@ -46,12 +45,6 @@ from netpart.runtime.trace import measure_slices  # noqa: E402
 
 RESULTS = ROOT / "experiments" / "results"
 BATCH, STEPS, WARMUP = 32, 12, 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _pingpong(rank: int, port: int, queue, addr: str = "127.0.0.1") -> None:
@@ -107,7 +100,7 @@ def namespace_network(a, b) -> NetworkModel:
 def loopback_network() -> NetworkModel:
     """Latency and bandwidth of gloo between two processes here (one-way, median)."""
     ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
+    queue, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_pingpong, args=(r, port, queue)) for r in range(2)]
     for p in procs:
         p.start()
@@ -243,12 +236,7 @@ def main(argv=None) -> int:
     doc = {"model": spec.name, "batch": BATCH, "network": net.to_dict(), "rows": rows,
            "link": link.to_dict() if got is not None else None}  # fmt: skip
     write_atomic(args.out / "validation.json", json.dumps(doc, indent=1).encode())
-    tmp = args.out / "validation.csv.tmp"
-    with tmp.open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    tmp.replace(args.out / "validation.csv")
+    write_csv(args.out / "validation.csv", rows)
     return 0
 
 

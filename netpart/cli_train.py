@@ -69,6 +69,8 @@ def add_parsers(sub) -> None:
     flag("lr", float, "learning rate")
     flag("n_fetch", int, "downpour: fetch parameters every K steps")
     flag("n_push", int, "downpour: push gradients every K steps")
+    flag("push_norm", float, "downpour: push sooner once the gradient's L2 norm reaches this")
+    flag("dc_lambda", float, "downpour: DC-ASGD delay compensation lambda (0: off)")
     flag("steps", int, "total steps per replica (a resume continues up to it)")
     flag("batch", int, "examples per step and replica")
     flag("warm_start", int, "downpour: steps replica 0 trains alone first")
@@ -140,7 +142,7 @@ def _config_flag(parser, defaults):
 _FIELDS = (
     "replicas", "shards", "mode", "optimizer", "lr", "n_fetch", "n_push", "steps", "batch",
     "warm_start", "checkpoint_every", "snapshot_every", "data", "seed", "dtype", "timeout",
-    "threads", "placement",
+    "threads", "placement", "push_norm", "dc_lambda",
 )  # fmt: skip
 _FIXED_ON_RESUME = ("shards", "optimizer", "dtype", "seed", "data")
 

@@ -137,6 +137,10 @@ def test_train_config_round_trip_and_errors():
         ({"n_push": 0}, "--n-push"),
         ({"mode": "async"}, "--mode"),
         ({"lr": 0.0}, "--lr"),
+        ({"dc_lambda": -1.0}, "--dc-lambda"),
+        ({"mode": "sync", "push_norm": 1.0}, "apply to --mode downpour"),
+        ({"placement": "random"}, "--placement"),
+        ({"snapshot_every": -1}, "--snapshot-every"),
     ):
         with pytest.raises(TrainError, match=match):
             TrainConfig(**bad)
@@ -182,14 +186,46 @@ def test_push_chunks_fold_into_exactly_the_segments(lengths, chunk):
     assert landed == want
 
 
-def _server(mode, replicas=2):
+def _server(mode, replicas=2, dc_lambda=0.0, lr=1.0):
     from netpart.runtime.ps import ShardServer, ShardState
 
     layout = _layout(load_spec("tiny-mlp"), 2, "metis", 1)
     values = torch.zeros(layout.total, dtype=torch.float64)
-    rule = UpdateRule(Optimizer("sgd", 1.0), values)
+    rule = UpdateRule(Optimizer("sgd", lr), values)
     state = ShardState(values=values, state=None)
-    return ShardServer(layout, 0, replicas, mode, rule, lambda r, w: r * 2 + w, 4, state)
+    return ShardServer(
+        layout, 0, replicas, mode, rule, lambda r, w: r * 2 + w, 4, state, dc_lambda=dc_lambda
+    )
+
+
+def _served(server, replica, worker):
+    """What a fetch of (replica, worker) is answered with, remembered as DC-ASGD needs."""
+    out, version = server._snapshot_when_ready(replica, 0, server.routes[worker])
+    server._remember(replica, worker, version, out)
+    return out.clone(), version
+
+
+def test_dc_asgd_compensates_a_stale_push_with_the_values_it_was_computed_on():
+    lam, lr = 0.5, 0.1
+    server = _server("downpour", dc_lambda=lam, lr=lr)
+    w = server.workers[0]
+    segs = server.routes[w]
+    n = sum(g.length for g in segs)
+    then, v0 = _served(server, 0, w)  # replica 0 fetches (all zeros), version 0
+    g1 = torch.linspace(-1, 1, n, dtype=torch.float64)
+    _, v1 = _served(server, 1, w)
+    server._fold(1, w, 1, g1, segs, version=v1)  # replica 1's fresh push: no correction
+    now = then - lr * g1
+    assert torch.allclose(_served(server, 1, w)[0], now, atol=1e-15)
+    g0 = torch.cos(torch.arange(n, dtype=torch.float64))
+    server._fold(0, w, 1, g0, segs, version=v0)  # stale by one update
+    want = now - lr * (g0 + lam * g0 * g0 * (now - then))
+    assert torch.allclose(_served(server, 0, w)[0], want, atol=1e-15)
+    assert server.staleness == {0: 1, 1: 1}
+    plain = _server("downpour", lr=lr)  # without compensation: the plain stale gradient
+    plain._fold(1, w, 1, g1, segs, version=0)
+    plain._fold(0, w, 1, g0, segs, version=0)
+    assert torch.allclose(_served(plain, 0, w)[0], now - lr * g0, atol=1e-15)
 
 
 def test_sync_shard_applies_the_mean_once_every_live_replica_pushed():

@@ -271,3 +271,26 @@ def test_eval_reports_held_out_digits_accuracy(tmp_path, capsys):
     metas = [json.loads((run / f"shard_{s}.json").read_text()) for s in range(2)]
     assert sum(sum(m["staleness"].values()) for m in metas) == sum(m["updates"] for m in metas)
     assert main(["report", str(tmp_path / "none")]) == 2
+
+
+def test_norm_triggered_pushes_and_dc_asgd_train(tmp_path):
+    from netpart.runtime.trainer import _push_now
+
+    t = torch.zeros(4, requires_grad=True)
+    t.grad = torch.full((4,), 0.5)  # norm 1.0
+    assert _push_now(5, 5, 0.0, [t]) and not _push_now(4, 5, 0.0, [t])
+    assert _push_now(4, 5, 1.0, [t]) and not _push_now(4, 5, 1.01, [t])
+    p = plan(SPEC, 2, "metis")
+    updates = {}
+    for name, norm in (("eager", 1e-9), ("lazy", 1e9)):  # every step; every 5th step
+        cfg = TrainConfig(
+            replicas=2, shards=2, steps=40, n_push=5, push_norm=norm, dc_lambda=0.5,
+            lr=0.05, timeout=30,
+        )  # fmt: skip
+        summary = train(SPEC, p, cfg, tmp_path / name)
+        first = metrics(tmp_path / name)[0]
+        assert summary.final_loss[0] < 0.5 * first["loss"]
+        metas = [json.loads((tmp_path / name / f"shard_{s}.json").read_text()) for s in (0, 1)]
+        updates[name] = sum(m["updates"] for m in metas)
+    # 2 replicas x 2 workers (one shard each): 40 pushes each, or 8.
+    assert updates == {"eager": 2 * 2 * 40, "lazy": 2 * 2 * 8}

@@ -54,6 +54,8 @@ class TrainConfig:
     timeout: float = 60.0  # seconds a replica waits for a peer in the halo exchange
     threads: int = 1
     placement: str = "pack"  # pack | spread | ordered (see netpart.runtime.placement)
+    dc_lambda: float = 0.0  # downpour: DC-ASGD delay compensation strength (0: off)
+    push_norm: float = 0.0  # downpour: also push once the gradient's L2 norm reaches this
 
     def __post_init__(self) -> None:
         for name in ("replicas", "shards", "n_fetch", "n_push", "batch", "checkpoint_every"):
@@ -71,6 +73,15 @@ class TrainConfig:
             raise TrainError(f"dtype {self.dtype}: choose one of {', '.join(DTYPES)}")
         if self.placement not in POLICIES:
             raise TrainError(f"--placement {self.placement}: choose one of {', '.join(POLICIES)}")
+        for name in ("dc_lambda", "push_norm"):
+            if not getattr(self, name) >= 0:
+                flag = "--" + name.replace("_", "-")
+                raise TrainError(f"{flag} {getattr(self, name)}: must be >= 0")
+        if self.mode == "sync" and (self.dc_lambda or self.push_norm):
+            raise TrainError(
+                "--dc-lambda and --push-norm apply to --mode downpour (sync pushes every step, "
+                "and its gradients are never stale)"
+            )
         if not self.timeout > 0:
             raise TrainError(f"--timeout {self.timeout}: must be > 0 seconds")
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from netpart.errors import RuntimeFailure
 from netpart.partition.shards import Segment, ShardLayout
 from netpart.runtime.transport import PeerError, _gloo_reason
-from netpart.runtime.updates import UpdateRule
+from netpart.runtime.updates import UpdateRule, delay_compensated
 
 __all__ = ["Kind", "ProtocolError", "ShardClient", "ShardServer", "ShardState"]
 
@@ -52,6 +52,7 @@ TAG_HEADER, TAG_PAYLOAD = 1, 2
 TAG_CHUNK = 16  # chunk i of a push travels with tag TAG_CHUNK + i
 CHUNK = 1 << 18  # values per push chunk
 MODES = ("downpour", "sync")
+DC_KEPT = 4  # DC-ASGD: served versions kept per peer
 
 
 class Kind(IntEnum):
@@ -116,6 +117,7 @@ class ShardServer:
         rank: int,
         state: ShardState,
         on_update: Callable[[ShardServer, int], None] | None = None,
+        dc_lambda: float = 0.0,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -137,6 +139,9 @@ class ShardServer:
         self.bytes_out = 0
         self.staleness: collections.Counter[int] = collections.Counter()
         self.last_staleness: dict[tuple[int, int], int] = {}
+        # DC-ASGD: per peer, the values last served to it, by version (the newest few).
+        self.dc_lambda = dc_lambda
+        self.served: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
 
     # ---- serving -------------------------------------------------------------------------
     def serve(self, stop: threading.Event | None = None, grace: float = 60.0) -> None:
@@ -192,6 +197,8 @@ class ShardServer:
                         self.bytes_in += payload.numel() * payload.element_size()
                 elif kind == Kind.FETCH:
                     out, version = self._snapshot_when_ready(replica, step, segments)
+                    if self.dc_lambda:
+                        self._remember(replica, worker, version, out)
                     stale = self.last_staleness.get((replica, worker), -1)
                     dist.send(
                         _header(Kind.PARAMS, self.rank, self.shard, version, n, replica, stale),
@@ -232,18 +239,21 @@ class ShardServer:
         works = [
             dist.irecv(payload[a:b], src=src, tag=TAG_CHUNK + i) for i, (a, b) in enumerate(chunks)
         ]
+        then = self._served_values(replica, worker, version)
         for (a, b), work in zip(chunks, works, strict=True):
             work.wait()
-            self._fold_chunk(replica, step, payload, segments, a, b)
+            self._fold_chunk(replica, step, payload, segments, a, b, then)
         self._finish_push(replica, worker, step, version)
 
     def _fold(self, replica, worker, step, payload, segments, version: int = -1) -> None:
         """Fold a whole push that is already in memory (what `_receive_push` does by parts)."""
-        self._fold_chunk(replica, step, payload, segments, 0, payload.numel())
+        then = self._served_values(replica, worker, version)
+        self._fold_chunk(replica, step, payload, segments, 0, payload.numel(), then)
         self._finish_push(replica, worker, step, version)
 
-    def _fold_chunk(self, replica, step, payload, segments, a: int, b: int) -> None:
-        """Downpour: apply payload[a:b] now. Sync: add it to the replica's sum for `step`."""
+    def _fold_chunk(self, replica, step, payload, segments, a: int, b: int, then=None) -> None:
+        """Downpour: apply payload[a:b] now (delay-compensated against `then`, the values the
+        gradient was computed on, when given). Sync: add it to the replica's sum for `step`."""
         with self.cond:
             if replica in self.lost:
                 return
@@ -255,7 +265,11 @@ class ShardServer:
                     pending[replica] = torch.zeros(self.size, dtype=payload.dtype)
                 into = pending[replica]
             for lo, hi, at in _overlaps(segments, a, b):
-                if into is None:
+                if into is None and then is not None:
+                    now = self.rule.values[at : at + hi - lo]
+                    grad = delay_compensated(payload[lo:hi], now, then[lo:hi], self.dc_lambda)
+                    self.rule.apply(at, grad)
+                elif into is None:
                     self.rule.apply(at, payload[lo:hi])
                 else:
                     into[at : at + hi - lo] += payload[lo:hi]
@@ -301,6 +315,19 @@ class ShardServer:
             self.state.updates += 1
             applied = True
         return applied
+
+    def _remember(self, replica: int, worker: int, version: int, out: torch.Tensor) -> None:
+        """DC-ASGD: keep a copy of what this peer was served (its 4 newest versions)."""
+        kept = self.served.setdefault((replica, worker), {})
+        kept[version] = out.clone()
+        while len(kept) > DC_KEPT:
+            kept.pop(min(kept))
+
+    def _served_values(self, replica: int, worker: int, version: int) -> torch.Tensor | None:
+        """The values a push's gradient was computed on (DC-ASGD in Downpour), if kept."""
+        if not self.dc_lambda or self.mode != "downpour":
+            return None
+        return self.served.get((replica, worker), {}).get(version)
 
     def _snapshot_when_ready(self, replica, step, segments) -> tuple[torch.Tensor, int]:
         with self.cond:

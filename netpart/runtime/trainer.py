@@ -157,6 +157,7 @@ def _serve_shard(spec, plan, layout, config, shard, rank, run, resume, stop, pla
     server = ShardServer(
         layout, shard, config.replicas, config.mode, rule,
         rank_of=placement.worker_rank, rank=rank, state=state, on_update=save,
+        dc_lambda=config.dc_lambda,
     )  # fmt: skip
     log.info("%d values, serving workers %s", size, server.workers)
     server.serve(stop, grace=config.timeout)
@@ -222,7 +223,7 @@ def _train_worker(
             result = model.step(x, y, transport, collect_grads=False)
             t3 = clock()
             unpushed += 1
-            pushed = sync or t % config.n_push == 0
+            pushed = sync or _push_now(t, config.n_push, config.push_norm, tensors)
             if pushed:
                 client.push(_flat_grads(tensors), t)
                 model.zero_grad()
@@ -262,6 +263,17 @@ def _train_worker(
     finally:
         if metrics is not None:
             metrics.close()
+
+
+def _push_now(step: int, n_push: int, push_norm: float, tensors: list[torch.Tensor]) -> bool:
+    """Downpour: push every `n_push` steps, and sooner once the accumulated gradient's L2
+    norm reaches `push_norm` (when > 0): small gradients wait, large ones go at once."""
+    if step % n_push == 0:
+        return True
+    if push_norm <= 0:
+        return False
+    square = sum(float(t.grad.square().sum()) for t in tensors if t.grad is not None)
+    return square >= push_norm * push_norm
 
 
 def _agreed(stop: threading.Event, transport: GlooTransport, workers: int) -> bool:

@@ -4,6 +4,10 @@
 arithmetic as `torch.optim.Adagrad` with its defaults (no decay, zero initial accumulator):
 s += g * g; p -= lr * g / (sqrt(s) + eps). Rules apply to a segment [lo, lo + len(g)) so a
 shard can update the part of its range one push covers without touching the rest.
+
+Delay compensation (DC-ASGD, Zheng et al. 2017), for Downpour: a gradient g computed on
+values w_bak that have since become w is first corrected to g + lambda * g * g * (w - w_bak),
+a cheap first-order estimate of the gradient at w; then the rule applies.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["OPTIMIZERS", "Optimizer", "UpdateRule"]
+__all__ = ["OPTIMIZERS", "Optimizer", "UpdateRule", "delay_compensated"]
 
 _FUSED = getattr(torch, "_fused_adagrad_", None)  # the kernel of Adagrad(fused=True) on CPU
 
@@ -65,3 +69,10 @@ class UpdateRule:
             return
         s.addcmul_(grad, grad, value=1.0)
         p.addcdiv_(grad, s.sqrt().add_(self.optimizer.eps), value=-lr)
+
+
+def delay_compensated(
+    grad: torch.Tensor, now: torch.Tensor, then: torch.Tensor, lam: float
+) -> torch.Tensor:
+    """g + lam * g * g * (now - then): the DC-ASGD correction of a stale gradient."""
+    return grad + lam * grad * grad * (now - then)

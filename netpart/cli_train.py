@@ -296,10 +296,13 @@ def _train_under_torchrun(spec, p, config, run: Path, resume: bool, echo) -> int
     sync = config.mode == "sync"
     starts = read_progress(run, config.shards, config.replicas, sync) if resume else {}
     total = config.steps - starts.get(0, 0)
-    bar = tqdm(total=total, desc="train", unit="step", disable=None) if rank == 0 else None
+    # The bar: on the process that is worker 0 of replica 0 (it writes that replica's metrics;
+    # under every placement policy on one machine, and usually on several, it is rank 0).
+    first = rank == placement.worker_rank(0, 0)
+    bar = tqdm(total=total, desc="train", unit="step", disable=None) if first else None
     done = [0]
 
-    def on_step(line: dict) -> None:  # rank 0 only: its replica's steps
+    def on_step(line: dict) -> None:  # replica 0's steps
         done[0] += 1
         stats = {
             "loss": line["loss"],

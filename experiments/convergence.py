@@ -1,6 +1,6 @@
 """Figures 4/5 of the paper: held-out accuracy against wall time and samples, for one replica,
-synchronous SGD with R replicas and Downpour SGD with R replicas (SGD, SGD with DC-ASGD
-delay compensation, and Adagrad).
+synchronous SGD with R replicas, Downpour SGD with R replicas (SGD, SGD with DC-ASGD
+delay compensation, and Adagrad) and Sandblaster L-BFGS (full batch, 16 work units).
 
 Every run trains tiny-local split over 2 model workers on scikit-learn's bundled digits
 (`--data digits`, 359 held-out images) with `netpart train`'s library entry point, keeping a
@@ -8,7 +8,7 @@ snapshot of every shard every K updates (`snapshot_every`); afterwards each snap
 assembled into the reference model and evaluated on the held-out set. Time 0 is the start of
 the first step.
 
-    python experiments/convergence.py            # 10 runs x 2 seeds, ~8 min here
+    python experiments/convergence.py            # 12 runs x 2 seeds, ~9 min here
     python experiments/convergence.py --steps 100 --replicas 1,2
 
 Writes experiments/results/convergence.csv, convergence.json and convergence.png; the runs'
@@ -43,6 +43,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 MODEL, WORKERS, DATA = "tiny-local", 2, "digits"
 SNAPSHOTS = 40  # per run
 TARGET = 0.95  # held-out accuracy whose first crossing the summary reports
+SANDBLASTER_ITERATIONS = 15  # full-batch L-BFGS iterations (Armijo line search)
 
 
 def algorithms(replicas: list[int]) -> list[dict]:
@@ -60,6 +61,9 @@ def algorithms(replicas: list[int]) -> list[dict]:
     for r in replicas:
         runs.append({"name": f"Downpour Adagrad R={r}", "mode": "downpour",
                      "optimizer": "adagrad", "lr": 0.05, "replicas": r})  # fmt: skip
+    for r in (r for r in replicas if r > 1):  # full-batch L-BFGS, the batch in 16 work units
+        runs.append({"name": f"Sandblaster L-BFGS R={r}", "mode": "sandblaster",
+                     "optimizer": "lbfgs", "lr": 1.0, "replicas": r})  # fmt: skip
     return runs
 
 
@@ -67,17 +71,24 @@ def run_one(spec, p, layout, algo: dict, steps: int, batch: int, seed: int, out:
     """Train one configuration and evaluate its snapshots: rows of (time, samples, accuracy)."""
     r = algo["replicas"]
     updates = steps if algo["mode"] == "sync" else steps * r  # per shard (one per worker)
+    blaster = algo["mode"] == "sandblaster"
+    if blaster:  # one update per evaluation of the whole training set
+        batch, steps, updates = load_data(DATA, spec, seed).n, SANDBLASTER_ITERATIONS, SNAPSHOTS
     config = TrainConfig(
         replicas=r, shards=WORKERS, mode=algo["mode"], optimizer=algo["optimizer"],
         lr=algo["lr"], steps=steps, batch=batch, data=DATA, timeout=60,
         checkpoint_every=10**9, snapshot_every=max(1, updates // SNAPSHOTS),
-        dc_lambda=algo.get("dc_lambda", 0.0), seed=seed,
+        dc_lambda=algo.get("dc_lambda", 0.0), seed=seed, units=16,
     )  # fmt: skip
     run = out / (algo["name"].replace(" ", "_").replace("=", "") + f"_seed{seed}")
     shutil.rmtree(run, ignore_errors=True)
     summary = train(spec, p, config, run)
-    lines = read_metrics(run)
-    t0 = min(x["time"] - x["step_s"] for x in lines)
+    if blaster:
+        lines = [json.loads(x) for x in (run / "sandblaster.jsonl").read_text().splitlines()]
+        t0 = lines[0]["time"] - lines[0]["elapsed_s"]
+    else:
+        lines = read_metrics(run)
+        t0 = min(x["time"] - x["step_s"] for x in lines)
     held = load_data(DATA, spec, config.seed).held_out_set()
     rows = [{"time_s": 0.0, "samples": 0, **_scores(spec, held, _initial_state(spec, seed))}]
     for snap in sorted((run / "snapshots").iterdir()):
@@ -87,10 +98,12 @@ def run_one(spec, p, layout, algo: dict, steps: int, batch: int, seed: int, out:
         state = model_from_shards(spec, p, config, snap, layout)
         rows.append({
             "time_s": float(np.mean([m["time"] for m in metas])) - t0,
-            "samples": batch * sum(int(v) for v in metas[0]["progress"].values()),
+            "samples": batch * (int(metas[0]["updates"]) if blaster
+                                else sum(int(v) for v in metas[0]["progress"].values())),
             **_scores(spec, held, state),
         })  # fmt: skip
-    end = {"time_s": max(x["time"] for x in lines) - t0, "samples": batch * steps * r}
+    done = len(lines) * batch if blaster else batch * steps * r
+    end = {"time_s": max(x["time"] for x in lines) - t0, "samples": done}
     rows.append({**end, "loss": summary.held_out["loss"], "accuracy": summary.held_out["accuracy"]})
     keys = {k: algo[k] for k in ("mode", "optimizer", "replicas")}
     return [{"run": algo["name"], "seed": seed, **keys, **row} for row in rows]
@@ -132,11 +145,11 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
     rows = [r for r in rows if r["seed"] == rows[0]["seed"]]  # one seed: readable curves
     runs = list(dict.fromkeys(r["run"] for r in rows))
-    styles = {"sync": "--", "downpour": "-"}
+    styles = {"sync": "--", "downpour": "-", "sandblaster": "-."}
     for name in runs:
         pts = [r for r in rows if r["run"] == name]
         style = styles.get(pts[0]["mode"], "-") if pts[0]["replicas"] > 1 else ":"
-        marker = "o" if pts[0]["optimizer"] == "adagrad" else "s"
+        marker = {"adagrad": "o", "lbfgs": "^"}.get(pts[0]["optimizer"], "s")
         for ax, key in zip(axes, ("time_s", "samples"), strict=True):
             ax.plot([r[key] for r in pts], [r["accuracy"] for r in pts], style, marker=marker,
                     markersize=3, label=name)  # fmt: skip

@@ -64,13 +64,16 @@ def add_parsers(sub) -> None:
     flag = _config_flag(t, d)
     flag("replicas", int, "replicas of the model (R)")
     flag("shards", int, "parameter-server shards (S; default: N)", name="--ps-shards")
-    flag("mode", str, "downpour | sync")
-    flag("optimizer", str, "adagrad | sgd")
+    flag("mode", str, "downpour | sync | sandblaster (batch L-BFGS with a coordinator)")
+    flag("optimizer", str, "adagrad | sgd | lbfgs (with --mode sandblaster)")
     flag("lr", float, "learning rate")
     flag("n_fetch", int, "downpour: fetch parameters every K steps")
     flag("n_push", int, "downpour: push gradients every K steps")
     flag("push_norm", float, "downpour: push sooner once the gradient's L2 norm reaches this")
     flag("dc_lambda", float, "downpour: DC-ASGD delay compensation lambda (0: off)")
+    flag("units", int, "sandblaster: work units the batch is cut into")
+    flag("history", int, "sandblaster: L-BFGS curvature pairs kept in the shards")
+    flag("line_search", str, "sandblaster: armijo | none (torch.optim.LBFGS's fixed step)")
     flag("steps", int, "total steps per replica (a resume continues up to it)")
     flag("batch", int, "examples per step and replica")
     flag("warm_start", int, "downpour: steps replica 0 trains alone first")
@@ -142,7 +145,7 @@ def _config_flag(parser, defaults):
 _FIELDS = (
     "replicas", "shards", "mode", "optimizer", "lr", "n_fetch", "n_push", "steps", "batch",
     "warm_start", "checkpoint_every", "snapshot_every", "data", "seed", "dtype", "timeout",
-    "threads", "placement", "push_norm", "dc_lambda",
+    "threads", "placement", "push_norm", "dc_lambda", "units", "history", "line_search",
 )  # fmt: skip
 _FIXED_ON_RESUME = ("shards", "optimizer", "dtype", "seed", "data")
 

@@ -84,7 +84,11 @@ class Dataset:
         self, replica: int, replicas: int, step: int, batch: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs [B, features], targets) of one step of one replica."""
-        ids = self.indices(replica, replicas, step, batch)
+        return self.examples(self.indices(replica, replicas, step, batch), dtype)
+
+    def examples(self, ids: np.ndarray, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs [len(ids), features], targets) of the training examples `ids`."""
+        batch = len(ids)
         if self.x is not None and self.y is not None:
             x = torch.from_numpy(self.x[ids].reshape(batch, -1)).to(dtype)
             y = torch.from_numpy(self.y[ids])

@@ -55,10 +55,16 @@ class TrainConfig:
     threads: int = 1
     placement: str = "pack"  # pack | spread | ordered (see netpart.runtime.placement)
     dc_lambda: float = 0.0  # downpour: DC-ASGD delay compensation strength (0: off)
+    units: int = 16  # sandblaster: work units per batch (steps = L-BFGS iterations)
+    history: int = 10  # sandblaster: L-BFGS curvature pairs kept in the shards
+    line_search: str = "armijo"  # sandblaster: armijo | none (torch.optim.LBFGS's fixed step)
     push_norm: float = 0.0  # downpour: also push once the gradient's L2 norm reaches this
 
     def __post_init__(self) -> None:
-        for name in ("replicas", "shards", "n_fetch", "n_push", "batch", "checkpoint_every"):
+        for name in (
+            "replicas", "shards", "n_fetch", "n_push", "batch", "checkpoint_every", "units",
+            "history",
+        ):  # fmt: skip
             _at_least(name, getattr(self, name), 1)
         for name in ("steps", "warm_start", "snapshot_every"):
             _at_least(name, getattr(self, name), 0)
@@ -82,6 +88,14 @@ class TrainConfig:
                 "--dc-lambda and --push-norm apply to --mode downpour (sync pushes every step, "
                 "and its gradients are never stale)"
             )
+        if (self.mode == "sandblaster") != (self.optimizer == "lbfgs"):
+            raise TrainError(
+                "--mode sandblaster goes with --optimizer lbfgs, and lbfgs only with sandblaster"
+            )
+        if self.line_search not in ("armijo", "none"):
+            raise TrainError(f"--line-search {self.line_search}: choose armijo or none")
+        if self.mode == "sandblaster" and self.units > self.batch:
+            raise TrainError(f"--units {self.units}: at most --batch {self.batch} units")
         if not self.timeout > 0:
             raise TrainError(f"--timeout {self.timeout}: must be > 0 seconds")
 
@@ -89,8 +103,13 @@ class TrainConfig:
     def optim(self) -> Optimizer:
         return Optimizer(self.optimizer, self.lr)
 
+    @property
+    def coordinators(self) -> int:
+        """Sandblaster has one coordinator process (the last rank on one machine)."""
+        return 1 if self.mode == "sandblaster" else 0
+
     def world(self, workers: int) -> int:
-        return self.replicas * workers + self.shards
+        return self.replicas * workers + self.shards + self.coordinators
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

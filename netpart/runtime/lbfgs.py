@@ -26,9 +26,26 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["LBFGSDriver", "LBFGSResult", "LocalShards", "ShardVectors"]
+__all__ = [
+    "LBFGSDriver", "LBFGSResult", "LocalShards", "ShardVectors", "code_name", "name_code"
+]  # fmt: skip
 
 NAMES = ("x", "g", "prev_g", "d", "q", "x0", "s_new", "y_new")
+
+
+def name_code(name: str) -> int:
+    """A vector name as a number for the wire: NAMES by index, 's:i' 100 + i, 'y:i' 200 + i."""
+    if name[:2] in ("s:", "y:"):
+        return (100 if name[0] == "s" else 200) + int(name[2:])
+    return NAMES.index(name)
+
+
+def code_name(code: int) -> str:
+    if code >= 200:
+        return f"y:{code - 200}"
+    if code >= 100:
+        return f"s:{code - 100}"
+    return NAMES[code]
 
 
 class ShardVectors:

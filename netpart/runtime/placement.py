@@ -31,7 +31,8 @@ class PlacementError(NetpartError):
 
 @dataclass(frozen=True)
 class Placement:
-    """roles[rank] = ("worker", replica, worker) or ("shard", shard, -1); hosts[rank] its host."""
+    """roles[rank] = ("worker", replica, worker), ("shard", shard, -1) or ("coordinator", 0,
+    -1); hosts[rank] its host."""
 
     replicas: int
     workers: int
@@ -45,6 +46,9 @@ class Placement:
     def shard_rank(self, shard: int) -> int:
         return self._index[("shard", shard, -1)]
 
+    def coordinator_rank(self) -> int:
+        return self._index[("coordinator", 0, -1)]
+
     def replica_ranks(self, replica: int) -> list[int]:
         """Global ranks of replica `replica`'s workers, in worker order."""
         return [self.worker_rank(replica, w) for w in range(self.workers)]
@@ -52,6 +56,8 @@ class Placement:
     def name(self, rank: int) -> str:
         """How logs name a rank: 'replica 1 worker 0' or 'shard 2'."""
         kind, a, b = self.roles[rank]
+        if kind == "coordinator":
+            return "coordinator"
         return f"replica {a} worker {b}" if kind == "worker" else f"shard {a}"
 
     def hosts_of_replica(self, replica: int) -> set[str]:
@@ -70,14 +76,21 @@ class Placement:
 
 
 def place(
-    hosts: Sequence[str], replicas: int, workers: int, shards: int, policy: str = "pack"
+    hosts: Sequence[str],
+    replicas: int,
+    workers: int,
+    shards: int,
+    policy: str = "pack",
+    coordinators: int = 0,
 ) -> Placement:
-    """The placement of a job whose rank k runs on `hosts[k]` (see the module docstring)."""
-    world = replicas * workers + shards
+    """The placement of a job whose rank k runs on `hosts[k]` (see the module docstring); a
+    Sandblaster coordinator, if any, takes the last free slot."""
+    world = replicas * workers + shards + coordinators
     if len(hosts) != world:
         raise PlacementError(
             f"{len(hosts)} processes for a job of {replicas} x {workers} workers + {shards} "
-            f"shards = {world}; start torchrun with that many processes in all"
+            f"shards{' + a coordinator' if coordinators else ''} = {world}; start torchrun "
+            "with that many processes in all"
         )
     if policy not in POLICIES:
         raise PlacementError(f"--placement {policy}: choose one of {', '.join(POLICIES)}")
@@ -91,6 +104,7 @@ def place(
     if policy == "ordered" or len(order) == 1:
         roles = [("worker", *divmod(k, workers)) for k in range(replicas * workers)]
         roles += [("shard", s, -1) for s in range(shards)]
+        roles += [("coordinator", 0, -1)] * coordinators
     elif policy == "spread":
         for r in range(replicas):
             for w in range(workers):
@@ -111,6 +125,9 @@ def place(
                     take(host, ("worker", r, w))
                     w += 1
         _place_shards(order, free, shards, take)
+    if coordinators and policy != "ordered" and len(order) > 1:
+        last = max(k for h in order for k in free[h])
+        roles[last] = ("coordinator", 0, -1)
     return Placement(replicas, workers, shards, tuple(roles), tuple(hosts))  # type: ignore[arg-type]
 
 

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from netpart.errors import RuntimeFailure
 from netpart.partition.shards import Segment, ShardLayout
+from netpart.runtime.lbfgs import ShardVectors, code_name
 from netpart.runtime.transport import PeerError, _gloo_reason
 from netpart.runtime.updates import UpdateRule, delay_compensated
 
@@ -51,7 +52,7 @@ HEADER_LEN = 7
 TAG_HEADER, TAG_PAYLOAD = 1, 2
 TAG_CHUNK = 16  # chunk i of a push travels with tag TAG_CHUNK + i
 CHUNK = 1 << 18  # values per push chunk
-MODES = ("downpour", "sync")
+MODES = ("downpour", "sync", "sandblaster")
 DC_KEPT = 4  # DC-ASGD: served versions kept per peer
 
 
@@ -60,6 +61,26 @@ class Kind(IntEnum):
     FETCH = 2
     PARAMS = 3
     BYE = 4
+    CMD = 5  # Sandblaster: coordinator -> shard, a vector operation
+    REPLY = 6  # shard -> coordinator: its result
+    UNIT = 7  # coordinator -> worker: compute this work unit
+    DONE = 8  # worker 0 of a replica -> coordinator: unit finished, with its loss sum
+
+
+class Op(IntEnum):
+    """Sandblaster's shard operations (`Kind.CMD`; args float64 [alpha, a, b, c])."""
+
+    DOT = 1
+    ABS_SUM = 2
+    ABS_MAX = 3
+    AXPY = 4
+    COPY = 5
+    SCALE = 6
+    DIFF = 7
+    KEEP_PAIR = 8
+    BEGIN = 9  # a new evaluation: zero the batch gradient, forget the units received
+    WAIT = 10  # answer once every worker's part of `alpha` units has arrived
+    STOP = 11
 
 
 class ProtocolError(RuntimeFailure):
@@ -118,6 +139,8 @@ class ShardServer:
         state: ShardState,
         on_update: Callable[[ShardServer, int], None] | None = None,
         dc_lambda: float = 0.0,
+        coordinator: int | None = None,
+        history: int = 10,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -142,6 +165,13 @@ class ShardServer:
         # DC-ASGD: per peer, the values last served to it, by version (the newest few).
         self.dc_lambda = dc_lambda
         self.served: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
+        # Sandblaster: the L-BFGS vectors (x is the values), the evaluation being accumulated.
+        self.coordinator = coordinator
+        self.coordinator_done = coordinator is None
+        self.vectors = ShardVectors(rule.values, history) if mode == "sandblaster" else None
+        self.eval_id = -1
+        self.units_in: dict[int, set[int]] = {w: set() for w in self.workers}
+        self.duplicates = 0  # backup copies of units that arrived second (dropped)
 
     # ---- serving -------------------------------------------------------------------------
     def serve(self, stop: threading.Event | None = None, grace: float = 60.0) -> None:
@@ -151,6 +181,8 @@ class ShardServer:
             for r in range(self.replicas)
             for w in self.workers
         ]
+        if self.coordinator is not None:
+            threads.append(threading.Thread(target=self._commands, daemon=True, name="commands"))
         for t in threads:
             t.start()
         deadline = None
@@ -165,7 +197,7 @@ class ShardServer:
                 self.cond.wait(timeout=0.2)
 
     def _finished(self) -> bool:
-        return all(
+        return self.coordinator_done and all(
             (r, w) in self.done or r in self.lost
             for r in range(self.replicas)
             for w in self.workers
@@ -192,7 +224,10 @@ class ShardServer:
                             f"shard {self.shard}: push of {length} values from replica "
                             f"{replica} worker {worker}, the layout says {n}"
                         )
-                    self._receive_push(replica, worker, step, payload, segments, src, extra)
+                    if self.vectors is not None:
+                        self._receive_unit(worker, step, extra, payload, segments, src)
+                    else:
+                        self._receive_push(replica, worker, step, payload, segments, src, extra)
                     with self.cond:  # peers run in threads: count under the lock
                         self.bytes_in += payload.numel() * payload.element_size()
                 elif kind == Kind.FETCH:
@@ -222,6 +257,81 @@ class ShardServer:
         except (RuntimeError, ProtocolError) as exc:
             reason = str(exc) if isinstance(exc, ProtocolError) else _gloo_reason(exc)
             self.lose(replica, f"worker {worker}: {reason}")
+
+    # ---- Sandblaster ----------------------------------------------------------------------
+    def _receive_unit(self, worker, unit, eval_id, payload, segments, src) -> None:
+        """Add a unit's gradient into the batch gradient, once per (unit, worker) part."""
+        chunks = _chunks(payload.numel())
+        works = [
+            dist.irecv(payload[a:b], src=src, tag=TAG_CHUNK + i) for i, (a, b) in enumerate(chunks)
+        ]
+        for work in works:
+            work.wait()
+        with self.cond:
+            if eval_id != self.eval_id or unit in self.units_in[worker]:
+                self.duplicates += 1  # a backup that lost, or a unit of an older evaluation
+                return
+            self.units_in[worker].add(unit)
+            g = self.vectors.vectors["g"]
+            for lo, hi, at in _overlaps(segments, 0, payload.numel()):
+                g[at : at + hi - lo] += payload[lo:hi]
+            self.cond.notify_all()
+
+    def _commands(self) -> None:
+        """Serve the coordinator's vector operations; each gets a one-value reply."""
+        src = self.coordinator
+        header = torch.empty(HEADER_LEN, dtype=torch.int64)
+        args = torch.empty(4, dtype=torch.float64)
+        try:
+            while True:
+                dist.recv(header, src=src, tag=TAG_HEADER)
+                op = Op(int(header[3]))
+                dist.recv(args, src=src, tag=TAG_PAYLOAD)
+                value = self.command(op, *args.tolist())
+                if op == Op.WAIT and self.on_update is not None:  # an evaluation is complete
+                    self.on_update(self, self.state.updates)
+                reply = _header(Kind.REPLY, self.rank, self.shard, int(op), 1, 0)
+                dist.send(reply, dst=src, tag=TAG_HEADER)
+                dist.send(torch.tensor([value], dtype=torch.float64), dst=src, tag=TAG_PAYLOAD)
+                if op == Op.STOP:
+                    break
+        except RuntimeError as exc:
+            log.warning("shard %d: coordinator lost (%s)", self.shard, _gloo_reason(exc))
+        with self.cond:
+            self.coordinator_done = True
+            self.cond.notify_all()
+
+    def command(self, op: Op, alpha: float, a: float, b: float, c: float) -> float:
+        """Run one coordinator operation on this shard's vectors (names come as codes)."""
+        v = self.vectors
+        na, nb, nc = (code_name(int(x)) for x in (a, b, c))
+        with self.cond:
+            if op == Op.WAIT:
+                n = int(alpha)
+                while not all(len(self.units_in[w]) >= n for w in self.workers):
+                    self.cond.wait(timeout=0.2)
+                self.state.updates += 1
+                return 0.0
+            if op == Op.BEGIN:
+                self.eval_id = int(alpha)
+                self.units_in = {w: set() for w in self.workers}
+                v.vectors["g"].zero_()
+                return 0.0
+            reductions = {Op.DOT: lambda: v.dot(na, nb), Op.ABS_SUM: lambda: v.abs_sum(na),
+                          Op.ABS_MAX: lambda: v.abs_max(na)}  # fmt: skip
+            if op in reductions:
+                return reductions[op]()
+            if op == Op.AXPY:
+                v.axpy(alpha, na, nb)
+            elif op == Op.COPY:
+                v.copy(na, nb)
+            elif op == Op.SCALE:
+                v.scale(na, alpha)
+            elif op == Op.DIFF:
+                v.diff(na, nb, nc)
+            elif op == Op.KEEP_PAIR:
+                v.keep_pair()
+            return 0.0
 
     def lose(self, replica: int, why: str) -> None:
         """Stop waiting for `replica`: its pushes in flight are dropped, its fetches answered."""
@@ -394,11 +504,13 @@ class ShardClient:
         self._thread.start()
 
     # ---- caller side ---------------------------------------------------------------------
-    def push(self, grads: torch.Tensor, step: int) -> None:
+    def push(self, grads: torch.Tensor, step: int, extra: int | None = None) -> None:
         """Queue `grads` (flat, this worker's piece order; the client owns it now), computed
-        on the parameters last taken."""
+        on the parameters last taken. `extra` replaces the versions in the headers
+        (Sandblaster: the evaluation the unit belongs to)."""
         self._check()
-        self._submit((Kind.PUSH, step, (grads, dict(self._used))))
+        versions = dict(self._used) if extra is None else dict.fromkeys(self.routes, extra)
+        self._submit((Kind.PUSH, step, (grads, versions)))
 
     def fetch(self, step: int = 0) -> None:
         """Queue a fetch; `step` > 0 makes the shards answer only once that step is applied."""

@@ -281,8 +281,9 @@ def _supervise(run, workers, config, port, resume, summary, starts, on_progress)
     ]
     if failed:
         s, code = failed[0]
+        who = "the coordinator" if s == config.shards else f"shard {s}"
         raise WorkerFailure(
-            f"shard {s} exited with code {code}: {_last_error(logs[n_workers + s])}; the last "
+            f"{who} exited with code {code}: {_last_error(logs[n_workers + s])}; the last "
             f"checkpoint is in {run} (continue with --resume {run})"
         )
     if len(summary.lost) == config.replicas:

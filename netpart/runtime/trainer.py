@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from netpart.data import load_data
+from netpart.files import write_atomic
 from netpart.models.spec import ModelSpec
 from netpart.partition.planner import PartitionPlan
 from netpart.partition.shards import ShardLayout, piece_initial
@@ -33,6 +34,8 @@ from netpart.runtime.checkpoint import checkpoint_meta, load_shard, save_shard
 from netpart.runtime.config import TrainConfig
 from netpart.runtime.placement import Placement, place
 from netpart.runtime.ps import ShardClient, ShardServer, ShardState
+from netpart.runtime.sandblaster import run_coordinator
+from netpart.runtime.sandblaster import run_worker as run_sandblaster_worker
 from netpart.runtime.schedule import plan_schedule
 from netpart.runtime.transport import GlooTransport, _gloo_reason
 from netpart.runtime.updates import UpdateRule
@@ -73,7 +76,9 @@ def job_placement(config: TrainConfig, workers: int, node: str | None = None) ->
     node = node if node is not None else os.environ.get("GROUP_RANK", "0")
     hosts: list = [None] * world
     dist.all_gather_object(hosts, f"node{node}")
-    return place(hosts, config.replicas, workers, config.shards, config.placement)
+    return place(
+        hosts, config.replicas, workers, config.shards, config.placement, config.coordinators
+    )
 
 
 def run_process(
@@ -104,6 +109,18 @@ def run_process(
     graph, schedule = plan_schedule(spec, plan, validate=False)  # the launcher validated
     layout = ShardLayout.build(graph, plan.node_map, n, config.shards)
     kind, a, b = placement.roles[rank]
+    if kind == "coordinator":
+        stats = run_coordinator(config, placement, rank, run)
+        write_atomic(run / "coordinator.json", json.dumps(stats, indent=1).encode())
+        return None
+    if kind == "worker" and config.mode == "sandblaster":
+        model = ModelWorker(spec, graph, schedule, b, config.seed, DTYPES[config.dtype])
+        tensors = [t for s in model.slices for t in s.param_tensors()]
+        run_sandblaster_worker(
+            spec, model, tensors, layout, config, a, b, rank, groups[a], placement, _flat_grads,
+            _load,
+        )  # fmt: skip
+        return None
     if kind == "worker":
         _train_worker(
             spec, graph, schedule, layout, config, a, b, rank, groups[a], run,
@@ -157,7 +174,8 @@ def _serve_shard(spec, plan, layout, config, shard, rank, run, resume, stop, pla
     server = ShardServer(
         layout, shard, config.replicas, config.mode, rule,
         rank_of=placement.worker_rank, rank=rank, state=state, on_update=save,
-        dc_lambda=config.dc_lambda,
+        dc_lambda=config.dc_lambda, history=config.history,
+        coordinator=placement.coordinator_rank() if config.coordinators else None,
     )  # fmt: skip
     log.info("%d values, serving workers %s", size, server.workers)
     server.serve(stop, grace=config.timeout)

@@ -20,7 +20,7 @@ __all__ = ["OPTIMIZERS", "Optimizer", "UpdateRule", "delay_compensated"]
 
 _FUSED = getattr(torch, "_fused_adagrad_", None)  # the kernel of Adagrad(fused=True) on CPU
 
-OPTIMIZERS = ("sgd", "adagrad")
+OPTIMIZERS = ("sgd", "adagrad", "lbfgs")  # lbfgs: Sandblaster, driven by the coordinator
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,9 @@ from tqdm import tqdm
 from netpart.errors import PlanError
 
 EPILOG_TRAIN = """\
-the job: R replicas x N model workers + S parameter-server shards = R*N+S processes,
+the job: R replicas x N model workers + S parameter-server shards = R*N+S processes
+  (+1 coordinator with --mode sandblaster, where --steps counts L-BFGS iterations and
+  every evaluation covers the same --batch examples, cut into --units work units),
   spawned on this machine, or started by torchrun on one or more machines with
   WORLD_SIZE = R*N+S (every process runs this same command; see docs/multi-node.md).
   --placement pack keeps each replica's workers on as few machines as possible and spreads
@@ -31,6 +33,8 @@ in --out DIR:
   model.pt                 the reference module's state_dict (torch.load weights_only=True)
   summary.json             last step and loss per replica, lost replicas, held-out figures
   report.md, curves.png, step_time.png, staleness.png   (`netpart report DIR` redraws them)
+  sandblaster.jsonl, coordinator.json   Sandblaster: loss, units per replica and backups
+                           per evaluation; the totals and the L-BFGS losses
   logs/rank<k>.log
 
 examples:
@@ -39,6 +43,8 @@ examples:
   netpart train --model image-80m --workers 4 --replicas 1 --data shapes --batch 16
   netpart train --model tiny-local --workers 2 --data my_images/ --steps 500
   netpart train --model tiny-local --workers 2 --replicas 4 --mode sync --optimizer sgd
+  netpart train --model tiny-local --workers 2 --replicas 2 --mode sandblaster \\
+      --optimizer lbfgs --lr 1 --data digits --batch 1438 --units 16 --steps 15
   netpart train --resume out/train --steps 400       # continue a run to 400 steps
 """
 
@@ -71,7 +77,7 @@ def add_parsers(sub) -> None:
     flag("n_push", int, "downpour: push gradients every K steps")
     flag("push_norm", float, "downpour: push sooner once the gradient's L2 norm reaches this")
     flag("dc_lambda", float, "downpour: DC-ASGD delay compensation lambda (0: off)")
-    flag("units", int, "sandblaster: work units the batch is cut into")
+    flag("units", int, "sandblaster: work units per batch", "--units", "--units-per-batch")
     flag("history", int, "sandblaster: L-BFGS curvature pairs kept in the shards")
     flag("line_search", str, "sandblaster: armijo | none (torch.optim.LBFGS's fixed step)")
     flag("steps", int, "total steps per replica (a resume continues up to it)")
@@ -131,12 +137,12 @@ def add_parsers(sub) -> None:
 def _config_flag(parser, defaults):
     """Add a TrainConfig field as a flag whose absence means "the default, or the run's"."""
 
-    def add(field: str, kind, text: str, name: str | None = None) -> None:
+    def add(field: str, kind, text: str, name: str | None = None, *aliases: str) -> None:
         default = getattr(defaults, field)
         extra = "" if field == "shards" else f" (default {default})"
         parser.add_argument(
-            name or "--" + field.replace("_", "-"), dest=field, type=kind, default=None,
-            help=text + extra,
+            name or "--" + field.replace("_", "-"), *aliases, dest=field, type=kind,
+            default=None, help=text + extra,
         )  # fmt: skip
 
     return add
@@ -275,8 +281,8 @@ def _train_under_torchrun(spec, p, config, run: Path, resume: bool, echo) -> int
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     if world != config.world(p.workers):
         raise TrainError(
-            f"torchrun started {world} processes; this job needs replicas x workers + shards = "
-            f"{config.world(p.workers)}"
+            f"torchrun started {world} processes; this job needs replicas x workers + shards"
+            f"{' + 1 coordinator' if config.coordinators else ''} = {config.world(p.workers)}"
         )
     torch.set_num_threads(config.threads)
     stop = stop_on_signals()
@@ -301,7 +307,7 @@ def _train_under_torchrun(spec, p, config, run: Path, resume: bool, echo) -> int
     total = config.steps - starts.get(0, 0)
     # The bar: on the process that is worker 0 of replica 0 (it writes that replica's metrics;
     # under every placement policy on one machine, and usually on several, it is rank 0).
-    first = rank == placement.worker_rank(0, 0)
+    first = rank == placement.worker_rank(0, 0) and config.mode != "sandblaster"
     bar = tqdm(total=total, desc="train", unit="step", disable=None) if first else None
     done = [0]
 
@@ -327,7 +333,7 @@ def _train_under_torchrun(spec, p, config, run: Path, resume: bool, echo) -> int
             bar.close()
         sys.stderr.flush()
     kind, a, b = placement.roles[rank]
-    if kind == "worker" and b == 0:
+    if kind == "worker" and b == 0 and config.mode != "sandblaster":
         lines = (run / f"metrics_replica{a}.jsonl").read_text().splitlines()
         last = json.loads(lines[-1]) if lines else {"step": 0, "loss": float("nan")}
         echo(f"replica {a}: step {last['step']}, loss {last['loss']:.4g}")

@@ -135,6 +135,9 @@ def test_pack_keeps_replicas_on_one_host_and_spreads_shards():
     assert ordered.hosts_of_replica(1) == {"a", "b"}  # the naive order splits replica 1
     spread = place(hosts, 2, 2, 2, "spread")
     assert spread.hosts_of_replica(0) == {"a", "b"}
+    with_coordinator = place([*hosts, "b"], 2, 2, 2, coordinators=1)
+    assert with_coordinator.coordinator_rank() == 6 and with_coordinator.name(6) == "coordinator"
+    assert with_coordinator.hosts_of_replica(0) == {"a"}
     one = place(["x"] * 6, 2, 2, 2)  # one machine: the documented rank arithmetic
     assert [one.worker_rank(r, w) for r in (0, 1) for w in (0, 1)] == [0, 1, 2, 3]
     assert one.shard_rank(1) == 5 and one.name(3) == "replica 1 worker 1"

@@ -141,6 +141,10 @@ def test_train_config_round_trip_and_errors():
         ({"mode": "sync", "push_norm": 1.0}, "apply to --mode downpour"),
         ({"placement": "random"}, "--placement"),
         ({"snapshot_every": -1}, "--snapshot-every"),
+        ({"mode": "sandblaster"}, "goes with --optimizer lbfgs"),
+        ({"optimizer": "lbfgs"}, "goes with --optimizer lbfgs"),
+        ({"mode": "sandblaster", "optimizer": "lbfgs", "line_search": "wolfe"}, "armijo or none"),
+        ({"mode": "sandblaster", "optimizer": "lbfgs", "units": 64, "batch": 32}, "--units 64"),
     ):
         with pytest.raises(TrainError, match=match):
             TrainConfig(**bad)

@@ -125,3 +125,23 @@ def count_processes(marker: bytes) -> int:
         except OSError:
             continue
     return count
+
+
+def torch_lbfgs(spec, x, y, lr: float, iterations: int, history: int):
+    """The reference model (seed 0, float64) after torch.optim.LBFGS with a fixed step on the
+    whole batch (x, y); returns (model, optimizer) for comparison."""
+    import torch
+
+    from netpart.models import build_reference
+
+    ref = build_reference(spec, 0, torch.float64)
+    opt = torch.optim.LBFGS(ref.parameters(), lr=lr, max_iter=iterations, history_size=history)
+
+    def closure():
+        opt.zero_grad()
+        loss = ref.loss(ref(x), y)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return ref, opt

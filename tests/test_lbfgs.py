@@ -9,6 +9,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from netpart.models import build_reference, load_spec
 from netpart.runtime.check import make_batch
 from netpart.runtime.lbfgs import LBFGSDriver, LocalShards, ShardVectors
+from tests.conftest import torch_lbfgs
 
 
 def _problem(name: str, shards: int, history: int, seed: int = 0):
@@ -41,16 +42,7 @@ def test_shard_side_lbfgs_equals_torch_lbfgs(name, history, lr):
     result = LBFGSDriver(sh, evaluate, lr=lr, history=history).run(max_iter=12)
     ours = torch.cat([s.vectors["x"] for s in sh.shards])
 
-    ref = build_reference(spec, 0, torch.float64)
-    opt = torch.optim.LBFGS(ref.parameters(), lr=lr, max_iter=12, history_size=history)
-
-    def closure():
-        opt.zero_grad()
-        loss = ref.loss(ref(x), y)
-        loss.backward()
-        return loss
-
-    opt.step(closure)
+    ref, opt = torch_lbfgs(spec, x, y, lr, 12, history)
     theirs = parameters_to_vector(ref.parameters()).detach()
     assert result.iterations == opt.state[next(iter(ref.parameters()))]["n_iter"]
     assert torch.allclose(ours, theirs, rtol=1e-9, atol=1e-11)

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from netpart.data import load_data
-from netpart.models import build_reference, load_spec
+from netpart.models import load_spec
 from netpart.partition import plan
 from netpart.runtime.config import TrainConfig
 from netpart.runtime.train_launch import train
-from tests.conftest import count_processes
+from tests.conftest import count_processes, torch_lbfgs
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -38,17 +38,8 @@ def test_distributed_sandblaster_equals_torch_lbfgs_and_sends_only_scalars(tmp_p
     train(SPEC, plan(SPEC, 2, "metis"), cfg, tmp_path / "run")
     ours = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
 
-    ref = build_reference(SPEC, 0, torch.float64)
     x, y = torch.from_numpy(data.x).double(), torch.from_numpy(data.y)
-    opt = torch.optim.LBFGS(ref.parameters(), lr=1.0, max_iter=6, history_size=10)
-
-    def closure():
-        opt.zero_grad()
-        loss = ref.loss(ref(x), y)
-        loss.backward()
-        return loss
-
-    opt.step(closure)
+    ref, _ = torch_lbfgs(SPEC, x, y, lr=1.0, iterations=6, history=10)
     for name, p in ref.state_dict().items():
         assert torch.allclose(ours[name], p, rtol=1e-8, atol=1e-10), name
     stats = json.loads((tmp_path / "run" / "coordinator.json").read_text())

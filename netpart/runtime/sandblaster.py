@@ -123,9 +123,11 @@ def run_coordinator(config, placement: Placement, rank: int, run: Path) -> dict:
         return True
 
     def receive_done() -> tuple[int, int, int, float]:
+        """The next unit report, from any replica (blocking; a slow replica's units are
+        covered by backup copies meanwhile)."""
         hdr = torch.empty(HEADER_LEN, dtype=torch.int64)
         value = torch.empty(1, dtype=torch.float64)
-        src = dist.recv(hdr, tag=TAG_DONE)  # from any replica
+        src = dist.recv(hdr, tag=TAG_DONE)
         dist.recv(value, src=src, tag=TAG_DONE_VALUE)
         _, _, _, unit, _, replica, ev = hdr.tolist()
         return replica, unit, ev, float(value[0])
@@ -184,8 +186,8 @@ def run_coordinator(config, placement: Placement, rank: int, run: Path) -> dict:
         result = driver.run(config.steps)
     finally:
         metrics.close()
-    while busy:  # let backups still running report before the goodbye
-        r, *_ = receive_done()
+    while busy:  # replicas still on a unit report it before the goodbye (gloo sends block
+        r, *_ = receive_done()  # until received); a replica that died is not handled here
         busy.pop(r, None)
     for r in range(replicas):
         if r not in lost:

@@ -103,6 +103,14 @@ def _chunks(n: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in itertools.pairwise(cuts) if b > a] or [(0, 0)]
 
 
+def _post_chunks(payload: torch.Tensor, src: int) -> list[tuple[tuple[int, int], dist.Work]]:
+    """Post the receives of a push's chunks into `payload`: ((a, b), work) per chunk."""
+    return [
+        ((a, b), dist.irecv(payload[a:b], src=src, tag=TAG_CHUNK + i))
+        for i, (a, b) in enumerate(_chunks(payload.numel()))
+    ]
+
+
 def _overlaps(segments: tuple[Segment, ...], a: int, b: int):
     """(payload lo, payload hi, shard offset) of the parts of `segments` in payload [a, b)."""
     off = 0
@@ -261,11 +269,7 @@ class ShardServer:
     # ---- Sandblaster ----------------------------------------------------------------------
     def _receive_unit(self, worker, unit, eval_id, payload, segments, src) -> None:
         """Add a unit's gradient into the batch gradient, once per (unit, worker) part."""
-        chunks = _chunks(payload.numel())
-        works = [
-            dist.irecv(payload[a:b], src=src, tag=TAG_CHUNK + i) for i, (a, b) in enumerate(chunks)
-        ]
-        for work in works:
+        for _, work in _post_chunks(payload, src):
             work.wait()
         with self.cond:
             if eval_id != self.eval_id or unit in self.units_in[worker]:
@@ -345,12 +349,9 @@ class ShardServer:
     def _receive_push(self, replica, worker, step, payload, segments, src, version) -> None:
         """Receive a push in chunks and fold each into the shard as soon as it lands, so the
         update of one chunk overlaps the transfer of the next."""
-        chunks = _chunks(payload.numel())
-        works = [
-            dist.irecv(payload[a:b], src=src, tag=TAG_CHUNK + i) for i, (a, b) in enumerate(chunks)
-        ]
+        posted = _post_chunks(payload, src)
         then = self._served_values(replica, worker, version)
-        for (a, b), work in zip(chunks, works, strict=True):
+        for (a, b), work in posted:
             work.wait()
             self._fold_chunk(replica, step, payload, segments, a, b, then)
         self._finish_push(replica, worker, step, version)

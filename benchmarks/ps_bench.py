@@ -34,7 +34,8 @@ from netpart.models import load_spec
 from netpart.partition import build_unit_graph, plan
 from netpart.partition.shards import ShardLayout
 from netpart.runtime.config import TrainConfig
-from netpart.runtime.ps import ShardClient, ShardServer, ShardState
+from netpart.runtime.ps import ShardServer, ShardState
+from netpart.runtime.ps_client import ShardClient
 from netpart.runtime.train_launch import train
 from netpart.runtime.updates import Optimizer, UpdateRule
 

@@ -2,7 +2,8 @@
 
 from netpart.runtime.config import TrainConfig, TrainError
 from netpart.runtime.launch import WorkerFailure, run_step
-from netpart.runtime.ps import ShardClient, ShardServer
+from netpart.runtime.ps import ShardServer
+from netpart.runtime.ps_client import ShardClient
 from netpart.runtime.result import StepResult
 from netpart.runtime.schedule import (
     HaloSchedule,

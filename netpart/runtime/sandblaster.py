@@ -31,7 +31,8 @@ import torch.distributed as dist
 from netpart.data import load_data
 from netpart.runtime.lbfgs import LBFGSDriver, name_code
 from netpart.runtime.placement import Placement
-from netpart.runtime.ps import HEADER_LEN, Kind, Op, ShardClient, _header
+from netpart.runtime.ps import HEADER_LEN, Kind, Op, _header
+from netpart.runtime.ps_client import ShardClient
 from netpart.runtime.transport import GlooTransport
 
 __all__ = ["RemoteShards", "run_coordinator", "run_worker"]

@@ -33,7 +33,8 @@ from netpart.partition.shards import ShardLayout, piece_initial
 from netpart.runtime.checkpoint import checkpoint_meta, load_shard, save_shard
 from netpart.runtime.config import TrainConfig
 from netpart.runtime.placement import Placement, place
-from netpart.runtime.ps import ShardClient, ShardServer, ShardState
+from netpart.runtime.ps import ShardServer, ShardState
+from netpart.runtime.ps_client import ShardClient
 from netpart.runtime.sandblaster import run_coordinator
 from netpart.runtime.sandblaster import run_worker as run_sandblaster_worker
 from netpart.runtime.schedule import plan_schedule

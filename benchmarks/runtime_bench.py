@@ -1,8 +1,10 @@
 """Runtime benchmark: overhead, speedup and local-kernel rate, each as a side-by-side ratio.
 
 (a) one model worker (N=1, no peers) vs the plain reference module, fwd+bwd, same thread
-    count, alternated in one process; (b) a mid-size locally connected model at N=2 worker
-    processes (one thread each) vs N=1 (one thread), step time = slowest worker per step;
+    count, alternated in one process; (b) two mid-size locally connected models at N=2 worker
+    processes (one thread each) vs N=1 (one thread), step time = slowest worker per step:
+    `bench-local` (10M parameters) and `bench-local-wide` (the same layers with twice the
+    channels, 32M parameters);
 (c) the locally connected slice kernel's GFLOP/s vs a dense matmul's, one thread.
 
     python benchmarks/runtime_bench.py --out benchmarks/results/runtime_bench.json
@@ -39,6 +41,18 @@ MID_LOCAL = ModelSpec.from_dict(
             {"kind": "local", "channels": 32, "kernel": 5},
             {"kind": "pool", "mode": "max", "kernel": 2},
             {"kind": "dense", "units": 10, "activation": "softmax"},
+        ],
+    }
+)
+
+
+WIDE_LOCAL = ModelSpec.from_dict(
+    {
+        **MID_LOCAL.to_dict(),
+        "name": "bench-local-wide",
+        "layer": [
+            {**layer, "channels": 2 * layer["channels"]} if "channels" in layer else layer
+            for layer in MID_LOCAL.to_dict()["layer"]
         ],
     }
 )
@@ -87,13 +101,12 @@ def overhead(batch: int, repeat: int) -> dict:
     }
 
 
-def speedup(batch: int, steps: int, methods: list[str], pairs: int) -> dict:
+def speedup(spec: ModelSpec, batch: int, steps: int, methods: list[str], pairs: int) -> dict:
     """(b) N=2 processes (1 thread each) vs N=1 (1 thread), same batch, lockstep step time.
 
     N=1 and N=2 runs alternate `pairs` times; the figure is the median of the per-pair ratios
     (the machine's speed drifts between runs by more than the effect measured).
     """
-    spec = MID_LOCAL
     x, y = make_batch(spec, batch, 0)
     x = x.float()
 
@@ -168,10 +181,14 @@ def main() -> int:
         f"{a['reference_step_s'] * 1e3:.1f} ms per step: ratio {a['ratio_median']:.3f} "
         "(target <= 1.15)"
     )
-    b = speedup(args.batch, args.steps, ["metis", "tiles"], args.pairs)
-    for method, r in b.items():
+    b = {
+        spec.name: speedup(spec, args.batch, args.steps, ["metis", "tiles"], args.pairs)
+        for spec in (MID_LOCAL, WIDE_LOCAL)
+    }
+    for name, method, r in ((n, m, r) for n, d in b.items() for m, r in d.items()):
         print(
-            f"(b) {method}: N=1 {r['n1_step_s'] * 1e3:.1f} ms, N=2 {r['n2_step_s'] * 1e3:.1f} ms: "
+            f"(b) {name}, {method}: N=1 {r['n1_step_s'] * 1e3:.1f} ms, "
+            f"N=2 {r['n2_step_s'] * 1e3:.1f} ms: "
             f"speedup {r['speedup']:.2f}x, median of "
             f"{', '.join(f'{v:.2f}' for v in r['speedup_per_pair'])} (target >= 1.6)"
         )

@@ -1,13 +1,16 @@
 """How far the scaling simulation is from real runs: predicted vs measured step time.
 
-For N in {2, 3, 4}: run the model in N real worker processes on this machine (gloo over
+For each model (`bench-local`, 10M parameters, and `bench-local-wide`, 32M) and N in
+{2, 3, 4}: run the model in N real worker processes on this machine (gloo over
 loopback, one thread each, median of timed steps, each step = slowest worker) and predict
 the same step from measured slice times with the simulator, told that N processes share this
-machine's cores and given a loopback network model measured with gloo. Then across two
-network namespaces joined by a veth limited with `tc tbf` (N = 2, one worker per
-namespace), predicted with the link's rate. Error = predicted / measured - 1.
+machine's cores and given a loopback network model measured with gloo. Then with one worker
+in each of N network namespaces on a bridge whose ports are limited with `tc tbf` (emulated
+machines on a switch), predicted with the link as gloo measures it. Links are measured as the
+runtime uses them: latency from a small ping-pong, bandwidth from 1 MB sent both ways at
+once. Error = predicted / measured - 1.
 
-    python experiments/validate_sim.py        # ~2 min here; the namespace part needs root
+    python experiments/validate_sim.py        # ~7 min here; the namespace part needs root
 
 Writes experiments/results/validation.json (and .csv).
 """
@@ -31,7 +34,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # benchmarks/ and tests/ helpers
 
-from benchmarks.runtime_bench import MID_LOCAL  # noqa: E402
+from benchmarks.runtime_bench import MID_LOCAL, WIDE_LOCAL  # noqa: E402
 from experiments._common import free_port, write_csv  # noqa: E402
 from netpart.files import plan_files, write_atomic, write_files  # noqa: E402
 from netpart.partition import plan  # noqa: E402
@@ -45,10 +48,13 @@ from netpart.runtime.trace import measure_slices  # noqa: E402
 
 RESULTS = ROOT / "experiments" / "results"
 BATCH, STEPS, WARMUP = 32, 12, 3
+BOTH = 1 << 18  # float32 values sent both ways at once to measure a link: 1 MB, a few times
+# one layer's halo exchange in these models (150-340 KB each way)
 
 
 def _pingpong(rank: int, port: int, queue, addr: str = "127.0.0.1") -> None:
-    """Half of a gloo ping-pong; rank 0 puts the one-way seconds of 64 B and 4 MB on `queue`."""
+    """Half of a gloo ping-pong; rank 0 puts on `queue` the one-way seconds of 64 B and 4 MB,
+    and of 1 MB sent both ways at once ("both": how the runtime's exchanges use a link)."""
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     out = {}
@@ -65,17 +71,29 @@ def _pingpong(rank: int, port: int, queue, addr: str = "127.0.0.1") -> None:
                 dist.send(buf, 0)
             laps.append(time.perf_counter() - t0)
         out[name] = float(np.median(laps[3:])) / 2  # one way
+    send, recv, laps = torch.zeros(BOTH), torch.zeros(BOTH), []
+    for _ in range(15):
+        dist.barrier()
+        t0 = time.perf_counter()
+        works = [dist.isend(send, 1 - rank), dist.irecv(recv, 1 - rank)]
+        for work in works:
+            work.wait()
+        laps.append(time.perf_counter() - t0)
+    out["both"] = float(np.median(laps[3:]))
     if rank == 0:
         queue.put(out)
     dist.destroy_process_group()
 
 
 def _network(t: dict) -> NetworkModel:
-    bandwidth = (1 << 20) * 4 * 8 / max(t["large"] - t["small"], 1e-9)
+    """Latency from the small ping-pong; bandwidth from 1 MB sent both ways at once, as the
+    runtime's exchanges send (on a shaped link the two directions' ACKs queue behind each
+    other's data, so this is lower than the one-way ping-pong rate, also reported)."""
+    bandwidth = BOTH * 4 * 8 / max(t["both"] - t["small"], 1e-9)
     return NetworkModel(bandwidth_bps=bandwidth, latency_s=t["small"])
 
 
-def namespace_network(a, b) -> NetworkModel:
+def namespace_network(a, b) -> dict:
     """The same ping-pong between the two namespaces: the link's effective figures."""
     code = (
         "import sys, json, queue; sys.path.insert(0, {root!r}); "
@@ -94,10 +112,10 @@ def namespace_network(a, b) -> NetworkModel:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return _network(json.loads(out[0].strip().splitlines()[-1]))
+    return json.loads(out[0].strip().splitlines()[-1])
 
 
-def loopback_network() -> NetworkModel:
+def loopback_network() -> dict:
     """Latency and bandwidth of gloo between two processes here (one-way, median)."""
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port()
@@ -111,7 +129,16 @@ def loopback_network() -> NetworkModel:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    return _network(t)
+    return t
+
+
+def _describe(t: dict) -> str:
+    net = _network(t)
+    one_way = (1 << 20) * 4 * 8 / max(t["large"] - t["small"], 1e-9)
+    return (
+        f"latency {net.latency_s * 1e6:.0f} us, {net.bandwidth_bps / 1e6:.1f} Mbit/s both ways "
+        f"at once ({one_way / 1e6:.1f} Mbit/s one way)"
+    )
 
 
 def measured_local(spec, p, x, y, repeats: int = 3) -> tuple[float, np.ndarray, np.ndarray]:
@@ -127,30 +154,33 @@ def measured_local(spec, p, x, y, repeats: int = 3) -> tuple[float, np.ndarray, 
     return float(np.median(steps)), np.median(fwd, axis=0), np.median(bwd, axis=0)
 
 
-def predicted(spec, p, net: NetworkModel, cores: int | None, traces=None) -> float:
-    """Simulated step: from isolated slice timings, or from given (forward, backward) traces."""
-    fwd, bwd = traces if traces is not None else _isolated(spec, p)
+def predicted(spec, p, net: NetworkModel, cores: int | None, traces) -> float:
+    """Simulated step from (forward, backward) slice traces [L, N]."""
+    fwd, bwd = traces
     _, schedule = plan_schedule(spec, p, validate=False)
     return simulate_step(fwd, bwd, schedule.traffic(), BATCH, net, cores).step_s
 
 
 def _isolated(spec, p):
+    """Every slice of `p` timed alone (what the scaling experiment simulates from)."""
     times = measure_slices(spec, p, BATCH)
     return times.forward, times.backward
 
 
 def measured_namespaces(spec, p, x, y, rate: str):
-    """(step, forward and backward traces, measured link) of two workers in two namespaces
-    over a tbf-limited veth; None where namespaces cannot be made."""
+    """(step, forward and backward traces, link timings) of one worker in each of
+    `p.workers` namespaces on a switch whose ports are tbf-limited to `rate`; None where
+    namespaces cannot be made."""
     from tests import netns
 
     why = netns.unavailable()
     if why is not None:
         print(f"skipping the namespace run: {why}")
         return None
+    n = p.workers
     with tempfile.TemporaryDirectory(prefix="netpart-val-") as tmp, \
-            netns.two_hosts(rate=rate, burst="32kb") as (a, b):  # fmt: skip
-        link = namespace_network(a, b)
+            netns.switched_hosts(n, rate=rate, burst="32kb") as hosts:  # fmt: skip
+        link = namespace_network(hosts[0], hosts[1])
         job = Path(tmp)
         files = plan_files(p)
         files["spec.json"] = spec.to_json().encode()
@@ -159,18 +189,18 @@ def measured_namespaces(spec, p, x, y, rate: str):
         files["config.json"] = json.dumps(config).encode()
         write_files(job, files)
         torch.save({"inputs": x, "targets": y}, job / "batch.pt")
-        port = 29571
+        port, master = 29571, hosts[0].address
         store = (
             "import datetime, time, torch.distributed as d; "
-            f"s = d.TCPStore('{a.address}', {port}, 3, True, "
+            f"s = d.TCPStore('{master}', {port}, {n + 1}, True, "
             "timeout=datetime.timedelta(seconds=120), wait_for_workers=False); time.sleep(300)"
         )
         env = {"PYTHONPATH": str(ROOT)}
-        procs = [subprocess.Popen(a.command([sys.executable, "-c", store], env))]
+        procs = [subprocess.Popen(hosts[0].command([sys.executable, "-c", store], env))]
         time.sleep(1.0)
         try:
-            for rank, host in enumerate((a, b)):
-                wenv = {**env, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": a.address,
+            for rank, host in enumerate(hosts):
+                wenv = {**env, "RANK": str(rank), "WORLD_SIZE": str(n), "MASTER_ADDR": master,
                         "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": host.device}  # fmt: skip
                 argv = [sys.executable, "-m", "netpart.runtime.worker_main", "--job", str(job)]
                 procs.append(subprocess.Popen(host.command(argv, wenv)))
@@ -182,7 +212,7 @@ def measured_namespaces(spec, p, x, y, rate: str):
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
-        results = [load_worker_result(job / f"result_{r}.pt") for r in range(2)]
+        results = [load_worker_result(job / f"result_{r}.pt") for r in range(n)]
     times = np.array([r.step_times for r in results])
     fwd, bwd = (
         np.array(
@@ -193,8 +223,8 @@ def measured_namespaces(spec, p, x, y, rate: str):
     return float(np.median(times.max(axis=0)[WARMUP:])), fwd, bwd, link
 
 
-def _row(setup: str, n: int, measured: float, isolated: float, insitu: float) -> dict:
-    return {"setup": setup, "workers": n, "measured_ms": measured * 1e3,
+def _row(model: str, setup: str, n: int, measured: float, isolated: float, insitu: float) -> dict:
+    return {"model": model, "setup": setup, "workers": n, "measured_ms": measured * 1e3,
             "predicted_ms": isolated * 1e3, "error": isolated / measured - 1,
             "predicted_insitu_ms": insitu * 1e3, "error_insitu": insitu / measured - 1}  # fmt: skip
 
@@ -204,37 +234,44 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", default="2,3,4")
     ap.add_argument("--rate", default="50mbit", help="namespace link rate (tc tbf)")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--models", default="bench-local,bench-local-wide")
     args = ap.parse_args(argv)
-    spec = MID_LOCAL
-    x, y = make_batch(spec, BATCH, 0)
-    x = x.float()
-    net = loopback_network()
+    models = {m.name: m for m in (MID_LOCAL, WIDE_LOCAL)}
+    loopback = loopback_network()
+    net = _network(loopback)
     cores = os.cpu_count() or 1
-    print(f"loopback gloo: latency {net.latency_s * 1e6:.0f} us, "
-          f"{net.bandwidth_bps / 1e9:.1f} Gbit/s; {cores} cores")  # fmt: skip
-    rows = []
-    for n in (int(v) for v in args.workers.split(",")):
-        p = plan(spec, n, "metis", seed=0, batch=BATCH)
-        measured, fwd, bwd = measured_local(spec, p, x, y)
-        isolated = predicted(spec, p, net, cores)
-        insitu = predicted(spec, p, net, cores, (fwd, bwd))
-        rows.append(_row(f"{n} processes, this machine", n, measured, isolated, insitu))
-    p = plan(spec, 2, "metis", seed=0, batch=BATCH)
-    got = measured_namespaces(spec, p, x, y, args.rate)
-    if got is not None:
-        measured, fwd, bwd, link = got
-        print(f"{args.rate} veth through gloo: latency {link.latency_s * 1e6:.0f} us, "
-              f"{link.bandwidth_bps / 1e6:.1f} Mbit/s effective")  # fmt: skip
-        isolated = predicted(spec, p, link, None)
-        insitu = predicted(spec, p, link, None, (fwd, bwd))
-        rows.append(_row(f"2 namespaces, {args.rate} veth", 2, measured, isolated, insitu))
+    print(f"loopback gloo: {_describe(loopback)}; {cores} cores")
+    rows, links = [], {}
+    for name in args.models.split(","):
+        spec = models[name]
+        x, y = make_batch(spec, BATCH, 0)
+        x = x.float()
+        for n in (int(v) for v in args.workers.split(",")):
+            p = plan(spec, n, "metis", seed=0, batch=BATCH)
+            alone = _isolated(spec, p)
+            measured, fwd, bwd = measured_local(spec, p, x, y)
+            isolated = predicted(spec, p, net, cores, alone)
+            insitu = predicted(spec, p, net, cores, (fwd, bwd))
+            rows.append(_row(name, f"{n} processes, this machine", n, measured, isolated, insitu))
+            got = measured_namespaces(spec, p, x, y, args.rate)
+            if got is None:
+                continue
+            measured, fwd, bwd, timings = got
+            link = links[f"{name} {n}"] = _network(timings)
+            print(f"{args.rate} switch ports through gloo: {_describe(timings)}")
+            isolated = predicted(spec, p, link, cores, alone)
+            insitu = predicted(spec, p, link, cores, (fwd, bwd))
+            setup = f"{n} namespaces, {args.rate} switch"
+            rows.append(_row(name, setup, n, measured, isolated, insitu))
     for r in rows:
-        print(f"{r['setup']:<30} measured {r['measured_ms']:6.1f} ms; predicted from isolated "
-              f"slices {r['predicted_ms']:6.1f} ms ({r['error']:+.0%}), from in-run compute "
+        print(f"{r['model']:<17} {r['setup']:<30} measured {r['measured_ms']:6.1f} ms; "
+              f"predicted from isolated slices {r['predicted_ms']:6.1f} ms ({r['error']:+.0%}), "
+              f"from in-run compute "
               f"{r['predicted_insitu_ms']:6.1f} ms ({r['error_insitu']:+.0%})")  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    doc = {"model": spec.name, "batch": BATCH, "network": net.to_dict(), "rows": rows,
-           "link": link.to_dict() if got is not None else None}  # fmt: skip
+    doc = {"models": args.models.split(","), "batch": BATCH, "loopback": loopback,
+           "network": net.to_dict(), "rows": rows,
+           "links": {k: v.to_dict() for k, v in links.items()}}  # fmt: skip
     write_atomic(args.out / "validation.json", json.dumps(doc, indent=1).encode())
     write_csv(args.out / "validation.csv", rows)
     return 0

@@ -1,9 +1,11 @@
-"""Emulated machines: network namespaces joined by a veth pair, rate-limited with `tc tbf`.
+"""Emulated machines: network namespaces joined by veth pairs, rate-limited with `tc tbf`.
 
 `two_hosts()` makes two namespaces (each its own network stack: loopback, one veth end with
 an address), limits each direction of the link to `rate` with a token bucket (this kernel has
 no netem, so no latency is added), and on exit kills whatever still runs inside them and
-deletes them (which deletes the veth pair). Needs root (CAP_NET_ADMIN); `unavailable()` says
+deletes them (which deletes the veth pair). `switched_hosts(n)` joins n namespaces through a
+bridge in a namespace of its own, each port limited to `rate` both ways (a switch with one
+link per machine). Needs root (CAP_NET_ADMIN); `unavailable()` says
 why it cannot be used here, for a skip.
 """
 
@@ -81,10 +83,51 @@ def two_hosts(
                   "rate", rate, "burst", burst, "latency", "100ms"])  # fmt: skip
         yield a, b
     finally:
-        for name in made:
-            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-                for pid in _run(["ip", "netns", "pids", name]).split():
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(int(pid), signal.SIGKILL)
-            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-                _run(["ip", "netns", "del", name])
+        _teardown(made)
+
+
+@contextlib.contextmanager
+def switched_hosts(
+    n: int, rate: str = "200mbit", burst: str = "256kb", subnet: int = 1
+) -> Iterator[list[Host]]:
+    """`n` namespaces on one bridge; each host's link is limited to `rate` in each direction
+    (a token bucket on the host's end for what it sends, on the bridge's end for what it
+    receives)."""
+    tag = f"{os.getpid() % 100000}"
+    switch = f"np{tag}sw"
+    hosts = [Host(f"np{tag}h{i}", f"np{tag}h{i}", SUBNET.format(subnet, i + 1)) for i in range(n)]
+    made: list[str] = []
+    try:
+        for name in [switch, *(h.netns for h in hosts)]:
+            _run(["ip", "netns", "add", name])
+            made.append(name)
+        sw = ["ip", "-n", switch]
+        _run([*sw, "link", "add", "br0", "type", "bridge"])
+        _run([*sw, "link", "set", "br0", "up"])
+        for i, h in enumerate(hosts):
+            port = f"port{i}"
+            _run(["ip", "link", "add", h.device, "netns", h.netns, "type", "veth",
+                  "peer", "name", port, "netns", switch])  # fmt: skip
+            _run([*sw, "link", "set", port, "master", "br0"])
+            _run([*sw, "link", "set", port, "up"])
+            ns = ["ip", "-n", h.netns]
+            _run([*ns, "addr", "add", f"{h.address}/24", "dev", h.device])
+            _run([*ns, "link", "set", h.device, "up"])
+            _run([*ns, "link", "set", "lo", "up"])
+            for where, dev in ((h.netns, h.device), (switch, port)):
+                _run(["tc", "-n", where, "qdisc", "add", "dev", dev, "root", "tbf",
+                      "rate", rate, "burst", burst, "latency", "100ms"])  # fmt: skip
+        yield hosts
+    finally:
+        _teardown(made)
+
+
+def _teardown(namespaces: list[str]) -> None:
+    """Kill whatever runs in each namespace, then delete it (and the links in it)."""
+    for name in namespaces:
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            for pid in _run(["ip", "netns", "pids", name]).split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            _run(["ip", "netns", "del", name])

@@ -69,3 +69,28 @@ def test_two_machines_train_with_replicas_on_their_own_hosts(tmp_path):
         if host_of[f"replica {r} worker {w}"] != host_of[f"shard {s}"]
     )
     assert crossing > 0 and crossing <= sent <= 1.15 * crossing
+
+
+@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+def test_switched_hosts_reach_each_other_and_leave_nothing_behind():
+    """Three emulated machines on one switch: every pair connects (a refused TCP connection
+    proves the packet arrived), the ports are shaped, and the namespaces go away on exit."""
+    probe = "import socket, sys; socket.create_connection((sys.argv[1], 9), timeout=5)"
+    with netns.switched_hosts(3, rate="50mbit") as hosts:
+        names = [h.netns for h in hosts]
+        for src in hosts:
+            for dst in hosts:
+                if src is dst:
+                    continue
+                argv = [sys.executable, "-c", probe, dst.address]
+                out = subprocess.run(src.command(argv), capture_output=True, text=True, timeout=30)
+                assert "ConnectionRefusedError" in out.stderr, (src.address, dst.address, out)
+        qdisc = subprocess.run(
+            ["tc", "-n", hosts[0].netns, "qdisc", "show", "dev", hosts[0].device],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert "tbf" in qdisc and "50Mbit" in qdisc
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(name in left for name in names)

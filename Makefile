@@ -29,9 +29,9 @@ test: $(BIN)/netpart
 	$(BIN)/ruff format --check netpart tests benchmarks experiments
 	$(BIN)/python -m pytest
 
-# Regenerates every CSV/JSON/PNG in experiments/results (about 13 minutes here; the scaling
+# Regenerates every CSV/JSON/PNG in experiments/results (about 16 minutes here; the scaling
 # slice timings are cached in experiments/results/traces, FRESH=--fresh measures them again:
-# about 27 minutes).
+# about 29 minutes).
 experiments: $(BIN)/netpart
 	$(BIN)/python experiments/scaling.py $(FRESH)
 	$(BIN)/python experiments/validate_sim.py

@@ -9,13 +9,15 @@ network model (`netpart.partition.simulate`). Speedup = simulated step at N=1 / 
     python experiments/scaling.py --models speech,image-80m --workers 1,2,4,8
 
 Slice timings are cached in experiments/results/traces/ (one .npz per model, method, N,
-batch); --fresh measures again. Writes experiments/results/scaling.csv, scaling.json,
+batch, holding a digest of the plan it timed: a plan that has changed since is timed again);
+--fresh measures again. Writes experiments/results/scaling.csv, scaling.json,
 scaling.png and scaling.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -51,13 +53,22 @@ PAPER = {"speech": (8, 2.2, "speech: 2.2x at 8 machines"),
          "image-1.7b": (81, 12.0, "1.7B image model: >12x at 81")}  # fmt: skip
 
 
+def plan_digest(p) -> str:
+    """What the slice timings depend on: the node map and the graph it indexes."""
+    h = hashlib.sha256(p.node_map.astype(np.int64).tobytes())
+    h.update(json.dumps(p.granularity.to_dict(), sort_keys=True).encode())
+    return h.hexdigest()
+
+
 def traced(spec, method: str, workers: int, batch: int, cache: Path, fresh: bool, bar):
-    """(plan, slice times), the times from the cache unless `fresh`."""
+    """(plan, slice times), the times from the cache unless `fresh` or the plan changed."""
     p = plan(spec, workers, method, seed=0, batch=batch)
     path = cache / f"{spec.name}_{method}_{workers}_b{batch}.npz"
+    digest = plan_digest(p)
     if path.exists() and not fresh:
         with np.load(path) as f:
-            return p, SliceTimes.from_arrays(f)
+            if "plan_digest" in f and str(f["plan_digest"]) == digest:
+                return p, SliceTimes.from_arrays(f)
 
     def progress(done: int, total: int) -> None:
         if done % max(1, total // 10) == 0:
@@ -66,7 +77,7 @@ def traced(spec, method: str, workers: int, batch: int, cache: Path, fresh: bool
     times = measure_slices(spec, p, batch, on_slice=progress)
     cache.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp.npz")
-    np.savez(tmp, **times.to_arrays())
+    np.savez(tmp, **times.to_arrays(), plan_digest=np.array(digest))
     tmp.replace(path)
     return p, times
 

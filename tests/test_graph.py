@@ -2,16 +2,21 @@ import itertools
 import time
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from netpart.models import ZOO
 from netpart.partition import Granularity, build_unit_graph
 from netpart.partition._metis import validate_csr
+from netpart.partition.graph import aligned_pool
 from tests.conftest import reads, small_specs, unit_owner
 
 granularities = st.builds(
-    Granularity, spatial_blocks=st.integers(1, 40), dense_blocks=st.integers(1, 8)
+    Granularity,
+    spatial_blocks=st.integers(1, 40),
+    dense_blocks=st.integers(1, 8),
+    align_pools=st.booleans(),
 )
 
 
@@ -80,3 +85,51 @@ def test_granularity_reaches_target_by_tiles_then_channels():
     assert list(itertools.islice([gran.grid(ZOO["speech"].shapes[0], dense=True)], 1)) == [
         (16, 1, 1)
     ]
+
+
+def _pool_inputs_read_once(spec, g) -> tuple[bool, int]:
+    """(every input block of each tiling pool with the same channel groups as its input is
+    read by exactly one pool block, or by none if no window reads its units; pools checked)."""
+    u, v, _ = g.edge_list()
+    ok, checked = True, 0
+    for i in range(1, len(spec.layers)):
+        source, pool = g.layers[i - 1], g.layers[i]
+        if not (aligned_pool(spec, i) and spec.layers[i - 1].is_spatial):
+            continue
+        if not np.array_equal(source.cbounds, pool.cbounds):
+            continue
+        src = np.concatenate([u[g.layer_of[v] == i], v[g.layer_of[u] == i]])
+        src = src[g.layer_of[src] == i - 1]
+        readers = np.bincount(src - source.first, minlength=source.count)
+        b, s = g.box[source.ids], spec.layers[i].stride
+        live = (b[:, 3] <= pool.shape.height * s) & (b[:, 5] <= pool.shape.width * s)
+        ok &= bool(np.all(readers[live] == 1) and np.all(readers[~live] == 0))
+        checked += 1
+    return ok, checked
+
+
+@given(small_specs(), st.integers(1, 60))
+@settings(max_examples=60, deadline=None)
+def test_aligned_pool_inputs_are_read_by_one_pool_block_each(spec, blocks):
+    assert _pool_inputs_read_once(
+        spec, build_unit_graph(spec, Granularity(blocks, align_pools=True))
+    )
+
+
+@pytest.mark.parametrize("workers", [16, 64])  # at 128 the pools have more channel groups
+def test_zoo_pools_straddle_blocks_unless_aligned(workers):
+    spec = ZOO["image-80m"]
+    aligned = build_unit_graph(spec, Granularity.for_workers(workers, align_pools=True))
+    plain = build_unit_graph(spec, Granularity.for_workers(workers))
+    assert (
+        _pool_inputs_read_once(spec, aligned)[0] and _pool_inputs_read_once(spec, aligned)[1] >= 1
+    )
+    assert not _pool_inputs_read_once(spec, plain)[0]
+    for a, b in zip(plain.layers, aligned.layers, strict=True):  # only pools' inputs change
+        if a.index + 1 == len(spec.layers) or not aligned_pool(spec, a.index + 1):
+            assert np.array_equal(a.ybounds, b.ybounds) and np.array_equal(a.cbounds, b.cbounds)
+        assert len(b.cbounds) <= len(a.cbounds)  # never more channel groups
+    assert (
+        Granularity(**{k: v for k, v in Granularity().to_dict().items() if k != "align_pools"})
+        == Granularity()
+    )

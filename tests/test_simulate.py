@@ -57,3 +57,26 @@ def test_scaling_experiment_writes_its_figures(tmp_path):
     assert {r["speedup"] for r in rows if r["workers"] == 1 and r["method"] == "metis"} == {1.0}
     assert (tmp_path / "scaling.png").read_bytes()[:4] == b"\x89PNG"
     assert len(list((tmp_path / "traces").glob("*.npz"))) == 2  # cached for the next run
+
+
+def test_cached_slice_times_are_refused_when_the_plan_changed(tmp_path):
+    """A trace is reused only for the plan it timed: a changed node map is timed again."""
+    from experiments.scaling import traced
+
+    class Bar:
+        def set_postfix_str(self, _text):
+            pass
+
+    spec = load_spec("tiny-local")
+    _, first = traced(spec, "metis", 2, 4, tmp_path, False, Bar())
+    (path,) = tmp_path.glob("*.npz")
+    with np.load(path) as f:
+        arrays = {k: f[k] for k in f.files}
+    arrays["forward"] = arrays["forward"] + 1.0  # a marker: served from the cache or not?
+    np.savez(path, **arrays)
+    _, cached = traced(spec, "metis", 2, 4, tmp_path, False, Bar())
+    assert np.allclose(cached.forward, first.forward + 1.0)
+    arrays["plan_digest"] = np.array("another plan")
+    np.savez(path, **arrays)
+    _, again = traced(spec, "metis", 2, 4, tmp_path, False, Bar())
+    assert (again.forward < 1.0).all()  # timed again, not the marked cache

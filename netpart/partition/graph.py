@@ -23,6 +23,7 @@ __all__ = [
     "Granularity",
     "LayerBlocks",
     "UnitGraph",
+    "aligned_pool",
     "build_unit_graph",
     "owned_units",
     "read_window",
@@ -40,18 +41,27 @@ class Granularity:
     `min(units, dense_blocks)` equal groups of neurons: a dense block reads the whole previous
     layer, so more dense blocks add edges but no partitioning freedom; a multiple of the worker
     count balances them exactly. `max_blocks` caps any layer (keeps graphs tractable).
+    With `align_pools`, the input of a pool with non-overlapping windows is cut where the
+    pool's blocks read: its bands are stride x the pool's (split further where the layer wants
+    more blocks), its channel groups the pool's unless the pool has more (smaller groups make
+    slower slices), and units no pool window reads form bands of their own. Where the channel
+    groups agree, every such input block is read by exactly one pool block.
     """
 
     spatial_blocks: int = 64
     dense_blocks: int = 16
     max_blocks: int = 16384
+    align_pools: bool = False
 
     @classmethod
-    def for_workers(cls, workers: int, blocks_per_worker: int = 24) -> Granularity:
+    def for_workers(
+        cls, workers: int, blocks_per_worker: int = 24, align_pools: bool = False
+    ) -> Granularity:
         """The default for a plan over `workers`: enough blocks to balance every layer."""
         return cls(
             spatial_blocks=max(256, blocks_per_worker * workers),
             dense_blocks=workers * max(2, math.ceil(16 / workers)),
+            align_pools=align_pools,
         )
 
     def grid(self, shape: Shape, dense: bool) -> tuple[int, int, int]:
@@ -74,6 +84,7 @@ class Granularity:
             "spatial_blocks": self.spatial_blocks,
             "dense_blocks": self.dense_blocks,
             "max_blocks": self.max_blocks,
+            "align_pools": self.align_pools,
         }
 
 
@@ -218,22 +229,50 @@ def _flops_per_unit(spec: ModelSpec, index: int) -> int:
     return 2 * (4 * layer.kernel**2 + 4)
 
 
+def aligned_pool(spec: ModelSpec, index: int) -> bool:
+    """True when layer `index` is a pool whose windows tile its input (kernel = stride, no
+    padding): an input cut at stride x the pool's cut sends the pool nothing."""
+    layer = spec.layers[index]
+    return layer.kind == "pool" and layer.kernel == layer.stride and layer.padding == 0
+
+
 def _layer_blocks(spec: ModelSpec, granularity: Granularity) -> tuple[LayerBlocks, ...]:
+    """Each layer's block bounds; built last layer first, so a pool's input can follow it."""
+    n = len(spec.layers)
+    bounds: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = [None] * n  # type: ignore[list-item]
+    for i in range(n - 1, -1, -1):
+        layer, shape = spec.layers[i], spec.shapes[i]
+        nc, ny, nx = granularity.grid(shape, dense=not layer.is_spatial)
+        cb = _even_bounds(shape.channels, nc)
+        yb, xb = _even_bounds(shape.height, ny), _even_bounds(shape.width, nx)
+        if granularity.align_pools and layer.is_spatial and i + 1 < n and aligned_pool(spec, i + 1):
+            stride = spec.layers[i + 1].stride
+            pool_c, pool_y, pool_x = bounds[i + 1]
+            for want_y, want_x in ((ny, nx), (1, 1)):  # as fine as wanted, else the pool's
+                ya = _stretched(pool_y, stride, shape.height, want_y)
+                xa = _stretched(pool_x, stride, shape.width, want_x)
+                ca = pool_c if len(pool_c) <= len(cb) else cb  # never more channel groups
+                if (len(ca) - 1) * (len(ya) - 1) * (len(xa) - 1) <= granularity.max_blocks:
+                    cb, yb, xb = ca, ya, xa
+                    break
+        bounds[i] = (cb, yb, xb)
     out, first = [], 0
     for i, (layer, shape) in enumerate(zip(spec.layers, spec.shapes, strict=True)):
-        nc, ny, nx = granularity.grid(shape, dense=not layer.is_spatial)
-        lb = LayerBlocks(
-            index=i,
-            kind=layer.kind,
-            shape=shape,
-            cbounds=_even_bounds(shape.channels, nc),
-            ybounds=_even_bounds(shape.height, ny),
-            xbounds=_even_bounds(shape.width, nx),
-            first=first,
-        )
-        out.append(lb)
-        first += lb.count
+        cb, yb, xb = bounds[i]
+        out.append(LayerBlocks(i, layer.kind, shape, cb, yb, xb, first))
+        first += out[-1].count
     return tuple(out)
+
+
+def _stretched(reader: np.ndarray, stride: int, n: int, want: int) -> np.ndarray:
+    """Bounds over n rows read by `reader` bands through stride-wide windows: stride x the
+    reader's, each band split in about want / bands even parts, and the unread rest (if any)
+    a band of its own."""
+    parts = max(1, round(want / (len(reader) - 1)))
+    b = reader * stride
+    split = (b[:-1, None] + (np.diff(b)[:, None] * np.arange(parts)[None, :]) // parts).ravel()
+    out = np.unique(np.append(split, b[-1]))
+    return out if out[-1] == n else np.append(out, n)
 
 
 def _boxes(lb: LayerBlocks) -> np.ndarray:

@@ -20,7 +20,8 @@ import numpy as np
 
 from netpart.errors import PlanError
 from netpart.partition._metis import part_graph
-from netpart.partition.graph import UnitGraph
+from netpart.partition.graph import UnitGraph, aligned_pool
+from netpart.partition.volume import layer_traffic
 
 __all__ = ["METHODS", "METHOD_OPTIONS", "assign"]
 
@@ -180,7 +181,8 @@ def _tiles(
     proportional to their tile count; then each band ordered by (column, row, channel) and cut
     into its tiles. Cuts land at the same relative place in every layer, so receptive fields
     stay aligned, and every layer is balanced to within one block; a cut may pass between a
-    position's channel groups.
+    position's channel groups. On a graph built with `align_pools`, a pool's input then
+    follows the pool (`_follow_pools`).
     """
     del seed
     counts = _brick_counts(workers)
@@ -207,7 +209,49 @@ def _tiles(
                 continue
             order = members[np.lexsort((ch[members], cy[members], cx[members]))]
             out[ids[order]] = lo + _quantile_cut(w[order], share[lo:hi] / share[lo:hi].sum())
-    return out
+    return _follow_pools(graph, out, workers, share) if graph.granularity.align_pools else out
+
+
+def _follow_pools(
+    graph: UnitGraph, node_map: np.ndarray, workers: int, share: np.ndarray
+) -> np.ndarray:
+    """Give each block of a pool's input the owner of the pool block that reads it, so the pool
+    exchanges nothing; blocks no pool window reads go to the least loaded workers. Kept for a
+    layer only where it lowers the total volume (a followed layer may read more itself) and
+    leaves it no worse balanced than it was or than the pool is."""
+    spec = graph.spec
+    for lb in reversed(graph.layers[:-1]):
+        i = lb.index
+        if not (spec.layers[i].is_spatial and aligned_pool(spec, i + 1)):
+            continue
+        pool, stride = graph.layers[i + 1], spec.layers[i + 1].stride
+        b = graph.box[lb.ids]
+        live = (b[:, 3] <= pool.shape.height * stride) & (b[:, 5] <= pool.shape.width * stride)
+        gy = np.searchsorted(pool.ybounds, b[live, 2] // stride, side="right") - 1
+        gx = np.searchsorted(pool.xbounds, b[live, 4] // stride, side="right") - 1
+        gc = np.searchsorted(pool.cbounds, b[live, 0], side="right") - 1
+        followed = node_map.copy()
+        followed[lb.ids[live]] = node_map[pool.first + (gc * pool.ny + gy) * pool.nx + gx]
+        w = graph.flops[lb.ids].astype(np.float64)
+        loads = np.bincount(followed[lb.ids[live]], weights=w[live], minlength=workers) / share
+        dead = np.nonzero(~live)[0]
+        for j in dead[np.argsort(-w[dead], kind="stable")]:  # few: one band of rows/columns
+            k = int(loads.argmin())
+            followed[lb.ids[j]] = k
+            loads[k] += w[j] / share[k]
+        fair = w.sum()
+        before = np.bincount(node_map[lb.ids], weights=w, minlength=workers) / share
+        pool_w = graph.flops[pool.ids].astype(np.float64)
+        pool_loads = np.bincount(node_map[pool.ids], weights=pool_w, minlength=workers) / share
+        worst = max(before.max() / fair, pool_loads.max() / pool_w.sum())
+        balanced = loads.max() / fair <= worst
+        if balanced and _volume(graph, followed, workers) < _volume(graph, node_map, workers):
+            node_map = followed
+    return node_map
+
+
+def _volume(graph: UnitGraph, node_map: np.ndarray, workers: int) -> int:
+    return int(layer_traffic(graph, node_map, workers).sum())
 
 
 def _stripe(graph: UnitGraph, workers: int, seed: int) -> np.ndarray:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -313,6 +313,8 @@ def plan(
         raise PlanError(f"batch must be an integer >= 1, got {batch!r}")
     network = network or NetworkModel()
     granularity = granularity or Granularity.for_workers(workers)
+    if method == "tiles":  # its cuts follow the pools: the graph must be cut where they read
+        granularity = replace(granularity, align_pools=True)
     phase = on_phase or (lambda _name: None)
     phase("graph")
     graph = build_unit_graph(spec, granularity)

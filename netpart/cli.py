@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--method",
         default="metis",
         choices=list(METHODS),
-        help="partitioner (default: metis, one balance constraint per layer)",
+        help="partitioner (default: metis, one balance constraint per layer; tiles: brick tiles "
+        "balanced per layer, pools' inputs following the pools, the least halo on image models)",
     )
     p.add_argument(
         "--batch", type=_positive_int, default=32, help="batch size for step time (default 32)"

@@ -239,7 +239,7 @@ def aligned_pool(spec: ModelSpec, index: int) -> bool:
 def _layer_blocks(spec: ModelSpec, granularity: Granularity) -> tuple[LayerBlocks, ...]:
     """Each layer's block bounds; built last layer first, so a pool's input can follow it."""
     n = len(spec.layers)
-    bounds: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = [None] * n  # type: ignore[list-item]
+    bounds: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # filled last layer first
     for i in range(n - 1, -1, -1):
         layer, shape = spec.layers[i], spec.shapes[i]
         nc, ny, nx = granularity.grid(shape, dense=not layer.is_spatial)
@@ -247,7 +247,7 @@ def _layer_blocks(spec: ModelSpec, granularity: Granularity) -> tuple[LayerBlock
         yb, xb = _even_bounds(shape.height, ny), _even_bounds(shape.width, nx)
         if granularity.align_pools and layer.is_spatial and i + 1 < n and aligned_pool(spec, i + 1):
             stride = spec.layers[i + 1].stride
-            pool_c, pool_y, pool_x = bounds[i + 1]
+            pool_c, pool_y, pool_x = bounds[0]
             for want_y, want_x in ((ny, nx), (1, 1)):  # as fine as wanted, else the pool's
                 ya = _stretched(pool_y, stride, shape.height, want_y)
                 xa = _stretched(pool_x, stride, shape.width, want_x)
@@ -255,7 +255,7 @@ def _layer_blocks(spec: ModelSpec, granularity: Granularity) -> tuple[LayerBlock
                 if (len(ca) - 1) * (len(ya) - 1) * (len(xa) - 1) <= granularity.max_blocks:
                     cb, yb, xb = ca, ya, xa
                     break
-        bounds[i] = (cb, yb, xb)
+        bounds.insert(0, (cb, yb, xb))
     out, first = [], 0
     for i, (layer, shape) in enumerate(zip(spec.layers, spec.shapes, strict=True)):
         cb, yb, xb = bounds[i]

@@ -6,6 +6,8 @@ block ids as in `UnitGraph`, i.e. contiguous per layer in (channel group, row, c
     schema_version      1
     model, fingerprint  the ModelSpec's name and architecture digest; loading checks the digest
     method, seed        partitioner and its seed; options: method options + granularity
+                        ({spatial_blocks, dense_blocks, max_blocks, align_pools}: the graph the
+                        node map indexes; align_pools absent in older files means false)
     workers, batch      worker count; batch size the step-time prediction assumes
     network             {bandwidth_bps, latency_s, flops_per_s} of the prediction
     metrics             edge_cut (units read across workers, summed over cut block edges),
@@ -305,7 +307,8 @@ def plan(
     """Partition `spec` over `workers` with `method` and measure the result.
 
     Options of `metis`: imbalance (0.03), capacities (per-worker relative speeds), objective
-    ("vol" | "cut"), ncuts, niter. Raises PlanError for bad input.
+    ("vol" | "cut"), ncuts, niter. `tiles` always plans on a graph with `align_pools` (its
+    pools' inputs follow the pools). Raises PlanError for bad input.
     """
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise PlanError(f"workers must be an integer >= 1, got {workers!r}")

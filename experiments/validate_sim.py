@@ -10,7 +10,7 @@ machines on a switch), predicted with the link as gloo measures it. Links are me
 runtime uses them: latency from a small ping-pong, bandwidth from 1 MB sent both ways at
 once. Error = predicted / measured - 1.
 
-    python experiments/validate_sim.py        # ~7 min here; the namespace part needs root
+    python experiments/validate_sim.py        # ~6 min here; the namespace part needs root
 
 Writes experiments/results/validation.json (and .csv).
 """
@@ -94,7 +94,7 @@ def _network(t: dict) -> NetworkModel:
 
 
 def namespace_network(a, b) -> dict:
-    """The same ping-pong between the two namespaces: the link's effective figures."""
+    """The same ping-pong between two namespaces: raw timings (seconds, see `_pingpong`)."""
     code = (
         "import sys, json, queue; sys.path.insert(0, {root!r}); "
         "from experiments.validate_sim import _pingpong; q = queue.Queue(); "
@@ -116,7 +116,7 @@ def namespace_network(a, b) -> dict:
 
 
 def loopback_network() -> dict:
-    """Latency and bandwidth of gloo between two processes here (one-way, median)."""
+    """The ping-pong between two processes here: raw timings (seconds, see `_pingpong`)."""
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_pingpong, args=(r, port, queue)) for r in range(2)]

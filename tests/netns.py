@@ -75,12 +75,7 @@ def two_hosts(
         _run(["ip", "link", "add", a.device, "netns", a.netns, "type", "veth",
               "peer", "name", b.device, "netns", b.netns])  # fmt: skip
         for h in hosts:
-            ns = ["ip", "-n", h.netns]
-            _run([*ns, "addr", "add", f"{h.address}/24", "dev", h.device])
-            _run([*ns, "link", "set", h.device, "up"])
-            _run([*ns, "link", "set", "lo", "up"])
-            _run(["tc", "-n", h.netns, "qdisc", "add", "dev", h.device, "root", "tbf",
-                  "rate", rate, "burst", burst, "latency", "100ms"])  # fmt: skip
+            _bring_up(h, rate, burst)
         yield a, b
     finally:
         _teardown(made)
@@ -110,16 +105,26 @@ def switched_hosts(
                   "peer", "name", port, "netns", switch])  # fmt: skip
             _run([*sw, "link", "set", port, "master", "br0"])
             _run([*sw, "link", "set", port, "up"])
-            ns = ["ip", "-n", h.netns]
-            _run([*ns, "addr", "add", f"{h.address}/24", "dev", h.device])
-            _run([*ns, "link", "set", h.device, "up"])
-            _run([*ns, "link", "set", "lo", "up"])
-            for where, dev in ((h.netns, h.device), (switch, port)):
-                _run(["tc", "-n", where, "qdisc", "add", "dev", dev, "root", "tbf",
-                      "rate", rate, "burst", burst, "latency", "100ms"])  # fmt: skip
+            _bring_up(h, rate, burst)
+            _shape(switch, port, rate, burst)
         yield hosts
     finally:
         _teardown(made)
+
+
+def _bring_up(h: Host, rate: str, burst: str) -> None:
+    """Address and raise the host's link end and loopback; shape what the host sends."""
+    ns = ["ip", "-n", h.netns]
+    _run([*ns, "addr", "add", f"{h.address}/24", "dev", h.device])
+    _run([*ns, "link", "set", h.device, "up"])
+    _run([*ns, "link", "set", "lo", "up"])
+    _shape(h.netns, h.device, rate, burst)
+
+
+def _shape(netns: str, device: str, rate: str, burst: str) -> None:
+    """A token bucket on what `device` sends: `rate`, `burst` bytes, 100 ms of queue."""
+    _run(["tc", "-n", netns, "qdisc", "add", "dev", device, "root", "tbf",
+          "rate", rate, "burst", burst, "latency", "100ms"])  # fmt: skip
 
 
 def _teardown(namespaces: list[str]) -> None:

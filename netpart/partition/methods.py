@@ -220,6 +220,7 @@ def _follow_pools(
     layer only where it lowers the total volume (a followed layer may read more itself) and
     leaves it no worse balanced than it was or than the pool is."""
     spec = graph.spec
+    volume = None  # of node_map, counted once a pool is found
     for lb in reversed(graph.layers[:-1]):
         i = lb.index
         if not (spec.layers[i].is_spatial and aligned_pool(spec, i + 1)):
@@ -245,13 +246,14 @@ def _follow_pools(
         pool_loads = np.bincount(node_map[pool.ids], weights=pool_w, minlength=workers) / share
         worst = max(before.max() / fair, pool_loads.max() / pool_w.sum())
         balanced = loads.max() / fair <= worst
-        if balanced and _volume(graph, followed, workers) < _volume(graph, node_map, workers):
-            node_map = followed
+        if not balanced:
+            continue
+        if volume is None:
+            volume = int(layer_traffic(graph, node_map, workers).sum())
+        candidate = int(layer_traffic(graph, followed, workers).sum())
+        if candidate < volume:
+            node_map, volume = followed, candidate
     return node_map
-
-
-def _volume(graph: UnitGraph, node_map: np.ndarray, workers: int) -> int:
-    return int(layer_traffic(graph, node_map, workers).sum())
 
 
 def _stripe(graph: UnitGraph, workers: int, seed: int) -> np.ndarray:

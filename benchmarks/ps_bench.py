@@ -3,7 +3,10 @@
 (a) Shard throughput: one model worker pushes its gradients to and fetches its parameters from
     its shard (ShardClient -> ShardServer, headers, update rule and all) vs raw gloo send/recv
     of the same bytes between the same two processes. Worker 0 of image-80m on 16 workers
-    (16 shards: shard 0 holds exactly worker 0's 4.8M values).
+    (16 shards: shard 0 holds exactly worker 0's 4.8M values). First on this machine's
+    loopback, where moving the bytes is a memory copy that keeps both cores busy, so the
+    shard's update cannot hide behind it; then between two network namespaces over a link
+    tbf-limited to each `--links` rate (emulated machines: the link, not the copy, is slow).
 (b) A replica's step time with Downpour (n_push = n_fetch = 1) vs the same replica whose
     pushes and fetches never come due (the job still starts its shards, nothing moves):
     bench-local (10M parameters) on 2 workers, 2 shards, Adagrad, batch 32 and 128, median
@@ -15,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import itertools
 import json
@@ -39,8 +43,12 @@ from netpart.runtime.ps_client import ShardClient
 from netpart.runtime.train_launch import train
 from netpart.runtime.updates import Optimizer, UpdateRule
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
-from runtime_bench import MID_LOCAL
+from runtime_bench import MID_LOCAL  # noqa: E402
+
+LINK_BURST = "1mb"  # token bucket of the emulated link: >= rate / HZ at 1 Gbit/s
 
 
 def _layout() -> ShardLayout:
@@ -49,9 +57,11 @@ def _layout() -> ShardLayout:
     return ShardLayout.build(build_unit_graph(spec, p.granularity), p.node_map, 16, 16)
 
 
-def _peer(rank: int, port: int, iters: int, rounds: int, optimizer: str, result: Path) -> None:
+def _peer(
+    rank: int, addr: str, port: int, iters: int, rounds: int, optimizer: str, result: Path
+) -> None:
     """One of the two processes of (a): rank 0 = model worker 0, rank 1 = shard 0."""
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+    store = dist.TCPStore(addr, port, 2, rank == 0, timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     layout = _layout()
     n = layout.worker_size(0)
@@ -109,40 +119,49 @@ def _peer(rank: int, port: int, iters: int, rounds: int, optimizer: str, result:
     os._exit(0)
 
 
-def shard_throughput(iters: int, rounds: int, optimizer: str) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
+def shard_throughput(
+    iters: int, rounds: int, optimizer: str, rate: str | None = None
+) -> dict | None:
+    """(a) between two processes here (loopback), or with `rate` between two network
+    namespaces joined by a link tbf-limited to `rate` each way (None if they cannot be made)."""
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         result = Path(tmp) / "r.json"
-        store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
-        port = store.port
-        del store
-        procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    __file__,
-                    "--peer",
-                    str(r),
-                    "--port",
-                    str(port),
-                    "--iters",
-                    str(iters),
-                    "--optimizer",
-                    optimizer,
-                    "--result",
-                    str(result),
-                ]
-            )
-            for r in (0, 1)
-        ]
+        argv = [sys.executable, __file__, "--iters", str(iters), "--rounds", str(rounds),
+                "--optimizer", optimizer, "--result", str(result)]  # fmt: skip
+
+        def peer(rank: int, addr: str, port: int) -> list[str]:
+            return [*argv, "--peer", str(rank), "--addr", addr, "--port", str(port)]
+
+        if rate is None:
+            store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+            port = store.port
+            del store
+            commands = [peer(r, "127.0.0.1", port) for r in (0, 1)]
+        else:
+            from tests import netns
+
+            why = netns.unavailable()
+            if why is not None:
+                print(f"skipping (a) over a link: {why}")
+                return None
+            hosts = stack.enter_context(netns.two_hosts(rate=rate, burst=LINK_BURST))
+            env = {"PYTHONPATH": str(ROOT)}
+            commands = [
+                h.command(peer(r, hosts[0].address, 29591), {**env, "GLOO_SOCKET_IFNAME": h.device})
+                for r, h in enumerate(hosts)
+            ]
+        procs = [subprocess.Popen(c) for c in commands]
         try:
             for p in procs:
-                p.wait(timeout=600)
+                if p.wait(timeout=900) != 0:
+                    raise RuntimeError(f"a peer of (a) failed ({optimizer}, link {rate})")
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
-        return {"optimizer": optimizer, **json.loads(result.read_text())}
+        return {"optimizer": optimizer, "link": rate or "loopback",
+                **json.loads(result.read_text())}  # fmt: skip
 
 
 def _median_step(run: Path, skip: int) -> float:
@@ -184,24 +203,33 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--iters", type=int, default=10, help="push+fetch round trips per round")
-    ap.add_argument("--rounds", type=int, default=5, help="alternating raw/PS rounds")
+    ap.add_argument("--rounds", type=int, default=7, help="alternating raw/PS rounds")
+    ap.add_argument(
+        "--links",
+        default="1gbit,10gbit",
+        help="(a) also between two namespaces over a link of each rate ('' for none)",
+    )
     ap.add_argument("--batches", default="32,128", help="batch sizes for (b)")
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--peer", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--addr", default="127.0.0.1", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--optimizer", default="sgd", help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.peer is not None:
-        _peer(args.peer, args.port, args.iters, args.rounds, args.optimizer, args.result)
+        _peer(args.peer, args.addr, args.port, args.iters, args.rounds, args.optimizer, args.result)
         return
     torch.set_num_threads(1)
     out = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "torch": torch.__version__},
         "shard_throughput": [
-            shard_throughput(args.iters, args.rounds, o) for o in ("sgd", "adagrad")
+            got
+            for rate in [None, *filter(None, args.links.split(","))]
+            for o in ("sgd", "adagrad")
+            if (got := shard_throughput(args.iters, args.rounds, o, rate)) is not None
         ],
         "downpour_step": [
             downpour_step(args.pairs, args.steps, int(b)) for b in args.batches.split(",")

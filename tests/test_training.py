@@ -5,6 +5,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -294,3 +295,33 @@ def test_norm_triggered_pushes_and_dc_asgd_train(tmp_path):
         updates[name] = sum(m["updates"] for m in metas)
     # 2 replicas x 2 workers (one shard each): 40 pushes each, or 8.
     assert updates == {"eager": 2 * 2 * 40, "lazy": 2 * 2 * 8}
+
+
+def test_gradient_buffers_send_what_backward_accumulated_and_swap_only_once_sent():
+    from netpart.runtime.trainer import _GradBuffers
+
+    params = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
+    grads = _GradBuffers(params, torch.float32)
+    for _ in range(2):  # two steps accumulate before a push
+        (params[0].square().sum() + params[1].sum()).backward()
+    first = grads.flat
+    want = torch.cat([2 * 2 * params[0].detach().reshape(-1), 2 * torch.ones(5)])
+    assert torch.equal(first, want)  # backward wrote into the buffer a push sends
+
+    waited = []  # the buffer to reuse is waited for before it is zeroed
+
+    class Client:
+        def wait_sent(self, sent):
+            assert sent.is_set()
+            waited.append(sent)
+
+    client, sent = Client(), [threading.Event(), threading.Event()]
+    sent[0].set()
+    grads.pushed(client, sent[0])
+    assert torch.equal(first, want)  # the pushed buffer is left alone
+    assert grads.flat is not first and not grads.flat.any() and waited == []
+    params[1].sum().backward()
+    assert torch.equal(grads.flat[12:], torch.ones(5)) and not grads.flat[:12].any()
+    sent[1].set()
+    grads.pushed(client, sent[1])
+    assert grads.flat is first and not first.any() and waited == [sent[0]]

@@ -60,13 +60,21 @@ class ShardClient:
         self._thread.start()
 
     # ---- caller side ---------------------------------------------------------------------
-    def push(self, grads: torch.Tensor, step: int, extra: int | None = None) -> None:
-        """Queue `grads` (flat, this worker's piece order; the client owns it now), computed
-        on the parameters last taken. `extra` replaces the versions in the headers
-        (Sandblaster: the evaluation the unit belongs to)."""
+    def push(self, grads: torch.Tensor, step: int, extra: int | None = None) -> threading.Event:
+        """Queue `grads` (flat, this worker's piece order), computed on the parameters last
+        taken. The client reads `grads` until the returned event is set (`wait_sent`): do not
+        change it before. `extra` replaces the versions in the headers (Sandblaster: the
+        evaluation the unit belongs to)."""
         self._check()
         versions = dict(self._used) if extra is None else dict.fromkeys(self.routes, extra)
-        self._submit((Kind.PUSH, step, (grads, versions)))
+        sent = threading.Event()
+        self._submit((Kind.PUSH, step, (grads, versions, sent)))
+        return sent
+
+    def wait_sent(self, sent: threading.Event) -> None:
+        """Wait until the push that returned `sent` has gone out (raises if the client failed)."""
+        while not sent.wait(timeout=0.5):
+            self._check()
 
     def fetch(self, step: int = 0) -> None:
         """Queue a fetch; `step` > 0 makes the shards answer only once that step is applied."""
@@ -112,7 +120,9 @@ class ShardClient:
             while True:
                 kind, step, data = self._requests.get()
                 if kind == Kind.PUSH:
-                    self._send_push(step, *data)
+                    grads, versions, sent = data
+                    self._send_push(step, grads, versions)
+                    sent.set()
                 elif kind == Kind.FETCH:
                     self._fetch(step)
                 else:

@@ -211,6 +211,7 @@ def _train_worker(
     transport = GlooTransport(group, ranks=placement.replica_ranks(replica))
     shard_ranks = [placement.shard_rank(s) for s in range(config.shards)]
     client = ShardClient(layout, worker, replica, rank, shard_ranks, dtype)
+    grads = _GradBuffers(tensors, dtype)
     data = load_data(config.data, spec, config.seed, config.examples)
     sync = config.mode == "sync"
     warm = config.warm_start if (replica > 0 and not sync and start < config.warm_start) else 0
@@ -244,8 +245,7 @@ def _train_worker(
             unpushed += 1
             pushed = sync or _push_now(t, config.n_push, config.push_norm, tensors)
             if pushed:
-                client.push(_flat_grads(tensors), t)
-                model.zero_grad()
+                grads.pushed(client, client.push(grads.flat, t))
                 unpushed = 0
             fetched = sync or t % config.n_fetch == 0
             if sync:
@@ -277,7 +277,7 @@ def _train_worker(
                 if on_step is not None:
                     on_step(line)
         if unpushed:
-            client.push(_flat_grads(tensors), t)
+            client.push(grads.flat, t)
         client.close()
     finally:
         if metrics is not None:
@@ -302,6 +302,40 @@ def _agreed(stop: threading.Event, transport: GlooTransport, workers: int) -> bo
         return stop.is_set()
     flag = torch.tensor([1.0 if stop.is_set() else 0.0])
     return bool(transport.all_reduce(flag, "max")[0] > 0)
+
+
+class _GradBuffers:
+    """Two flat gradient buffers in the worker's piece order; every parameter's `.grad` is a
+    view of the current one, so backward accumulates straight into what a push sends (no
+    gather, no allocation per step). After a push the other buffer becomes current: zeroed
+    once the client has sent what it held, never while it still reads it."""
+
+    def __init__(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> None:
+        self.tensors = tensors
+        size = sum(t.numel() for t in tensors)
+        self.buffers = [torch.zeros(size, dtype=dtype) for _ in range(2)]
+        self.sent: list[threading.Event | None] = [None, None]
+        self.current = 0
+        self._bind()
+
+    @property
+    def flat(self) -> torch.Tensor:
+        return self.buffers[self.current]
+
+    def pushed(self, client: ShardClient, sent: threading.Event) -> None:
+        """The current buffer was pushed (`sent` is set once it is out): switch to the other."""
+        self.sent[self.current] = sent
+        self.current ^= 1
+        if self.sent[self.current] is not None:
+            client.wait_sent(self.sent[self.current])
+        self.flat.zero_()
+        self._bind()
+
+    def _bind(self) -> None:
+        off = 0
+        for t in self.tensors:
+            t.grad = self.flat[off : off + t.numel()].view_as(t)
+            off += t.numel()
 
 
 def _flat_grads(tensors: list[torch.Tensor]) -> torch.Tensor:

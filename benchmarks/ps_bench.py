@@ -12,7 +12,7 @@
     bench-local (10M parameters) on 2 workers, 2 shards, Adagrad, batch 32 and 128, median
     step over alternating runs. Shards share this machine's 2 cores with the workers.
 
-    python benchmarks/ps_bench.py --out benchmarks/results/ps_bench.json
+    python benchmarks/ps_bench.py --out benchmarks/results/ps_bench.json   # links need root
 """
 
 from __future__ import annotations

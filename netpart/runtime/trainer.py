@@ -332,10 +332,8 @@ class _GradBuffers:
         self._bind()
 
     def _bind(self) -> None:
-        off = 0
-        for t in self.tensors:
-            t.grad = self.flat[off : off + t.numel()].view_as(t)
-            off += t.numel()
+        for t, view in zip(self.tensors, _views(self.flat, self.tensors), strict=True):
+            t.grad = view
 
 
 def _flat_grads(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -349,7 +347,12 @@ def _load(tensors: list[torch.Tensor], flat: torch.Tensor | None) -> None:
     """Copy fetched values into the parameters (between steps: no graph has saved them)."""
     if flat is None:
         return
-    off = 0
-    for t in tensors:
-        t.copy_(flat[off : off + t.numel()].view_as(t))
-        off += t.numel()
+    for t, view in zip(tensors, _views(flat, tensors), strict=True):
+        t.copy_(view)
+
+
+def _views(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`flat` (the tensors' values end to end, as `_flat_grads` lays them) cut into views
+    shaped like each tensor."""
+    parts = flat.split([t.numel() for t in tensors])
+    return [v.view_as(t) for v, t in zip(parts, tensors, strict=True)]

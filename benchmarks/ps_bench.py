@@ -37,11 +37,17 @@ import torch.distributed as dist
 from netpart.models import load_spec
 from netpart.partition import build_unit_graph, plan
 from netpart.partition.shards import ShardLayout
-from netpart.runtime.config import TrainConfig
-from netpart.runtime.ps import ShardServer, ShardState
-from netpart.runtime.ps_client import ShardClient
-from netpart.runtime.train_launch import train
-from netpart.runtime.updates import Optimizer, UpdateRule
+from netpart.ps import (
+    Downpour,
+    Optimizer,
+    ShardClient,
+    ShardServer,
+    ShardSetup,
+    ShardState,
+    make_rule,
+)
+from netpart.train import train
+from netpart.train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -83,10 +89,9 @@ def _peer(
         dist.barrier()
         if rank == 1:
             values = torch.zeros(n)
-            server = ShardServer(
-                layout, 0, 1, "downpour", UpdateRule(Optimizer(optimizer, 0.01), values),
-                rank_of=lambda r, w: 0, rank=1, state=ShardState(values=values, state=None),
-            )  # fmt: skip
+            rule = make_rule(Optimizer(optimizer, 0.01), values)
+            setup = ShardSetup(layout, 0, 1, rank=1, rank_of=lambda r, w: 0)
+            server = ShardServer(setup, ShardState(values=values, state=None), Downpour(rule))
             server.serve()
             continue
         client = ShardClient(layout, 0, 0, 0, [1] + [-1] * 15, torch.float32)

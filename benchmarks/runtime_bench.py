@@ -24,10 +24,10 @@ import torch
 
 from netpart.models import ModelSpec, build_reference
 from netpart.partition import plan
+from netpart.partition.schedule import plan_schedule
 from netpart.runtime import run_step
 from netpart.runtime.check import make_batch
-from netpart.runtime.schedule import plan_schedule
-from netpart.runtime.transport import ThreadTransport
+from netpart.runtime.inprocess import ThreadTransport
 from netpart.runtime.worker import ModelWorker
 
 MID_LOCAL = ModelSpec.from_dict(

@@ -31,10 +31,10 @@ from netpart.files import write_atomic
 from netpart.models import load_spec
 from netpart.partition import build_unit_graph, plan
 from netpart.partition.shards import ShardLayout
-from netpart.runtime.checkpoint import model_from_shards
-from netpart.runtime.config import TrainConfig
-from netpart.runtime.run_report import evaluate, read_metrics
-from netpart.runtime.train_launch import train
+from netpart.train import train
+from netpart.train.config import TrainConfig
+from netpart.train.report import evaluate, read_metrics
+from netpart.train.rundir import model_from_shards
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # experiments._common
 from experiments._common import save_figure, write_csv

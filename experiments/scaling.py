@@ -30,8 +30,8 @@ from netpart.files import write_atomic
 from netpart.models import load_spec
 from netpart.partition import plan
 from netpart.partition.cost import NetworkModel
+from netpart.partition.schedule import plan_schedule
 from netpart.partition.simulate import simulate_step
-from netpart.runtime.schedule import plan_schedule
 from netpart.runtime.trace import SliceTimes, measure_slices
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # experiments._common

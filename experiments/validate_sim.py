@@ -39,11 +39,11 @@ from experiments._common import free_port, write_csv  # noqa: E402
 from netpart.files import plan_files, write_atomic, write_files  # noqa: E402
 from netpart.partition import plan  # noqa: E402
 from netpart.partition.cost import NetworkModel  # noqa: E402
+from netpart.partition.schedule import plan_schedule  # noqa: E402
 from netpart.partition.simulate import simulate_step  # noqa: E402
 from netpart.runtime import run_step  # noqa: E402
 from netpart.runtime.check import make_batch  # noqa: E402
 from netpart.runtime.result import load_worker_result  # noqa: E402
-from netpart.runtime.schedule import plan_schedule  # noqa: E402
 from netpart.runtime.trace import measure_slices  # noqa: E402
 
 RESULTS = ROOT / "experiments" / "results"

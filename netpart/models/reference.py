@@ -1,21 +1,19 @@
 """The single-process reference model: the plain `nn.Module` every partitioned run must equal.
 
-Initial weights depend only on (spec, seed, layer, row) through counter-based Philox streams, so
-a model worker that owns a slice of a layer can draw exactly the reference's values for that
-slice without materialising the rest. A "row" is one output position of a locally connected
-layer (its `[K, out]` filter bank), one output unit of a dense layer, or the whole of a conv.
-Biases start at zero.
+Initial weights come from `netpart.models.init.init_rows` (Philox streams keyed by seed, layer
+and row), so a model worker that owns a slice of a layer draws exactly the reference's values
+for it. A "row" is one output position of a locally connected layer (its `[K, out]` filter
+bank), one output unit of a dense layer, or the whole of a conv. Biases start at zero.
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from netpart.models.init import init_rows
 from netpart.models.spec import LayerSpec, ModelSpec, Shape
 
 __all__ = [
@@ -25,38 +23,9 @@ __all__ = [
     "ReferenceModel",
     "activation",
     "build_reference",
-    "init_rows",
 ]
 
 L2_POOL_EPS = 1e-6  # sqrt(sum x^2 + eps): keeps the gradient finite where a window is all zero
-
-
-def init_rows(spec: ModelSpec, seed: int, index: int, rows: np.ndarray) -> np.ndarray:
-    """Initial weights of layer `index` for the given rows, float64, shape [len(rows), *row_shape].
-
-    Local: row = output position, row shape [Cin*k*k, Cout]. Dense: row = output unit, row shape
-    [n_in]. Conv: the single row 0, shape [Cout, Cin, k, k]. Values ~ N(0, 1/fan_in).
-    """
-    layer, src = spec.layers[index], spec.input_shape(index)
-    if layer.kind == "local":
-        fan_in = src.channels * layer.kernel**2
-        row_shape: tuple[int, ...] = (fan_in, layer.channels)
-    elif layer.kind == "dense":
-        fan_in = src.size
-        row_shape = (fan_in,)
-    elif layer.kind == "conv":
-        fan_in = src.channels * layer.kernel**2
-        row_shape = (layer.channels, src.channels, layer.kernel, layer.kernel)
-    else:
-        raise ValueError(f"layer {index} ({layer.kind}) has no weights")
-    count = math.prod(row_shape)
-    scale = 1.0 / math.sqrt(fan_in)
-    out = np.empty((len(rows), count), dtype=np.float64)
-    for i, row in enumerate(np.asarray(rows, dtype=np.int64).tolist()):
-        stream = np.random.Generator(np.random.Philox(np.random.SeedSequence([seed, index, row])))
-        out[i] = stream.standard_normal(count)
-    out *= scale
-    return out.reshape((len(rows), *row_shape))
 
 
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import networkx as nx
 import numpy as np
 
 from netpart.models.spec import ModelSpec, Shape
@@ -169,8 +168,10 @@ class UnitGraph:
         keep = src < self.adjncy
         return src[keep], self.adjncy[keep], self.adjwgt[keep]
 
-    def to_networkx(self, max_vertices: int = 20000) -> nx.Graph:
+    def to_networkx(self, max_vertices: int = 20000):
         """A networkx view (small graphs only): node attrs layer/flops/units/box, edge weight."""
+        import networkx as nx  # only for exports: workers and planning never load it
+
         if self.num_vertices > max_vertices:
             raise ValueError(
                 f"graph has {self.num_vertices} vertices; networkx export is for <= {max_vertices}"

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from netpart.errors import PlanError
-from netpart.partition._metis import part_graph
 from netpart.partition.graph import UnitGraph, aligned_pool
+from netpart.partition.metis import part_graph
 from netpart.partition.volume import layer_traffic
 
 __all__ = ["METHODS", "METHOD_OPTIONS", "assign"]

@@ -22,7 +22,7 @@ from functools import cached_property
 
 import numpy as np
 
-from netpart.models.reference import init_rows
+from netpart.models.init import init_rows
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import LayerBlocks, UnitGraph, owned_units
 

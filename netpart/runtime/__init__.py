@@ -1,41 +1,19 @@
-"""Runtime: halo schedules, model workers, transports, parameter-server shards, launchers."""
+"""Model-parallel execution: layer slices, the worker that interprets a schedule's program,
+transports, the one process launcher, `run_step` and `check`."""
 
-from netpart.runtime.config import TrainConfig, TrainError
-from netpart.runtime.launch import WorkerFailure, run_step
-from netpart.runtime.ps import ShardServer
-from netpart.runtime.ps_client import ShardClient
+from netpart.errors import PeerError, WorkerFailure
 from netpart.runtime.result import StepResult
-from netpart.runtime.schedule import (
-    HaloSchedule,
-    Instruction,
-    ScheduleError,
-    ShapeMismatchError,
-    build_schedule,
-)
-from netpart.runtime.train_launch import TrainSummary, train
-from netpart.runtime.transport import GlooTransport, PeerError, Transport
-from netpart.runtime.updates import Optimizer, UpdateRule
-from netpart.runtime.worker import ModelWorker
+from netpart.runtime.step import run_step
+from netpart.runtime.transport import GlooTransport, Transport
+from netpart.runtime.worker import ModelWorker, WorkerResult
 
 __all__ = [
     "GlooTransport",
-    "HaloSchedule",
-    "Instruction",
     "ModelWorker",
-    "Optimizer",
     "PeerError",
-    "ScheduleError",
-    "ShapeMismatchError",
-    "ShardClient",
-    "ShardServer",
     "StepResult",
-    "TrainConfig",
-    "TrainError",
-    "TrainSummary",
     "Transport",
-    "UpdateRule",
     "WorkerFailure",
-    "build_schedule",
+    "WorkerResult",
     "run_step",
-    "train",
 ]

@@ -13,14 +13,18 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from netpart.errors import PlanError
 from netpart.models.reference import build_reference
 from netpart.models.spec import ModelSpec
 from netpart.partition.planner import PartitionPlan
-from netpart.runtime.launch import run_step
-from netpart.runtime.result import StepResult
-from netpart.runtime.schedule import plan_schedule
+from netpart.partition.schedule import plan_schedule
+from netpart.runtime.launcher import join_group
+from netpart.runtime.result import StepResult, assemble
+from netpart.runtime.step import run_step
+from netpart.runtime.transport import GlooTransport
+from netpart.runtime.worker import ModelWorker
 
 __all__ = [
     "CheckReport",
@@ -180,15 +184,7 @@ def check_step_distributed(
     all-reduce sums them (tied conv kernels included); rank 0 compares and gets the report,
     the other ranks get None.
     """
-    import datetime
-
-    import torch.distributed as dist
-
-    from netpart.runtime.result import assemble
-    from netpart.runtime.transport import GlooTransport
-    from netpart.runtime.worker import ModelWorker
-
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+    join_group(timeout)
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         if world != plan.workers:

@@ -20,7 +20,7 @@ import torch
 
 from netpart.models.spec import ModelSpec
 from netpart.partition.planner import PartitionPlan
-from netpart.runtime.schedule import plan_schedule
+from netpart.partition.schedule import plan_schedule
 from netpart.runtime.slices import build_slice
 
 __all__ = ["SliceTimes", "measure_slices"]

@@ -1,11 +1,16 @@
-"""ModelWorker: one model worker's lockstep forward and backward pass over a Transport.
+"""ModelWorker: one model worker, an interpreter of its program from the halo schedule.
 
-Forward, layer by layer: send each owned boundary unit of layer l-1 once to every worker that
-reads it, receive the halo into a preallocated buffer, compute the owned units of layer l.
-Backward mirrors it: after the local backward of layer l, gradients for halo inputs go back to
-their owners, which add them to the gradients of their own units. The loss over a distributed
-output layer needs two all-reduces of [B] vectors (max; then sum of exponentials and target
-logit, the last two in one call): cross-entropy is computed exactly as on one process.
+The worker holds its slices of every layer and runs `schedule.instructions(rank)` — the
+program `HaloSchedule.validate` checked before any process started — one instruction at a
+time: compute a layer (or part of one), post a halo send or receive, wait for a phase's
+messages, compute the loss. It derives no order of its own, so what runs is what was
+validated.
+
+Forward, a layer's input buffer holds the owned units of the layer below and the halo received
+from their owners; backward, the gradient w.r.t. halo inputs goes back to their owners, which
+add it to the gradients of their own units. The loss over a distributed output layer needs two
+all-reduces of [B] vectors (max; then sum of exponentials and target logit in one call):
+cross-entropy is computed exactly as on one process.
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from netpart.errors import ShapeMismatchError
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import UnitGraph
-from netpart.runtime.schedule import HaloSchedule, ShapeMismatchError
+from netpart.partition.schedule import HaloSchedule, Instruction
 from netpart.runtime.slices import LayerSlice, build_slice, rows
-from netpart.runtime.transport import Transport
+from netpart.runtime.transport import Handle, Transport
 
 __all__ = ["ModelWorker", "WorkerResult"]
 
@@ -45,8 +51,31 @@ class WorkerResult:
     accuracy: float | None = None  # cross-entropy: share of the batch whose target logit is max
 
 
+class _StepState:
+    """Everything one step's instructions read and write."""
+
+    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor, transport: Transport):
+        self.inputs, self.targets, self.transport = inputs, targets, transport
+        self.batch = inputs.shape[0]
+        self.outs: dict[int, torch.Tensor] = {}  # layer -> owned outputs [U, B]
+        self.leaves: dict[int, torch.Tensor] = {}  # layer -> its input buffer (autograd leaf)
+        self.grad: dict[int, torch.Tensor] = {}  # layer -> gradient of its owned outputs
+        self.back: dict[int, dict[int, torch.Tensor]] = {}  # layer -> owner -> halo gradient
+        self.posted: dict[tuple[int, str], list[Handle]] = {}
+        self.sent: dict[tuple[int, str], int] = {}
+        self.received: dict[tuple[int, str], int] = {}
+        self.compute: dict[tuple[int, str], float] = {}
+        self.exchange: dict[tuple[int, str], float] = {}
+        self.loss = 0.0
+        self.accuracy: float | None = None
+
+
+def _add(book: dict, key, value) -> None:
+    book[key] = book.get(key, 0) + value
+
+
 class ModelWorker:
-    """Holds worker `rank`'s slices of every layer and runs steps through `transport`."""
+    """Holds worker `rank`'s slices of every layer and runs its program through a transport."""
 
     def __init__(
         self,
@@ -58,6 +87,7 @@ class ModelWorker:
         dtype: torch.dtype = torch.float32,
     ) -> None:
         self.spec, self.schedule, self.rank, self.dtype = spec, schedule, rank, dtype
+        self.program: tuple[Instruction, ...] = schedule.instructions(rank)
         self.owned = [schedule.owned[i][rank] for i in range(len(spec.layers))]
         self.slices: list[LayerSlice] = [
             build_slice(spec, i, self.owned[i], graph.layers[i], seed, dtype)
@@ -65,7 +95,7 @@ class ModelWorker:
         ]
         # Per layer: what this worker sends (positions in its owned buffer) and receives (units).
         self._owned_t = [torch.from_numpy(u) for u in self.owned]
-        self._buffers: dict[tuple[int, str, int], dict[int, torch.Tensor]] = {}
+        self._buffers: dict[tuple[int, str, int, int], torch.Tensor] = {}
         self.sends: list[dict[int, torch.Tensor]] = [{}]
         self.recvs: list[dict[int, torch.Tensor]] = [{}]
         for i in range(1, len(spec.layers)):
@@ -79,6 +109,13 @@ class ModelWorker:
                     into[s] = torch.from_numpy(units)
             self.sends.append(out)
             self.recvs.append(into)
+        self._run = {
+            "compute": self._compute,
+            "send": self._send,
+            "recv": self._recv,
+            "wait": self._wait,
+            "loss": self._loss,
+        }
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for s in self.slices for p in s.parameters()]
@@ -95,72 +132,21 @@ class ModelWorker:
         With `collect_grads` the result carries copies of the gradients keyed for the
         reference module (costly: leave it off for steps whose gradients stay local).
         """
-        batch = inputs.shape[0]
-        sent: dict[tuple[int, str], int] = {}
-        received: dict[tuple[int, str], int] = {}
-        leaves: list[torch.Tensor | None] = []
-        outs: list[torch.Tensor] = []
-        compute: dict[tuple[int, str], float] = {}
-        exchange: dict[tuple[int, str], float] = {}
-        clock = time.perf_counter
-        t0 = clock()
-        x = self._buffer(batch, self.spec.input.shape.size)
-        x[: inputs[0].numel()] = inputs.reshape(batch, -1).T.to(self.dtype)
-        leaves.append(None)
-        outs.append(self.slices[0](x))
-        compute[(0, "forward")] = clock() - t0
-        for i in range(1, len(self.spec.layers)):
-            t0 = clock()
-            prev = outs[-1].detach()  # [owned units of layer i-1, B]
-            halo = self._receive_buffers(i, "forward", batch)
-            payload = {d: rows(prev, pos) for d, pos in self.sends[i].items()}
-            transport.exchange(2 * i, payload, halo)
-            t1 = clock()
-            exchange[(i, "forward")] = t1 - t0
-            sent[(i, "forward")] = _nbytes(payload)
-            received[(i, "forward")] = _nbytes(halo)
-            x = self._buffer(batch, self.spec.input_shape(i).size)
-            x.index_copy_(0, self._owned_t[i - 1], prev)
-            for s, units in self.recvs[i].items():
-                x.index_copy_(0, units, halo[s])
-            x.requires_grad_(True)
-            leaves.append(x)
-            outs.append(self.slices[i](x))
-            compute[(i, "forward")] = clock() - t1
-
-        t0 = clock()
-        loss, grad, accuracy = self._loss_and_grad(outs[-1], targets, transport)
-        exchange[(len(self.spec.layers), "loss")] = clock() - t0
-        for i in range(len(self.spec.layers) - 1, -1, -1):
-            t0 = clock()
-            if outs[i].requires_grad:  # False for a parameter-free layer 0, or no owned units
-                torch.autograd.backward(outs[i], grad)
-            if i == 0:
-                compute[(0, "backward")] = clock() - t0
-                break
-            gx = leaves[i].grad if leaves[i].grad is not None else torch.zeros_like(leaves[i])
-            grad = rows(gx, self._owned_t[i - 1])
-            back = {s: rows(gx, units) for s, units in self.recvs[i].items()}
-            incoming = self._receive_buffers(i, "backward", batch)
-            t1 = clock()
-            compute[(i, "backward")] = t1 - t0
-            transport.exchange(2 * i + 1, back, incoming)
-            exchange[(i, "backward")] = clock() - t1
-            sent[(i, "backward")] = _nbytes(back)
-            received[(i, "backward")] = _nbytes(incoming)
-            for d, pos in self.sends[i].items():
-                grad.index_add_(0, pos, incoming[d])
+        st = _StepState(inputs, targets, transport)
+        for ins in self.program:
+            self._run[ins.op](st, ins)
+        last = len(self.spec.layers) - 1
         return WorkerResult(
             rank=self.rank,
-            loss=loss,
-            outputs=outs[-1].detach().T,
+            loss=st.loss,
+            outputs=st.outs[last].detach().T,
             output_units=self.owned[-1],
             grads=self.collect_grads() if collect_grads else [],
-            sent=sent,
-            received=received,
-            compute_s=compute,
-            exchange_s=exchange,
-            accuracy=accuracy,
+            sent=st.sent,
+            received=st.received,
+            compute_s=st.compute,
+            exchange_s=st.exchange,
+            accuracy=st.accuracy,
         )
 
     def collect_grads(self) -> list[tuple[str, np.ndarray, torch.Tensor]]:
@@ -175,26 +161,95 @@ class ModelWorker:
         for p in self.parameters():
             p.grad = None
 
-    # ---- helpers -------------------------------------------------------------------------
-    def _buffer(self, batch: int, n: int) -> torch.Tensor:
+    # ---- instructions ----------------------------------------------------------------------
+    def _compute(self, st: _StepState, ins: Instruction) -> None:
+        t0 = time.perf_counter()
+        if ins.phase == "forward":
+            self._forward(st, ins.layer)
+        else:
+            self._backward(st, ins.layer)
+        _add(st.compute, (ins.layer, ins.phase), time.perf_counter() - t0)
+
+    def _forward(self, st: _StepState, layer: int) -> None:
+        x = self._input_buffer(st.batch, layer)
+        if layer == 0:
+            x[: st.inputs[0].numel()] = st.inputs.reshape(st.batch, -1).T.to(self.dtype)
+        else:
+            x.index_copy_(0, self._owned_t[layer - 1], st.outs[layer - 1].detach())
+            for s, units in self.recvs[layer].items():
+                x.index_copy_(0, units, self._halo(layer, "forward", s, st.batch))
+            x.requires_grad_(True)
+            st.leaves[layer] = x
+        st.outs[layer] = self.slices[layer](x)
+
+    def _backward(self, st: _StepState, layer: int) -> None:
+        out = st.outs[layer]
+        if out.requires_grad:  # False for a parameter-free layer 0, or no owned units
+            torch.autograd.backward(out, st.grad[layer])
+        if layer == 0:
+            return
+        leaf = st.leaves[layer]
+        gx = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+        st.grad[layer - 1] = rows(gx, self._owned_t[layer - 1])
+        st.back[layer] = {s: rows(gx, units) for s, units in self.recvs[layer].items()}
+
+    def _send(self, st: _StepState, ins: Instruction) -> None:
+        t0 = time.perf_counter()
+        if ins.phase == "forward":
+            payload = rows(st.outs[ins.layer - 1].detach(), self.sends[ins.layer][ins.peer])
+        else:
+            payload = st.back[ins.layer][ins.peer]
+        self._post(st, ins, st.transport.send, payload, st.sent, t0)
+
+    def _recv(self, st: _StepState, ins: Instruction) -> None:
+        t0 = time.perf_counter()
+        buf = self._halo(ins.layer, ins.phase, ins.peer, st.batch)
+        self._post(st, ins, st.transport.recv, buf, st.received, t0)
+
+    def _post(self, st: _StepState, ins: Instruction, post, tensor, book, t0: float) -> None:
+        """Post one message of (layer, phase); count its bytes, and its time since `t0`."""
+        tag = 2 * ins.layer + (ins.phase == "backward")
+        key = (ins.layer, ins.phase)
+        st.posted.setdefault(key, []).append(post(tag, ins.peer, tensor))
+        _add(book, key, tensor.numel() * tensor.element_size())
+        _add(st.exchange, key, time.perf_counter() - t0)
+
+    def _wait(self, st: _StepState, ins: Instruction) -> None:
+        t0 = time.perf_counter()
+        st.transport.wait(st.posted.pop((ins.layer, ins.phase)))
+        if ins.phase == "backward":  # the gradients owed to this worker's units of layer - 1
+            grad = st.grad[ins.layer - 1]
+            for d, pos in self.sends[ins.layer].items():
+                grad.index_add_(0, pos, self._halo(ins.layer, "backward", d, st.batch))
+        _add(st.exchange, (ins.layer, ins.phase), time.perf_counter() - t0)
+
+    def _loss(self, st: _StepState, ins: Instruction) -> None:
+        t0 = time.perf_counter()
+        st.loss, st.grad[ins.layer], st.accuracy = self._loss_and_grad(
+            st.outs[ins.layer], st.targets, st.transport
+        )
+        st.exchange[(ins.layer + 1, "loss")] = time.perf_counter() - t0
+
+    # ---- buffers ---------------------------------------------------------------------------
+    def _input_buffer(self, batch: int, layer: int) -> torch.Tensor:
         """Input buffer [n + 2, B]: row n is zero padding, row n + 1 is -inf padding."""
+        n = self.spec.input_shape(layer).size
         x = torch.zeros(n + 2, batch, dtype=self.dtype)
         x[n + 1] = float("-inf")
         return x
 
-    def _receive_buffers(self, layer: int, phase: str, batch: int) -> dict[int, torch.Tensor]:
-        """Receive buffers sized by the schedule, allocated once per (layer, phase, batch).
+    def _halo(self, layer: int, phase: str, peer: int, batch: int) -> torch.Tensor:
+        """The receive buffer of one message, sized by the schedule, allocated once.
 
-        Reuse is safe: their contents are copied into the layer's input buffer (forward) or
+        Reuse is safe: its contents are copied into the layer's input buffer (forward) or
         added into the gradients (backward) before the next step overwrites them.
         """
-        key = (layer, phase, batch)
-        if key not in self._buffers:
-            peers = self.recvs[layer] if phase == "forward" else self.sends[layer]
-            self._buffers[key] = {
-                p: torch.empty(len(idx), batch, dtype=self.dtype) for p, idx in peers.items()
-            }
-        return self._buffers[key]
+        key = (layer, phase, peer, batch)
+        buf = self._buffers.get(key)
+        if buf is None:
+            units = self.recvs[layer] if phase == "forward" else self.sends[layer]
+            buf = self._buffers[key] = torch.empty(len(units[peer]), batch, dtype=self.dtype)
+        return buf
 
     def _loss_and_grad(
         self, logits: torch.Tensor, targets: torch.Tensor, transport: Transport
@@ -230,7 +285,3 @@ class ModelWorker:
         diff = logits - t
         total = transport.all_reduce((diff * diff).sum().reshape(1), "sum")
         return float(total[0] / (batch * n_out)), (2.0 * diff / (batch * n_out)).T, None
-
-
-def _nbytes(tensors: dict[int, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())

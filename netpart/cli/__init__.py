@@ -1,0 +1,59 @@
+"""The `netpart` command: parse, call the library, write the results. Thin on purpose.
+
+One module per command group (`plan`, `run`, `train`), each registering its subcommands with
+`set_defaults(func=...)`; every command returns its exit code. Errors a user can cause end in
+one line on stderr and exit code 2, with nothing half-written; a failure while running in one
+line and exit code 1; a stop by SIGINT/SIGTERM in exit code 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from netpart import __version__
+from netpart.cli import plan, run, train
+from netpart.errors import EXIT_FAILURE, EXIT_INPUT, EXIT_INTERRUPTED, NetpartError, RuntimeFailure
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="netpart",
+        description=(
+            "Partition neural networks DistBelief-style: a network is a graph of unit blocks, "
+            "METIS cuts it across model workers with one balance constraint per layer."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"netpart {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for group in (plan, run, train):
+        group.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return args.func(args)
+    except NetpartError as exc:
+        print(f"netpart: error: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    except RuntimeFailure as exc:
+        print(f"netpart: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        print("netpart: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # output piped into e.g. `head`: stop quietly
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - never written to again
+        return 0

@@ -1,0 +1,108 @@
+"""What the command modules share: argument types, output, and the options of `run`/`check`.
+
+Every command is `cmd(args) -> exit code`, registered with `set_defaults(func=cmd)`; output
+goes through `echo` (stdout), errors are raised and turned into one line by `netpart.cli.main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from netpart.errors import PlanError
+
+__all__ = [
+    "add_launch_args",
+    "capacities",
+    "echo",
+    "per_worker_stats",
+    "plan_for_run",
+    "positive_int",
+]
+
+
+def echo(text: str = "") -> None:
+    """One line of the command's output on stdout."""
+    sys.stdout.write(f"{text}\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def capacities(text: str) -> list[float]:
+    try:
+        caps = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers (e.g. 1,1,2), got {text!r}"
+        ) from None
+    if not caps or any(c <= 0 for c in caps):
+        raise argparse.ArgumentTypeError(f"capacities must be positive numbers, got {text!r}")
+    return caps
+
+
+def add_launch_args(parser: argparse.ArgumentParser, batch: int, stats_help: str) -> None:
+    """The options `run` and `check` share: what to run, how to split it, where to report."""
+    from netpart.partition.methods import METHODS
+
+    parser.add_argument("--model", required=True, help="zoo name or .toml/.json")
+    parser.add_argument(
+        "--workers", required=True, type=positive_int, help="model worker processes"
+    )
+    parser.add_argument("--method", default="metis", choices=list(METHODS), help="partitioner")
+    parser.add_argument("--plan", type=Path, default=None, help="use this plan directory instead")
+    parser.add_argument(
+        "--batch", type=positive_int, default=batch, help=f"examples per step (default {batch})"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="weights, batch and partitioner seed")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds a worker waits for a peer before giving up (default 60)",
+    )
+    parser.add_argument("--stats", type=Path, default=None, help=stats_help)
+
+
+def plan_for_run(args: argparse.Namespace):
+    """The spec and plan `run` and `check` use: --plan (checked), or None to plan afresh."""
+    from netpart.files import load_plan
+    from netpart.models import load_spec
+
+    spec = load_spec(args.model)
+    if args.timeout <= 0:
+        raise PlanError(f"--timeout must be positive, got {args.timeout}")
+    if args.plan is None:
+        return spec, None
+    p = load_plan(args.plan, spec)
+    if p.workers != args.workers:
+        raise PlanError(
+            f"{args.plan}: the plan is for {p.workers} workers, not --workers {args.workers}"
+        )
+    return spec, p
+
+
+def per_worker_stats(result) -> list[dict]:
+    """Bytes and seconds per worker, keyed "layer:phase", for the --stats JSON files."""
+
+    def keyed(d: dict) -> dict:
+        return {f"{k[0]}:{k[1]}": v for k, v in d.items()}
+
+    return [
+        {
+            "worker": w,
+            "sent": keyed(result.sent[w]),
+            "received": keyed(result.received[w]),
+            "compute_s": keyed(result.compute_s[w]),
+            "exchange_s": keyed(result.exchange_s[w]),
+        }
+        for w in range(len(result.sent))
+    ]

@@ -1,0 +1,281 @@
+"""`netpart models | plan | inspect | graph`: the planning commands (no processes, no torch)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from netpart.cli.common import capacities, echo, positive_int
+from netpart.errors import PlanError
+
+__all__ = ["register"]
+
+EPILOG_PLAN = """\
+outputs in --out DIR:
+  plan.json        schema_version, model + fingerprint, method, options, metrics
+                   (edge_cut, volume, lower_bound, max_layer_imbalance, predicted_step_s),
+                   per-layer and per-worker figures
+  node_map.npy     block -> worker (int64), loads back with netpart.files.load_plan
+  report.md        the report, with the figures below
+  partition_map.png, load.png, halo_traffic.png (+ compare.png with --compare)
+
+examples:
+  netpart plan --model image-80m --workers 16 --out out/img16
+  netpart plan --model speech --workers 8 --compare --out out/speech8
+  netpart plan --model my-net.toml --workers 4 --net bandwidth=10Gbit,latency=20us
+"""
+
+
+def register(sub) -> None:
+    """Add `models`, `plan`, `inspect` and `graph` to the subcommands."""
+    sub.add_parser("models", help="list the zoo models with their parameter counts").set_defaults(
+        func=cmd_models
+    )
+    _plan_parser(sub)
+    i = sub.add_parser(
+        "inspect",
+        help="check a plan directory against its model and print its summary",
+        description="Load PLAN (a directory or its plan.json), check that it was made for MODEL "
+        "(default: the zoo model the plan names) and print its summary and layer table.",
+    )
+    i.add_argument("plan", type=Path, help="plan directory written by `netpart plan --out`")
+    i.add_argument("--model", default=None, help="zoo name or .toml/.json the plan must match")
+    i.set_defaults(func=cmd_inspect)
+
+    g = sub.add_parser(
+        "graph",
+        help="export a model's unit graph (METIS .graph or GraphML)",
+        description="Build the unit graph of MODEL at the granularity a plan for WORKERS uses "
+        "and write it as METIS .graph text (one weight per layer) or GraphML (small graphs).",
+    )
+    g.add_argument("--model", required=True, help="zoo name or .toml/.json")
+    g.add_argument("--workers", type=positive_int, default=1, help="granularity as for N workers")
+    g.add_argument("--format", choices=["metis", "graphml"], default="metis")
+    g.add_argument("--out", type=Path, required=True, help="output file")
+    g.set_defaults(func=cmd_graph)
+
+
+def _plan_parser(sub) -> None:
+    from netpart.partition.methods import METHODS
+
+    p = sub.add_parser(
+        "plan",
+        help="partition a model across N workers and write plan files and a report",
+        description=(
+            "Partition MODEL across WORKERS model workers and report per-worker load, halo "
+            "traffic, the lower bound and the predicted step time."
+        ),
+        epilog=EPILOG_PLAN,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", required=True, help="zoo name (see `netpart models`) or .toml/.json")
+    p.add_argument("--workers", required=True, type=positive_int, help="number of model workers")
+    p.add_argument(
+        "--method",
+        default="metis",
+        choices=list(METHODS),
+        help="partitioner (default: metis, one balance constraint per layer; tiles: brick tiles "
+        "balanced per layer, pools' inputs following the pools, the least halo on image models)",
+    )
+    p.add_argument(
+        "--batch", type=positive_int, default=32, help="batch size for step time (default 32)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="partitioner seed (default 0)")
+    _metis_options(p)
+    p.add_argument(
+        "--blocks-per-worker",
+        type=positive_int,
+        default=24,
+        help="granularity: target blocks per worker in each spatial layer (default 24)",
+    )
+    p.add_argument(
+        "--net",
+        default="",
+        metavar="SPEC",
+        help="network model, e.g. bandwidth=10Gbit,latency=20us,flops=50G "
+        "(defaults: 1Gbit, 50us, 20G FLOP/s per worker)",
+    )
+    p.add_argument(
+        "--compare", action="store_true", help="also run every method and add a comparison"
+    )
+    p.add_argument(
+        "--ps-shards",
+        type=positive_int,
+        default=None,
+        help="parameter-server shards to lay the parameters out over (default: workers)",
+    )
+    p.add_argument("--out", type=Path, default=None, help="directory for plan files and report")
+    p.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
+    p.set_defaults(func=cmd_plan)
+
+
+def _metis_options(p: argparse.ArgumentParser) -> None:
+    """The options that tune METIS (refused with any other --method)."""
+    p.add_argument(
+        "--imbalance",
+        type=float,
+        default=None,
+        help="metis: allowed per-layer imbalance, 0.03 = 3%% (default 0.03)",
+    )
+    p.add_argument(
+        "--capacities",
+        type=capacities,
+        default=None,
+        help="metis: relative speed of each worker for unequal machines, e.g. 1,1,2,2",
+    )
+    p.add_argument(
+        "--metis-algorithm",
+        choices=["recursive", "kway"],
+        default=None,
+        help="metis: recursive bisection (default; fastest, lowest volume measured on the zoo) "
+        "or k-way",
+    )
+    p.add_argument(
+        "--objective",
+        choices=["vol", "cut"],
+        default=None,
+        help="metis k-way objective: vol = communication volume (default), cut = edge cut; "
+        "recursive bisection always cuts edges",
+    )
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from netpart.models import ZOO
+
+    echo(f"{'model':<12} {'params':>15}  {'input':<10} layers")
+    for name, spec in ZOO.items():
+        kinds = " ".join(layer.kind for layer in spec.layers)
+        echo(f"{name:<12} {spec.num_params:>15,}  {spec.input.shape!s:<10} {kinds}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from netpart.files import plan_files, write_files
+    from netpart.models import load_spec
+    from netpart.partition import Granularity, NetworkModel, build_unit_graph
+    from netpart.partition.report import (
+        compare_table,
+        figures,
+        layer_table,
+        report_markdown,
+        shard_table,
+        summary_line,
+    )
+    from netpart.partition.shards import ShardLayout
+
+    spec = load_spec(args.model)
+    network = NetworkModel.parse(args.net) if args.net else NetworkModel()
+    options = _metis_choices(args)
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise PlanError(f"--out {args.out}: exists and is not a directory")
+    granularity = Granularity.for_workers(args.workers, args.blocks_per_worker)
+    common = {"seed": args.seed, "batch": args.batch, "network": network}
+    plans = _make_plans(spec, args, options, {**common, "granularity": granularity})
+    main_plan = plans[0]
+    comparison = plans if args.compare else []
+    graph = build_unit_graph(spec, granularity)
+    shards = ShardLayout.build(
+        graph, main_plan.node_map, args.workers, args.ps_shards or args.workers
+    )
+    echo(summary_line(main_plan))
+    echo(layer_table(main_plan))
+    echo()
+    echo(f"parameter server: {shards.shards} shards")
+    echo(shard_table(shards))
+    if comparison:
+        echo()
+        echo(compare_table(comparison))
+    if args.out is None:
+        return 0
+    files = plan_files(main_plan)
+    figs = {} if args.no_figures else figures(graph, main_plan, comparison)
+    report = report_markdown(spec, main_plan, comparison, list(figs), shards)
+    files["report.md"] = report.encode()
+    files.update(figs)
+    write_files(args.out, files)
+    echo(f"wrote {', '.join(files)} to {args.out}")
+    return 0
+
+
+def _metis_choices(args: argparse.Namespace) -> dict:
+    """The METIS options given on the command line (refused with another --method)."""
+    options = {
+        k: v
+        for k, v in (
+            ("imbalance", args.imbalance),
+            ("capacities", args.capacities),
+            ("algorithm", args.metis_algorithm),
+            ("objective", args.objective),
+        )
+        if v is not None
+    }
+    if options and args.method != "metis":
+        flag = {"algorithm": "metis-algorithm"}.get(next(iter(options)), next(iter(options)))
+        raise PlanError(f"--{flag} applies to --method metis only")
+    return options
+
+
+def _make_plans(spec, args: argparse.Namespace, options: dict, common: dict) -> list:
+    """The plan of --method, then (with --compare) one of every other method, with a bar."""
+    from tqdm import tqdm
+
+    from netpart.partition import plan
+    from netpart.partition.methods import METHODS
+
+    methods = [args.method] + ([m for m in METHODS if m != args.method] if args.compare else [])
+    plans = []
+    show = sys.stderr.isatty()
+    with tqdm(total=3 * len(methods), desc="plan", disable=not show, leave=False) as bar:
+        for method in methods:
+            opts = options if method == args.method else {}
+
+            def phase(name: str, method: str = method) -> None:
+                bar.set_postfix_str(f"{method}: {name}")
+                bar.update(1)
+
+            plans.append(plan(spec, args.workers, method, on_phase=phase, **common, **opts))
+    return plans
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from netpart.files import load_plan
+    from netpart.models import ZOO, load_spec
+    from netpart.partition.report import layer_table, summary_line
+
+    plan = load_plan(args.plan)
+    if args.model is None and plan.model not in ZOO:
+        raise PlanError(
+            f"{args.plan}: plan is for {plan.model!r}, not a zoo model; pass --model FILE"
+        )
+    plan.check_model(load_spec(args.model or plan.model))
+    echo(summary_line(plan))
+    echo(layer_table(plan))
+    return 0
+
+
+def cmd_graph(args: argparse.Namespace) -> int:
+    import networkx as nx
+
+    from netpart.files import write_atomic
+    from netpart.models import load_spec
+    from netpart.partition import Granularity, build_unit_graph
+
+    spec = load_spec(args.model)
+    graph = build_unit_graph(spec, Granularity.for_workers(args.workers))
+    if args.format == "metis":
+        data = graph.to_metis_text().encode()
+    else:
+        try:
+            g = graph.to_networkx()
+        except ValueError as exc:
+            raise PlanError(f"--format graphml: {exc}; use --format metis") from None
+        for _, attrs in g.nodes(data=True):
+            attrs["box"] = ",".join(map(str, attrs["box"]))
+        data = "\n".join(nx.generate_graphml(g)).encode()
+    write_atomic(args.out, data)
+    echo(
+        f"wrote {args.out}: {graph.num_vertices} blocks, {graph.num_edges} edges, "
+        f"{len(graph.layers)} layers"
+    )
+    return 0

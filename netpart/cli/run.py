@@ -1,0 +1,165 @@
+"""`netpart run | check`: a partitioned model in N worker processes, timed or checked."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from netpart.cli.common import add_launch_args, echo, per_worker_stats, plan_for_run, positive_int
+
+__all__ = ["register"]
+
+
+def register(sub) -> None:
+    """Add `run` and `check` to the subcommands."""
+    r = sub.add_parser(
+        "run",
+        help="time partitioned steps in N processes against the plan's prediction",
+        description="Run STEPS forward/backward steps of MODEL partitioned across WORKERS "
+        "processes (torch.distributed, gloo; weights are not updated) and report the measured "
+        "step time (slowest worker, median after warm-up) next to the plan's predicted step "
+        "time, the per-layer compute and exchange time, and the bytes moved.",
+    )
+    add_launch_args(r, batch=32, stats_help="write the measurements as JSON")
+    r.add_argument("--steps", type=positive_int, default=10, help="timed steps (default 10)")
+    r.add_argument("--threads", type=positive_int, default=1, help="torch threads per worker")
+
+    c = sub.add_parser(
+        "check",
+        help="run one partitioned step in N processes and compare it with the reference",
+        description="Run one forward/backward step of MODEL partitioned across WORKERS processes "
+        "(torch.distributed, gloo) and the same step on the single-process reference in "
+        "float64; print the largest differences of loss, outputs and every parameter gradient "
+        "and the bytes each layer moved against the plan. Exit 0 only when all agree.",
+    )
+    add_launch_args(c, batch=4, stats_help="write bytes per layer/worker as JSON")
+    c.add_argument(
+        "--tolerance", type=float, default=1e-9, help="abs and rel tolerance (default 1e-9)"
+    )
+    c.add_argument(
+        "--show-schedule",
+        action="store_true",
+        help="print each worker's program (the instructions its process runs) before checking",
+    )
+    r.set_defaults(func=cmd_run)
+    c.set_defaults(func=cmd_check)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import json
+
+    import numpy as np
+    import torch
+
+    from netpart.files import write_atomic
+    from netpart.partition import plan
+    from netpart.runtime.check import make_batch
+    from netpart.runtime.step import run_step
+
+    spec, p = plan_for_run(args)
+    p = p or plan(spec, args.workers, args.method, seed=args.seed, batch=args.batch)
+    x, y = make_batch(spec, args.batch, args.seed)
+    warmup = min(3, args.steps - 1) if args.steps > 1 else 0
+    result = run_step(
+        spec,
+        p,
+        x.float(),
+        y,
+        seed=args.seed,
+        dtype=torch.float32,
+        timeout=args.timeout,
+        threads=args.threads,
+        steps=args.steps + warmup,
+    )
+    per_step = np.max(np.array(result.step_times), axis=0)[warmup:]
+    measured = float(np.median(per_step))
+    scale = args.batch / p.batch  # the plan predicts at its own batch size; both terms scale
+    predicted = p.metrics.predicted_step_s * scale
+    echo(
+        f"{spec.name} on {args.workers} worker processes ({p.method}), batch {args.batch}, "
+        f"{args.threads} thread(s) each: step {measured * 1e3:.1f} ms (median of {len(per_step)}; "
+        f"plan predicts {predicted * 1e3:.1f} ms with its network model)"
+    )
+    echo(f"{'layer':<10} {'compute ms':>11} {'exchange ms':>12}  (slowest worker, last step)")
+    for i in range(len(spec.layers)):
+        comp = max(c.get((i, "forward"), 0) + c.get((i, "backward"), 0) for c in result.compute_s)
+        exch = max(e.get((i, "forward"), 0) + e.get((i, "backward"), 0) for e in result.exchange_s)
+        echo(f"{spec.layer_name(i):<10} {comp * 1e3:>11.2f} {exch * 1e3:>12.2f}")
+    sent = sum(v for s in result.sent for v in s.values())
+    echo(f"bytes moved per step: {sent:,} (plan: {2 * p.metrics.volume * args.batch * 4:,})")
+    if args.stats is not None:
+        stats = {
+            "model": spec.name,
+            "workers": args.workers,
+            "method": p.method,
+            "batch": args.batch,
+            "threads": args.threads,
+            "step_s": per_step.tolist(),
+            "step_s_median": measured,
+            "predicted_step_s": predicted,
+            "per_worker": per_worker_stats(result),
+        }
+        write_atomic(args.stats, json.dumps(stats, indent=1).encode())
+    return 0
+
+
+def _show_schedule(spec, p) -> None:
+    """Every worker's program, as its process will run it."""
+    from netpart.partition.schedule import plan_schedule
+
+    _, schedule = plan_schedule(spec, p)
+    for w in range(p.workers):
+        echo(f"worker {w}: {len(schedule.instructions(w))} instructions")
+        echo(schedule.table(w))
+        echo()
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    import json
+
+    from netpart.files import write_atomic
+    from netpart.partition import plan
+    from netpart.runtime.check import (
+        check_step,
+        check_step_distributed,
+        require_memory,
+        under_torchrun,
+    )
+
+    spec, p = plan_for_run(args)
+    require_memory(spec, args.batch)
+    p = p or plan(spec, args.workers, args.method, seed=args.seed)
+    if args.show_schedule and os.environ.get("RANK", "0") == "0":
+        _show_schedule(spec, p)
+    if under_torchrun():
+        report = check_step_distributed(
+            spec, p, args.batch, args.seed, args.tolerance, args.timeout
+        )
+        if report is None:  # not rank 0: rank 0 prints the verdict
+            return 0
+        result = None
+    else:
+        report, result = check_step(spec, p, args.batch, args.seed, args.tolerance, args.timeout)
+    echo(f"{spec.name}: {args.workers} worker processes ({p.method}) vs reference, float64")
+    echo(f"{'quantity':<28} {'max abs diff':>14} {'max rel diff':>14}  ok")
+    for d in report.differences:
+        echo(f"{d.name:<28} {d.max_abs:>14.3e} {d.max_rel:>14.3e}  {'yes' if d.ok else 'NO'}")
+    echo(f"\n{'layer':>5} {'phase':<9} {'bytes sent':>12} {'planned':>12}")
+    for layer, phase, measured, planned in report.bytes_rows:
+        echo(f"{layer:>5} {phase:<9} {measured:>12,} {planned:>12,}")
+    if args.stats is not None and result is not None:
+        stats = {
+            "model": spec.name,
+            "workers": args.workers,
+            "batch": args.batch,
+            "bytes_match_plan": report.bytes_match,
+            "per_worker": per_worker_stats(result),
+            "differences": [vars(d) for d in report.differences],
+        }
+        write_atomic(args.stats, json.dumps(stats, indent=1).encode())
+    verdict = "OK" if report.ok else "MISMATCH"
+    echo(
+        f"\n{verdict}: {'all within' if report.ok else 'not all within'} {args.tolerance:g}; "
+        f"bytes {'equal' if report.bytes_match else 'differ from'} the plan"
+    )
+    return 0 if report.ok else 1

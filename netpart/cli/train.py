@@ -1,0 +1,323 @@
+"""`netpart train | eval | report | export`: training jobs and what their runs hold."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from netpart.cli.common import echo
+from netpart.errors import PlanError, TrainError
+
+__all__ = ["register"]
+
+EPILOG_TRAIN = """\
+the job: R replicas x N model workers + S parameter-server shards = R*N+S processes
+  (+1 coordinator with --mode sandblaster, where --steps counts L-BFGS iterations and
+  every evaluation covers the same --batch examples, cut into --units work units),
+  spawned on this machine, or started by torchrun on one or more machines with
+  WORLD_SIZE = R*N+S (every process runs this same command; see docs/multi-node.md).
+  --placement pack keeps each replica's workers on as few machines as possible and spreads
+  the shards; spread puts worker w on machine w mod K; ordered makes rank r*N+w worker w of
+  replica r and rank R*N+s shard s (on one machine every policy gives this order).
+
+in --out DIR:
+  train.json, spec.json, plan.json, node_map.npy   the job (a resume must match them)
+  shard_<s>.pt (+ .json)   parameters and optimizer state, written atomically every
+                           --checkpoint-every updates and at the end
+  metrics_replica<r>.jsonl one line per step of replica r: time, loss, accuracy, staleness,
+                           samples, step time split into compute / halo / ps / data, bytes
+  metrics.jsonl            all replicas' lines in time order (written at the end)
+  model.pt                 the reference module's state_dict (torch.load weights_only=True)
+  summary.json             last step and loss per replica, lost replicas, held-out figures
+  report.md, curves.png, step_time.png, staleness.png   (`netpart report DIR` redraws them)
+  sandblaster.jsonl, coordinator.json   Sandblaster: loss, units per replica and backups
+                           per evaluation; the totals and the L-BFGS losses
+  logs/rank<k>.log
+
+examples:
+  netpart train --model tiny-local --workers 2 --replicas 2 --ps-shards 2 --steps 200
+  netpart train --model tiny-local --workers 2 --replicas 2 --data digits --steps 300
+  netpart train --model image-80m --workers 4 --replicas 1 --data shapes --batch 16
+  netpart train --model tiny-local --workers 2 --data my_images/ --steps 500
+  netpart train --model tiny-local --workers 2 --replicas 4 --mode sync --optimizer sgd
+  netpart train --model tiny-local --workers 2 --replicas 2 --mode sandblaster \\
+      --optimizer lbfgs --lr 1 --data digits --batch 1438 --units 16 --steps 15
+  netpart train --resume out/train --steps 400       # continue a run to 400 steps
+"""
+
+
+def register(sub) -> None:
+    """Add `train`, `eval`, `report` and `export` to the subcommands."""
+    _train_parser(sub)
+    _run_parsers(sub)
+
+
+def _train_parser(sub) -> None:
+    from netpart.partition.methods import METHODS
+    from netpart.train.config import TrainConfig
+
+    d = TrainConfig()
+    t = sub.add_parser(
+        "train",
+        help="train a partitioned model: R replicas against a sharded parameter server",
+        description="Train MODEL split across WORKERS model workers (lockstep halo exchange), "
+        "with REPLICAS copies of it pushing gradients to and fetching parameters from PS-SHARDS "
+        "parameter-server shards: Downpour SGD (asynchronous) or synchronous SGD. A replica "
+        "that dies is dropped and training goes on; SIGINT/SIGTERM stop at a step boundary "
+        "with a final checkpoint.",
+        epilog=EPILOG_TRAIN,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    t.add_argument("--model", default=None, help="zoo name or .toml/.json (default on --resume)")
+    t.add_argument("--workers", type=int, default=None, help="model workers per replica (N)")
+    flag = _config_flag(t, d)
+    flag("replicas", int, "replicas of the model (R)")
+    flag("shards", int, "parameter-server shards (S; default: N)", name="--ps-shards")
+    flag("mode", str, "downpour | sync | sandblaster (batch L-BFGS with a coordinator)")
+    flag("optimizer", str, "adagrad | sgd | lbfgs (with --mode sandblaster)")
+    flag("lr", float, "learning rate")
+    flag("n_fetch", int, "downpour: fetch parameters every K steps")
+    flag("n_push", int, "downpour: push gradients every K steps")
+    flag("push_norm", float, "downpour: push sooner once the gradient's L2 norm reaches this")
+    flag("dc_lambda", float, "downpour: DC-ASGD delay compensation lambda (0: off)")
+    flag("units", int, "sandblaster: work units per batch", "--units", "--units-per-batch")
+    flag("history", int, "sandblaster: L-BFGS curvature pairs kept in the shards")
+    flag("line_search", str, "sandblaster: armijo | none (torch.optim.LBFGS's fixed step)")
+    flag("steps", int, "total steps per replica (a resume continues up to it)")
+    flag("batch", int, "examples per step and replica")
+    flag("warm_start", int, "downpour: steps replica 0 trains alone first")
+    flag("checkpoint_every", int, "shard updates between checkpoints")
+    flag("snapshot_every", int, "keep a copy of every shard each K updates in snapshots/ (0: off)")
+    flag(
+        "data",
+        str,
+        "synthetic; shapes (procedural images at the model's resolution); digits (sklearn's "
+        "bundled digits); a .npz with x, y [x_test, y_test]; or a folder of class subfolders "
+        "of images (20%% held out where no test set is given)",
+    )
+    flag("seed", int, "weights, data and partitioner seed")
+    flag("dtype", str, "float32 | float64")
+    flag("timeout", float, "seconds a worker waits for a peer before giving up")
+    flag("threads", int, "torch threads per process")
+    flag("placement", str, "pack | spread | ordered: which ranks play which role")
+    t.add_argument("--method", default="metis", choices=list(METHODS), help="partitioner")
+    t.add_argument("--plan", type=Path, default=None, help="use this plan directory")
+    t.add_argument("--out", type=Path, default=Path("out/train"), help="run directory")
+    t.add_argument("--resume", type=Path, default=None, metavar="DIR", help="continue this run")
+    t.set_defaults(func=cmd_train)
+
+
+def _run_parsers(sub) -> None:
+    """`eval`, `report` and `export`: what a run directory holds."""
+    v = sub.add_parser(
+        "eval",
+        help="evaluate a run's model on held-out data",
+        description="Load the model of a training run (its model.pt, or the shard checkpoints) "
+        "into the single-process reference module and report loss and accuracy on the "
+        "held-out part of --data (never trained on: a fixed 20%% of digits, .npz and folders, "
+        "the npz's x_test/y_test when given, 1,000 extra examples of synthetic and shapes).",
+    )
+    v.add_argument("--checkpoint", type=Path, required=True, metavar="RUN", help="run directory")
+    v.add_argument("--data", default=None, help="default: the data the run trained on")
+    v.add_argument("--batch", type=int, default=256, help="examples per forward pass")
+    v.set_defaults(func=cmd_eval)
+
+    rp = sub.add_parser(
+        "report",
+        help="redraw a run's plots and Markdown report",
+        description="Read RUN's metrics files and shard sidecars and write metrics.jsonl, "
+        "curves.png (loss and accuracy vs wall time per replica), step_time.png (compute / halo "
+        "exchange / parameter server / data per step), staleness.png (Downpour: updates between "
+        "a fetch and the push computed on it) and report.md. Works on a run still in progress.",
+    )
+    rp.add_argument("run", type=Path, help="run directory of `netpart train`")
+    rp.set_defaults(func=cmd_report)
+
+    e = sub.add_parser(
+        "export",
+        help="write a run's parameters as the reference module's state_dict",
+        description="Read the shard checkpoints of RUN and write the single-process reference "
+        "module's state_dict (load it with torch.load(weights_only=True)).",
+    )
+    e.add_argument("run", type=Path, help="run directory of `netpart train`")
+    e.add_argument("--output", type=Path, default=None, help="default: RUN/model.pt")
+    e.set_defaults(func=cmd_export)
+
+
+def _config_flag(parser, defaults):
+    """Add a TrainConfig field as a flag whose absence means "the default, or the run's"."""
+
+    def add(field: str, kind, text: str, name: str | None = None, *aliases: str) -> None:
+        default = getattr(defaults, field)
+        extra = "" if field == "shards" else f" (default {default})"
+        parser.add_argument(
+            name or "--" + field.replace("_", "-"), *aliases, dest=field, type=kind,
+            default=None, help=text + extra,
+        )  # fmt: skip
+
+    return add
+
+
+_FIELDS = (
+    "replicas", "shards", "mode", "optimizer", "lr", "n_fetch", "n_push", "steps", "batch",
+    "warm_start", "checkpoint_every", "snapshot_every", "data", "seed", "dtype", "timeout",
+    "threads", "placement", "push_norm", "dc_lambda", "units", "history", "line_search",
+)  # fmt: skip
+_FIXED_ON_RESUME = ("shards", "optimizer", "dtype", "seed", "data")
+
+
+def _flag(field: str) -> str:
+    return "ps-shards" if field == "shards" else field.replace("_", "-")
+
+
+def _job(args):
+    """Spec, plan and config from the flags, or from the run directory with --resume."""
+    from netpart.files import load_plan
+    from netpart.models import load_spec
+    from netpart.partition import plan
+    from netpart.train.config import TrainConfig
+    from netpart.train.rundir import read_run
+
+    if args.resume is not None:
+        run = args.resume
+        manifest, spec, old = read_run(run)
+        if args.model is not None and load_spec(args.model).fingerprint() != spec.fingerprint():
+            raise TrainError(f"--resume {run}: the run trained {spec.name}, not {args.model}")
+        if args.workers is not None and args.workers != manifest.get("workers"):
+            raise TrainError(
+                f"--workers {args.workers}: the run in {run} has {manifest.get('workers')} "
+                "workers per replica; resume with the same layout or start a new --out"
+            )
+        for k in _FIXED_ON_RESUME:
+            given = getattr(args, k)
+            if given is not None and given != getattr(old, k):
+                raise TrainError(
+                    f"--{_flag(k)} {given}: the run in {run} has {getattr(old, k)}; "
+                    "resume with the same value or start a new --out"
+                )
+        given = {k: getattr(args, k) for k in _FIELDS if getattr(args, k) is not None}
+        config = TrainConfig.from_dict({**old.to_dict(), **given})
+        return spec, load_plan(run, spec), config, run
+    if args.model is None or args.workers is None:
+        raise TrainError("--model and --workers are required (or --resume DIR)")
+    if args.workers < 1:
+        raise TrainError(f"--workers {args.workers}: must be an integer >= 1")
+    spec = load_spec(args.model)
+    given = {k: getattr(args, k) for k in _FIELDS if getattr(args, k) is not None}
+    given.setdefault("shards", args.workers)
+    config = TrainConfig.from_dict(given, "command line")
+    from netpart.data import load_data
+
+    load_data(config.data, spec, config.seed, config.examples)  # bad data fails before planning
+    if args.plan is not None:
+        p = load_plan(args.plan, spec)
+        if p.workers != args.workers:
+            raise PlanError(f"{args.plan}: the plan is for {p.workers} workers, not {args.workers}")
+    else:
+        p = plan(spec, args.workers, args.method, seed=config.seed, batch=config.batch)
+    return spec, p, config, args.out
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    spec, p, config, run = _job(args)
+    if os.environ.get("RANK") is not None and os.environ.get("TORCHELASTIC_RUN_ID"):
+        from netpart.train.launch import train_under_torchrun
+
+        code = train_under_torchrun(spec, p, config, run, args.resume is not None, echo)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # peers' gloo threads may still block: do not wait for them
+    from tqdm import tqdm
+
+    from netpart.train.launch import held_out_line, postfix, train
+
+    if run.exists() and not run.is_dir():
+        raise TrainError(f"--out {run}: exists and is not a directory")
+    world = config.world(p.workers)
+    banner = (
+        f"{spec.name}: {config.replicas} replica(s) x {p.workers} worker(s) + {config.shards} "
+        f"shard(s) = {world} processes, {config.mode}, {config.optimizer} lr {config.lr}; "
+        f"run directory {run}"
+    )
+    with tqdm(total=0, desc="train", unit="step", disable=None) as bar:
+
+        def progress(done: int, stats: dict, total: int) -> None:
+            if bar.total == 0:  # the first call comes once the job is validated and started
+                tqdm.write(banner)
+            bar.total = total
+            bar.n = done
+            if stats:
+                bar.set_postfix_str(postfix(stats), refresh=False)
+            bar.refresh()
+
+        summary = train(spec, p, config, run, resume=args.resume is not None, on_progress=progress)
+    for r in sorted(summary.final_loss):
+        echo(f"replica {r}: step {summary.steps[r]}, loss {summary.final_loss[r]:.4g}")
+    for r, why in summary.lost.items():
+        echo(f"replica {r} was lost: {why}")
+    if summary.held_out:
+        echo(held_out_line(summary.held_out, config.data))
+    echo(f"wrote {run}/model.pt and shard checkpoints ({summary.wall_s:.1f} s); "
+         f"report: {run}/report.md")  # fmt: skip
+    return 130 if summary.stopped else 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from netpart.data import load_data
+    from netpart.train.report import evaluate
+
+    run = args.checkpoint
+    spec, config, state = _run_model(run)
+    source = args.data or config.data
+    data = load_data(source, spec, config.seed, config.examples)
+    x, y = data.held_out_set()
+    result = evaluate(spec, state, x, y, seed=config.seed, batch=max(1, args.batch))
+    accuracy = f", accuracy {result['accuracy']:.4f}" if "accuracy" in result else ""
+    echo(f"{spec.name} from {run} on {source} (held-out, {len(x)} examples): "
+         f"loss {result['loss']:.4f}{accuracy}")  # fmt: skip
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from netpart.train.report import write_report
+    from netpart.train.rundir import read_run
+
+    read_run(args.run)  # a clear error for a directory that is not a run
+    path = write_report(args.run)
+    echo(f"wrote {path} and its plots")
+    return 0
+
+
+def _run_model(run: Path, from_shards: bool = False):
+    """(spec, config, reference state_dict) of a run: model.pt if there is one (unless
+    `from_shards`), else the shard checkpoints."""
+    import torch
+
+    from netpart.files import load_plan
+    from netpart.partition import build_unit_graph
+    from netpart.partition.shards import ShardLayout
+    from netpart.train.rundir import model_from_shards, read_run
+
+    _, spec, config = read_run(run)
+    if not from_shards and (run / "model.pt").exists():
+        try:
+            return spec, config, torch.load(run / "model.pt", weights_only=True)
+        except Exception as exc:  # a torn or foreign file
+            raise TrainError(f"{run / 'model.pt'}: not readable ({exc})") from None
+    p = load_plan(run, spec)
+    layout = ShardLayout.build(
+        build_unit_graph(spec, p.granularity), p.node_map, p.workers, config.shards
+    )
+    return spec, config, model_from_shards(spec, p, config, run, layout)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from netpart.ps.checkpoint import save_model
+
+    spec, _, state = _run_model(args.run, from_shards=True)
+    out = args.output or args.run / "model.pt"
+    save_model(out, state)
+    echo(f"wrote {out}: {spec.name}, {sum(v.numel() for v in state.values()):,} parameters")
+    return 0

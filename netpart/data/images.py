@@ -1,0 +1,130 @@
+"""Image sources: procedural shapes of any resolution, and folders of images (Pillow).
+
+`shapes`: ten classes (disk, square, triangle, ring, cross, horizontal stripes, vertical
+stripes, checkerboard, dots, diamond) drawn at a random place, size, tilt (within 22.5
+degrees, so stripes keep their direction), contrast and per-channel colour, plus pixel noise.
+Example i is a pure function of (seed, i): any worker renders any batch, at the model's input
+resolution, without files. Rendering is vectorised over the examples of a class.
+
+A folder holds one subfolder per class (sorted names are the labels 0, 1, ...), images inside
+(png, jpg, jpeg, bmp, gif, tif, tiff, webp; other files are skipped). Images are converted to
+the model's channels (L or RGB), resized bilinearly to its input, scaled to [0, 1] and
+standardised. An unreadable image is an error naming the file.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from netpart.errors import DataError
+
+__all__ = ["SHAPE_CLASSES", "load_image_folder", "render_shapes"]
+
+log = logging.getLogger(__name__)
+
+SHAPE_CLASSES = (
+    "disk", "square", "triangle", "ring", "cross",
+    "hstripes", "vstripes", "checker", "dots", "diamond",
+)  # fmt: skip
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
+NOISE = 0.25
+
+
+def render_shapes(
+    ids: np.ndarray, labels: np.ndarray, seed: int, channels: int, height: int, width: int
+) -> np.ndarray:
+    """Images [len(ids), channels, height, width] (float32) of examples `ids` with `labels`."""
+    b = len(ids)
+    params = np.empty((b, 6), dtype=np.float64)  # cx, cy, size, angle, contrast, frequency
+    gains = np.empty((b, channels), dtype=np.float32)
+    noise = np.empty((b, channels, height, width), dtype=np.float32)
+    for j, i in enumerate(ids.tolist()):  # one stream per example: a batch is a pure function
+        gen = np.random.default_rng([seed, 4, i])
+        params[j] = [
+            gen.uniform(0.35, 0.65), gen.uniform(0.35, 0.65), gen.uniform(0.18, 0.3),
+            gen.uniform(-np.pi / 8, np.pi / 8), gen.uniform(0.6, 1.0), gen.uniform(2.0, 3.5),
+        ]  # fmt: skip
+        gains[j] = gen.uniform(0.5, 1.0, channels)
+        noise[j] = gen.standard_normal((channels, height, width), dtype=np.float32)
+    ys = (np.arange(height) + 0.5) / height
+    xs = (np.arange(width) + 0.5) / width
+    mask = np.zeros((b, height, width), dtype=np.float32)
+    for c in np.unique(labels):
+        sel = np.flatnonzero(labels == c)
+        cx, cy, s, th, _, f = (params[sel, k][:, None, None] for k in range(6))
+        dx, dy = xs[None, None, :] - cx, ys[None, :, None] - cy
+        u = np.cos(th) * dx + np.sin(th) * dy
+        v = -np.sin(th) * dx + np.cos(th) * dy
+        mask[sel] = _shape(SHAPE_CLASSES[int(c)], u / s, v / s, f)
+    img = (mask * params[:, 4, None, None].astype(np.float32))[:, None] * gains[:, :, None, None]
+    return img - 0.15 + NOISE * noise
+
+
+def _shape(name: str, u: np.ndarray, v: np.ndarray, f: np.ndarray) -> np.ndarray:
+    """The mask of one class in shape-relative coordinates (the shape spans about [-1, 1])."""
+    r = np.hypot(u, v)
+    box = (np.abs(u) < 1) & (np.abs(v) < 1)
+    wave = 2 * np.pi * f / 2
+    masks = {
+        "disk": lambda: r < 1,
+        "square": lambda: (np.abs(u) < 0.85) & (np.abs(v) < 0.85),
+        "triangle": lambda: (v > -0.6) & (np.abs(u) < (1 - v) * 0.6),
+        "ring": lambda: np.abs(r - 0.8) < 0.2,
+        "cross": lambda: ((np.abs(u) < 0.3) | (np.abs(v) < 0.3)) & box,
+        "hstripes": lambda: box & (np.sin(wave * v) > 0),
+        "vstripes": lambda: box & (np.sin(wave * u) > 0),
+        "checker": lambda: box & (np.sin(wave * u) * np.sin(wave * v) > 0),
+        "dots": lambda: box & (np.sin(wave * u) * np.sin(wave * v) > 0.5),
+        "diamond": lambda: np.abs(u) + np.abs(v) < 1.1,
+    }
+    return masks[name]().astype(np.float32)
+
+
+def load_image_folder(
+    root: Path, channels: int, height: int, width: int, classes: int
+) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """(x [n, channels * height * width] standardised, y [n], class names) of a folder.
+
+    Raises an error naming the folder or file for a missing or empty folder, a class folder
+    without images, more classes than the model has outputs, or an unreadable image.
+    """
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError:  # pragma: no cover - Pillow comes with matplotlib
+        raise DataError(f"--data {root}: reading image folders needs Pillow") from None
+    if not root.is_dir():
+        raise DataError(f"--data {root}: no such directory")
+    names = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not names:
+        raise DataError(
+            f"{root}: no class subfolders; expected {root}/<class>/<image> (one folder per class)"
+        )
+    if len(names) > classes:
+        raise DataError(f"{root}: {len(names)} class folders, but the model has {classes} outputs")
+    mode = "RGB" if channels == 3 else "L"
+    xs, ys = [], []
+    for label, name in enumerate(names):
+        files = sorted(
+            p for p in (root / name).iterdir()
+            if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".")
+        )  # fmt: skip
+        if not files:
+            kinds = ", ".join(sorted(IMAGE_SUFFIXES))
+            raise DataError(f"{root / name}: class folder holds no images ({kinds})")
+        for path in files:
+            try:
+                with Image.open(path) as im:
+                    im = im.convert(mode).resize((width, height), Image.Resampling.BILINEAR)
+                    a = np.asarray(im, dtype=np.float32) / 255.0
+            except (OSError, UnidentifiedImageError, ValueError) as exc:
+                raise DataError(f"{path}: cannot read image ({exc})") from None
+            a = a.transpose(2, 0, 1) if a.ndim == 3 else a[None]
+            xs.append(np.repeat(a, channels, axis=0) if a.shape[0] != channels else a)
+            ys.append(label)
+    x = np.stack(xs).reshape(len(xs), -1)
+    x = (x - x.mean()) / (x.std() + 1e-8)
+    log.info("%s: %d images in %d classes", root, len(xs), len(names))
+    return x.astype(np.float32), np.asarray(ys, dtype=np.int64), names

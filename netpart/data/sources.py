@@ -1,0 +1,249 @@
+"""Training data: every model worker of a replica draws the same batch, replicas disjoint shards.
+
+A dataset has `n` training examples; replica r of R owns examples r, r + R, r + 2R, ... and
+walks them in an order reshuffled every epoch from (seed, replica, epoch). Batches are a pure
+function of (replica, step), so the N model workers of a replica agree on their batch without
+talking, and a resumed run continues where it stopped. Held-out examples are never trained on.
+
+Sources (`--data`):
+  synthetic   Gaussian class prototypes: example i is prototype[y_i] + noise, drawn from a
+              Philox stream keyed by (seed, i); any spec, no files; 1,000 held out
+  shapes      procedural images of ten shape/texture classes at the model's resolution
+              (netpart.data.images); pure in (seed, i); 1,000 held out
+  digits      scikit-learn's bundled 1,797 handwritten 8x8 digits (offline), resized to the
+              model's input and standardised
+  FILE.npz    arrays `x` [n, ...] and `y` [n] (and optionally `x_test`, `y_test`)
+  DIR         one subfolder of images per class (Pillow)
+Where no test arrays are given, a fixed 20% (a permutation seeded 12345, not --seed) is held out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from netpart.data.images import SHAPE_CLASSES, load_image_folder, render_shapes
+from netpart.errors import DataError
+from netpart.models.spec import ModelSpec
+
+__all__ = ["DataError", "Dataset", "load_data"]
+
+PROTOTYPE_CACHE = 256  # prototypes kept per process (each is one input's worth of floats)
+GENERATED_HELD_OUT = 1000  # held-out examples of the generated sources (ids n .. n + 999)
+HELD_OUT = 0.2  # fraction of digits, npz and folders held out, by a fixed permutation
+
+
+@dataclass(frozen=True, eq=False)
+class Dataset:
+    """`n` examples served in replica-disjoint, epoch-shuffled batches."""
+
+    spec: ModelSpec
+    n: int
+    seed: int
+    source: str
+    x: np.ndarray | None = None  # in-memory arrays (npz, digits, folders)
+    y: np.ndarray | None = None
+    held_out: tuple[np.ndarray, np.ndarray] | None = None  # (x, y) never trained on
+    noise: float = 1.0
+    render: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None  # ids -> x, y
+    _cache: dict = field(default_factory=dict, repr=False)  # class -> prototype
+
+    def held_out_set(self) -> tuple[np.ndarray, np.ndarray]:
+        """(x [m, features], y) of the held-out examples (generated sources: ids n .. n+999)."""
+        if self.held_out is not None:
+            return self.held_out
+        ids = np.arange(self.n, self.n + GENERATED_HELD_OUT)
+        if self.render is not None:
+            return self.render(ids)
+        x, y = self._synthetic(ids, torch.float32)
+        return x.numpy(), y.numpy()
+
+    def indices(self, replica: int, replicas: int, step: int, batch: int) -> np.ndarray:
+        """Example ids of replica `replica`'s batch at `step` (1-based)."""
+        own = np.arange(replica, self.n, replicas)
+        if len(own) == 0:
+            raise DataError(f"{self.source}: {self.n} examples cannot feed {replicas} replicas")
+        pos = (step - 1) * batch + np.arange(batch)
+        epoch, within = np.divmod(pos, len(own))
+        out = np.empty(batch, dtype=np.int64)
+        for e in np.unique(epoch):  # at most two epochs per batch
+            gen = np.random.default_rng([self.seed, replica, int(e)])
+            order = gen.permutation(len(own))
+            sel = epoch == e
+            out[sel] = own[order[within[sel]]]
+        return out
+
+    def batch(
+        self, replica: int, replicas: int, step: int, batch: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs [B, features], targets) of one step of one replica."""
+        return self.examples(self.indices(replica, replicas, step, batch), dtype)
+
+    def examples(self, ids: np.ndarray, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs [len(ids), features], targets) of the training examples `ids`."""
+        batch = len(ids)
+        if self.x is not None and self.y is not None:
+            x = torch.from_numpy(self.x[ids].reshape(batch, -1)).to(dtype)
+            y = torch.from_numpy(self.y[ids])
+            return x, (y.long() if self.spec.loss == "cross_entropy" else y.to(dtype))
+        if self.render is not None:
+            x, y = self.render(ids)
+            return torch.from_numpy(x).to(dtype), torch.from_numpy(y)
+        return self._synthetic(ids, dtype)
+
+    def _prototype(self, c: int) -> np.ndarray:
+        """Class c's prototype, drawn once per process (at most `PROTOTYPE_CACHE` kept)."""
+        cache = self._cache
+        if c not in cache:
+            if len(cache) >= PROTOTYPE_CACHE:
+                cache.pop(next(iter(cache)))
+            d = self.spec.input.shape.size
+            cache[c] = np.random.default_rng([self.seed, 1, c]).standard_normal(d, dtype=np.float32)
+        return cache[c]
+
+    def _synthetic(self, ids: np.ndarray, dtype: torch.dtype):
+        spec = self.spec
+        d, out = spec.input.shape.size, spec.shapes[-1].size
+        classes = spec.shapes[-1].channels if spec.loss == "cross_entropy" else 10
+        labels = _labels(self.seed, classes, self.n + GENERATED_HELD_OUT)[ids]
+        x = np.stack([self._prototype(c) for c in labels.tolist()])
+        for j, i in enumerate(ids.tolist()):  # one stream per example: a batch is a pure function
+            gen = np.random.default_rng([self.seed, 2, i])
+            x[j] += self.noise * gen.standard_normal(d, dtype=np.float32)
+        if spec.loss == "cross_entropy":
+            return torch.from_numpy(x).to(dtype), torch.from_numpy(labels)
+        targets = np.stack(
+            [np.random.default_rng([self.seed, 3, c]).standard_normal(out) for c in labels]
+        )
+        return torch.from_numpy(x).to(dtype), torch.from_numpy(targets).to(dtype)
+
+
+def load_data(source: str, spec: ModelSpec, seed: int = 0, examples: int = 60000) -> Dataset:
+    """The dataset `source` names (see the module docstring), checked against the spec.
+
+    Raises DataError (one line naming the file) for data that cannot be read or does not fit.
+    """
+    if source == "synthetic":
+        return Dataset(spec, examples, seed, source)
+    if source == "shapes":
+        return _shapes(spec, seed, examples)
+    if source == "digits":
+        return _digits(spec, seed)
+    path = Path(source)
+    if path.is_dir():
+        return _folder(spec, seed, path)
+    if path.suffix != ".npz":
+        raise DataError(
+            f"--data {source}: expected synthetic, shapes, digits, a .npz file with x and y, "
+            "or a folder of class subfolders"
+        )
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = {k: f[k] for k in ("x", "y", "x_test", "y_test") if k in f.files}
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: cannot read it as .npz ({exc})") from None
+    missing = sorted({"x", "y"} - set(arrays))
+    if missing:
+        raise DataError(f"{path}: no array {missing[0]!r}; save x [n, ...] and y [n]")
+    x, y = _checked(path, "x", "y", arrays["x"], arrays["y"], spec)
+    if "x_test" in arrays and "y_test" in arrays:
+        test = _checked(path, "x_test", "y_test", arrays["x_test"], arrays["y_test"], spec)
+        return Dataset(spec, len(x), seed, str(path), x=x, y=y, held_out=test)
+    return _split(spec, seed, str(path), x, y)
+
+
+def _checked(path, xname, yname, x, y, spec) -> tuple[np.ndarray, np.ndarray]:
+    """x reshaped to [n, features] and y, or DataError naming the file and the array."""
+    d = spec.input.shape.size
+    if x.ndim < 1 or len(x) == 0:
+        raise DataError(f"{path}: {xname} holds no examples")
+    if x.ndim < 2 or int(np.prod(x.shape[1:])) != d or y.ndim != 1 or len(y) != len(x):
+        raise DataError(
+            f"{path}: {xname} is {x.shape} and {yname} {y.shape}; {spec.name} needs {xname} "
+            f"[n, {d}] (any shape with {d} values per example) and {yname} [n]"
+        )
+    if not np.issubdtype(x.dtype, np.number) or not np.isfinite(x).all():
+        raise DataError(f"{path}: {xname} must hold finite numbers")
+    if spec.loss == "cross_entropy":
+        classes = spec.shapes[-1].channels
+        if not np.issubdtype(y.dtype, np.integer) or y.min() < 0 or y.max() >= classes:
+            found = f"{y.min()}..{y.max()}" if np.issubdtype(y.dtype, np.number) else str(y.dtype)
+            raise DataError(
+                f"{path}: {yname} must be integer classes in [0, {classes}) for {spec.name}; "
+                f"found {y.dtype} values {found}"
+            )
+    return np.ascontiguousarray(x.reshape(len(x), d), dtype=np.float32), y
+
+
+def _split(spec: ModelSpec, seed: int, source: str, x: np.ndarray, y: np.ndarray) -> Dataset:
+    """Hold out a fixed HELD_OUT share (at least one example) of in-memory data."""
+    if len(x) < 2:
+        raise DataError(f"{source}: {len(x)} example(s); need at least 2 (one is held out)")
+    order = np.random.default_rng(12345).permutation(len(x))
+    cut = min(len(x) - 1, round(len(x) * (1 - HELD_OUT)))
+    train, test = order[:cut], order[cut:]
+    return Dataset(spec, cut, seed, source, x=x[train], y=y[train], held_out=(x[test], y[test]))
+
+
+def _labels(seed: int, classes: int, n: int) -> np.ndarray:
+    return np.random.default_rng([seed, 0]).integers(0, classes, n)
+
+
+def _image_input(spec: ModelSpec, source: str) -> tuple[int, int, int]:
+    inp = spec.input
+    if inp.flat:
+        raise DataError(f"--data {source}: {spec.name} takes a flat input, not images")
+    return inp.channels, inp.height, inp.width
+
+
+def _classes(spec: ModelSpec, source: str, at_least: int) -> int:
+    if spec.loss != "cross_entropy" or spec.shapes[-1].channels < at_least:
+        raise DataError(
+            f"--data {source}: {spec.name} needs a softmax output of at least {at_least} classes"
+        )
+    return spec.shapes[-1].channels
+
+
+def _shapes(spec: ModelSpec, seed: int, examples: int) -> Dataset:
+    k = len(SHAPE_CLASSES)
+    _classes(spec, "shapes", k)
+    c, h, w = _image_input(spec, "shapes")
+    labels = _labels(seed, k, examples + GENERATED_HELD_OUT)
+
+    def render(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        x = render_shapes(ids, labels[ids], seed, c, h, w)
+        return x.reshape(len(ids), -1), labels[ids]
+
+    return Dataset(spec, examples, seed, "shapes", render=render)
+
+
+def _folder(spec: ModelSpec, seed: int, root: Path) -> Dataset:
+    c, h, w = _image_input(spec, str(root))
+    classes = _classes(spec, str(root), 1)
+    x, y, _ = load_image_folder(root, c, h, w, classes)
+    return _split(spec, seed, str(root), x, y)
+
+
+def _digits(spec: ModelSpec, seed: int) -> Dataset:
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:  # pragma: no cover - a declared dependency
+        raise DataError("--data digits needs scikit-learn (pip install scikit-learn)") from None
+    _classes(spec, "digits", 10)
+    digits = load_digits()
+    images = torch.from_numpy(digits.images.astype(np.float32) / 16.0)[:, None]  # [n, 1, 8, 8]
+    inp = spec.input
+    if inp.flat:
+        if inp.shape.size != 64:
+            raise DataError(f"--data digits: {spec.name} takes {inp.shape.size} features, not 64")
+        x = images.reshape(len(images), 64)
+    else:
+        x = torch.nn.functional.interpolate(
+            images, size=(inp.height, inp.width), mode="bilinear", align_corners=False
+        ).repeat(1, inp.channels, 1, 1)
+    x = ((x - x.mean()) / x.std()).reshape(len(x), -1).numpy()
+    return _split(spec, seed, "digits", x, digits.target.astype(np.int64))

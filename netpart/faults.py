@@ -1,0 +1,78 @@
+"""TEST-ONLY fault injection: one hook, one grammar, read from `NETPART_TEST_FAULT`.
+
+Tests make a process of a job die, hang or slow down at a chosen point, to prove that the
+job still ends (and ends the way the docs say). Unset, every call here returns at once.
+
+Grammar: comma-separated entries `ACTION:RANK[@N]`
+
+    die:1          rank 1 exits with code 17 at its point 0 (N defaults to 0)
+    die:3@9        rank 3 exits with code 17 at its point 9
+    hang:2         rank 2 sleeps for an hour at its point 0
+    slow:1@0.4     rank 1 sleeps 0.4 s at every point (a slow machine)
+    enospc:4@2     rank 4's checkpoint write number 2 fails with "No space left on device"
+
+What a point is depends on the role: a model worker of `run`/`check` reaches point 0 once it
+is built; a training worker reaches point t before step t (point 0 before the first); a
+parameter-server shard reaches point n after its n-th update; a Sandblaster worker reaches a
+point before each work unit. `enospc` counts checkpoint writes instead (the first is 1).
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import time
+from dataclasses import dataclass
+
+__all__ = ["ENV", "EXIT_CODE", "Fault", "parse", "point", "write_fails"]
+
+ENV = "NETPART_TEST_FAULT"
+EXIT_CODE = 17
+ACTIONS = ("die", "hang", "slow", "enospc")
+
+
+@dataclass(frozen=True)
+class Fault:
+    action: str
+    rank: int
+    at: float = 0.0
+
+
+@functools.lru_cache(maxsize=8)
+def parse(text: str) -> tuple[Fault, ...]:
+    """The faults a `NETPART_TEST_FAULT` value names; ValueError for anything else."""
+    out = []
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        action, _, where = entry.partition(":")
+        rank, _, at = where.partition("@")
+        if action not in ACTIONS or not rank.strip().isdigit():
+            raise ValueError(f"{ENV}={text!r}: expected ACTION:RANK[@N] with ACTION in {ACTIONS}")
+        out.append(Fault(action, int(rank), float(at) if at else 0.0))
+    return tuple(out)
+
+
+def _mine(rank: int, action: str) -> list[Fault]:
+    text = os.environ.get(ENV)
+    if not text:
+        return []
+    return [f for f in parse(text) if f.rank == rank and f.action == action]
+
+
+def point(rank: int, n: int) -> None:
+    """Rank `rank` reached its point `n`: die, hang or sleep if a fault says so."""
+    for f in _mine(rank, "die"):
+        if f.at == n:
+            os._exit(EXIT_CODE)
+    for f in _mine(rank, "hang"):
+        if f.at == n:
+            time.sleep(3600)
+    for f in _mine(rank, "slow"):
+        time.sleep(f.at)
+
+
+def write_fails(rank: int, count: int) -> None:
+    """Raise ENOSPC if rank `rank`'s checkpoint write number `count` is to fail."""
+    for f in _mine(rank, "enospc"):
+        if f.at == count:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -1,0 +1,307 @@
+"""HaloSchedule: who owns which units, who sends whom what, and each worker's program.
+
+Units of layer l are numbered by their flat index in the layer's (C, H, W) output. For each
+layer l >= 1 the schedule lists, for every ordered pair of workers (s, d), the sorted units of
+layer l-1 that s owns and d reads: in the forward pass s sends their activations to d, in the
+backward pass d sends their gradients back to s. Each list is one message per phase, so every
+send has exactly one matching receive of the same length.
+
+`instructions(w)` is worker w's *program*: the exact sequence of compute steps, message posts
+and waits the runtime's worker interprets (it derives nothing itself). All messages of a
+(layer, phase) are posted together, non-blocking, then waited for, so no order of peers can
+deadlock. `validate` checks, before any process starts, that messages pair up with equal
+lengths, that units are owned by their sender, that every program computes each layer once in
+an order its data allows, and (with the plan) that volumes equal the plan's figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from netpart.errors import ScheduleError, ShapeMismatchError
+from netpart.models.spec import ModelSpec
+from netpart.partition.graph import BYTES_PER_VALUE, UnitGraph, build_unit_graph, owned_units
+from netpart.partition.planner import PartitionPlan
+from netpart.partition.volume import coverage
+
+__all__ = [
+    "OPS",
+    "HaloSchedule",
+    "Instruction",
+    "build_schedule",
+    "check_program",
+    "plan_schedule",
+]
+
+OPS = ("compute", "send", "recv", "wait", "loss")
+PARTS = {"forward": ("all", "interior", "boundary"), "backward": ("all", "input", "weights")}
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """One step of a worker's program.
+
+    compute: run `part` of layer `layer` in `phase` (forward parts: all | interior, the owned
+    units that read no halo | boundary, the rest; backward parts: all | input, the gradient
+    w.r.t. the layer's input | weights). send/recv: post the (layer, phase) message to/from
+    `peer`, `count` units per example (units of layer - 1). wait: complete every message of
+    (layer, phase); a backward wait also adds the received gradients to the owned units'.
+    loss: the loss over the output layer and its gradient.
+    """
+
+    op: str
+    layer: int
+    phase: str = "forward"
+    peer: int = -1
+    count: int = 0
+    part: str = "all"
+
+    def __str__(self) -> str:
+        if self.op in ("send", "recv"):
+            way = "to" if self.op == "send" else "from"
+            return f"{self.op} {self.phase} halo of layer {self.layer} {way} {self.peer}"
+        if self.op == "compute":
+            return f"compute layer {self.layer} {self.phase} ({self.part})"
+        return "loss" if self.op == "loss" else f"wait {self.phase} layer {self.layer}"
+
+
+@dataclass(frozen=True, eq=False)
+class HaloSchedule:
+    """owned[l][w]: sorted units of layer l owned by w. sends[l][(s, d)]: units of l-1, s -> d."""
+
+    workers: int
+    owned: tuple[tuple[np.ndarray, ...], ...]
+    sends: tuple[dict[tuple[int, int], np.ndarray], ...]
+
+    def messages(self, worker: int, layer: int, phase: str) -> list[Instruction]:
+        """This worker's sends, then receives, of one (layer, phase), in peer order."""
+        out, ins = [], []
+        for (s, d), units in sorted(self.sends[layer].items()):
+            src, dst = (s, d) if phase == "forward" else (d, s)
+            if src == worker:
+                out.append(Instruction("send", layer, phase, dst, len(units)))
+            if dst == worker:
+                ins.append(Instruction("recv", layer, phase, src, len(units)))
+        return out + ins
+
+    def instructions(self, worker: int) -> tuple[Instruction, ...]:
+        """Worker `worker`'s program: forward layer by layer (post the halo, wait, compute),
+        the loss, then backward in reverse (compute, post the input gradients, wait)."""
+        prog = [Instruction("compute", 0)]
+        for layer in range(1, len(self.sends)):
+            msgs = self.messages(worker, layer, "forward")
+            prog += msgs + ([Instruction("wait", layer)] if msgs else [])
+            prog.append(Instruction("compute", layer))
+        prog.append(Instruction("loss", len(self.sends) - 1))
+        for layer in range(len(self.sends) - 1, 0, -1):
+            prog.append(Instruction("compute", layer, "backward"))
+            msgs = self.messages(worker, layer, "backward")
+            prog += msgs + ([Instruction("wait", layer, "backward")] if msgs else [])
+        prog.append(Instruction("compute", 0, "backward"))
+        return tuple(prog)
+
+    def table(self, worker: int) -> str:
+        """The program of `worker` as a text table (for `netpart check --show-schedule`)."""
+        rows = [f"{'#':>4}  {'op':<8} {'layer':>5}  {'phase':<9} {'peer':>4} {'units':>8}  part"]
+        for k, ins in enumerate(self.instructions(worker)):
+            peer = str(ins.peer) if ins.peer >= 0 else ""
+            count = f"{ins.count:,}" if ins.op in ("send", "recv") else ""
+            part = ins.part if ins.op == "compute" else ""
+            row = f"{k:>4}  {ins.op:<8} {ins.layer:>5}  {ins.phase:<9} {peer:>4} {count:>8}  {part}"
+            rows.append(row.rstrip())
+        return "\n".join(rows)
+
+    def validate(self, plan: PartitionPlan | None = None) -> None:
+        """Raise ScheduleError unless every send pairs with one receive of the same length,
+        units are owned by their sender and not by their receiver, every worker's program is
+        well ordered (`check_program`), and (with `plan`) the per-layer and per-worker volumes
+        equal the figures recorded in the plan."""
+        for layer in range(1, len(self.sends)):
+            owner = _owner_of_units(self.owned[layer - 1])
+            for (s, d), units in self.sends[layer].items():
+                if s == d or not (0 <= s < self.workers and 0 <= d < self.workers):
+                    raise ScheduleError(f"layer {layer}: message {s} -> {d} has no valid peer")
+                if np.any(owner[units] != s):
+                    raise ScheduleError(
+                        f"layer {layer}: worker {s} sends {d} units it does not own"
+                    )
+        sent: dict[tuple, int] = {}
+        received: dict[tuple, int] = {}
+        for w in range(self.workers):
+            program = self.instructions(w)
+            check_program(program, len(self.sends), w)
+            for ins in program:
+                if ins.op not in ("send", "recv"):
+                    continue
+                src, dst = (w, ins.peer) if ins.op == "send" else (ins.peer, w)
+                book = sent if ins.op == "send" else received
+                key = (ins.layer, ins.phase, src, dst)
+                if key in book:
+                    raise ScheduleError(f"layer {key[0]} {key[1]}: two {ins.op}s {src} -> {dst}")
+                book[key] = ins.count
+        for key in sent.keys() ^ received.keys():
+            side = "receive" if key in sent else "send"
+            raise ScheduleError(f"layer {key[0]} {key[1]}: {key[2]} -> {key[3]} has no {side}")
+        for key, count in sent.items():
+            if received[key] != count:
+                raise ShapeMismatchError(
+                    f"layer {key[0]} {key[1]}: {key[2]} -> {key[3]} sends {count} units, "
+                    f"the receiver expects {received[key]}"
+                )
+        if plan is not None:
+            self._check_against(plan)
+
+    def _check_against(self, plan: PartitionPlan) -> None:
+        t = self.traffic()
+        if plan.workers != self.workers or len(plan.layers) != len(self.sends):
+            raise ShapeMismatchError(
+                f"schedule has {self.workers} workers and {len(self.sends)} layers, the plan "
+                f"{plan.workers} and {len(plan.layers)}"
+            )
+        for layer, figures in enumerate(plan.layers):
+            if int(t[layer].sum()) != figures.volume:
+                raise ShapeMismatchError(
+                    f"layer {layer}: the node map sends {int(t[layer].sum())} units per example, "
+                    f"plan.json says {figures.volume}; the plan files do not belong together"
+                )
+        total = t.sum(axis=0) * BYTES_PER_VALUE
+        for w, figures in enumerate(plan.per_worker):
+            if (total[:, w].sum(), total[w].sum()) != (
+                figures.halo_in_bytes,
+                figures.halo_out_bytes,
+            ):
+                raise ShapeMismatchError(
+                    f"worker {w}: halo in/out differs from plan.json; the plan files do not "
+                    "belong together"
+                )
+
+    def traffic(self) -> np.ndarray:
+        """[L, P, P] units per example, as `netpart.partition.volume.layer_traffic` counts them."""
+        t = np.zeros((len(self.sends), self.workers, self.workers), dtype=np.int64)
+        for layer, msgs in enumerate(self.sends):
+            for (s, d), units in msgs.items():
+                t[layer, s, d] = len(units)
+        return t
+
+
+def check_program(program: tuple[Instruction, ...], layers: int, worker: int = 0) -> None:
+    """Raise ScheduleError unless `program` (one worker's, for a model of `layers` layers)
+    computes every layer forward and then backward exactly once, sends only what it has
+    computed, uses a halo only after waiting for it, and ends with nothing in flight."""
+    fwd: list[set[str]] = [set() for _ in range(layers)]
+    bwd: list[set[str]] = [set() for _ in range(layers)]
+    posted: set[tuple[int, str]] = set()
+    waited: set[tuple[int, str]] = set()
+    loss = False
+
+    def fail(k: int, why: str) -> None:
+        raise ScheduleError(f"worker {worker}, instruction {k} ({program[k]}): {why}")
+
+    def complete(parts: set[str], phase: str) -> bool:
+        return parts == {"all"} or parts == set(PARTS[phase][1:])
+
+    def halo_in(layer: int, phase: str) -> bool:
+        return (layer, phase) not in posted or (layer, phase) in waited
+
+    for k, ins in enumerate(program):
+        key = (ins.layer, ins.phase)
+        if ins.op not in OPS or ins.phase not in PARTS or not 0 <= ins.layer < layers:
+            fail(k, "not an instruction of this model")
+        if ins.op == "compute":
+            done = (fwd if ins.phase == "forward" else bwd)[ins.layer]
+            if ins.part not in PARTS[ins.phase] or ins.part in done or "all" in done:
+                fail(k, "an unknown part, or a part computed twice")
+            if ins.part == "all" and done:
+                fail(k, "the whole layer after a part of it")
+            if ins.phase == "forward":
+                if loss or (ins.layer and not complete(fwd[ins.layer - 1], "forward")):
+                    fail(k, "its input is not computed yet")
+                if ins.part != "interior" and not halo_in(ins.layer, "forward"):
+                    fail(k, "before its halo has arrived")
+            else:
+                above = ins.layer + 1
+                if not loss or (
+                    above < layers
+                    and not ({"all", "input"} & bwd[above] and halo_in(above, "backward"))
+                ):
+                    fail(k, "the gradient of its outputs is not complete yet")
+            done.add(ins.part)
+        elif ins.op in ("send", "recv"):
+            if ins.layer == 0 or key in waited or ins.peer == worker or ins.count <= 0:
+                fail(k, "a message outside the exchange of its layer")
+            if ins.op == "send" and not (
+                complete(fwd[ins.layer - 1], "forward")
+                if ins.phase == "forward"
+                else {"all", "input"} & bwd[ins.layer]
+            ):
+                fail(k, "sends values it has not computed")
+            posted.add(key)
+        elif ins.op == "wait":
+            if key not in posted or key in waited:
+                fail(k, "waits for nothing posted, or twice")
+            waited.add(key)
+        else:
+            if loss or not all(complete(f, "forward") for f in fwd):
+                fail(k, "the loss before the whole forward pass, or twice")
+            loss = True
+    if not all(complete(b, "backward") for b in bwd) or posted != waited:
+        raise ScheduleError(f"worker {worker}: the program ends before its backward pass does")
+
+
+def _owner_of_units(owned: tuple[np.ndarray, ...]) -> np.ndarray:
+    n = sum(len(o) for o in owned)
+    owner = np.full(n, -1, dtype=np.int64)
+    for w, units in enumerate(owned):
+        owner[units] = w
+    return owner
+
+
+def build_schedule(graph: UnitGraph, node_map: np.ndarray, workers: int) -> HaloSchedule:
+    """The halo schedule of an assignment (pure; vectorised per layer)."""
+    spec = graph.spec
+    owned = owned_units(graph, node_map, workers)
+    sends: list[dict[tuple[int, int], np.ndarray]] = [{}]
+    for index in range(1, len(graph.layers)):
+        source = graph.layers[index - 1]
+        shape = source.shape
+        n = shape.size
+        owner = np.empty(n, dtype=np.int64)
+        for w in range(workers):
+            owner[owned[index - 1][w]] = w
+        if spec.layers[index].is_spatial:
+            covered, slab_bounds = coverage(graph, index, node_map, workers)
+            # Expand slabs to channels: needed[w, c, y, x].
+            needed = np.repeat(covered, np.diff(slab_bounds), axis=1).reshape(workers, n)
+        else:
+            readers = np.bincount(node_map[graph.layers[index].ids], minlength=workers) > 0
+            needed = np.broadcast_to(readers[:, None], (workers, n))
+        msgs: dict[tuple[int, int], np.ndarray] = {}
+        for d in range(workers):
+            units = np.nonzero(needed[d] & (owner != d))[0]
+            if len(units) == 0:
+                continue
+            src = owner[units]
+            order = np.argsort(src, kind="stable")
+            cuts = np.searchsorted(src[order], np.arange(workers + 1))
+            for s in np.nonzero(np.diff(cuts))[0]:
+                msgs[(int(s), d)] = units[order[cuts[s] : cuts[s + 1]]]
+        sends.append(msgs)
+    return HaloSchedule(workers=workers, owned=owned, sends=tuple(sends))
+
+
+def plan_schedule(
+    spec: ModelSpec, plan: PartitionPlan, validate: bool = True
+) -> tuple[UnitGraph, HaloSchedule]:
+    """The unit graph and halo schedule of `plan` for `spec`, checked against the plan files.
+
+    `validate=False` only where the same plan was validated already (worker processes of a
+    launcher that validated before starting them).
+    """
+    plan.check_model(spec)
+    graph = build_unit_graph(spec, plan.granularity)
+    schedule = build_schedule(graph, plan.node_map, plan.workers)
+    if validate:
+        schedule.validate(plan)
+    return graph, schedule

@@ -1,0 +1,108 @@
+"""Shard checkpoints and the exported model (what a run directory's job files mean is
+`netpart.train.rundir`'s).
+
+`shard_<s>.pt` holds {"values", "state" (Adagrad sums, when used), "meta" (a JSON string)},
+written to a temporary file and renamed, so a crash never leaves a torn checkpoint; a
+`shard_<s>.json` sidecar repeats the meta for cheap reading (the .pt's meta is authoritative).
+Loading uses `torch.load(weights_only=True)`. `export_state_dict` reassembles the reference
+module's `state_dict` from the shards through the layout's piece indices.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from netpart.errors import TrainError
+from netpart.files import write_atomic
+from netpart.models.reference import ReferenceModel
+from netpart.models.spec import ModelSpec
+from netpart.partition.shards import ShardLayout, piece_index
+from netpart.ps.server import ShardState
+
+__all__ = ["export_state_dict", "load_shard", "save_model", "save_shard", "shard_path"]
+
+
+def shard_path(run: Path, shard: int) -> Path:
+    return run / f"shard_{shard}.pt"
+
+
+def save_shard(run: Path, shard: int, state: ShardState, meta: dict[str, Any]) -> None:
+    """Write shard `shard`'s checkpoint atomically (then its sidecar)."""
+    meta = {
+        **meta,
+        "shard": shard,
+        "clock": state.clock,
+        "updates": state.updates,
+        "progress": {str(r): s for r, s in state.progress.items()},
+    }
+    payload: dict[str, Any] = {"values": state.values, "meta": json.dumps(meta)}
+    if state.state is not None:
+        payload["state"] = state.state
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    write_atomic(shard_path(run, shard), buf.getvalue())
+    write_atomic(run / f"shard_{shard}.json", json.dumps(meta, indent=1).encode())
+
+
+def load_shard(run: Path, shard: int, expect: dict[str, Any], size: int) -> ShardState:
+    """Read and check one shard checkpoint; TrainError names what does not fit."""
+    path = shard_path(run, shard)
+    if not path.exists():
+        raise TrainError(f"{path}: missing; this run has no checkpoint for shard {shard}")
+    try:
+        data = torch.load(path, weights_only=True, map_location="cpu")
+        meta = json.loads(data["meta"])
+        values = data["values"]
+    except Exception as exc:  # a torn or foreign file: pickle, zip and key errors alike
+        raise TrainError(f"{path}: not a readable netpart checkpoint ({_short(exc)})") from None
+    for key, want in expect.items():
+        if meta.get(key) != want:
+            raise TrainError(
+                f"{path}: {key} is {meta.get(key)!r}, this job has {want!r}; resume with the "
+                "same model, plan, shard count and optimizer, or start a new --out directory"
+            )
+    state = data.get("state")
+    if not isinstance(values, torch.Tensor) or values.ndim != 1 or values.numel() != size:
+        raise TrainError(f"{path}: holds {getattr(values, 'shape', '?')} values, expected {size}")
+    if state is not None and state.shape != values.shape:
+        raise TrainError(f"{path}: optimizer state does not match the values")
+    return ShardState(
+        values=values,
+        state=state,
+        clock=int(meta["clock"]),
+        updates=int(meta["updates"]),
+        progress={int(r): int(s) for r, s in meta["progress"].items()},
+    )
+
+
+def export_state_dict(
+    spec: ModelSpec, layout: ShardLayout, shard_values: list[torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The reference module's parameters from the shards' flat values."""
+    flat = torch.cat(shard_values)
+    with torch.device("meta"):  # shapes only, no memory
+        shapes = {k: v.shape for k, v in ReferenceModel(spec).state_dict().items()}
+    out = {k: torch.empty(int(np.prod(s)), dtype=flat.dtype) for k, s in shapes.items()}
+    for w in range(layout.workers):
+        for piece, off in zip(layout.pieces[w], layout.offsets[w], strict=True):
+            idx = torch.from_numpy(piece_index(spec, piece))
+            out[piece.name][idx] = flat[int(off) : int(off) + piece.size]
+    return {k: v.reshape(shapes[k]) for k, v in out.items()}
+
+
+def save_model(path: Path, state: dict[str, torch.Tensor]) -> None:
+    """Write a `state_dict` atomically (it loads with `torch.load(weights_only=True)`)."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    write_atomic(path, buf.getvalue())
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return text.split(". ")[0][:160]

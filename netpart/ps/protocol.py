@@ -1,0 +1,116 @@
+"""The parameter server's wire protocol: message kinds, headers, tags and push chunks.
+
+Every byte moves over torch.distributed point-to-point on the default (world) process group;
+nothing is pickled. A message is a header, int64 `[kind, sender, shard, step, length, replica,
+extra]`, then for PUSH, PARAMS, CMD and REPLY a payload whose length both sides know from the
+`ShardLayout` (worker w's message to shard s carries exactly the segments of w's flat
+parameter vector that s holds). `extra`: of a PUSH, the shard version its gradient was
+computed on (Sandblaster: the evaluation); of a PARAMS reply, the staleness of that peer's
+last applied push (-1: none yet).
+
+One tag space for the default group (halo exchanges use each replica's own group):
+
+    TAG_HEADER      1   every header: worker <-> shard, coordinator <-> shard
+    TAG_PAYLOAD     2   a fetch's reply values; a command's arguments and its reply value
+    TAG_UNIT        3   coordinator -> a replica's workers: a work unit, or goodbye
+    TAG_DONE        4   worker 0 of a replica -> coordinator: a unit is done (header)
+    TAG_DONE_VALUE  5   ... and its loss sum
+    TAG_CHUNK + i  16+  chunk i of a push (CHUNK values each; any number of chunks)
+
+Fixed tags stay below TAG_CHUNK, so no push, however long, reuses one.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from enum import IntEnum
+
+import torch
+import torch.distributed as dist
+
+from netpart.partition.shards import Segment
+
+__all__ = [
+    "CHUNK",
+    "HEADER_LEN",
+    "TAG_CHUNK",
+    "TAG_DONE",
+    "TAG_DONE_VALUE",
+    "TAG_HEADER",
+    "TAG_PAYLOAD",
+    "TAG_UNIT",
+    "Kind",
+    "Op",
+    "chunks",
+    "header",
+    "overlaps",
+    "post_chunks",
+    "segments_length",
+]
+
+HEADER_LEN = 7
+TAG_HEADER, TAG_PAYLOAD, TAG_UNIT, TAG_DONE, TAG_DONE_VALUE = 1, 2, 3, 4, 5
+TAG_CHUNK = 16
+CHUNK = 1 << 18  # values per push chunk
+
+
+class Kind(IntEnum):
+    PUSH = 1
+    FETCH = 2
+    PARAMS = 3
+    BYE = 4
+    CMD = 5  # Sandblaster: coordinator -> shard, a vector operation
+    REPLY = 6  # shard -> coordinator: its result
+    UNIT = 7  # coordinator -> worker: compute this work unit
+    DONE = 8  # worker 0 of a replica -> coordinator: unit finished, with its loss sum
+
+
+class Op(IntEnum):
+    """Sandblaster's shard operations (`Kind.CMD`; args float64 [alpha, a, b, c])."""
+
+    DOT = 1
+    ABS_SUM = 2
+    ABS_MAX = 3
+    AXPY = 4
+    COPY = 5
+    SCALE = 6
+    DIFF = 7
+    KEEP_PAIR = 8
+    BEGIN = 9  # a new evaluation: zero the batch gradient, forget the units received
+    WAIT = 10  # answer once every worker's part of `alpha` units has arrived
+    STOP = 11
+
+
+def header(
+    kind: Kind, sender: int, shard: int, step: int, length: int, replica: int, extra: int = -1
+) -> torch.Tensor:
+    return torch.tensor([int(kind), sender, shard, step, length, replica, extra], dtype=torch.int64)
+
+
+def segments_length(segments: tuple[Segment, ...]) -> int:
+    return sum(s.length for s in segments)
+
+
+def chunks(n: int) -> list[tuple[int, int]]:
+    """[a, b) ranges of a push payload of n values, CHUNK values each (the last shorter)."""
+    cuts = [*range(0, n, CHUNK), n]
+    return [(a, b) for a, b in itertools.pairwise(cuts) if b > a] or [(0, 0)]
+
+
+def post_chunks(payload: torch.Tensor, src: int) -> list[tuple[tuple[int, int], dist.Work]]:
+    """Post the receives of a push's chunks into `payload`: ((a, b), work) per chunk."""
+    return [
+        ((a, b), dist.irecv(payload[a:b], src=src, tag=TAG_CHUNK + i))
+        for i, (a, b) in enumerate(chunks(payload.numel()))
+    ]
+
+
+def overlaps(segments: tuple[Segment, ...], a: int, b: int) -> Iterator[tuple[int, int, int]]:
+    """(payload lo, payload hi, shard offset) of the parts of `segments` in payload [a, b)."""
+    off = 0
+    for seg in segments:
+        lo, hi = max(a, off), min(b, off + seg.length)
+        if lo < hi:
+            yield lo, hi, seg.shard_lo + lo - off
+        off += seg.length

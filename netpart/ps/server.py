@@ -1,0 +1,238 @@
+"""ShardServer: one parameter-server shard serving every replica's workers that hold its range.
+
+Each (replica, worker) peer is served from its own thread (gloo isolates pairs: a dead peer
+fails only its own thread). The server checks every header against the layout, counts bytes,
+answers fetches and keeps the bookkeeping every mode shares — how far each replica pushed,
+the staleness of every push, which peers said goodbye and which replicas were lost — under
+one lock. What a push *does* is the mode's (`netpart.ps.modes`: Downpour, Sync, Sandblaster).
+
+A peer whose connection fails marks its whole replica lost: the shard keeps serving the rest.
+Staleness of a push = updates the shard applied between serving the values the gradient was
+computed on and applying it (0 in sync mode); the shard keeps a histogram of it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from netpart.errors import ProtocolError, transport_reason
+from netpart.partition.shards import Segment, ShardLayout
+from netpart.ps.modes import Mode
+from netpart.ps.protocol import HEADER_LEN, TAG_HEADER, TAG_PAYLOAD, Kind, header, segments_length
+
+__all__ = ["ShardServer", "ShardSetup", "ShardState"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ShardSetup:
+    """Where a shard sits in its job: which range it holds and whom it serves."""
+
+    layout: ShardLayout
+    shard: int
+    replicas: int
+    rank: int  # this shard's global rank
+    rank_of: Callable[[int, int], int]  # (replica, worker) -> global rank
+
+
+@dataclass
+class ShardState:
+    """What a shard checkpoints: values, optimizer state, and how far each replica got."""
+
+    values: torch.Tensor
+    state: torch.Tensor | None
+    clock: int = 0  # sync: last step applied
+    updates: int = 0  # updates applied (pushes in downpour, steps in sync, evaluations)
+    progress: dict[int, int] = field(default_factory=dict)  # replica -> last step pushed
+
+
+class ShardServer:
+    """Shard `setup.shard` of the layout; `mode` decides what pushes and fetches do."""
+
+    def __init__(
+        self,
+        setup: ShardSetup,
+        state: ShardState,
+        mode: Mode,
+        on_update: Callable[[ShardServer, int], None] | None = None,
+    ) -> None:
+        self.setup, self.state, self.mode, self.on_update = setup, state, mode, on_update
+        self.shard, self.replicas, self.rank = setup.shard, setup.replicas, setup.rank
+        layout = setup.layout
+        self.workers = layout.peers(self.shard)
+        self.routes = {w: layout.routes(w)[self.shard] for w in self.workers}
+        self.size = int(layout.shard_sizes()[self.shard])
+        self.cond = threading.Condition()
+        self.lost: dict[int, str] = {}  # replica -> why
+        self.done: set[tuple[int, int]] = set()
+        self.pushed = {
+            (r, w): state.progress.get(r, 0) for r in range(self.replicas) for w in self.workers
+        }
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.staleness: collections.Counter[int] = collections.Counter()
+        self.last_staleness: dict[tuple[int, int], int] = {}
+        mode.attach(self)
+
+    # ---- serving -------------------------------------------------------------------------
+    def serve(self, stop: threading.Event | None = None, grace: float = 60.0) -> None:
+        """Serve until every peer said goodbye or was lost (or `grace` s after `stop` is set)."""
+        threads = [
+            threading.Thread(target=self._peer, args=(r, w), daemon=True, name=f"peer-{r}-{w}")
+            for r in range(self.replicas)
+            for w in self.workers
+        ]
+        threads += self.mode.threads()
+        for t in threads:
+            t.start()
+        deadline = None
+        with self.cond:
+            while not self._finished():
+                if stop is not None and stop.is_set() and deadline is None:
+                    log.info("shard %d: stopping; waiting %.0f s for workers", self.shard, grace)
+                    deadline = time.monotonic() + grace
+                if deadline is not None and time.monotonic() > deadline:
+                    log.warning("shard %d: workers did not finish in time", self.shard)
+                    break
+                self.cond.wait(timeout=0.2)
+
+    def _finished(self) -> bool:
+        return self.mode.finished() and all(
+            (r, w) in self.done or r in self.lost
+            for r in range(self.replicas)
+            for w in self.workers
+        )
+
+    def _peer(self, replica: int, worker: int) -> None:
+        src = self.setup.rank_of(replica, worker)
+        segments = self.routes[worker]
+        n = segments_length(segments)
+        head = torch.empty(HEADER_LEN, dtype=torch.int64)
+        payload = torch.empty(n, dtype=self.state.values.dtype)
+        try:
+            while True:
+                dist.recv(head, src=src, tag=TAG_HEADER)
+                kind, sender, shard, step, length, rep, extra = head.tolist()
+                if (sender, shard, rep) != (src, self.shard, replica):
+                    raise ProtocolError(
+                        f"shard {self.shard}: header from rank {src} says sender {sender}, "
+                        f"shard {shard}, replica {rep}"
+                    )
+                if kind == Kind.PUSH:
+                    if length != n:
+                        raise ProtocolError(
+                            f"shard {self.shard}: push of {length} values from replica "
+                            f"{replica} worker {worker}, the layout says {n}"
+                        )
+                    self.mode.receive(replica, worker, step, extra, payload, segments, src)
+                    self._count(bytes_in=payload.numel() * payload.element_size())
+                elif kind == Kind.FETCH:
+                    out, version, stale = self.answer_fetch(replica, worker, step)
+                    reply = header(Kind.PARAMS, self.rank, self.shard, version, n, replica, stale)
+                    dist.send(reply, dst=src, tag=TAG_HEADER)
+                    dist.send(out, dst=src, tag=TAG_PAYLOAD)
+                    self._count(bytes_out=out.numel() * out.element_size())
+                elif kind == Kind.BYE:
+                    self._goodbye(replica, worker)
+                    return
+                else:
+                    raise ProtocolError(f"shard {self.shard}: unknown message kind {kind}")
+        except (RuntimeError, ProtocolError) as exc:
+            reason = str(exc) if isinstance(exc, ProtocolError) else transport_reason(exc)
+            self.lose(replica, f"worker {worker}: {reason}")
+
+    def _count(self, bytes_in: int = 0, bytes_out: int = 0) -> None:
+        with self.cond:  # peers run in threads: count under the lock
+            self.bytes_in += bytes_in
+            self.bytes_out += bytes_out
+
+    def _goodbye(self, replica: int, worker: int) -> None:
+        with self.cond:
+            self.done.add((replica, worker))
+            applied = self.mode.settle()  # sync: stop waiting for it
+            count = self.state.updates
+            self.cond.notify_all()
+        if applied:
+            self.updated(count)
+
+    # ---- what the modes share ---------------------------------------------------------------
+    def answer_fetch(self, replica: int, worker: int, step: int) -> tuple[torch.Tensor, int, int]:
+        """(values, version, staleness of this peer's last push) for a fetch, once the mode
+        says the values are ready for `step`. One segment goes out as a view, without a copy:
+        in sync mode nothing changes the values while fetches are served; in Downpour a read
+        racing an update is accepted, as in DistBelief (each value is read whole)."""
+        segments = self.routes[worker]
+        with self.cond:
+            while not self.mode.ready(replica, step):
+                self.cond.wait(timeout=0.5)
+            values = self.state.values
+            parts = [values[s.shard_lo : s.shard_lo + s.length] for s in segments]
+            out = parts[0] if len(parts) == 1 else torch.cat(parts)
+            version = self.mode.version()
+            stale = self.last_staleness.get((replica, worker), -1)
+        self.mode.served(replica, worker, version, out)
+        return out, version, stale
+
+    def fold(
+        self,
+        replica: int,
+        worker: int,
+        step: int,
+        payload: torch.Tensor,
+        segments: tuple[Segment, ...],
+        version: int = -1,
+    ) -> None:
+        """Apply a whole push that is already in memory (what a received push does by chunks)."""
+        self.mode.fold(replica, worker, step, payload, segments, version)
+
+    def record_push(self, replica: int, worker: int, step: int, version: int) -> None:
+        """A push is in: note how far the replica got and its staleness; let the mode apply."""
+        with self.cond:
+            if replica in self.lost:
+                return
+            self.pushed[(replica, worker)] = step
+            self.state.progress[replica] = min(self.pushed[(replica, w)] for w in self.workers)
+            if version >= 0:
+                stale = max(0, self.mode.version() - version)
+                self.staleness[stale] += 1
+                self.last_staleness[(replica, worker)] = stale
+            applied = self.mode.pushed(replica, worker, step)
+            count = self.state.updates  # read under the lock: another peer may update next
+            self.cond.notify_all()
+        if applied:
+            self.updated(count)
+
+    def updated(self, count: int) -> None:
+        """Called (outside the lock) after update number `count`: checkpoints hook in here."""
+        if self.on_update is not None:
+            self.on_update(self, count)
+
+    def lose(self, replica: int, why: str) -> None:
+        """Stop waiting for `replica`: its pushes in flight are dropped, its fetches answered."""
+        with self.cond:
+            if replica not in self.lost:
+                log.warning("shard %d: replica %d lost (%s)", self.shard, replica, why)
+                self.lost[replica] = why
+                self.mode.settle()
+            self.cond.notify_all()
+
+    def snapshot(self) -> ShardState:
+        """A consistent copy of the shard's state (for checkpoints)."""
+        with self.cond:
+            s = self.state
+            return ShardState(
+                values=s.values.clone(),
+                state=None if s.state is None else s.state.clone(),
+                clock=s.clock,
+                updates=s.updates,
+                progress=dict(s.progress),
+            )

@@ -1,0 +1,175 @@
+"""The one process launcher: start a job's processes on this machine, watch them, stop them.
+
+`netpart run`, `check` and `train` start their processes here; under torchrun, torchrun
+starts them and each process only joins the group (`join_group`). A process is
+`python -m MODULE ARGS` with the variables torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE) and
+`NETPART_STORE`, the path of a file store in a private temporary directory: the rendezvous
+opens no network listener. Output goes to one log file per rank.
+
+One signal scheme for every job. SIGINT or SIGTERM to the launcher is passed on once to every
+process as SIGTERM — a training process stops at its next step boundary, a `run`/`check`
+worker simply ends — and `stopping` is set; when the launcher leaves the `Processes` block it
+gives live processes `grace` seconds (none if nothing asked them to stop), then kills them,
+and reaps every one. Processes also die with the launcher, even by SIGKILL
+(PR_SET_PDEATHSIG). Exit codes of a job: 0 done, 1 a failure while running, 2 bad input (found
+before anything starts), 130 stopped by a signal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+__all__ = ["STORE_ENV", "Processes", "join_group", "last_error"]
+
+log = logging.getLogger(__name__)
+
+STORE_ENV = "NETPART_STORE"
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: the kernel kills this process if the launcher dies, even by SIGKILL."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class Processes:
+    """`world` processes of `python -m module *args`, rank k logging to `logs[k]` (a context
+    manager: every process is reaped when the block ends, whatever ends it)."""
+
+    def __init__(
+        self,
+        module: str,
+        args: list[str],
+        logs: list[Path],
+        grace: float = 0.0,
+        new_session: bool = False,
+    ) -> None:
+        self.module, self.args, self.logs = module, args, logs
+        self.world, self.grace, self.new_session = len(logs), grace, new_session
+        self.procs: list[subprocess.Popen] = []
+        self.stopping = threading.Event()
+        self._previous: dict[int, object] = {}
+        self._tmp: str | None = None
+
+    def __enter__(self) -> Processes:
+        self._tmp = tempfile.mkdtemp(prefix="netpart-store-")
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        try:
+            for rank in range(self.world):
+                self.procs.append(self._spawn(rank))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _spawn(self, rank: int) -> subprocess.Popen:
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(self.world),
+            STORE_ENV: str(Path(self._tmp) / "store"),
+        }
+        self.logs[rank].parent.mkdir(parents=True, exist_ok=True)
+        with open(self.logs[rank], "ab") as fh:
+            return subprocess.Popen(
+                [sys.executable, "-m", self.module, *self.args],
+                env=env,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                start_new_session=self.new_session,  # a terminal's Ctrl-C comes through us
+            )
+
+    def _on_signal(self, signum, frame) -> None:
+        if not self.stopping.is_set():
+            log.warning("signal %d: stopping every process", signum)
+        self.stop()
+
+    def stop(self) -> None:
+        """Ask every live process to stop (SIGTERM), once."""
+        if self.stopping.is_set():
+            return
+        self.stopping.set()
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+    def codes(self) -> list[int | None]:
+        """Each process's exit code, None while it runs (every process is polled)."""
+        return [p.poll() for p in self.procs]
+
+    def running(self) -> int:
+        return self.codes().count(None)
+
+    def kill(self, ranks: list[int]) -> None:
+        """Kill (SIGKILL) and reap the given ranks that still run."""
+        for k in ranks:
+            if self.procs[k].poll() is None:
+                self.procs[k].kill()
+                self.procs[k].wait()
+
+    def last_error(self, rank: int) -> str:
+        return last_error(self.logs[rank])
+
+    def __exit__(self, *exc) -> None:
+        deadline = time.monotonic() + (self.grace if self.stopping.is_set() else 0.0)
+        for p in self.procs:
+            while p.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            p.wait()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def last_error(path: Path) -> str:
+    """The last line of a log that mentions an error (else its last line)."""
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "no log"
+    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+    return (errors or lines or ["no output"])[-1].strip()
+
+
+def join_group(timeout: float, store_timeout: float | None = None) -> tuple[int, int]:
+    """Join the job's default gloo process group; returns (rank, world).
+
+    Started by `Processes`: through its file store. Started by torchrun (or any env://
+    launcher): through MASTER_ADDR/MASTER_PORT. `timeout` bounds every collective and
+    point-to-point operation of the group; `store_timeout` the rendezvous (default: timeout).
+    """
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    pg_timeout = datetime.timedelta(seconds=timeout)
+    path = os.environ.get(STORE_ENV)
+    if path:
+        store = dist.FileStore(path, world)
+        store.set_timeout(datetime.timedelta(seconds=store_timeout or timeout))
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world, timeout=pg_timeout
+        )
+    else:
+        dist.init_process_group("gloo", timeout=pg_timeout)
+    return rank, world

@@ -1,0 +1,149 @@
+"""`run_step`: a partitioned step in N local processes, and the entry point of each of them.
+
+`run_step` validates the plan and its schedule, writes a job directory (spec, plan files,
+config, batch) and starts N processes of `python -m netpart.runtime.step --job DIR` through
+the launcher. Each joins the gloo group, builds its `ModelWorker`, runs the step (or `steps`
+timed steps) and writes `result_<rank>.pt` (loaded with weights_only). When one process
+fails, the others get `timeout` seconds to notice through the process group, then are killed;
+the error names the cause first (survivors' errors only name the peer they lost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from netpart import faults
+from netpart.errors import WorkerFailure
+from netpart.files import load_plan, plan_files, write_files
+from netpart.models.spec import ModelSpec
+from netpart.partition.planner import PartitionPlan
+from netpart.partition.schedule import plan_schedule
+from netpart.runtime.launcher import Processes, join_group
+from netpart.runtime.result import StepResult, assemble, load_worker_result, save_worker_result
+from netpart.runtime.transport import PEER_LOST, GlooTransport
+from netpart.runtime.worker import ModelWorker
+
+__all__ = ["DTYPES", "run_step"]
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+def run_step(
+    spec: ModelSpec,
+    plan: PartitionPlan,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+    timeout: float = 60.0,
+    threads: int = 1,
+    steps: int = 1,
+) -> StepResult:
+    """One forward/backward step of `spec` partitioned by `plan`, in `plan.workers` processes.
+
+    `threads` is torch's intra-op thread count per worker. With `steps` > 1 each worker repeats
+    the step (gradients zeroed, a barrier before each) and reports per-step wall times; the
+    result describes the last step.
+    """
+    plan_schedule(spec, plan)  # refuse a foreign or corrupted plan before any process starts
+    dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
+    config = {"seed": seed, "dtype": dtype_name, "timeout": timeout, "threads": threads}
+    with tempfile.TemporaryDirectory(prefix="netpart-job-") as tmp:
+        job = Path(tmp)
+        files = plan_files(plan)
+        files["spec.json"] = spec.to_json().encode()
+        files["config.json"] = json.dumps({**config, "steps": steps}).encode()
+        write_files(job, files)
+        torch.save({"inputs": inputs, "targets": targets}, job / "batch.pt")
+        logs = [job / f"worker_{r}.log" for r in range(plan.workers)]
+        with Processes("netpart.runtime.step", ["--job", str(job)], logs) as procs:
+            _watch(procs, timeout)
+        results = [load_worker_result(job / f"result_{r}.pt") for r in range(plan.workers)]
+    return assemble(spec, results, inputs.shape[0], dtype)
+
+
+def _watch(procs: Processes, timeout: float) -> None:
+    """Until every worker has ended: once one fails, the others get `timeout` to notice."""
+    first_failure: float | None = None
+    while procs.running():
+        if procs.stopping.is_set():
+            raise KeyboardInterrupt
+        codes = procs.codes()
+        if first_failure is None and any(c not in (None, 0) for c in codes):
+            first_failure = time.monotonic()
+        if first_failure is not None and time.monotonic() - first_failure > timeout:
+            break
+        time.sleep(0.05)
+    procs.kill(list(range(procs.world)))
+    failed = [(r, c) for r, c in enumerate(procs.codes()) if c not in (0, None)]
+    if failed:
+        # Causes first: survivors' errors only name the peer they lost.
+        failed.sort(key=lambda rc: (rc[1] != -9 and PEER_LOST in procs.last_error(rc[0]), rc[0]))
+        raise WorkerFailure(
+            "; ".join(
+                f"worker {r} "
+                + (
+                    "was killed after the timeout"
+                    if code == -9
+                    else f"exited with code {code}: {procs.last_error(r)}"
+                )
+                for r, code in failed
+            )
+        )
+
+
+def _worker(job: Path) -> int:
+    """One worker process: join the group, build the worker, run the step(s), save."""
+    config = json.loads((job / "config.json").read_text())
+    torch.set_num_threads(int(config["threads"]))
+    spec = ModelSpec.from_json((job / "spec.json").read_text(), str(job / "spec.json"))
+    plan = load_plan(job, spec)
+    batch = torch.load(job / "batch.pt", weights_only=True)
+    rank, _ = join_group(float(config["timeout"]))
+    try:
+        graph, schedule = plan_schedule(spec, plan, validate=False)  # the launcher validated
+        worker = ModelWorker(spec, graph, schedule, rank, config["seed"], DTYPES[config["dtype"]])
+        faults.point(rank, 0)
+        transport = GlooTransport()
+        times = []
+        steps = int(config.get("steps", 1))  # > 1 only for benchmarks
+        for i in range(steps):
+            worker.zero_grad()
+            if steps > 1:  # timed steps start together
+                transport.barrier()
+            start = time.perf_counter()
+            result = worker.step(batch["inputs"], batch["targets"], transport, i == steps - 1)
+            times.append(time.perf_counter() - start)
+        result.step_times = times
+        save_worker_result(job / f"result_{rank}.pt", result)
+    finally:
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m netpart.runtime.step")
+    ap.add_argument("--job", type=Path, required=True)
+    args = ap.parse_args()
+    rank = os.environ.get("RANK", "?")
+    logging.basicConfig(level=logging.INFO, format=f"worker {rank}: %(message)s", stream=sys.stderr)
+    try:
+        return _worker(args.job)
+    except Exception as exc:  # one line for the launcher, which reports the last error line
+        logging.getLogger("netpart.worker").error("error: %s", exc)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,145 @@
+"""TrainConfig: everything a training job needs besides the spec and the plan, validated once.
+
+Schema (`train.json` in the run directory, next to `spec.json`, `plan.json`, `node_map.npy`):
+  schema_version  1
+  model, fingerprint   the spec's name and fingerprint (a resume must match)
+  layout          hash of the node map, granularity, workers and shards (a resume must match)
+  config          the fields of TrainConfig below
+Ranks of a job: on one machine, worker w of replica r is rank r * workers + w and shard s is
+rank R * workers + s; across machines `placement` decides (netpart.train.placement).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from netpart.errors import TrainError
+from netpart.partition.planner import PartitionPlan
+from netpart.ps.optimizer import OPTIMIZERS, Optimizer
+from netpart.train.placement import POLICIES
+
+__all__ = ["MODES", "SCHEMA_VERSION", "TrainConfig", "TrainError", "layout_key"]
+
+SCHEMA_VERSION = 1
+DTYPES = ("float32", "float64")
+MODES = ("downpour", "sync", "sandblaster")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    replicas: int = 2
+    shards: int = 1
+    mode: str = "downpour"  # downpour | sync | sandblaster
+    optimizer: str = "adagrad"  # sgd | adagrad
+    lr: float = 0.05
+    n_fetch: int = 1
+    n_push: int = 1
+    steps: int = 100
+    batch: int = 32
+    warm_start: int = 0  # steps replica 0 trains alone (downpour)
+    checkpoint_every: int = 50  # shard updates between checkpoints
+    snapshot_every: int = 0  # shard updates between kept snapshots (0: none), for curves
+    seed: int = 0
+    data: str = "synthetic"
+    examples: int = 60000  # synthetic dataset size
+    dtype: str = "float32"
+    timeout: float = 60.0  # seconds a replica waits for a peer in the halo exchange
+    threads: int = 1
+    placement: str = "pack"  # pack | spread | ordered (see netpart.train.placement)
+    dc_lambda: float = 0.0  # downpour: DC-ASGD delay compensation strength (0: off)
+    units: int = 16  # sandblaster: work units per batch (steps = L-BFGS iterations)
+    history: int = 10  # sandblaster: L-BFGS curvature pairs kept in the shards
+    line_search: str = "armijo"  # sandblaster: armijo | none (torch.optim.LBFGS's fixed step)
+    push_norm: float = 0.0  # downpour: also push once the gradient's L2 norm reaches this
+
+    def __post_init__(self) -> None:
+        for name in (
+            "replicas", "shards", "n_fetch", "n_push", "batch", "checkpoint_every", "units",
+            "history",
+        ):  # fmt: skip
+            _at_least(name, getattr(self, name), 1)
+        for name in ("steps", "warm_start", "snapshot_every"):
+            _at_least(name, getattr(self, name), 0)
+        _at_least("threads", self.threads, 1)
+        if self.mode not in MODES:
+            raise TrainError(f"--mode {self.mode}: choose one of {', '.join(MODES)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise TrainError(f"--optimizer {self.optimizer}: choose one of {', '.join(OPTIMIZERS)}")
+        if not self.lr > 0:
+            raise TrainError(f"--lr {self.lr}: the learning rate must be > 0")
+        if self.dtype not in DTYPES:
+            raise TrainError(f"dtype {self.dtype}: choose one of {', '.join(DTYPES)}")
+        if self.placement not in POLICIES:
+            raise TrainError(f"--placement {self.placement}: choose one of {', '.join(POLICIES)}")
+        for name in ("dc_lambda", "push_norm"):
+            if not getattr(self, name) >= 0:
+                flag = "--" + name.replace("_", "-")
+                raise TrainError(f"{flag} {getattr(self, name)}: must be >= 0")
+        if self.mode == "sync" and (self.dc_lambda or self.push_norm):
+            raise TrainError(
+                "--dc-lambda and --push-norm apply to --mode downpour (sync pushes every step, "
+                "and its gradients are never stale)"
+            )
+        if (self.mode == "sandblaster") != (self.optimizer == "lbfgs"):
+            raise TrainError(
+                "--mode sandblaster goes with --optimizer lbfgs, and lbfgs only with sandblaster"
+            )
+        if self.line_search not in ("armijo", "none"):
+            raise TrainError(f"--line-search {self.line_search}: choose armijo or none")
+        if self.mode == "sandblaster" and self.units > self.batch:
+            raise TrainError(f"--units {self.units}: at most --batch {self.batch} units")
+        if not self.timeout > 0:
+            raise TrainError(f"--timeout {self.timeout}: must be > 0 seconds")
+
+    @property
+    def optim(self) -> Optimizer:
+        return Optimizer(self.optimizer, self.lr)
+
+    @property
+    def coordinators(self) -> int:
+        """Sandblaster has one coordinator process (the last rank on one machine)."""
+        return 1 if self.mode == "sandblaster" else 0
+
+    def world(self, workers: int) -> int:
+        return self.replicas * workers + self.shards + self.coordinators
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "train.json") -> TrainConfig:
+        if not isinstance(data, dict):
+            raise TrainError(f"{source}: config must be an object")
+        known = {f.name: f.type for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise TrainError(f"{source}: unknown config fields {unknown}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "train.json") -> TrainConfig:
+        try:
+            return cls.from_dict(json.loads(text), source)
+        except json.JSONDecodeError as exc:
+            raise TrainError(f"{source}: not valid JSON ({exc})") from None
+
+
+def _at_least(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        flag = "--ps-shards" if name == "shards" else "--" + name.replace("_", "-")
+        raise TrainError(f"{flag} {value!r}: must be an integer >= {minimum}")
+
+
+def layout_key(plan: PartitionPlan, shards: int) -> str:
+    """Identifies where every parameter lives: same key, same shard ranges."""
+    h = hashlib.sha256()
+    h.update(plan.node_map.astype("int64").tobytes())
+    h.update(json.dumps([plan.workers, shards, plan.granularity.to_dict()]).encode())
+    return h.hexdigest()[:16]

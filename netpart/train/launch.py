@@ -1,0 +1,239 @@
+"""`train`: run a whole training job — on this machine, or as one of torchrun's processes.
+
+On this machine (`train`): everything is validated first (plan, layout, resume directory and
+checkpoints), the run directory is written, and only then do R x N workers + S shards (+ a
+coordinator) start, through the one launcher (`netpart.runtime.launcher`). The fault policy
+is DistBelief's: a worker that fails takes only its replica down (its mates get `timeout` to
+notice, then are killed) and training goes on; a shard or the coordinator that fails stops
+the job, with the last checkpoint intact. A signal stops every process at a step boundary and
+the shards write final checkpoints.
+
+Under torchrun (`train_under_torchrun`): every process joins the group, learns its role from
+the placement and plays it; shard 0 validates and writes the run directory first (and tells
+every rank if that failed), and writes the model, summary and report at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from netpart.errors import TrainError, WorkerFailure
+from netpart.models.spec import ModelSpec
+from netpart.partition.graph import build_unit_graph
+from netpart.partition.planner import PartitionPlan
+from netpart.partition.shards import ShardLayout
+from netpart.runtime.launcher import Processes, join_group
+from netpart.train.config import TrainConfig
+from netpart.train.process import (
+    PS_TIMEOUT,
+    Job,
+    job_placement,
+    log_as,
+    play_role,
+    stop_on_signals,
+)
+from netpart.train.rundir import (
+    Progress,
+    TrainSummary,
+    finish_run,
+    prepare_run,
+    read_progress,
+    write_run,
+)
+
+__all__ = ["TrainSummary", "train", "train_under_torchrun"]
+
+log = logging.getLogger(__name__)
+
+Echo = Callable[[str], None]
+
+
+def train(
+    spec: ModelSpec,
+    plan: PartitionPlan,
+    config: TrainConfig,
+    run: Path,
+    resume: bool = False,
+    on_progress=None,
+) -> TrainSummary:
+    """Train `spec` partitioned by `plan` with `config` in processes on this machine.
+
+    `on_progress(done_steps, stats, total_steps)` is called as replica losses arrive; `stats`
+    holds the mean latest loss, samples/s, step time (ms) and MB moved so far. Raises TrainError
+    for bad input (before any process starts) and WorkerFailure when a shard fails or every
+    replica is lost.
+    """
+    layout, starts = prepare_run(spec, plan, config, run, resume)
+    write_run(spec, plan, config, run, starts, resume)
+    summary = TrainSummary(run=run)
+    t0 = time.monotonic()
+    total = sum(config.steps - starts.get(r, 0) for r in range(config.replicas))
+    _supervise(run, plan.workers, config, resume, summary, (total, on_progress))
+    summary.wall_s = time.monotonic() - t0
+    finish_run(spec, plan, config, run, layout, summary)
+    return summary
+
+
+def _supervise(run, workers, config, resume, summary, progress) -> None:
+    """Start the job's processes and apply the fault policy until they have all ended."""
+    total, on_progress = progress
+    world, n_workers = config.world(workers), config.replicas * workers
+    logs = [run / "logs" / f"rank{r}.log" for r in range(world)]
+    args = ["--run", str(run), *(["--resume"] if resume else [])]
+    read = Progress(run, config.replicas)
+    with Processes("netpart.train.process", args, logs, config.timeout, True) as procs:
+        lost_at: dict[int, float] = {}
+        shard_failed_at: float | None = None
+        while procs.running():
+            now, codes = time.monotonic(), procs.codes()
+            for rank, code in enumerate(codes[:n_workers]):
+                r = rank // workers
+                if code not in (None, 0) and r not in summary.lost:
+                    why = f"worker {rank % workers} exited with code {code}"
+                    summary.lost[r] = f"{why}: {procs.last_error(rank)}"
+                    log.warning("replica %d lost (%s); training goes on", r, summary.lost[r])
+                    lost_at[r] = now
+            for r, since in lost_at.items():  # mates of a lost worker get `timeout` to notice
+                if now - since > config.timeout:
+                    procs.kill(list(range(r * workers, (r + 1) * workers)))
+            if shard_failed_at is None and any(c not in (None, 0) for c in codes[n_workers:]):
+                shard_failed_at = now
+                procs.stop()
+            if shard_failed_at is not None and now - shard_failed_at > config.timeout:
+                break
+            if procs.stopping.is_set() and all(c is not None for c in codes[n_workers:]):
+                break
+            if on_progress is not None:
+                on_progress(*read(), total)
+            time.sleep(0.1)
+        if on_progress is not None:
+            on_progress(*read(), total)
+    summary.stopped = procs.stopping.is_set()
+    failed = [(s, c) for s, c in enumerate(procs.codes()[n_workers:]) if c != 0]
+    if failed:
+        s, code = failed[0]
+        who = "the coordinator" if s == config.shards else f"shard {s}"
+        raise WorkerFailure(
+            f"{who} exited with code {code}: {procs.last_error(n_workers + s)}; the last "
+            f"checkpoint is in {run} (continue with --resume {run})"
+        )
+    if len(summary.lost) == config.replicas:
+        raise WorkerFailure(
+            "every replica was lost: "
+            + "; ".join(f"replica {r}: {why}" for r, why in summary.lost.items())
+        )
+
+
+def train_under_torchrun(
+    spec: ModelSpec, plan: PartitionPlan, config: TrainConfig, run: Path, resume: bool, echo: Echo
+) -> int:
+    """Play this torchrun process's role in the job; returns its exit code. Shard 0 writes
+    the run files first and, once every shard has finished, the model, summary and report
+    (the run directory must be shared by the machines)."""
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    if world != config.world(plan.workers):
+        raise TrainError(
+            f"torchrun started {world} processes; this job needs replicas x workers + shards"
+            f"{' + 1 coordinator' if config.coordinators else ''} = {config.world(plan.workers)}"
+        )
+    torch.set_num_threads(config.threads)
+    stop = stop_on_signals()
+    join_group(PS_TIMEOUT)
+    placement = job_placement(config, plan.workers)
+    log_as(f"{placement.name(rank)} (rank {rank})")
+    first_shard = placement.shard_rank(0)
+    _prepare_on_first_shard(spec, plan, config, run, resume, rank == first_shard, placement)
+    sync = config.mode == "sync"
+    starts = read_progress(run, config.shards, config.replicas, sync) if resume else {}
+    job = Job(spec, plan, config, run, resume, tuple(starts.items()))
+    t0 = time.monotonic()
+    kind, a, b = placement.roles[rank]
+    bar, on_step = _bar(config, starts.get(0, 0), rank, placement)
+    try:
+        server = play_role(job, rank, stop, placement, on_step=on_step)
+    finally:
+        if bar is not None:
+            bar.close()
+        sys.stderr.flush()
+    if kind == "worker" and b == 0 and config.mode != "sandblaster":
+        lines = (run / f"metrics_replica{a}.jsonl").read_text().splitlines()
+        last = json.loads(lines[-1]) if lines else {"step": 0, "loss": float("nan")}
+        echo(f"replica {a}: step {last['step']}, loss {last['loss']:.4g}")
+    elif rank == first_shard and server is not None:
+        graph = build_unit_graph(spec, plan.granularity)
+        layout = ShardLayout.build(graph, plan.node_map, plan.workers, config.shards)
+        summary = TrainSummary(run=run, stopped=stop.is_set(), wall_s=time.monotonic() - t0)
+        finish_run(spec, plan, config, run, layout, summary)
+        if summary.held_out:
+            echo(held_out_line(summary.held_out, config.data))
+        echo(f"wrote {run}/model.pt; report: {run}/report.md")
+    elif rank == first_shard:
+        logging.getLogger("netpart.train").error("a shard failed: continue with --resume %s", run)
+    return 0
+
+
+def _prepare_on_first_shard(spec, plan, config, run, resume, mine: bool, placement) -> None:
+    """Shard 0 validates the run directory and writes the run files; its verdict reaches every
+    rank as UTF-8 bytes in a tensor (nothing received is unpickled), so none waits for ever."""
+    status = b""
+    if mine:
+        try:
+            run.mkdir(parents=True, exist_ok=True)
+            _, starts = prepare_run(spec, plan, config, run, resume)
+            write_run(spec, plan, config, run, starts, resume)
+            (run / "placement.json").write_text(json.dumps(placement.to_dict(), indent=1))
+        except Exception as exc:  # every rank must hear of it, or it would wait for ever
+            status = str(exc).encode()[:4000] or type(exc).__name__.encode()
+    message = torch.zeros(4096, dtype=torch.uint8)
+    if status:
+        message[: len(status)] = torch.frombuffer(bytearray(status), dtype=torch.uint8)
+    dist.broadcast(message, src=placement.shard_rank(0))
+    text = bytes(message.tolist()).rstrip(b"\0").decode(errors="replace")
+    if text:
+        raise TrainError(text)
+
+
+def _bar(config: TrainConfig, start: int, rank: int, placement):
+    """The progress bar: on the process that is worker 0 of replica 0 (it writes that
+    replica's metrics; on one machine, and usually on several, it is rank 0)."""
+    if rank != placement.worker_rank(0, 0) or config.mode == "sandblaster":
+        return None, None
+    from tqdm import tqdm
+
+    bar = tqdm(total=config.steps - start, desc="train", unit="step", disable=None)
+    done = [0]
+
+    def on_step(line: dict) -> None:  # replica 0's steps
+        done[0] += 1
+        stats = {
+            "loss": line["loss"],
+            "samples_s": config.replicas * config.batch / max(line["step_s"], 1e-9),
+            "step_ms": line["step_s"] * 1e3,
+            "mb": (line["halo_bytes"] + line["ps_bytes"]) * done[0] / 1e6,
+        }
+        bar.set_postfix_str(postfix(stats), refresh=False)
+        bar.update(1)
+
+    return bar, on_step
+
+
+def postfix(stats: dict) -> str:
+    """A progress bar's figures: loss, samples/s, ms/step, MB moved."""
+    return (
+        f"loss {stats['loss']:.3f}, {stats['samples_s']:.0f} samples/s, "
+        f"{stats['step_ms']:.0f} ms/step, {stats['mb']:.0f} MB"
+    )
+
+
+def held_out_line(held: dict, source: str) -> str:
+    acc = f", accuracy {held['accuracy']:.4f}" if "accuracy" in held else ""
+    return f"held-out {source} ({held['examples']} examples): loss {held['loss']:.4f}{acc}"

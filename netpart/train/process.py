@@ -1,0 +1,182 @@
+"""One process of a training job: a model worker of some replica, a parameter-server shard, or
+Sandblaster's coordinator. `python -m netpart.train.process --run DIR [--resume]`.
+
+Started by the launcher (`netpart.runtime.launcher`) or by torchrun (through `netpart train`,
+which calls `play_role` itself). The process reads the run directory (spec, plan, config,
+start steps), joins the default gloo group, learns its role from the placement and plays it.
+Every rank creates every replica's process group in the same order (torch.distributed requires
+it); halo exchanges of replica r use its group, parameter-server messages the default group.
+
+SIGTERM or SIGINT ends training at the next step boundary: workers push what they hold and
+say goodbye, shards write a final checkpoint. Any error ends the process with code 1 and one
+line naming its role.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from netpart.files import load_plan
+from netpart.models.spec import ModelSpec
+from netpart.partition.planner import PartitionPlan
+from netpart.partition.schedule import plan_schedule
+from netpart.partition.shards import ShardLayout
+from netpart.ps.server import ShardServer
+from netpart.runtime.launcher import join_group
+from netpart.train.config import TrainConfig
+from netpart.train.placement import Placement, place
+from netpart.train.replica import ReplicaJob, run_worker
+from netpart.train.sandblaster import run_coordinator, run_unit_worker
+from netpart.train.shard import serve_shard
+
+__all__ = ["PS_TIMEOUT", "Job", "job_placement", "log_as", "play_role", "stop_on_signals"]
+
+log = logging.getLogger(__name__)
+
+PS_TIMEOUT = 24 * 3600.0  # parameter-server pairs idle for long; deaths are seen at once
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every process of a training job knows: the model, its plan, the config, the run."""
+
+    spec: ModelSpec
+    plan: PartitionPlan
+    config: TrainConfig
+    run: Path
+    resume: bool = False
+    starts: tuple[tuple[int, int], ...] = ()  # (replica, step it restarts after)
+
+
+def stop_on_signals() -> threading.Event:
+    """An event set by SIGTERM or SIGINT (the process then finishes its step and exits)."""
+    stop = threading.Event()
+
+    def handler(signum, frame):
+        logging.getLogger("netpart.train").info("signal %d: stopping after this step", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop
+
+
+def log_as(who: str) -> None:
+    """Prefix this process's log lines with its role and rank: '[replica 1 worker 0 (rank 2)]'."""
+    logging.basicConfig(
+        level=logging.INFO, format=f"[{who}] %(message)s", stream=sys.stderr, force=True
+    )
+
+
+def job_placement(config: TrainConfig, workers: int, node: str | None = None) -> Placement:
+    """The placement of this job: the node id of every rank (torchrun's GROUP_RANK; 0 when
+    spawned locally) is gathered over the default group as a number, then placed by
+    `config.placement`."""
+    world = config.world(workers)
+    mine = int(node if node is not None else os.environ.get("GROUP_RANK", "0"))
+    nodes = torch.zeros(world, dtype=torch.int64)
+    dist.all_gather_into_tensor(nodes, torch.tensor([mine], dtype=torch.int64))
+    hosts = [f"node{k}" for k in nodes.tolist()]
+    return place(
+        hosts, config.replicas, workers, config.shards, config.placement, config.coordinators
+    )
+
+
+def play_role(
+    job: Job,
+    rank: int,
+    stop: threading.Event,
+    placement: Placement,
+    on_step: Callable[[dict], None] | None = None,
+) -> ShardServer | None:
+    """The role of `rank` in the job. A shard returns its server once every shard has written
+    its final checkpoint (None if one failed); other roles return None.
+
+    `on_step(line)` is called with every metrics line this process writes (worker 0 of each
+    replica writes them), for a progress bar.
+    """
+    spec, plan, config = job.spec, job.plan, job.config
+    halo_timeout = datetime.timedelta(seconds=config.timeout)
+    groups = [
+        dist.new_group(placement.replica_ranks(r), timeout=halo_timeout)
+        for r in range(config.replicas)
+    ]
+    shard_ranks = [placement.shard_rank(s) for s in range(config.shards)]
+    shard_group = dist.new_group(shard_ranks, timeout=halo_timeout)
+    graph, schedule = plan_schedule(spec, plan, validate=False)  # the launcher validated
+    layout = ShardLayout.build(graph, plan.node_map, plan.workers, config.shards)
+    kind, a, b = placement.roles[rank]
+    if kind == "coordinator":
+        stats = run_coordinator(config, placement, rank, job.run)
+        (job.run / "coordinator.json").write_text(json.dumps(stats, indent=1))
+        return None
+    if kind == "worker":
+        replica = ReplicaJob(
+            spec=spec, graph=graph, schedule=schedule, layout=layout, config=config,
+            replica=a, worker=b, rank=rank, group=groups[a], placement=placement,
+            run=job.run, start=dict(job.starts).get(a, 0),
+        )  # fmt: skip
+        if config.mode == "sandblaster":
+            run_unit_worker(replica)
+        else:
+            run_worker(replica, stop, on_step)
+        return None
+    server = serve_shard(job, layout, a, rank, stop, placement)
+    try:  # after this, every shard's final checkpoint is on disk
+        dist.barrier(group=shard_group)
+    except RuntimeError as exc:
+        log.warning("not every shard finished: %s", exc)
+        return None
+    return server
+
+
+def read_job(run: Path, resume: bool) -> Job:
+    """The job a run directory describes (written by the launcher, which validated it)."""
+    manifest = json.loads((run / "train.json").read_text())
+    config = TrainConfig.from_dict(manifest["config"])
+    spec = ModelSpec.from_json((run / "spec.json").read_text(), str(run / "spec.json"))
+    starts = json.loads((run / "start.json").read_text())
+    return Job(
+        spec, load_plan(run, spec), config, run, resume,
+        tuple(sorted((int(r), int(s)) for r, s in starts.items())),
+    )  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m netpart.train.process")
+    ap.add_argument("--run", type=Path, required=True)
+    ap.add_argument("--resume", action="store_true")
+    args = ap.parse_args()
+    rank = int(os.environ["RANK"])
+    log_as(f"rank {rank}")
+    stop = stop_on_signals()
+    try:
+        job = read_job(args.run, args.resume)
+        torch.set_num_threads(job.config.threads)
+        join_group(PS_TIMEOUT, store_timeout=max(60.0, job.config.timeout))
+        placement = job_placement(job.config, job.plan.workers)
+        log_as(f"{placement.name(rank)} (rank {rank})")
+        play_role(job, rank, stop, placement)
+    except Exception as exc:  # one line for the launcher, which reports the last error line
+        logging.getLogger("netpart.train").error("error: %s", exc)
+        sys.stderr.flush()
+        os._exit(1)  # peers in other threads may still block in gloo: do not wait for them
+    sys.stderr.flush()
+    os._exit(0)  # same: a lost replica's connections must not hold up a finished process
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,253 @@
+"""A model worker of a replica in Downpour or synchronous SGD: the replica's step loop.
+
+The worker fetches the shards' parameters, runs lockstep steps with its replica, pushes its
+accumulated gradients every `n_push` steps (sooner with `push_norm`) and queues a fetch every
+`n_fetch` steps (Downpour); fetched values are copied into its parameters between steps, when
+no autograd graph holds them. In sync mode it pushes every step and waits for the fetch.
+Worker 0 of each replica writes the replica's metrics, one line per step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from netpart import faults
+from netpart.data import load_data
+from netpart.models.spec import ModelSpec
+from netpart.partition.graph import UnitGraph
+from netpart.partition.schedule import HaloSchedule
+from netpart.partition.shards import ShardLayout
+from netpart.ps.client import ShardClient
+from netpart.runtime.transport import GlooTransport
+from netpart.runtime.worker import ModelWorker
+from netpart.train.config import TrainConfig
+from netpart.train.placement import Placement
+
+__all__ = [
+    "DTYPES",
+    "GradBuffers",
+    "ReplicaJob",
+    "flat_grads",
+    "load_values",
+    "push_due",
+    "run_worker",
+]
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class ReplicaJob:
+    """What one model worker of one replica needs to train."""
+
+    spec: ModelSpec
+    graph: UnitGraph
+    schedule: HaloSchedule
+    layout: ShardLayout
+    config: TrainConfig
+    replica: int
+    worker: int
+    rank: int
+    group: dist.ProcessGroup
+    placement: Placement
+    run: Path
+    start: int = 0
+
+    def build(self) -> tuple[ModelWorker, list[torch.Tensor], GlooTransport, ShardClient]:
+        """The worker's model slices, its parameter tensors, its transport and its client."""
+        dtype = DTYPES[self.config.dtype]
+        model = ModelWorker(
+            self.spec, self.graph, self.schedule, self.worker, self.config.seed, dtype
+        )
+        tensors = [t for s in model.slices for t in s.param_tensors()]
+        if sum(t.numel() for t in tensors) != self.layout.worker_size(self.worker):
+            raise RuntimeError(f"worker {self.worker}: slices and shard layout disagree on sizes")
+        transport = GlooTransport(self.group, ranks=self.placement.replica_ranks(self.replica))
+        shard_ranks = [self.placement.shard_rank(s) for s in range(self.config.shards)]
+        client = ShardClient(self.layout, self.worker, self.replica, self.rank, shard_ranks, dtype)
+        return model, tensors, transport, client
+
+
+def run_worker(
+    job: ReplicaJob, stop: threading.Event, on_step: Callable[[dict], None] | None = None
+) -> None:
+    """Train until `config.steps` (or a stop agreed by the replica); then push what is left
+    and say goodbye to the shards."""
+    config, replica = job.config, job.replica
+    model, tensors, transport, client = job.build()
+    faults.point(job.rank, 0)
+    grads = GradBuffers(tensors, DTYPES[config.dtype])
+    data = load_data(config.data, job.spec, config.seed, config.examples)
+    sync = config.mode == "sync"
+    warm = config.warm_start if (replica > 0 and not sync and job.start < config.warm_start) else 0
+    if warm:
+        log.info("waiting for replica 0's %d warm-start steps", warm)
+    client.fetch(warm)
+    load_values(tensors, client.take(wait=True))
+    metrics = _Metrics(job) if job.worker == 0 else None
+    unpushed, t = 0, job.start
+    clock = time.perf_counter
+    try:
+        for t in range(job.start + 1, config.steps + 1):
+            if _agreed(stop, transport, job.layout.workers):
+                log.info("stopping before step %d", t)
+                t -= 1
+                break
+            faults.point(job.rank, t)
+            t0 = clock()
+            fresh = client.take()
+            if fresh is not None:
+                load_values(tensors, fresh)
+            t1 = clock()
+            x, y = data.batch(replica, config.replicas, t, config.batch, DTYPES[config.dtype])
+            t2 = clock()
+            result = model.step(x, y, transport, collect_grads=False)
+            t3 = clock()
+            unpushed += 1
+            pushed = sync or push_due(t, config.n_push, config.push_norm, tensors)
+            if pushed:
+                grads.pushed(client, client.push(grads.flat, t))
+                unpushed = 0
+            fetched = sync or t % config.n_fetch == 0
+            if sync:
+                client.fetch(t)
+                load_values(tensors, client.take(wait=True))
+            elif fetched:
+                client.fetch()
+            t4 = clock()
+            if metrics is not None:
+                times = (t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+                line = metrics.line(t, result, client.staleness, times, pushed, fetched)
+                if on_step is not None:
+                    on_step(line)
+        if unpushed:
+            client.push(grads.flat, t)
+        client.close()
+    finally:
+        if metrics is not None:
+            metrics.close()
+
+
+class _Metrics:
+    """Worker 0's per-step metrics lines (`metrics_replica<r>.jsonl`)."""
+
+    def __init__(self, job: ReplicaJob) -> None:
+        self.replica, self.config = job.replica, job.config
+        size = torch.empty(0, dtype=DTYPES[job.config.dtype]).element_size()
+        halo_values = sum(len(u) for layer in job.schedule.sends for u in layer.values())
+        self.size = size
+        self.halo_bytes = 2 * halo_values * job.config.batch * size  # fwd + bwd, all workers
+        self.ps_values = sum(job.layout.worker_size(w) for w in range(job.layout.workers))
+        self.file = (job.run / f"metrics_replica{job.replica}.jsonl").open("a")
+
+    def line(self, step, result, staleness, times, pushed, fetched) -> dict:
+        take_s, data_s, step_s, ps_s = times
+        halo_s = sum(result.exchange_s.values())
+        line = {
+            "step": step,
+            "replica": self.replica,
+            "time": time.time(),
+            "loss": result.loss,
+            "accuracy": result.accuracy,
+            "staleness": staleness if staleness >= 0 else None,
+            "samples": self.config.batch,
+            "step_s": sum(times),
+            "compute_s": step_s - halo_s,
+            "halo_s": halo_s,
+            "ps_s": take_s + ps_s,
+            "data_s": data_s,
+            "halo_bytes": self.halo_bytes,
+            "ps_bytes": (int(pushed) + int(fetched)) * self.ps_values * self.size,
+        }
+        self.file.write(json.dumps(line) + "\n")
+        self.file.flush()
+        return line
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def push_due(step: int, n_push: int, push_norm: float, tensors: list[torch.Tensor]) -> bool:
+    """Downpour: push every `n_push` steps, and sooner once the accumulated gradient's L2
+    norm reaches `push_norm` (when > 0): small gradients wait, large ones go at once."""
+    if step % n_push == 0:
+        return True
+    if push_norm <= 0:
+        return False
+    square = sum(float(t.grad.square().sum()) for t in tensors if t.grad is not None)
+    return square >= push_norm * push_norm
+
+
+def _agreed(stop: threading.Event, transport: GlooTransport, workers: int) -> bool:
+    """Whether the replica stops now: a signal reaches its workers at different moments, so
+    they agree (one all-reduce of a flag) lest one leave another waiting in an exchange."""
+    if workers == 1:
+        return stop.is_set()
+    flag = torch.tensor([1.0 if stop.is_set() else 0.0])
+    return bool(transport.all_reduce(flag, "max")[0] > 0)
+
+
+class GradBuffers:
+    """Two flat gradient buffers in the worker's piece order; every parameter's `.grad` is a
+    view of the current one, so backward accumulates straight into what a push sends (no
+    gather, no allocation per step). After a push the other buffer becomes current: zeroed
+    once the client has sent what it held, never while it still reads it."""
+
+    def __init__(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> None:
+        self.tensors = tensors
+        size = sum(t.numel() for t in tensors)
+        self.buffers = [torch.zeros(size, dtype=dtype) for _ in range(2)]
+        self.sent: list[threading.Event | None] = [None, None]
+        self.current = 0
+        self._bind()
+
+    @property
+    def flat(self) -> torch.Tensor:
+        return self.buffers[self.current]
+
+    def pushed(self, client: ShardClient, sent: threading.Event) -> None:
+        """The current buffer was pushed (`sent` is set once it is out): switch to the other."""
+        self.sent[self.current] = sent
+        self.current ^= 1
+        if self.sent[self.current] is not None:
+            client.wait_sent(self.sent[self.current])
+        self.flat.zero_()
+        self._bind()
+
+    def _bind(self) -> None:
+        for t, view in zip(self.tensors, _views(self.flat, self.tensors), strict=True):
+            t.grad = view
+
+
+def flat_grads(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors' gradients end to end (zeros where a tensor has none)."""
+    return torch.cat(
+        [(t.grad if t.grad is not None else torch.zeros_like(t)).reshape(-1) for t in tensors]
+    )
+
+
+@torch.no_grad()
+def load_values(tensors: list[torch.Tensor], flat: torch.Tensor | None) -> None:
+    """Copy fetched values into the parameters (between steps: no graph has saved them)."""
+    if flat is None:
+        return
+    for t, view in zip(tensors, _views(flat, tensors), strict=True):
+        t.copy_(view)
+
+
+def _views(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`flat` (the tensors' values end to end, as `flat_grads` lays them) cut into views
+    shaped like each tensor."""
+    parts = flat.split([t.numel() for t in tensors])
+    return [v.view_as(t) for v, t in zip(parts, tensors, strict=True)]

@@ -1,0 +1,223 @@
+"""A training run's directory: what it holds, checked before a job starts, finished after.
+
+Files (written atomically): `train.json` (schema in `netpart.train.config`), `spec.json`,
+`plan.json` + `node_map.npy`, `start.json` (each replica's first step), the shard checkpoints
+(`netpart.ps.checkpoint`), `metrics_replica<r>.jsonl`, and at the end `model.pt`,
+`summary.json` and the report. `prepare_run` refuses, before anything is written, a resume of
+another model, layout or optimizer, a corrupt checkpoint, or a fresh run into a directory that
+holds one already; `finish_run` writes what a finished (or stopped) job leaves behind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from netpart.data import load_data
+from netpart.errors import TrainError
+from netpart.files import plan_files, write_atomic, write_files
+from netpart.models.spec import ModelSpec
+from netpart.partition.planner import PartitionPlan
+from netpart.partition.schedule import plan_schedule
+from netpart.partition.shards import ShardLayout
+from netpart.ps.checkpoint import export_state_dict, load_shard, save_model, shard_path
+from netpart.train.config import SCHEMA_VERSION, TrainConfig, layout_key
+from netpart.train.report import evaluate, read_metrics, write_report
+
+__all__ = [
+    "Progress",
+    "TrainSummary",
+    "checkpoint_meta",
+    "finish_run",
+    "model_from_shards",
+    "prepare_run",
+    "read_progress",
+    "read_run",
+    "write_run",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainSummary:
+    """How a job ended: per replica its last step and loss, which replicas were lost."""
+
+    run: Path
+    steps: dict[int, int] = field(default_factory=dict)
+    final_loss: dict[int, float] = field(default_factory=dict)
+    lost: dict[int, str] = field(default_factory=dict)
+    stopped: bool = False
+    wall_s: float = 0.0
+    held_out: dict | None = None  # loss, accuracy and examples of the held-out set
+
+    def to_dict(self) -> dict:
+        return {
+            "run": str(self.run),
+            "steps": self.steps,
+            "final_loss": self.final_loss,
+            "lost": self.lost,
+            "stopped": self.stopped,
+            "wall_s": self.wall_s,
+            "held_out": self.held_out,
+        }
+
+
+def checkpoint_meta(spec: ModelSpec, plan: PartitionPlan, config: TrainConfig) -> dict:
+    """What a shard checkpoint must agree with to be resumed by this job."""
+    return {
+        "schema_version": 1,
+        "fingerprint": spec.fingerprint(),
+        "layout": layout_key(plan, config.shards),
+        "optimizer": config.optimizer,
+        "dtype": config.dtype,
+    }
+
+
+def read_run(run: Path) -> tuple[dict[str, Any], ModelSpec, TrainConfig]:
+    """(train.json, spec, config) of a run directory; TrainError if it is not one."""
+    if not (run / "train.json").exists():
+        raise TrainError(f"{run}: no train.json there; is it a netpart run directory?")
+    try:
+        manifest = json.loads((run / "train.json").read_text())
+        spec = ModelSpec.from_json((run / "spec.json").read_text(), str(run / "spec.json"))
+    except (OSError, ValueError) as exc:
+        raise TrainError(f"{run}: unreadable run files ({exc})") from None
+    return manifest, spec, TrainConfig.from_dict(manifest.get("config"), str(run / "train.json"))
+
+
+def read_progress(run: Path, shards: int, replicas: int, sync: bool = False) -> dict[int, int]:
+    """Per replica, the step a resumed replica restarts after: the last step every shard has
+    from it (downpour), or the last step every shard applied (sync: replicas move together,
+    and one added on resume joins them there)."""
+    out = {r: 0 for r in range(replicas)}
+    for s in range(shards):
+        try:
+            meta = json.loads((run / f"shard_{s}.json").read_text())
+        except (OSError, ValueError):
+            return {r: 0 for r in range(replicas)}
+        prog = {int(r): int(v) for r, v in meta.get("progress", {}).items()}
+        for r in out:
+            mine = int(meta.get("clock", 0)) if sync else prog.get(r, 0)
+            out[r] = mine if s == 0 else min(out[r], mine)
+    return out
+
+
+def model_from_shards(
+    spec: ModelSpec, plan: PartitionPlan, config: TrainConfig, run: Path, layout: ShardLayout
+) -> dict[str, torch.Tensor]:
+    """The reference `state_dict` of a run, from its shard checkpoints (each one checked)."""
+    meta = checkpoint_meta(spec, plan, config)
+    values = [load_shard(run, s, meta, int(n)).values for s, n in enumerate(layout.shard_sizes())]
+    return export_state_dict(spec, layout, values)
+
+
+def prepare_run(
+    spec: ModelSpec, plan: PartitionPlan, config: TrainConfig, run: Path, resume: bool
+) -> tuple[ShardLayout, dict[int, int]]:
+    """Check the job and the run directory; return the layout and each replica's start step.
+
+    Raises TrainError (nothing written) for a resume directory of another model, layout or
+    optimizer, a corrupt checkpoint, or a fresh run into a directory holding one already.
+    """
+    graph, _ = plan_schedule(spec, plan)
+    layout = ShardLayout.build(graph, plan.node_map, plan.workers, config.shards)
+    if resume:
+        _, _, old = read_run(run)
+        meta = checkpoint_meta(spec, plan, config)
+        for s in range(config.shards):  # every checkpoint must load before anything is written
+            load_shard(run, s, meta, int(layout.shard_sizes()[s]))
+        if old.replicas != config.replicas:
+            log.info("resuming with %d replicas (was %d)", config.replicas, old.replicas)
+        starts = read_progress(run, config.shards, config.replicas, config.mode == "sync")
+    else:
+        if shard_path(run, 0).exists() or (run / "train.json").exists():
+            raise TrainError(
+                f"--out {run}: already holds a training run; continue it with --resume {run} "
+                "or choose another --out directory"
+            )
+        starts = dict.fromkeys(range(config.replicas), 0)
+    return layout, starts
+
+
+def write_run(spec, plan, config, run: Path, starts: dict[int, int], resume: bool) -> None:
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "model": spec.name,
+        "fingerprint": spec.fingerprint(),
+        "layout": layout_key(plan, config.shards),
+        "workers": plan.workers,
+        "config": config.to_dict(),
+    }
+    files = {**plan_files(plan), "spec.json": spec.to_json().encode()}
+    files["train.json"] = json.dumps(manifest, indent=1).encode()
+    files["start.json"] = json.dumps({str(r): s for r, s in starts.items()}).encode()
+    write_files(run, files)
+    if not resume:
+        for r in range(config.replicas):
+            (run / f"metrics_replica{r}.jsonl").unlink(missing_ok=True)
+
+
+def finish_run(spec, plan, config, run: Path, layout, summary: TrainSummary) -> None:
+    """After the job: model.pt from the shards, held-out figures, summary.json, the report."""
+    for line in read_metrics(run):  # time order: the last line of a replica wins
+        summary.steps[line["replica"]] = line["step"]
+        summary.final_loss[line["replica"]] = line["loss"]
+    for s in range(config.shards):  # replicas a shard dropped (under torchrun: the only record)
+        meta = json.loads(shard_path(run, s).with_suffix(".json").read_text())
+        for r, why in meta.get("lost", {}).items():
+            summary.lost.setdefault(int(r), why)
+    state = model_from_shards(spec, plan, config, run, layout)
+    save_model(run / "model.pt", state)
+    data = load_data(config.data, spec, config.seed, config.examples)
+    summary.held_out = evaluate(spec, state, *data.held_out_set(), seed=config.seed)
+    write_atomic(run / "summary.json", json.dumps(summary.to_dict(), indent=1).encode())
+    write_report(run)
+
+
+class Progress:
+    """Steps logged since it was made, and running figures for a progress bar: reads only
+    what the metrics files gained since the last call (a resumed run's earlier lines are
+    neither counted nor read again)."""
+
+    def __init__(self, run: Path, replicas: int) -> None:
+        self.paths = [run / f"metrics_replica{r}.jsonl" for r in range(replicas)]
+        self.offsets = [p.stat().st_size if p.exists() else 0 for p in self.paths]
+        self.partial = [b""] * replicas
+        self.steps = self.samples = self.bytes = 0
+        self.loss: dict[int, float] = {}
+        self.step_s: dict[int, float] = {}
+        self.t0 = time.monotonic()
+
+    def __call__(self) -> tuple[int, dict]:
+        for i, path in enumerate(self.paths):
+            try:
+                with open(path, "rb") as fh:
+                    fh.seek(self.offsets[i])
+                    new = fh.read()
+            except OSError:
+                continue
+            self.offsets[i] += len(new)
+            *complete, self.partial[i] = (self.partial[i] + new).split(b"\n")
+            for raw in filter(bytes.strip, complete):
+                line = json.loads(raw)
+                self.steps += 1
+                self.samples += line.get("samples", 0)
+                self.bytes += line.get("halo_bytes", 0) + line.get("ps_bytes", 0)
+                self.loss[i], self.step_s[i] = line["loss"], line.get("step_s", 0.0)
+        stats = {}
+        if self.loss:
+            elapsed = max(1e-9, time.monotonic() - self.t0)
+            stats = {
+                "loss": sum(self.loss.values()) / len(self.loss),
+                "samples_s": self.samples / elapsed,
+                "step_ms": 1e3 * sum(self.step_s.values()) / len(self.step_s),
+                "mb": self.bytes / 1e6,
+            }
+        return self.steps, stats

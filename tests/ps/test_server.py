@@ -1,0 +1,143 @@
+"""The shard server and its modes, in process: chunk folding, DC-ASGD, sync, warm start,
+and the reference initialisation of every shard's range."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from netpart import ps
+from netpart.models import build_reference, load_spec
+from netpart.partition import build_unit_graph, plan
+from netpart.partition.shards import Segment, ShardLayout
+from netpart.ps import protocol
+from netpart.ps.checkpoint import export_state_dict
+from netpart.ps.rules import DelayCompensation, Optimizer, make_rule
+from netpart.ps.server import ShardServer, ShardSetup, ShardState
+from netpart.train.shard import initial_values
+
+
+def _layout(spec, workers, method, shards):
+    p = plan(spec, workers, method, seed=1)
+    return ShardLayout.build(build_unit_graph(spec, p.granularity), p.node_map, workers, shards)
+
+
+@pytest.mark.parametrize("name,workers,shards", [("tiny-local", 3, 2), ("tiny-mlp", 2, 3)])
+def test_shards_start_from_the_reference_initialisation(name, workers, shards):
+    spec = load_spec(name)
+    layout = _layout(spec, workers, "metis", shards)
+    values = [initial_values(spec, layout, s, 7, torch.float64) for s in range(shards)]
+    got = export_state_dict(spec, layout, values)
+    want = build_reference(spec, 7, torch.float64).state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6),
+    chunk=st.integers(1, 50),
+)
+def test_push_chunks_fold_into_exactly_the_segments(lengths, chunk):
+    """Every payload value lands once, at its segment's shard offset, whatever the chunking."""
+    shard_lo = np.cumsum([0] + [n + 3 for n in lengths])[:-1]  # gaps between segments
+    segments = tuple(
+        Segment(local_lo=0, shard_lo=int(g), length=n)
+        for g, n in zip(shard_lo, lengths, strict=True)
+    )
+    total = sum(lengths)
+    old = protocol.CHUNK
+    protocol.CHUNK = chunk
+    try:
+        chunks = protocol.chunks(total)
+    finally:
+        protocol.CHUNK = old
+    assert chunks[0][0] == 0 and chunks[-1][1] == total
+    assert all(b - a <= chunk for a, b in chunks)
+    landed = {}
+    for a, b in chunks:
+        for lo, hi, at in protocol.overlaps(segments, a, b):
+            for k in range(hi - lo):
+                assert at + k not in landed
+                landed[at + k] = lo + k
+    want = {
+        int(g) + k: off + k
+        for g, n, off in zip(shard_lo, lengths, np.cumsum([0, *lengths]), strict=False)
+        for k in range(n)
+    }
+    assert landed == want
+
+
+def _server(mode, replicas=2, dc_lambda=0.0, lr=1.0):
+    layout = _layout(load_spec("tiny-mlp"), 2, "metis", 1)
+    values = torch.zeros(layout.total, dtype=torch.float64)
+    rule = make_rule(Optimizer("sgd", lr), values)
+    state = ShardState(values=values, state=None)
+    if mode == "sync":
+        behaviour = ps.Sync(rule)
+    else:
+        behaviour = ps.Downpour(rule, DelayCompensation(dc_lambda) if dc_lambda else None)
+    setup = ShardSetup(layout, 0, replicas, 4, lambda r, w: r * 2 + w)
+    return ShardServer(setup, state, behaviour)
+
+
+def _served(server, replica, worker):
+    """What a fetch of (replica, worker) is answered with, remembered as DC-ASGD needs."""
+    out, version, _ = server.answer_fetch(replica, worker, 0)
+    return out.clone(), version
+
+
+def test_dc_asgd_compensates_a_stale_push_with_the_values_it_was_computed_on():
+    lam, lr = 0.5, 0.1
+    server = _server("downpour", dc_lambda=lam, lr=lr)
+    w = server.workers[0]
+    segs = server.routes[w]
+    n = sum(g.length for g in segs)
+    then, v0 = _served(server, 0, w)  # replica 0 fetches (all zeros), version 0
+    g1 = torch.linspace(-1, 1, n, dtype=torch.float64)
+    _, v1 = _served(server, 1, w)
+    server.fold(1, w, 1, g1, segs, version=v1)  # replica 1's fresh push: no correction
+    now = then - lr * g1
+    assert torch.allclose(_served(server, 1, w)[0], now, atol=1e-15)
+    g0 = torch.cos(torch.arange(n, dtype=torch.float64))
+    server.fold(0, w, 1, g0, segs, version=v0)  # stale by one update
+    want = now - lr * (g0 + lam * g0 * g0 * (now - then))
+    assert torch.allclose(_served(server, 0, w)[0], want, atol=1e-15)
+    assert server.staleness == {0: 1, 1: 1}
+    plain = _server("downpour", lr=lr)  # without compensation: the plain stale gradient
+    plain.fold(1, w, 1, g1, segs, version=0)
+    plain.fold(0, w, 1, g0, segs, version=0)
+    assert torch.allclose(_served(plain, 0, w)[0], now - lr * g0, atol=1e-15)
+
+
+def test_sync_shard_applies_the_mean_once_every_live_replica_pushed():
+    server = _server("sync")
+    n = {w: sum(g.length for g in server.routes[w]) for w in server.workers}
+    one = {w: torch.ones(n[w], dtype=torch.float64) for w in server.workers}
+    for w in server.workers:  # replica 0 pushes step 1: nothing applied yet
+        server.fold(0, w, 1, one[w], server.routes[w])
+    assert server.state.clock == 0 and not server.mode.ready(0, 1)
+    for w in server.workers:
+        server.fold(1, w, 1, 3 * one[w], server.routes[w])
+    assert server.state.clock == 1 and server.mode.ready(0, 1)
+    assert torch.equal(server.state.values, torch.full_like(server.state.values, -2.0))  # mean 2
+    for w in server.workers:  # step 2: replica 1 is lost mid-step; its push is dropped
+        server.fold(1, w, 2, one[w], server.routes[w])
+    server.lose(1, "test")
+    assert server.state.clock == 1
+    for w in server.workers:
+        server.fold(0, w, 2, one[w], server.routes[w])
+    assert server.state.clock == 2 and server.state.values[0] == -3.0
+
+
+def test_downpour_warm_start_waits_for_replica_0():
+    server = _server("downpour")
+    n = {w: sum(g.length for g in server.routes[w]) for w in server.workers}
+    assert server.mode.ready(1, 0) and not server.mode.ready(1, 3)
+    for step in (1, 2, 3):
+        assert not server.mode.ready(1, 3)
+        for w in server.workers:
+            server.fold(0, w, step, torch.zeros(n[w], dtype=torch.float64), server.routes[w])
+    assert server.mode.ready(1, 3) and server.state.updates == 3 * len(server.workers)

@@ -1,0 +1,114 @@
+"""The central invariant: a partitioned step equals the single-process reference (float64).
+
+Workers run as threads over the in-process transport here, so hypothesis can try many specs
+and plans; tests/test_runtime_processes.py runs the same worker code over gloo in processes.
+"""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from netpart.errors import ScheduleError, ShapeMismatchError
+from netpart.models import ZOO, build_reference
+from netpart.partition import Granularity, build_unit_graph, plan
+from netpart.partition.schedule import build_schedule
+from netpart.runtime.check import make_batch
+from netpart.runtime.inprocess import run_step_threads
+from tests.conftest import small_specs
+
+METHODS = ["metis", "tiles", "spatial", "stripe", "layers", "round-robin", "random"]
+
+
+def reference_step(spec, inputs, targets, seed=0):
+    model = build_reference(spec, seed, torch.float64)
+    out = model(inputs)
+    loss = model.loss(out, targets)
+    if loss.requires_grad:  # a spec of pool/lcn layers only has no parameters
+        loss.backward()
+    return float(loss.detach()), out.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def assert_equal_to_reference(spec, result, inputs, targets):
+    loss, out, grads = reference_step(spec, inputs, targets)
+    scale = max(1.0, abs(loss))
+    assert abs(result.loss - loss) <= 1e-9 * scale
+    assert torch.allclose(result.outputs.reshape(out.shape), out, rtol=1e-9, atol=1e-9)
+    for name, g in grads.items():
+        assert torch.allclose(result.grads[name], g, rtol=1e-9, atol=1e-9), name
+    if spec.loss == "cross_entropy":  # correct: the target's logit is the largest
+        flat = out.reshape(out.shape[0], -1)
+        want = (flat.gather(1, targets[:, None])[:, 0] >= flat.max(1).values).double().mean()
+        assert result.accuracy == pytest.approx(float(want), abs=1e-12)
+    else:
+        assert result.accuracy is None
+
+
+@given(
+    small_specs(),
+    st.integers(1, 4),
+    st.sampled_from(METHODS),
+    st.integers(1, 3),
+    st.integers(0, 1000),
+)
+@settings(max_examples=60, deadline=None)
+def test_partitioned_step_equals_reference(spec, workers, method, batch, seed):
+    p = plan(spec, workers, method, granularity=Granularity(spatial_blocks=8, dense_blocks=4))
+    x, y = make_batch(spec, batch, seed)
+    result = run_step_threads(spec, p, x, y)
+    assert_equal_to_reference(spec, result, x, y)
+    # Bytes moved equal the plan's volume: per layer, per direction, per worker.
+    graph = build_unit_graph(spec, p.granularity)
+    traffic = build_schedule(graph, p.node_map, workers).traffic() * batch * 8
+    for w in range(workers):
+        for layer in range(1, len(spec.layers)):
+            assert result.sent[w].get((layer, "forward"), 0) == traffic[layer, w].sum()
+            assert result.received[w].get((layer, "forward"), 0) == traffic[layer, :, w].sum()
+            assert result.sent[w].get((layer, "backward"), 0) == traffic[layer, :, w].sum()
+            assert result.received[w].get((layer, "backward"), 0) == traffic[layer, w].sum()
+    assert sum(ly.volume for ly in p.layers) * batch * 8 == sum(
+        sum(v for (_, phase), v in s.items() if phase == "forward") for s in result.sent
+    )
+
+
+@pytest.mark.parametrize(("name", "workers"), [("tiny-local", 4), ("tiny-mlp", 3)])
+def test_zoo_models_at_default_granularity(name, workers):
+    spec = ZOO[name]
+    x, y = make_batch(spec, 5, 1)
+    assert_equal_to_reference(spec, run_step_threads(spec, plan(spec, workers), x, y), x, y)
+
+
+def test_validator_rejects_a_corrupted_plan():
+    spec = ZOO["tiny-local"]
+    p = plan(spec, 3)
+    graph = build_unit_graph(spec, p.granularity)
+    build_schedule(graph, p.node_map, 3).validate(p)  # the real plan passes
+    corrupted = p.node_map.copy()
+    corrupted[: len(corrupted) // 2] = (corrupted[: len(corrupted) // 2] + 1) % 3
+    with pytest.raises(ShapeMismatchError, match="do not belong together"):
+        build_schedule(graph, corrupted, 3).validate(p)
+
+
+def test_validator_rejects_unpaired_and_mismatched_messages():
+    spec = ZOO["tiny-local"]
+    p = plan(spec, 2)
+    sched = build_schedule(build_unit_graph(spec, p.granularity), p.node_map, 2)
+    layer = next(i for i, m in enumerate(sched.sends) if m)
+    key = next(iter(sched.sends[layer]))
+    stolen = dict(sched.sends[layer])
+    stolen[key] = np.concatenate([stolen[key], stolen[key][:1]])  # a unit twice: not owned twice
+    bad = type(sched)(
+        sched.workers, sched.owned, (*sched.sends[:layer], stolen, *sched.sends[layer + 1 :])
+    )
+    bad.validate()  # still self-consistent: both sides derive from one list
+    with pytest.raises(ShapeMismatchError):
+        bad.validate(p)
+    wrong_owner = dict(sched.sends[layer])
+    d = key[1]
+    wrong_owner[key] = sched.owned[layer - 1][d][:1]  # d's own unit, "sent" by key[0]
+    bad = type(sched)(
+        sched.workers, sched.owned, (*sched.sends[:layer], wrong_owner, *sched.sends[layer + 1 :])
+    )
+    with pytest.raises(ScheduleError, match="does not own"):
+        bad.validate()

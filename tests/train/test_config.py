@@ -1,0 +1,31 @@
+"""TrainConfig: its JSON round trip and one-line errors."""
+
+import pytest
+
+from netpart.errors import TrainError
+from netpart.train.config import TrainConfig
+
+
+def test_train_config_round_trip_and_errors():
+    cfg = TrainConfig(replicas=3, shards=2, mode="sync", optimizer="sgd", lr=0.2, steps=7)
+    assert TrainConfig.from_json(cfg.to_json()) == cfg
+    for bad, match in (
+        ({"replicas": 0}, "--replicas"),
+        ({"shards": 0}, "--ps-shards"),
+        ({"n_fetch": 0}, "--n-fetch"),
+        ({"n_push": 0}, "--n-push"),
+        ({"mode": "async"}, "--mode"),
+        ({"lr": 0.0}, "--lr"),
+        ({"dc_lambda": -1.0}, "--dc-lambda"),
+        ({"mode": "sync", "push_norm": 1.0}, "apply to --mode downpour"),
+        ({"placement": "random"}, "--placement"),
+        ({"snapshot_every": -1}, "--snapshot-every"),
+        ({"mode": "sandblaster"}, "goes with --optimizer lbfgs"),
+        ({"optimizer": "lbfgs"}, "goes with --optimizer lbfgs"),
+        ({"mode": "sandblaster", "optimizer": "lbfgs", "line_search": "wolfe"}, "armijo or none"),
+        ({"mode": "sandblaster", "optimizer": "lbfgs", "units": 64, "batch": 32}, "--units 64"),
+    ):
+        with pytest.raises(TrainError, match=match):
+            TrainConfig(**bad)
+    with pytest.raises(TrainError, match="unknown"):
+        TrainConfig.from_dict({"replica": 2})

@@ -1,0 +1,327 @@
+"""Training jobs in real processes (gloo): few, bounded, and none leaves a process behind."""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from netpart.cli import main
+from netpart.data import load_data
+from netpart.models import build_reference, load_spec
+from netpart.partition import build_unit_graph, plan
+from netpart.partition.shards import ShardLayout
+from netpart.runtime import WorkerFailure
+from netpart.train import train
+from netpart.train.config import TrainConfig
+from netpart.train.rundir import model_from_shards
+from tests.conftest import count_processes
+
+pytestmark = pytest.mark.timeout(240)
+
+SPEC = load_spec("tiny-local")
+
+
+def alive() -> int:
+    return count_processes(b"netpart.train.process")
+
+
+def metrics(run: Path, replica: int = 0) -> list[dict]:
+    text = (run / f"metrics_replica{replica}.jsonl").read_text()
+    return [json.loads(x) for x in text.splitlines()]
+
+
+@pytest.fixture(autouse=True)
+def no_orphans():
+    yield
+    deadline = time.monotonic() + 5
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert alive() == 0, "a training process outlived its test"
+
+
+def _sync(steps):
+    return TrainConfig(
+        replicas=2, shards=3, mode="sync", optimizer="sgd", lr=0.1, steps=steps, batch=8,
+        dtype="float64", timeout=30, checkpoint_every=1,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def sync_run(tmp_path_factory):
+    """Sync SGD, 2 replicas x 2 workers + 3 shards, float64, 4 steps."""
+    run = tmp_path_factory.mktemp("sync") / "run"
+    p = plan(SPEC, 2, "metis")
+    train(SPEC, p, _sync(4), run)
+    return p, run
+
+
+def test_sync_equals_single_process_sgd_on_the_concatenated_batch(sync_run):
+    _, run = sync_run
+    got = torch.load(run / "model.pt", weights_only=True)
+    ref = build_reference(SPEC, 0, torch.float64)
+    data = load_data("synthetic", SPEC, 0, TrainConfig().examples)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for t in range(1, 5):
+        xs, ys = zip(*[data.batch(r, 2, t, 8, torch.float64) for r in range(2)], strict=True)
+        opt.zero_grad()
+        ref.loss(ref(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(got[k], v, rtol=0, atol=1e-12), k
+
+
+def test_sync_pushes_are_never_stale(sync_run):
+    _, run = sync_run
+    for s in range(3):
+        meta = json.loads((run / f"shard_{s}.json").read_text())
+        assert set(meta["staleness"]) == {"0"} and sum(meta["staleness"].values()) > 0
+
+
+def test_resume_continues_from_identical_parameters(sync_run, tmp_path):
+    p, straight = sync_run
+    run = tmp_path / "run"
+    train(SPEC, p, _sync(2), run)
+    half = torch.load(run / "model.pt", weights_only=True)
+    meta = json.loads((run / "shard_0.json").read_text())
+    assert meta["clock"] == 2 and meta["progress"] == {"0": 2, "1": 2}
+    train(SPEC, p, _sync(4), run, resume=True)
+    got = torch.load(run / "model.pt", weights_only=True)
+    want = torch.load(straight / "model.pt", weights_only=True)
+    for k in want:
+        assert torch.allclose(got[k], want[k], rtol=0, atol=1e-13), k
+        assert not torch.equal(half[k], want[k]) or "bias" in k
+    steps = [m["step"] for m in metrics(run)]
+    assert steps == [1, 2, 3, 4]  # the resumed replicas went on with steps 3 and 4
+
+
+def test_downpour_lowers_the_loss_and_pushes_reach_only_their_shards(tmp_path):
+    p = plan(SPEC, 2, "metis")
+    cfg = TrainConfig(replicas=2, shards=2, steps=40, n_push=2, n_fetch=3, lr=0.05, timeout=30)
+    summary = train(SPEC, p, cfg, tmp_path / "run")
+    first = metrics(tmp_path / "run")[0]
+    for r in (0, 1):
+        assert summary.steps[r] == 40 and summary.final_loss[r] < 0.5 * first["loss"]
+    layout = ShardLayout.build(build_unit_graph(SPEC, p.granularity), p.node_map, 2, 2)
+    pushes = 40 // 2  # per worker and replica
+    for s in range(2):
+        meta = json.loads((tmp_path / "run" / f"shard_{s}.json").read_text())
+        # Bytes that reached shard s: exactly the route lengths of the workers routed to it.
+        want = (
+            sum(seg.length for w in range(2) for seg in layout.routes(w).get(s, ()))
+            * 4
+            * pushes
+            * 2
+        )
+        assert meta["bytes_in"] == want and meta["updates"] == pushes * len(layout.peers(s)) * 2
+
+
+def test_a_dead_replica_does_not_stop_training(tmp_path, monkeypatch):
+    monkeypatch.setenv("NETPART_TEST_FAULT", "die:2@5")  # replica 1, worker 0, step 5
+    p = plan(SPEC, 2, "metis")
+    cfg = TrainConfig(replicas=2, shards=2, steps=30, lr=0.05, timeout=10)
+    summary = train(SPEC, p, cfg, tmp_path / "run")
+    assert list(summary.lost) == [1] and "code 17" in summary.lost[1]
+    assert summary.steps[0] == 30 and summary.steps[1] == 4
+    losses = [m["loss"] for m in metrics(tmp_path / "run")]
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_sigterm_stops_cleanly_with_a_final_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "netpart", "train", "--model", "tiny-local", "--workers", "2",
+        "--replicas", "1", "--steps", "100000", "--out", str(run), "--timeout", "20",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        lines = run / "metrics_replica0.jsonl"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (
+            not lines.exists() or lines.read_text().count("\n") < 3
+        ):
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err.decode()[-2000:]
+    steps = len(metrics(run))
+    for s in range(2):
+        meta = json.loads((run / f"shard_{s}.json").read_text())
+        assert meta["progress"]["0"] == steps  # the last step was pushed before goodbye
+    assert torch.load(run / "model.pt", weights_only=True)
+
+
+def test_bad_resume_input_exits_2_and_overwrites_nothing(sync_run, tmp_path, capsys):
+    _, straight = sync_run
+    run = tmp_path / "copy"
+    shutil.copytree(straight, run)
+    before = {f.name: f.read_bytes() for f in run.iterdir() if f.is_file()}
+    x = str(tmp_path / "x")
+    cases = [
+        ["--resume", str(run), "--model", "tiny-mlp"],
+        ["--resume", str(run), "--ps-shards", "2"],
+        ["--resume", str(run), "--optimizer", "adagrad"],
+        ["--resume", str(tmp_path / "nothing")],
+        ["--model", "tiny-local", "--workers", "2", "--out", str(run)],
+        [
+            "--model",
+            "tiny-local",
+            "--workers",
+            "2",
+            "--replicas",
+            "0",
+            "--out",
+            str(tmp_path / "x"),
+        ],
+        ["--model", "tiny-local", "--workers", "2", "--n-push", "0", "--out", x],
+    ]
+    for args in cases:
+        assert main(["train", *args]) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("netpart: error:"), err
+    (run / "shard_1.pt").write_bytes(b"not a checkpoint")
+    before["shard_1.pt"] = b"not a checkpoint"
+    assert main(["train", "--resume", str(run), "--steps", "6"]) == 2
+    assert "shard_1.pt: not a readable netpart checkpoint" in capsys.readouterr().err
+    after = {f.name: f.read_bytes() for f in run.iterdir() if f.is_file()}
+    assert after == before
+    assert not (tmp_path / "x").exists()
+
+
+def test_torchrun_runs_the_same_job_and_export_loads_back(tmp_path):
+    run = tmp_path / "run"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [
+        str(torchrun), "--standalone", "--nproc-per-node", "5", "-m", "netpart", "train",
+        "--model", "tiny-local", "--workers", "2", "--replicas", "2", "--ps-shards", "1",
+        "--steps", "12", "--out", str(run), "--timeout", "30",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "replica 0: step 12" in out.stdout and "replica 1: step 12" in out.stdout
+    assert "held-out synthetic (1000 examples)" in out.stdout and (run / "report.md").exists()
+    assert "[shard 0 (rank 4)]" in out.stderr  # logs name role and rank
+    assert main(["export", str(run), "--output", str(tmp_path / "m.pt")]) == 0
+    assert main(["eval", "--checkpoint", str(run), "--data", "digits"]) == 0  # from the shards
+    state = torch.load(tmp_path / "m.pt", weights_only=True)
+    model = build_reference(SPEC, 0)
+    model.load_state_dict(state)  # same names and shapes as the reference module
+    assert not torch.equal(
+        state["layers.0.weight"], build_reference(SPEC, 0).state_dict()["layers.0.weight"]
+    )
+
+
+def test_a_dead_shard_stops_the_job_with_its_last_checkpoint_intact(tmp_path, monkeypatch):
+    monkeypatch.setenv("NETPART_TEST_FAULT", "die:3@9")  # shard 1 (rank 1*2+1), 9th update
+    p = plan(SPEC, 2, "metis")
+    # One replica: shard 1 serves worker 1 alone, so its updates come in order.
+    cfg = TrainConfig(replicas=1, shards=2, steps=200, lr=0.05, timeout=10, checkpoint_every=4)
+    with pytest.raises(WorkerFailure, match=r"shard 1 exited with code 17.*--resume"):
+        train(SPEC, p, cfg, tmp_path / "run")
+    meta = json.loads((tmp_path / "run" / "shard_1.json").read_text())
+    assert meta["updates"] == 8  # the checkpoint before the death, whole
+    state = torch.load(tmp_path / "run" / "shard_1.pt", weights_only=True)
+    assert json.loads(state["meta"])["updates"] == 8 and torch.isfinite(state["values"]).all()
+    assert not list((tmp_path / "run").glob(".*.tmp"))
+
+
+def test_eval_reports_held_out_digits_accuracy(tmp_path, capsys):
+    run = tmp_path / "run"
+    p = plan(SPEC, 2, "metis")
+    cfg = TrainConfig(
+        replicas=2, shards=2, steps=120, lr=0.05, data="digits", timeout=30, snapshot_every=80
+    )
+    train(SPEC, p, cfg, run)
+    # Snapshots every 80 updates of each shard (240 each): 3 kept, each a loadable model.
+    snaps = sorted((run / "snapshots").iterdir())
+    assert [s.name for s in snaps] == ["00001", "00002", "00003"]
+    layout = ShardLayout.build(build_unit_graph(SPEC, p.granularity), p.node_map, 2, 2)
+    first = model_from_shards(SPEC, p, cfg, snaps[0], layout)
+    assert json.loads((snaps[0] / "shard_1.json").read_text())["updates"] == 80
+    final = torch.load(run / "model.pt", weights_only=True)
+    assert not torch.equal(first["layers.0.weight"], final["layers.0.weight"])
+    assert main(["eval", "--checkpoint", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "digits (held-out, 359 examples)" in out
+    accuracy = float(out.rsplit("accuracy ", 1)[1])
+    assert accuracy > 0.9  # measured 0.98 after 300 steps; 120 steps suffice for 0.9
+    assert main(["eval", "--checkpoint", str(tmp_path / "none")]) == 2
+    # The run directory's report: every step of every replica, in time order, and the plots.
+    for name in ("curves.png", "step_time.png", "staleness.png", "report.md", "metrics.jsonl"):
+        (run / name).unlink()
+    assert main(["report", str(run)]) == 0
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 240 and [x["time"] for x in lines] == sorted(x["time"] for x in lines)
+    assert all(0 <= x["accuracy"] <= 1 and x["halo_bytes"] > 0 for x in lines)
+    for name in ("curves.png", "step_time.png", "staleness.png"):
+        assert (run / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = (run / "report.md").read_text()
+    held = json.loads((run / "summary.json").read_text())["held_out"]
+    assert f"accuracy **{held['accuracy']:.4f}**" in report and held["examples"] == 359
+    # Downpour: one staleness count per push; the shards' updates are those pushes.
+    metas = [json.loads((run / f"shard_{s}.json").read_text()) for s in range(2)]
+    assert sum(sum(m["staleness"].values()) for m in metas) == sum(m["updates"] for m in metas)
+    assert main(["report", str(tmp_path / "none")]) == 2
+
+
+def test_norm_triggered_pushes_and_dc_asgd_train(tmp_path):
+    from netpart.train.replica import push_due
+
+    t = torch.zeros(4, requires_grad=True)
+    t.grad = torch.full((4,), 0.5)  # norm 1.0
+    assert push_due(5, 5, 0.0, [t]) and not push_due(4, 5, 0.0, [t])
+    assert push_due(4, 5, 1.0, [t]) and not push_due(4, 5, 1.01, [t])
+    p = plan(SPEC, 2, "metis")
+    updates = {}
+    for name, norm in (("eager", 1e-9), ("lazy", 1e9)):  # every step; every 5th step
+        cfg = TrainConfig(
+            replicas=2, shards=2, steps=40, n_push=5, push_norm=norm, dc_lambda=0.5,
+            lr=0.05, timeout=30,
+        )  # fmt: skip
+        summary = train(SPEC, p, cfg, tmp_path / name)
+        first = metrics(tmp_path / name)[0]
+        assert summary.final_loss[0] < 0.5 * first["loss"]
+        metas = [json.loads((tmp_path / name / f"shard_{s}.json").read_text()) for s in (0, 1)]
+        updates[name] = sum(m["updates"] for m in metas)
+    # 2 replicas x 2 workers (one shard each): 40 pushes each, or 8.
+    assert updates == {"eager": 2 * 2 * 40, "lazy": 2 * 2 * 8}
+
+
+def test_gradient_buffers_send_what_backward_accumulated_and_swap_only_once_sent():
+    from netpart.train.replica import GradBuffers
+
+    params = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
+    grads = GradBuffers(params, torch.float32)
+    for _ in range(2):  # two steps accumulate before a push
+        (params[0].square().sum() + params[1].sum()).backward()
+    first = grads.flat
+    want = torch.cat([2 * 2 * params[0].detach().reshape(-1), 2 * torch.ones(5)])
+    assert torch.equal(first, want)  # backward wrote into the buffer a push sends
+
+    waited = []  # the buffer to reuse is waited for before it is zeroed
+
+    class Client:
+        def wait_sent(self, sent):
+            assert sent.is_set()
+            waited.append(sent)
+
+    client, sent = Client(), [threading.Event(), threading.Event()]
+    sent[0].set()
+    grads.pushed(client, sent[0])
+    assert torch.equal(first, want)  # the pushed buffer is left alone
+    assert grads.flat is not first and not grads.flat.any() and waited == []
+    params[1].sum().backward()
+    assert torch.equal(grads.flat[12:], torch.ones(5)) and not grads.flat[:12].any()
+    sent[1].set()
+    grads.pushed(client, sent[1])
+    assert grads.flat is first and not first.any() and waited == [sent[0]]

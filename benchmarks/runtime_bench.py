@@ -1,11 +1,19 @@
-"""Runtime benchmark: overhead, speedup and local-kernel rate, each as a side-by-side ratio.
+"""Runtime benchmark: what a partitioned step costs against its compute and its bytes.
 
-(a) one model worker (N=1, no peers) vs the plain reference module, fwd+bwd, same thread
-    count, alternated in one process; (b) two mid-size locally connected models at N=2 worker
-    processes (one thread each) vs N=1 (one thread), step time = slowest worker per step:
-    `bench-local` (10M parameters) and `bench-local-wide` (the same layers with twice the
-    channels, 32M parameters);
-(c) the locally connected slice kernel's GFLOP/s vs a dense matmul's, one thread.
+Every figure is a ratio measured side by side in one run (A and B alternate; medians of the
+pairs), one thread per process, batch 32, float32:
+
+(a) overhead: one model worker (N=1, no peers) vs the plain reference module, fwd+bwd,
+    alternated in one process: `digits-mlp` (64-256-256-10) and `bench-local` (10M);
+(b) scaling: N=2 processes vs N=1 (step = slowest worker, median after warm-up), alternated
+    runs: the MLP (N=2 / N=1 step ratio) and `bench-local`, `bench-local-wide` (speedup);
+(c) efficiency at N=2: the measured step over (the slowest worker's isolated compute + the
+    raw gloo time of the same messages): isolated compute from every slice run alone
+    (`netpart.runtime.trace`), messages from the same programs run without compute;
+(d) overlap on bench-local-wide at N=2: exposed exchange with overlap over the exchange of
+    the same program without it (alternated runs);
+(e) the locally connected slice kernel's GFLOP/s vs a dense matmul's;
+(--profile) where each step goes at N = 1, 2, 3 on the three models (`netpart.runtime.profile`).
 
     python benchmarks/runtime_bench.py --out benchmarks/results/runtime_bench.json
 """
@@ -22,40 +30,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from netpart.models import ModelSpec, build_reference
+from netpart.models import build_reference, load_spec
 from netpart.partition import plan
 from netpart.partition.schedule import plan_schedule
 from netpart.runtime import run_step
 from netpart.runtime.check import make_batch
 from netpart.runtime.inprocess import ThreadTransport
+from netpart.runtime.profile import step_profile, thread_medians
+from netpart.runtime.trace import measure_slices
 from netpart.runtime.worker import ModelWorker
 
-MID_LOCAL = ModelSpec.from_dict(
-    {
-        "name": "bench-local",
-        "input": {"channels": 3, "height": 48, "width": 48},
-        "layer": [
-            {"kind": "local", "channels": 24, "kernel": 5},
-            {"kind": "pool", "mode": "max", "kernel": 2},
-            {"kind": "lcn", "kernel": 5},
-            {"kind": "local", "channels": 32, "kernel": 5},
-            {"kind": "pool", "mode": "max", "kernel": 2},
-            {"kind": "dense", "units": 10, "activation": "softmax"},
-        ],
-    }
-)
-
-
-WIDE_LOCAL = ModelSpec.from_dict(
-    {
-        **MID_LOCAL.to_dict(),
-        "name": "bench-local-wide",
-        "layer": [
-            {**layer, "channels": 2 * layer["channels"]} if "channels" in layer else layer
-            for layer in MID_LOCAL.to_dict()["layer"]
-        ],
-    }
-)
+MODELS = ("digits-mlp", "bench-local", "bench-local-wide")
+WARMUP = 5
+STEPS = {"digits-mlp": 300, "bench-local": 20, "bench-local-wide": 12}  # timed steps a run
 
 
 def _timeit(fn, repeat: int) -> list[float]:
@@ -67,26 +54,26 @@ def _timeit(fn, repeat: int) -> list[float]:
     return out
 
 
-def overhead(batch: int, repeat: int) -> dict:
+def overhead(name: str, batch: int, repeat: int) -> dict:
     """(a) N=1 worker step vs reference fwd+bwd, alternated, one thread."""
     torch.set_num_threads(1)
-    spec = MID_LOCAL
+    spec = load_spec(name)
     x, y = make_batch(spec, batch, 0)
     x = x.float()
     model = build_reference(spec, 0, torch.float32)
-    p = plan(spec, 1)
-    worker = ModelWorker(spec, *plan_schedule(spec, p), 0, 0, torch.float32)
-    transport = ThreadTransport.group(1)[0]
+    worker = ModelWorker(spec, *plan_schedule(spec, plan(spec, 1)), 0, 0, torch.float32)
+    transport = ThreadTransport.group(1)[0]  # never used: one worker sends nothing
 
     def ref_step():
         model.zero_grad(set_to_none=True)
         model.loss(model(x), y).backward()
 
-    def worker_step():
+    def worker_step():  # the same work: loss and gradients (no accuracy metric)
         worker.zero_grad()
-        worker.step(x, y, transport, collect_grads=False)
+        worker.step(x, y, transport, collect_grads=False, accuracy=False)
 
-    ref_step(), worker_step()  # warm-up
+    for _ in range(3):
+        ref_step(), worker_step()  # warm-up
     ratios, ref_t, work_t = [], [], []
     for _ in range(repeat):
         (a,) = _timeit(worker_step, 1)
@@ -101,45 +88,102 @@ def overhead(batch: int, repeat: int) -> dict:
     }
 
 
-def speedup(spec: ModelSpec, batch: int, steps: int, methods: list[str], pairs: int) -> dict:
-    """(b) N=2 processes (1 thread each) vs N=1 (1 thread), same batch, lockstep step time.
-
-    N=1 and N=2 runs alternate `pairs` times; the figure is the median of the per-pair ratios
-    (the machine's speed drifts between runs by more than the effect measured).
-    """
+def _run(spec, workers: int, batch: int, steps: int, **kw):
+    steps = max(steps, STEPS.get(spec.name, steps))  # a tiny model needs many steps to settle
     x, y = make_batch(spec, batch, 0)
-    x = x.float()
+    return run_step(
+        spec, plan(spec, workers), x.float(), y, dtype=torch.float32, steps=steps + WARMUP + 1,
+        threads=1, **kw,
+    )  # fmt: skip
 
-    def step_time(workers: int, method: str) -> float:
-        r = run_step(
-            spec, plan(spec, workers, method), x, y, dtype=torch.float32, steps=steps, threads=1
-        )
-        # Slowest worker per step; drop 5 warm-up steps and the last (it collects gradients).
-        per_step = np.max(np.array(r.step_times), axis=0)[5:-1]
-        return float(np.median(per_step))
 
+def _step_s(result) -> float:
+    """Median over timed steps of the slowest worker (warm-up and the gradient-collecting
+    last step dropped)."""
+    return float(np.median(np.max(np.array(result.step_times), axis=0)[WARMUP:-1]))
+
+
+def scaling(name: str, batch: int, steps: int, pairs: int) -> dict:
+    """(b) N=1 and N=2 runs alternate `pairs` times; medians of the per-pair ratios."""
+    spec = load_spec(name)
+    ones, twos = [], []
+    for _ in range(pairs):
+        ones.append(_step_s(_run(spec, 1, batch, steps)))
+        twos.append(_step_s(_run(spec, 2, batch, steps)))
+    ratios = [a / b for a, b in zip(ones, twos, strict=True)]
+    return {
+        "n1_step_s": statistics.median(ones),
+        "n2_step_s": statistics.median(twos),
+        "speedup": statistics.median(ratios),
+        "n2_over_n1": statistics.median(1 / r for r in ratios),
+        "speedup_per_pair": ratios,
+    }
+
+
+def efficiency(name: str, batch: int, steps: int, pairs: int) -> dict:
+    """(c) measured N=2 step / (slowest isolated compute + raw messages), alternated."""
+    spec = load_spec(name)
+    p = plan(spec, 2)
+    measured, raw = [], []
+    for _ in range(pairs):
+        measured.append(_step_s(_run(spec, 2, batch, steps)))
+        raw.append(_step_s(_run(spec, 2, batch, steps, exchange_only=True)))
+    times = measure_slices(spec, p, batch)
+    compute = float((times.forward + times.backward).sum(axis=0).max())
+    ratios = [m / (compute + r) for m, r in zip(measured, raw, strict=True)]
+    return {
+        "measured_step_s": statistics.median(measured),
+        "isolated_compute_s": compute,
+        "raw_messages_s": statistics.median(raw),
+        "efficiency": statistics.median(ratios),
+        "per_pair": ratios,
+    }
+
+
+def _exposed(result) -> float:
+    """The slowest worker's exposed halo exchange (posting + waiting), last step."""
+    return max(sum(v for (_, phase), v in e.items() if phase != "loss") for e in result.exchange_s)
+
+
+def overlap(name: str, batch: int, steps: int, pairs: int) -> dict:
+    """(d) exposed exchange with overlap / exchange without it, alternated."""
+    spec = load_spec(name)
+    with_, without = [], []
+    for _ in range(pairs):
+        with_.append(_exposed(_run(spec, 2, batch, steps)))
+        without.append(_exposed(_run(spec, 2, batch, steps, overlap=False)))
+    ratios = [a / b for a, b in zip(with_, without, strict=True)]
+    return {
+        "exposed_with_overlap_s": statistics.median(with_),
+        "exchange_without_overlap_s": statistics.median(without),
+        "exposed_share": statistics.median(ratios),
+        "hidden_share": 1 - statistics.median(ratios),
+        "per_pair": ratios,
+    }
+
+
+def profile(batch: int, steps: int) -> dict:
+    """Median per-step profile of each worker at N = 1, 2, 3 on every model."""
     out = {}
-    for method in methods:
-        ones, twos = [], []
-        for _ in range(pairs):
-            ones.append(step_time(1, method))
-            twos.append(step_time(2, method))
-        ratios = [a / b for a, b in zip(ones, twos, strict=True)]
-        out[method] = {
-            "n1_step_s": statistics.median(ones),
-            "n2_step_s": statistics.median(twos),
-            "speedup": statistics.median(ratios),
-            "speedup_per_pair": ratios,
-        }
+    for name in MODELS:
+        spec = load_spec(name)
+        for n in (1, 2, 3):
+            r = _run(spec, n, batch, steps)
+            out[f"{name}/N={n}"] = [
+                {
+                    **step_profile(t[WARMUP:-1], p[WARMUP:-1]),
+                    **thread_medians(th[WARMUP:-1]),
+                }
+                for t, p, th in zip(r.step_times, r.profiles, r.threads, strict=True)
+            ]
     return out
 
 
 def kernel_rate(batch: int, repeat: int) -> dict:
-    """(c) the local slice (whole layer 3 of bench-local) vs a dense matmul, GFLOP/s, 1 thread."""
+    """(e) the local slice (whole layer 3 of bench-local) vs a dense matmul, GFLOP/s, 1 thread."""
     torch.set_num_threads(1)
-    spec = MID_LOCAL
-    p = plan(spec, 1)
-    worker = ModelWorker(spec, *plan_schedule(spec, p), 0, 0, torch.float32)
+    spec = load_spec("bench-local")
+    worker = ModelWorker(spec, *plan_schedule(spec, plan(spec, 1)), 0, 0, torch.float32)
     layer = 3
     sl = worker.slices[layer]
     src = spec.input_shape(layer)
@@ -148,11 +192,6 @@ def kernel_rate(batch: int, repeat: int) -> dict:
     with torch.no_grad():
         sl(x)
         local_t = statistics.median(_timeit(lambda: sl(x), repeat))
-    ref = build_reference(spec, 0, torch.float32).layers[layer]
-    xr = torch.randn(batch, src.channels, src.height, src.width)
-    with torch.no_grad():
-        ref(xr)
-        ref_t = statistics.median(_timeit(lambda: ref(xr), repeat))
     n = 1024
     a, b = torch.randn(n, n), torch.randn(n, n)
     torch.mm(a, b)
@@ -161,50 +200,74 @@ def kernel_rate(batch: int, repeat: int) -> dict:
     local_rate = flops / local_t / 1e9
     return {
         "local_slice_gflops": local_rate,
-        "reference_unfold_bmm_gflops": flops / ref_t / 1e9,
         "dense_matmul_gflops": mm_rate,
         "ratio_local_over_matmul": local_rate / mm_rate,
     }
+
+
+def _report(result: dict) -> None:
+    for name, a in result.get("overhead", {}).items():
+        target = "<= 1.2" if name == "digits-mlp" else "<= 0.6"
+        ms = f"{a['worker_step_s'] * 1e3:.2f} ms vs reference {a['reference_step_s'] * 1e3:.2f} ms"
+        print(f"(a) {name}: N=1 worker {ms}: {a['ratio_median']:.2f}x ({target})")
+    for name, b in result.get("scaling", {}).items():
+        pairs = ", ".join(f"{v:.2f}" for v in b["speedup_per_pair"])
+        if name == "digits-mlp":
+            what = f"N=2/N=1 {b['n2_over_n1']:.2f}x (<= 2.0)"
+        else:
+            what = f"speedup {b['speedup']:.2f}x (>= {1.6 if name == 'bench-local' else 1.85})"
+        ms = f"N=1 {b['n1_step_s'] * 1e3:.1f} ms, N=2 {b['n2_step_s'] * 1e3:.1f} ms"
+        print(f"(b) {name}: {ms}: {what}; speedup per pair {pairs}")
+    for name, c in result.get("efficiency", {}).items():
+        parts = (
+            f"isolated compute {c['isolated_compute_s'] * 1e3:.1f} + raw messages "
+            f"{c['raw_messages_s'] * 1e3:.1f} ms"
+        )
+        step = c["measured_step_s"] * 1e3
+        print(f"(c) {name}: N=2 step {step:.1f} ms over {parts}: {c['efficiency']:.3f} (<= 1.25)")
+    d = result.get("overlap")
+    if d:
+        ms = (
+            f"{d['exposed_with_overlap_s'] * 1e3:.1f} ms with overlap, "
+            f"{d['exchange_without_overlap_s'] * 1e3:.1f} ms without"
+        )
+        print(f"(d) bench-local-wide N=2 exposed exchange: {ms}: {d['hidden_share']:.0%} hidden")
+    e = result.get("kernel")
+    if e:
+        rates = (
+            f"{e['local_slice_gflops']:.1f} GFLOP/s vs dense matmul {e['dense_matmul_gflops']:.1f}"
+        )
+        print(f"(e) local slice {rates}: {e['ratio_local_over_matmul']:.2f} (>= 0.3)")
+    for key, workers in result.get("profile", {}).items():
+        for w, prof in enumerate(workers):
+            parts = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in prof.items())
+            print(f"profile {key} worker {w} (ms/step): {parts}")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--repeat", type=int, default=9)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--pairs", type=int, default=5, help="alternating N=1 / N=2 runs for (b)")
+    ap.add_argument("--repeat", type=int, default=41, help="alternations for (a), (e)")
+    ap.add_argument("--steps", type=int, default=12, help="timed steps per run (at least)")
+    ap.add_argument("--pairs", type=int, default=5, help="alternating run pairs for (b)-(d)")
+    ap.add_argument("--profile", action="store_true", help="also profile N = 1, 2, 3")
+    ap.add_argument("--only", choices=("a", "b", "c", "d", "e"), default=None)
     args = ap.parse_args()
-    a = overhead(args.batch, args.repeat)
-    print(
-        f"(a) N=1 worker {a['worker_step_s'] * 1e3:.1f} ms vs reference "
-        f"{a['reference_step_s'] * 1e3:.1f} ms per step: ratio {a['ratio_median']:.3f} "
-        "(target <= 1.15)"
-    )
-    b = {
-        spec.name: speedup(spec, args.batch, args.steps, ["metis", "tiles"], args.pairs)
-        for spec in (MID_LOCAL, WIDE_LOCAL)
-    }
-    for name, method, r in ((n, m, r) for n, d in b.items() for m, r in d.items()):
-        print(
-            f"(b) {name}, {method}: N=1 {r['n1_step_s'] * 1e3:.1f} ms, "
-            f"N=2 {r['n2_step_s'] * 1e3:.1f} ms: "
-            f"speedup {r['speedup']:.2f}x, median of "
-            f"{', '.join(f'{v:.2f}' for v in r['speedup_per_pair'])} (target >= 1.6)"
-        )
-    c = kernel_rate(args.batch, args.repeat)
-    print(
-        f"(c) local slice {c['local_slice_gflops']:.1f} GFLOP/s, reference unfold+bmm "
-        f"{c['reference_unfold_bmm_gflops']:.1f}, dense matmul {c['dense_matmul_gflops']:.1f}: "
-        f"ratio {c['ratio_local_over_matmul']:.2f} (target >= 0.3)"
-    )
+    run = {k: args.only in (None, k) for k in "abcde"}
+    b, steps, pairs = args.batch, args.steps, args.pairs
     result = {
         "machine": {"python": platform.python_version(), "torch": torch.__version__},
-        "batch": args.batch,
-        "overhead": a,
-        "speedup": b,
-        "kernel": c,
+        "batch": b,
+        "overhead": {m: overhead(m, b, args.repeat) for m in MODELS[:2]} if run["a"] else {},
+        "scaling": {m: scaling(m, b, steps, pairs) for m in MODELS} if run["b"] else {},
+        "efficiency": {m: efficiency(m, b, steps, pairs) for m in MODELS[1:]} if run["c"] else {},
+        "overlap": overlap("bench-local-wide", b, steps, pairs) if run["d"] else {},
+        "kernel": kernel_rate(b, args.repeat) if run["e"] else {},
     }
+    if args.profile:
+        result["profile"] = profile(args.batch, args.steps)
+    _report({k: v for k, v in result.items() if v or k == "profile"})
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))

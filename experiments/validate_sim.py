@@ -202,7 +202,7 @@ def measured_namespaces(spec, p, x, y, rate: str):
             for rank, host in enumerate(hosts):
                 wenv = {**env, "RANK": str(rank), "WORLD_SIZE": str(n), "MASTER_ADDR": master,
                         "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": host.device}  # fmt: skip
-                argv = [sys.executable, "-m", "netpart.runtime.worker_main", "--job", str(job)]
+                argv = [sys.executable, "-m", "netpart.runtime.step", "--job", str(job)]
                 procs.append(subprocess.Popen(host.command(argv, wenv)))
             for proc in procs[1:]:
                 if proc.wait(timeout=300) != 0:
@@ -212,7 +212,7 @@ def measured_namespaces(spec, p, x, y, rate: str):
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
-        results = [load_worker_result(job / f"result_{r}.pt") for r in range(n)]
+        results = [load_worker_result(job / f"result_{r}.pt")[0] for r in range(n)]
     times = np.array([r.step_times for r in results])
     fwd, bwd = (
         np.array(

@@ -143,10 +143,11 @@ def _metis_options(p: argparse.ArgumentParser) -> None:
 def cmd_models(args: argparse.Namespace) -> int:
     from netpart.models import ZOO
 
-    echo(f"{'model':<12} {'params':>15}  {'input':<10} layers")
+    width = max(map(len, ZOO))
+    echo(f"{'model':<{width}} {'params':>15}  {'input':<10} layers")
     for name, spec in ZOO.items():
         kinds = " ".join(layer.kind for layer in spec.layers)
-        echo(f"{name:<12} {spec.num_params:>15,}  {spec.input.shape!s:<10} {kinds}")
+        echo(f"{name:<{width}} {spec.num_params:>15,}  {spec.input.shape!s:<10} {kinds}")
     return 0
 
 

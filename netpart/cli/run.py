@@ -23,6 +23,17 @@ def register(sub) -> None:
     add_launch_args(r, batch=32, stats_help="write the measurements as JSON")
     r.add_argument("--steps", type=positive_int, default=10, help="timed steps (default 10)")
     r.add_argument("--threads", type=positive_int, default=1, help="torch threads per worker")
+    r.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="never hide halo exchange behind compute (to measure what overlap hides)",
+    )
+    r.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print where each worker's step goes (slice, fill, post, wait, loss, other) "
+        "and its threads' CPU and run-queue wait per step",
+    )
 
     c = sub.add_parser(
         "check",
@@ -61,16 +72,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     x, y = make_batch(spec, args.batch, args.seed)
     warmup = min(3, args.steps - 1) if args.steps > 1 else 0
     result = run_step(
-        spec,
-        p,
-        x.float(),
-        y,
-        seed=args.seed,
-        dtype=torch.float32,
-        timeout=args.timeout,
-        threads=args.threads,
-        steps=args.steps + warmup,
-    )
+        spec, p, x.float(), y, seed=args.seed, dtype=torch.float32, timeout=args.timeout,
+        threads=args.threads, steps=args.steps + warmup, overlap=not args.no_overlap,
+    )  # fmt: skip
     per_step = np.max(np.array(result.step_times), axis=0)[warmup:]
     measured = float(np.median(per_step))
     scale = args.batch / p.batch  # the plan predicts at its own batch size; both terms scale
@@ -80,11 +84,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"{args.threads} thread(s) each: step {measured * 1e3:.1f} ms (median of {len(per_step)}; "
         f"plan predicts {predicted * 1e3:.1f} ms with its network model)"
     )
-    echo(f"{'layer':<10} {'compute ms':>11} {'exchange ms':>12}  (slowest worker, last step)")
-    for i in range(len(spec.layers)):
-        comp = max(c.get((i, "forward"), 0) + c.get((i, "backward"), 0) for c in result.compute_s)
-        exch = max(e.get((i, "forward"), 0) + e.get((i, "backward"), 0) for e in result.exchange_s)
-        echo(f"{spec.layer_name(i):<10} {comp * 1e3:>11.2f} {exch * 1e3:>12.2f}")
+    _layer_table(spec, result)
+    if args.profile:
+        _profile_table(result, warmup)
     sent = sum(v for s in result.sent for v in s.values())
     echo(f"bytes moved per step: {sent:,} (plan: {2 * p.metrics.volume * args.batch * 4:,})")
     if args.stats is not None:
@@ -94,6 +96,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             "method": p.method,
             "batch": args.batch,
             "threads": args.threads,
+            "overlap": not args.no_overlap,
             "step_s": per_step.tolist(),
             "step_s_median": measured,
             "predicted_step_s": predicted,
@@ -101,6 +104,44 @@ def cmd_run(args: argparse.Namespace) -> int:
         }
         write_atomic(args.stats, json.dumps(stats, indent=1).encode())
     return 0
+
+
+def _layer_table(spec, result) -> None:
+    """Per layer, the slowest worker's compute, exposed exchange (posting and waiting) and
+    hidden exchange (in flight while it computed), forward + backward, in the last step."""
+    echo(
+        f"{'layer':<10} {'compute ms':>11} {'exposed ms':>11} {'hidden ms':>10}"
+        "  (exchange; slowest worker, last step)"
+    )
+
+    def both(d: dict, i: int) -> float:
+        return d.get((i, "forward"), 0.0) + d.get((i, "backward"), 0.0)
+
+    for i in range(len(spec.layers)):
+        comp = max(both(c, i) for c in result.compute_s)
+        exposed = max(both(e, i) for e in result.exchange_s)
+        hidden = max(both(h, i) for h in result.hidden_s) if result.hidden_s else 0.0
+        echo(f"{spec.layer_name(i):<10} {comp * 1e3:>11.2f} {exposed * 1e3:>11.2f} "
+             f"{hidden * 1e3:>10.2f}")  # fmt: skip
+    loss = max(e.get((len(spec.layers), "loss"), 0.0) for e in result.exchange_s)
+    echo(f"{'loss':<10} {'':>11} {loss * 1e3:>11.2f}")
+
+
+def _profile_table(result, warmup: int) -> None:
+    """Per worker: median ms per step by category, and its threads' CPU per step."""
+    from netpart.runtime.profile import step_profile, thread_medians
+
+    echo(f"\n{'worker':<7}" + "".join(f"{k:>9}" for k in (*PROFILE_COLUMNS, "step")))
+    for w, (times, profiles) in enumerate(zip(result.step_times, result.profiles, strict=True)):
+        prof = step_profile(times[warmup:], profiles[warmup:])
+        echo(f"{w:<7}" + "".join(f"{prof[k] * 1e3:>9.2f}" for k in (*PROFILE_COLUMNS, "step")))
+    for w, usage in enumerate(result.threads):
+        per = thread_medians(usage[warmup:])
+        text = ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.2f}" for k, v in per.items())
+        echo(f"worker {w} threads, median ms per step: {text}")
+
+
+PROFILE_COLUMNS = ("slice", "fill", "post", "wait", "loss", "other")
 
 
 def _show_schedule(spec, p) -> None:

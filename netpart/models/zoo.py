@@ -4,7 +4,10 @@ Zoo models follow the DistBelief paper (Dean et al., 2012): `speech` is its full
 acoustic model (440 inputs, 4 x 2560 sigmoid, 8192-way softmax, ~42M parameters); the
 `image-*` models are locally connected nets on 100x100 RGB input with three stages of
 10x10 untied filtering + L2 pooling + local contrast normalisation, sized to 80M, 330M and
-1.7B parameters (the largest with a 21841-way output, as for ImageNet-21k).
+1.7B parameters (the largest with a 21841-way output, as for ImageNet-21k). The
+benchmark models: `digits-mlp` (64-256-256-10, the data-parallel comparison's job on
+scikit-learn's digits) and `bench-local` / `bench-local-wide` (mid-size locally connected
+nets, 10M and 32M parameters, on 3x48x48 input, for the runtime and calibration figures).
 """
 
 from __future__ import annotations
@@ -36,6 +39,21 @@ def _image(name: str, c1: int, c2: int, c3: int, classes: int) -> dict[str, Any]
     return {"name": name, "input": {"channels": 3, "height": 100, "width": 100}, "layer": layers}
 
 
+def _bench_local(name: str, c1: int, c2: int) -> dict[str, Any]:
+    return {
+        "name": name,
+        "input": {"channels": 3, "height": 48, "width": 48},
+        "layer": [
+            {"kind": "local", "channels": c1, "kernel": 5},
+            {"kind": "pool", "mode": "max", "kernel": 2},
+            {"kind": "lcn", "kernel": 5},
+            {"kind": "local", "channels": c2, "kernel": 5},
+            {"kind": "pool", "mode": "max", "kernel": 2},
+            {"kind": "dense", "units": 10, "activation": "softmax"},
+        ],
+    }
+
+
 _ZOO_DICTS: dict[str, dict[str, Any]] = {
     "tiny-mlp": {
         "name": "tiny-mlp",
@@ -62,6 +80,17 @@ _ZOO_DICTS: dict[str, dict[str, Any]] = {
         "layer": [{"kind": "dense", "units": 2560, "activation": "sigmoid"}] * 4
         + [{"kind": "dense", "units": 8192, "activation": "softmax"}],
     },
+    "digits-mlp": {
+        "name": "digits-mlp",
+        "input": {"features": 64},
+        "layer": [
+            {"kind": "dense", "units": 256, "activation": "relu"},
+            {"kind": "dense", "units": 256, "activation": "relu"},
+            {"kind": "dense", "units": 10, "activation": "softmax"},
+        ],
+    },
+    "bench-local": _bench_local("bench-local", 24, 32),
+    "bench-local-wide": _bench_local("bench-local-wide", 48, 64),
     "image-80m": _image("image-80m", 12, 24, 48, 1000),
     "image-330m": _image("image-330m", 32, 48, 96, 1000),
     "image-1.7b": _image("image-1.7b", 64, 144, 224, 21841),

@@ -22,21 +22,33 @@ import numpy as np
 
 from netpart.errors import ScheduleError, ShapeMismatchError
 from netpart.models.spec import ModelSpec
-from netpart.partition.graph import BYTES_PER_VALUE, UnitGraph, build_unit_graph, owned_units
+from netpart.partition.graph import (
+    BYTES_PER_VALUE,
+    UnitGraph,
+    build_unit_graph,
+    owned_units,
+    read_window,
+)
 from netpart.partition.planner import PartitionPlan
 from netpart.partition.volume import coverage
 
 __all__ = [
     "OPS",
+    "SPLIT_MIN_FLOPS",
     "HaloSchedule",
     "Instruction",
     "build_schedule",
     "check_program",
+    "interior_units",
     "plan_schedule",
 ]
 
 OPS = ("compute", "send", "recv", "wait", "loss")
-PARTS = {"forward": ("all", "interior", "boundary"), "backward": ("all", "input", "weights")}
+PARTS = {
+    "forward": ("all", "interior", "boundary", "joined"),
+    "backward": ("all", "input", "weights", "through"),
+}
+_WHOLE = {"forward": ({"all"}, {"joined"}), "backward": ({"all"}, {"through"})}
 
 
 @dataclass(frozen=True)
@@ -44,8 +56,10 @@ class Instruction:
     """One step of a worker's program.
 
     compute: run `part` of layer `layer` in `phase` (forward parts: all | interior, the owned
-    units that read no halo | boundary, the rest; backward parts: all | input, the gradient
-    w.r.t. the layer's input | weights). send/recv: post the (layer, phase) message to/from
+    units that read no halo | boundary, the rest | joined, all of them, reading the layer
+    below within one autograd graph; backward parts: all | input, the gradient w.r.t. the
+    layer's input | weights | through, nothing yet: a joined layer's gradient flows on in
+    the next backward computation). send/recv: post the (layer, phase) message to/from
     `peer`, `count` units per example (units of layer - 1). wait: complete every message of
     (layer, phase); a backward wait also adds the received gradients to the owned units'.
     loss: the loss over the output layer and its gradient.
@@ -69,11 +83,54 @@ class Instruction:
 
 @dataclass(frozen=True, eq=False)
 class HaloSchedule:
-    """owned[l][w]: sorted units of layer l owned by w. sends[l][(s, d)]: units of l-1, s -> d."""
+    """owned[l][w]: sorted units of layer l owned by w. sends[l][(s, d)]: units of l-1, s -> d.
+
+    kinds[l]: layer l's kind; interior[l][w]: the owned units of layer l whose reads are all
+    owned by w (they can be computed while w's halo travels). With `overlap` the programs
+    compute those first, and send input gradients before computing weight gradients.
+    Without kinds (a bare schedule) programs never split a layer.
+    """
 
     workers: int
     owned: tuple[tuple[np.ndarray, ...], ...]
     sends: tuple[dict[tuple[int, int], np.ndarray], ...]
+    kinds: tuple[str, ...] = ()
+    interior: tuple[tuple[np.ndarray, ...], ...] = ()
+    overlap: bool = False
+    flops: np.ndarray | None = None  # [layers, workers] forward+backward FLOPs per example
+    split_min_flops: float = 0.0
+
+    def joined(self, worker: int, layer: int) -> bool:
+        """Whether layer `layer` exchanges nothing with or for `worker` in either direction:
+        then it reads the layer below inside one autograd graph (no leaf between them), and
+        its backward flows on without a call of its own."""
+        if not self.overlap or layer == 0:
+            return False
+        return not any(worker in pair for pair in self.sends[layer])
+
+    def split_forward(self, worker: int, layer: int) -> bool:
+        """Whether `worker` computes layer `layer` in two parts: interior units while the
+        halo travels, the boundary units once it is in (both parts must be non-empty)."""
+        if not self.overlap or not self.kinds or self.kinds[layer] == "dense" or layer == 0:
+            return False
+        if not any(d == worker for (_, d) in self.sends[layer]) or not self._worth(worker, layer):
+            return False
+        inner = len(self.interior[layer][worker])
+        return 0 < inner < len(self.owned[layer][worker])
+
+    def split_backward(self, worker: int, layer: int) -> bool:
+        """Whether `worker` sends layer `layer`'s input gradients before its weight gradients
+        (only a layer with weights that owes gradients to other workers)."""
+        if not self.overlap or not self.kinds or layer == 0:
+            return False
+        owes = any(d == worker for (_, d) in self.sends[layer])
+        return (
+            owes and self.kinds[layer] in ("local", "conv", "dense") and self._worth(worker, layer)
+        )
+
+    def _worth(self, worker: int, layer: int) -> bool:
+        """A split costs extra calls: only a layer with this much work per example pays."""
+        return self.flops is None or self.flops[layer, worker] >= self.split_min_flops
 
     def messages(self, worker: int, layer: int, phase: str) -> list[Instruction]:
         """This worker's sends, then receives, of one (layer, phase), in peer order."""
@@ -87,18 +144,32 @@ class HaloSchedule:
         return out + ins
 
     def instructions(self, worker: int) -> tuple[Instruction, ...]:
-        """Worker `worker`'s program: forward layer by layer (post the halo, wait, compute),
-        the loss, then backward in reverse (compute, post the input gradients, wait)."""
+        """Worker `worker`'s program: forward layer by layer (post the halo; compute the
+        interior; wait; compute the rest), the loss, then backward in reverse (the input
+        gradients; post them; the weight gradients; wait)."""
         prog = [Instruction("compute", 0)]
         for layer in range(1, len(self.sends)):
             msgs = self.messages(worker, layer, "forward")
-            prog += msgs + ([Instruction("wait", layer)] if msgs else [])
-            prog.append(Instruction("compute", layer))
+            wait = [Instruction("wait", layer)] if msgs else []
+            if self.joined(worker, layer):
+                prog.append(Instruction("compute", layer, part="joined"))
+            elif self.split_forward(worker, layer):
+                inner = Instruction("compute", layer, part="interior")
+                prog += [*msgs, inner, *wait, Instruction("compute", layer, part="boundary")]
+            else:
+                prog += [*msgs, *wait, Instruction("compute", layer)]
         prog.append(Instruction("loss", len(self.sends) - 1))
         for layer in range(len(self.sends) - 1, 0, -1):
-            prog.append(Instruction("compute", layer, "backward"))
             msgs = self.messages(worker, layer, "backward")
-            prog += msgs + ([Instruction("wait", layer, "backward")] if msgs else [])
+            wait = [Instruction("wait", layer, "backward")] if msgs else []
+            if self.joined(worker, layer):
+                prog.append(Instruction("compute", layer, "backward", part="through"))
+            elif self.split_backward(worker, layer):
+                grads = Instruction("compute", layer, "backward", part="input")
+                weights = Instruction("compute", layer, "backward", part="weights")
+                prog += [grads, *msgs, weights, *wait]
+            else:
+                prog += [Instruction("compute", layer, "backward"), *msgs, *wait]
         prog.append(Instruction("compute", 0, "backward"))
         return tuple(prog)
 
@@ -200,7 +271,7 @@ def check_program(program: tuple[Instruction, ...], layers: int, worker: int = 0
         raise ScheduleError(f"worker {worker}, instruction {k} ({program[k]}): {why}")
 
     def complete(parts: set[str], phase: str) -> bool:
-        return parts == {"all"} or parts == set(PARTS[phase][1:])
+        return parts in _WHOLE[phase] or parts == set(PARTS[phase][1:3])
 
     def halo_in(layer: int, phase: str) -> bool:
         return (layer, phase) not in posted or (layer, phase) in waited
@@ -213,23 +284,30 @@ def check_program(program: tuple[Instruction, ...], layers: int, worker: int = 0
             done = (fwd if ins.phase == "forward" else bwd)[ins.layer]
             if ins.part not in PARTS[ins.phase] or ins.part in done or "all" in done:
                 fail(k, "an unknown part, or a part computed twice")
-            if ins.part == "all" and done:
+            if ins.part in ("all", "joined", "through") and done:
                 fail(k, "the whole layer after a part of it")
+            if ins.part in ("joined", "through") and (not ins.layer or key in posted):
+                fail(k, "a layer joined to the one below has no messages")
+            if ins.part == "through" and "joined" not in fwd[ins.layer]:
+                fail(k, "flows through a layer that was not joined")
             if ins.phase == "forward":
                 if loss or (ins.layer and not complete(fwd[ins.layer - 1], "forward")):
                     fail(k, "its input is not computed yet")
-                if ins.part != "interior" and not halo_in(ins.layer, "forward"):
+                if ins.part not in ("interior", "joined") and not halo_in(ins.layer, "forward"):
                     fail(k, "before its halo has arrived")
             else:
                 above = ins.layer + 1
                 if not loss or (
                     above < layers
-                    and not ({"all", "input"} & bwd[above] and halo_in(above, "backward"))
+                    and not (
+                        {"all", "input", "through"} & bwd[above] and halo_in(above, "backward")
+                    )
                 ):
                     fail(k, "the gradient of its outputs is not complete yet")
             done.add(ins.part)
         elif ins.op in ("send", "recv"):
-            if ins.layer == 0 or key in waited or ins.peer == worker or ins.count <= 0:
+            joined = {"joined", "through"} & (fwd[ins.layer] | bwd[ins.layer])
+            if ins.layer == 0 or key in waited or ins.peer == worker or ins.count <= 0 or joined:
                 fail(k, "a message outside the exchange of its layer")
             if ins.op == "send" and not (
                 complete(fwd[ins.layer - 1], "forward")
@@ -258,8 +336,20 @@ def _owner_of_units(owned: tuple[np.ndarray, ...]) -> np.ndarray:
     return owner
 
 
-def build_schedule(graph: UnitGraph, node_map: np.ndarray, workers: int) -> HaloSchedule:
-    """The halo schedule of an assignment (pure; vectorised per layer)."""
+SPLIT_MIN_FLOPS = 1e6  # per example: ~1.5 ms of work at batch 32 on one slow core
+
+
+def build_schedule(
+    graph: UnitGraph,
+    node_map: np.ndarray,
+    workers: int,
+    overlap: bool = True,
+    split_min_flops: float = SPLIT_MIN_FLOPS,
+) -> HaloSchedule:
+    """The halo schedule of an assignment (pure; vectorised per layer). With `overlap`, the
+    programs hide halo exchange behind the interior units and the weight gradients of every
+    layer whose work on a worker reaches `split_min_flops` per example, and join layers that
+    exchange nothing to the layer below."""
     spec = graph.spec
     owned = owned_units(graph, node_map, workers)
     sends: list[dict[tuple[int, int], np.ndarray]] = [{}]
@@ -288,11 +378,57 @@ def build_schedule(graph: UnitGraph, node_map: np.ndarray, workers: int) -> Halo
             for s in np.nonzero(np.diff(cuts))[0]:
                 msgs[(int(s), d)] = units[order[cuts[s] : cuts[s + 1]]]
         sends.append(msgs)
-    return HaloSchedule(workers=workers, owned=owned, sends=tuple(sends))
+    kinds = tuple(layer.kind for layer in spec.layers)
+    interior = tuple(
+        tuple(interior_units(graph, owned, index, w) for w in range(workers))
+        for index in range(len(graph.layers))
+    )
+    flops = np.zeros((len(graph.layers), workers))
+    np.add.at(flops, (graph.layer_of, node_map), graph.flops)
+    return HaloSchedule(
+        workers, owned, tuple(sends), kinds, interior, overlap, flops, split_min_flops
+    )
+
+
+def interior_units(graph: UnitGraph, owned: tuple, index: int, worker: int) -> np.ndarray:
+    """The units of layer `index` owned by `worker` that read only units it owns (sorted).
+
+    A unit's window of the input is a rectangle (one channel for a pool, all channels
+    otherwise): it is interior when the rectangle holds no unit another worker owns,
+    counted with a summed-area table over the input plane. Dense layers read everything:
+    interior only when the worker owns the whole input.
+    """
+    mine = owned[index][worker]
+    spec = graph.spec
+    if index == 0:
+        return mine
+    src = spec.input_shape(index)
+    foreign = np.ones(src.size, dtype=bool)
+    foreign[owned[index - 1][worker]] = False
+    if not spec.layers[index].is_spatial:
+        return mine if not foreign.any() else mine[:0]
+    planes = foreign.reshape(src.channels, src.height, src.width)
+    pool = spec.layers[index].kind == "pool"
+    planes = planes if pool else planes.any(axis=0, keepdims=True)
+    table = np.zeros((planes.shape[0], src.height + 1, src.width + 1), dtype=np.int64)
+    table[:, 1:, 1:] = planes.cumsum(axis=1).cumsum(axis=2)
+    out = spec.shapes[index]
+    c, yx = np.divmod(mine, out.height * out.width)
+    y, x = np.divmod(yx, out.width)
+    k, st, p = read_window(spec, index)
+    y0, y1 = np.clip(y * st - p, 0, src.height), np.clip(y * st - p + k, 0, src.height)
+    x0, x1 = np.clip(x * st - p, 0, src.width), np.clip(x * st - p + k, 0, src.width)
+    ch = c if pool else np.zeros_like(c)
+    count = table[ch, y1, x1] - table[ch, y0, x1] - table[ch, y1, x0] + table[ch, y0, x0]
+    return mine[count == 0]
 
 
 def plan_schedule(
-    spec: ModelSpec, plan: PartitionPlan, validate: bool = True
+    spec: ModelSpec,
+    plan: PartitionPlan,
+    validate: bool = True,
+    overlap: bool = True,
+    split_min_flops: float = SPLIT_MIN_FLOPS,
 ) -> tuple[UnitGraph, HaloSchedule]:
     """The unit graph and halo schedule of `plan` for `spec`, checked against the plan files.
 
@@ -301,7 +437,7 @@ def plan_schedule(
     """
     plan.check_model(spec)
     graph = build_unit_graph(spec, plan.granularity)
-    schedule = build_schedule(graph, plan.node_map, plan.workers)
+    schedule = build_schedule(graph, plan.node_map, plan.workers, overlap, split_min_flops)
     if validate:
         schedule.validate(plan)
     return graph, schedule

@@ -16,7 +16,7 @@ import torch
 from netpart.errors import PeerError, ShapeMismatchError
 from netpart.models.spec import ModelSpec
 from netpart.partition.planner import PartitionPlan
-from netpart.partition.schedule import plan_schedule
+from netpart.partition.schedule import SPLIT_MIN_FLOPS, plan_schedule
 from netpart.runtime.result import StepResult, assemble
 from netpart.runtime.transport import Handle
 from netpart.runtime.worker import ModelWorker, WorkerResult
@@ -113,9 +113,12 @@ def run_step_threads(
     targets: torch.Tensor,
     seed: int = 0,
     dtype: torch.dtype = torch.float64,
+    overlap: bool = True,
+    split_min_flops: float = SPLIT_MIN_FLOPS,
 ) -> StepResult:
-    """One partitioned step of `spec` by `plan`, workers as threads; the result as `run_step`'s."""
-    graph, schedule = plan_schedule(spec, plan)
+    """One partitioned step of `spec` by `plan`, workers as threads; the result as `run_step`'s
+    (`split_min_flops=0` makes every program split whatever it can, for tests)."""
+    graph, schedule = plan_schedule(spec, plan, True, overlap, split_min_flops)
     transports = ThreadTransport.group(plan.workers)
     results: list[WorkerResult | None] = [None] * plan.workers
     errors: list[BaseException] = []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +29,10 @@ class StepResult:
     received: list[dict[tuple[int, str], int]]
     step_times: list[list[float]]  # per worker, per timed step (empty unless timed)
     compute_s: list[dict[tuple[int, str], float]]  # per worker, last step, per (layer, phase)
-    exchange_s: list[dict[tuple[int, str], float]]
+    exchange_s: list[dict[tuple[int, str], float]]  # exposed: posting and waiting
+    hidden_s: list[dict[tuple[int, str], float]] = field(default_factory=list)  # overlapped
+    profiles: list[list[dict[str, float]]] = field(default_factory=list)  # worker, step -> s
+    threads: list[list[dict[str, float]]] = field(default_factory=list)  # worker, step -> s
     accuracy: float | None = None  # cross-entropy: share of the batch whose target logit is max
 
 
@@ -45,7 +48,8 @@ def assemble(
     shapes = {name: p.shape for name, p in ReferenceModel(spec).named_parameters()}
     grads = {name: torch.zeros(shape, dtype=dtype) for name, shape in shapes.items()}
     outputs = torch.zeros(batch, spec.shapes[-1].size, dtype=dtype)
-    for r in sorted(results, key=lambda r: r.rank):
+    ordered = sorted(results, key=lambda r: r.rank)
+    for r in ordered:
         for name, idx, values in r.grads:
             grads[name].view(-1).index_add_(
                 0, torch.from_numpy(np.asarray(idx)), values.reshape(-1)
@@ -62,18 +66,27 @@ def assemble(
         loss=results[0].loss,
         outputs=outputs.reshape(out_shape),
         grads=grads,
-        sent=[r.sent for r in sorted(results, key=lambda r: r.rank)],
-        received=[r.received for r in sorted(results, key=lambda r: r.rank)],
-        step_times=[r.step_times for r in sorted(results, key=lambda r: r.rank)],
-        compute_s=[r.compute_s for r in sorted(results, key=lambda r: r.rank)],
-        exchange_s=[r.exchange_s for r in sorted(results, key=lambda r: r.rank)],
+        sent=[r.sent for r in ordered],
+        received=[r.received for r in ordered],
+        step_times=[r.step_times for r in ordered],
+        compute_s=[r.compute_s for r in ordered],
+        exchange_s=[r.exchange_s for r in ordered],
+        hidden_s=[r.hidden_s for r in ordered],
         accuracy=results[0].accuracy,
     )
 
 
-def load_worker_result(path: Path) -> WorkerResult:
+_TIMINGS = ("compute_s", "exchange_s", "hidden_s")
+
+
+def load_worker_result(path: Path) -> tuple[WorkerResult, list[dict], list[dict]]:
+    """A worker's result file: (the last step's result, per-step profiles, per-step thread
+    figures)."""
     d = torch.load(path, weights_only=True)
-    return WorkerResult(
+    timings: dict[str, dict] = {kind: {} for kind in _TIMINGS}
+    for k, kind, v in zip(d["timing_keys"], d["timing_kind"], d["timing_s"], strict=True):
+        timings[kind][(int(k[0]), k[1])] = float(v)
+    result = WorkerResult(
         rank=int(d["rank"]),
         loss=float(d["loss"]),
         outputs=d["outputs"],
@@ -86,20 +99,27 @@ def load_worker_result(path: Path) -> WorkerResult:
             (int(k[0]), k[1]): int(v) for k, v in zip(d["recv_keys"], d["received"], strict=True)
         },
         step_times=[float(t) for t in d["step_times"]],
-        compute_s={
-            (int(k[0]), k[1]): float(v)
-            for k, kind, v in zip(d["timing_keys"], d["timing_kind"], d["timing_s"], strict=True)
-            if kind == "compute"
-        },
-        exchange_s={
-            (int(k[0]), k[1]): float(v)
-            for k, kind, v in zip(d["timing_keys"], d["timing_kind"], d["timing_s"], strict=True)
-            if kind == "exchange"
-        },
+        **timings,
     )
+    return result, _rows(d["profile_keys"], d["profiles"]), _rows(d["thread_keys"], d["threads"])
 
 
-def save_worker_result(path: Path, r: WorkerResult) -> None:
+def _rows(keys: list[str], table: torch.Tensor) -> list[dict[str, float]]:
+    return [dict(zip(keys, map(float, row), strict=True)) for row in table.tolist()]
+
+
+def _table(rows: list[dict[str, float]]) -> tuple[list[str], torch.Tensor]:
+    keys = sorted(set().union(*rows)) if rows else []
+    return keys, torch.tensor([[r.get(k, 0.0) for k in keys] for r in rows], dtype=torch.float64)
+
+
+def save_worker_result(
+    path: Path, r: WorkerResult, profiles: list[dict], threads: list[dict]
+) -> None:
+    """Write a worker's result (tensors, numbers and strings only: loads with weights_only)."""
+    profile_keys, profile_table = _table(profiles)
+    thread_keys, thread_table = _table(threads)
+    timing = [(kind, k, v) for kind in _TIMINGS for k, v in getattr(r, kind).items()]
     buf = io.BytesIO()
     torch.save(
         {
@@ -115,10 +135,13 @@ def save_worker_result(path: Path, r: WorkerResult) -> None:
             "recv_keys": [[k[0], k[1]] for k in r.received],
             "received": list(r.received.values()),
             "step_times": list(r.step_times),
-            "timing_keys": [[k[0], k[1]] for k in r.compute_s]
-            + [[k[0], k[1]] for k in r.exchange_s],
-            "timing_kind": ["compute"] * len(r.compute_s) + ["exchange"] * len(r.exchange_s),
-            "timing_s": list(r.compute_s.values()) + list(r.exchange_s.values()),
+            "timing_keys": [[k[0], k[1]] for _, k, _ in timing],
+            "timing_kind": [kind for kind, _, _ in timing],
+            "timing_s": [v for _, _, v in timing],
+            "profile_keys": profile_keys,
+            "profiles": profile_table,
+            "thread_keys": thread_keys,
+            "threads": thread_table,
         },
         buf,
     )

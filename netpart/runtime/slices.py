@@ -11,6 +11,8 @@ Computation never loops over units; the only Python loops are over the plan's ch
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 from torch import nn
@@ -26,7 +28,7 @@ from netpart.partition.shards import (
     piece_initial,
 )
 
-__all__ = ["LayerSlice", "build_slice", "rows", "window_index"]
+__all__ = ["LayerSlice", "RowIndex", "build_slice", "rows", "window_index"]
 
 
 def window_index(
@@ -60,8 +62,52 @@ def rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.index_select(x, 0, index.reshape(-1)).view(*index.shape, *x.shape[1:])
 
 
+class RowIndex:
+    """Sorted rows of a units-major tensor: one contiguous range is taken as a view and
+    written in place (no gather, no scatter); other sets through index_select/index_copy."""
+
+    def __init__(self, index: np.ndarray) -> None:
+        self.index = torch.from_numpy(np.asarray(index, dtype=np.int64))
+        n = len(index)
+        whole = n == 0 or int(index[-1]) - int(index[0]) + 1 == n
+        self.span = (int(index[0]) if n else 0, int(index[-1]) + 1 if n else 0) if whole else None
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """x[rows]: a view when contiguous."""
+        if self.span is not None:
+            return x[self.span[0] : self.span[1]]
+        return rows(x, self.index)
+
+    def view_in(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The rows as a writable view of `x`, or None when they are not contiguous."""
+        return None if self.span is None else x[self.span[0] : self.span[1]]
+
+    def put_(self, buf: torch.Tensor, src: torch.Tensor) -> None:
+        if self.span is not None:
+            buf[self.span[0] : self.span[1]].copy_(src)
+        else:
+            buf.index_copy_(0, self.index, src)
+
+    def add_(self, buf: torch.Tensor, src: torch.Tensor) -> None:
+        if self.span is not None:
+            buf[self.span[0] : self.span[1]].add_(src)
+        else:
+            buf.index_add_(0, self.index, src)
+
+
 class LayerSlice(nn.Module):
-    """Base: the owned `units` of layer `index`; `param_slices` maps grads into the reference."""
+    """Base: the owned `units` of layer `index`; `param_slices` maps grads into the reference.
+
+    `compute(x, part)` returns output pieces: part "all" (every owned unit), or "interior"
+    (the `interior` units, which read no halo) and "boundary" (the rest), so a worker can
+    compute the interior while its halo travels; `place(pieces, split)` puts the pieces'
+    rows in `units` order: [len(units), B]. Splittable slices read `x` only through
+    `index_select` (which saves no view of `x`), so the halo may be written into `x` between
+    the two parts.
+    """
 
     def __init__(self, spec: ModelSpec, index: int, units: np.ndarray) -> None:
         super().__init__()
@@ -73,118 +119,255 @@ class LayerSlice(nn.Module):
         self.channel, self.position = np.divmod(units, self.hw)
         self.n_in = spec.input_shape(index).size
         self.pieces: list[ParamPiece] = []
+        self._orders: dict[bool, torch.Tensor] = {}  # split? -> permutation into units order
 
-    def param_tensors(self) -> list[nn.Parameter]:
-        """This slice's parameters in the order of `pieces`."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.place(self.compute(x, "all"), False, x)
+
+    def compute(self, x: torch.Tensor, part: str) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def place(self, pieces: list[torch.Tensor], split: bool, x: torch.Tensor) -> torch.Tensor:
+        """The pieces' rows (each [rows, ..., B]) in `units` order: [len(units), B]."""
+        if not pieces:
+            return x[:0]
+        batch = x.shape[1]
+        return rows(torch.cat([p.reshape(-1, batch) for p in pieces]), self._orders[split])
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        """This slice's parameter values, one tensor per piece, in the order of `pieces`
+        (fetched values are copied into them)."""
         return []
 
-    def param_slices(self) -> list[tuple[str, np.ndarray, nn.Parameter]]:
-        """(reference parameter name, flat indices into it, this worker's parameter)."""
-        tensors = self.param_tensors()
-        for piece, t in zip(self.pieces, tensors, strict=True):
+    def bind_grads(self, views: list[torch.Tensor]) -> None:
+        """Make backward accumulate each piece's gradient into `views` (one per piece)."""
+        for t, v in zip(self.param_tensors(), views, strict=True):
+            t.grad = v
+
+    def piece_grads(self) -> list[torch.Tensor]:
+        """Each piece's accumulated gradient (zeros where none), shaped like its values."""
+        return [t.grad if t.grad is not None else torch.zeros_like(t) for t in self.param_tensors()]
+
+    def param_slices(self) -> list[tuple[str, np.ndarray, torch.Tensor]]:
+        """(reference parameter name, flat indices into it, this worker's gradient)."""
+        grads = self.piece_grads()
+        for piece, t in zip(self.pieces, grads, strict=True):
             if t.numel() != piece.size:
                 raise ValueError(f"{piece.name}: slice holds {t.numel()}, layout {piece.size}")
-        pairs = zip(self.pieces, tensors, strict=True)
-        return [(p.name, piece_index(self.spec, p), t) for p, t in pairs]
+        pairs = zip(self.pieces, grads, strict=True)
+        return [(p.name, piece_index(self.spec, p), g) for p, g in pairs]
+
+    def _set_orders(self, placed: dict[bool, list[np.ndarray]]) -> None:
+        """Per mode, the concatenated pieces' unit positions -> a permutation into units."""
+        for split, where in placed.items():
+            flat = np.concatenate(where) if where else np.zeros(0, dtype=np.int64)
+            self._orders[split] = torch.from_numpy(np.argsort(flat, kind="stable"))
+
+
+def _inner_mask(units: np.ndarray, interior: np.ndarray | None) -> np.ndarray:
+    """Per owned unit: does it read no halo (all False without interior units)."""
+    if interior is None:
+        return np.zeros(len(units), dtype=bool)
+    return np.isin(units, interior)
+
+
+def _runs(flags: np.ndarray) -> list[tuple[int, int]]:
+    """[a, b) runs of consecutive True in `flags`."""
+    padded = np.concatenate([[False], flags, [False]]).astype(np.int8)
+    edges = np.flatnonzero(np.diff(padded))
+    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
 
 
 class _GroupedSlice(LayerSlice):
-    """Local and conv: units grouped by the plan's channel groups, one matmul per group."""
+    """Local and conv: units grouped by the plan's channel groups, one matmul per group and
+    run of positions (a run keeps the weights of untied filters a view: no gather)."""
 
-    def __init__(self, spec: ModelSpec, index: int, units: np.ndarray, blocks: LayerBlocks):
+    def __init__(self, spec, index, units, blocks: LayerBlocks, interior=None):
         super().__init__(spec, index, units)
         self.groups = channel_groups(spec, index, units, blocks)
         self.pieces = layer_pieces(spec, index, units, blocks, self.groups)
+        inner = _inner_mask(units, interior)
         # Where each (group, position, channel) output lands in `units` order.
-        self._out_index = [
-            torch.from_numpy(
-                np.searchsorted(units, (np.arange(c0, c1)[None, :] * self.hw + pos[:, None]))
-            )
+        out_index = [
+            np.searchsorted(units, (np.arange(c0, c1)[None, :] * self.hw + pos[:, None]))
             for c0, c1, pos, _ in self.groups
         ]
         self._patch_index = [
             torch.from_numpy(window_index(spec, index, pos, None, self.n_in))
             for _, _, pos, _ in self.groups
         ]
-        self._order = (
-            torch.from_numpy(np.argsort(np.concatenate([o.reshape(-1) for o in self._out_index])))
-            if self.groups
-            else torch.zeros(0, dtype=torch.long)
-        )
+        # Runs of positions per part: (group, a, b); "all" is one run per group.
+        self._gathers: dict[str, torch.Tensor] = {}
+        self._part_runs = {"all": [(g, 0, len(grp[2])) for g, grp in enumerate(self.groups)]}
+        for part, want in (("interior", True), ("boundary", False)):
+            self._part_runs[part] = [
+                (g, a, b)
+                for g, idx in enumerate(out_index)
+                for a, b in _runs(inner[idx[:, 0]] == want)
+            ]
+        placed = {}
+        for split, parts in ((False, ("all",)), (True, ("interior", "boundary"))):
+            placed[split] = [
+                out_index[g][a:b].reshape(-1) for p in parts for g, a, b in self._part_runs[p]
+            ]
+        self._set_orders(placed)
 
-    def _place(self, parts: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """Rows of each group's [Q, cg, B] output, put in `units` order: [len(units), B]."""
-        if not parts:
-            return x[:0]
-        return rows(torch.cat([p.reshape(-1, x.shape[1]) for p in parts]), self._order)
+    def compute(self, x: torch.Tensor, part: str) -> list[torch.Tensor]:
+        runs = self._part_runs[part]
+        if not runs:
+            return []
+        # One gather per part, split into its runs: a gather's backward scatters into a
+        # gradient the size of the whole input, once per gather, not once per run.
+        patches = rows(x, self._gather_index(part, runs)).split([b - a for _, a, b in runs])
+        return [
+            activation(self.activation, self._run(patch, g, a, b))
+            for patch, (g, a, b) in zip(patches, runs, strict=True)
+        ]
+
+    def _gather_index(self, part: str, runs: list[tuple[int, int, int]]) -> torch.Tensor:
+        index = self._gathers.get(part)
+        if index is None:
+            index = self._gathers[part] = torch.cat([self._patch_index[g][a:b] for g, a, b in runs])
+        return index
+
+    def _run(self, patches: torch.Tensor, g: int, a: int, b: int) -> torch.Tensor:
+        """Outputs [b - a, cg, B] of positions a..b of group g from their patches."""
+        raise NotImplementedError
 
 
 class LocalSlice(_GroupedSlice):
-    """Untied filters: per group, [Q, cg, K] @ [Q, K, B] (batched over owned positions)."""
+    """Untied filters: per run of positions, [q, cg, K] @ [q, K, B] (batched over positions).
 
-    def __init__(self, spec, index, units, blocks, seed: int | None, dtype: torch.dtype) -> None:
-        super().__init__(spec, index, units, blocks)
-        self.weights, self.biases = _grouped_params(spec, seed, self.pieces, dtype, local=True)
+    Each run's weights are a leaf parameter of their own, a view of the group's values: a run
+    never slices a parameter, whose backward would allocate a gradient the size of the whole
+    group for every run.
+    """
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        parts = [
-            torch.baddbmm(b, w, rows(x, pidx))  # [Q, cg, B]
-            for w, b, pidx in zip(self.weights, self.biases, self._patch_index, strict=True)
+    def __init__(self, spec, index, units, blocks, seed, dtype, interior=None) -> None:
+        super().__init__(spec, index, units, blocks, interior)
+        weights, biases = _grouped_params(spec, seed, self.pieces, dtype, local=True)
+        self._values = [t.detach() for pair in zip(weights, biases, strict=True) for t in pair]
+        cuts: dict[int, set[int]] = {}  # per group, where runs of either part start and end
+        for g, a, b in (r for p in ("all", "interior", "boundary") for r in self._part_runs[p]):
+            cuts.setdefault(g, set()).update((a, b))
+        self._atoms = [
+            (g, a, b) for g, c in sorted(cuts.items()) for a, b in itertools.pairwise(sorted(c))
         ]
-        return activation(self.activation, self._place(parts, x))
+        self.run_weights = nn.ParameterList(
+            nn.Parameter(self._values[2 * g][a:b]) for g, a, b in self._atoms
+        )
+        self.run_biases = nn.ParameterList(
+            nn.Parameter(self._values[2 * g + 1][a:b]) for g, a, b in self._atoms
+        )
+        self._part_atoms = {
+            part: [k for g, a, b in runs for k, (h, c, d) in enumerate(self._atoms)
+                   if h == g and a <= c and d <= b]
+            for part, runs in self._part_runs.items()
+        }  # fmt: skip
+
+    def compute(self, x: torch.Tensor, part: str) -> list[torch.Tensor]:
+        atoms = self._part_atoms[part]
+        if not atoms:
+            return []
+        runs = [self._atoms[k] for k in atoms]
+        patches = rows(x, self._gather_index(part, runs)).split([b - a for _, a, b in runs])
+        return [
+            activation(self.activation, torch.baddbmm(self.run_biases[k], self.run_weights[k], p))
+            for k, p in zip(atoms, patches, strict=True)
+        ]
 
     def param_tensors(self):
-        return [t for pair in zip(self.weights, self.biases, strict=True) for t in pair]
+        return self._values
+
+    def bind_grads(self, views: list[torch.Tensor]) -> None:
+        for k, (g, a, b) in enumerate(self._atoms):
+            self.run_weights[k].grad = views[2 * g].view_as(self._values[2 * g])[a:b]
+            self.run_biases[k].grad = views[2 * g + 1].view_as(self._values[2 * g + 1])[a:b]
+
+    def piece_grads(self) -> list[torch.Tensor]:
+        out = []
+        for g in range(len(self.groups)):
+            for kind, params in ((0, self.run_weights), (1, self.run_biases)):
+                parts = [
+                    params[k].grad if params[k].grad is not None else torch.zeros_like(params[k])
+                    for k, (h, _, _) in enumerate(self._atoms)
+                    if h == g
+                ]
+                out.append(
+                    torch.cat(parts) if parts else torch.zeros_like(self._values[2 * g + kind])
+                )
+        return out
 
 
 class ConvSlice(_GroupedSlice):
-    """Tied filters: per group, [Q*B, K] @ [K, cg]; each worker holds its groups' kernels."""
+    """Tied filters: per group and run, [cg, K] @ [Q, K, B]; each worker holds its groups'
+    kernels."""
 
-    def __init__(self, spec, index, units, blocks, seed: int | None, dtype: torch.dtype) -> None:
-        super().__init__(spec, index, units, blocks)
+    def __init__(self, spec, index, units, blocks, seed, dtype, interior=None) -> None:
+        super().__init__(spec, index, units, blocks, interior)
         self.weights, self.biases = _grouped_params(spec, seed, self.pieces, dtype, local=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        parts = [
-            torch.matmul(w, rows(x, pidx)) + b  # [cg, K] @ [Q, K, B] -> [Q, cg, B]
-            for w, b, pidx in zip(self.weights, self.biases, self._patch_index, strict=True)
-        ]
-        return activation(self.activation, self._place(parts, x))
+    def _run(self, patches, g, a, b):
+        return torch.matmul(self.weights[g], patches) + self.biases[g]
 
     def param_tensors(self):
         return [t for pair in zip(self.weights, self.biases, strict=True) for t in pair]
 
 
 class DenseSlice(LayerSlice):
-    """Owned neurons: [|U|, n_in] @ [n_in, B] + b."""
+    """Owned neurons: [|U|, n_in] @ [n_in, B] + b (never split: a neuron reads everything)."""
 
-    def __init__(self, spec, index, units, blocks, seed: int | None, dtype: torch.dtype) -> None:
+    def __init__(self, spec, index, units, blocks, seed, dtype, interior=None) -> None:
         super().__init__(spec, index, units)
         self.pieces = layer_pieces(spec, index, units, blocks)
         weight = _initial(spec, seed, self.pieces[0]).reshape(len(units), self.n_in)
         self.weight = nn.Parameter(torch.from_numpy(weight).to(dtype))
         self.bias = nn.Parameter(torch.zeros(len(units), 1, dtype=dtype))
+        self._set_orders({False: [np.arange(len(units))]})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return activation(self.activation, torch.addmm(self.bias, self.weight, x[: self.n_in]))
+
+    def compute(self, x: torch.Tensor, part: str) -> list[torch.Tensor]:
+        return [self.forward(x)]
 
     def param_tensors(self):
         return [self.weight, self.bias]
 
 
-class PoolSlice(LayerSlice):
+class _UnitSlice(LayerSlice):
+    """Pool and LCN: no weights; parts are subsets of the owned units."""
+
+    def __init__(self, spec, index, units, interior=None) -> None:
+        super().__init__(spec, index, units)
+        inner = _inner_mask(units, interior)
+        self._part_units = {
+            "all": np.arange(len(units)),
+            "interior": np.flatnonzero(inner),
+            "boundary": np.flatnonzero(~inner),
+        }
+        self._set_orders({
+            False: [self._part_units["all"]],
+            True: [self._part_units["interior"], self._part_units["boundary"]],
+        })  # fmt: skip
+
+    def compute(self, x: torch.Tensor, part: str) -> list[torch.Tensor]:
+        return [self._units(x, part)] if len(self._part_units[part]) else []
+
+
+class PoolSlice(_UnitSlice):
     """Per-unit windows over the unit's own channel: max, average or L2."""
 
-    def __init__(self, spec, index, units) -> None:
-        super().__init__(spec, index, units)
+    def __init__(self, spec, index, units, interior=None) -> None:
+        super().__init__(spec, index, units, interior)
         layer = spec.layers[index]
         self.mode, self.k2 = layer.mode, layer.kernel**2
         pad = self.n_in + 1 if self.mode == "max" else self.n_in
         idx = window_index(spec, index, self.position, self.channel, pad)
-        self._index = torch.from_numpy(idx)
+        self._index = {p: torch.from_numpy(idx[sel]) for p, sel in self._part_units.items()}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        win = rows(x, self._index)  # [U, k*k, B]
+    def _units(self, x: torch.Tensor, part: str) -> torch.Tensor:
+        win = rows(x, self._index[part])  # [U, k*k, B]
         if self.mode == "max":
             return win.amax(dim=1)
         if self.mode == "avg":
@@ -192,35 +375,41 @@ class PoolSlice(LayerSlice):
         return torch.sqrt((win * win).sum(dim=1) + L2_POOL_EPS)
 
 
-class LcnSlice(LayerSlice):
+class LcnSlice(_UnitSlice):
     """(x - mean) / sqrt(var + eps), mean and var over the k x k window and all channels.
 
-    As in the reference: average over channels first (one pass over the input), then over
-    each owned position's window of positions.
+    As in the reference: average over channels first, then over each unit's window of
+    positions. A part gathers only the positions its units' windows cover.
     """
 
-    def __init__(self, spec, index, units) -> None:
-        super().__init__(spec, index, units)
+    def __init__(self, spec, index, units, interior=None) -> None:
+        super().__init__(spec, index, units, interior)
         src = spec.input_shape(index)
-        self.eps, self.c_in, self.hw_in = (
-            spec.layers[index].eps,
-            src.channels,
-            src.height * src.width,
-        )
-        positions, pos_of_unit = np.unique(self.position, return_inverse=True)
-        zeros = np.zeros(len(positions), dtype=np.int64)  # channel 0: flat index = position
-        self._window = torch.from_numpy(window_index(spec, index, positions, zeros, self.hw_in))
-        self._pos_of_unit = torch.from_numpy(pos_of_unit.reshape(-1))
-        self._centre = torch.from_numpy(self.units)  # same size: input unit = output unit
+        self.eps = spec.layers[index].eps
+        hw = src.height * src.width
+        self._gathers = {}
+        for part, sel in self._part_units.items():
+            positions, pos_of_unit = np.unique(self.position[sel], return_inverse=True)
+            zeros = np.zeros(len(positions), dtype=np.int64)  # channel 0: flat index = position
+            window = window_index(spec, index, positions, zeros, hw)  # [P, k*k], pad = hw
+            covered = np.unique(window[window < hw])
+            local = np.searchsorted(covered, np.minimum(window, hw - 1))
+            local = np.where(window < hw, local, len(covered))  # pad -> the zero row
+            channels = np.arange(src.channels)[None, :] * hw + covered[:, None]  # [P', C]
+            self._gathers[part] = tuple(
+                torch.from_numpy(a)
+                for a in (channels, local, pos_of_unit.reshape(-1), self.units[sel])
+            )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        planes = x[: self.n_in].reshape(self.c_in, self.hw_in, -1)
-        pad = x.new_zeros(1, x.shape[1])
-        mean_c = torch.cat([planes.mean(dim=0), pad])  # [HW + 1, B], last row = zero padding
-        sq_c = torch.cat([(planes * planes).mean(dim=0), pad])
-        mean = rows(rows(mean_c, self._window).mean(dim=1), self._pos_of_unit)  # [U, B]
-        var = rows(rows(sq_c, self._window).mean(dim=1), self._pos_of_unit) - mean * mean
-        return (rows(x, self._centre) - mean) / torch.sqrt(var + self.eps)
+    def _units(self, x: torch.Tensor, part: str) -> torch.Tensor:
+        channels, window, pos_of_unit, centre = self._gathers[part]
+        planes = rows(x, channels)  # [P', C, B]
+        pad = planes.new_zeros(1, planes.shape[-1])
+        mean_c = torch.cat([planes.mean(dim=1), pad])  # [P' + 1, B], last row = zero padding
+        sq_c = torch.cat([(planes * planes).mean(dim=1), pad])
+        mean = rows(rows(mean_c, window).mean(dim=1), pos_of_unit)  # [U, B]
+        var = rows(rows(sq_c, window).mean(dim=1), pos_of_unit) - mean * mean
+        return (rows(x, centre) - mean) / torch.sqrt(var + self.eps)
 
 
 def _initial(spec: ModelSpec, seed: int | None, piece: ParamPiece) -> np.ndarray:
@@ -253,16 +442,17 @@ def build_slice(
     blocks: LayerBlocks,
     seed: int | None,
     dtype: torch.dtype,
+    interior: np.ndarray | None = None,
 ) -> LayerSlice:
     """The slice of layer `index` holding `units`, with the reference's initial weights
-    (constant ones with `seed` None)."""
+    (constant ones with `seed` None); `interior` (a subset of `units`) enables its parts."""
     kind = spec.layers[index].kind
     if kind == "local":
-        return LocalSlice(spec, index, units, blocks, seed, dtype)
+        return LocalSlice(spec, index, units, blocks, seed, dtype, interior)
     if kind == "conv":
-        return ConvSlice(spec, index, units, blocks, seed, dtype)
+        return ConvSlice(spec, index, units, blocks, seed, dtype, interior)
     if kind == "dense":
-        return DenseSlice(spec, index, units, blocks, seed, dtype)
+        return DenseSlice(spec, index, units, blocks, seed, dtype, interior)
     if kind == "pool":
-        return PoolSlice(spec, index, units)
-    return LcnSlice(spec, index, units)
+        return PoolSlice(spec, index, units, interior)
+    return LcnSlice(spec, index, units, interior)

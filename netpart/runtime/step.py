@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from netpart import faults
@@ -28,9 +29,10 @@ from netpart.models.spec import ModelSpec
 from netpart.partition.planner import PartitionPlan
 from netpart.partition.schedule import plan_schedule
 from netpart.runtime.launcher import Processes, join_group
+from netpart.runtime.profile import thread_usage
 from netpart.runtime.result import StepResult, assemble, load_worker_result, save_worker_result
 from netpart.runtime.transport import PEER_LOST, GlooTransport
-from netpart.runtime.worker import ModelWorker
+from netpart.runtime.worker import ModelWorker, WorkerResult
 
 __all__ = ["DTYPES", "run_step"]
 
@@ -49,16 +51,23 @@ def run_step(
     timeout: float = 60.0,
     threads: int = 1,
     steps: int = 1,
+    overlap: bool = True,
+    exchange_only: bool = False,
 ) -> StepResult:
     """One forward/backward step of `spec` partitioned by `plan`, in `plan.workers` processes.
 
     `threads` is torch's intra-op thread count per worker. With `steps` > 1 each worker repeats
-    the step (gradients zeroed, a barrier before each) and reports per-step wall times; the
-    result describes the last step.
+    the step (gradients zeroed, a barrier before each) and reports per-step wall times and
+    profiles (`netpart.runtime.profile`); the result describes the last step. `overlap=False`
+    runs programs that never hide an exchange behind compute (for comparisons);
+    `exchange_only` runs only the programs' messages (step times only, no gradients).
     """
     plan_schedule(spec, plan)  # refuse a foreign or corrupted plan before any process starts
     dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
-    config = {"seed": seed, "dtype": dtype_name, "timeout": timeout, "threads": threads}
+    config = {
+        "seed": seed, "dtype": dtype_name, "timeout": timeout, "threads": threads,
+        "overlap": overlap, "exchange_only": exchange_only,
+    }  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="netpart-job-") as tmp:
         job = Path(tmp)
         files = plan_files(plan)
@@ -69,8 +78,11 @@ def run_step(
         logs = [job / f"worker_{r}.log" for r in range(plan.workers)]
         with Processes("netpart.runtime.step", ["--job", str(job)], logs) as procs:
             _watch(procs, timeout)
-        results = [load_worker_result(job / f"result_{r}.pt") for r in range(plan.workers)]
-    return assemble(spec, results, inputs.shape[0], dtype)
+        loaded = [load_worker_result(job / f"result_{r}.pt") for r in range(plan.workers)]
+    result = assemble(spec, [r for r, _, _ in loaded], inputs.shape[0], dtype)
+    result.profiles = [p for _, p, _ in loaded]
+    result.threads = [t for _, _, t in loaded]
+    return result
 
 
 def _watch(procs: Processes, timeout: float) -> None:
@@ -112,23 +124,41 @@ def _worker(job: Path) -> int:
     batch = torch.load(job / "batch.pt", weights_only=True)
     rank, _ = join_group(float(config["timeout"]))
     try:
-        graph, schedule = plan_schedule(spec, plan, validate=False)  # the launcher validated
+        graph, schedule = plan_schedule(spec, plan, False, config.get("overlap", True))  # validated
         worker = ModelWorker(spec, graph, schedule, rank, config["seed"], DTYPES[config["dtype"]])
         faults.point(rank, 0)
         transport = GlooTransport()
-        times = []
+        times, profiles, usage = [], [], []
         steps = int(config.get("steps", 1))  # > 1 only for benchmarks
+        if config.get("exchange_only"):
+            return _exchange_only(job, worker, transport, rank, len(batch["inputs"]), steps)
         for i in range(steps):
             worker.zero_grad()
+            before = thread_usage()
             if steps > 1:  # timed steps start together
                 transport.barrier()
             start = time.perf_counter()
             result = worker.step(batch["inputs"], batch["targets"], transport, i == steps - 1)
             times.append(time.perf_counter() - start)
+            after = thread_usage()
+            profiles.append(result.profile)
+            usage.append({k: v - before.get(k, 0.0) for k, v in after.items()})
         result.step_times = times
-        save_worker_result(job / f"result_{rank}.pt", result)
+        save_worker_result(job / f"result_{rank}.pt", result, profiles, usage)
     finally:
         torch.distributed.destroy_process_group()
+    return 0
+
+
+def _exchange_only(job: Path, worker: ModelWorker, transport, rank, batch, steps) -> int:
+    """The messages of `steps` steps alone; writes a result holding only the step times."""
+    times = []
+    for _ in range(steps):
+        transport.barrier()
+        times.append(worker.exchange_only(batch, transport))
+    empty = torch.zeros(batch, 0)
+    result = WorkerResult(rank, 0.0, empty, np.zeros(0, dtype=np.int64), [], step_times=times)
+    save_worker_result(job / f"result_{rank}.pt", result, [], [])
     return 0
 
 

@@ -26,7 +26,7 @@ from netpart.errors import ShapeMismatchError
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import UnitGraph
 from netpart.partition.schedule import HaloSchedule, Instruction
-from netpart.runtime.slices import LayerSlice, build_slice, rows
+from netpart.runtime.slices import LayerSlice, RowIndex, build_slice
 from netpart.runtime.transport import Handle, Transport
 
 __all__ = ["ModelWorker", "WorkerResult"]
@@ -47,27 +47,44 @@ class WorkerResult:
     received: dict[tuple[int, str], int] = field(default_factory=dict)
     step_times: list[float] = field(default_factory=list)  # seconds, when timed
     compute_s: dict[tuple[int, str], float] = field(default_factory=dict)  # (layer, phase)
-    exchange_s: dict[tuple[int, str], float] = field(default_factory=dict)
+    exchange_s: dict[tuple[int, str], float] = field(default_factory=dict)  # exposed
+    hidden_s: dict[tuple[int, str], float] = field(default_factory=dict)  # behind compute
+    profile: dict[str, float] = field(default_factory=dict)  # category -> seconds
     accuracy: float | None = None  # cross-entropy: share of the batch whose target logit is max
+    stop: bool = False  # some worker of the replica asked to stop after this step
+
+
+PROFILE = ("slice", "fill", "post", "wait", "loss")
 
 
 class _StepState:
-    """Everything one step's instructions read and write."""
+    """Everything one step's instructions read and write, and where its time went."""
 
-    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor, transport: Transport):
-        self.inputs, self.targets, self.transport = inputs, targets, transport
+    def __init__(self, inputs, targets, transport: Transport, flag: float) -> None:
+        self.inputs, self.targets, self.transport, self.flag = inputs, targets, transport, flag
         self.batch = inputs.shape[0]
         self.outs: dict[int, torch.Tensor] = {}  # layer -> owned outputs [U, B]
-        self.leaves: dict[int, torch.Tensor] = {}  # layer -> its input buffer (autograd leaf)
+        self.leaves: dict[int, torch.Tensor] = {}  # layer -> its input (autograd leaf)
+        self.pieces: dict[int, list[torch.Tensor]] = {}  # layer -> interior outputs so far
+        # Backward roots: the (outputs, gradient, parameters) a backward call starts from —
+        # a joined layer's root waits for the layer below (`pending`); a layer whose input
+        # gradient went first keeps its root for its weights (`roots`).
+        self.pending: tuple[torch.Tensor, torch.Tensor, list] | None = None
+        self.roots: dict[int, tuple[torch.Tensor, torch.Tensor, list]] = {}
         self.grad: dict[int, torch.Tensor] = {}  # layer -> gradient of its owned outputs
         self.back: dict[int, dict[int, torch.Tensor]] = {}  # layer -> owner -> halo gradient
         self.posted: dict[tuple[int, str], list[Handle]] = {}
+        self.first_post: dict[tuple[int, str], float] = {}
         self.sent: dict[tuple[int, str], int] = {}
         self.received: dict[tuple[int, str], int] = {}
         self.compute: dict[tuple[int, str], float] = {}
         self.exchange: dict[tuple[int, str], float] = {}
+        self.hidden: dict[tuple[int, str], float] = {}
+        self.prof = dict.fromkeys(PROFILE, 0.0)
         self.loss = 0.0
         self.accuracy: float | None = None
+        self.want_accuracy = True
+        self.stop = False
 
 
 def _add(book: dict, key, value) -> None:
@@ -89,26 +106,37 @@ class ModelWorker:
         self.spec, self.schedule, self.rank, self.dtype = spec, schedule, rank, dtype
         self.program: tuple[Instruction, ...] = schedule.instructions(rank)
         self.owned = [schedule.owned[i][rank] for i in range(len(spec.layers))]
-        self.slices: list[LayerSlice] = [
-            build_slice(spec, i, self.owned[i], graph.layers[i], seed, dtype)
+        inner = [
+            schedule.interior[i][rank] if schedule.interior else None
             for i in range(len(spec.layers))
         ]
-        # Per layer: what this worker sends (positions in its owned buffer) and receives (units).
-        self._owned_t = [torch.from_numpy(u) for u in self.owned]
-        self._buffers: dict[tuple[int, str, int, int], torch.Tensor] = {}
-        self.sends: list[dict[int, torch.Tensor]] = [{}]
-        self.recvs: list[dict[int, torch.Tensor]] = [{}]
+        self.slices: list[LayerSlice] = [
+            build_slice(spec, i, self.owned[i], graph.layers[i], seed, dtype, inner[i])
+            for i in range(len(spec.layers))
+        ]
+        # Per layer: what this worker sends (positions in its owned outputs) and receives
+        # (units of the input buffer); contiguous ones move as views.
+        self._owned_t = [RowIndex(u) for u in self.owned]
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self.sends: list[dict[int, RowIndex]] = [{}]
+        self.recvs: list[dict[int, RowIndex]] = [{}]
         for i in range(1, len(spec.layers)):
             mine = self.owned[i - 1]
-            out: dict[int, torch.Tensor] = {}
-            into: dict[int, torch.Tensor] = {}
+            out: dict[int, RowIndex] = {}
+            into: dict[int, RowIndex] = {}
             for (s, d), units in schedule.sends[i].items():
                 if s == rank:
-                    out[d] = torch.from_numpy(np.searchsorted(mine, units))
+                    out[d] = RowIndex(np.searchsorted(mine, units))
                 if d == rank:
-                    into[s] = torch.from_numpy(units)
+                    into[s] = RowIndex(units)
             self.sends.append(out)
             self.recvs.append(into)
+        self._params = [list(s.parameters()) for s in self.slices]
+        # Cross-entropy: for each class, its column among this worker's outputs (n if none).
+        n_out, last = spec.shapes[-1].size, self.owned[-1]
+        slot = np.full(n_out, len(last), dtype=np.int64)
+        slot[last] = np.arange(len(last))
+        self._target_slot_np = slot
         self._run = {
             "compute": self._compute,
             "send": self._send,
@@ -118,7 +146,7 @@ class ModelWorker:
         }
 
     def parameters(self) -> list[torch.nn.Parameter]:
-        return [p for s in self.slices for p in s.parameters()]
+        return [p for params in self._params for p in params]
 
     def step(
         self,
@@ -126,13 +154,20 @@ class ModelWorker:
         targets: torch.Tensor,
         transport: Transport,
         collect_grads: bool = True,
+        stop: bool = False,
+        accuracy: bool = True,
     ) -> WorkerResult:
         """One forward/backward pass of the whole batch; grads accumulate in the slices.
 
         With `collect_grads` the result carries copies of the gradients keyed for the
         reference module (costly: leave it off for steps whose gradients stay local).
+        `stop` travels with the loss's one collective: the result's `stop` is True when any
+        worker of the replica asked to stop, so they all stop after the same step. Several
+        workers get the batch accuracy for free from that collective; a lone worker computes
+        it only with `accuracy`.
         """
-        st = _StepState(inputs, targets, transport)
+        st = _StepState(inputs, targets, transport, 1.0 if stop else 0.0)
+        st.want_accuracy = accuracy
         for ins in self.program:
             self._run[ins.op](st, ins)
         last = len(self.spec.layers) - 1
@@ -146,97 +181,240 @@ class ModelWorker:
             received=st.received,
             compute_s=st.compute,
             exchange_s=st.exchange,
+            hidden_s=st.hidden,
+            profile=st.prof,
             accuracy=st.accuracy,
+            stop=st.stop,
         )
+
+    def exchange_only(self, batch: int, transport: Transport) -> float:
+        """Run only this program's messages (same peers, sizes and order; the loss's one
+        all-gather included) with no compute between them: what the bytes alone cost.
+        Returns the wall seconds."""
+        t0 = time.perf_counter()
+        posted: dict[tuple[int, str], list[Handle]] = {}
+        for ins in self.program:
+            key = (ins.layer, ins.phase)
+            if ins.op in ("send", "recv"):  # buffers of the message's size stand in for data
+                buf = (
+                    self._stand_in(ins.count, batch)
+                    if ins.op == "send"
+                    else (self._halo(ins.layer, ins.phase, ins.peer, batch))
+                )
+                tag = 2 * ins.layer + (ins.phase == "backward")
+                post = transport.send if ins.op == "send" else transport.recv
+                posted.setdefault(key, []).append(post(tag, ins.peer, buf))
+            elif ins.op == "wait":
+                transport.wait(posted.pop(key))
+            elif ins.op == "loss":
+                values = 3 * batch + 1 if self.spec.loss == "cross_entropy" else 2
+                self._gather(transport, torch.zeros(values, dtype=self.dtype))
+        return time.perf_counter() - t0
+
+    def _stand_in(self, count: int, batch: int) -> torch.Tensor:
+        key = ("stand-in", count, batch)
+        if key not in self._buffers:
+            self._buffers[key] = torch.zeros(count, batch, dtype=self.dtype)
+        return self._buffers[key]
 
     def collect_grads(self) -> list[tuple[str, np.ndarray, torch.Tensor]]:
         """(reference parameter name, flat index into it, gradient values) of every slice."""
         return [
-            (name, idx, p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+            (name, idx, grad.detach().clone())
             for s in self.slices
-            for name, idx, p in s.param_slices()
+            for name, idx, grad in s.param_slices()
         ]
 
+    def param_tensors(self) -> list[torch.Tensor]:
+        """The worker's parameter values, one tensor per piece, in the layout's piece order
+        (its flat vector is these end to end; fetched values are copied into them)."""
+        return [t for s in self.slices for t in s.param_tensors()]
+
+    def bind_grads(self, flat: torch.Tensor) -> None:
+        """Make backward accumulate straight into `flat` (the pieces' gradients end to end,
+        in the order of `param_tensors`)."""
+        views = iter(flat.split([t.numel() for t in self.param_tensors()]))
+        for s in self.slices:
+            s.bind_grads([next(views).view_as(t) for t in s.param_tensors()])
+
+    def flat_grads(self) -> torch.Tensor:
+        """The pieces' gradients end to end (zeros where none)."""
+        return torch.cat([g.reshape(-1) for s in self.slices for g in s.piece_grads()])
+
     def zero_grad(self) -> None:
-        for p in self.parameters():
-            p.grad = None
+        for params in self._params:
+            for p in params:
+                p.grad = None
 
     # ---- instructions ----------------------------------------------------------------------
     def _compute(self, st: _StepState, ins: Instruction) -> None:
         t0 = time.perf_counter()
         if ins.phase == "forward":
-            self._forward(st, ins.layer)
+            self._forward(st, ins.layer, ins.part)
         else:
-            self._backward(st, ins.layer)
+            self._backward(st, ins.layer, ins.part)
         _add(st.compute, (ins.layer, ins.phase), time.perf_counter() - t0)
 
-    def _forward(self, st: _StepState, layer: int) -> None:
-        x = self._input_buffer(st.batch, layer)
-        if layer == 0:
-            x[: st.inputs[0].numel()] = st.inputs.reshape(st.batch, -1).T.to(self.dtype)
+    def _forward(self, st: _StepState, layer: int, part: str) -> None:
+        sl, clock = self.slices[layer], time.perf_counter
+        t0 = clock()
+        if part == "joined":
+            x = self._joined_input(st, layer)
+        elif part != "boundary":
+            x = self._fill_input(st, layer, halo=part == "all")
         else:
-            x.index_copy_(0, self._owned_t[layer - 1], st.outs[layer - 1].detach())
-            for s, units in self.recvs[layer].items():
-                x.index_copy_(0, units, self._halo(layer, "forward", s, st.batch))
-            x.requires_grad_(True)
-            st.leaves[layer] = x
-        st.outs[layer] = self.slices[layer](x)
+            x = st.leaves[layer]
+            with torch.no_grad():  # the halo, into the buffer the interior part already read
+                self._fill_halo(st, layer, self._input_buffer(st.batch, layer))
+        t1 = clock()
+        if part in ("all", "joined"):
+            st.outs[layer] = sl(x)
+        elif part == "interior":
+            st.pieces[layer] = sl.compute(x, "interior")
+        else:
+            st.outs[layer] = sl.place(st.pieces.pop(layer) + sl.compute(x, "boundary"), True, x)
+        st.prof["fill"] += t1 - t0
+        st.prof["slice"] += clock() - t1
 
-    def _backward(self, st: _StepState, layer: int) -> None:
-        out = st.outs[layer]
-        if out.requires_grad:  # False for a parameter-free layer 0, or no owned units
-            torch.autograd.backward(out, st.grad[layer])
+    def _fill_input(self, st: _StepState, layer: int, halo: bool) -> torch.Tensor:
+        """The layer's input buffer (reused across steps) with the owned units of the layer
+        below (and, with `halo`, the halo): a fresh autograd leaf over it. A dense first
+        layer reads the batch itself, transposed (a view: no copy)."""
+        if layer == 0:
+            flat = st.inputs.reshape(st.batch, -1).T.to(self.dtype)
+            if self.spec.layers[0].kind == "dense":
+                return flat
+            buf = self._input_buffer(st.batch, layer)
+            buf[: flat.shape[0]] = flat
+            return buf
+        buf = self._input_buffer(st.batch, layer)
+        self._owned_t[layer - 1].put_(buf, st.outs[layer - 1].detach())
+        if halo:
+            self._fill_halo(st, layer, buf)
+        x = buf.detach().requires_grad_(True)
+        st.leaves[layer] = x
+        return x
+
+    def _joined_input(self, st: _StepState, layer: int) -> torch.Tensor:
+        """The layer's input as a function of the layer below's outputs (one autograd graph):
+        no leaf, no copy into a buffer when this worker owns the whole layer below."""
+        prev = st.outs[layer - 1]
+        buf = self._input_buffer(st.batch, layer)
+        n = buf.shape[0] - 2
+        if len(self.owned[layer - 1]) == n:  # every unit, in order
+            if self.spec.layers[layer].kind == "dense":  # reads no padding rows
+                return prev
+            return torch.cat([prev, buf[n:]])
+        return buf.index_copy(0, self._owned_t[layer - 1].index, prev)
+
+    def _fill_halo(self, st: _StepState, layer: int, buf: torch.Tensor) -> None:
+        """Copy received halo into the input buffer (contiguous ones were received there)."""
+        for s, units in self.recvs[layer].items():
+            if units.span is None:
+                units.put_(buf, self._halo(layer, "forward", s, st.batch))
+
+    def _backward(self, st: _StepState, layer: int, part: str) -> None:
+        clock = time.perf_counter
+        t0 = clock()
+        if part == "through":  # joined to the layer below: its backward computes this one too
+            root = st.pending or (st.outs[layer], st.grad.get(layer), [])
+            st.pending = (root[0], root[1], root[2] + self._params[layer])
+            return
+        if part == "weights":
+            out, grad, params = st.roots.pop(layer)
+            if out.requires_grad and params:
+                torch.autograd.backward(out, grad, inputs=params)
+            st.prof["slice"] += clock() - t0
+            return
+        out, grad, params = st.pending or (st.outs[layer], st.grad.get(layer), [])
+        params = params + self._params[layer]
+        st.pending = None
+        leaf = st.leaves.get(layer)
+        live = out.requires_grad  # False for a parameter-free start, or no owned units
+        gx = None
+        if part == "input" and live:
+            (gx,) = torch.autograd.grad(out, leaf, grad, retain_graph=True)
+            st.roots[layer] = (out, grad, params)
+        elif live:
+            torch.autograd.backward(out, grad)
+            gx = leaf.grad if leaf is not None else None
+        t1 = clock()
+        st.prof["slice"] += t1 - t0
         if layer == 0:
             return
-        leaf = st.leaves[layer]
-        gx = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-        st.grad[layer - 1] = rows(gx, self._owned_t[layer - 1])
-        st.back[layer] = {s: rows(gx, units) for s, units in self.recvs[layer].items()}
+        gx = gx if gx is not None else torch.zeros_like(leaf)
+        st.grad[layer - 1] = self._owned_t[layer - 1].take(gx)
+        st.back[layer] = {s: units.take(gx) for s, units in self.recvs[layer].items()}
+        st.prof["fill"] += clock() - t1
 
     def _send(self, st: _StepState, ins: Instruction) -> None:
         t0 = time.perf_counter()
         if ins.phase == "forward":
-            payload = rows(st.outs[ins.layer - 1].detach(), self.sends[ins.layer][ins.peer])
+            payload = self.sends[ins.layer][ins.peer].take(st.outs[ins.layer - 1].detach())
         else:
             payload = st.back[ins.layer][ins.peer]
-        self._post(st, ins, st.transport.send, payload, st.sent, t0)
+        st.prof["fill"] += time.perf_counter() - t0
+        self._post(st, ins, st.transport.send, payload, st.sent)
 
     def _recv(self, st: _StepState, ins: Instruction) -> None:
-        t0 = time.perf_counter()
-        buf = self._halo(ins.layer, ins.phase, ins.peer, st.batch)
-        self._post(st, ins, st.transport.recv, buf, st.received, t0)
+        buf = None
+        if ins.phase == "forward":  # a contiguous halo lands in the input buffer itself
+            buf = self.recvs[ins.layer][ins.peer].view_in(self._input_buffer(st.batch, ins.layer))
+        if buf is None:
+            buf = self._halo(ins.layer, ins.phase, ins.peer, st.batch)
+        self._post(st, ins, st.transport.recv, buf, st.received)
 
-    def _post(self, st: _StepState, ins: Instruction, post, tensor, book, t0: float) -> None:
-        """Post one message of (layer, phase); count its bytes, and its time since `t0`."""
+    def _post(self, st: _StepState, ins: Instruction, post, tensor, book) -> None:
+        """Post one message of (layer, phase); count its bytes and the time posting took."""
+        t0 = time.perf_counter()
         tag = 2 * ins.layer + (ins.phase == "backward")
         key = (ins.layer, ins.phase)
+        st.first_post.setdefault(key, t0)
         st.posted.setdefault(key, []).append(post(tag, ins.peer, tensor))
         _add(book, key, tensor.numel() * tensor.element_size())
-        _add(st.exchange, key, time.perf_counter() - t0)
+        spent = time.perf_counter() - t0
+        _add(st.exchange, key, spent)
+        st.prof["post"] += spent
 
     def _wait(self, st: _StepState, ins: Instruction) -> None:
+        key = (ins.layer, ins.phase)
         t0 = time.perf_counter()
-        st.transport.wait(st.posted.pop((ins.layer, ins.phase)))
+        st.transport.wait(st.posted.pop(key))
+        t1 = time.perf_counter()
         if ins.phase == "backward":  # the gradients owed to this worker's units of layer - 1
             grad = st.grad[ins.layer - 1]
             for d, pos in self.sends[ins.layer].items():
-                grad.index_add_(0, pos, self._halo(ins.layer, "backward", d, st.batch))
-        _add(st.exchange, (ins.layer, ins.phase), time.perf_counter() - t0)
+                pos.add_(grad, self._halo(ins.layer, "backward", d, st.batch))
+        st.prof["wait"] += t1 - t0
+        st.prof["fill"] += time.perf_counter() - t1
+        _add(st.exchange, key, t1 - t0)
+        st.hidden[key] = max(0.0, t1 - st.first_post[key] - st.exchange[key])
 
     def _loss(self, st: _StepState, ins: Instruction) -> None:
         t0 = time.perf_counter()
-        st.loss, st.grad[ins.layer], st.accuracy = self._loss_and_grad(
-            st.outs[ins.layer], st.targets, st.transport
-        )
-        st.exchange[(ins.layer + 1, "loss")] = time.perf_counter() - t0
+        if st.transport.size == 1:  # the loss joins the graph: one backward call from it
+            root = self._loss_alone(st, st.outs[ins.layer])
+            st.pending = (root, None, [])
+        else:
+            st.loss, st.grad[ins.layer], st.accuracy, st.stop = self._loss_and_grad(
+                st.outs[ins.layer], st.targets, st.transport, st.flag
+            )
+        spent = time.perf_counter() - t0
+        st.exchange[(ins.layer + 1, "loss")] = spent
+        st.prof["loss"] += spent
 
     # ---- buffers ---------------------------------------------------------------------------
     def _input_buffer(self, batch: int, layer: int) -> torch.Tensor:
-        """Input buffer [n + 2, B]: row n is zero padding, row n + 1 is -inf padding."""
-        n = self.spec.input_shape(layer).size
-        x = torch.zeros(n + 2, batch, dtype=self.dtype)
-        x[n + 1] = float("-inf")
-        return x
+        """Layer `layer`'s input buffer [n + 2, B], allocated once per batch size: row n is
+        zero padding, row n + 1 is -inf padding; other rows are rewritten every step (rows
+        this worker neither owns nor receives are never read)."""
+        key = ("input", layer, batch)
+        buf = self._buffers.get(key)
+        if buf is None:
+            n = self.spec.input_shape(layer).size
+            buf = self._buffers[key] = torch.zeros(n + 2, batch, dtype=self.dtype)
+            buf[n + 1] = float("-inf")
+        return buf
 
     def _halo(self, layer: int, phase: str, peer: int, batch: int) -> torch.Tensor:
         """The receive buffer of one message, sized by the schedule, allocated once.
@@ -252,36 +430,80 @@ class ModelWorker:
         return buf
 
     def _loss_and_grad(
-        self, logits: torch.Tensor, targets: torch.Tensor, transport: Transport
-    ) -> tuple[float, torch.Tensor, float | None]:
-        """The global loss, its gradient w.r.t. this worker's output units ([U, B]) and the
-        batch accuracy (a target logit equal to the global max counts as correct: no extra
-        message is needed)."""
+        self, logits: torch.Tensor, targets: torch.Tensor, transport: Transport, flag: float
+    ) -> tuple[float, torch.Tensor, float | None, bool]:
+        """The global loss, its gradient w.r.t. this worker's output units ([U, B]), the batch
+        accuracy and the replica's stop flag, from one all-gather of a few values per example.
+
+        Cross-entropy: each worker contributes, per example, its max logit, its sum of
+        exp(logit - max) and its target logit (-inf unless it owns the target's unit); the
+        log-sum-exp rule merges them exactly. A target logit equal to the global max counts as
+        correct (no extra message for accuracy).
+        """
         logits = logits.detach().T  # [B, U]
-        batch = logits.shape[0]
-        units = torch.from_numpy(self.owned[-1])
+        batch, n = logits.shape
+        if self.spec.loss != "cross_entropy":
+            return self._mse(logits, targets, transport, flag)
+        if targets.shape != (batch,):
+            raise ShapeMismatchError(f"targets must be [{batch}] class ids, got {targets.shape}")
+        # Small arrays: numpy's operations cost a microsecond, torch's several.
+        pos = self._target_slot_np[targets.numpy()]  # the target's column here, n if another's
+        padded = np.full((batch, n + 1), -np.inf, dtype=logits.numpy().dtype)
+        padded[:, :n] = logits.numpy()
+        local_max = padded.max(axis=1)
+        exps = np.exp(padded - local_max[:, None]) if n else np.zeros_like(padded)
+        mine = np.concatenate(
+            [local_max, exps.sum(axis=1), padded[np.arange(batch), pos], [flag]]
+        ).astype(padded.dtype)
+        gathered = self._gather(transport, torch.from_numpy(mine)).numpy()
+        maxes, sums, targets_all = gathered[:, :-1].reshape(-1, 3, batch).transpose(1, 0, 2)
+        gmax = maxes.max(axis=0)
+        with np.errstate(invalid="ignore"):  # a worker with no outputs sends -inf and 0
+            lse = gmax + np.log(np.nansum(sums * np.exp(maxes - gmax), axis=0))
+        target_logit = targets_all.max(axis=0)  # exactly one worker owns each target
+        loss = float((lse - target_logit).mean())
+        accuracy = float((target_logit >= gmax).mean())
+        stop = bool(gathered[:, -1].max() > 0)
+        if not n:
+            return loss, logits.new_zeros(0, batch), accuracy, stop
+        grad = exps * np.exp(local_max - lse)[:, None]  # softmax over all workers
+        grad[np.arange(batch), pos] -= 1.0
+        grad = torch.from_numpy(grad[:, :n] / batch)
+        return loss, grad.T, accuracy, stop
+
+    def _loss_alone(self, st: _StepState, out: torch.Tensor) -> torch.Tensor:
+        """One worker holds every output (in order): the reference's own loss on them, kept
+        in the autograd graph; sets the step's loss, accuracy and stop flag."""
+        logits = out.T
         if self.spec.loss == "cross_entropy":
-            if targets.shape != (batch,):
+            if st.targets.shape != (st.batch,):
                 raise ShapeMismatchError(
-                    f"targets must be [{batch}] class ids, got {targets.shape}"
+                    f"targets must be [{st.batch}] class ids, got {st.targets.shape}"
                 )
-            local_max = (
-                logits.amax(dim=1) if logits.shape[1] else logits.new_full((batch,), -torch.inf)
-            )
-            gmax = transport.all_reduce(local_max.clone(), "max")
-            mine = targets[:, None] == units[None, :]  # [B, |U|]
-            # One all-reduce for both sums: [sum of exponentials; target logit].
-            sums = torch.stack(
-                [torch.exp(logits - gmax[:, None]).sum(dim=1), (logits * mine).sum(dim=1)]
-            )
-            sumexp, target_logit = transport.all_reduce(sums, "sum")
-            lse = gmax + torch.log(sumexp)
-            loss = (lse - target_logit).mean()
-            grad = (torch.exp(logits - lse[:, None]) - mine.to(logits.dtype)) / batch
-            accuracy = float((target_logit >= gmax).to(torch.float64).mean())
-            return float(loss), grad.T, accuracy
+            loss = torch.nn.functional.cross_entropy(logits, st.targets)
+            if st.want_accuracy:
+                with torch.no_grad():
+                    target = logits.gather(1, st.targets[:, None]).squeeze(1)
+                    st.accuracy = (target >= logits.amax(dim=1)).double().mean().item()
+        else:
+            want = st.targets.reshape(st.batch, -1).to(self.dtype)
+            loss = torch.nn.functional.mse_loss(logits, want)
+        st.loss, st.stop = loss.item(), st.flag > 0
+        return loss
+
+    def _mse(self, logits, targets, transport, flag):
+        batch = logits.shape[0]
         n_out = self.spec.shapes[-1].size
-        t = targets.reshape(batch, -1).to(self.dtype)[:, units]
+        t = targets.reshape(batch, -1).to(self.dtype)[:, self._owned_t[-1].index]
         diff = logits - t
-        total = transport.all_reduce((diff * diff).sum().reshape(1), "sum")
-        return float(total[0] / (batch * n_out)), (2.0 * diff / (batch * n_out)).T, None
+        mine = torch.stack([(diff * diff).sum(), torch.tensor(flag, dtype=diff.dtype)])
+        gathered = self._gather(transport, mine)
+        loss = float(gathered[:, 0].sum() / (batch * n_out))
+        return loss, (2.0 * diff / (batch * n_out)).T, None, bool(gathered[:, 1].amax() > 0)
+
+    @staticmethod
+    def _gather(transport: Transport, values: torch.Tensor) -> torch.Tensor:
+        """[workers, n]: every worker's values (no message at all for one worker)."""
+        if transport.size == 1:
+            return values[None]
+        return transport.all_gather(values)

@@ -35,7 +35,7 @@ from netpart.partition.planner import PartitionPlan
 from netpart.partition.schedule import plan_schedule
 from netpart.partition.shards import ShardLayout
 from netpart.ps.server import ShardServer
-from netpart.runtime.launcher import join_group
+from netpart.runtime.launcher import join_group, yield_io_threads
 from netpart.train.config import TrainConfig
 from netpart.train.placement import Placement, place
 from netpart.train.replica import ReplicaJob, run_worker
@@ -116,6 +116,7 @@ def play_role(
     ]
     shard_ranks = [placement.shard_rank(s) for s in range(config.shards)]
     shard_group = dist.new_group(shard_ranks, timeout=halo_timeout)
+    yield_io_threads()  # the new groups' I/O threads
     graph, schedule = plan_schedule(spec, plan, validate=False)  # the launcher validated
     layout = ShardLayout.build(graph, plan.node_map, plan.workers, config.shards)
     kind, a, b = placement.roles[rank]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -36,7 +37,6 @@ __all__ = [
     "DTYPES",
     "GradBuffers",
     "ReplicaJob",
-    "flat_grads",
     "load_values",
     "push_due",
     "run_worker",
@@ -65,12 +65,13 @@ class ReplicaJob:
     start: int = 0
 
     def build(self) -> tuple[ModelWorker, list[torch.Tensor], GlooTransport, ShardClient]:
-        """The worker's model slices, its parameter tensors, its transport and its client."""
+        """The worker's model slices, its parameter values (one tensor per piece, in layout
+        order), its transport and its client."""
         dtype = DTYPES[self.config.dtype]
         model = ModelWorker(
             self.spec, self.graph, self.schedule, self.worker, self.config.seed, dtype
         )
-        tensors = [t for s in model.slices for t in s.param_tensors()]
+        tensors = model.param_tensors()
         if sum(t.numel() for t in tensors) != self.layout.worker_size(self.worker):
             raise RuntimeError(f"worker {self.worker}: slices and shard layout disagree on sizes")
         transport = GlooTransport(self.group, ranks=self.placement.replica_ranks(self.replica))
@@ -87,7 +88,7 @@ def run_worker(
     config, replica = job.config, job.replica
     model, tensors, transport, client = job.build()
     faults.point(job.rank, 0)
-    grads = GradBuffers(tensors, DTYPES[config.dtype])
+    grads = GradBuffers(model, DTYPES[config.dtype])
     data = load_data(config.data, job.spec, config.seed, config.examples)
     sync = config.mode == "sync"
     warm = config.warm_start if (replica > 0 and not sync and job.start < config.warm_start) else 0
@@ -100,10 +101,6 @@ def run_worker(
     clock = time.perf_counter
     try:
         for t in range(job.start + 1, config.steps + 1):
-            if _agreed(stop, transport, job.layout.workers):
-                log.info("stopping before step %d", t)
-                t -= 1
-                break
             faults.point(job.rank, t)
             t0 = clock()
             fresh = client.take()
@@ -112,10 +109,14 @@ def run_worker(
             t1 = clock()
             x, y = data.batch(replica, config.replicas, t, config.batch, DTYPES[config.dtype])
             t2 = clock()
-            result = model.step(x, y, transport, collect_grads=False)
+            # A signal reaches a replica's workers at different moments: the flag travels with
+            # the loss's collective, so they all stop after the same step.
+            result = model.step(
+                x, y, transport, collect_grads=False, stop=stop.is_set(), accuracy=job.worker == 0
+            )
             t3 = clock()
             unpushed += 1
-            pushed = sync or push_due(t, config.n_push, config.push_norm, tensors)
+            pushed = sync or push_due(t, config.n_push, config.push_norm, grads.flat)
             if pushed:
                 grads.pushed(client, client.push(grads.flat, t))
                 unpushed = 0
@@ -131,6 +132,9 @@ def run_worker(
                 line = metrics.line(t, result, client.staleness, times, pushed, fetched)
                 if on_step is not None:
                     on_step(line)
+            if result.stop:
+                log.info("stopping after step %d", t)
+                break
         if unpushed:
             client.push(grads.flat, t)
         client.close()
@@ -149,11 +153,14 @@ class _Metrics:
         self.size = size
         self.halo_bytes = 2 * halo_values * job.config.batch * size  # fwd + bwd, all workers
         self.ps_values = sum(job.layout.worker_size(w) for w in range(job.layout.workers))
-        self.file = (job.run / f"metrics_replica{job.replica}.jsonl").open("a")
+        path = job.run / f"metrics_replica{job.replica}.jsonl"
+        # One unbuffered append per line (one write call, a few microseconds): a line is on
+        # disk as soon as its step is done, even if the process dies right after.
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def line(self, step, result, staleness, times, pushed, fetched) -> dict:
         take_s, data_s, step_s, ps_s = times
-        halo_s = sum(result.exchange_s.values())
+        halo_s = sum(result.exchange_s.values())  # exposed: posting, waiting, the loss
         line = {
             "step": step,
             "replica": self.replica,
@@ -170,43 +177,34 @@ class _Metrics:
             "halo_bytes": self.halo_bytes,
             "ps_bytes": (int(pushed) + int(fetched)) * self.ps_values * self.size,
         }
-        self.file.write(json.dumps(line) + "\n")
-        self.file.flush()
+        os.write(self.fd, (json.dumps(line) + "\n").encode())
         return line
 
     def close(self) -> None:
-        self.file.close()
+        os.close(self.fd)
 
 
-def push_due(step: int, n_push: int, push_norm: float, tensors: list[torch.Tensor]) -> bool:
+def push_due(step: int, n_push: int, push_norm: float, grads: torch.Tensor) -> bool:
     """Downpour: push every `n_push` steps, and sooner once the accumulated gradient's L2
     norm reaches `push_norm` (when > 0): small gradients wait, large ones go at once."""
     if step % n_push == 0:
         return True
     if push_norm <= 0:
         return False
-    square = sum(float(t.grad.square().sum()) for t in tensors if t.grad is not None)
-    return square >= push_norm * push_norm
-
-
-def _agreed(stop: threading.Event, transport: GlooTransport, workers: int) -> bool:
-    """Whether the replica stops now: a signal reaches its workers at different moments, so
-    they agree (one all-reduce of a flag) lest one leave another waiting in an exchange."""
-    if workers == 1:
-        return stop.is_set()
-    flag = torch.tensor([1.0 if stop.is_set() else 0.0])
-    return bool(transport.all_reduce(flag, "max")[0] > 0)
+    return float(grads.square().sum()) >= push_norm * push_norm
 
 
 class GradBuffers:
     """Two flat gradient buffers in the worker's piece order; every parameter's `.grad` is a
     view of the current one, so backward accumulates straight into what a push sends (no
     gather, no allocation per step). After a push the other buffer becomes current: zeroed
-    once the client has sent what it held, never while it still reads it."""
+    once the client has sent what it held, never while it still reads it. `model` binds
+    the views (`ModelWorker.bind_grads`, or any object with the same method and
+    `param_tensors`)."""
 
-    def __init__(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> None:
-        self.tensors = tensors
-        size = sum(t.numel() for t in tensors)
+    def __init__(self, model, dtype: torch.dtype) -> None:
+        self.model = model
+        size = sum(t.numel() for t in model.param_tensors())
         self.buffers = [torch.zeros(size, dtype=dtype) for _ in range(2)]
         self.sent: list[threading.Event | None] = [None, None]
         self.current = 0
@@ -226,15 +224,7 @@ class GradBuffers:
         self._bind()
 
     def _bind(self) -> None:
-        for t, view in zip(self.tensors, _views(self.flat, self.tensors), strict=True):
-            t.grad = view
-
-
-def flat_grads(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The tensors' gradients end to end (zeros where a tensor has none)."""
-    return torch.cat(
-        [(t.grad if t.grad is not None else torch.zeros_like(t)).reshape(-1) for t in tensors]
-    )
+        self.model.bind_grads(self.flat)
 
 
 @torch.no_grad()
@@ -247,7 +237,6 @@ def load_values(tensors: list[torch.Tensor], flat: torch.Tensor | None) -> None:
 
 
 def _views(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """`flat` (the tensors' values end to end, as `flat_grads` lays them) cut into views
-    shaped like each tensor."""
+    """`flat` (the tensors' values end to end) cut into views shaped like each tensor."""
     parts = flat.split([t.numel() for t in tensors])
     return [v.view_as(t) for v, t in zip(parts, tensors, strict=True)]

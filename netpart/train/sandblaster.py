@@ -43,7 +43,7 @@ from netpart.ps.protocol import (
 )
 from netpart.train.lbfgs import LBFGSDriver
 from netpart.train.placement import Placement
-from netpart.train.replica import DTYPES, ReplicaJob, flat_grads, load_values
+from netpart.train.replica import DTYPES, ReplicaJob, load_values
 
 __all__ = ["Coordinator", "RemoteShards", "run_coordinator", "run_unit_worker"]
 
@@ -268,7 +268,7 @@ def run_unit_worker(job: ReplicaJob) -> None:
         x, y = data.examples(part, DTYPES[config.dtype])
         model.zero_grad()
         result = model.step(x, y, transport, collect_grads=False)
-        client.push(flat_grads(tensors) * (len(part) / config.batch), unit, extra=ev)
+        client.push(model.flat_grads() * (len(part) / config.batch), unit, extra=ev)
         if worker == 0:
             done = header(Kind.DONE, rank, 0, unit, 0, replica, ev)
             dist.send(done, coordinator, tag=TAG_DONE)

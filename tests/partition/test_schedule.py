@@ -13,9 +13,10 @@ from netpart.partition.schedule import Instruction, build_schedule, check_progra
 from tests.conftest import small_specs
 
 
-def _schedule(spec, workers, method="metis"):
+def _schedule(spec, workers, method="metis", split_min_flops=0.0):
     p = plan(spec, workers, method, granularity=Granularity(spatial_blocks=8, dense_blocks=4))
-    return build_schedule(build_unit_graph(spec, p.granularity), p.node_map, workers)
+    graph = build_unit_graph(spec, p.granularity)
+    return build_schedule(graph, p.node_map, workers, split_min_flops=split_min_flops)
 
 
 @given(small_specs(), st.integers(1, 4), st.sampled_from(["metis", "random", "stripe"]))
@@ -27,6 +28,7 @@ def test_every_program_is_well_formed_and_its_messages_are_the_schedule(spec, wo
         program = sched.instructions(w)
         check_program(program, len(spec.layers), w)
         computed = [(i.layer, i.phase) for i in program if i.op == "compute"]
+        computed = [c for k, c in enumerate(computed) if k == 0 or c != computed[k - 1]]
         layers = range(len(spec.layers))
         assert computed == [(i, "forward") for i in layers] + [
             (i, "backward") for i in reversed(layers)
@@ -37,7 +39,7 @@ def test_every_program_is_well_formed_and_its_messages_are_the_schedule(spec, wo
             for lay, m in enumerate(sched.sends)
             for (s, d), u in m.items()
             if s == w
-        }  # noqa: E501
+        }
         assert {k: v for k, v in sends.items() if k[1] == "forward"} == want
 
 
@@ -69,3 +71,32 @@ def test_a_program_out_of_order_is_refused():
         with pytest.raises(ScheduleError, match=message):
             check_program(bad, layers, 0)
     check_program(program, layers, 0)  # the real one passes
+
+
+def test_overlap_programs_split_what_they_can_and_join_what_exchanges_nothing():
+    spec = ZOO["tiny-local"]  # local pool lcn local dense
+    sched = _schedule(spec, 2, "tiles")
+    parts = {(i.layer, i.phase): set() for i in sched.instructions(0)}
+    for i in sched.instructions(0):
+        if i.op == "compute":
+            parts[(i.layer, i.phase)].add(i.part)
+    assert parts[(1, "forward")] == {"joined"} and parts[(1, "backward")] == {"through"}
+    assert parts[(3, "forward")] == {"interior", "boundary"}
+    assert parts[(3, "backward")] == {"input", "weights"}
+    assert parts[(4, "forward")] == {"all"}  # a dense layer reads every unit: never split
+    small = _schedule(spec, 2, "tiles", split_min_flops=1e9)  # too little work to split
+    assert {i.part for i in small.instructions(0) if i.op == "compute"} == {
+        "all",
+        "joined",
+        "through",
+    }
+    plain = dataclasses.replace(sched, overlap=False)
+    assert all(i.part == "all" for i in plain.instructions(0) if i.op == "compute")
+    for bad_part, at in (("joined", 3), ("through", 3)):  # layer 3 has messages
+        program = plain.instructions(0)
+        k = next(k for k, i in enumerate(program) if i.op == "compute" and i.layer == at)
+        phase = program[k].phase
+        with pytest.raises(ScheduleError, match=r"joined|through|messages"):
+            check_program(
+                _broken(program, k, part=bad_part if phase == "forward" else "through"), 5, 0
+            )

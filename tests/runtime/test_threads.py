@@ -4,6 +4,8 @@ Workers run as threads over the in-process transport here, so hypothesis can try
 and plans; tests/test_runtime_processes.py runs the same worker code over gloo in processes.
 """
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -13,9 +15,11 @@ from hypothesis import strategies as st
 from netpart.errors import ScheduleError, ShapeMismatchError
 from netpart.models import ZOO, build_reference
 from netpart.partition import Granularity, build_unit_graph, plan
-from netpart.partition.schedule import build_schedule
+from netpart.partition.schedule import build_schedule, plan_schedule
+from netpart.partition.shards import ShardLayout
 from netpart.runtime.check import make_batch
-from netpart.runtime.inprocess import run_step_threads
+from netpart.runtime.inprocess import ThreadTransport, run_step_threads
+from netpart.runtime.worker import ModelWorker
 from tests.conftest import small_specs
 
 METHODS = ["metis", "tiles", "spatial", "stripe", "layers", "round-robin", "random"]
@@ -72,6 +76,23 @@ def test_partitioned_step_equals_reference(spec, workers, method, batch, seed):
     )
 
 
+@given(
+    small_specs(),
+    st.integers(2, 4),
+    st.sampled_from(METHODS),
+    st.integers(1, 3),
+    st.booleans(),
+)
+@settings(max_examples=40, deadline=None)
+def test_every_split_of_the_program_equals_the_reference(spec, workers, method, batch, overlap):
+    """Programs that split every layer they can (interior/boundary forward, input/weights
+    backward) and join the rest, and programs that never do: the same step, exactly."""
+    p = plan(spec, workers, method, granularity=Granularity(spatial_blocks=8, dense_blocks=4))
+    x, y = make_batch(spec, batch, 7)
+    result = run_step_threads(spec, p, x, y, overlap=overlap, split_min_flops=0.0)
+    assert_equal_to_reference(spec, result, x, y)
+
+
 @pytest.mark.parametrize(("name", "workers"), [("tiny-local", 4), ("tiny-mlp", 3)])
 def test_zoo_models_at_default_granularity(name, workers):
     spec = ZOO[name]
@@ -112,3 +133,33 @@ def test_validator_rejects_unpaired_and_mismatched_messages():
     )
     with pytest.raises(ScheduleError, match="does not own"):
         bad.validate()
+
+
+def test_bound_gradients_are_the_collected_ones_in_layout_order():
+    """Backward accumulates into one flat buffer in the shard layout's piece order (what a
+    push sends), also for locally connected slices whose runs are separate leaves."""
+    spec = ZOO["tiny-local"]
+    p = plan(spec, 2, "tiles")
+    graph, schedule = plan_schedule(spec, p, True, True, 0.0)  # split every layer it can
+    x, y = make_batch(spec, 3, 2)
+    transports = ThreadTransport.group(2)
+    flats, collected = [None, None], [None, None]
+
+    def work(rank):
+        worker = ModelWorker(spec, graph, schedule, rank, 0, torch.float64)
+        flat = torch.zeros(sum(t.numel() for t in worker.param_tensors()), dtype=torch.float64)
+        worker.bind_grads(flat)
+        for _ in range(2):  # gradients of two steps accumulate
+            worker.step(x, y, transports[rank], collect_grads=False)
+        flats[rank] = flat
+        collected[rank] = torch.cat([g.reshape(-1) for _, _, g in worker.collect_grads()])
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for rank in range(2):
+        assert flats[rank].abs().sum() > 0 and torch.equal(flats[rank], collected[rank])
+        layout = ShardLayout.build(graph, p.node_map, 2, 2)
+        assert flats[rank].numel() == layout.worker_size(rank)

@@ -277,10 +277,9 @@ def test_eval_reports_held_out_digits_accuracy(tmp_path, capsys):
 def test_norm_triggered_pushes_and_dc_asgd_train(tmp_path):
     from netpart.train.replica import push_due
 
-    t = torch.zeros(4, requires_grad=True)
-    t.grad = torch.full((4,), 0.5)  # norm 1.0
-    assert push_due(5, 5, 0.0, [t]) and not push_due(4, 5, 0.0, [t])
-    assert push_due(4, 5, 1.0, [t]) and not push_due(4, 5, 1.01, [t])
+    grad = torch.full((4,), 0.5)  # norm 1.0
+    assert push_due(5, 5, 0.0, grad) and not push_due(4, 5, 0.0, grad)
+    assert push_due(4, 5, 1.0, grad) and not push_due(4, 5, 1.01, grad)
     p = plan(SPEC, 2, "metis")
     updates = {}
     for name, norm in (("eager", 1e-9), ("lazy", 1e9)):  # every step; every 5th step
@@ -301,7 +300,16 @@ def test_gradient_buffers_send_what_backward_accumulated_and_swap_only_once_sent
     from netpart.train.replica import GradBuffers
 
     params = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
-    grads = GradBuffers(params, torch.float32)
+
+    class Model:  # what a ModelWorker offers: its pieces, and where their gradients go
+        def param_tensors(self):
+            return params
+
+        def bind_grads(self, flat):
+            for p, view in zip(params, flat.split([12, 5]), strict=True):
+                p.grad = view.view_as(p)
+
+    grads = GradBuffers(Model(), torch.float32)
     for _ in range(2):  # two steps accumulate before a push
         (params[0].square().sum() + params[1].sum()).backward()
     first = grads.flat

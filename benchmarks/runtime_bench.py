@@ -150,7 +150,7 @@ def overlap(name: str, batch: int, steps: int, pairs: int) -> dict:
     spec = load_spec(name)
     with_, without = [], []
     for _ in range(pairs):
-        with_.append(_exposed(_run(spec, 2, batch, steps)))
+        with_.append(_exposed(_run(spec, 2, batch, steps, split=True)))
         without.append(_exposed(_run(spec, 2, batch, steps, overlap=False)))
     ratios = [a / b for a, b in zip(with_, without, strict=True)]
     return {

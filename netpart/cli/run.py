@@ -24,9 +24,15 @@ def register(sub) -> None:
     r.add_argument("--steps", type=positive_int, default=10, help="timed steps (default 10)")
     r.add_argument("--threads", type=positive_int, default=1, help="torch threads per worker")
     r.add_argument(
+        "--split",
+        action="store_true",
+        help="hide halo exchange behind interior compute (on by default only when a "
+        "replica's workers are on different hosts: on one host it costs what it hides)",
+    )
+    r.add_argument(
         "--no-overlap",
         action="store_true",
-        help="never hide halo exchange behind compute (to measure what overlap hides)",
+        help="neither split nor join layers (to measure what they change)",
     )
     r.add_argument(
         "--profile",
@@ -74,6 +80,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     result = run_step(
         spec, p, x.float(), y, seed=args.seed, dtype=torch.float32, timeout=args.timeout,
         threads=args.threads, steps=args.steps + warmup, overlap=not args.no_overlap,
+        split=args.split,
     )  # fmt: skip
     per_step = np.max(np.array(result.step_times), axis=0)[warmup:]
     measured = float(np.median(per_step))
@@ -97,6 +104,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             "batch": args.batch,
             "threads": args.threads,
             "overlap": not args.no_overlap,
+            "split": args.split,
             "step_s": per_step.tolist(),
             "step_s_median": measured,
             "predicted_step_s": predicted,

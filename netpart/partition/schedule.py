@@ -16,6 +16,7 @@ an order its data allows, and (with the plan) that volumes equal the plan's figu
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,7 @@ from netpart.partition.planner import PartitionPlan
 from netpart.partition.volume import coverage
 
 __all__ = [
+    "NO_SPLITS",
     "OPS",
     "SPLIT_MIN_FLOPS",
     "HaloSchedule",
@@ -101,12 +103,14 @@ class HaloSchedule:
     split_min_flops: float = 0.0
 
     def joined(self, worker: int, layer: int) -> bool:
-        """Whether layer `layer` exchanges nothing with or for `worker` in either direction:
-        then it reads the layer below inside one autograd graph (no leaf between them), and
-        its backward flows on without a call of its own."""
-        if not self.overlap or layer == 0:
+        """Whether `worker` owns every unit of the layer below `layer` and exchanges nothing
+        for `layer` in either direction: then `layer` reads the layer below inside one
+        autograd graph (no leaf, no copy), and its backward flows on without a call of its
+        own. Every layer of a lone worker is joined."""
+        if not self.overlap or layer == 0 or any(worker in pair for pair in self.sends[layer]):
             return False
-        return not any(worker in pair for pair in self.sends[layer])
+        below = self.owned[layer - 1]
+        return len(below[worker]) == sum(len(u) for u in below)
 
     def split_forward(self, worker: int, layer: int) -> bool:
         """Whether `worker` computes layer `layer` in two parts: interior units while the
@@ -337,6 +341,7 @@ def _owner_of_units(owned: tuple[np.ndarray, ...]) -> np.ndarray:
 
 
 SPLIT_MIN_FLOPS = 1e6  # per example: ~1.5 ms of work at batch 32 on one slow core
+NO_SPLITS = math.inf  # split_min_flops that splits nothing (workers on one host, loopback)
 
 
 def build_schedule(

@@ -128,11 +128,13 @@ class LayerSlice(nn.Module):
         raise NotImplementedError
 
     def place(self, pieces: list[torch.Tensor], split: bool, x: torch.Tensor) -> torch.Tensor:
-        """The pieces' rows (each [rows, ..., B]) in `units` order: [len(units), B]."""
+        """The pieces' rows (each [rows, ..., B]) in `units` order, activated: [len(units), B]
+        (the activation runs once on the whole output, not once per piece)."""
         if not pieces:
             return x[:0]
         batch = x.shape[1]
-        return rows(torch.cat([p.reshape(-1, batch) for p in pieces]), self._orders[split])
+        placed = rows(torch.cat([p.reshape(-1, batch) for p in pieces]), self._orders[split])
+        return activation(self.activation, placed)
 
     def param_tensors(self) -> list[torch.Tensor]:
         """This slice's parameter values, one tensor per piece, in the order of `pieces`
@@ -219,10 +221,7 @@ class _GroupedSlice(LayerSlice):
         # One gather per part, split into its runs: a gather's backward scatters into a
         # gradient the size of the whole input, once per gather, not once per run.
         patches = rows(x, self._gather_index(part, runs)).split([b - a for _, a, b in runs])
-        return [
-            activation(self.activation, self._run(patch, g, a, b))
-            for patch, (g, a, b) in zip(patches, runs, strict=True)
-        ]
+        return [self._run(patch, g, a, b) for patch, (g, a, b) in zip(patches, runs, strict=True)]
 
     def _gather_index(self, part: str, runs: list[tuple[int, int, int]]) -> torch.Tensor:
         index = self._gathers.get(part)
@@ -272,7 +271,7 @@ class LocalSlice(_GroupedSlice):
         runs = [self._atoms[k] for k in atoms]
         patches = rows(x, self._gather_index(part, runs)).split([b - a for _, a, b in runs])
         return [
-            activation(self.activation, torch.baddbmm(self.run_biases[k], self.run_weights[k], p))
+            torch.baddbmm(self.run_biases[k], self.run_weights[k], p)
             for k, p in zip(atoms, patches, strict=True)
         ]
 

@@ -27,7 +27,7 @@ from netpart.errors import WorkerFailure
 from netpart.files import load_plan, plan_files, write_files
 from netpart.models.spec import ModelSpec
 from netpart.partition.planner import PartitionPlan
-from netpart.partition.schedule import plan_schedule
+from netpart.partition.schedule import NO_SPLITS, SPLIT_MIN_FLOPS, plan_schedule
 from netpart.runtime.launcher import Processes, join_group
 from netpart.runtime.profile import thread_usage
 from netpart.runtime.result import StepResult, assemble, load_worker_result, save_worker_result
@@ -52,21 +52,25 @@ def run_step(
     threads: int = 1,
     steps: int = 1,
     overlap: bool = True,
+    split: bool = False,
     exchange_only: bool = False,
 ) -> StepResult:
     """One forward/backward step of `spec` partitioned by `plan`, in `plan.workers` processes.
 
     `threads` is torch's intra-op thread count per worker. With `steps` > 1 each worker repeats
     the step (gradients zeroed, a barrier before each) and reports per-step wall times and
-    profiles (`netpart.runtime.profile`); the result describes the last step. `overlap=False`
-    runs programs that never hide an exchange behind compute (for comparisons);
-    `exchange_only` runs only the programs' messages (step times only, no gradients).
+    profiles (`netpart.runtime.profile`); the result describes the last step. `split` lets
+    the programs hide halo exchange behind interior compute (off by default: these processes
+    share one host, where a halo is a memory copy on the same cores and hiding it costs as
+    much as it saves, docs/runtime.md); `overlap=False` runs programs that neither split nor
+    join layers (for comparisons); `exchange_only` runs only the programs' messages (step
+    times only, no gradients).
     """
     plan_schedule(spec, plan)  # refuse a foreign or corrupted plan before any process starts
     dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
     config = {
         "seed": seed, "dtype": dtype_name, "timeout": timeout, "threads": threads,
-        "overlap": overlap, "exchange_only": exchange_only,
+        "overlap": overlap, "split": split, "exchange_only": exchange_only,
     }  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="netpart-job-") as tmp:
         job = Path(tmp)
@@ -124,7 +128,9 @@ def _worker(job: Path) -> int:
     batch = torch.load(job / "batch.pt", weights_only=True)
     rank, _ = join_group(float(config["timeout"]))
     try:
-        graph, schedule = plan_schedule(spec, plan, False, config.get("overlap", True))  # validated
+        splits = SPLIT_MIN_FLOPS if config.get("split") else NO_SPLITS
+        overlap = config.get("overlap", True)
+        graph, schedule = plan_schedule(spec, plan, False, overlap, splits)  # validated
         worker = ModelWorker(spec, graph, schedule, rank, config["seed"], DTYPES[config["dtype"]])
         faults.point(rank, 0)
         transport = GlooTransport()

@@ -21,6 +21,7 @@ import torch
 from netpart.models.spec import ModelSpec
 from netpart.partition.planner import PartitionPlan
 from netpart.partition.schedule import plan_schedule
+from netpart.runtime.launcher import keep_freed_memory
 from netpart.runtime.slices import build_slice
 
 __all__ = ["SliceTimes", "measure_slices"]
@@ -57,6 +58,7 @@ def measure_slices(
 
     `on_slice(done, total)` reports progress. Restores the caller's torch thread count.
     """
+    keep_freed_memory()  # as every worker process does: no page faults in the timings
     graph, schedule = plan_schedule(spec, plan, validate=False)
     layers, workers = len(spec.layers), plan.workers
     fwd = np.zeros((layers, workers))

@@ -297,7 +297,8 @@ class ModelWorker:
 
     def _joined_input(self, st: _StepState, layer: int) -> torch.Tensor:
         """The layer's input as a function of the layer below's outputs (one autograd graph):
-        no leaf, no copy into a buffer when this worker owns the whole layer below."""
+        no leaf, no copy into a buffer when this worker owns the whole layer below, else the
+        owned rows written in place into a fresh alias of the reused buffer (no clone)."""
         prev = st.outs[layer - 1]
         buf = self._input_buffer(st.batch, layer)
         n = buf.shape[0] - 2
@@ -305,7 +306,7 @@ class ModelWorker:
             if self.spec.layers[layer].kind == "dense":  # reads no padding rows
                 return prev
             return torch.cat([prev, buf[n:]])
-        return buf.index_copy(0, self._owned_t[layer - 1].index, prev)
+        return buf.detach().index_copy_(0, self._owned_t[layer - 1].index, prev)
 
     def _fill_halo(self, st: _StepState, layer: int, buf: torch.Tensor) -> None:
         """Copy received halo into the input buffer (contiguous ones were received there)."""

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from netpart.files import load_plan
 from netpart.models.spec import ModelSpec
 from netpart.partition.planner import PartitionPlan
-from netpart.partition.schedule import plan_schedule
+from netpart.partition.schedule import NO_SPLITS, SPLIT_MIN_FLOPS, plan_schedule
 from netpart.partition.shards import ShardLayout
 from netpart.ps.server import ShardServer
 from netpart.runtime.launcher import join_group, yield_io_threads
@@ -117,9 +117,13 @@ def play_role(
     shard_ranks = [placement.shard_rank(s) for s in range(config.shards)]
     shard_group = dist.new_group(shard_ranks, timeout=halo_timeout)
     yield_io_threads()  # the new groups' I/O threads
-    graph, schedule = plan_schedule(spec, plan, validate=False)  # the launcher validated
-    layout = ShardLayout.build(graph, plan.node_map, plan.workers, config.shards)
     kind, a, b = placement.roles[rank]
+    # A replica whose workers share a host exchanges halos as memory copies on the cores that
+    # compute: splitting layers to hide them costs what it saves. Across hosts it pays.
+    across = kind == "worker" and len(placement.hosts_of_replica(a)) > 1
+    splits = SPLIT_MIN_FLOPS if across else NO_SPLITS
+    graph, schedule = plan_schedule(spec, plan, False, True, splits)  # the launcher validated
+    layout = ShardLayout.build(graph, plan.node_map, plan.workers, config.shards)
     if kind == "coordinator":
         stats = run_coordinator(config, placement, rank, job.run)
         (job.run / "coordinator.json").write_text(json.dumps(stats, indent=1))

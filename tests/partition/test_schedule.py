@@ -80,16 +80,16 @@ def test_overlap_programs_split_what_they_can_and_join_what_exchanges_nothing():
     for i in sched.instructions(0):
         if i.op == "compute":
             parts[(i.layer, i.phase)].add(i.part)
-    assert parts[(1, "forward")] == {"joined"} and parts[(1, "backward")] == {"through"}
+    assert parts[(1, "forward")] == {"all"}  # worker 0 owns only part of layer 0
+    alone = _schedule(spec, 1, "tiles")  # a lone worker joins every layer to the one below
+    assert [i.part for i in alone.instructions(0) if i.op == "compute"] == (
+        ["all"] + ["joined"] * 4 + ["through"] * 4 + ["all"]
+    )
     assert parts[(3, "forward")] == {"interior", "boundary"}
     assert parts[(3, "backward")] == {"input", "weights"}
     assert parts[(4, "forward")] == {"all"}  # a dense layer reads every unit: never split
     small = _schedule(spec, 2, "tiles", split_min_flops=1e9)  # too little work to split
-    assert {i.part for i in small.instructions(0) if i.op == "compute"} == {
-        "all",
-        "joined",
-        "through",
-    }
+    assert {i.part for i in small.instructions(0) if i.op == "compute"} == {"all"}
     plain = dataclasses.replace(sched, overlap=False)
     assert all(i.part == "all" for i in plain.instructions(0) if i.op == "compute")
     for bad_part, at in (("joined", 3), ("through", 3)):  # layer 3 has messages

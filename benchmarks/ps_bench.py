@@ -7,10 +7,10 @@
     loopback, where moving the bytes is a memory copy that keeps both cores busy, so the
     shard's update cannot hide behind it; then between two network namespaces over a link
     tbf-limited to each `--links` rate (emulated machines: the link, not the copy, is slow).
-(b) A replica's step time with Downpour (n_push = n_fetch = 1) vs the same replica whose
-    pushes and fetches never come due (the job still starts its shards, nothing moves):
-    bench-local (10M parameters) on 2 workers, 2 shards, Adagrad, batch 32 and 128, median
-    step over alternating runs. Shards share this machine's 2 cores with the workers.
+(b) A replica's step time with Downpour (n_push = n_fetch = 1, SGD) vs the same partitioned
+    step followed by plain SGD on each worker's own parameters, no parameter server:
+    bench-local (10M parameters) on 2 workers, 2 shards, batch 32 and 128, median step over
+    alternating runs. Shards share this machine's 2 cores with the workers.
 
     python benchmarks/ps_bench.py --out benchmarks/results/ps_bench.json   # links need root
 """
@@ -46,13 +46,13 @@ from netpart.ps import (
     ShardState,
     make_rule,
 )
+from netpart.runtime import run_step
+from netpart.runtime.check import make_batch
 from netpart.train import train
 from netpart.train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).parent))
-from runtime_bench import MID_LOCAL  # noqa: E402
 
 LINK_BURST = "1mb"  # token bucket of the emulated link: >= rate / HZ at 1 Gbit/s
 
@@ -97,9 +97,7 @@ def _peer(
         client = ShardClient(layout, 0, 0, 0, [1] + [-1] * 15, torch.float32)
         t0 = time.perf_counter()
         for step in range(1, iters + 1):
-            client.push(grads, step)
-            client.fetch()
-            got = client.take(wait=True)
+            got = client.complete(client.request(step, grads, fetch=True))
         ps_s.append(time.perf_counter() - t0)
         if optimizer == "sgd":  # every chunk of every push landed where it belongs
             want = -0.01 * iters * grads
@@ -177,19 +175,26 @@ def _median_step(run: Path, skip: int) -> float:
 
 
 def downpour_step(pairs: int, steps: int, batch: int) -> dict:
-    spec = MID_LOCAL
+    """Downpour's median step (the replica's loop: data, step, push and fetch, metrics) vs the
+    same partitioned step followed by plain SGD on each worker's own parameters, without a
+    parameter server (`run_step(sgd_lr=...)`: no data loading, no metrics, so the ratio
+    charges every cost of the training loop to the parameter server), alternating."""
+    spec = load_spec("bench-local")
     p = plan(spec, 2, "metis")
-    base = dict(replicas=1, shards=2, steps=steps, batch=batch, lr=0.01, timeout=60)
+    lr = 0.01
+    base = dict(replicas=1, shards=2, steps=steps, batch=batch, lr=lr, timeout=60)
+    config = TrainConfig(**base, optimizer="sgd")
+    x, y = make_batch(spec, batch, 0)
+    x = x.float()
     downpour, local, ratios = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(pairs):
             a = Path(tmp) / f"ps{i}"
-            b = Path(tmp) / f"none{i}"
-            train(spec, p, TrainConfig(**base), a)
-            never = steps + 1
-            train(spec, p, TrainConfig(**base, n_push=never, n_fetch=never), b)
+            train(spec, p, config, a)
+            alone = run_step(spec, p, x, y, dtype=torch.float32, steps=steps, sgd_lr=lr)
             downpour.append(_median_step(a, 3))
-            local.append(_median_step(b, 3))
+            per_step = [max(ts) for ts in zip(*alone.step_times, strict=True)]  # slower worker
+            local.append(statistics.median(per_step[3:]))
             ratios.append(downpour[-1] / local[-1])
     return {
         "model": spec.name,
@@ -197,8 +202,9 @@ def downpour_step(pairs: int, steps: int, batch: int) -> dict:
         "shards": 2,
         "batch": batch,
         "steps": steps,
+        "optimizer": "sgd",
         "downpour_step_s": downpour,
-        "no_ps_step_s": local,
+        "own_sgd_step_s": local,
         "ratios": ratios,
         "median_ratio": statistics.median(ratios),
     }

@@ -17,7 +17,19 @@ from netpart.errors import PlanError
 from netpart.models.spec import ModelSpec
 from netpart.partition.planner import PartitionPlan
 
-__all__ = ["load_plan", "plan_files", "write_atomic", "write_files"]
+__all__ = ["foreign_entries", "load_plan", "plan_files", "write_atomic", "write_files"]
+
+
+def foreign_entries(out_dir: Path, marker: str, forbidden: tuple[str, ...] = ()) -> list[str]:
+    """What makes `out_dir` unsafe to write a command's files into: nothing if it is missing,
+    empty, or holds `marker` (that command's own output) and none of `forbidden` (another
+    command's); else the names found there (at most five), for the refusal."""
+    if not out_dir.is_dir():
+        return []
+    names = sorted(p.name for p in out_dir.iterdir())
+    if not names or (marker in names and not set(forbidden) & set(names)):
+        return []
+    return names[:5]
 
 
 def write_atomic(path: Path, data: bytes) -> None:

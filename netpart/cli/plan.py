@@ -152,7 +152,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from netpart.files import plan_files, write_files
+    from netpart.files import foreign_entries, plan_files, write_files
     from netpart.models import load_spec
     from netpart.partition import Granularity, NetworkModel, build_unit_graph
     from netpart.partition.report import (
@@ -170,6 +170,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     options = _metis_choices(args)
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise PlanError(f"--out {args.out}: exists and is not a directory")
+    if args.out is not None and (found := foreign_entries(args.out, "plan.json", ("train.json",))):
+        raise PlanError(
+            f"--out {args.out}: not empty and not a plan directory (holds {', '.join(found)}); "
+            "choose a new or empty directory"
+        )
     granularity = Granularity.for_workers(args.workers, args.blocks_per_worker)
     common = {"seed": args.seed, "batch": args.batch, "network": network}
     plans = _make_plans(spec, args, options, {**common, "granularity": granularity})

@@ -221,17 +221,38 @@ def _job(args):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    spec, p, config, run = _job(args)
     if os.environ.get("RANK") is not None and os.environ.get("TORCHELASTIC_RUN_ID"):
+        spec, p, config, run = _job(args)
         from netpart.train.launch import train_under_torchrun
 
         code = train_under_torchrun(spec, p, config, run, args.resume is not None, echo)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)  # peers' gloo threads may still block: do not wait for them
+    from netpart.runtime.zygote import Preloaded
+
+    # The interpreter that will fork the job's processes imports torch while this one plans.
+    with Preloaded("netpart.train.process", new_session=True) as preloaded:
+        spec, p, config, run = _job(args)
+        summary = _train_here(args, spec, p, config, run, preloaded)
+    for r in sorted(summary.final_loss):
+        echo(f"replica {r}: step {summary.steps[r]}, loss {summary.final_loss[r]:.4g}")
+    for r, why in summary.lost.items():
+        echo(f"replica {r} was lost: {why}")
+    if summary.held_out:
+        from netpart.train.launch import held_out_line
+
+        echo(held_out_line(summary.held_out, config.data))
+    echo(f"wrote {run}/model.pt and shard checkpoints ({summary.wall_s:.1f} s); "
+         f"report: {run}/report.md")  # fmt: skip
+    return 130 if summary.stopped else 0
+
+
+def _train_here(args, spec, p, config, run, preloaded):
+    """`train` on this machine behind a progress bar; the summary."""
     from tqdm import tqdm
 
-    from netpart.train.launch import held_out_line, postfix, train
+    from netpart.train.launch import postfix, train
 
     if run.exists() and not run.is_dir():
         raise TrainError(f"--out {run}: exists and is not a directory")
@@ -252,16 +273,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                 bar.set_postfix_str(postfix(stats), refresh=False)
             bar.refresh()
 
-        summary = train(spec, p, config, run, resume=args.resume is not None, on_progress=progress)
-    for r in sorted(summary.final_loss):
-        echo(f"replica {r}: step {summary.steps[r]}, loss {summary.final_loss[r]:.4g}")
-    for r, why in summary.lost.items():
-        echo(f"replica {r} was lost: {why}")
-    if summary.held_out:
-        echo(held_out_line(summary.held_out, config.data))
-    echo(f"wrote {run}/model.pt and shard checkpoints ({summary.wall_s:.1f} s); "
-         f"report: {run}/report.md")  # fmt: skip
-    return 130 if summary.stopped else 0
+        resume = args.resume is not None
+        return train(spec, p, config, run, resume, on_progress=progress, preloaded=preloaded)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

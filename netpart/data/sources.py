@@ -19,6 +19,7 @@ Where no test arrays are given, a fixed 20% (a permutation seeded 12345, not --s
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,19 +64,38 @@ class Dataset:
         return x.numpy(), y.numpy()
 
     def indices(self, replica: int, replicas: int, step: int, batch: int) -> np.ndarray:
-        """Example ids of replica `replica`'s batch at `step` (1-based)."""
-        own = np.arange(replica, self.n, replicas)
-        if len(own) == 0:
+        """Example ids of replica `replica`'s batch at `step` (1-based): the replica owns ids
+        replica, replica + replicas, ... and walks a fresh shuffle of them every epoch."""
+        count = len(range(replica, self.n, replicas))
+        if count == 0:
             raise DataError(f"{self.source}: {self.n} examples cannot feed {replicas} replicas")
-        pos = (step - 1) * batch + np.arange(batch)
-        epoch, within = np.divmod(pos, len(own))
-        out = np.empty(batch, dtype=np.int64)
-        for e in np.unique(epoch):  # at most two epochs per batch
-            gen = np.random.default_rng([self.seed, replica, int(e)])
-            order = gen.permutation(len(own))
-            sel = epoch == e
-            out[sel] = own[order[within[sel]]]
-        return out
+        epoch, within = divmod((step - 1) * batch, count)
+        if within + batch <= count:  # the batch lies in one epoch (the usual case)
+            k = self._order(replica, count, epoch)[within : within + batch]
+        else:
+            pos = (step - 1) * batch + np.arange(batch)
+            epochs, at = np.divmod(pos, count)
+            k = np.empty(batch, dtype=np.int64)
+            for e in np.unique(epochs):  # a batch can span several epochs of few examples
+                sel = epochs == e
+                k[sel] = self._order(replica, count, int(e))[at[sel]]
+        return replica + replicas * k
+
+    def _order(self, replica: int, count: int, epoch: int) -> np.ndarray:
+        """Replica `replica`'s shuffle of its `count` examples in `epoch` (cached; older
+        epochs than the one before are dropped)."""
+        key = ("order", replica, count, epoch)
+        order = self._cache.get(key)
+        if order is None:
+            stale = [
+                k for k in self._cache
+                if isinstance(k, tuple) and k[1] == replica and k[3] < epoch - 1
+            ]  # fmt: skip
+            for old in stale:
+                del self._cache[old]
+            gen = np.random.default_rng([self.seed, replica, epoch])
+            order = self._cache[key] = gen.permutation(count)
+        return order
 
     def batch(
         self, replica: int, replicas: int, step: int, batch: int, dtype: torch.dtype
@@ -99,8 +119,9 @@ class Dataset:
         """Class c's prototype, drawn once per process (at most `PROTOTYPE_CACHE` kept)."""
         cache = self._cache
         if c not in cache:
-            if len(cache) >= PROTOTYPE_CACHE:
-                cache.pop(next(iter(cache)))
+            kept = [k for k in cache if not isinstance(k, tuple)]
+            if len(kept) >= PROTOTYPE_CACHE:
+                cache.pop(kept[0])
             d = self.spec.input.shape.size
             cache[c] = np.random.default_rng([self.seed, 1, c]).standard_normal(d, dtype=np.float32)
         return cache[c]
@@ -229,13 +250,10 @@ def _folder(spec: ModelSpec, seed: int, root: Path) -> Dataset:
 
 
 def _digits(spec: ModelSpec, seed: int) -> Dataset:
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError:  # pragma: no cover - a declared dependency
-        raise DataError("--data digits needs scikit-learn (pip install scikit-learn)") from None
     _classes(spec, "digits", 10)
-    digits = load_digits()
-    images = torch.from_numpy(digits.images.astype(np.float32) / 16.0)[:, None]  # [n, 1, 8, 8]
+    target, flat = _digits_arrays()
+    images = torch.from_numpy(flat.astype(np.float32) / 16.0).reshape(-1, 1, 8, 8)
+    _classes(spec, "digits", 10)
     inp = spec.input
     if inp.flat:
         if inp.shape.size != 64:
@@ -246,4 +264,15 @@ def _digits(spec: ModelSpec, seed: int) -> Dataset:
             images, size=(inp.height, inp.width), mode="bilinear", align_corners=False
         ).repeat(1, inp.channels, 1, 1)
     x = ((x - x.mean()) / x.std()).reshape(len(x), -1).numpy()
-    return _split(spec, seed, "digits", x, digits.target.astype(np.int64))
+    return _split(spec, seed, "digits", x, target)
+
+
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's bundled digits (labels, 64 pixels 0-16 each), read from its csv file:
+    what `sklearn.datasets.load_digits` returns, without importing scikit-learn (1.6 s)."""
+    found = importlib.util.find_spec("sklearn")
+    path = Path(found.origin).parent / "datasets" / "data" / "digits.csv.gz" if found else None
+    if path is None or not path.is_file():
+        raise DataError("--data digits needs scikit-learn (pip install scikit-learn)")
+    table = np.loadtxt(path, delimiter=",")
+    return table[:, -1].astype(np.int64), table[:, :-1]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,16 @@ def load_shard(run: Path, shard: int, expect: dict[str, Any], size: int) -> Shar
     path = shard_path(run, shard)
     if not path.exists():
         raise TrainError(f"{path}: missing; this run has no checkpoint for shard {shard}")
+    try:  # torch.load does not check the zip's CRC-32s: flipped bytes would load as values
+        with zipfile.ZipFile(path) as zf:
+            bad = zf.testzip()
+    except (OSError, zipfile.BadZipFile) as exc:
+        raise TrainError(f"{path}: not a readable netpart checkpoint ({_short(exc)})") from None
+    if bad is not None:
+        raise TrainError(
+            f"{path}: corrupt ({bad} fails its CRC-32 check); restore it from a copy or start "
+            "a new --out directory"
+        )
     try:
         data = torch.load(path, weights_only=True, map_location="cpu")
         meta = json.loads(data["meta"])

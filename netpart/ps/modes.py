@@ -47,6 +47,7 @@ class Mode:
     """The defaults: pushes folded chunk by chunk into `rule`, fetches always ready."""
 
     server: ShardServer
+    changes_while_served = False  # whether an update may land while a fetch's reply travels
 
     def __init__(self, rule: UpdateRule | None) -> None:
         self.rule = rule
@@ -70,6 +71,10 @@ class Mode:
         """The version a fetch is answered with (and staleness is counted in)."""
         return self.server.state.updates
 
+    def answer_after_push(self, step: int) -> int:
+        """A push-and-fetch of `step`: the step its answer waits for (0: none)."""
+        return 0
+
     def served(self, replica: int, worker: int, version: int, out: torch.Tensor) -> None:
         """A fetch was answered with `out`."""
 
@@ -77,12 +82,16 @@ class Mode:
         """A peer left or a replica was lost (caller holds the lock); True if it applied."""
         return False
 
-    def receive(self, replica, worker, step, extra, payload, segments, src) -> None:
-        """Receive a push into `payload` by chunks, folding each as soon as it lands."""
+    def receive(self, replica, worker, step, extra, first, payload, segments, src) -> None:
+        """A push whose first chunk `first` came with its request: receive the rest into
+        `payload` by chunks, folding each as soon as it lands (the update of one chunk
+        overlaps the transfer of the next)."""
         then = self._then(replica, worker, extra)
-        for (a, b), work in post_chunks(payload, src):
+        posted = post_chunks(payload, src)
+        self._fold_chunk(replica, step, first, segments, 0, first.numel(), then)
+        for (a, b), work in posted:
             work.wait()
-            self._fold_chunk(replica, step, payload, segments, a, b, then)
+            self._fold_chunk(replica, step, payload[a:b], segments, a, b, then)
         self.server.record_push(replica, worker, step, extra)
 
     def fold(self, replica, worker, step, payload, segments, version: int = -1) -> None:
@@ -90,6 +99,8 @@ class Mode:
         then = self._then(replica, worker, version)
         self._fold_chunk(replica, step, payload, segments, 0, payload.numel(), then)
         self.server.record_push(replica, worker, step, version)
+
+    # `_fold_chunk(replica, step, values, segments, a, b, then)`: `values` holds payload[a:b].
 
     def _then(self, replica: int, worker: int, version: int) -> torch.Tensor | None:
         return None
@@ -103,7 +114,9 @@ class Mode:
 
 
 class Downpour(Mode):
-    """Asynchronous: every push is applied on arrival."""
+    """Asynchronous: every push is applied on arrival, whole."""
+
+    changes_while_served = True
 
     def __init__(self, rule: UpdateRule, compensation: DelayCompensation | None = None) -> None:
         super().__init__(rule)
@@ -125,16 +138,33 @@ class Downpour(Mode):
     def _then(self, replica, worker, version):
         return None if self.dc is None else self.dc.served_values((replica, worker), version)
 
-    def _fold_chunk(self, replica, step, payload, segments, a, b, then) -> None:
+    def receive(self, replica, worker, step, extra, first, payload, segments, src) -> None:
+        """A push is applied whole, under one hold of the lock, once all its chunks are in:
+        no fetch sees part of it."""
+        then = self._then(replica, worker, extra)
+        posted = post_chunks(payload, src)
+        for _, work in posted:
+            work.wait()
         with self.server.cond:
             if replica in self.server.lost:
                 return
-            for lo, hi, at in overlaps(segments, a, b):
-                grad = payload[lo:hi]
-                if then is not None:
-                    now = self.rule.values[at : at + hi - lo]
-                    grad = self.dc.correct(grad, now, then[lo:hi])
-                self.rule.apply(at, grad)
+            self._apply(first, segments, 0, first.numel(), then)
+            for (a, b), _ in posted:
+                self._apply(payload[a:b], segments, a, b, then)
+        self.server.record_push(replica, worker, step, extra)
+
+    def _fold_chunk(self, replica, step, values, segments, a, b, then) -> None:
+        with self.server.cond:
+            if replica not in self.server.lost:
+                self._apply(values, segments, a, b, then)
+
+    def _apply(self, values, segments, a, b, then) -> None:
+        for lo, hi, at in overlaps(segments, a, b):
+            grad = values[lo - a : hi - a]
+            if then is not None:
+                now = self.rule.values[at : at + hi - lo]
+                grad = self.dc.correct(grad, now, then[lo:hi])
+            self.rule.apply(at, grad)
 
     def pushed(self, replica, worker, step) -> bool:
         self.server.state.updates += 1
@@ -142,12 +172,18 @@ class Downpour(Mode):
 
 
 class Sync(Mode):
-    """Synchronous: the mean of every live replica's step-t gradients, applied once."""
+    """Synchronous: the mean of every live replica's step-t gradients, applied once.
+
+    Each replica's pushes are summed as they land into a buffer of its own for the step (so a
+    replica lost mid-step can be left out); the buffers are reused, and the mean is summed
+    in place when the step is complete (no allocation, no stacking per step).
+    """
 
     def __init__(self, rule: UpdateRule) -> None:
         super().__init__(rule)
         self.pending: dict[int, dict[int, torch.Tensor]] = {}  # step -> replica -> sum
         self.arrived: dict[int, set[tuple[int, int]]] = {}
+        self._spare: list[torch.Tensor] = []  # buffers of applied steps, for reuse
 
     def ready(self, replica: int, step: int) -> bool:
         return replica in self.server.lost or step <= 0 or self.server.state.clock >= step
@@ -155,17 +191,23 @@ class Sync(Mode):
     def version(self) -> int:
         return self.server.state.clock  # the values of step t-1 stay in place: staleness 0
 
-    def _fold_chunk(self, replica, step, payload, segments, a, b, then) -> None:
+    def answer_after_push(self, step: int) -> int:
+        return step  # the mean of every replica's step t, applied once
+
+    def _fold_chunk(self, replica, step, values, segments, a, b, then) -> None:
         srv = self.server
         with srv.cond:
             if replica in srv.lost:
                 return
             pending = self.pending.setdefault(step, {})
-            if replica not in pending:
-                pending[replica] = torch.zeros(srv.size, dtype=payload.dtype)
-            into = pending[replica]
+            into = pending.get(replica)
+            if into is None:
+                into = (
+                    self._spare.pop() if self._spare else torch.empty(srv.size, dtype=values.dtype)
+                )
+                pending[replica] = into.zero_()
             for lo, hi, at in overlaps(segments, a, b):
-                into[at : at + hi - lo] += payload[lo:hi]
+                into[at : at + hi - lo] += values[lo - a : hi - a]
 
     def pushed(self, replica, worker, step) -> bool:
         self.arrived.setdefault(step, set()).add((replica, worker))
@@ -181,10 +223,15 @@ class Sync(Mode):
             expected = {(r, w) for r in live for w in srv.workers if (r, w) not in srv.done}
             if not expected or not expected <= self.arrived.get(step, set()):
                 return applied
-            sums = [g for r, g in self.pending.pop(step, {}).items() if r in live]
+            pending = self.pending.pop(step, {})
             self.arrived.pop(step, None)
+            sums = [g for r, g in pending.items() if r in live]
             if sums:
-                self.rule.apply(0, torch.stack(sums).sum(dim=0) / len(sums))
+                total = sums[0]
+                for g in sums[1:]:
+                    total += g
+                self.rule.apply(0, total.div_(len(sums)))
+            self._spare.extend(pending.values())
             srv.state.clock = step
             srv.state.updates += 1
             applied = True
@@ -212,9 +259,11 @@ class Sandblaster(Mode):
     def finished(self) -> bool:
         return self.coordinator_done
 
-    def receive(self, replica, worker, step, extra, payload, segments, src) -> None:
+    def receive(self, replica, worker, step, extra, first, payload, segments, src) -> None:
         """Add a unit's gradient into the batch gradient, once per (unit, worker) part."""
-        for _, work in post_chunks(payload, src):
+        posted = post_chunks(payload, src)
+        payload[: first.numel()].copy_(first)
+        for _, work in posted:
             work.wait()
         self.fold(replica, worker, step, payload, segments, extra)
 
@@ -253,6 +302,7 @@ class Sandblaster(Mode):
         with srv.cond:
             self.coordinator_done = True
             srv.cond.notify_all()
+        srv.may_end()
 
     def command(self, op: Op, alpha: float, a: float, b: float, c: float) -> float:
         """Run one coordinator operation on this shard's vectors (names come as codes)."""

@@ -1,21 +1,29 @@
 """The parameter server's wire protocol: message kinds, headers, tags and push chunks.
 
 Every byte moves over torch.distributed point-to-point on the default (world) process group;
-nothing is pickled. A message is a header, int64 `[kind, sender, shard, step, length, replica,
-extra]`, then for PUSH, PARAMS, CMD and REPLY a payload whose length both sides know from the
-`ShardLayout` (worker w's message to shard s carries exactly the segments of w's flat
-parameter vector that s holds). `extra`: of a PUSH, the shard version its gradient was
-computed on (Sandblaster: the evaluation); of a PARAMS reply, the staleness of that peer's
-last applied push (-1: none yet).
+nothing is pickled. A header is int64 `[kind, sender, shard, step, length, replica, extra]`.
+Payload lengths both sides know from the `ShardLayout` (worker w's message to shard s carries
+exactly the segments of w's flat parameter vector that s holds). `extra`: of a push, the shard
+version its gradient was computed on (Sandblaster: the evaluation); of a PARAMS reply, the
+staleness of that peer's last applied push (-1: none yet). The `step` of a FETCH: answer once
+that step is applied (0: at once); a PUSH_FETCH's answer waits as its mode says (sync: for the
+step pushed; otherwise not at all).
+
+A worker's request is ONE message, raw bytes `[header | the first CHUNK values of the push, if
+any]` (values from byte `VALUES_AT`): the shard receives every request into one buffer sized
+for a push and reads its kind from the header; the push's further chunks follow on their own
+tags. A PUSH_FETCH applies the push and answers with the values. A reply is one message
+`[header | values]` when the values fit in one chunk (`combined_reply`), else a header and the
+values. So a Downpour step of a small model is two messages, not five.
 
 One tag space for the default group (halo exchanges use each replica's own group):
 
-    TAG_HEADER      1   every header: worker <-> shard, coordinator <-> shard
-    TAG_PAYLOAD     2   a fetch's reply values; a command's arguments and its reply value
+    TAG_HEADER      1   requests (worker -> shard) and reply headers; coordinator commands
+    TAG_PAYLOAD     2   reply values and commands' arguments and answers
     TAG_UNIT        3   coordinator -> a replica's workers: a work unit, or goodbye
     TAG_DONE        4   worker 0 of a replica -> coordinator: a unit is done (header)
     TAG_DONE_VALUE  5   ... and its loss sum
-    TAG_CHUNK + i  16+  chunk i of a push (CHUNK values each; any number of chunks)
+    TAG_CHUNK + i  16+  chunk i >= 1 of a push (CHUNK values each; any number of chunks)
 
 Fixed tags stay below TAG_CHUNK, so no push, however long, reuses one.
 """
@@ -26,6 +34,7 @@ import itertools
 from collections.abc import Iterator
 from enum import IntEnum
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -33,6 +42,7 @@ from netpart.partition.shards import Segment
 
 __all__ = [
     "CHUNK",
+    "HEADER_BYTES",
     "HEADER_LEN",
     "TAG_CHUNK",
     "TAG_DONE",
@@ -40,16 +50,24 @@ __all__ = [
     "TAG_HEADER",
     "TAG_PAYLOAD",
     "TAG_UNIT",
+    "VALUES_AT",
     "Kind",
     "Op",
     "chunks",
+    "combined_reply",
     "header",
     "overlaps",
     "post_chunks",
+    "read_header",
+    "request_buffer",
     "segments_length",
+    "values_of",
+    "write_header",
 ]
 
 HEADER_LEN = 7
+HEADER_BYTES = 8 * HEADER_LEN
+VALUES_AT = 64  # where values start in a [header | values] message: a cache line's start
 TAG_HEADER, TAG_PAYLOAD, TAG_UNIT, TAG_DONE, TAG_DONE_VALUE = 1, 2, 3, 4, 5
 TAG_CHUNK = 16
 CHUNK = 1 << 18  # values per push chunk
@@ -64,6 +82,7 @@ class Kind(IntEnum):
     REPLY = 6  # shard -> coordinator: its result
     UNIT = 7  # coordinator -> worker: compute this work unit
     DONE = 8  # worker 0 of a replica -> coordinator: unit finished, with its loss sum
+    PUSH_FETCH = 9  # worker -> shard: apply this push, then answer with the values
 
 
 class Op(IntEnum):
@@ -88,6 +107,35 @@ def header(
     return torch.tensor([int(kind), sender, shard, step, length, replica, extra], dtype=torch.int64)
 
 
+def request_buffer(length: int, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes for one request carrying up to the first chunk of a `length`-value push."""
+    first = min(length, CHUNK)
+    return torch.zeros(VALUES_AT + first * dtype.itemsize, dtype=torch.uint8)
+
+
+def write_header(buf: torch.Tensor, *fields: int) -> None:
+    """Put [kind, sender, shard, step, length, replica, extra] in a message's first bytes
+    (through a numpy view: a microsecond, where building a tensor costs several)."""
+    buf.numpy()[:HEADER_BYTES].view(np.int64)[:] = fields
+
+
+def read_header(buf: torch.Tensor) -> list[int]:
+    """[kind, sender, shard, step, length, replica, extra] from a message's first bytes."""
+    return buf.numpy()[:HEADER_BYTES].view(np.int64).tolist()
+
+
+def values_of(buf: torch.Tensor, dtype: torch.dtype, count: int) -> torch.Tensor:
+    """The `count` values that follow the header in message bytes `buf` (from `VALUES_AT`:
+    parameters that become views of fetched values are aligned like any tensor)."""
+    size = dtype.itemsize
+    return buf[VALUES_AT : VALUES_AT + count * size].view(dtype)
+
+
+def combined_reply(length: int) -> bool:
+    """Whether a reply of `length` values travels in one message with its header."""
+    return length <= CHUNK
+
+
 def segments_length(segments: tuple[Segment, ...]) -> int:
     return sum(s.length for s in segments)
 
@@ -99,10 +147,12 @@ def chunks(n: int) -> list[tuple[int, int]]:
 
 
 def post_chunks(payload: torch.Tensor, src: int) -> list[tuple[tuple[int, int], dist.Work]]:
-    """Post the receives of a push's chunks into `payload`: ((a, b), work) per chunk."""
+    """Post the receives of a push's chunks after the first (which came in the request) into
+    `payload`: ((a, b), work) per chunk."""
     return [
         ((a, b), dist.irecv(payload[a:b], src=src, tag=TAG_CHUNK + i))
         for i, (a, b) in enumerate(chunks(payload.numel()))
+        if i > 0
     ]
 
 

@@ -26,7 +26,18 @@ import torch.distributed as dist
 from netpart.errors import ProtocolError, transport_reason
 from netpart.partition.shards import Segment, ShardLayout
 from netpart.ps.modes import Mode
-from netpart.ps.protocol import HEADER_LEN, TAG_HEADER, TAG_PAYLOAD, Kind, header, segments_length
+from netpart.ps.protocol import (
+    CHUNK,
+    TAG_HEADER,
+    TAG_PAYLOAD,
+    Kind,
+    combined_reply,
+    read_header,
+    request_buffer,
+    segments_length,
+    values_of,
+    write_header,
+)
 
 __all__ = ["ShardServer", "ShardSetup", "ShardState"]
 
@@ -71,7 +82,9 @@ class ShardServer:
         self.workers = layout.peers(self.shard)
         self.routes = {w: layout.routes(w)[self.shard] for w in self.workers}
         self.size = int(layout.shard_sizes()[self.shard])
-        self.cond = threading.Condition()
+        self.cond = threading.Condition()  # the lock of all bookkeeping; fetches wait on it
+        self._snapshots: dict[tuple[int, int], torch.Tensor] = {}  # large replies' copies
+        self._ending = threading.Event()  # something that may end serving happened
         self.lost: dict[int, str] = {}  # replica -> why
         self.done: set[tuple[int, int]] = set()
         self.pushed = {
@@ -95,15 +108,23 @@ class ShardServer:
         for t in threads:
             t.start()
         deadline = None
-        with self.cond:
-            while not self._finished():
-                if stop is not None and stop.is_set() and deadline is None:
-                    log.info("shard %d: stopping; waiting %.0f s for workers", self.shard, grace)
-                    deadline = time.monotonic() + grace
-                if deadline is not None and time.monotonic() > deadline:
-                    log.warning("shard %d: workers did not finish in time", self.shard)
+        while True:
+            self._ending.clear()  # before looking: what happens after wakes the wait below
+            with self.cond:
+                if self._finished():
                     break
-                self.cond.wait(timeout=0.2)
+            if stop is not None and stop.is_set() and deadline is None:
+                log.info("shard %d: stopping; waiting %.0f s for workers", self.shard, grace)
+                deadline = time.monotonic() + grace
+            if deadline is not None and time.monotonic() > deadline:
+                log.warning("shard %d: workers did not finish in time", self.shard)
+                break
+            self._ending.wait(timeout=0.2)  # not woken by every push: only by what may end
+
+    def may_end(self) -> None:
+        """A peer said goodbye, a replica was lost or a mode's own thread ended: `serve`
+        looks again whether it is done."""
+        self._ending.set()
 
     def _finished(self) -> bool:
         return self.mode.finished() and all(
@@ -116,39 +137,62 @@ class ShardServer:
         src = self.setup.rank_of(replica, worker)
         segments = self.routes[worker]
         n = segments_length(segments)
-        head = torch.empty(HEADER_LEN, dtype=torch.int64)
-        payload = torch.empty(n, dtype=self.state.values.dtype)
+        dtype = self.state.values.dtype
+        request = request_buffer(n, dtype)  # every request of this peer lands here
+        payload = torch.empty(n, dtype=dtype)  # a push's later chunks
+        # A whole reply, header and values in one message, when the values fit in a chunk.
+        reply = request_buffer(n, dtype) if combined_reply(n) else None
+        pg = dist.group.WORLD  # on the group itself: no wrapper per message
         try:
             while True:
-                dist.recv(head, src=src, tag=TAG_HEADER)
-                kind, sender, shard, step, length, rep, extra = head.tolist()
+                pg.recv([request], src, TAG_HEADER).wait()
+                kind, sender, shard, step, length, rep, extra = read_header(request)
                 if (sender, shard, rep) != (src, self.shard, replica):
                     raise ProtocolError(
                         f"shard {self.shard}: header from rank {src} says sender {sender}, "
                         f"shard {shard}, replica {rep}"
                     )
-                if kind == Kind.PUSH:
+                if kind in (Kind.PUSH, Kind.PUSH_FETCH):
                     if length != n:
                         raise ProtocolError(
                             f"shard {self.shard}: push of {length} values from replica "
                             f"{replica} worker {worker}, the layout says {n}"
                         )
-                    self.mode.receive(replica, worker, step, extra, payload, segments, src)
+                    first = values_of(request, dtype, min(n, CHUNK))
+                    self.mode.receive(replica, worker, step, extra, first, payload, segments, src)
                     self._count(bytes_in=payload.numel() * payload.element_size())
-                elif kind == Kind.FETCH:
-                    out, version, stale = self.answer_fetch(replica, worker, step)
-                    reply = header(Kind.PARAMS, self.rank, self.shard, version, n, replica, stale)
-                    dist.send(reply, dst=src, tag=TAG_HEADER)
-                    dist.send(out, dst=src, tag=TAG_PAYLOAD)
-                    self._count(bytes_out=out.numel() * out.element_size())
+                if kind in (Kind.FETCH, Kind.PUSH_FETCH):
+                    upto = step if kind == Kind.FETCH else self.mode.answer_after_push(step)
+                    self._reply(replica, worker, upto, src, reply)
                 elif kind == Kind.BYE:
                     self._goodbye(replica, worker)
                     return
-                else:
+                elif kind != Kind.PUSH:
                     raise ProtocolError(f"shard {self.shard}: unknown message kind {kind}")
         except (RuntimeError, ProtocolError) as exc:
             reason = str(exc) if isinstance(exc, ProtocolError) else transport_reason(exc)
             self.lose(replica, f"worker {worker}: {reason}")
+
+    def _reply(self, replica: int, worker: int, upto: int, dst: int, reply) -> None:
+        """Answer a fetch (once step `upto` is applied): one message [header | values] when
+        they fit one chunk, else a header and the values. The values are copied under the
+        lock where the mode may change them while the reply travels (Downpour), so a reply
+        always shows whole updates."""
+        n = segments_length(self.routes[worker])
+        snapshot = values_of(reply, self.state.values.dtype, n) if reply is not None else None
+        if snapshot is None and self.mode.changes_while_served:
+            snapshot = self._snapshots.setdefault(
+                (replica, worker), torch.empty(n, dtype=self.state.values.dtype)
+            )
+        out, version, stale = self.answer_fetch(replica, worker, upto, snapshot)
+        head = (int(Kind.PARAMS), self.rank, self.shard, version, out.numel(), replica, stale)
+        if reply is not None:
+            write_header(reply, *head)
+            dist.group.WORLD.send([reply], dst, TAG_HEADER).wait()
+        else:
+            dist.send(torch.tensor(head, dtype=torch.int64), dst=dst, tag=TAG_HEADER)
+            dist.send(out, dst=dst, tag=TAG_PAYLOAD)
+        self._count(bytes_out=out.numel() * out.element_size())
 
     def _count(self, bytes_in: int = 0, bytes_out: int = 0) -> None:
         with self.cond:  # peers run in threads: count under the lock
@@ -161,22 +205,29 @@ class ShardServer:
             applied = self.mode.settle()  # sync: stop waiting for it
             count = self.state.updates
             self.cond.notify_all()
+        self.may_end()
         if applied:
             self.updated(count)
 
     # ---- what the modes share ---------------------------------------------------------------
-    def answer_fetch(self, replica: int, worker: int, step: int) -> tuple[torch.Tensor, int, int]:
+    def answer_fetch(
+        self, replica: int, worker: int, step: int, into: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int, int]:
         """(values, version, staleness of this peer's last push) for a fetch, once the mode
-        says the values are ready for `step`. One segment goes out as a view, without a copy:
-        in sync mode nothing changes the values while fetches are served; in Downpour a read
-        racing an update is accepted, as in DistBelief (each value is read whole)."""
+        says the values are ready for `step`. With `into`, the values are copied there under
+        the lock (a snapshot no update tears); without, one segment is returned as a view."""
         segments = self.routes[worker]
         with self.cond:
             while not self.mode.ready(replica, step):
                 self.cond.wait(timeout=0.5)
             values = self.state.values
             parts = [values[s.shard_lo : s.shard_lo + s.length] for s in segments]
-            out = parts[0] if len(parts) == 1 else torch.cat(parts)
+            if into is not None and len(parts) > 1:
+                out = torch.cat(parts, out=into)
+            elif into is not None:
+                out = into.copy_(parts[0])
+            else:
+                out = parts[0] if len(parts) == 1 else torch.cat(parts)
             version = self.mode.version()
             stale = self.last_staleness.get((replica, worker), -1)
         self.mode.served(replica, worker, version, out)
@@ -224,6 +275,7 @@ class ShardServer:
                 self.lost[replica] = why
                 self.mode.settle()
             self.cond.notify_all()
+        self.may_end()
 
     def snapshot(self) -> ShardState:
         """A consistent copy of the shard's state (for checkpoints)."""

@@ -1,19 +1,27 @@
 """Model-parallel execution: layer slices, the worker that interprets a schedule's program,
-transports, the one process launcher, `run_step` and `check`."""
+transports, the one process launcher (and its preloaded interpreter), `run_step` and `check`.
 
-from netpart.errors import PeerError, WorkerFailure
-from netpart.runtime.result import StepResult
-from netpart.runtime.step import run_step
-from netpart.runtime.transport import GlooTransport, Transport
-from netpart.runtime.worker import ModelWorker, WorkerResult
+Names are imported on first use: the launcher's preloaded interpreter starts before torch is
+loaded.
+"""
 
-__all__ = [
-    "GlooTransport",
-    "ModelWorker",
-    "PeerError",
-    "StepResult",
-    "Transport",
-    "WorkerFailure",
-    "WorkerResult",
-    "run_step",
-]
+import importlib
+from typing import Any
+
+_WHERE = {
+    "GlooTransport": "netpart.runtime.transport",
+    "ModelWorker": "netpart.runtime.worker",
+    "PeerError": "netpart.errors",
+    "StepResult": "netpart.runtime.result",
+    "Transport": "netpart.runtime.transport",
+    "WorkerFailure": "netpart.errors",
+    "WorkerResult": "netpart.runtime.worker",
+    "run_step": "netpart.runtime.step",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'netpart.runtime' has no attribute {name!r}")

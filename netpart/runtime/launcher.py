@@ -1,10 +1,12 @@
 """The one process launcher: start a job's processes on this machine, watch them, stop them.
 
 `netpart run`, `check` and `train` start their processes here; under torchrun, torchrun
-starts them and each process only joins the group (`join_group`). A process is
-`python -m MODULE ARGS` with the variables torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE) and
-`NETPART_STORE`, the path of a file store in a private temporary directory: the rendezvous
-opens no network listener. Output goes to one log file per rank.
+starts them and each process only joins the group (`join_group`). A process runs
+`MODULE.main()` with ARGS as its command line and the variables torchrun sets (RANK,
+LOCAL_RANK, WORLD_SIZE) and `NETPART_STORE`, the path of a file store in a private temporary
+directory: the rendezvous opens no network listener. Output goes to one log file per rank.
+The processes are forked by one preloaded interpreter (`netpart.runtime.zygote`): torch is
+imported once per job, not once per process (`fork=False`: one `python -m MODULE` each).
 
 One signal scheme for every job. SIGINT or SIGTERM to the launcher is passed on once to every
 process as SIGTERM — a training process stops at its next step boundary, a `run`/`check`
@@ -17,7 +19,6 @@ before anything starts), 130 stopped by a signal.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import datetime
 import logging
@@ -33,6 +34,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from netpart.runtime.zygote import Forked, Preloaded, die_with_parent
+
 __all__ = [
     "STORE_ENV",
     "Processes",
@@ -45,14 +48,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 STORE_ENV = "NETPART_STORE"
-_PR_SET_PDEATHSIG = 1
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Linux: the kernel kills this process if the launcher dies, even by SIGKILL."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class Processes:
@@ -66,13 +62,17 @@ class Processes:
         logs: list[Path],
         grace: float = 0.0,
         new_session: bool = False,
+        fork: bool = True,
+        preloaded: Preloaded | None = None,
     ) -> None:
         self.module, self.args, self.logs = module, args, logs
         self.world, self.grace, self.new_session = len(logs), grace, new_session
-        self.procs: list[subprocess.Popen] = []
+        self.fork, self.preloaded = fork, preloaded
+        self.procs: list[subprocess.Popen | Forked] = []
         self.stopping = threading.Event()
         self._previous: dict[int, object] = {}
         self._tmp: str | None = None
+        self._zygote: Preloaded | None = None
 
     def __enter__(self) -> Processes:
         self._tmp = tempfile.mkdtemp(prefix="netpart-store-")
@@ -80,29 +80,39 @@ class Processes:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._on_signal)
         try:
-            for rank in range(self.world):
-                self.procs.append(self._spawn(rank))
+            for log_path in self.logs:
+                log_path.parent.mkdir(parents=True, exist_ok=True)
+            if self.fork:
+                self._zygote = self.preloaded or Preloaded(self.module, self.new_session)
+                ranks = [(self.rank_env(k), self.logs[k]) for k in range(self.world)]
+                self.procs = list(self._zygote.fork(self.args, ranks))
+            else:
+                self.procs = [self._spawn(rank) for rank in range(self.world)]
         except BaseException:
             self.__exit__(None, None, None)
             raise
+        if self.stopping.is_set():  # a signal came while they started
+            self.stopping.clear()
+            self.stop()
         return self
 
-    def _spawn(self, rank: int) -> subprocess.Popen:
-        env = {
-            **os.environ,
+    def rank_env(self, rank: int) -> dict[str, str]:
+        """The variables that make a process rank `rank` of this job."""
+        return {
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(self.world),
             STORE_ENV: str(Path(self._tmp) / "store"),
         }
-        self.logs[rank].parent.mkdir(parents=True, exist_ok=True)
+
+    def _spawn(self, rank: int) -> subprocess.Popen:
         with open(self.logs[rank], "ab") as fh:
             return subprocess.Popen(
                 [sys.executable, "-m", self.module, *self.args],
-                env=env,
+                env={**os.environ, **self.rank_env(rank)},
                 stdout=fh,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                preexec_fn=die_with_parent if sys.platform == "linux" else None,
                 start_new_session=self.new_session,  # a terminal's Ctrl-C comes through us
             )
 
@@ -146,6 +156,8 @@ class Processes:
                 p.kill()
         for p in self.procs:
             p.wait()
+        if self._zygote is not None:  # it ends once every child has been reaped
+            self._zygote.close()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         if self._tmp is not None:
@@ -214,14 +226,15 @@ def yield_io_threads() -> int:
     lock holder waits for the CPU. On a machine with as many busy processes as cores that
     turned a 0.13 ms exchange into 4 ms in the tail (docs/runtime.md).
     """
+    policy = os.SCHED_BATCH
     changed = 0
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/comm") as fh:
                 if fh.read().strip() != "gloo_tcp_loop":
                     continue
-            if os.sched_getscheduler(int(tid)) != os.SCHED_BATCH:
-                os.sched_setscheduler(int(tid), os.SCHED_BATCH, os.sched_param(0))
+            if os.sched_getscheduler(int(tid)) != policy:
+                os.sched_setscheduler(int(tid), policy, os.sched_param(0))
                 changed += 1
         except (OSError, AttributeError):  # the thread ended, or not Linux
             continue

@@ -146,6 +146,11 @@ class LayerSlice(nn.Module):
         for t, v in zip(self.param_tensors(), views, strict=True):
             t.grad = v
 
+    def bind_values(self, views: list[torch.Tensor]) -> None:
+        """Make each piece's parameter a view of `views` (one per piece, shaped like it)."""
+        for t, v in zip(self.param_tensors(), views, strict=True):
+            t.data = v
+
     def piece_grads(self) -> list[torch.Tensor]:
         """Each piece's accumulated gradient (zeros where none), shaped like its values."""
         return [t.grad if t.grad is not None else torch.zeros_like(t) for t in self.param_tensors()]
@@ -282,6 +287,12 @@ class LocalSlice(_GroupedSlice):
         for k, (g, a, b) in enumerate(self._atoms):
             self.run_weights[k].grad = views[2 * g].view_as(self._values[2 * g])[a:b]
             self.run_biases[k].grad = views[2 * g + 1].view_as(self._values[2 * g + 1])[a:b]
+
+    def bind_values(self, views: list[torch.Tensor]) -> None:
+        self._values = list(views)
+        for k, (g, a, b) in enumerate(self._atoms):
+            self.run_weights[k].data = views[2 * g][a:b]
+            self.run_biases[k].data = views[2 * g + 1][a:b]
 
     def piece_grads(self) -> list[torch.Tensor]:
         out = []

@@ -54,6 +54,7 @@ def run_step(
     overlap: bool = True,
     split: bool = False,
     exchange_only: bool = False,
+    sgd_lr: float = 0.0,
 ) -> StepResult:
     """One forward/backward step of `spec` partitioned by `plan`, in `plan.workers` processes.
 
@@ -64,13 +65,14 @@ def run_step(
     share one host, where a halo is a memory copy on the same cores and hiding it costs as
     much as it saves, docs/runtime.md); `overlap=False` runs programs that neither split nor
     join layers (for comparisons); `exchange_only` runs only the programs' messages (step
-    times only, no gradients).
+    times only, no gradients); `sgd_lr` > 0 ends each timed step with plain SGD on each
+    worker's own parameters (a replica without a parameter server, for comparisons).
     """
     plan_schedule(spec, plan)  # refuse a foreign or corrupted plan before any process starts
     dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
     config = {
         "seed": seed, "dtype": dtype_name, "timeout": timeout, "threads": threads,
-        "overlap": overlap, "split": split, "exchange_only": exchange_only,
+        "overlap": overlap, "split": split, "exchange_only": exchange_only, "sgd_lr": sgd_lr,
     }  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="netpart-job-") as tmp:
         job = Path(tmp)
@@ -136,6 +138,7 @@ def _worker(job: Path) -> int:
         transport = GlooTransport()
         times, profiles, usage = [], [], []
         steps = int(config.get("steps", 1))  # > 1 only for benchmarks
+        lr = float(config.get("sgd_lr", 0.0))
         if config.get("exchange_only"):
             return _exchange_only(job, worker, transport, rank, len(batch["inputs"]), steps)
         for i in range(steps):
@@ -145,6 +148,8 @@ def _worker(job: Path) -> int:
                 transport.barrier()
             start = time.perf_counter()
             result = worker.step(batch["inputs"], batch["targets"], transport, i == steps - 1)
+            if lr:
+                _sgd(worker, lr)
             times.append(time.perf_counter() - start)
             after = thread_usage()
             profiles.append(result.profile)
@@ -154,6 +159,13 @@ def _worker(job: Path) -> int:
     finally:
         torch.distributed.destroy_process_group()
     return 0
+
+
+def _sgd(worker: ModelWorker, lr: float) -> None:
+    """values -= lr * gradient, in place, for every parameter that has one."""
+    params = [p for p in worker.parameters() if p.grad is not None]
+    with torch.no_grad():
+        torch._foreach_add_(params, [p.grad for p in params], alpha=-lr)
 
 
 def _exchange_only(job: Path, worker: ModelWorker, transport, rank, batch, steps) -> int:

@@ -116,9 +116,8 @@ class GlooTransport:
             ]
             self.wait(handles)
             return out
-        flat = out.view(-1)  # gloo wants the flat concatenation
         with self._collective("all-gather"):
-            dist.all_gather_into_tensor(flat, tensor.contiguous().reshape(-1), self.group)
+            dist.all_gather(list(out.unbind(0)), tensor.contiguous(), self.group)
         return out
 
     @contextlib.contextmanager

@@ -232,10 +232,31 @@ class ModelWorker:
 
     def bind_grads(self, flat: torch.Tensor) -> None:
         """Make backward accumulate straight into `flat` (the pieces' gradients end to end,
-        in the order of `param_tensors`)."""
-        views = iter(flat.split([t.numel() for t in self.param_tensors()]))
-        for s in self.slices:
-            s.bind_grads([next(views).view_as(t) for t in s.param_tensors()])
+        in the order of `param_tensors`). The views of a buffer are cut once and reused."""
+        key = ("grads", flat.data_ptr(), flat.numel())
+        bound = self._buffers.get(key)
+        if bound is None:
+            views = iter(flat.split([t.numel() for t in self.param_tensors()]))
+            for s in self.slices:
+                s.bind_grads([next(views).view_as(t) for t in s.param_tensors()])
+            bound = self._buffers[key] = [(p, p.grad) for p in self.parameters()]
+            return
+        for p, view in bound:
+            p.grad = view
+
+    def bind_values(self, flat: torch.Tensor) -> None:
+        """Make the parameters views of `flat` (the pieces' values end to end, in the order of
+        `param_tensors`): fetched values are used where they landed, not copied. The caller
+        keeps `flat` unchanged while it is bound and no autograd graph holds the old values."""
+        key = ("values", flat.data_ptr(), flat.numel())
+        views = self._buffers.get(key)
+        if views is None:
+            cut = iter(flat.split([t.numel() for t in self.param_tensors()]))
+            views = self._buffers[key] = [
+                [next(cut).view_as(t) for t in s.param_tensors()] for s in self.slices
+            ]
+        for s, mine in zip(self.slices, views, strict=True):
+            s.bind_values(mine)
 
     def flat_grads(self) -> torch.Tensor:
         """The pieces' gradients end to end (zeros where none)."""
@@ -401,7 +422,8 @@ class ModelWorker:
                 st.outs[ins.layer], st.targets, st.transport, st.flag
             )
         spent = time.perf_counter() - t0
-        st.exchange[(ins.layer + 1, "loss")] = spent
+        if st.transport.size > 1:  # a lone worker's loss is compute: it exchanges nothing
+            st.exchange[(ins.layer + 1, "loss")] = spent
         st.prof["loss"] += spent
 
     # ---- buffers ---------------------------------------------------------------------------
@@ -482,10 +504,10 @@ class ModelWorker:
                     f"targets must be [{st.batch}] class ids, got {st.targets.shape}"
                 )
             loss = torch.nn.functional.cross_entropy(logits, st.targets)
-            if st.want_accuracy:
-                with torch.no_grad():
-                    target = logits.gather(1, st.targets[:, None]).squeeze(1)
-                    st.accuracy = (target >= logits.amax(dim=1)).double().mean().item()
+            if st.want_accuracy:  # small arrays: numpy's operations cost a microsecond
+                z = logits.detach().numpy()
+                target = z[np.arange(st.batch), st.targets.numpy()]
+                st.accuracy = float((target >= z.max(axis=1)).mean())
         else:
             want = st.targets.reshape(st.batch, -1).to(self.dtype)
             loss = torch.nn.functional.mse_loss(logits, want)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,8 @@ from netpart.errors import TrainError
 from netpart.partition.planner import PartitionPlan
 from netpart.ps.optimizer import OPTIMIZERS, Optimizer
 from netpart.train.placement import POLICIES
+
+MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: a longer wait is no longer a timeout
 
 __all__ = ["MODES", "SCHEMA_VERSION", "TrainConfig", "TrainError", "layout_key"]
 
@@ -69,6 +72,10 @@ class TrainConfig:
             raise TrainError(f"--mode {self.mode}: choose one of {', '.join(MODES)}")
         if self.optimizer not in OPTIMIZERS:
             raise TrainError(f"--optimizer {self.optimizer}: choose one of {', '.join(OPTIMIZERS)}")
+        for name in ("lr", "dc_lambda", "push_norm", "timeout"):
+            if not math.isfinite(getattr(self, name)):
+                flag = "--" + name.replace("_", "-")
+                raise TrainError(f"{flag} {getattr(self, name)}: must be a finite number")
         if not self.lr > 0:
             raise TrainError(f"--lr {self.lr}: the learning rate must be > 0")
         if self.dtype not in DTYPES:
@@ -92,8 +99,8 @@ class TrainConfig:
             raise TrainError(f"--line-search {self.line_search}: choose armijo or none")
         if self.mode == "sandblaster" and self.units > self.batch:
             raise TrainError(f"--units {self.units}: at most --batch {self.batch} units")
-        if not self.timeout > 0:
-            raise TrainError(f"--timeout {self.timeout}: must be > 0 seconds")
+        if not 0 < self.timeout <= MAX_TIMEOUT:
+            raise TrainError(f"--timeout {self.timeout}: must be > 0 and <= {MAX_TIMEOUT} seconds")
 
     @property
     def optim(self) -> Optimizer:

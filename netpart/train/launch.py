@@ -32,6 +32,7 @@ from netpart.partition.graph import build_unit_graph
 from netpart.partition.planner import PartitionPlan
 from netpart.partition.shards import ShardLayout
 from netpart.runtime.launcher import Processes, join_group
+from netpart.runtime.zygote import Preloaded
 from netpart.train.config import TrainConfig
 from netpart.train.process import (
     PS_TIMEOUT,
@@ -41,6 +42,7 @@ from netpart.train.process import (
     play_role,
     stop_on_signals,
 )
+from netpart.train.report import preload_plotting
 from netpart.train.rundir import (
     Progress,
     TrainSummary,
@@ -64,44 +66,58 @@ def train(
     run: Path,
     resume: bool = False,
     on_progress=None,
+    preloaded: Preloaded | None = None,
 ) -> TrainSummary:
     """Train `spec` partitioned by `plan` with `config` in processes on this machine.
 
     `on_progress(done_steps, stats, total_steps)` is called as replica losses arrive; `stats`
     holds the mean latest loss, samples/s, step time (ms) and MB moved so far. Raises TrainError
     for bad input (before any process starts) and WorkerFailure when a shard fails or every
-    replica is lost.
+    replica is lost. `preloaded` (started early, on `netpart.train.process`) forks the
+    processes; without it one is started here.
     """
     layout, starts = prepare_run(spec, plan, config, run, resume)
     write_run(spec, plan, config, run, starts, resume)
+    preload_plotting()  # for the report, on whatever core the job leaves idle
     summary = TrainSummary(run=run)
     t0 = time.monotonic()
     total = sum(config.steps - starts.get(r, 0) for r in range(config.replicas))
-    _supervise(run, plan.workers, config, resume, summary, (total, on_progress))
+    _supervise(run, plan.workers, config, resume, summary, (total, on_progress, preloaded))
     summary.wall_s = time.monotonic() - t0
     finish_run(spec, plan, config, run, layout, summary)
     return summary
 
 
+def _note_lost(procs: Processes, codes: list, workers: int, summary: TrainSummary) -> list[int]:
+    """Record, with its worker's last error line, every replica newly lost by a worker that
+    exited with an error; return them."""
+    new = []
+    for rank, code in enumerate(codes):
+        r = rank // workers
+        if code not in (None, 0) and r not in summary.lost:
+            summary.lost[r] = f"worker {rank % workers} exited with code {code}: " + (
+                procs.last_error(rank)
+            )
+            new.append(r)
+    return new
+
+
 def _supervise(run, workers, config, resume, summary, progress) -> None:
     """Start the job's processes and apply the fault policy until they have all ended."""
-    total, on_progress = progress
+    total, on_progress, preloaded = progress
     world, n_workers = config.world(workers), config.replicas * workers
     logs = [run / "logs" / f"rank{r}.log" for r in range(world)]
     args = ["--run", str(run), *(["--resume"] if resume else [])]
     read = Progress(run, config.replicas)
-    with Processes("netpart.train.process", args, logs, config.timeout, True) as procs:
+    job = Processes("netpart.train.process", args, logs, config.timeout, True, preloaded=preloaded)
+    with job as procs:
         lost_at: dict[int, float] = {}
         shard_failed_at: float | None = None
         while procs.running():
             now, codes = time.monotonic(), procs.codes()
-            for rank, code in enumerate(codes[:n_workers]):
-                r = rank // workers
-                if code not in (None, 0) and r not in summary.lost:
-                    why = f"worker {rank % workers} exited with code {code}"
-                    summary.lost[r] = f"{why}: {procs.last_error(rank)}"
-                    log.warning("replica %d lost (%s); training goes on", r, summary.lost[r])
-                    lost_at[r] = now
+            for r in _note_lost(procs, codes[:n_workers], workers, summary):
+                log.warning("replica %d lost (%s); training goes on", r, summary.lost[r])
+                lost_at[r] = now
             for r, since in lost_at.items():  # mates of a lost worker get `timeout` to notice
                 if now - since > config.timeout:
                     procs.kill(list(range(r * workers, (r + 1) * workers)))
@@ -117,6 +133,7 @@ def _supervise(run, workers, config, resume, summary, progress) -> None:
             time.sleep(0.1)
         if on_progress is not None:
             on_progress(*read(), total)
+        _note_lost(procs, procs.codes()[:n_workers], workers, summary)  # ended since the poll
     summary.stopped = procs.stopping.is_set()
     failed = [(s, c) for s, c in enumerate(procs.codes()[n_workers:]) if c != 0]
     if failed:

@@ -88,7 +88,7 @@ def job_placement(config: TrainConfig, workers: int, node: str | None = None) ->
     world = config.world(workers)
     mine = int(node if node is not None else os.environ.get("GROUP_RANK", "0"))
     nodes = torch.zeros(world, dtype=torch.int64)
-    dist.all_gather_into_tensor(nodes, torch.tensor([mine], dtype=torch.int64))
+    dist.all_gather(list(nodes.unbind(0)), torch.tensor(mine, dtype=torch.int64))
     hosts = [f"node{k}" for k in nodes.tolist()]
     return place(
         hosts, config.replicas, workers, config.shards, config.placement, config.coordinators
@@ -116,8 +116,8 @@ def play_role(
     ]
     shard_ranks = [placement.shard_rank(s) for s in range(config.shards)]
     shard_group = dist.new_group(shard_ranks, timeout=halo_timeout)
-    yield_io_threads()  # the new groups' I/O threads
     kind, a, b = placement.roles[rank]
+    yield_io_threads()  # the new groups' I/O threads
     # A replica whose workers share a host exchanges halos as memory copies on the cores that
     # compute: splitting layers to hide them costs what it saves. Across hosts it pays.
     across = kind == "worker" and len(placement.hosts_of_replica(a)) > 1

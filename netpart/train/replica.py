@@ -2,15 +2,19 @@
 
 The worker fetches the shards' parameters, runs lockstep steps with its replica, pushes its
 accumulated gradients every `n_push` steps (sooner with `push_norm`) and queues a fetch every
-`n_fetch` steps (Downpour); fetched values are copied into its parameters between steps, when
-no autograd graph holds them. In sync mode it pushes every step and waits for the fetch.
+`n_fetch` steps (Downpour); between steps, when no autograd graph holds them, its parameters
+become views of the fetched values where they landed (no copy). Backward accumulates
+straight into the buffer a push sends. In sync mode it pushes every step and waits for the
+fetch.
 Worker 0 of each replica writes the replica's metrics, one line per step.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -23,11 +27,12 @@ import torch.distributed as dist
 
 from netpart import faults
 from netpart.data import load_data
+from netpart.errors import RuntimeFailure
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import UnitGraph
 from netpart.partition.schedule import HaloSchedule
 from netpart.partition.shards import ShardLayout
-from netpart.ps.client import ShardClient
+from netpart.ps.client import ShardClient, Ticket
 from netpart.runtime.transport import GlooTransport
 from netpart.runtime.worker import ModelWorker
 from netpart.train.config import TrainConfig
@@ -35,9 +40,9 @@ from netpart.train.placement import Placement
 
 __all__ = [
     "DTYPES",
+    "IN_FLIGHT",
     "GradBuffers",
     "ReplicaJob",
-    "load_values",
     "push_due",
     "run_worker",
 ]
@@ -45,6 +50,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+IN_FLIGHT = 2  # Downpour requests a worker keeps in flight (each holds a gradient buffer)
 
 
 @dataclass(frozen=True)
@@ -64,9 +70,8 @@ class ReplicaJob:
     run: Path
     start: int = 0
 
-    def build(self) -> tuple[ModelWorker, list[torch.Tensor], GlooTransport, ShardClient]:
-        """The worker's model slices, its parameter values (one tensor per piece, in layout
-        order), its transport and its client."""
+    def build(self) -> tuple[ModelWorker, GlooTransport, ShardClient]:
+        """The worker's model slices, its transport and its client."""
         dtype = DTYPES[self.config.dtype]
         model = ModelWorker(
             self.spec, self.graph, self.schedule, self.worker, self.config.seed, dtype
@@ -76,26 +81,37 @@ class ReplicaJob:
             raise RuntimeError(f"worker {self.worker}: slices and shard layout disagree on sizes")
         transport = GlooTransport(self.group, ranks=self.placement.replica_ranks(self.replica))
         shard_ranks = [self.placement.shard_rank(s) for s in range(self.config.shards)]
-        client = ShardClient(self.layout, self.worker, self.replica, self.rank, shard_ranks, dtype)
-        return model, tensors, transport, client
+        background = self.config.mode == "downpour"  # nobody waits for a Downpour push
+        client = ShardClient(
+            self.layout, self.worker, self.replica, self.rank, shard_ranks, dtype,
+            IN_FLIGHT + 1, background,
+        )  # fmt: skip
+        return model, transport, client
 
 
 def run_worker(
     job: ReplicaJob, stop: threading.Event, on_step: Callable[[dict], None] | None = None
 ) -> None:
     """Train until `config.steps` (or a stop agreed by the replica); then push what is left
-    and say goodbye to the shards."""
+    and say goodbye to the shards.
+
+    Downpour keeps up to `IN_FLIGHT` requests in flight: fetched values are used from the
+    first step that starts after they arrived, and a step waits for the shards only when the
+    oldest request is still out as a new one is due (its buffers are needed again). Sync
+    completes each request at once.
+    """
     config, replica = job.config, job.replica
-    model, tensors, transport, client = job.build()
+    model, transport, client = job.build()
     faults.point(job.rank, 0)
-    grads = GradBuffers(model, DTYPES[config.dtype])
+    load = model.bind_values
     data = load_data(config.data, job.spec, config.seed, config.examples)
     sync = config.mode == "sync"
     warm = config.warm_start if (replica > 0 and not sync and job.start < config.warm_start) else 0
     if warm:
         log.info("waiting for replica 0's %d warm-start steps", warm)
-    client.fetch(warm)
-    load_values(tensors, client.take(wait=True))
+    load(client.complete(client.request(job.start, fetch=True, fetch_step=warm)))
+    grads = GradBuffers(model, client.push_buffers(1 if sync else IN_FLIGHT + 1))
+    inflight: collections.deque[Ticket] = collections.deque()
     metrics = _Metrics(job) if job.worker == 0 else None
     unpushed, t = 0, job.start
     clock = time.perf_counter
@@ -103,9 +119,7 @@ def run_worker(
         for t in range(job.start + 1, config.steps + 1):
             faults.point(job.rank, t)
             t0 = clock()
-            fresh = client.take()
-            if fresh is not None:
-                load_values(tensors, fresh)
+            _complete_oldest(client, inflight, load, IN_FLIGHT)  # only what has arrived
             t1 = clock()
             x, y = data.batch(replica, config.replicas, t, config.batch, DTYPES[config.dtype])
             t2 = clock()
@@ -115,17 +129,24 @@ def run_worker(
                 x, y, transport, collect_grads=False, stop=stop.is_set(), accuracy=job.worker == 0
             )
             t3 = clock()
+            if not math.isfinite(result.loss):  # never push it: it would poison every replica
+                raise RuntimeFailure(
+                    f"replica {replica}: the loss is {result.loss} at step {t}: training "
+                    "diverged; try a lower --lr"
+                )
             unpushed += 1
             pushed = sync or push_due(t, config.n_push, config.push_norm, grads.flat)
-            if pushed:
-                grads.pushed(client, client.push(grads.flat, t))
-                unpushed = 0
             fetched = sync or t % config.n_fetch == 0
-            if sync:
-                client.fetch(t)
-                load_values(tensors, client.take(wait=True))
-            elif fetched:
-                client.fetch()
+            if pushed or fetched:
+                _complete_oldest(client, inflight, load, IN_FLIGHT - 1)
+                ticket = client.request(t, grads.flat if pushed else None, fetched)
+                if sync:
+                    load(client.complete(ticket))
+                else:
+                    inflight.append(ticket)
+                if pushed:
+                    grads.advance()
+                    unpushed = 0
             t4 = clock()
             if metrics is not None:
                 times = (t1 - t0, t2 - t1, t3 - t2, t4 - t3)
@@ -136,11 +157,20 @@ def run_worker(
                 log.info("stopping after step %d", t)
                 break
         if unpushed:
-            client.push(grads.flat, t)
+            client.request(t, grads.flat)
         client.close()
     finally:
         if metrics is not None:
             metrics.close()
+
+
+def _complete_oldest(client: ShardClient, inflight: collections.deque, load, keep: int) -> None:
+    """Complete the requests in flight, oldest first, that have arrived, and more (waiting)
+    until at most `keep` are left; the parameters become views of the newest values."""
+    while inflight and (len(inflight) > keep or client.arrived(inflight[0])):
+        fresh = client.complete(inflight.popleft())
+        if fresh is not None:
+            load(fresh)
 
 
 class _Metrics:
@@ -195,18 +225,16 @@ def push_due(step: int, n_push: int, push_norm: float, grads: torch.Tensor) -> b
 
 
 class GradBuffers:
-    """Two flat gradient buffers in the worker's piece order; every parameter's `.grad` is a
-    view of the current one, so backward accumulates straight into what a push sends (no
-    gather, no allocation per step). After a push the other buffer becomes current: zeroed
-    once the client has sent what it held, never while it still reads it. `model` binds
-    the views (`ModelWorker.bind_grads`, or any object with the same method and
-    `param_tensors`)."""
+    """Flat gradient buffers in the worker's piece order (zeroed; `ShardClient.push_buffers`),
+    used in turn; every parameter's `.grad` is a view of the current one, so backward
+    accumulates straight into what a push sends (no gather, no allocation per step).
+    `advance` moves to the next buffer and zeroes it: the caller guarantees its last push has
+    completed (with k buffers, it was posted k pushes ago). `model` binds the views
+    (`ModelWorker.bind_grads`, or any object with that method)."""
 
-    def __init__(self, model, dtype: torch.dtype) -> None:
+    def __init__(self, model, buffers: list[torch.Tensor]) -> None:
         self.model = model
-        size = sum(t.numel() for t in model.param_tensors())
-        self.buffers = [torch.zeros(size, dtype=dtype) for _ in range(2)]
-        self.sent: list[threading.Event | None] = [None, None]
+        self.buffers = buffers
         self.current = 0
         self._bind()
 
@@ -214,29 +242,11 @@ class GradBuffers:
     def flat(self) -> torch.Tensor:
         return self.buffers[self.current]
 
-    def pushed(self, client: ShardClient, sent: threading.Event) -> None:
-        """The current buffer was pushed (`sent` is set once it is out): switch to the other."""
-        self.sent[self.current] = sent
-        self.current ^= 1
-        if self.sent[self.current] is not None:
-            client.wait_sent(self.sent[self.current])
+    def advance(self) -> None:
+        """The current buffer was pushed: move to the next one, zeroed."""
+        self.current = (self.current + 1) % len(self.buffers)
         self.flat.zero_()
         self._bind()
 
     def _bind(self) -> None:
         self.model.bind_grads(self.flat)
-
-
-@torch.no_grad()
-def load_values(tensors: list[torch.Tensor], flat: torch.Tensor | None) -> None:
-    """Copy fetched values into the parameters (between steps: no graph has saved them)."""
-    if flat is None:
-        return
-    for t, view in zip(tensors, _views(flat, tensors), strict=True):
-        t.copy_(view)
-
-
-def _views(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """`flat` (the tensors' values end to end) cut into views shaped like each tensor."""
-    parts = flat.split([t.numel() for t in tensors])
-    return [v.view_as(t) for v, t in zip(parts, tensors, strict=True)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,8 +21,8 @@ from typing import Any
 import torch
 
 from netpart.data import load_data
-from netpart.errors import TrainError
-from netpart.files import plan_files, write_atomic, write_files
+from netpart.errors import RuntimeFailure, TrainError
+from netpart.files import foreign_entries, plan_files, write_atomic, write_files
 from netpart.models.spec import ModelSpec
 from netpart.partition.planner import PartitionPlan
 from netpart.partition.schedule import plan_schedule
@@ -142,6 +143,11 @@ def prepare_run(
                 f"--out {run}: already holds a training run; continue it with --resume {run} "
                 "or choose another --out directory"
             )
+        if found := foreign_entries(run, "train.json"):
+            raise TrainError(
+                f"--out {run}: not empty and not a training run (holds {', '.join(found)}); "
+                "choose a new or empty directory"
+            )
         starts = dict.fromkeys(range(config.replicas), 0)
     return layout, starts
 
@@ -173,10 +179,22 @@ def finish_run(spec, plan, config, run: Path, layout, summary: TrainSummary) -> 
         meta = json.loads(shard_path(run, s).with_suffix(".json").read_text())
         for r, why in meta.get("lost", {}).items():
             summary.lost.setdefault(int(r), why)
+    if len(summary.lost) == config.replicas:  # the shards saw it before the launcher did
+        raise RuntimeFailure(
+            "every replica was lost: "
+            + "; ".join(f"replica {r}: {why}" for r, why in sorted(summary.lost.items()))
+        )
     state = model_from_shards(spec, plan, config, run, layout)
-    save_model(run / "model.pt", state)
     data = load_data(config.data, spec, config.seed, config.examples)
-    summary.held_out = evaluate(spec, state, *data.held_out_set(), seed=config.seed)
+    held_out = evaluate(spec, state, *data.held_out_set(), seed=config.seed)
+    finite = all(bool(torch.isfinite(t).all()) for t in state.values())
+    if not (finite and math.isfinite(held_out["loss"])):
+        raise RuntimeFailure(
+            f"the trained model's held-out loss is {held_out['loss']}: training diverged; try "
+            f"a lower --lr (model.pt and summary.json were not written to {run})"
+        )
+    summary.held_out = held_out
+    save_model(run / "model.pt", state)
     write_atomic(run / "summary.json", json.dumps(summary.to_dict(), indent=1).encode())
     write_report(run)
 

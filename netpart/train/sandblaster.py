@@ -43,7 +43,7 @@ from netpart.ps.protocol import (
 )
 from netpart.train.lbfgs import LBFGSDriver
 from netpart.train.placement import Placement
-from netpart.train.replica import DTYPES, ReplicaJob, load_values
+from netpart.train.replica import DTYPES, ReplicaJob
 
 __all__ = ["Coordinator", "RemoteShards", "run_coordinator", "run_unit_worker"]
 
@@ -246,7 +246,8 @@ class Coordinator:
 def run_unit_worker(job: ReplicaJob) -> None:
     """Worker loop: receive units, fetch once per evaluation, push each unit's gradient."""
     config, replica, worker, rank = job.config, job.replica, job.worker, job.rank
-    model, tensors, transport, client = job.build()
+    model, transport, client = job.build()
+    load = model.bind_values  # the parameters become views of the fetched values
     data = load_data(config.data, job.spec, config.seed, config.examples)
     ids = data.indices(0, 1, 1, config.batch)  # the batch every evaluation works on
     bounds = _bounds(config.batch, config.units)
@@ -259,8 +260,7 @@ def run_unit_worker(job: ReplicaJob) -> None:
         if kind == Kind.BYE:
             break
         if ev != fetched:
-            client.fetch()
-            load_values(tensors, client.take(wait=True))
+            load(client.complete(client.request(0, fetch=True)))
             fetched = ev
         faults.point(rank, done_units)  # test hook: a slow replica sleeps here
         done_units += 1
@@ -268,10 +268,11 @@ def run_unit_worker(job: ReplicaJob) -> None:
         x, y = data.examples(part, DTYPES[config.dtype])
         model.zero_grad()
         result = model.step(x, y, transport, collect_grads=False)
-        client.push(model.flat_grads() * (len(part) / config.batch), unit, extra=ev)
+        push = client.request(unit, model.flat_grads() * (len(part) / config.batch), extra=ev)
         if worker == 0:
             done = header(Kind.DONE, rank, 0, unit, 0, replica, ev)
             dist.send(done, coordinator, tag=TAG_DONE)
             value = torch.tensor([result.loss * len(part)], dtype=torch.float64)
             dist.send(value, coordinator, tag=TAG_DONE_VALUE)
+        client.complete(push)
     client.close()

@@ -156,6 +156,31 @@ def test_out_that_is_a_file_is_refused(tmp_path, capsys):
     assert target.read_text() == "keep me"
 
 
+def test_out_that_holds_something_else_is_refused_and_left_alone(tmp_path, capsys):
+    """A plan never writes into a training run or a foreign directory, nor a training run
+    into a plan's or a foreign one; a plan directory may be planned into again."""
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    plan = tmp_path / "p3"
+    argv = ["plan", "--model", "tiny-mlp", "--workers", "2", "--no-figures"]
+    assert run(capsys, *argv, "--out", str(plan))[0] == 0
+    before = (plan / "plan.json").read_bytes()
+    assert run(capsys, *argv, "--out", str(plan))[0] == 0  # its own directory: replaced
+    code, _, err = run(capsys, *argv, "--out", str(foreign))
+    assert code == 2 and "not a plan directory (holds notes.txt)" in err
+    for out in (foreign, plan):
+        code, _, err = run(
+            capsys, "train", "--model", "tiny-mlp", "--workers", "2", "--steps", "1",
+            "--out", str(out),
+        )  # fmt: skip
+        assert code == 2 and "not a training run" in err and err.count("\n") == 1
+    assert (foreign / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]
+    assert (plan / "plan.json").read_bytes() == before
+    assert not (plan / "train.json").exists()
+
+
 def test_python_dash_m_entry_point_and_help():
     res = subprocess.run(
         [sys.executable, "-m", "netpart", "plan", "--help"],

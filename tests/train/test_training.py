@@ -5,8 +5,8 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -133,6 +133,26 @@ def test_a_dead_replica_does_not_stop_training(tmp_path, monkeypatch):
     assert losses[-1] < 0.5 * losses[0]
 
 
+def test_a_diverging_run_fails_in_one_line_and_writes_no_model(tmp_path, capsys):
+    """No replica pushes a non-finite loss's gradient; when all are gone the job fails (exit
+    1) naming the cause, and writes no model.pt or summary.json with NaN in it."""
+    run = tmp_path / "run"
+    argv = ["train", "--model", "tiny-mlp", "--workers", "1", "--replicas", "2", "--ps-shards"]
+    code = main(
+        [*argv, "1", "--optimizer", "sgd", "--lr", "1e38", "--steps", "50", "--out", str(run)]
+    )
+    err = capsys.readouterr().err
+    assert code == 1 and "training diverged; try a lower --lr" in err
+    assert not (run / "model.pt").exists() and not (run / "summary.json").exists()
+
+    def refuse(constant: str) -> None:
+        pytest.fail(f"{constant} in a metrics line")
+
+    for path in run.glob("metrics_replica*.jsonl"):  # every line is valid, finite JSON
+        for line in path.read_text().splitlines():
+            json.loads(line, parse_constant=refuse)
+
+
 def test_sigterm_stops_cleanly_with_a_final_checkpoint(tmp_path):
     run = tmp_path / "run"
     cmd = [
@@ -189,6 +209,15 @@ def test_bad_resume_input_exits_2_and_overwrites_nothing(sync_run, tmp_path, cap
         assert main(["train", *args]) == 2, args
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("netpart: error:"), err
+    good = (run / "shard_0.pt").read_bytes()
+    with zipfile.ZipFile(run / "shard_0.pt") as zf:  # 64 bytes flipped inside the values
+        info = max(zf.infolist(), key=lambda i: i.file_size)
+    at = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra) + 8
+    flipped = bytes(b ^ 0xFF for b in good[at : at + 64])
+    (run / "shard_0.pt").write_bytes(good[:at] + flipped + good[at + 64 :])
+    assert main(["train", "--resume", str(run), "--steps", "6"]) == 2
+    assert "shard_0.pt: corrupt (" in capsys.readouterr().err
+    (run / "shard_0.pt").write_bytes(good)
     (run / "shard_1.pt").write_bytes(b"not a checkpoint")
     before["shard_1.pt"] = b"not a checkpoint"
     assert main(["train", "--resume", str(run), "--steps", "6"]) == 2
@@ -296,40 +325,32 @@ def test_norm_triggered_pushes_and_dc_asgd_train(tmp_path):
     assert updates == {"eager": 2 * 2 * 40, "lazy": 2 * 2 * 8}
 
 
-def test_gradient_buffers_send_what_backward_accumulated_and_swap_only_once_sent():
+def test_gradient_buffers_send_what_backward_accumulated_and_rotate():
+    """Backward writes into the buffer a push sends; after a push the next buffer in turn is
+    current and zeroed, and the pushed ones are left alone until their turn comes round
+    again (the replica loop completes a push before then: it keeps at most two in flight)."""
     from netpart.train.replica import GradBuffers
 
     params = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
 
-    class Model:  # what a ModelWorker offers: its pieces, and where their gradients go
-        def param_tensors(self):
-            return params
-
+    class Model:  # what a ModelWorker offers: where its pieces' gradients go
         def bind_grads(self, flat):
             for p, view in zip(params, flat.split([12, 5]), strict=True):
                 p.grad = view.view_as(p)
 
-    grads = GradBuffers(Model(), torch.float32)
+    grads = GradBuffers(Model(), [torch.zeros(17) for _ in range(3)])
     for _ in range(2):  # two steps accumulate before a push
         (params[0].square().sum() + params[1].sum()).backward()
     first = grads.flat
     want = torch.cat([2 * 2 * params[0].detach().reshape(-1), 2 * torch.ones(5)])
     assert torch.equal(first, want)  # backward wrote into the buffer a push sends
-
-    waited = []  # the buffer to reuse is waited for before it is zeroed
-
-    class Client:
-        def wait_sent(self, sent):
-            assert sent.is_set()
-            waited.append(sent)
-
-    client, sent = Client(), [threading.Event(), threading.Event()]
-    sent[0].set()
-    grads.pushed(client, sent[0])
-    assert torch.equal(first, want)  # the pushed buffer is left alone
-    assert grads.flat is not first and not grads.flat.any() and waited == []
+    grads.advance()
     params[1].sum().backward()
-    assert torch.equal(grads.flat[12:], torch.ones(5)) and not grads.flat[:12].any()
-    sent[1].set()
-    grads.pushed(client, sent[1])
-    assert grads.flat is first and not first.any() and waited == [sent[0]]
+    second = grads.flat
+    assert second is not first and torch.equal(first, want)  # the pushed buffer is left alone
+    assert torch.equal(second[12:], torch.ones(5)) and not second[:12].any()
+    grads.advance()
+    assert grads.flat is not first and grads.flat is not second and not grads.flat.any()
+    assert torch.equal(first, want) and torch.equal(second[12:], torch.ones(5))
+    grads.advance()
+    assert grads.flat is first and not first.any()  # its turn again: zeroed

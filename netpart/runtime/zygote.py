@@ -80,13 +80,19 @@ class Preloaded:
             self.proc.stdin.close()
         except BrokenPipeError:
             pass  # it died: the answer below is empty
-        first = self.proc.stdout.readline().split()
+        # Raw reads only: a buffered readline could swallow exit lines sent right after it.
+        fd, answer = self.proc.stdout.fileno(), b""
+        while b"\n" not in answer and (chunk := os.read(fd, 65536)):
+            answer += chunk
+        line, _, self._pending = answer.partition(b"\n")
+        first = line.split()
         if not first or first[0] != b"pids":
             self.proc.kill()
             self.proc.wait()
             raise RuntimeError(f"the process launcher failed: {self._error()}")
         os.set_blocking(self.proc.stdout.fileno(), False)
         self.children = [Forked(int(pid), self) for pid in first[1:]]
+        self._read(b"")  # exit lines that came with the pids
         return self.children
 
     def _error(self) -> str:
@@ -108,11 +114,14 @@ class Preloaded:
             self.proc.wait()
             self.proc.stdout.close()
             return False
+        self._read(chunk)
+        return True
+
+    def _read(self, chunk: bytes) -> None:
         *lines, self._pending = (self._pending + chunk).split(b"\n")
         for line in lines:
             _, pid, code = line.split()
             self.codes[int(pid)] = int(code)
-        return True
 
     def close(self) -> None:
         """Reap the zygote (it ends once every child has ended; at once if no job came)."""

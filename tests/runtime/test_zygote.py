@@ -1,0 +1,68 @@
+"""The preloaded interpreter forks a job's processes: exit codes, logs, signals, and no child
+outlives it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from netpart.runtime.zygote import Preloaded
+
+pytestmark = pytest.mark.timeout(120)
+
+JOB = """
+import os, sys, time
+def main():
+    act = os.environ["ACT"]
+    if act == "raise":
+        raise ValueError("boom")
+    if act == "sleep":
+        time.sleep(60)
+    print("rank", os.environ["RANK"], sys.argv[1:], flush=True)
+    return 3 if act == "exit3" else 0
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture
+def job_module(tmp_path, monkeypatch):
+    (tmp_path / "zjob.py").write_text(JOB)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    return tmp_path
+
+
+def test_forked_processes_report_their_exit_codes_and_log_their_output(job_module):
+    acts = ["ok", "exit3", "raise"]
+    logs = [job_module / f"rank{k}.log" for k in range(3)]
+    with Preloaded("zjob") as zygote:
+        procs = zygote.fork(
+            ["a", "b"], [({"ACT": a, "RANK": str(k)}, logs[k]) for k, a in enumerate(acts)]
+        )
+        assert [p.wait() for p in procs] == [0, 3, 1]
+    assert logs[0].read_text().strip() == "rank 0 ['a', 'b']"
+    assert "ValueError: boom" in logs[2].read_text()
+
+
+def test_signals_reach_a_forked_process_and_none_outlives_the_interpreter(job_module):
+    logs = [job_module / f"rank{k}.log" for k in range(2)]
+    with Preloaded("zjob") as zygote:
+        procs = zygote.fork([], [({"ACT": "sleep", "RANK": str(k)}, logs[k]) for k in range(2)])
+        procs[0].send_signal(signal.SIGTERM)
+        assert procs[0].wait() == -signal.SIGTERM
+        assert procs[1].poll() is None
+        zygote.proc.kill()  # the interpreter dies: its children die with it
+        deadline = time.monotonic() + 10
+        while _alive(procs[1].pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(procs[1].pid)
+        assert procs[1].wait() == -signal.SIGKILL

@@ -83,7 +83,6 @@ class ShardServer:
         self.routes = {w: layout.routes(w)[self.shard] for w in self.workers}
         self.size = int(layout.shard_sizes()[self.shard])
         self.cond = threading.Condition()  # the lock of all bookkeeping; fetches wait on it
-        self._snapshots: dict[tuple[int, int], torch.Tensor] = {}  # large replies' copies
         self._ending = threading.Event()  # something that may end serving happened
         self.lost: dict[int, str] = {}  # replica -> why
         self.done: set[tuple[int, int]] = set()
@@ -180,10 +179,8 @@ class ShardServer:
         always shows whole updates."""
         n = segments_length(self.routes[worker])
         snapshot = values_of(reply, self.state.values.dtype, n) if reply is not None else None
-        if snapshot is None and self.mode.changes_while_served:
-            snapshot = self._snapshots.setdefault(
-                (replica, worker), torch.empty(n, dtype=self.state.values.dtype)
-            )
+        if snapshot is None and self.mode.changes_while_served:  # freed once sent
+            snapshot = torch.empty(n, dtype=self.state.values.dtype)
         out, version, stale = self.answer_fetch(replica, worker, upto, snapshot)
         head = (int(Kind.PARAMS), self.rank, self.shard, version, out.numel(), replica, stale)
         if reply is not None:

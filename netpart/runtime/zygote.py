@@ -163,7 +163,8 @@ class Forked:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:  # not reported ended, so the pid is still this process's
-            os.kill(self.pid, sig)
+            with contextlib.suppress(ProcessLookupError):  # reaped; its exit line is on its way
+                os.kill(self.pid, sig)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)

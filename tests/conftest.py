@@ -127,6 +127,18 @@ def count_processes(marker: bytes) -> int:
     return count
 
 
+def finish(procs: list, timeout: float) -> list[tuple[str, str]]:
+    """Each process's (stdout, stderr) once it has ended; whatever still runs when the block
+    ends (a timeout, a failed assertion) is killed and reaped."""
+    try:
+        return [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def torch_lbfgs(spec, x, y, lr: float, iterations: int, history: int):
     """The reference model (seed 0, float64) after torch.optim.LBFGS with a fixed step on the
     whole batch (x, y); returns (model, optimizer) for comparison."""

@@ -143,11 +143,6 @@ def _supervise(run, workers, config, resume, summary, progress) -> None:
             f"{who} exited with code {code}: {procs.last_error(n_workers + s)}; the last "
             f"checkpoint is in {run} (continue with --resume {run})"
         )
-    if len(summary.lost) == config.replicas:
-        raise WorkerFailure(
-            "every replica was lost: "
-            + "; ".join(f"replica {r}: {why}" for r, why in summary.lost.items())
-        )
 
 
 def train_under_torchrun(

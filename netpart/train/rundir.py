@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from netpart.data import load_data
-from netpart.errors import RuntimeFailure, TrainError
+from netpart.errors import RuntimeFailure, TrainError, WorkerFailure
 from netpart.files import foreign_entries, plan_files, write_atomic, write_files
 from netpart.models.spec import ModelSpec
 from netpart.partition.planner import PartitionPlan
@@ -179,8 +179,8 @@ def finish_run(spec, plan, config, run: Path, layout, summary: TrainSummary) -> 
         meta = json.loads(shard_path(run, s).with_suffix(".json").read_text())
         for r, why in meta.get("lost", {}).items():
             summary.lost.setdefault(int(r), why)
-    if len(summary.lost) == config.replicas:  # the shards saw it before the launcher did
-        raise RuntimeFailure(
+    if len(summary.lost) == config.replicas:  # what the launcher and the shards saw
+        raise WorkerFailure(
             "every replica was lost: "
             + "; ".join(f"replica {r}: {why}" for r, why in sorted(summary.lost.items()))
         )

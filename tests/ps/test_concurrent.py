@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+from tests.conftest import finish
+
 REPLICAS, SHARDS, STEPS, CHUNK = 3, 2, 40, 1000
 
 ROLE = """
@@ -71,13 +73,7 @@ def test_concurrent_pushes_are_all_applied_whole(tmp_path):
         )
         for rank in range(world)
     ]
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = finish(procs, 120)
     for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-2000:]
     reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]

@@ -12,6 +12,7 @@ from netpart.models import load_spec
 from netpart.partition import build_unit_graph
 from netpart.partition.shards import ShardLayout
 from tests import netns
+from tests.conftest import finish
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -36,13 +37,7 @@ def test_two_machines_train_with_replicas_on_their_own_hosts(tmp_path):
             env = {"GLOO_SOCKET_IFNAME": host.device, "PYTHONPATH": str(Path.cwd())}
             pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
             procs.append(subprocess.Popen(host.command(argv, env), **pipes))
-        try:
-            outs = [p.communicate(timeout=240) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        outs = finish(procs, 240)
         sent = a.tx_bytes() + b.tx_bytes()
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     stdout = outs[0][0] + outs[1][0]

@@ -1,8 +1,11 @@
 """Planner benchmark: wall time and peak memory of `netpart.partition.plan`, and plan quality.
 
-Each timed case runs in a fresh subprocess so its peak RSS is its own. Quality cases report
-volume / lower bound, max layer imbalance and predicted step time of metis and tiles on the
-image models, and metis vs stripe predicted step time on speech. Prints tables, writes JSON.
+Each case runs the default method, `auto`, in a fresh subprocess (so its peak RSS is its own)
+and reports every candidate auto weighed: volume / lower bound, max layer imbalance and
+predicted step of METIS on the unit graph, METIS on the layer-aligned graph, tiles (with its
+default bands and two more), and the plan auto kept, on the image models at 16, 64 and 128
+workers; on speech at 8 workers, auto's predicted step against stripe's. Prints the tables and
+the acceptance checks, writes JSON.
 
     python benchmarks/plan_bench.py --out benchmarks/results/plan_bench.json
     python benchmarks/plan_bench.py --quick      # smaller set, for a smoke run
@@ -19,9 +22,19 @@ import sys
 import time
 from pathlib import Path
 
-TIMED = [("image-1.7b", 81), ("image-1.7b", 128), ("speech", 8)]
+TIMED = [("image-1.7b", 128), ("image-1.7b", 81), ("speech", 8)]
 QUALITY_WORKERS = [16, 64, 128]
 IMAGE_MODELS = ["image-80m", "image-330m", "image-1.7b"]
+
+
+def _figures(m) -> dict:
+    return {
+        "volume": m.volume,
+        "lower_bound": m.lower_bound,
+        "volume_ratio": m.volume_ratio,
+        "max_layer_imbalance": m.max_layer_imbalance,
+        "predicted_step_s": m.predicted_step_s,
+    }
 
 
 def _child(model: str, workers: int, method: str) -> None:
@@ -34,32 +47,62 @@ def _child(model: str, workers: int, method: str) -> None:
     p = plan(spec, workers, method)
     wall = time.perf_counter() - start
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    m = p.metrics
-    print(
-        json.dumps(
-            {
-                "model": model,
-                "workers": workers,
-                "method": method,
-                "wall_s": wall,
-                "peak_rss_gib": peak_kib / 2**20,
-                "blocks": len(p.node_map),
-                "volume": m.volume,
-                "lower_bound": m.lower_bound,
-                "volume_ratio": m.volume_ratio,
-                "max_layer_imbalance": m.max_layer_imbalance,
-                "predicted_step_s": m.predicted_step_s,
-            }
-        )
-    )
+    out = {
+        "model": model,
+        "workers": workers,
+        "method": method,
+        "chosen": p.method,
+        "options": {k: v for k, v in p.options.items() if k != "granularity"},
+        "wall_s": wall,
+        "peak_rss_gib": peak_kib / 2**20,
+        "blocks": len(p.node_map),
+        **_figures(p.metrics),
+        "candidates": [
+            {"method": c.method, "options": c.options, **_figures(c.metrics)} for c in p.candidates
+        ],
+    }
+    print(json.dumps(out))
 
 
-def _run(model: str, workers: int, method: str = "metis") -> dict:
+def _run(model: str, workers: int, method: str = "auto") -> dict:
     cmd = [sys.executable, __file__, "--child", model, str(workers), method]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
     if res.returncode != 0:
         raise SystemExit(f"case {model} x {workers} ({method}) failed:\n{res.stderr}")
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _name(c: dict) -> str:
+    return c["method"] + "".join(f" {k}={v}" for k, v in c["options"].items())
+
+
+def _checks(quality: list[dict], timed: list[dict], speech: dict, stripe: dict) -> list[str]:
+    """The issue's acceptance figures, one line each, with ok / MISSED."""
+    lines = []
+    for r in quality:
+        aligned = next(c for c in r["candidates"] if c["method"] == "metis-aligned")
+        ok_a = aligned["volume_ratio"] <= 1.25 and aligned["max_layer_imbalance"] <= 1.05
+        ok = r["volume_ratio"] <= 1.10 and r["max_layer_imbalance"] <= 1.05
+        lines.append(
+            f"{r['model']} x {r['workers']}: metis-aligned {aligned['volume_ratio']:.3f} / "
+            f"{aligned['max_layer_imbalance']:.3f} {'ok' if ok_a else 'MISSED'} (<= 1.25, 1.05); "
+            f"auto ({_name({'method': r['chosen'], 'options': r['options']})}) "
+            f"{r['volume_ratio']:.3f} / {r['max_layer_imbalance']:.3f} "
+            f"{'ok' if ok else 'MISSED'} (<= 1.10, 1.05)"
+        )
+    ok = speech["predicted_step_s"] <= stripe["predicted_step_s"]
+    lines.append(
+        f"speech x 8: auto ({speech['chosen']}) step {speech['predicted_step_s'] * 1e3:.2f} ms vs "
+        f"stripe {stripe['predicted_step_s'] * 1e3:.2f} ms {'ok' if ok else 'MISSED'}"
+    )
+    for r in timed:
+        if (r["model"], r["workers"]) == ("image-1.7b", 128):
+            ok = r["wall_s"] <= 30 and r["peak_rss_gib"] <= 4
+            lines.append(
+                f"image-1.7b x 128 auto: {r['wall_s']:.1f} s, {r['peak_rss_gib']:.2f} GiB "
+                f"{'ok' if ok else 'MISSED'} (<= 30 s, 4 GiB)"
+            )
+    return lines
 
 
 def main() -> int:
@@ -88,34 +131,36 @@ def main() -> int:
 
     quality = []
     print(
-        f"\n{'model':<12} {'P':>4} {'method':>7} {'vol/bound':>10} {'imbalance':>10} "
-        f"{'step ms':>8} {'wall s':>8}"
+        f"\n{'model':<12} {'P':>4} {'candidate':<20} {'vol/bound':>10} {'imbalance':>10} "
+        f"{'step ms':>8}"
     )
     for model in models:
         for workers in workers_list:
-            for method in ("metis", "tiles"):
-                r = _run(model, workers, method)
-                quality.append(r)
+            r = next((t for t in timed if (t["model"], t["workers"]) == (model, workers)), None)
+            r = r or _run(model, workers)
+            quality.append(r)
+            for c in r["candidates"]:
+                mark = "*" if (c["method"], c["options"]) == (r["chosen"], r["options"]) else " "
                 print(
-                    f"{model:<12} {workers:>4} {method:>7} {r['volume_ratio']:>10.3f} "
-                    f"{r['max_layer_imbalance']:>10.3f} {r['predicted_step_s'] * 1e3:>8.1f} "
-                    f"{r['wall_s']:>8.2f}"
+                    f"{model:<12} {workers:>4} {mark}{_name(c):<19} {c['volume_ratio']:>10.3f} "
+                    f"{c['max_layer_imbalance']:>10.3f} {c['predicted_step_s'] * 1e3:>8.1f}"
                 )
+            print(f"{'':<12} {'':>4}  auto wall {r['wall_s']:.2f} s")
 
-    speech_metis = next((r for r in timed if r["model"] == "speech"), None) or _run("speech", 8)
-    speech_stripe = _run("speech", 8, "stripe")
-    ratio = speech_metis["predicted_step_s"] / speech_stripe["predicted_step_s"]
-    print(
-        f"\nspeech x 8: metis step {speech_metis['predicted_step_s'] * 1e3:.2f} ms, "
-        f"stripe {speech_stripe['predicted_step_s'] * 1e3:.2f} ms, ratio {ratio:.3f}"
-    )
+    speech = next((r for r in timed if r["model"] == "speech"), None) or _run("speech", 8)
+    stripe = _run("speech", 8, "stripe")
+    checks = _checks(quality, timed, speech, stripe)
+    print("\nacceptance:")
+    for line in checks:
+        print("  " + line)
 
     result = {
         "machine": {"python": platform.python_version(), "platform": platform.platform()},
         "timed": timed,
         "quality": quality,
-        "speech_metis_over_stripe_step": ratio,
-        "speech_stripe": speech_stripe,
+        "speech_auto": speech,
+        "speech_stripe": stripe,
+        "acceptance": checks,
     }
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

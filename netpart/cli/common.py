@@ -57,7 +57,12 @@ def add_launch_args(parser: argparse.ArgumentParser, batch: int, stats_help: str
     parser.add_argument(
         "--workers", required=True, type=positive_int, help="model worker processes"
     )
-    parser.add_argument("--method", default="metis", choices=list(METHODS), help="partitioner")
+    parser.add_argument(
+        "--method",
+        default="auto",
+        choices=["auto", *METHODS],
+        help="partitioner (default auto: the lowest predicted step; see `netpart plan --help`)",
+    )
     parser.add_argument("--plan", type=Path, default=None, help="use this plan directory instead")
     parser.add_argument(
         "--batch", type=positive_int, default=batch, help=f"examples per step (default {batch})"

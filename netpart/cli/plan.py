@@ -18,7 +18,9 @@ outputs in --out DIR:
                    per-layer and per-worker figures
   node_map.npy     block -> worker (int64), loads back with netpart.files.load_plan
   report.md        the report, with the figures below
-  partition_map.png, load.png, halo_traffic.png (+ compare.png with --compare)
+  partition_map.png, load.png, halo_traffic.png (+ compare.png with --compare: log
+                   scales, an undefined ratio (traffic over a bound of 0) marked)
+  plan.json "auto" the candidates auto weighed and the rule it chose by (default method)
 
 examples:
   netpart plan --model image-80m --workers 16 --out out/img16
@@ -73,10 +75,11 @@ def _plan_parser(sub) -> None:
     p.add_argument("--workers", required=True, type=positive_int, help="number of model workers")
     p.add_argument(
         "--method",
-        default="metis",
-        choices=list(METHODS),
-        help="partitioner (default: metis, one balance constraint per layer; tiles: brick tiles "
-        "balanced per layer, pools' inputs following the pools, the least halo on image models)",
+        default="auto",
+        choices=["auto", *METHODS],
+        help="partitioner (default: auto, the plan with the lowest predicted step among METIS on "
+        "the unit graph, METIS on the layer-aligned graph (metis-aligned) and tiles, or METIS "
+        "and stripe for fully connected models; plan.json records every candidate)",
     )
     p.add_argument(
         "--batch", type=positive_int, default=32, help="batch size for step time (default 32)"
@@ -116,20 +119,27 @@ def _metis_options(p: argparse.ArgumentParser) -> None:
         "--imbalance",
         type=float,
         default=None,
-        help="metis: allowed per-layer imbalance, 0.03 = 3%% (default 0.03)",
+        help="auto, metis, metis-aligned: allowed per-layer imbalance, 0.03 = 3%% (default 0.03)",
     )
     p.add_argument(
         "--capacities",
         type=capacities,
         default=None,
-        help="metis: relative speed of each worker for unequal machines, e.g. 1,1,2,2",
+        help="auto, metis, metis-aligned, tiles: relative speed of each worker for unequal "
+        "machines, e.g. 1,1,2,2",
+    )
+    p.add_argument(
+        "--bands",
+        type=positive_int,
+        default=None,
+        help="tiles: number of row bands (default: a near-square grid)",
     )
     p.add_argument(
         "--metis-algorithm",
         choices=["recursive", "kway"],
         default=None,
-        help="metis: recursive bisection (default; fastest, lowest volume measured on the zoo) "
-        "or k-way",
+        help="metis, metis-aligned: recursive bisection (metis's default; fastest, lowest "
+        "volume on the unit graph) or k-way (metis-aligned's default)",
     )
     p.add_argument(
         "--objective",
@@ -156,6 +166,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from netpart.models import load_spec
     from netpart.partition import Granularity, NetworkModel, build_unit_graph
     from netpart.partition.report import (
+        auto_table,
         compare_table,
         figures,
         layer_table,
@@ -180,11 +191,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plans = _make_plans(spec, args, options, {**common, "granularity": granularity})
     main_plan = plans[0]
     comparison = plans if args.compare else []
-    graph = build_unit_graph(spec, granularity)
+    graph = build_unit_graph(spec, main_plan.granularity)
     shards = ShardLayout.build(
         graph, main_plan.node_map, args.workers, args.ps_shards or args.workers
     )
     echo(summary_line(main_plan))
+    if main_plan.candidates:
+        echo(auto_table(main_plan))
+        echo()
     echo(layer_table(main_plan))
     echo()
     echo(f"parameter server: {shards.shards} shards")
@@ -205,7 +219,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _metis_choices(args: argparse.Namespace) -> dict:
-    """The METIS options given on the command line (refused with another --method)."""
+    """The partitioner options given on the command line; one the method ignores is refused."""
+    from netpart.partition.methods import METHOD_OPTIONS
+
     options = {
         k: v
         for k, v in (
@@ -213,12 +229,21 @@ def _metis_choices(args: argparse.Namespace) -> dict:
             ("capacities", args.capacities),
             ("algorithm", args.metis_algorithm),
             ("objective", args.objective),
+            ("bands", args.bands),
         )
         if v is not None
     }
-    if options and args.method != "metis":
-        flag = {"algorithm": "metis-algorithm"}.get(next(iter(options)), next(iter(options)))
-        raise PlanError(f"--{flag} applies to --method metis only")
+    allowed = ("imbalance", "capacities") if args.method == "auto" else ()
+    allowed = METHOD_OPTIONS.get(args.method, allowed)
+    for key in options:
+        if key not in allowed:
+            flag = {"algorithm": "metis-algorithm"}.get(key, key)
+            takes = [m for m, keys in METHOD_OPTIONS.items() if key in keys]
+            takes += ["auto"] if key in ("imbalance", "capacities") else []
+            raise PlanError(
+                f"--{flag} does not apply to --method {args.method}; it applies to "
+                f"{', '.join(takes)}"
+            )
     return options
 
 
@@ -228,16 +253,20 @@ def _make_plans(spec, args: argparse.Namespace, options: dict, common: dict) -> 
 
     from netpart.partition import plan
     from netpart.partition.methods import METHODS
+    from netpart.partition.planner import auto_candidates
 
     methods = [args.method] + ([m for m in METHODS if m != args.method] if args.compare else [])
+    steps = 3 * (
+        len(methods) + (len(auto_candidates(spec, args.workers)) - 1) * (args.method == "auto")
+    )
     plans = []
     show = sys.stderr.isatty()
-    with tqdm(total=3 * len(methods), desc="plan", disable=not show, leave=False) as bar:
+    with tqdm(total=steps, desc="plan", disable=not show, leave=False) as bar:
         for method in methods:
             opts = options if method == args.method else {}
 
-            def phase(name: str, method: str = method) -> None:
-                bar.set_postfix_str(f"{method}: {name}")
+            def phase(name: str) -> None:
+                bar.set_postfix_str(name)
                 bar.update(1)
 
             plans.append(plan(spec, args.workers, method, on_phase=phase, **common, **opts))

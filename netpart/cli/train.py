@@ -102,7 +102,12 @@ def _train_parser(sub) -> None:
     flag("timeout", float, "seconds a worker waits for a peer before giving up")
     flag("threads", int, "torch threads per process")
     flag("placement", str, "pack | spread | ordered: which ranks play which role")
-    t.add_argument("--method", default="metis", choices=list(METHODS), help="partitioner")
+    t.add_argument(
+        "--method",
+        default="auto",
+        choices=["auto", *METHODS],
+        help="partitioner (default auto: the lowest predicted step; see `netpart plan --help`)",
+    )
     t.add_argument("--plan", type=Path, default=None, help="use this plan directory")
     t.add_argument("--out", type=Path, default=Path("out/train"), help="run directory")
     t.add_argument("--resume", type=Path, default=None, metavar="DIR", help="continue this run")

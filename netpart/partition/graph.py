@@ -42,9 +42,10 @@ class Granularity:
     count balances them exactly. `max_blocks` caps any layer (keeps graphs tractable).
     With `align_pools`, the input of a pool with non-overlapping windows is cut where the
     pool's blocks read: its bands are stride x the pool's (split further where the layer wants
-    more blocks), its channel groups the pool's unless the pool has more (smaller groups make
-    slower slices), and units no pool window reads form bands of their own. Where the channel
-    groups agree, every such input block is read by exactly one pool block.
+    more blocks), its channel groups the pool's unless that would make the layer's blocks many
+    more than it wants (a reader of all channels reads every group), and units no pool window
+    reads form bands of their own. Where the channel groups agree, every such input block is
+    read by exactly one pool block.
     """
 
     spatial_blocks: int = 64
@@ -249,11 +250,21 @@ def _layer_blocks(spec: ModelSpec, granularity: Granularity) -> tuple[LayerBlock
         if granularity.align_pools and layer.is_spatial and i + 1 < n and aligned_pool(spec, i + 1):
             stride = spec.layers[i + 1].stride
             pool_c, pool_y, pool_x = bounds[0]
-            for want_y, want_x in ((ny, nx), (1, 1)):  # as fine as wanted, else the pool's
+            # The pool's channel groups where that keeps the layer near the blocks it wants (a
+            # reader of all channels reads every group) and its tiles fine enough, else its own
+            # groups; bands as fine as wanted, else the pool's.
+            natural, most = nc * ny * nx, granularity.max_blocks
+            tries = [
+                (pool_c, (ny, nx), min(most, 2 * natural), 0),
+                (pool_c, (1, 1), natural, granularity.spatial_blocks // 2),
+                (cb, (ny, nx), most, 0),
+                (cb, (1, 1), most, 0),
+            ]
+            for ca, (want_y, want_x), limit, tiles in tries:
                 ya = _stretched(pool_y, stride, shape.height, want_y)
                 xa = _stretched(pool_x, stride, shape.width, want_x)
-                ca = pool_c if len(pool_c) <= len(cb) else cb  # never more channel groups
-                if (len(ca) - 1) * (len(ya) - 1) * (len(xa) - 1) <= granularity.max_blocks:
+                positions = (len(ya) - 1) * (len(xa) - 1)
+                if (len(ca) - 1) * positions <= limit and positions >= tiles:
                     cb, yb, xb = ca, ya, xa
                     break
         bounds.insert(0, (cb, yb, xb))

@@ -19,11 +19,12 @@ from typing import Any
 import numpy as np
 
 from netpart.errors import PlanError
-from netpart.partition.graph import UnitGraph, aligned_pool
+from netpart.partition.balance import follow_pools, quantile_cut, rebalance
+from netpart.partition.graph import UnitGraph
 from netpart.partition.metis import part_graph
-from netpart.partition.volume import layer_traffic
+from netpart.partition.plane import blocks_from_plane, build_plane
 
-__all__ = ["METHODS", "METHOD_OPTIONS", "assign"]
+__all__ = ["ALIGNED", "METHODS", "METHOD_OPTIONS", "assign", "default_bands"]
 
 
 def _metis(
@@ -81,48 +82,51 @@ def _metis(
     return rebalance(graph, parts, workers, imbalance, share)
 
 
-def rebalance(
+def _metis_aligned(
     graph: UnitGraph,
-    node_map: np.ndarray,
     workers: int,
-    imbalance: float,
-    share: np.ndarray | None = None,
+    seed: int,
+    imbalance: float = 0.03,
+    capacities: list[float] | None = None,
+    algorithm: str = "kway",
+    objective: str | None = None,
+    ncuts: int = 1,
+    niter: int = 10,
 ) -> np.ndarray:
-    """Repair per-layer balance: METIS may miss its tolerance (always on tiny graphs).
-
-    In each layer with at least `workers` blocks, while the most loaded worker (relative to its
-    share) exceeds (1 + imbalance) x its fair load, move one of its blocks to the least loaded
-    worker: a block light enough to help, with the most edge weight into the receiver.
-    """
-    node_map = node_map.copy()
-    share = np.full(workers, 1.0 / workers) if share is None else share
-    for lb in graph.layers:
-        if lb.count < workers:
-            continue
-        ids = lb.ids
-        w = graph.flops[ids].astype(np.float64)
-        fair = w.sum() * share
-        loads = np.bincount(node_map[ids], weights=w, minlength=workers)
-        for _ in range(lb.count):
-            rel = loads / fair
-            src, dst = int(rel.argmax()), int(rel.argmin())
-            if rel[src] <= 1.0 + imbalance:
-                break
-            mine = np.nonzero(node_map[ids] == src)[0]
-            helps = (loads[dst] + w[mine]) / fair[dst] < rel[src]
-            cand = ids[mine[helps]]
-            if len(cand) == 0:
-                break
-            deg = graph.xadj[cand + 1] - graph.xadj[cand]
-            owner, offset = np.repeat(np.arange(len(cand)), deg), np.arange(deg.sum())
-            offset = offset - np.repeat(np.cumsum(deg) - deg, deg) + graph.xadj[cand][owner]
-            into = node_map[graph.adjncy[offset]] == dst
-            gain = np.bincount(owner, weights=graph.adjwgt[offset] * into, minlength=len(cand))
-            pick = int(cand[gain.argmax()])
-            node_map[pick] = dst
-            loads[src] -= graph.flops[pick]
-            loads[dst] += graph.flops[pick]
-    return node_map
+    """METIS on the layer-aligned graph (`plane.build_plane`): the image plane cut once, one
+    balance constraint per spatial layer, each spatial block given its region's owner; dense
+    layers cut evenly by FLOPs; then the per-layer balance repair and the pools' inputs follow
+    the pools (as in `tiles`)."""
+    share = np.full(workers, 1.0 / workers)
+    if capacities is not None:
+        share = np.asarray(capacities, dtype=np.float64) / np.sum(capacities)
+    out = np.empty(graph.num_vertices, dtype=np.int64)
+    spatial = [lb for lb in graph.layers if graph.spec.layers[lb.index].is_spatial]
+    if spatial:
+        per_unit = (
+            graph.flops[[lb.first for lb in spatial]] / graph.units[[lb.first for lb in spatial]]
+        )
+        plane = build_plane(graph.spec, per_unit)
+        ncon = plane.vwgt.shape[1]
+        cell_owner = part_graph(
+            plane.xadj,
+            plane.adjncy,
+            plane.vwgt,
+            workers,
+            adjwgt=plane.adjwgt,
+            tpwgts=np.repeat(share[:, None], ncon, axis=1),
+            ubvec=np.full(ncon, 1.0 + imbalance),
+            algorithm=algorithm,
+            objective=objective or "cut",
+            seed=seed,
+            ncuts=ncuts,
+            niter=niter,
+        ).parts
+        blocks_from_plane(graph, plane, cell_owner, workers, out)
+    for lb in graph.layers[len(spatial) :]:
+        out[lb.ids] = quantile_cut(graph.flops[lb.ids].astype(np.float64), share)
+    out = rebalance(graph, out, workers, imbalance, share)
+    return follow_pools(graph, out, workers, share) if graph.granularity.align_pools else out
 
 
 def _grid_factors(workers: int) -> tuple[int, int]:
@@ -152,28 +156,28 @@ def _spatial(graph: UnitGraph, workers: int, seed: int) -> np.ndarray:
     return out
 
 
-def _quantile_cut(weights: np.ndarray, shares: np.ndarray) -> np.ndarray:
-    """Part of each item (in the given order) so that part j gets ~shares[j] of the weight.
-
-    An item goes to the part its weight midpoint falls in: every part is within one item's
-    weight of its share.
-    """
-    cum = np.cumsum(weights, dtype=np.float64)
-    mid = (cum - weights / 2.0) / cum[-1]
-    return np.minimum(np.searchsorted(np.cumsum(shares), mid, side="right"), len(shares) - 1)
-
-
-def _brick_counts(workers: int) -> np.ndarray:
-    """Tiles per band: round(sqrt(P)) bands of near-equal counts (a grid when P factors so)."""
-    py, px = _grid_factors(workers)
-    if px <= 2 * py:  # a near-square grid exists
-        return np.full(py, px)
-    bands = max(1, round(math.sqrt(workers)))
+def _brick_counts(workers: int, bands: int | None = None) -> np.ndarray:
+    """Tiles per band: `bands` bands of near-equal counts; by default a near-square grid when P
+    factors so, else round(sqrt(P)) bands."""
+    if bands is None:
+        py, px = _grid_factors(workers)
+        if px <= 2 * py:  # a near-square grid exists
+            return np.full(py, px)
+        bands = max(1, round(math.sqrt(workers)))
     return np.full(bands, workers // bands) + (np.arange(bands) < workers % bands)
 
 
+def default_bands(workers: int) -> int:
+    """The number of bands `tiles` uses when none is given."""
+    return len(_brick_counts(workers))
+
+
 def _tiles(
-    graph: UnitGraph, workers: int, seed: int, capacities: list[float] | None = None
+    graph: UnitGraph,
+    workers: int,
+    seed: int,
+    capacities: list[float] | None = None,
+    bands: int | None = None,
 ) -> np.ndarray:
     """Brick tiles (bands of near-equal tile counts), cut in every layer at its weight quantiles.
 
@@ -182,10 +186,10 @@ def _tiles(
     into its tiles. Cuts land at the same relative place in every layer, so receptive fields
     stay aligned, and every layer is balanced to within one block; a cut may pass between a
     position's channel groups. On a graph built with `align_pools`, a pool's input then
-    follows the pool (`_follow_pools`).
+    follows the pool (`follow_pools`).
     """
     del seed
-    counts = _brick_counts(workers)
+    counts = _brick_counts(workers, bands)
     first = np.concatenate([[0], np.cumsum(counts)])
     share = np.full(workers, 1.0 / workers)
     if capacities is not None:
@@ -196,64 +200,20 @@ def _tiles(
         ids = lb.ids
         w = graph.flops[ids].astype(np.float64)
         if not graph.spec.layers[lb.index].is_spatial:
-            out[ids] = _quantile_cut(w, share)
+            out[ids] = quantile_cut(w, share)
             continue
         b = graph.box[ids]
         cy, cx, ch = b[:, 2] + b[:, 3], b[:, 4] + b[:, 5], b[:, 0]
         order = np.lexsort((ch, cx, cy))
         band = np.empty(len(ids), dtype=np.int64)
-        band[order] = _quantile_cut(w[order], band_share)
+        band[order] = quantile_cut(w[order], band_share)
         for j, (lo, hi) in enumerate(itertools.pairwise(first)):
             members = np.nonzero(band == j)[0]
             if len(members) == 0:
                 continue
             order = members[np.lexsort((ch[members], cy[members], cx[members]))]
-            out[ids[order]] = lo + _quantile_cut(w[order], share[lo:hi] / share[lo:hi].sum())
-    return _follow_pools(graph, out, workers, share) if graph.granularity.align_pools else out
-
-
-def _follow_pools(
-    graph: UnitGraph, node_map: np.ndarray, workers: int, share: np.ndarray
-) -> np.ndarray:
-    """Give each block of a pool's input the owner of the pool block that reads it, so the pool
-    exchanges nothing; blocks no pool window reads go to the least loaded workers. Kept for a
-    layer only where it lowers the total volume (a followed layer may read more itself) and
-    leaves it no worse balanced than it was or than the pool is."""
-    spec = graph.spec
-    volume = None  # of node_map, counted once a pool is found
-    for lb in reversed(graph.layers[:-1]):
-        i = lb.index
-        if not (spec.layers[i].is_spatial and aligned_pool(spec, i + 1)):
-            continue
-        pool, stride = graph.layers[i + 1], spec.layers[i + 1].stride
-        b = graph.box[lb.ids]
-        live = (b[:, 3] <= pool.shape.height * stride) & (b[:, 5] <= pool.shape.width * stride)
-        gy = np.searchsorted(pool.ybounds, b[live, 2] // stride, side="right") - 1
-        gx = np.searchsorted(pool.xbounds, b[live, 4] // stride, side="right") - 1
-        gc = np.searchsorted(pool.cbounds, b[live, 0], side="right") - 1
-        followed = node_map.copy()
-        followed[lb.ids[live]] = node_map[pool.first + (gc * pool.ny + gy) * pool.nx + gx]
-        w = graph.flops[lb.ids].astype(np.float64)
-        loads = np.bincount(followed[lb.ids[live]], weights=w[live], minlength=workers) / share
-        dead = np.nonzero(~live)[0]
-        for j in dead[np.argsort(-w[dead], kind="stable")]:  # few: one band of rows/columns
-            k = int(loads.argmin())
-            followed[lb.ids[j]] = k
-            loads[k] += w[j] / share[k]
-        fair = w.sum()
-        before = np.bincount(node_map[lb.ids], weights=w, minlength=workers) / share
-        pool_w = graph.flops[pool.ids].astype(np.float64)
-        pool_loads = np.bincount(node_map[pool.ids], weights=pool_w, minlength=workers) / share
-        worst = max(before.max() / fair, pool_loads.max() / pool_w.sum())
-        balanced = loads.max() / fair <= worst
-        if not balanced:
-            continue
-        if volume is None:
-            volume = int(layer_traffic(graph, node_map, workers).sum())
-        candidate = int(layer_traffic(graph, followed, workers).sum())
-        if candidate < volume:
-            node_map, volume = followed, candidate
-    return node_map
+            out[ids[order]] = lo + quantile_cut(w[order], share[lo:hi] / share[lo:hi].sum())
+    return follow_pools(graph, out, workers, share) if graph.granularity.align_pools else out
 
 
 def _stripe(graph: UnitGraph, workers: int, seed: int) -> np.ndarray:
@@ -284,6 +244,7 @@ def _random(graph: UnitGraph, workers: int, seed: int) -> np.ndarray:
 
 METHODS: dict[str, Callable[..., np.ndarray]] = {
     "metis": _metis,
+    "metis-aligned": _metis_aligned,
     "tiles": _tiles,
     "spatial": _spatial,
     "stripe": _stripe,
@@ -292,9 +253,12 @@ METHODS: dict[str, Callable[..., np.ndarray]] = {
     "random": _random,
 }
 
+ALIGNED = ("metis-aligned", "tiles")  # methods planned on a graph built with align_pools
+
 METHOD_OPTIONS: dict[str, tuple[str, ...]] = {
     "metis": ("imbalance", "capacities", "algorithm", "objective", "ncuts", "niter"),
-    "tiles": ("capacities",),
+    "metis-aligned": ("imbalance", "capacities", "algorithm", "objective", "ncuts", "niter"),
+    "tiles": ("capacities", "bands"),
 }
 
 
@@ -310,7 +274,7 @@ def _check_options(method: str, workers: int, options: dict[str, Any]) -> None:
     caps = options.get("capacities")
     if caps is not None and (len(caps) != workers or any(not (c > 0) for c in caps)):
         raise PlanError(f"capacities must be {workers} positive numbers, got {list(caps)}")
-    algorithm = options.get("algorithm", "recursive")
+    algorithm = options.get("algorithm", "kway" if method == "metis-aligned" else "recursive")
     if algorithm not in ("recursive", "kway"):
         raise PlanError(f"algorithm must be 'recursive' or 'kway', got {algorithm!r}")
     objective = options.get("objective")
@@ -318,6 +282,9 @@ def _check_options(method: str, workers: int, options: dict[str, Any]) -> None:
         raise PlanError(f"objective must be 'vol' or 'cut', got {objective!r}")
     if algorithm == "recursive" and objective == "vol":
         raise PlanError("objective 'vol' needs algorithm 'kway' (recursive bisection cuts edges)")
+    bands = options.get("bands")
+    if bands is not None and (not isinstance(bands, int) or not 1 <= bands <= workers):
+        raise PlanError(f"bands must be an integer in 1..{workers} (the workers), got {bands!r}")
     for key in ("ncuts", "niter"):
         if key in options and (not isinstance(options[key], int) or options[key] < 1):
             raise PlanError(f"{key} must be an integer >= 1, got {options[key]!r}")

@@ -21,6 +21,9 @@ block ids as in `UnitGraph`, i.e. contiguous per layer in (channel group, row, c
                         volume, lower_bound, imbalance, compute_s, exchange_s
     per_worker          per worker: flops (forward+backward per example, per layer), params,
                         halo_in_bytes / halo_out_bytes (forward, per example), neighbours
+    auto                (only when `--method auto` chose the plan) {rule, candidates: [{method,
+                        options, metrics}]}: every plan weighed; `method` and `options` above
+                        are the winner's, so the plan re-runs with an explicit --method
 """
 
 from __future__ import annotations
@@ -36,20 +39,36 @@ from netpart.errors import PlanError
 from netpart.models.spec import ModelSpec
 from netpart.partition.cost import NetworkModel, layer_times
 from netpart.partition.graph import BYTES_PER_VALUE, Granularity, UnitGraph, build_unit_graph
-from netpart.partition.methods import assign
+from netpart.partition.methods import (
+    ALIGNED,
+    METHOD_OPTIONS,
+    METHODS,
+    assign,
+    default_bands,
+)
 from netpart.partition.volume import layer_lower_bounds, layer_traffic, workers_per_layer
 
 __all__ = [
+    "AUTO_RULE",
     "SCHEMA_VERSION",
+    "TIE",
+    "Candidate",
     "LayerFigures",
     "PartitionPlan",
     "PlanMetrics",
     "WorkerFigures",
+    "auto_candidates",
+    "choose",
     "evaluate",
     "plan",
 ]
 
 SCHEMA_VERSION = 1
+TIE = 0.02  # predicted steps this close count as equal: the model is not finer than that
+AUTO_RULE = (
+    f"lowest predicted step; candidates within {TIE:.0%} of it count as tied and the lowest "
+    "volume among them wins"
+)
 
 
 @dataclass(frozen=True)
@@ -68,6 +87,22 @@ class PlanMetrics:
         if self.lower_bound == 0:
             return 1.0 if self.volume == 0 else float("inf")
         return self.volume / self.lower_bound
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A plan `auto` weighed: its method, the options it ran with, and its figures."""
+
+    method: str
+    options: dict[str, Any]
+    metrics: PlanMetrics
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method, "options": self.options, "metrics": asdict(self.metrics)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Candidate:
+        return cls(d["method"], dict(d["options"]), PlanMetrics(**d["metrics"]))
 
 
 @dataclass(frozen=True)
@@ -110,6 +145,7 @@ class PartitionPlan:
     metrics: PlanMetrics
     layers: tuple[LayerFigures, ...]
     per_worker: tuple[WorkerFigures, ...]
+    candidates: tuple[Candidate, ...] = ()
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -138,7 +174,11 @@ class PartitionPlan:
             "metrics": asdict(self.metrics),
             "layers": [asdict(x) for x in self.layers],
             "per_worker": [asdict(x) for x in self.per_worker],
+            **({"auto": self.auto_dict()} if self.candidates else {}),
         }
+
+    def auto_dict(self) -> dict[str, Any]:
+        return {"rule": AUTO_RULE, "candidates": [c.to_dict() for c in self.candidates]}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -175,6 +215,9 @@ class PartitionPlan:
                         **{**x, "flops": tuple(x["flops"]), "neighbours": tuple(x["neighbours"])}
                     )
                     for x in d["per_worker"]
+                ),
+                candidates=tuple(
+                    Candidate.from_dict(c) for c in d.get("auto", {}).get("candidates", [])
                 ),
             )
             expected_blocks = int(d["num_blocks"])
@@ -295,7 +338,7 @@ def _worker_params(graph: UnitGraph, node_map: np.ndarray, workers: int) -> np.n
 def plan(
     spec: ModelSpec,
     workers: int,
-    method: str = "metis",
+    method: str = "auto",
     *,
     seed: int = 0,
     batch: int = 32,
@@ -306,9 +349,12 @@ def plan(
 ) -> PartitionPlan:
     """Partition `spec` over `workers` with `method` and measure the result.
 
-    Options of `metis`: imbalance (0.03), capacities (per-worker relative speeds), objective
-    ("vol" | "cut"), ncuts, niter. `tiles` always plans on a graph with `align_pools` (its
-    pools' inputs follow the pools). Raises PlanError for bad input.
+    `auto` (the default) plans with every method of `auto_candidates` and keeps the plan with
+    the lowest predicted step (AUTO_RULE); the plan records every candidate. Options of
+    `metis`: imbalance (0.03), capacities (per-worker relative speeds), algorithm, objective
+    ("vol" | "cut"), ncuts, niter; `auto` passes imbalance and capacities to the candidates
+    that take them. `tiles` and `metis-aligned` plan on a graph with `align_pools` (pools'
+    inputs follow the pools). Raises PlanError for bad input.
     """
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise PlanError(f"workers must be an integer >= 1, got {workers!r}")
@@ -316,28 +362,101 @@ def plan(
         raise PlanError(f"batch must be an integer >= 1, got {batch!r}")
     network = network or NetworkModel()
     granularity = granularity or Granularity.for_workers(workers)
-    if method == "tiles":  # its cuts follow the pools: the graph must be cut where they read
-        granularity = replace(granularity, align_pools=True)
     phase = on_phase or (lambda _name: None)
-    phase("graph")
-    graph = build_unit_graph(spec, granularity)
-    phase("partition")
-    node_map = assign(graph, workers, method, seed, dict(options))
-    phase("metrics")
-    metrics, layers, per_worker = evaluate(
-        graph, node_map, workers, batch, network, options.get("capacities")
+    run = _Runner(spec, workers, seed, batch, network, granularity, phase)
+    if method != AUTO:
+        if method not in METHODS:
+            raise PlanError(f"unknown method {method!r}; use one of auto, {', '.join(METHODS)}")
+        return run(method, dict(options))
+    unknown = sorted(set(options) - {"imbalance", "capacities"})
+    if unknown:
+        raise PlanError(
+            f"unknown option {unknown[0]!r} for method 'auto'; allowed: imbalance, capacities "
+            "(choose a --method to tune one partitioner)"
+        )
+    plans = [
+        run(
+            name,
+            {**{k: v for k, v in options.items() if k in METHOD_OPTIONS.get(name, ())}, **extra},
+        )
+        for name, extra in auto_candidates(spec, workers)
+    ]
+    candidates = tuple(Candidate(p.method, _method_options(p), p.metrics) for p in plans)
+    return replace(plans[choose(candidates)], candidates=candidates)
+
+
+AUTO = "auto"
+
+
+def auto_candidates(spec: ModelSpec, workers: int) -> list[tuple[str, dict[str, Any]]]:
+    """The (method, options) `auto` weighs: METIS on both graphs and `tiles` with its default
+    bands, one and two more (a brick tiling's halo is not monotone in its bands) for models
+    with spatial layers; METIS and `stripe` for the rest."""
+    if workers == 1:  # every method gives the one worker everything
+        return [("metis", {})]
+    if not any(layer.is_spatial for layer in spec.layers):
+        return [("metis", {}), ("stripe", {})]
+    out: list[tuple[str, dict[str, Any]]] = [("metis", {}), ("metis-aligned", {}), ("tiles", {})]
+    bands = default_bands(workers)
+    out += [("tiles", {"bands": b}) for b in (bands + 1, bands + 2) if b <= workers]
+    return out
+
+
+def choose(candidates: tuple[Candidate, ...]) -> int:
+    """Index of the candidate AUTO_RULE picks: among those whose predicted step is within TIE
+    of the fastest, the one with the lowest volume (then the faster, then the first)."""
+    fastest = min(c.metrics.predicted_step_s for c in candidates)
+    tied = [
+        i for i, c in enumerate(candidates) if c.metrics.predicted_step_s <= fastest * (1 + TIE)
+    ]
+    return min(
+        tied, key=lambda i: (candidates[i].metrics.volume, candidates[i].metrics.predicted_step_s)
     )
-    return PartitionPlan(
-        model=spec.name,
-        fingerprint=spec.fingerprint(),
-        method=method,
-        workers=workers,
-        seed=seed,
-        options={**options, "granularity": granularity.to_dict()},
-        batch=batch,
-        network=network,
-        node_map=node_map,
-        metrics=metrics,
-        layers=layers,
-        per_worker=per_worker,
-    )
+
+
+def _method_options(p: PartitionPlan) -> dict[str, Any]:
+    return {k: v for k, v in p.options.items() if k != "granularity"}
+
+
+@dataclass
+class _Runner:
+    """Plans one method at a time; a graph is built once per granularity and kept for reuse."""
+
+    spec: ModelSpec
+    workers: int
+    seed: int
+    batch: int
+    network: NetworkModel
+    granularity: Granularity
+    phase: Callable[[str], None]
+    graphs: dict[Granularity, UnitGraph] | None = None
+
+    def __call__(self, method: str, options: dict[str, Any]) -> PartitionPlan:
+        granularity = self.granularity
+        if method in ALIGNED:  # their cuts follow the pools: the graph must be cut there
+            granularity = replace(granularity, align_pools=True)
+        self.graphs = self.graphs or {}
+        self.phase(f"{method}: graph")
+        if granularity not in self.graphs:
+            self.graphs = {granularity: build_unit_graph(self.spec, granularity)}  # keep one
+        graph = self.graphs[granularity]
+        self.phase(f"{method}: partition")
+        node_map = assign(graph, self.workers, method, self.seed, options)
+        self.phase(f"{method}: metrics")
+        metrics, layers, per_worker = evaluate(
+            graph, node_map, self.workers, self.batch, self.network, options.get("capacities")
+        )
+        return PartitionPlan(
+            model=self.spec.name,
+            fingerprint=self.spec.fingerprint(),
+            method=method,
+            workers=self.workers,
+            seed=self.seed,
+            options={**options, "granularity": granularity.to_dict()},
+            batch=self.batch,
+            network=self.network,
+            node_map=node_map,
+            metrics=metrics,
+            layers=layers,
+            per_worker=per_worker,
+        )

@@ -16,11 +16,13 @@ import numpy as np
 
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import BYTES_PER_VALUE, UnitGraph
-from netpart.partition.planner import PartitionPlan
+from netpart.partition.planner import TIE, PartitionPlan
 from netpart.partition.shards import ShardLayout
 from netpart.partition.volume import layer_traffic
 
 __all__ = [
+    "auto_reason",
+    "auto_table",
     "compare_table",
     "figures",
     "layer_table",
@@ -84,10 +86,15 @@ def layer_table(plan: PartitionPlan) -> str:
     return _table([*headers, "compute ms", "exchange ms"], rows)
 
 
+def _label(p: PartitionPlan) -> str:
+    extra = "".join(f" {k}={v}" for k, v in p.options.items() if k == "bands")
+    return f"auto: {p.method}{extra}" if p.candidates else f"{p.method}{extra}"
+
+
 def compare_table(plans: Sequence[PartitionPlan]) -> str:
     rows = [
         [
-            p.method,
+            _label(p),
             f"{p.metrics.volume:,}",
             _fmt_ratio(p.metrics.volume_ratio),
             f"{p.metrics.max_layer_imbalance:.3f}",
@@ -98,6 +105,47 @@ def compare_table(plans: Sequence[PartitionPlan]) -> str:
     ]
     headers = ["method", "volume", "vol/bound", "max imbalance", "edge cut", "step ms"]
     return _table(headers, rows)
+
+
+def auto_table(plan: PartitionPlan) -> str:
+    """The candidates `auto` weighed, the chosen one marked, and one line saying why it won."""
+    rows = []
+    for c in plan.candidates:
+        m = c.metrics
+        chosen = c.method == plan.method and c.options == _options(plan)
+        rows.append(
+            [
+                ("* " if chosen else "")
+                + c.method
+                + "".join(f" {k}={v}" for k, v in c.options.items()),
+                _fmt_ratio(m.volume_ratio),
+                f"{m.max_layer_imbalance:.3f}",
+                f"{m.predicted_step_s * 1e3:.2f}",
+            ]
+        )
+    table = _table(["candidate", "vol/bound", "max imbalance", "step ms"], rows)
+    return f"{table}\n{auto_reason(plan)}"
+
+
+def _options(plan: PartitionPlan) -> dict:
+    return {k: v for k, v in plan.options.items() if k != "granularity"}
+
+
+def auto_reason(plan: PartitionPlan) -> str:
+    """Why `auto` kept this plan, in one sentence."""
+    steps = sorted(c.metrics.predicted_step_s for c in plan.candidates)
+    mine = plan.metrics.predicted_step_s
+    if mine == steps[0]:
+        runner_up = steps[1] if len(steps) > 1 else mine
+        return (
+            f"auto chose {plan.method}: the fastest predicted step, {mine * 1e3:.2f} ms "
+            f"(next {runner_up * 1e3:.2f} ms)."
+        )
+    return (
+        f"auto chose {plan.method}: predicted step {mine * 1e3:.2f} ms, within "
+        f"{TIE:.0%} of the fastest ({steps[0] * 1e3:.2f} ms), and the least volume of those "
+        f"({_fmt_ratio(plan.metrics.volume_ratio)} x the bound)."
+    )
 
 
 def report_markdown(
@@ -138,6 +186,8 @@ def report_markdown(
             f"Layers with fewer blocks than workers are spread over a subset of them: {names}.",
             "",
         ]
+    if plan.candidates:
+        lines += ["## How auto chose", "", auto_table(plan), ""]
     lines += ["## Layers", "", layer_table(plan), ""]
     lines += [
         "Volume counts each unit once per remote worker that reads it (forward pass; the "
@@ -260,16 +310,31 @@ def figures(
     out["halo_traffic.png"] = _png(fig)
 
     if comparison:
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
-        names = [p.method for p in comparison]
-        ratio = [min(p.metrics.volume_ratio, 1e9) for p in comparison]
-        a1.bar(names, ratio, color="tab:blue")
-        a1.axhline(1.0, color="k", lw=0.8, ls="--")
-        a1.set_ylabel("volume / lower bound")
-        a1.tick_params(axis="x", rotation=30)
-        a2.bar(names, [p.metrics.predicted_step_s * 1e3 for p in comparison], color="tab:orange")
-        a2.set_ylabel("predicted step (ms)")
-        a2.tick_params(axis="x", rotation=30)
-        fig.suptitle(f"{plan.model} on {workers} workers: methods compared")
-        out["compare.png"] = _png(fig)
+        out["compare.png"] = _compare_png(plan, comparison)
     return out
+
+
+def _compare_png(plan: PartitionPlan, comparison: Sequence[PartitionPlan]) -> bytes:
+    """Volume / bound on a log scale (an undefined ratio, traffic over a bound of 0, is marked
+    rather than drawn) and predicted step per method."""
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    names = [_label(p) for p in comparison]
+    ratio = np.array([p.metrics.volume_ratio for p in comparison])
+    finite = np.isfinite(ratio)
+    x = np.arange(len(comparison))
+    a1.bar(x[finite], ratio[finite], color="tab:blue")
+    a1.set_yscale("log")
+    a1.axhline(1.0, color="k", lw=0.8, ls="--")
+    top = ratio[finite].max() if finite.any() else 1.0
+    for i in x[~finite]:
+        a1.text(i, 1.0, "undefined\n(bound 0)", ha="center", va="bottom", fontsize=7, color="red")
+    a1.set_ylim(0.9, max(2.0, top * 1.5))
+    a1.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
+    a1.set_ylabel("volume / lower bound (log)")
+    a2.bar(x, [p.metrics.predicted_step_s * 1e3 for p in comparison], color="tab:orange")
+    a2.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
+    a2.set_yscale("log")
+    a2.set_ylabel("predicted step (ms, log)")
+    fig.suptitle(f"{plan.model} on {plan.workers} workers: methods compared")
+    fig.tight_layout()
+    return _png(fig)

@@ -14,6 +14,8 @@ sum_t |input read by t| - |input read by anyone|.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from netpart.models.spec import ModelSpec
@@ -152,13 +154,19 @@ def layer_lower_bounds(spec: ModelSpec, q: np.ndarray) -> np.ndarray:
     halo(m_i) per channel of group i, and the channels go where the halo is smallest; other
     readers re-read all input channels in every group: Cin * (sum_i halo(m_i) + (G-1) * |N|).
     """
-    out = np.zeros(len(spec.layers), dtype=np.int64)
+    return np.array(_bounds(spec, tuple(int(x) for x in q)), dtype=np.int64)
+
+
+@functools.lru_cache(maxsize=64)
+def _bounds(spec: ModelSpec, q: tuple[int, ...]) -> tuple[int, ...]:
+    """layer_lower_bounds, memoised: `auto` evaluates several plans of one model and P."""
+    out = [0] * len(spec.layers)
     for i in range(1, len(spec.layers)):
-        parts, layer, src = int(q[i]), spec.layers[i], spec.input_shape(i)
+        parts, layer, src = q[i], spec.layers[i], spec.input_shape(i)
         if parts <= 1:
             continue
         out[i] = (parts - 1) * src.size if not layer.is_spatial else _spatial_bound(spec, i, parts)
-    return out
+    return tuple(out)
 
 
 def _spatial_bound(spec: ModelSpec, index: int, parts: int) -> int:

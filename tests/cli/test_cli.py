@@ -39,7 +39,7 @@ def test_plan_writes_files_that_load_back(tmp_path, capsys):
         str(out_dir),
     )
     assert code == 0
-    assert "tiny-local on 3 workers (metis)" in out and "round-robin" in out
+    assert "tiny-local on 3 workers (" in out and "auto chose" in out and "round-robin" in out
     assert "parameter server: 2 shards" in out
     assert "## Parameter server: 2 shards" in (out_dir / "report.md").read_text()
     names = {p.name for p in out_dir.iterdir()}
@@ -53,8 +53,12 @@ def test_plan_writes_files_that_load_back(tmp_path, capsys):
     for key in ("edge_cut", "volume", "lower_bound", "max_layer_imbalance", "predicted_step_s"):
         assert key in data["metrics"]
     assert np.array_equal(np.load(out_dir / "node_map.npy"), plan.node_map)
+    weighed = data["auto"]["candidates"]  # the default, auto, records every candidate
+    assert {c["method"] for c in weighed} >= {"metis", "metis-aligned", "tiles"}
+    assert plan.candidates and data["method"] in {c["method"] for c in weighed}
     report = (out_dir / "report.md").read_text()
     assert "## Methods compared" in report and "![load.png](load.png)" in report
+    assert "## How auto chose" in report
 
 
 def test_inspect_checks_the_plan_against_its_model(tmp_path, capsys):
@@ -100,7 +104,7 @@ def test_graph_export(tmp_path, capsys):
         (["--model", "resnet", "--workers", "2"], "unknown model 'resnet'"),
         (
             ["--model", "tiny-mlp", "--workers", "2", "--method", "stripe", "--imbalance", "0.1"],
-            "--imbalance applies to --method metis only",
+            "--imbalance does not apply to --method stripe",
         ),
         (
             ["--model", "tiny-mlp", "--workers", "2", "--capacities", "1,2,3"],

@@ -55,7 +55,9 @@ def test_corrupt_plan_files_are_named(tmp_path):
         ({"workers": 0}, "workers must be an integer >= 1"),
         ({"method": "kmeans"}, "unknown method 'kmeans'"),
         ({"method": "stripe", "imbalance": 0.1}, "unknown option 'imbalance' for method 'stripe'"),
-        ({"colour": "red"}, "unknown option 'colour' for method 'metis'"),
+        ({"colour": "red"}, "unknown option 'colour' for method 'auto'"),
+        ({"method": "metis", "colour": "red"}, "unknown option 'colour' for method 'metis'"),
+        ({"method": "tiles", "bands": 4}, "bands must be an integer in 1..3"),
         ({"capacities": [1, 2]}, "capacities must be 3 positive numbers"),
         ({"imbalance": 2.0}, "imbalance must be in"),
     ],
@@ -67,7 +69,7 @@ def test_bad_requests_raise_plan_errors(kwargs, message):
 
 
 def test_metis_balances_each_layer_of_an_image_model():
-    p = plan(ZOO["image-80m"], 16)
+    p = plan(ZOO["image-80m"], 16, "metis")
     assert p.metrics.max_layer_imbalance <= 1.05
     assert all(ly.workers_used == 16 for ly in p.layers)
 

@@ -7,7 +7,16 @@ from netpart.partition import Granularity, build_unit_graph, plan
 from netpart.partition.volume import layer_lower_bounds, layer_traffic
 from tests.conftest import brute_force_volume, small_specs
 
-METHODS = ["metis", "tiles", "spatial", "stripe", "layers", "round-robin", "random"]
+METHODS = [
+    "metis",
+    "metis-aligned",
+    "tiles",
+    "spatial",
+    "stripe",
+    "layers",
+    "round-robin",
+    "random",
+]
 
 
 @given(small_specs(max_layers=3), st.integers(1, 4), st.integers(0, 2**16))

@@ -22,7 +22,16 @@ from netpart.runtime.inprocess import ThreadTransport, run_step_threads
 from netpart.runtime.worker import ModelWorker
 from tests.conftest import small_specs
 
-METHODS = ["metis", "tiles", "spatial", "stripe", "layers", "round-robin", "random"]
+METHODS = [
+    "metis",
+    "metis-aligned",
+    "tiles",
+    "spatial",
+    "stripe",
+    "layers",
+    "round-robin",
+    "random",
+]
 
 
 def reference_step(spec, inputs, targets, seed=0):

@@ -9,6 +9,7 @@ line and exit code 1; a stop by SIGINT/SIGTERM in exit code 130.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
@@ -36,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# errno values that name a path the user gave (exit 2); any other OSError is a failure (exit 1)
+_PATH_ERRORS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR, errno.ENOENT}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -57,3 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into e.g. `head`: stop quietly
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - never written to again
         return 0
+    except OSError as exc:  # a path that cannot be written, a full disk, no process to spare
+        where = f"{exc.filename}: " if exc.filename else ""
+        bad_path = exc.errno in _PATH_ERRORS
+        print(f"netpart: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return EXIT_INPUT if bad_path else EXIT_FAILURE

@@ -177,8 +177,9 @@ def _flag(field: str) -> str:
     return "ps-shards" if field == "shards" else field.replace("_", "-")
 
 
-def _job(args):
-    """Spec, plan and config from the flags, or from the run directory with --resume."""
+def _job(args, local: bool = True):
+    """Spec, plan and config from the flags, or from the run directory with --resume; `local`:
+    every process on this machine (refuse what cannot fit it)."""
     from netpart.files import load_plan
     from netpart.models import load_spec
     from netpart.partition import plan
@@ -188,6 +189,11 @@ def _job(args):
     if args.resume is not None:
         run = args.resume
         manifest, spec, old = read_run(run)
+        if old.mode == "sandblaster":
+            raise TrainError(
+                f"--resume {run}: a Sandblaster L-BFGS run cannot be resumed (its curvature "
+                "history and iteration count are not checkpointed); start a new --out"
+            )
         if args.model is not None and load_spec(args.model).fingerprint() != spec.fingerprint():
             raise TrainError(f"--resume {run}: the run trained {spec.name}, not {args.model}")
         if args.workers is not None and args.workers != manifest.get("workers"):
@@ -221,13 +227,18 @@ def _job(args):
         if p.workers != args.workers:
             raise PlanError(f"{args.plan}: the plan is for {p.workers} workers, not {args.workers}")
     else:
+        if local:  # thousands of processes are refused before minutes of planning
+            from netpart.train.fit import check_process_count
+
+            what = f"--workers {args.workers} x --replicas {config.replicas}"
+            check_process_count(config.world(args.workers), what)
         p = plan(spec, args.workers, args.method, seed=config.seed, batch=config.batch)
     return spec, p, config, args.out
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     if os.environ.get("RANK") is not None and os.environ.get("TORCHELASTIC_RUN_ID"):
-        spec, p, config, run = _job(args)
+        spec, p, config, run = _job(args, local=False)
         from netpart.train.launch import train_under_torchrun
 
         code = train_under_torchrun(spec, p, config, run, args.resume is not None, echo)
@@ -257,10 +268,12 @@ def _train_here(args, spec, p, config, run, preloaded):
     """`train` on this machine behind a progress bar; the summary."""
     from tqdm import tqdm
 
+    from netpart.train.fit import check_fits
     from netpart.train.launch import postfix, train
 
     if run.exists() and not run.is_dir():
         raise TrainError(f"--out {run}: exists and is not a directory")
+    check_fits(spec, p, config)  # before any process starts or any file is written
     world = config.world(p.workers)
     banner = (
         f"{spec.name}: {config.replicas} replica(s) x {p.workers} worker(s) + {config.shards} "
@@ -322,8 +335,12 @@ def _run_model(run: Path, from_shards: bool = False):
     if not from_shards and (run / "model.pt").exists():
         try:
             return spec, config, torch.load(run / "model.pt", weights_only=True)
-        except Exception as exc:  # a torn or foreign file
-            raise TrainError(f"{run / 'model.pt'}: not readable ({exc})") from None
+        except Exception as exc:  # a torn or foreign file: torch's message runs to many lines
+            raise TrainError(
+                f"{run / 'model.pt'}: not a model file netpart wrote ({type(exc).__name__} from "
+                f"torch.load); rebuild it from "
+                f"the shard checkpoints with `netpart export {run}`"
+            ) from None
     p = load_plan(run, spec)
     layout = ShardLayout.build(
         build_unit_graph(spec, p.granularity), p.node_map, p.workers, config.shards

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from netpart.errors import ProtocolError, transport_reason
+from netpart.errors import ProtocolError, RuntimeFailure, transport_reason
 from netpart.partition.shards import Segment, ShardLayout
 from netpart.ps.modes import Mode
 from netpart.ps.protocol import (
@@ -93,6 +93,7 @@ class ShardServer:
         self.bytes_out = 0
         self.staleness: collections.Counter[int] = collections.Counter()
         self.last_staleness: dict[tuple[int, int], int] = {}
+        self.fatal: str | None = None  # why this shard cannot go on (a checkpoint not written)
         mode.attach(self)
 
     # ---- serving -------------------------------------------------------------------------
@@ -110,6 +111,8 @@ class ShardServer:
         while True:
             self._ending.clear()  # before looking: what happens after wakes the wait below
             with self.cond:
+                if self.fatal is not None:
+                    raise RuntimeFailure(f"shard {self.shard}: {self.fatal}")
                 if self._finished():
                     break
             if stop is not None and stop.is_set() and deadline is None:
@@ -171,6 +174,15 @@ class ShardServer:
         except (RuntimeError, ProtocolError) as exc:
             reason = str(exc) if isinstance(exc, ProtocolError) else transport_reason(exc)
             self.lose(replica, f"worker {worker}: {reason}")
+        except OSError as exc:  # a checkpoint write failed (disk full, read-only): fatal
+            where = f" {exc.filename}" if exc.filename else ""
+            self.fail(f"writing{where} failed: {exc.strerror or exc}")
+
+    def fail(self, why: str) -> None:
+        """This shard cannot go on: `serve` raises RuntimeFailure(why) instead of waiting."""
+        with self.cond:
+            self.fatal = self.fatal or why
+        self.may_end()
 
     def _reply(self, replica: int, worker: int, upto: int, dst: int, reply) -> None:
         """Answer a fetch (once step `upto` is applied): one message [header | values] when

@@ -1,3 +1,4 @@
+import errno
 import json
 import subprocess
 import sys
@@ -202,3 +203,25 @@ def test_python_dash_m_entry_point_and_help():
         timeout=60,
     )
     assert res.returncode == 2 and res.stderr.strip().count("\n") == 0
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (OSError(errno.EROFS, "Read-only file system", "/ro/p"), 2),
+        (OSError(errno.ENOSPC, "No space left on device", "/full/p"), 1),
+        (BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable"), 1),
+    ],
+)
+def test_os_errors_are_one_line(tmp_path, capsys, monkeypatch, error, code):
+    import netpart.files
+
+    def refuse(*_args, **_kwargs):
+        raise error
+
+    monkeypatch.setattr(netpart.files, "write_files", refuse)
+    argv = ["plan", "--model", "tiny-mlp", "--workers", "2", "--out", str(tmp_path / "p")]
+    got, _, err = run(capsys, *argv)
+    assert got == code
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and error.strerror in lines[0], lines

@@ -209,6 +209,20 @@ def test_bad_resume_input_exits_2_and_overwrites_nothing(sync_run, tmp_path, cap
         assert main(["train", *args]) == 2, args
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("netpart: error:"), err
+    lbfgs = tmp_path / "lbfgs"  # a Sandblaster run: refused until its history is checkpointed
+    shutil.copytree(straight, lbfgs)
+    manifest = json.loads((lbfgs / "train.json").read_text())
+    manifest["config"].update(mode="sandblaster", optimizer="lbfgs", units=1)
+    (lbfgs / "train.json").write_text(json.dumps(manifest))
+    assert main(["train", "--resume", str(lbfgs)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Sandblaster L-BFGS run cannot be resumed" in err[0], err
+    garbage = tmp_path / "garbage"  # a model.pt that is not one: one line, not torch's hint
+    shutil.copytree(straight, garbage)
+    (garbage / "model.pt").write_bytes(bytes(range(256)) * 2)
+    assert main(["eval", "--checkpoint", str(garbage)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a model file netpart wrote" in err[0], err
     good = (run / "shard_0.pt").read_bytes()
     with zipfile.ZipFile(run / "shard_0.pt") as zf:  # 64 bytes flipped inside the values
         info = max(zf.infolist(), key=lambda i: i.file_size)
@@ -354,3 +368,38 @@ def test_gradient_buffers_send_what_backward_accumulated_and_rotate():
     assert torch.equal(first, want) and torch.equal(second[12:], torch.ones(5))
     grads.advance()
     assert grads.flat is first and not first.any()  # its turn again: zeroed
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 450 kB tmpfs (root only): room for the run's first checkpoints, not for many more."""
+    where = tmp_path / "small"
+    where.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=450k", "tmpfs", str(where)],
+        capture_output=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_full_disk_stops_the_job_in_one_line_with_the_last_checkpoint_intact(small_disk, capsys):
+    run = small_disk / "run"
+    argv = ["--model", "tiny-local", "--workers", "2", "--replicas", "2", "--ps-shards", "2"]
+    start = time.monotonic()
+    code = main(["train", *argv, "--steps", "300", "--timeout", "30", "--out", str(run)])
+    took = time.monotonic() - start
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and took < 60, (code, took)
+    assert len(err) == 1 and "No space left on device" in err[0] and "shard" in err[0], err
+    assert alive() == 0
+    meta = json.loads((run / "shard_0.json").read_text())
+    assert meta["updates"] > 0  # a checkpoint written before the disk filled ...
+    for s in (0, 1):  # ... that still loads: each shard's file is whole
+        with zipfile.ZipFile(run / f"shard_{s}.pt") as zf:
+            assert zf.testzip() is None

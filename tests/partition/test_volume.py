@@ -3,20 +3,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from netpart.models import ZOO
+from netpart.partition import METHODS as ALL_METHODS
 from netpart.partition import Granularity, build_unit_graph, plan
 from netpart.partition.volume import layer_lower_bounds, layer_traffic
 from tests.conftest import brute_force_volume, small_specs
 
-METHODS = [
-    "metis",
-    "metis-aligned",
-    "tiles",
-    "spatial",
-    "stripe",
-    "layers",
-    "round-robin",
-    "random",
-]
+METHODS = sorted(ALL_METHODS)  # every partitioner, new ones included
 
 
 @given(small_specs(max_layers=3), st.integers(1, 4), st.integers(0, 2**16))

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from netpart.errors import ScheduleError, ShapeMismatchError
 from netpart.models import ZOO, build_reference
+from netpart.partition import METHODS as ALL_METHODS
 from netpart.partition import Granularity, build_unit_graph, plan
 from netpart.partition.schedule import build_schedule, plan_schedule
 from netpart.partition.shards import ShardLayout
@@ -22,16 +23,7 @@ from netpart.runtime.inprocess import ThreadTransport, run_step_threads
 from netpart.runtime.worker import ModelWorker
 from tests.conftest import small_specs
 
-METHODS = [
-    "metis",
-    "metis-aligned",
-    "tiles",
-    "spatial",
-    "stripe",
-    "layers",
-    "round-robin",
-    "random",
-]
+METHODS = sorted(ALL_METHODS)  # every partitioner, new ones included
 
 
 def reference_step(spec, inputs, targets, seed=0):

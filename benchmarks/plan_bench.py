@@ -52,7 +52,7 @@ def _child(model: str, workers: int, method: str) -> None:
         "workers": workers,
         "method": method,
         "chosen": p.method,
-        "options": {k: v for k, v in p.options.items() if k != "granularity"},
+        "options": p.method_options,
         "wall_s": wall,
         "peak_rss_gib": peak_kib / 2**20,
         "blocks": len(p.node_map),

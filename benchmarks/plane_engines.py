@@ -80,8 +80,7 @@ def _one(mk, model: str, workers: int) -> dict:
     metis_wall = time.perf_counter() - start
     g = build_unit_graph(spec, replace(Granularity.for_workers(workers), align_pools=True))
     spatial = [lb for lb in g.layers if spec.layers[lb.index].is_spatial]
-    firsts = [lb.first for lb in spatial]
-    plane = build_plane(spec, g.flops[firsts] / g.units[firsts])
+    plane = build_plane(spec)
     owner, wall = _kahypar_owner(mk, plane, workers, 0.03)
     out = np.empty(g.num_vertices, dtype=np.int64)
     blocks_from_plane(g, plane, owner, workers, out)

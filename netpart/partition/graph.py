@@ -24,6 +24,7 @@ __all__ = [
     "UnitGraph",
     "aligned_pool",
     "build_unit_graph",
+    "flops_per_unit",
     "owned_units",
     "read_window",
 ]
@@ -219,7 +220,7 @@ def read_window(spec: ModelSpec, index: int) -> tuple[int, int, int]:
     return layer.kernel, layer.stride, layer.padding
 
 
-def _flops_per_unit(spec: ModelSpec, index: int) -> int:
+def flops_per_unit(spec: ModelSpec, index: int) -> int:
     """Forward+backward FLOPs per output unit (backward ~2x forward with weights, ~1x without)."""
     layer, src = spec.layers[index], spec.input_shape(index)
     if layer.kind in ("local", "conv"):
@@ -367,7 +368,7 @@ def build_unit_graph(spec: ModelSpec, granularity: Granularity | None = None) ->
     box = np.concatenate([_boxes(lb) for lb in layers])
     layer_of = np.concatenate([np.full(lb.count, lb.index, dtype=np.int64) for lb in layers])
     units = (box[:, 1] - box[:, 0]) * (box[:, 3] - box[:, 2]) * (box[:, 5] - box[:, 4])
-    per_unit = np.array([_flops_per_unit(spec, i) for i in range(len(layers))], dtype=np.int64)
+    per_unit = np.array([flops_per_unit(spec, i) for i in range(len(layers))], dtype=np.int64)
     flops = units * per_unit[layer_of]
 
     parts = [_read_edges(spec, layers[i], layers[i - 1], box) for i in range(1, len(layers))]

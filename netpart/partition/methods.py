@@ -103,10 +103,7 @@ def _metis_aligned(
     out = np.empty(graph.num_vertices, dtype=np.int64)
     spatial = [lb for lb in graph.layers if graph.spec.layers[lb.index].is_spatial]
     if spatial:
-        per_unit = (
-            graph.flops[[lb.first for lb in spatial]] / graph.units[[lb.first for lb in spatial]]
-        )
-        plane = build_plane(graph.spec, per_unit)
+        plane = build_plane(graph.spec)
         ncon = plane.vwgt.shape[1]
         cell_owner = part_graph(
             plane.xadj,

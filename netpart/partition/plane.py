@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from netpart.models.spec import ModelSpec
-from netpart.partition.graph import LayerBlocks, UnitGraph, read_window
+from netpart.partition.graph import LayerBlocks, UnitGraph, flops_per_unit, read_window
 
 __all__ = ["Plane", "blocks_from_plane", "build_plane", "layer_weights", "plane_shape"]
 
@@ -98,7 +98,7 @@ def plane_shape(spec: ModelSpec, max_cells: int = MAX_CELLS) -> tuple[int, int]:
     return max(1, int(rows * scale)), max(1, int(cols * scale))
 
 
-def layer_weights(spec: ModelSpec, flops_per_unit: np.ndarray, ny: int, nx: int) -> np.ndarray:
+def layer_weights(spec: ModelSpec, ny: int, nx: int) -> np.ndarray:
     """[ny * nx, spatial layers]: each layer's FLOPs per cell, by the area its positions cover.
 
     Layer l's position (y, x) covers cells [y ny / H_l, (y+1) ny / H_l) x [x nx / W_l, ...),
@@ -114,21 +114,21 @@ def layer_weights(spec: ModelSpec, flops_per_unit: np.ndarray, ny: int, nx: int)
         )
         rx = _overlap(np.arange(shape.width), np.arange(1, shape.width + 1), nx / shape.width, nx)
         per_cell = (
-            shape.channels * float(flops_per_unit[i]) / (ny / shape.height * nx / shape.width)
+            shape.channels * float(flops_per_unit(spec, i)) / (ny / shape.height * nx / shape.width)
         )
         out.append(np.outer(ry.sum(axis=0), rx.sum(axis=0)).ravel() * per_cell)
     return np.stack(out, axis=1)
 
 
-def build_plane(spec: ModelSpec, flops_per_unit: np.ndarray, max_cells: int = MAX_CELLS) -> Plane:
-    """The layer-aligned graph of `spec`'s leading spatial layers (`flops_per_unit` per layer).
+def build_plane(spec: ModelSpec, max_cells: int = MAX_CELLS) -> Plane:
+    """The layer-aligned graph of `spec`'s leading spatial layers.
 
     Vertex weights are `layer_weights`, one balance constraint per layer, scaled to integers;
     constraints proportional to one another (layers of uniform density over the plane, as in
     every zoo model) are kept once: METIS balances them alike and partitions worse with more.
     """
     ny, nx = plane_shape(spec, max_cells)
-    w = _distinct(list(layer_weights(spec, flops_per_unit, ny, nx).T))
+    w = _distinct(list(layer_weights(spec, ny, nx).T))
     w = np.maximum(1, np.rint(w * (1e6 / w.max(axis=0)))).astype(np.int64)
     spatial = sum(1 for layer in spec.layers if layer.is_spatial)
     halo = _halo_per_cell(spec, spatial, ny)

@@ -152,6 +152,11 @@ class PartitionPlan:
     def granularity(self) -> Granularity:
         return Granularity(**self.options["granularity"])
 
+    @property
+    def method_options(self) -> dict[str, Any]:
+        """The options the method ran with (without the granularity of its graph)."""
+        return {k: v for k, v in self.options.items() if k != "granularity"}
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, PartitionPlan):
             return NotImplemented
@@ -381,7 +386,7 @@ def plan(
         )
         for name, extra in auto_candidates(spec, workers)
     ]
-    candidates = tuple(Candidate(p.method, _method_options(p), p.metrics) for p in plans)
+    candidates = tuple(Candidate(p.method, p.method_options, p.metrics) for p in plans)
     return replace(plans[choose(candidates)], candidates=candidates)
 
 
@@ -414,13 +419,9 @@ def choose(candidates: tuple[Candidate, ...]) -> int:
     )
 
 
-def _method_options(p: PartitionPlan) -> dict[str, Any]:
-    return {k: v for k, v in p.options.items() if k != "granularity"}
-
-
 @dataclass
 class _Runner:
-    """Plans one method at a time; a graph is built once per granularity and kept for reuse."""
+    """Plans one method at a time, reusing the last graph where the granularity is the same."""
 
     spec: ModelSpec
     workers: int
@@ -429,17 +430,16 @@ class _Runner:
     network: NetworkModel
     granularity: Granularity
     phase: Callable[[str], None]
-    graphs: dict[Granularity, UnitGraph] | None = None
+    graph: UnitGraph | None = None  # the last one built: candidates in a row share it
 
     def __call__(self, method: str, options: dict[str, Any]) -> PartitionPlan:
         granularity = self.granularity
         if method in ALIGNED:  # their cuts follow the pools: the graph must be cut there
             granularity = replace(granularity, align_pools=True)
-        self.graphs = self.graphs or {}
         self.phase(f"{method}: graph")
-        if granularity not in self.graphs:
-            self.graphs = {granularity: build_unit_graph(self.spec, granularity)}  # keep one
-        graph = self.graphs[granularity]
+        if self.graph is None or self.graph.granularity != granularity:
+            self.graph = build_unit_graph(self.spec, granularity)
+        graph = self.graph
         self.phase(f"{method}: partition")
         node_map = assign(graph, self.workers, method, self.seed, options)
         self.phase(f"{method}: metrics")

@@ -87,7 +87,7 @@ def layer_table(plan: PartitionPlan) -> str:
 
 
 def _label(p: PartitionPlan) -> str:
-    extra = "".join(f" {k}={v}" for k, v in p.options.items() if k == "bands")
+    extra = "".join(f" {k}={v}" for k, v in p.method_options.items() if k == "bands")
     return f"auto: {p.method}{extra}" if p.candidates else f"{p.method}{extra}"
 
 
@@ -112,7 +112,7 @@ def auto_table(plan: PartitionPlan) -> str:
     rows = []
     for c in plan.candidates:
         m = c.metrics
-        chosen = c.method == plan.method and c.options == _options(plan)
+        chosen = c.method == plan.method and c.options == plan.method_options
         rows.append(
             [
                 ("* " if chosen else "")
@@ -125,10 +125,6 @@ def auto_table(plan: PartitionPlan) -> str:
         )
     table = _table(["candidate", "vol/bound", "max imbalance", "step ms"], rows)
     return f"{table}\n{auto_reason(plan)}"
-
-
-def _options(plan: PartitionPlan) -> dict:
-    return {k: v for k, v in plan.options.items() if k != "granularity"}
 
 
 def auto_reason(plan: PartitionPlan) -> str:

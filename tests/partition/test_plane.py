@@ -12,11 +12,6 @@ def _spatial(spec):
     return [i for i, layer in enumerate(spec.layers) if layer.is_spatial]
 
 
-def _per_unit(graph):
-    firsts = [lb.first for lb in graph.layers if graph.spec.layers[lb.index].is_spatial]
-    return graph.flops[firsts] / graph.units[firsts]
-
-
 @given(small_specs(), st.integers(4, 400))
 @settings(max_examples=60, deadline=None)
 def test_one_constraint_per_layer_each_summing_to_its_flops(spec, max_cells):
@@ -24,11 +19,11 @@ def test_one_constraint_per_layer_each_summing_to_its_flops(spec, max_cells):
     g = build_unit_graph(spec, Granularity(spatial_blocks=12, dense_blocks=3))
     ny, nx = plane_shape(spec, max_cells)
     assert ny * nx <= max_cells or min(ny, nx) == 1
-    w = layer_weights(spec, _per_unit(g), ny, nx)
+    w = layer_weights(spec, ny, nx)
     assert w.shape == (ny * nx, len(_spatial(spec)))
     totals = np.bincount(g.layer_of, weights=g.flops)[_spatial(spec)]
     np.testing.assert_allclose(w.sum(axis=0), totals, rtol=1e-9)
-    plane = build_plane(spec, _per_unit(g), max_cells)
+    plane = build_plane(spec, max_cells)
     assert 1 <= plane.vwgt.shape[1] <= len(_spatial(spec)) and np.all(plane.vwgt > 0)
     src = np.repeat(np.arange(plane.cells), np.diff(plane.xadj))
     fwd, rev = src * plane.cells + plane.adjncy, plane.adjncy * plane.cells + src
@@ -40,7 +35,7 @@ def test_one_constraint_per_layer_each_summing_to_its_flops(spec, max_cells):
 def test_every_spatial_block_gets_an_owner_of_its_region(spec, workers, seed, blocks):
     assume(_spatial(spec))
     g = build_unit_graph(spec, Granularity(spatial_blocks=blocks, dense_blocks=3))
-    plane = build_plane(spec, _per_unit(g))
+    plane = build_plane(spec)
     owner = np.random.default_rng(seed).integers(0, workers, plane.cells)
     out = np.full(g.num_vertices, -1)
     blocks_from_plane(g, plane, owner, workers, out)

@@ -378,8 +378,8 @@ class PoolSlice(_UnitSlice):
 
     def _units(self, x: torch.Tensor, part: str) -> torch.Tensor:
         win = rows(x, self._index[part])  # [U, k*k, B]
-        if self.mode == "max":
-            return win.amax(dim=1)
+        if self.mode == "max":  # ties: the first in the window takes the gradient, as in
+            return win.max(dim=1).values  # torch's max_pool2d (amax would share it)
         if self.mode == "avg":
             return win.sum(dim=1) / self.k2
         return torch.sqrt((win * win).sum(dim=1) + L2_POOL_EPS)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from netpart.errors import ScheduleError, ShapeMismatchError
 from netpart.models import ZOO, build_reference
+from netpart.models.spec import ModelSpec
 from netpart.partition import METHODS as ALL_METHODS
 from netpart.partition import Granularity, build_unit_graph, plan
 from netpart.partition.schedule import build_schedule, plan_schedule
@@ -92,6 +93,22 @@ def test_every_split_of_the_program_equals_the_reference(spec, workers, method, 
     x, y = make_batch(spec, batch, 7)
     result = run_step_threads(spec, p, x, y, overlap=overlap, split_min_flops=0.0)
     assert_equal_to_reference(spec, result, x, y)
+
+
+def test_max_pool_ties_send_the_gradient_where_torch_does():
+    """A 1x1 LCN of one channel outputs zeros, so every max-pool window is a tie: the first
+    position of the window takes the gradient, as in torch's max_pool2d (found by
+    hypothesis: a shared gradient differed by 0.2)."""
+    spec = ModelSpec.from_json(
+        '{"name": "ties", "input": {"channels": 1, "height": 5, "width": 5}, "layers": ['
+        '{"kind": "lcn", "kernel": 1, "eps": 0.01},'
+        '{"kind": "local", "channels": 1, "kernel": 1, "activation": "tanh"},'
+        '{"kind": "pool", "kernel": 2, "stride": 1, "mode": "max"}]}'
+    )
+    for method in ("layers", "metis"):
+        p = plan(spec, 2, method, granularity=Granularity(spatial_blocks=8, dense_blocks=4))
+        x, y = make_batch(spec, 2, 7)
+        assert_equal_to_reference(spec, run_step_threads(spec, p, x, y), x, y)
 
 
 @pytest.mark.parametrize(("name", "workers"), [("tiny-local", 4), ("tiny-mlp", 3)])

@@ -15,6 +15,10 @@ What a point is depends on the role: a model worker of `run`/`check` reaches poi
 is built; a training worker reaches point t before step t (point 0 before the first); a
 parameter-server shard reaches point n after its n-th update; a Sandblaster worker reaches a
 point before each work unit. `enospc` counts checkpoint writes instead (the first is 1).
+
+Faults fire in a job's first attempt only: not in processes restarted after a failure
+(`NETPART_RESTART` or torchrun's `TORCHELASTIC_RESTART_COUNT` above 0), so a test can kill a
+shard once and watch the job recover.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ import os
 import time
 from dataclasses import dataclass
 
-__all__ = ["ENV", "EXIT_CODE", "Fault", "parse", "point", "write_fails"]
+__all__ = ["ENV", "EXIT_CODE", "RESTART_ENV", "Fault", "parse", "point", "restarted", "write_fails"]
 
 ENV = "NETPART_TEST_FAULT"
+RESTART_ENV = "NETPART_RESTART"  # set by the launcher: which restart of the job this is
 EXIT_CODE = 17
 ACTIONS = ("die", "hang", "slow", "enospc")
 
@@ -54,9 +59,15 @@ def parse(text: str) -> tuple[Fault, ...]:
 
 def _mine(rank: int, action: str) -> list[Fault]:
     text = os.environ.get(ENV)
-    if not text:
+    if not text or restarted():
         return []
     return [f for f in parse(text) if f.rank == rank and f.action == action]
+
+
+def restarted() -> bool:
+    """Whether this process belongs to a restart of its job (not the first attempt)."""
+    counts = (os.environ.get(v, "0") for v in (RESTART_ENV, "TORCHELASTIC_RESTART_COUNT"))
+    return any(c.strip() not in ("", "0") for c in counts)
 
 
 def point(rank: int, n: int) -> None:

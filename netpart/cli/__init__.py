@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeFailure as exc:
         print(f"netpart: {exc}", file=sys.stderr)
         return EXIT_FAILURE
-    except KeyboardInterrupt:
-        print("netpart: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        print(f"netpart: interrupted{f': {exc}' if str(exc) else ''}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # output piped into e.g. `head`: stop quietly
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - never written to again

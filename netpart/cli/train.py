@@ -100,6 +100,13 @@ def _train_parser(sub) -> None:
     flag("seed", int, "weights, data and partitioner seed")
     flag("dtype", str, "float32 | float64")
     flag("timeout", float, "seconds a worker waits for a peer before giving up")
+    flag(
+        "restarts",
+        int,
+        "times a parameter-server shard that dies (killed, crashed) is restarted from its "
+        "last checkpoint with the whole job (downpour, sync; under torchrun, torchrun's "
+        "--max-restarts restarts it)",
+    )
     flag("threads", int, "torch threads per process")
     flag("placement", str, "pack | spread | ordered: which ranks play which role")
     t.add_argument(
@@ -169,6 +176,7 @@ _FIELDS = (
     "replicas", "shards", "mode", "optimizer", "lr", "n_fetch", "n_push", "steps", "batch",
     "warm_start", "checkpoint_every", "snapshot_every", "data", "seed", "dtype", "timeout",
     "threads", "placement", "push_norm", "dc_lambda", "units", "history", "line_search",
+    "restarts",
 )  # fmt: skip
 _FIXED_ON_RESUME = ("shards", "optimizer", "dtype", "seed", "data")
 
@@ -255,6 +263,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         echo(f"replica {r}: step {summary.steps[r]}, loss {summary.final_loss[r]:.4g}")
     for r, why in summary.lost.items():
         echo(f"replica {r} was lost: {why}")
+    for restart in summary.restarts:
+        from netpart.train.report import restart_line
+
+        echo(restart_line(restart))
     if summary.held_out:
         from netpart.train.launch import held_out_line
 

@@ -5,7 +5,8 @@
   start (`step` > 0), once replica 0 has pushed that step. With `DelayCompensation` a stale
   push is corrected by the values the pusher was served (DC-ASGD).
 - `Sync`: pushes for step t are summed per replica; when every live replica's workers have
-  pushed, the mean over replicas is applied once; fetches for step t wait for that.
+  pushed, the mean over replicas is applied once; fetches for step t wait for that. After a
+  replica stopped at step t, no step past t is applied.
 - `Sandblaster`: pushes are work units' gradients, added once per (unit, worker part) into the
   batch gradient of the L-BFGS vectors; a coordinator drives vector operations on them.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -186,7 +188,18 @@ class Sync(Mode):
         self._spare: list[torch.Tensor] = []  # buffers of applied steps, for reuse
 
     def ready(self, replica: int, step: int) -> bool:
-        return replica in self.server.lost or step <= 0 or self.server.state.clock >= step
+        if replica in self.server.lost or step <= 0 or self.server.state.clock >= step:
+            return True
+        last = self.last_step()
+        return last is not None and step > last  # never applied: answered as it stands
+
+    def last_step(self) -> int | None:
+        """The last step that may still be applied once a live replica said goodbye (stopped
+        by a signal): the lowest step such a replica pushed. A stop so ends on a step every
+        replica finished, and a resume from it equals the uninterrupted run."""
+        srv = self.server
+        ends = [srv.pushed[(r, w)] for r, w in srv.done if r not in srv.lost]
+        return min(ends) if ends else None
 
     def version(self) -> int:
         return self.server.state.clock  # the values of step t-1 stay in place: staleness 0
@@ -216,8 +229,11 @@ class Sync(Mode):
     def settle(self) -> bool:
         """Apply every step all live replicas have pushed (caller holds the lock)."""
         srv, applied = self.server, False
+        last = self.last_step()
         while True:
             step = srv.state.clock + 1
+            if last is not None and step > last:  # a partial step is never applied
+                return applied
             live = [r for r in range(srv.replicas) if r not in srv.lost]
             # Workers that said goodbye (stopped by a signal, or done) push nothing more.
             expected = {(r, w) for r in live for w in srv.workers if (r, w) not in srv.done}
@@ -239,13 +255,21 @@ class Sync(Mode):
 
 class Sandblaster(Mode):
     """L-BFGS vectors in the shard: pushes are work units' gradients; a coordinator sends
-    vector operations (one float64 back per operation)."""
+    vector operations (one float64 back per operation).
 
-    def __init__(self, vectors: ShardVectors, coordinator: int) -> None:
+    `WAIT` never waits for ever: it answers 0 once every part arrived, or the number of parts
+    still missing when a replica was lost since `BEGIN` and none arrived for `LOSS_GRACE`
+    seconds (a part the dead replica owed), or none arrived for `timeout` seconds; the
+    coordinator then evaluates again."""
+
+    LOSS_GRACE = 1.0
+
+    def __init__(self, vectors: ShardVectors, coordinator: int, timeout: float = 60.0) -> None:
         super().__init__(None)
-        self.vectors, self.coordinator = vectors, coordinator
+        self.vectors, self.coordinator, self.timeout = vectors, coordinator, timeout
         self.coordinator_done = False
         self.eval_id = -1
+        self.lost_at_begin = 0
         self.units_in: dict[int, set[int]] = {}
         self.duplicates = 0  # backup copies of units that arrived second (dropped)
 
@@ -290,7 +314,7 @@ class Sandblaster(Mode):
                 op = Op(int(head[3]))
                 dist.recv(args, src=src, tag=TAG_PAYLOAD)
                 value = self.command(op, *args.tolist())
-                if op == Op.WAIT:  # an evaluation is complete
+                if op == Op.WAIT and value == 0:  # an evaluation is complete
                     srv.updated(srv.state.updates)
                 reply = header(Kind.REPLY, srv.rank, srv.shard, int(op), 1, 0)
                 dist.send(reply, dst=src, tag=TAG_HEADER)
@@ -310,14 +334,33 @@ class Sandblaster(Mode):
         na, nb, nc = (code_name(int(x)) for x in (a, b, c))
         with srv.cond:
             if op == Op.WAIT:
-                n = int(alpha)
-                while not all(len(self.units_in[w]) >= n for w in srv.workers):
-                    srv.cond.wait(timeout=0.2)
-                srv.state.updates += 1
-                return 0.0
+                return self._wait(int(alpha))
             if op == Op.BEGIN:
                 self.eval_id = int(alpha)
+                self.lost_at_begin = len(srv.lost)
                 self.units_in = {w: set() for w in srv.workers}
                 v.vectors["g"].zero_()
                 return 0.0
             return v.run(op.name.lower(), alpha, na, nb, nc)
+
+    def _wait(self, units: int) -> float:
+        """Under the lock: 0.0 once every worker's part of `units` units is in (an update),
+        else the number of parts missing once waiting is pointless (see the class)."""
+        srv = self.server
+
+        def missing() -> int:
+            return sum(max(0, units - len(self.units_in[w])) for w in srv.workers)
+
+        seen, since = missing(), time.monotonic()
+        while seen:
+            srv.cond.wait(timeout=0.2)
+            now, left = time.monotonic(), missing()
+            if left != seen:
+                seen, since = left, now
+            lost = len(srv.lost) > self.lost_at_begin
+            if seen and now - since > (self.LOSS_GRACE if lost else self.timeout):
+                log.warning("shard %d: evaluation %d misses %d unit parts", srv.shard,
+                            self.eval_id, seen)  # fmt: skip
+                return float(seen)
+        srv.state.updates += 1
+        return 0.0

@@ -10,11 +10,12 @@ imported once per job, not once per process (`fork=False`: one `python -m MODULE
 
 One signal scheme for every job. SIGINT or SIGTERM to the launcher is passed on once to every
 process as SIGTERM — a training process stops at its next step boundary, a `run`/`check`
-worker simply ends — and `stopping` is set; when the launcher leaves the `Processes` block it
-gives live processes `grace` seconds (none if nothing asked them to stop), then kills them,
-and reaps every one. Processes also die with the launcher, even by SIGKILL
-(PR_SET_PDEATHSIG). Exit codes of a job: 0 done, 1 a failure while running, 2 bad input (found
-before anything starts), 130 stopped by a signal.
+worker simply ends — and `stopping` is set; a second signal sets `forced` (the caller stops
+waiting). When the launcher leaves the `Processes` block, live processes get what is left of
+`grace` seconds from the first signal (none if nothing asked them to stop, or after a second
+signal), then are killed, and every one is reaped. Processes also die with the launcher, even
+by SIGKILL (PR_SET_PDEATHSIG). Exit codes of a job: 0 done, 1 a failure while running, 2 bad
+input (found before anything starts), 130 stopped by a signal.
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
 
 class Processes:
-    """`world` processes of `python -m module *args`, rank k logging to `logs[k]` (a context
-    manager: every process is reaped when the block ends, whatever ends it)."""
+    """`world` processes of `python -m module *args`, rank k logging to `logs[k]` with `env`
+    added to its variables (a context manager: every process is reaped when the block ends,
+    whatever ends it)."""
 
     def __init__(
         self,
@@ -64,12 +66,15 @@ class Processes:
         new_session: bool = False,
         fork: bool = True,
         preloaded: Preloaded | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
-        self.module, self.args, self.logs = module, args, logs
+        self.module, self.args, self.logs, self.env = module, args, logs, dict(env or {})
         self.world, self.grace, self.new_session = len(logs), grace, new_session
         self.fork, self.preloaded = fork, preloaded
         self.procs: list[subprocess.Popen | Forked] = []
         self.stopping = threading.Event()
+        self.forced = threading.Event()  # a second signal: stop waiting, kill what is left
+        self.stopped_at: float | None = None
         self._previous: dict[int, object] = {}
         self._tmp: str | None = None
         self._zygote: Preloaded | None = None
@@ -99,6 +104,7 @@ class Processes:
     def rank_env(self, rank: int) -> dict[str, str]:
         """The variables that make a process rank `rank` of this job."""
         return {
+            **self.env,
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(self.world),
@@ -117,8 +123,11 @@ class Processes:
             )
 
     def _on_signal(self, signum, frame) -> None:
-        if not self.stopping.is_set():
-            log.warning("signal %d: stopping every process", signum)
+        if self.stopping.is_set():
+            log.warning("signal %d again: killing every process", signum)
+            self.forced.set()
+            return
+        log.warning("signal %d: stopping every process (again to kill them)", signum)
         self.stop()
 
     def stop(self) -> None:
@@ -126,6 +135,7 @@ class Processes:
         if self.stopping.is_set():
             return
         self.stopping.set()
+        self.stopped_at = time.monotonic()
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -148,7 +158,9 @@ class Processes:
         return last_error(self.logs[rank])
 
     def __exit__(self, *exc) -> None:
-        deadline = time.monotonic() + (self.grace if self.stopping.is_set() else 0.0)
+        deadline = time.monotonic()
+        if self.stopped_at is not None and not self.forced.is_set():
+            deadline = self.stopped_at + self.grace
         for p in self.procs:
             while p.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -191,10 +203,28 @@ def join_group(timeout: float, store_timeout: float | None = None) -> tuple[int,
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world, timeout=pg_timeout
         )
+    elif (attempt := os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) not in ("", "0"):
+        # torchrun restarted the job: its agent's store still holds the first attempt's
+        # addresses under the keys init_process_group uses (pytorch/pytorch#135712).
+        store = dist.PrefixStore(f"netpart/attempt{attempt}/", _env_store(world, pg_timeout))
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world, timeout=pg_timeout
+        )
     else:
         dist.init_process_group("gloo", timeout=pg_timeout)
     yield_io_threads()
     return rank, world
+
+
+def _env_store(world: int, timeout: datetime.timedelta) -> dist.Store:
+    """A client of the store at MASTER_ADDR:MASTER_PORT (torchrun's agent, or rank 0's when
+    the agent does not share its own)."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    rank = int(os.environ["RANK"])
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+        is_master=not agent and rank == 0, timeout=timeout,
+    )  # fmt: skip
 
 
 def keep_freed_memory() -> bool:

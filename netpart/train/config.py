@@ -58,6 +58,7 @@ class TrainConfig:
     history: int = 10  # sandblaster: L-BFGS curvature pairs kept in the shards
     line_search: str = "armijo"  # sandblaster: armijo | none (torch.optim.LBFGS's fixed step)
     push_norm: float = 0.0  # downpour: also push once the gradient's L2 norm reaches this
+    restarts: int = 3  # times a shard that dies is restarted from its last checkpoint
 
     def __post_init__(self) -> None:
         for name in (
@@ -65,7 +66,7 @@ class TrainConfig:
             "history",
         ):  # fmt: skip
             _at_least(name, getattr(self, name), 1)
-        for name in ("steps", "warm_start", "snapshot_every"):
+        for name in ("steps", "warm_start", "snapshot_every", "restarts"):
             _at_least(name, getattr(self, name), 0)
         _at_least("threads", self.threads, 1)
         if self.mode not in MODES:

@@ -2,11 +2,12 @@
 
 On this machine (`train`): everything is validated first (plan, layout, resume directory and
 checkpoints), the run directory is written, and only then do R x N workers + S shards (+ a
-coordinator) start, through the one launcher (`netpart.runtime.launcher`). The fault policy
-is DistBelief's: a worker that fails takes only its replica down (its mates get `timeout` to
-notice, then are killed) and training goes on; a shard or the coordinator that fails stops
-the job, with the last checkpoint intact. A signal stops every process at a step boundary and
-the shards write final checkpoints.
+coordinator) start, through the one launcher (`netpart.runtime.launcher`), watched by the
+fault policy of `netpart.train.supervise`: a worker that fails takes only its replica down; a
+shard that dies is restarted from its last checkpoint with the whole job (up to
+`config.restarts` times); a shard that reports an error, or the coordinator, stops the job
+with the last checkpoint intact. A signal stops every process at a step boundary and the
+shards write final checkpoints.
 
 Under torchrun (`train_under_torchrun`): every process joins the group, learns its role from
 the placement and plays it; shard 0 validates and writes the run directory first (and tells
@@ -26,12 +27,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from netpart.errors import TrainError, WorkerFailure
+from netpart.errors import TrainError
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import build_unit_graph
 from netpart.partition.planner import PartitionPlan
 from netpart.partition.shards import ShardLayout
-from netpart.runtime.launcher import Processes, join_group
+from netpart.runtime.launcher import join_group
 from netpart.runtime.zygote import Preloaded
 from netpart.train.config import TrainConfig
 from netpart.train.process import (
@@ -42,14 +43,20 @@ from netpart.train.process import (
     play_role,
     stop_on_signals,
 )
-from netpart.train.report import preload_plotting
+from netpart.train.report import preload_plotting, restart_line
 from netpart.train.rundir import (
-    Progress,
     TrainSummary,
     finish_run,
     prepare_run,
     read_progress,
     write_run,
+)
+from netpart.train.supervise import (
+    exit_text,
+    lost_updates,
+    record_restart,
+    resume_hint,
+    supervise,
 )
 
 __all__ = ["TrainSummary", "train", "train_under_torchrun"]
@@ -72,9 +79,9 @@ def train(
 
     `on_progress(done_steps, stats, total_steps)` is called as replica losses arrive; `stats`
     holds the mean latest loss, samples/s, step time (ms) and MB moved so far. Raises TrainError
-    for bad input (before any process starts) and WorkerFailure when a shard fails or every
-    replica is lost. `preloaded` (started early, on `netpart.train.process`) forks the
-    processes; without it one is started here.
+    for bad input (before any process starts) and WorkerFailure when a shard fails (past its
+    restarts) or every replica is lost. `preloaded` (started early, on
+    `netpart.train.process`) forks the first attempt's processes; without it one is started.
     """
     layout, starts = prepare_run(spec, plan, config, run, resume)
     write_run(spec, plan, config, run, starts, resume)
@@ -82,67 +89,22 @@ def train(
     summary = TrainSummary(run=run)
     t0 = time.monotonic()
     total = sum(config.steps - starts.get(r, 0) for r in range(config.replicas))
-    _supervise(run, plan.workers, config, resume, summary, (total, on_progress, preloaded))
+    for attempt in range(config.restarts + 1):
+        progress = (total, on_progress, preloaded if attempt == 0 else None)  # one use
+        died = supervise(run, plan.workers, config, resume or attempt > 0, summary, progress,
+                         attempt)  # fmt: skip
+        if died is None:
+            break
+        starts = read_progress(run, config.shards, config.replicas, config.mode == "sync", True)
+        lost = lost_updates(run, died.shard, starts, config.mode == "sync", exit_text(died.code))
+        record_restart(run, lost)
+        log.warning("shard %d %s: restarting the job from the last checkpoints (%d of %d); "
+                    "its lost steps per replica: %s", died.shard, exit_text(died.code),
+                    attempt + 1, config.restarts, lost["lost_steps"])  # fmt: skip
+        write_run(spec, plan, config, run, starts, resume=True)
     summary.wall_s = time.monotonic() - t0
     finish_run(spec, plan, config, run, layout, summary)
     return summary
-
-
-def _note_lost(procs: Processes, codes: list, workers: int, summary: TrainSummary) -> list[int]:
-    """Record, with its worker's last error line, every replica newly lost by a worker that
-    exited with an error; return them."""
-    new = []
-    for rank, code in enumerate(codes):
-        r = rank // workers
-        if code not in (None, 0) and r not in summary.lost:
-            summary.lost[r] = f"worker {rank % workers} exited with code {code}: " + (
-                procs.last_error(rank)
-            )
-            new.append(r)
-    return new
-
-
-def _supervise(run, workers, config, resume, summary, progress) -> None:
-    """Start the job's processes and apply the fault policy until they have all ended."""
-    total, on_progress, preloaded = progress
-    world, n_workers = config.world(workers), config.replicas * workers
-    logs = [run / "logs" / f"rank{r}.log" for r in range(world)]
-    args = ["--run", str(run), *(["--resume"] if resume else [])]
-    read = Progress(run, config.replicas)
-    job = Processes("netpart.train.process", args, logs, config.timeout, True, preloaded=preloaded)
-    with job as procs:
-        lost_at: dict[int, float] = {}
-        shard_failed_at: float | None = None
-        while procs.running():
-            now, codes = time.monotonic(), procs.codes()
-            for r in _note_lost(procs, codes[:n_workers], workers, summary):
-                log.warning("replica %d lost (%s); training goes on", r, summary.lost[r])
-                lost_at[r] = now
-            for r, since in lost_at.items():  # mates of a lost worker get `timeout` to notice
-                if now - since > config.timeout:
-                    procs.kill(list(range(r * workers, (r + 1) * workers)))
-            if shard_failed_at is None and any(c not in (None, 0) for c in codes[n_workers:]):
-                shard_failed_at = now
-                procs.stop()
-            if shard_failed_at is not None and now - shard_failed_at > config.timeout:
-                break
-            if procs.stopping.is_set() and all(c is not None for c in codes[n_workers:]):
-                break
-            if on_progress is not None:
-                on_progress(*read(), total)
-            time.sleep(0.1)
-        if on_progress is not None:
-            on_progress(*read(), total)
-        _note_lost(procs, procs.codes()[:n_workers], workers, summary)  # ended since the poll
-    summary.stopped = procs.stopping.is_set()
-    failed = [(s, c) for s, c in enumerate(procs.codes()[n_workers:]) if c != 0]
-    if failed:
-        s, code = failed[0]
-        who = "the coordinator" if s == config.shards else f"shard {s}"
-        raise WorkerFailure(
-            f"{who} exited with code {code}: {procs.last_error(n_workers + s)}; the last "
-            f"checkpoint is in {run} (continue with --resume {run})"
-        )
 
 
 def train_under_torchrun(
@@ -158,14 +120,19 @@ def train_under_torchrun(
             f"{' + 1 coordinator' if config.coordinators else ''} = {config.world(plan.workers)}"
         )
     torch.set_num_threads(config.threads)
+    join_group(PS_TIMEOUT)  # a signal before the job starts ends the process at once
     stop = stop_on_signals()
-    join_group(PS_TIMEOUT)
     placement = job_placement(config, plan.workers)
     log_as(f"{placement.name(rank)} (rank {rank})")
     first_shard = placement.shard_rank(0)
-    _prepare_on_first_shard(spec, plan, config, run, resume, rank == first_shard, placement)
+    # torchrun restarted the job (--max-restarts) after a process failed: go on from the
+    # checkpoints, at the furthest step the shards recorded (as the local launcher does).
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+    resume = resume or (restarted and (run / "train.json").exists())
+    mine = rank == first_shard
+    _prepare_on_first_shard(spec, plan, config, run, (resume, restarted), mine, placement)
     sync = config.mode == "sync"
-    starts = read_progress(run, config.shards, config.replicas, sync) if resume else {}
+    starts = read_progress(run, config.shards, config.replicas, sync, restarted) if resume else {}
     job = Job(spec, plan, config, run, resume, tuple(starts.items()))
     t0 = time.monotonic()
     kind, a, b = placement.roles[rank]
@@ -187,20 +154,32 @@ def train_under_torchrun(
         finish_run(spec, plan, config, run, layout, summary)
         if summary.held_out:
             echo(held_out_line(summary.held_out, config.data))
+        for restart in summary.restarts:
+            echo(restart_line(restart))
         echo(f"wrote {run}/model.pt; report: {run}/report.md")
-    elif rank == first_shard:
-        logging.getLogger("netpart.train").error("a shard failed: continue with --resume %s", run)
+    elif kind == "shard" and server is None:  # not every shard finished: the job failed
+        if rank == first_shard:
+            log.error("a shard failed: %s", resume_hint(run, config))
+        return 1
     return 0
 
 
-def _prepare_on_first_shard(spec, plan, config, run, resume, mine: bool, placement) -> None:
-    """Shard 0 validates the run directory and writes the run files; its verdict reaches every
-    rank as UTF-8 bytes in a tensor (nothing received is unpickled), so none waits for ever."""
+def _prepare_on_first_shard(spec, plan, config, run, how, mine: bool, placement) -> None:
+    """Shard 0 validates the run directory and writes the run files (`how`: resume, restarted
+    by torchrun); its verdict reaches every rank as UTF-8 bytes in a tensor (nothing received
+    is unpickled), so none waits for ever."""
+    resume, restarted = how
     status = b""
     if mine:
         try:
             run.mkdir(parents=True, exist_ok=True)
-            _, starts = prepare_run(spec, plan, config, run, resume)
+            _, starts = prepare_run(spec, plan, config, run, resume, newest=restarted)
+            if restarted:  # what each shard restored from an older checkpoint lost
+                sync = config.mode == "sync"
+                for s in range(config.shards):
+                    lost = lost_updates(run, s, starts, sync, "died (torchrun restarted the job)")
+                    if any(lost["lost_steps"].values()):
+                        record_restart(run, lost)
             write_run(spec, plan, config, run, starts, resume)
             (run / "placement.json").write_text(json.dumps(placement.to_dict(), indent=1))
         except Exception as exc:  # every rank must hear of it, or it would wait for ever

@@ -98,6 +98,7 @@ class LBFGSDriver:
     max_backtracks: int = 20
     ro: list[float] = field(default_factory=list)  # 1 / y.s of each kept pair
     h_diag: float = 1.0
+    should_stop: Callable[[], bool] | None = None  # asked before each iteration ("signal")
 
     def run(self, max_iter: int) -> LBFGSResult:
         """Up to `max_iter` iterations from the shards' current x (torch's loop and stops)."""
@@ -109,6 +110,9 @@ class LBFGSDriver:
             return out
         t, prev_loss = 0.0, loss
         for n in range(1, max_iter + 1):
+            if self.should_stop is not None and self.should_stop():
+                out.stopped = "signal"  # x is the last point evaluated: a clean stop
+                break
             out.iterations = n
             if n == 1:
                 sh.copy("g", "d")

@@ -125,7 +125,7 @@ def play_role(
     graph, schedule = plan_schedule(spec, plan, False, True, splits)  # the launcher validated
     layout = ShardLayout.build(graph, plan.node_map, plan.workers, config.shards)
     if kind == "coordinator":
-        stats = run_coordinator(config, placement, rank, job.run)
+        stats = run_coordinator(config, placement, rank, job.run, stop)
         (job.run / "coordinator.json").write_text(json.dumps(stats, indent=1))
         return None
     if kind == "worker":

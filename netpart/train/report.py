@@ -30,6 +30,7 @@ __all__ = [
     "evaluate",
     "preload_plotting",
     "read_metrics",
+    "restart_line",
     "staleness_histogram",
     "write_report",
 ]
@@ -283,5 +284,17 @@ def _markdown(run, lines, hist, summary, train, images) -> str:
         out.append(f"- Held-out: {held['examples']} examples, loss {held['loss']:.4f}{acc}.")
     for r, why in summary.get("lost", {}).items():
         out.append(f"- Replica {r} was lost: {why}")
+    out += [f"- {restart_line(x)}." for x in summary.get("restarts", [])]
     out += ["", *[f"![{name}]({name})" for name in images], ""]
     return "\n".join(out)
+
+
+def restart_line(restart: dict) -> str:
+    """A shard restart of a run's summary, in words: what died and what it lost."""
+    lost = restart["lost_steps"]
+    steps = ", ".join(f"replica {r}: {n}" for r, n in lost.items())
+    return (
+        f"Shard {restart['shard']} {restart['exit']} and was restarted from its checkpoint "
+        f"at update {restart['checkpoint_updates']}; the steps whose updates to it were lost: "
+        f"{steps} ({sum(lost.values())} in all)"
+    )

@@ -57,6 +57,7 @@ class TrainSummary:
     stopped: bool = False
     wall_s: float = 0.0
     held_out: dict | None = None  # loss, accuracy and examples of the held-out set
+    restarts: list[dict] = field(default_factory=list)  # shards restarted, what each lost
 
     def to_dict(self) -> dict:
         return {
@@ -67,6 +68,7 @@ class TrainSummary:
             "stopped": self.stopped,
             "wall_s": self.wall_s,
             "held_out": self.held_out,
+            "restarts": self.restarts,
         }
 
 
@@ -93,11 +95,15 @@ def read_run(run: Path) -> tuple[dict[str, Any], ModelSpec, TrainConfig]:
     return manifest, spec, TrainConfig.from_dict(manifest.get("config"), str(run / "train.json"))
 
 
-def read_progress(run: Path, shards: int, replicas: int, sync: bool = False) -> dict[int, int]:
+def read_progress(
+    run: Path, shards: int, replicas: int, sync: bool = False, newest: bool = False
+) -> dict[int, int]:
     """Per replica, the step a resumed replica restarts after: the last step every shard has
     from it (downpour), or the last step every shard applied (sync: replicas move together,
-    and one added on resume joins them there)."""
+    and one added on resume joins them there). `newest`: the furthest any shard recorded
+    (a restart after a shard died: its updates since its checkpoint are lost, not redone)."""
     out = {r: 0 for r in range(replicas)}
+    pick = max if newest else min
     for s in range(shards):
         try:
             meta = json.loads((run / f"shard_{s}.json").read_text())
@@ -106,7 +112,7 @@ def read_progress(run: Path, shards: int, replicas: int, sync: bool = False) -> 
         prog = {int(r): int(v) for r, v in meta.get("progress", {}).items()}
         for r in out:
             mine = int(meta.get("clock", 0)) if sync else prog.get(r, 0)
-            out[r] = mine if s == 0 else min(out[r], mine)
+            out[r] = mine if s == 0 else pick(out[r], mine)
     return out
 
 
@@ -120,7 +126,12 @@ def model_from_shards(
 
 
 def prepare_run(
-    spec: ModelSpec, plan: PartitionPlan, config: TrainConfig, run: Path, resume: bool
+    spec: ModelSpec,
+    plan: PartitionPlan,
+    config: TrainConfig,
+    run: Path,
+    resume: bool,
+    newest: bool = False,
 ) -> tuple[ShardLayout, dict[int, int]]:
     """Check the job and the run directory; return the layout and each replica's start step.
 
@@ -136,7 +147,8 @@ def prepare_run(
             load_shard(run, s, meta, int(layout.shard_sizes()[s]))
         if old.replicas != config.replicas:
             log.info("resuming with %d replicas (was %d)", config.replicas, old.replicas)
-        starts = read_progress(run, config.shards, config.replicas, config.mode == "sync")
+        sync = config.mode == "sync"
+        starts = read_progress(run, config.shards, config.replicas, sync, newest)
     else:
         if shard_path(run, 0).exists() or (run / "train.json").exists():
             raise TrainError(
@@ -175,6 +187,8 @@ def finish_run(spec, plan, config, run: Path, layout, summary: TrainSummary) -> 
     for line in read_metrics(run):  # time order: the last line of a replica wins
         summary.steps[line["replica"]] = line["step"]
         summary.final_loss[line["replica"]] = line["loss"]
+    restarts = run / "restarts.json"  # shards restarted from a checkpoint, what each lost
+    summary.restarts = json.loads(restarts.read_text()) if restarts.exists() else []
     for s in range(config.shards):  # replicas a shard dropped (under torchrun: the only record)
         meta = json.loads(shard_path(run, s).with_suffix(".json").read_text())
         for r, why in meta.get("lost", {}).items():

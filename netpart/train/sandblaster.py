@@ -21,6 +21,8 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import queue
+import threading
 import time
 from pathlib import Path
 
@@ -29,6 +31,7 @@ import torch.distributed as dist
 
 from netpart import faults
 from netpart.data import load_data
+from netpart.errors import RuntimeFailure, transport_reason
 from netpart.ps.lbfgs import name_code
 from netpart.ps.protocol import (
     HEADER_LEN,
@@ -107,9 +110,12 @@ def _bounds(batch: int, units: int) -> list[int]:
     return [u * batch // units for u in range(units + 1)]
 
 
-def run_coordinator(config, placement: Placement, rank: int, run: Path) -> dict:
-    """Drive L-BFGS for `config.steps` iterations; returns the scheduling figures."""
-    return Coordinator(config, placement, rank, run).run()
+def run_coordinator(
+    config, placement: Placement, rank: int, run: Path, stop: threading.Event | None = None
+) -> dict:
+    """Drive L-BFGS for `config.steps` iterations (or until `stop` is set, at an iteration's
+    end); returns the scheduling figures."""
+    return Coordinator(config, placement, rank, run, stop).run()
 
 
 class _Evaluation:
@@ -133,17 +139,67 @@ class _Evaluation:
             return None
         return min(open_units, key=self.first_sent.get), True
 
+    def release(self, replica: int, unit: int) -> bool:
+        """`replica` no longer holds `unit` (it was lost): the unit is pending again unless it
+        is done or another replica holds a copy; True if it was re-issued."""
+        self.holders[unit].discard(replica)
+        if unit in self.done or self.holders[unit] or unit in self.pending:
+            return False
+        self.pending.appendleft(unit)
+        return True
+
+
+class _Reports:
+    """Unit reports, received by one thread per replica from its worker 0. A report, or the
+    replica's loss when that receive fails (its worker 0 died, or ended after timing out on
+    a dead mate), lands in one queue, which the coordinator reads with a deadline."""
+
+    def __init__(self, placement: Placement, replicas: int) -> None:
+        self.queue: queue.Queue = queue.Queue()
+        for r in range(replicas):
+            src = placement.worker_rank(r, 0)
+            threading.Thread(
+                target=self._listen, args=(r, src), daemon=True, name=f"reports-{r}"
+            ).start()
+
+    def _listen(self, replica: int, src: int) -> None:
+        head = torch.empty(HEADER_LEN, dtype=torch.int64)
+        value = torch.empty(1, dtype=torch.float64)
+        try:
+            while True:
+                dist.recv(head, src=src, tag=TAG_DONE)
+                dist.recv(value, src=src, tag=TAG_DONE_VALUE)
+                _, _, _, unit, _, _, ev = head.tolist()
+                self.queue.put((replica, unit, ev, float(value[0]), None))
+        except RuntimeError as exc:  # also when the replica ends after its goodbye: unread
+            self.queue.put((replica, -1, -1, 0.0, transport_reason(exc)))
+
+    def next(self, timeout: float, busy: dict) -> tuple[int, int, int, float, str | None]:
+        """(replica, unit, evaluation, loss sum, None) or (replica, .., why it was lost)."""
+        try:
+            return self.queue.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeFailure(
+                f"no replica reported a work unit for {timeout:g} s "
+                f"(replicas {sorted(busy)} hold units); raise --timeout if a unit takes longer"
+            ) from None
+
 
 class Coordinator:
-    """Sandblaster's coordinator: L-BFGS over the shards' vectors, work units to replicas."""
+    """Sandblaster's coordinator: L-BFGS over the shards' vectors, work units to replicas.
+    A replica lost while it holds a unit has the unit re-issued; nothing waits for ever."""
 
-    def __init__(self, config, placement: Placement, rank: int, run: Path) -> None:
-        self.config, self.placement, self.rank = config, placement, rank
+    def __init__(
+        self, config, placement: Placement, rank: int, run: Path, stop: threading.Event | None
+    ) -> None:
+        self.config, self.placement, self.rank, self.stop = config, placement, rank, stop
         self.shards = RemoteShards([placement.shard_rank(s) for s in range(config.shards)], rank)
+        self.reports = _Reports(placement, config.replicas)
         self.lost: set[int] = set()
         self.busy: dict[int, tuple[int, int, bool]] = {}  # replica -> (unit, evaluation, backup)
         self.stats = {"units_by_replica": [0] * config.replicas, "backups_sent": 0,
-                      "backups_won": 0, "evaluations": 0}  # fmt: skip
+                      "backups_won": 0, "evaluations": 0, "reissued": 0, "redone": 0,
+                      "lost_replicas": []}  # fmt: skip
         self.eval_id = 0
         self.t0 = time.time()
         self.metrics = (run / "sandblaster.jsonl").open("a")
@@ -153,14 +209,17 @@ class Coordinator:
         driver = LBFGSDriver(
             self.shards, self.evaluate, lr=config.lr, history=config.history,
             line_search=None if config.line_search == "none" else "armijo",
+            should_stop=None if self.stop is None else self.stop.is_set,
         )  # fmt: skip
         try:
             result = driver.run(config.steps)
         finally:
             self.metrics.close()
         while self.busy:  # replicas still on a unit report it before the goodbye (gloo sends
-            r, *_ = self._receive_done()  # block until received)
+            r, *_, why = self.reports.next(config.timeout, self.busy)  # block until received)
             self.busy.pop(r, None)
+            if why is not None:
+                self._lose(r, why)
         for r in range(config.replicas):
             if r not in self.lost:
                 self._assign(r, Kind.BYE)
@@ -175,7 +234,25 @@ class Coordinator:
         return self.stats
 
     def evaluate(self) -> float:
-        """Loss and gradient at the shards' x over the batch, in work units; returns the loss."""
+        """Loss and gradient at the shards' x over the batch, in work units; returns the loss.
+        An evaluation a lost replica left incomplete at the shards is done again."""
+        while True:
+            loss = self._evaluate_once()
+            missing = max(self.shards.call(Op.WAIT, float(self.config.units)))
+            if not missing:
+                break
+            self.stats["redone"] += 1
+            log.warning("evaluation %d: %d unit parts never reached the shards (a replica "
+                        "was lost); evaluating again", self.eval_id, int(missing))  # fmt: skip
+        self.stats["evaluations"] += 1
+        line = {"evaluation": self.eval_id, "time": time.time(),
+                "elapsed_s": time.time() - self.t0, "loss": loss, **self.stats}  # fmt: skip
+        self.metrics.write(json.dumps(line) + "\n")
+        self.metrics.flush()
+        return loss
+
+    def _evaluate_once(self) -> float:
+        """Hand the units out until each is reported once; the loss they report."""
         self.eval_id += 1
         self.shards.call(Op.BEGIN, float(self.eval_id))
         ev = _Evaluation(self.config.units)
@@ -184,28 +261,38 @@ class Coordinator:
         while len(ev.done) < self.config.units:
             self._hand_out(ev, free)
             if len(self.lost) == self.config.replicas:
-                raise RuntimeError("every replica was lost")
-            r, u, eval_id, loss_sum = self._receive_done()
+                raise RuntimeFailure("every replica was lost")
+            r, u, eval_id, loss_sum, why = self.reports.next(self.config.timeout, self.busy)
+            if why is not None:
+                self._lose(r, why, ev)
+                continue
             _, _, backup = self.busy.pop(r, (u, eval_id, False))
             free.append(r)
             if eval_id == self.eval_id and u not in ev.done:
                 ev.done[u] = loss_sum
                 self.stats["units_by_replica"][r] += 1
                 self.stats["backups_won"] += int(backup)
-        self.shards.call(Op.WAIT, float(self.config.units))
-        self.stats["evaluations"] += 1
-        loss = sum(ev.done.values()) / self.config.batch
-        line = {"evaluation": self.eval_id, "time": time.time(),
-                "elapsed_s": time.time() - self.t0, "loss": loss, **self.stats}  # fmt: skip
-        self.metrics.write(json.dumps(line) + "\n")
-        self.metrics.flush()
-        return loss
+        return sum(ev.done.values()) / self.config.batch
+
+    def _lose(self, replica: int, why: str, ev: _Evaluation | None = None) -> None:
+        """`replica` is gone: forget it, and re-issue the unit it held."""
+        if replica in self.lost:
+            return
+        self.lost.add(replica)
+        self.stats["lost_replicas"].append(replica)
+        unit, eval_id, _ = self.busy.pop(replica, (-1, -1, False))
+        again = ev is not None and eval_id == self.eval_id and ev.release(replica, unit)
+        self.stats["reissued"] += int(again)
+        log.warning("replica %d lost (%s)%s", replica, why,
+                    f"; unit {unit} goes to another replica" if again else "")  # fmt: skip
 
     def _hand_out(self, ev: _Evaluation, free: collections.deque) -> None:
         """Give every free replica a unit (or a backup copy) while there is one to give."""
         idle = []
         while free:
             r = free.popleft()
+            if r in self.lost:
+                continue
             choice = ev.next_for(r)
             if choice is None:
                 idle.append(r)
@@ -227,20 +314,9 @@ class Coordinator:
             for k in self.placement.replica_ranks(replica):
                 dist.send(head, k, tag=TAG_UNIT)
         except RuntimeError as exc:
-            log.warning("replica %d lost: %s", replica, exc)
-            self.lost.add(replica)
+            self._lose(replica, transport_reason(exc))
             return False
         return True
-
-    def _receive_done(self) -> tuple[int, int, int, float]:
-        """The next unit report, from any replica (blocking; a slow replica's units are
-        covered by backup copies meanwhile)."""
-        head = torch.empty(HEADER_LEN, dtype=torch.int64)
-        value = torch.empty(1, dtype=torch.float64)
-        src = dist.recv(head, tag=TAG_DONE)
-        dist.recv(value, src=src, tag=TAG_DONE_VALUE)
-        _, _, _, unit, _, replica, ev = head.tolist()
-        return replica, unit, ev, float(value[0])
 
 
 def run_unit_worker(job: ReplicaJob) -> None:

@@ -55,7 +55,7 @@ def shard_mode(config: TrainConfig, state: ShardState, placement: Placement) -> 
     """The mode object of `config.mode`, over the shard's values (and optimizer state)."""
     if config.mode == "sandblaster":
         vectors = ShardVectors(state.values, config.history)
-        return Sandblaster(vectors, placement.coordinator_rank())
+        return Sandblaster(vectors, placement.coordinator_rank(), config.timeout)
     rule = make_rule(config.optim, state.values, state.state)
     if config.mode == "sync":
         return Sync(rule)
@@ -71,6 +71,7 @@ def serve_shard(job, layout: ShardLayout, shard: int, rank: int, stop, placement
     if job.resume:
         state = load_shard(run, shard, meta, size)
         state.values = state.values.to(dtype)
+        _catch_up(state, dict(job.starts), config.mode == "sync")
     else:
         values = initial_values(spec, layout, shard, config.seed, dtype)
         state = ShardState(values=values, state=None)
@@ -99,6 +100,16 @@ def serve_shard(job, layout: ShardLayout, shard: int, rank: int, stop, placement
         sorted(server.lost) or "none",
     )  # fmt: skip
     return server
+
+
+def _catch_up(state: ShardState, starts: dict[int, int], sync: bool) -> None:
+    """A shard restored from a checkpoint older than where the replicas restart (it died and
+    was restarted) takes their steps as its own: sync applies step `start` + 1 next, and a
+    replica's progress is where it restarts. What it missed is in the run's summary."""
+    if sync and starts:
+        state.clock = max(state.clock, min(starts.values()))
+    for r, s in starts.items():
+        state.progress[r] = max(state.progress.get(r, 0), s)
 
 
 def _final_figures(server: ShardServer) -> dict:

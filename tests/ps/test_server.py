@@ -1,6 +1,8 @@
 """The shard server and its modes, in process: chunk folding, DC-ASGD, sync, warm start,
 and the reference initialisation of every shard's range."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from netpart.partition import build_unit_graph, plan
 from netpart.partition.shards import Segment, ShardLayout
 from netpart.ps import protocol
 from netpart.ps.checkpoint import export_state_dict
+from netpart.ps.lbfgs import ShardVectors
 from netpart.ps.rules import DelayCompensation, Optimizer, make_rule
 from netpart.ps.server import ShardServer, ShardSetup, ShardState
 from netpart.train.shard import initial_values
@@ -141,3 +144,50 @@ def test_downpour_warm_start_waits_for_replica_0():
         for w in server.workers:
             server.fold(0, w, step, torch.zeros(n[w], dtype=torch.float64), server.routes[w])
     assert server.mode.ready(1, 3) and server.state.updates == 3 * len(server.workers)
+
+
+def _sandblaster(timeout):
+    layout = _layout(load_spec("tiny-mlp"), 2, "metis", 1)
+    values = torch.zeros(layout.total, dtype=torch.float64)
+    mode = ps.Sandblaster(ShardVectors(values, 3), coordinator=4, timeout=timeout)
+    setup = ShardSetup(layout, 0, 2, 4, lambda r, w: r * 2 + w)
+    return ShardServer(setup, ShardState(values=values, state=None), mode), mode
+
+
+@pytest.mark.parametrize("lost", [False, True])
+def test_sandblaster_wait_ends_when_a_part_will_not_come(lost):
+    """WAIT answers 0 once every (unit, worker) part is in; with a part missing it answers
+    how many are missing — LOSS_GRACE after a replica was lost, else after the timeout."""
+    server, mode = _sandblaster(timeout=30.0 if lost else 0.6)
+    w0, w1 = server.workers
+    ones = {w: torch.ones(sum(g.length for g in server.routes[w]), dtype=torch.float64)
+            for w in server.workers}  # fmt: skip
+    mode.command(protocol.Op.BEGIN, 1.0, 0, 0, 0)
+    for unit, w in [(0, w0), (1, w0), (0, w1)]:  # unit 1's part of w1 never comes
+        server.fold(0, w, unit, ones[w], server.routes[w], version=1)
+    if lost:
+        server.lose(1, "test")
+    t0 = time.monotonic()
+    assert mode.command(protocol.Op.WAIT, 2.0, 0, 0, 0) == 1.0
+    assert 0.5 < time.monotonic() - t0 < 10 and server.state.updates == 0
+    server.fold(1, w1, 1, ones[w1], server.routes[w1], version=1)  # a backup copy arrives
+    assert mode.command(protocol.Op.WAIT, 2.0, 0, 0, 0) == 0.0 and server.state.updates == 1
+    assert torch.all(mode.vectors.vectors["g"] > 0)  # every part folded
+
+
+def test_sync_never_applies_a_step_a_stopped_replica_did_not_push():
+    """Replica 1 stops (says goodbye) after step 1 while replica 0 pushes step 2: step 2 is
+    not applied, and replica 0's fetch for it is answered with the step-1 values."""
+    server = _server("sync")
+    ones = {w: torch.ones(sum(g.length for g in server.routes[w]), dtype=torch.float64)
+            for w in server.workers}  # fmt: skip
+    for r in (0, 1):
+        for w in server.workers:
+            server.fold(r, w, 1, ones[w], server.routes[w])
+    assert server.state.clock == 1
+    after_one = server.state.values.clone()
+    for w in server.workers:
+        server.fold(0, w, 2, ones[w], server.routes[w])
+        server._goodbye(1, w)  # what a BYE message from replica 1's worker w does
+    assert server.state.clock == 1 and torch.equal(server.state.values, after_one)
+    assert server.mode.ready(0, 2) and server.mode.last_step() == 1

@@ -1,6 +1,10 @@
 """Sandblaster L-BFGS in real processes: a coordinator, shard-side vectors, work units."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -61,3 +65,85 @@ def test_a_slow_replica_gets_fewer_units_and_backups_finish_the_batch(tmp_path, 
     fast, slow = stats["units_by_replica"]
     assert fast + slow == 8 * stats["evaluations"] and fast > 3 * slow
     assert stats["backups_won"] >= 1  # a backup copy finished a unit the slow replica held
+
+
+@pytest.mark.parametrize(
+    "workers,fault",
+    [(1, "die:1@3"), (2, "die:3@2")],  # replica 1's only worker; replica 1's worker 1
+    ids=["worker-0-dies", "worker-1-dies"],
+)
+def test_a_replica_lost_inside_a_unit_has_its_unit_reissued(tmp_path, monkeypatch, workers, fault):
+    """The run finishes with the other replica and its result is exact: every unit's
+    gradient still reaches the shards once (torch.optim.LBFGS on the whole batch)."""
+    monkeypatch.setenv("NETPART_TEST_FAULT", fault)
+    data = load_data("digits", SPEC)
+    cfg = TrainConfig(
+        replicas=2, shards=2, mode="sandblaster", optimizer="lbfgs", lr=1.0, steps=4,
+        batch=data.n, units=8, history=10, line_search="none", data="digits",
+        dtype="float64", timeout=3,
+    )  # fmt: skip
+    t0 = time.monotonic()
+    summary = train(SPEC, plan(SPEC, workers, "metis"), cfg, tmp_path / "run")
+    assert time.monotonic() - t0 < 60 and list(summary.lost) == [1]
+    stats = json.loads((tmp_path / "run" / "coordinator.json").read_text())
+    assert stats["iterations"] == 4 and stats["lost_replicas"] == [1]
+    ours = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    x, y = torch.from_numpy(data.x).double(), torch.from_numpy(data.y)
+    ref, _ = torch_lbfgs(SPEC, x, y, lr=1.0, iterations=4, history=10)
+    for name, p in ref.state_dict().items():
+        assert torch.allclose(ours[name], p, rtol=1e-8, atol=1e-10), name
+
+
+def test_sigint_stops_sandblaster_at_an_iteration_with_a_final_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "netpart", "train", "--mode", "sandblaster", "--optimizer",
+        "lbfgs", "--model", "tiny-mlp", "--workers", "1", "--replicas", "2", "--ps-shards",
+        "2", "--steps", "100000", "--out", str(run), "--timeout", "20",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    (_, err), _ = finish_after(proc, run / "sandblaster.jsonl", signal.SIGINT)
+    assert proc.returncode == 130, err.decode()[-2000:]
+    stats = json.loads((run / "coordinator.json").read_text())
+    assert stats["stopped"] == "signal" and stats["iterations"] < 100000
+    assert torch.load(run / "model.pt", weights_only=True)
+    for s in range(2):  # the final checkpoint holds the last evaluated point
+        assert json.loads((run / f"shard_{s}.json").read_text())["updates"] == stats["evaluations"]
+
+
+def test_a_second_sigint_kills_a_hung_job_at_once(tmp_path):
+    run = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "netpart", "train", "--mode", "sandblaster", "--optimizer",
+        "lbfgs", "--model", "tiny-mlp", "--workers", "1", "--replicas", "2", "--ps-shards",
+        "1", "--steps", "100", "--out", str(run), "--timeout", "600",
+    ]  # fmt: skip
+    env = {**os.environ, "NETPART_TEST_FAULT": "hang:0@20,hang:1@20"}  # in evaluation 3
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    (_, err), elapsed = finish_after(proc, run / "sandblaster.jsonl", signal.SIGINT, twice=True)
+    assert proc.returncode == 130 and elapsed < 20, err.decode()[-2000:]
+    assert "killed by a second signal" in err.decode().strip().splitlines()[-1]
+
+
+def finish_after(proc, lines, sig, twice=False):
+    """Send `sig` once `lines` has 2 lines (and, if `twice`, 1 s later and again 1 s after
+    that); the process's output and the seconds it took to end after the first signal."""
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (
+            not lines.exists() or lines.read_text().count("\n") < 2
+        ):
+            time.sleep(0.05)
+        if twice:
+            time.sleep(1)  # the replicas reach their hang
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        if twice:
+            time.sleep(1)
+            proc.send_signal(sig)
+        out = proc.communicate(timeout=60)
+        return out, time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,10 +1,12 @@
 """Training jobs in real processes (gloo): few, bounded, and none leaves a process behind."""
 
 import json
+import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 from pathlib import Path
@@ -101,6 +103,32 @@ def test_resume_continues_from_identical_parameters(sync_run, tmp_path):
     assert steps == [1, 2, 3, 4]  # the resumed replicas went on with steps 3 and 4
 
 
+def test_sync_resume_after_a_signal_equals_the_uninterrupted_run(sync_run, tmp_path):
+    """SIGTERM mid-run (the replicas may stop one step apart), then resume: the same
+    parameters as a run never stopped (a stop ends on a step every replica finished)."""
+    p, _ = sync_run
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    train(SPEC, p, _sync(120), straight)
+
+    def signal_when_running() -> None:
+        lines = run / "metrics_replica1.jsonl"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (
+            not lines.exists() or lines.read_text().count("\n") < 15
+        ):
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)  # the launcher's handler: stop every process
+
+    threading.Thread(target=signal_when_running, daemon=True).start()
+    stopped = train(SPEC, p, _sync(120), run)
+    assert stopped.stopped and max(stopped.steps.values()) < 120
+    train(SPEC, p, _sync(120), run, resume=True)
+    got = torch.load(run / "model.pt", weights_only=True)
+    want = torch.load(straight / "model.pt", weights_only=True)
+    for k in want:
+        assert torch.allclose(got[k], want[k], rtol=0, atol=1e-12), k
+
+
 def test_downpour_lowers_the_loss_and_pushes_reach_only_their_shards(tmp_path):
     p = plan(SPEC, 2, "metis")
     cfg = TrainConfig(replicas=2, shards=2, steps=40, n_push=2, n_fetch=3, lr=0.05, timeout=30)
@@ -123,11 +151,12 @@ def test_downpour_lowers_the_loss_and_pushes_reach_only_their_shards(tmp_path):
 
 
 def test_a_dead_replica_does_not_stop_training(tmp_path, monkeypatch):
-    monkeypatch.setenv("NETPART_TEST_FAULT", "die:2@5")  # replica 1, worker 0, step 5
+    monkeypatch.setenv("NETPART_TEST_FAULT", "die:3@5")  # replica 1, worker 1, step 5
     p = plan(SPEC, 2, "metis")
     cfg = TrainConfig(replicas=2, shards=2, steps=30, lr=0.05, timeout=10)
     summary = train(SPEC, p, cfg, tmp_path / "run")
-    assert list(summary.lost) == [1] and "code 17" in summary.lost[1]
+    # The worker that died is named, not its mate that failed because it was gone.
+    assert list(summary.lost) == [1] and summary.lost[1] == "worker 1 exited with code 17"
     assert summary.steps[0] == 30 and summary.steps[1] == 4
     losses = [m["loss"] for m in metrics(tmp_path / "run")]
     assert losses[-1] < 0.5 * losses[0]
@@ -264,18 +293,61 @@ def test_torchrun_runs_the_same_job_and_export_loads_back(tmp_path):
     )
 
 
+def test_torchrun_restarts_a_dead_shard_from_its_checkpoint(tmp_path):
+    """torchrun --max-restarts restarts every process after shard 1 dies: the job goes on
+    from the checkpoints (no --resume given) and the summary says what shard 1 lost."""
+    run = tmp_path / "run"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [
+        str(torchrun), "--standalone", "--nproc-per-node", "4", "--max-restarts", "1", "-m",
+        "netpart", "train", "--model", "tiny-local", "--workers", "2", "--replicas", "1",
+        "--ps-shards", "2", "--steps", "40", "--checkpoint-every", "4", "--out", str(run),
+        "--timeout", "20",
+    ]  # fmt: skip
+    env = {**os.environ, "NETPART_TEST_FAULT": "die:3@9"}  # shard 1 (rank 3), 9th update
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "replica 0: step 40" in out.stdout and "Shard 1 died" in out.stdout
+    (restart,) = json.loads((run / "summary.json").read_text())["restarts"]
+    assert restart["shard"] == 1 and restart["checkpoint_updates"] == 8
+    assert restart["lost_steps"]["0"] >= 1
+
+
 def test_a_dead_shard_stops_the_job_with_its_last_checkpoint_intact(tmp_path, monkeypatch):
     monkeypatch.setenv("NETPART_TEST_FAULT", "die:3@9")  # shard 1 (rank 1*2+1), 9th update
     p = plan(SPEC, 2, "metis")
     # One replica: shard 1 serves worker 1 alone, so its updates come in order.
-    cfg = TrainConfig(replicas=1, shards=2, steps=200, lr=0.05, timeout=10, checkpoint_every=4)
-    with pytest.raises(WorkerFailure, match=r"shard 1 exited with code 17.*--resume"):
+    cfg = TrainConfig(
+        replicas=1, shards=2, steps=200, lr=0.05, timeout=10, checkpoint_every=4, restarts=0
+    )
+    with pytest.raises(WorkerFailure, match=r"shard 1 exited with code 17 \(no restart.*--resume"):
         train(SPEC, p, cfg, tmp_path / "run")
     meta = json.loads((tmp_path / "run" / "shard_1.json").read_text())
     assert meta["updates"] == 8  # the checkpoint before the death, whole
     state = torch.load(tmp_path / "run" / "shard_1.pt", weights_only=True)
     assert json.loads(state["meta"])["updates"] == 8 and torch.isfinite(state["values"]).all()
     assert not list((tmp_path / "run").glob(".*.tmp"))
+
+
+def test_a_dead_shard_is_restarted_from_its_checkpoint_and_training_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("NETPART_TEST_FAULT", "die:3@9")  # shard 1 dies after its 9th update
+    p = plan(SPEC, 2, "metis")
+    cfg = TrainConfig(replicas=1, shards=2, steps=60, lr=0.05, timeout=10, checkpoint_every=4)
+    summary = train(SPEC, p, cfg, tmp_path / "run")
+    (restart,) = summary.restarts
+    assert restart["shard"] == 1 and restart["exit"] == "exited with code 17"
+    assert restart["checkpoint_updates"] == 8 and restart["lost_steps"]["0"] >= 1
+    assert not summary.lost and not summary.stopped
+    lines = metrics(tmp_path / "run")
+    assert lines[-1]["step"] == 60  # every step was trained, once each after the restart
+    loss = [m["loss"] for m in lines]
+    assert sum(loss[-10:]) < sum(loss[:10])  # and the loss kept falling
+    saved = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert saved["restarts"] == summary.restarts
+    assert (
+        "Shard 1 exited with code 17 and was restarted"
+        in (tmp_path / "run" / "report.md").read_text()
+    )
 
 
 def test_eval_reports_held_out_digits_accuracy(tmp_path, capsys):

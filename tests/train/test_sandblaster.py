@@ -32,20 +32,30 @@ def no_orphans():
     assert alive() == 0, "a training process outlived its test"
 
 
-def test_distributed_sandblaster_equals_torch_lbfgs_and_sends_only_scalars(tmp_path):
-    data = load_data("digits", SPEC)
-    cfg = TrainConfig(
-        replicas=1, shards=2, mode="sandblaster", optimizer="lbfgs", lr=1.0, steps=6,
-        batch=data.n, units=4, history=10, line_search="none", data="digits",
-        dtype="float64", timeout=60,
+def exact_lbfgs(replicas: int, steps: int, units: int, timeout: float) -> TrainConfig:
+    """Full-batch L-BFGS on digits in float64 with torch's fixed step, on 2 shards."""
+    return TrainConfig(
+        replicas=replicas, shards=2, mode="sandblaster", optimizer="lbfgs", lr=1.0,
+        steps=steps, batch=load_data("digits", SPEC).n, units=units, history=10,
+        line_search="none", data="digits", dtype="float64", timeout=timeout,
     )  # fmt: skip
-    train(SPEC, plan(SPEC, 2, "metis"), cfg, tmp_path / "run")
-    ours = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
 
+
+def assert_equals_torch_lbfgs(run, iterations: int):
+    """The run's model equals torch.optim.LBFGS's on the whole batch; returns torch's."""
+    data = load_data("digits", SPEC)
+    ours = torch.load(run / "model.pt", weights_only=True)
     x, y = torch.from_numpy(data.x).double(), torch.from_numpy(data.y)
-    ref, _ = torch_lbfgs(SPEC, x, y, lr=1.0, iterations=6, history=10)
+    ref, _ = torch_lbfgs(SPEC, x, y, lr=1.0, iterations=iterations, history=10)
     for name, p in ref.state_dict().items():
         assert torch.allclose(ours[name], p, rtol=1e-8, atol=1e-10), name
+    return ref
+
+
+def test_distributed_sandblaster_equals_torch_lbfgs_and_sends_only_scalars(tmp_path):
+    cfg = exact_lbfgs(replicas=1, steps=6, units=4, timeout=60)
+    train(SPEC, plan(SPEC, 2, "metis"), cfg, tmp_path / "run")
+    ref = assert_equals_torch_lbfgs(tmp_path / "run", iterations=6)
     stats = json.loads((tmp_path / "run" / "coordinator.json").read_text())
     assert stats["iterations"] == 6 and stats["losses"][-1] < 0.5 * stats["losses"][0]
     # Every message the coordinator received from a shard held one value (7-int header + 1).
@@ -76,31 +86,18 @@ def test_a_replica_lost_inside_a_unit_has_its_unit_reissued(tmp_path, monkeypatc
     """The run finishes with the other replica and its result is exact: every unit's
     gradient still reaches the shards once (torch.optim.LBFGS on the whole batch)."""
     monkeypatch.setenv("NETPART_TEST_FAULT", fault)
-    data = load_data("digits", SPEC)
-    cfg = TrainConfig(
-        replicas=2, shards=2, mode="sandblaster", optimizer="lbfgs", lr=1.0, steps=4,
-        batch=data.n, units=8, history=10, line_search="none", data="digits",
-        dtype="float64", timeout=3,
-    )  # fmt: skip
+    cfg = exact_lbfgs(replicas=2, steps=4, units=8, timeout=3)
     t0 = time.monotonic()
     summary = train(SPEC, plan(SPEC, workers, "metis"), cfg, tmp_path / "run")
     assert time.monotonic() - t0 < 60 and list(summary.lost) == [1]
     stats = json.loads((tmp_path / "run" / "coordinator.json").read_text())
     assert stats["iterations"] == 4 and stats["lost_replicas"] == [1]
-    ours = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
-    x, y = torch.from_numpy(data.x).double(), torch.from_numpy(data.y)
-    ref, _ = torch_lbfgs(SPEC, x, y, lr=1.0, iterations=4, history=10)
-    for name, p in ref.state_dict().items():
-        assert torch.allclose(ours[name], p, rtol=1e-8, atol=1e-10), name
+    assert_equals_torch_lbfgs(tmp_path / "run", iterations=4)
 
 
 def test_sigint_stops_sandblaster_at_an_iteration_with_a_final_checkpoint(tmp_path):
     run = tmp_path / "run"
-    cmd = [
-        sys.executable, "-m", "netpart", "train", "--mode", "sandblaster", "--optimizer",
-        "lbfgs", "--model", "tiny-mlp", "--workers", "1", "--replicas", "2", "--ps-shards",
-        "2", "--steps", "100000", "--out", str(run), "--timeout", "20",
-    ]  # fmt: skip
+    cmd = sandblaster_cmd(run, "--ps-shards", "2", "--steps", "100000", "--timeout", "20")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     (_, err), _ = finish_after(proc, run / "sandblaster.jsonl", signal.SIGINT)
     assert proc.returncode == 130, err.decode()[-2000:]
@@ -113,16 +110,21 @@ def test_sigint_stops_sandblaster_at_an_iteration_with_a_final_checkpoint(tmp_pa
 
 def test_a_second_sigint_kills_a_hung_job_at_once(tmp_path):
     run = tmp_path / "run"
-    cmd = [
-        sys.executable, "-m", "netpart", "train", "--mode", "sandblaster", "--optimizer",
-        "lbfgs", "--model", "tiny-mlp", "--workers", "1", "--replicas", "2", "--ps-shards",
-        "1", "--steps", "100", "--out", str(run), "--timeout", "600",
-    ]  # fmt: skip
+    cmd = sandblaster_cmd(run, "--ps-shards", "1", "--steps", "100", "--timeout", "600")
     env = {**os.environ, "NETPART_TEST_FAULT": "hang:0@20,hang:1@20"}  # in evaluation 3
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     (_, err), elapsed = finish_after(proc, run / "sandblaster.jsonl", signal.SIGINT, twice=True)
     assert proc.returncode == 130 and elapsed < 20, err.decode()[-2000:]
     assert "killed by a second signal" in err.decode().strip().splitlines()[-1]
+
+
+def sandblaster_cmd(run, *flags):
+    """`netpart train` of Sandblaster on tiny-mlp, 2 replicas of 1 worker, into `run`."""
+    return [
+        sys.executable, "-m", "netpart", "train", "--mode", "sandblaster", "--optimizer",
+        "lbfgs", "--model", "tiny-mlp", "--workers", "1", "--replicas", "2", "--out",
+        str(run), *flags,
+    ]  # fmt: skip
 
 
 def finish_after(proc, lines, sig, twice=False):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -293,19 +294,25 @@ def test_torchrun_runs_the_same_job_and_export_loads_back(tmp_path):
     )
 
 
-def test_torchrun_restarts_a_dead_shard_from_its_checkpoint(tmp_path):
+@pytest.mark.parametrize("restarts", [1, 0])
+def test_torchrun_restarts_a_dead_shard_from_its_checkpoint(tmp_path, restarts):
     """torchrun --max-restarts restarts every process after shard 1 dies: the job goes on
-    from the checkpoints (no --resume given) and the summary says what shard 1 lost."""
+    from the checkpoints (no --resume given) and the summary says what shard 1 lost. With
+    no restart, the healthy shard 0 exits 1 too (a node running only it must not succeed)."""
     run = tmp_path / "run"
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [
-        str(torchrun), "--standalone", "--nproc-per-node", "4", "--max-restarts", "1", "-m",
-        "netpart", "train", "--model", "tiny-local", "--workers", "2", "--replicas", "1",
-        "--ps-shards", "2", "--steps", "40", "--checkpoint-every", "4", "--out", str(run),
-        "--timeout", "20",
+        str(torchrun), "--standalone", "--nproc-per-node", "4", "--max-restarts",
+        str(restarts), "-m", "netpart", "train", "--model", "tiny-local", "--workers", "2",
+        "--replicas", "1", "--ps-shards", "2", "--steps", "40", "--checkpoint-every", "4",
+        "--out", str(run), "--timeout", "20",
     ]  # fmt: skip
     env = {**os.environ, "NETPART_TEST_FAULT": "die:3@9"}  # shard 1 (rank 3), 9th update
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    if not restarts:  # torchrun's failure summary lists rank 2 (shard 0) with exit code 1
+        assert out.returncode != 0
+        assert re.search(r"rank\s+: 2 \(local_rank: 2\)\s+exitcode\s+: 1 ", out.stderr)
+        return
     assert out.returncode == 0, out.stderr[-3000:]
     assert "replica 0: step 40" in out.stdout and "Shard 1 died" in out.stdout
     (restart,) = json.loads((run / "summary.json").read_text())["restarts"]

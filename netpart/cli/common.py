@@ -14,8 +14,10 @@ from netpart.errors import PlanError
 
 __all__ = [
     "add_launch_args",
+    "add_profile_arg",
     "capacities",
     "echo",
+    "load_network",
     "per_worker_stats",
     "plan_for_run",
     "positive_int",
@@ -111,3 +113,29 @@ def per_worker_stats(result) -> list[dict]:
         }
         for w in range(len(result.sent))
     ]
+
+
+def add_profile_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="predict with this machine profile (written by `netpart calibrate`) instead of "
+        "the default network model",
+    )
+
+
+def load_network(profile: Path | None, net: str = ""):
+    """The NetworkModel of --profile FILE (checked, one-line errors) with --net's figures
+    over it (the cluster's links, this machine's compute), or of --net alone."""
+    from netpart.partition import NetworkModel
+
+    if profile is None:
+        return NetworkModel.parse(net) if net else NetworkModel()
+    try:
+        text = profile.read_text()
+    except OSError as exc:
+        raise PlanError(f"--profile {profile}: {exc.strerror or exc}") from None
+    model = NetworkModel.from_profile(text, str(profile))
+    return NetworkModel.parse(net, base=model) if net else model  # --net: the cluster's links

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from netpart.cli.common import capacities, echo, positive_int
+from netpart.cli.common import add_profile_arg, capacities, echo, load_network, positive_int
 from netpart.errors import PlanError
 
 __all__ = ["register"]
@@ -72,7 +72,19 @@ def _plan_parser(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", required=True, help="zoo name (see `netpart models`) or .toml/.json")
-    p.add_argument("--workers", required=True, type=positive_int, help="number of model workers")
+    p.add_argument("--workers", type=positive_int, default=None, help="number of model workers")
+    p.add_argument(
+        "--sweep",
+        default=None,
+        metavar="COUNTS",
+        help="instead of --workers: plan at every worker count of COUNTS ('1,2,4,8' or "
+        "'1-128', powers of two) and print the predicted step and speedup at each, the knee "
+        "(the last count reached while each doubling still made the step --gain times "
+        "faster) and the fastest count; with --out also sweep.json and sweep.png",
+    )
+    p.add_argument(
+        "--gain", type=float, default=1.25, help="--sweep: the gain a doubling must buy (1.25)"
+    )
     p.add_argument(
         "--method",
         default="auto",
@@ -97,8 +109,10 @@ def _plan_parser(sub) -> None:
         default="",
         metavar="SPEC",
         help="network model, e.g. bandwidth=10Gbit,latency=20us,flops=50G "
-        "(defaults: 1Gbit, 50us, 20G FLOP/s per worker)",
+        "(defaults: 1Gbit, 50us, 20G FLOP/s per worker); with --profile, the figures given "
+        "replace the profile's (e.g. the cluster's links)",
     )
+    add_profile_arg(p)
     p.add_argument(
         "--compare", action="store_true", help="also run every method and add a comparison"
     )
@@ -164,7 +178,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from netpart.files import foreign_entries, plan_files, write_files
     from netpart.models import load_spec
-    from netpart.partition import Granularity, NetworkModel, build_unit_graph
+    from netpart.partition import Granularity, build_unit_graph
     from netpart.partition.report import (
         auto_table,
         compare_table,
@@ -177,7 +191,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from netpart.partition.shards import ShardLayout
 
     spec = load_spec(args.model)
-    network = NetworkModel.parse(args.net) if args.net else NetworkModel()
+    network = load_network(args.profile, args.net)
+    if (args.workers is None) == (args.sweep is None):
+        raise PlanError("give --workers N, or --sweep COUNTS to plan at several counts")
+    if args.sweep is not None:
+        return _sweep(spec, args, network)
     options = _metis_choices(args)
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise PlanError(f"--out {args.out}: exists and is not a directory")
@@ -215,6 +233,46 @@ def cmd_plan(args: argparse.Namespace) -> int:
     files.update(figs)
     write_files(args.out, files)
     echo(f"wrote {', '.join(files)} to {args.out}")
+    return 0
+
+
+def _sweep(spec, args: argparse.Namespace, network) -> int:
+    """`plan --sweep`: one plan per worker count, its predicted step, the knee."""
+    import json
+
+    from tqdm import tqdm
+
+    from netpart.files import foreign_entries, write_files
+    from netpart.partition import Granularity, plan
+    from netpart.partition.report import sweep_png, sweep_table
+    from netpart.partition.sweep import SweepResult, knee, parse_counts
+
+    try:
+        counts = parse_counts(args.sweep)
+    except ValueError as exc:
+        raise PlanError(f"--sweep {exc}") from None
+    if not args.gain > 1:
+        raise PlanError(f"--gain {args.gain}: must be > 1 (a doubling that buys nothing)")
+    if args.out is not None and (found := foreign_entries(args.out, "sweep.json")):
+        raise PlanError(f"--out {args.out}: not empty (holds {', '.join(found)})")
+    steps = []
+    for n in tqdm(counts, desc="sweep", disable=not sys.stderr.isatty(), leave=False):
+        granularity = Granularity.for_workers(n, args.blocks_per_worker)
+        p = plan(spec, n, args.method, seed=args.seed, batch=args.batch, network=network,
+                 granularity=granularity)  # fmt: skip
+        steps.append(p.metrics.predicted_step_s)
+    k, peak = knee(counts, steps, args.gain)
+    sweep = SweepResult(spec.name, tuple(counts), tuple(steps), args.gain, k, peak,
+                        network.describe())  # fmt: skip
+    echo(f"{spec.name}, {args.method}, batch {args.batch} ({network.describe()}):")
+    echo(sweep_table(sweep))
+    echo(f"book {k} workers: one more doubling would gain less than {args.gain:g}x; the "
+         f"fastest predicted step is at {peak}")  # fmt: skip
+    if args.out is not None:
+        files = {"sweep.json": json.dumps(sweep.to_dict(), indent=1).encode()}
+        files["sweep.png"] = sweep_png(sweep)
+        write_files(args.out, files)
+        echo(f"wrote sweep.json, sweep.png to {args.out}")
     return 0
 
 

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
-from netpart.cli.common import add_launch_args, echo, per_worker_stats, plan_for_run, positive_int
+from netpart.cli.common import (
+    add_launch_args,
+    add_profile_arg,
+    echo,
+    load_network,
+    per_worker_stats,
+    plan_for_run,
+    positive_int,
+)
 
 __all__ = ["register"]
 
@@ -35,11 +44,12 @@ def register(sub) -> None:
         help="neither split nor join layers (to measure what they change)",
     )
     r.add_argument(
-        "--profile",
+        "--breakdown",
         action="store_true",
         help="also print where each worker's step goes (slice, fill, post, wait, loss, other) "
         "and its threads' CPU and run-queue wait per step",
     )
+    add_profile_arg(r)
 
     c = sub.add_parser(
         "check",
@@ -60,6 +70,56 @@ def register(sub) -> None:
     )
     r.set_defaults(func=cmd_run)
     c.set_defaults(func=cmd_check)
+    _calibrate_parser(sub)
+
+
+def _calibrate_parser(sub) -> None:
+    from netpart.runtime.calibrate import CALIBRATION_MODELS
+
+    k = sub.add_parser(
+        "calibrate",
+        help="measure this machine into a profile for `plan|run|train --profile`",
+        description="Time every layer kind's slices (the runtime's own slice classes) against "
+        "their FLOPs, the runtime's exchanges between 2 worker processes against their bytes, "
+        "and whole steps on 1 and 2 processes; fit the step-time model's figures to them and "
+        "write a profile (JSON: the model, and every measurement it was fitted to). Takes a "
+        "minute or two; run it on an idle machine.",
+    )
+    k.add_argument("--out", type=Path, default=Path("profile.json"), help="profile file to write")
+    k.add_argument(
+        "--models",
+        default=",".join(CALIBRATION_MODELS),
+        help=f"zoo models to measure (default {','.join(CALIBRATION_MODELS)})",
+    )
+    k.add_argument("--batch", type=positive_int, default=32, help="examples per step (default 32)")
+    k.add_argument("--steps", type=positive_int, default=15, help="timed steps per run")
+    k.set_defaults(func=cmd_calibrate)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from netpart.files import write_atomic
+    from netpart.models import load_spec
+    from netpart.runtime.calibrate import calibrate, profile_json
+
+    models = tuple(m.strip() for m in args.models.split(",") if m.strip())
+    for m in models:
+        load_spec(m)  # an unknown model is refused before a minute of measuring
+    model, details = calibrate(models, args.batch, args.steps, say=echo)
+    write_atomic(args.out, profile_json(model, details).encode())
+    for kind, cost in model.kinds.items():
+        (f0, t0), (f1, t1) = cost.points[0], cost.points[-1]
+        echo(
+            f"{kind:<6} {len(cost.points):3d} slices: {t0 * 1e6:8.1f} µs at {f0 / 1e6:9.3f} MFLOP "
+            f"... {t1 * 1e3:8.2f} ms at {f1 / 1e9:7.2f} GFLOP ({f1 / t1 / 1e9:.1f} GFLOP/s)"
+        )
+    echo(
+        f"exchange: {model.latency_s * 1e6:.0f} µs a phase, "
+        f"{model.bandwidth_bps / 1e9:.2f} Gbit/s; gathers {model.fill_s_per_value * 1e9:.2f} "
+        f"ns a value; per step {model.step_fixed_s * 1e3:.2f} ms, with N > 1 "
+        f"+{model.collective_s * 1e3:.2f} ms and compute x{1 + model.parallel_slowdown:.2f}"
+    )
+    echo(f"wrote {args.out}; use it with `netpart plan|run|train --profile {args.out}`")
+    return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -70,11 +130,17 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from netpart.files import write_atomic
     from netpart.partition import plan
+    from netpart.partition.planner import reevaluate
     from netpart.runtime.check import make_batch
     from netpart.runtime.step import run_step
 
     spec, p = plan_for_run(args)
-    p = p or plan(spec, args.workers, args.method, seed=args.seed, batch=args.batch)
+    network = load_network(args.profile)
+    p = p or plan(
+        spec, args.workers, args.method, seed=args.seed, batch=args.batch, network=network
+    )
+    if args.profile is not None or p.batch != args.batch:  # the prediction for this run
+        p = reevaluate(spec, p, args.batch, network)
     x, y = make_batch(spec, args.batch, args.seed)
     warmup = min(3, args.steps - 1) if args.steps > 1 else 0
     result = run_step(
@@ -84,15 +150,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     per_step = np.max(np.array(result.step_times), axis=0)[warmup:]
     measured = float(np.median(per_step))
-    scale = args.batch / p.batch  # the plan predicts at its own batch size; both terms scale
-    predicted = p.metrics.predicted_step_s * scale
+    predicted = p.metrics.predicted_step_s
     echo(
         f"{spec.name} on {args.workers} worker processes ({p.method}), batch {args.batch}, "
         f"{args.threads} thread(s) each: step {measured * 1e3:.1f} ms (median of {len(per_step)}; "
-        f"plan predicts {predicted * 1e3:.1f} ms with its network model)"
+        f"predicted {predicted * 1e3:.1f} ms, {measured / predicted:.2f}x, from the "
+        f"{p.network.describe()})"
     )
     _layer_table(spec, result)
-    if args.profile:
+    if args.breakdown:
         _profile_table(result, warmup)
     sent = sum(v for s in result.sent for v in s.values())
     echo(f"bytes moved per step: {sent:,} (plan: {2 * p.metrics.volume * args.batch * 4:,})")
@@ -108,6 +174,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             "step_s": per_step.tolist(),
             "step_s_median": measured,
             "predicted_step_s": predicted,
+            "prediction": p.network.describe(),
             "per_worker": per_worker_stats(result),
         }
         write_atomic(args.stats, json.dumps(stats, indent=1).encode())

@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from netpart.cli.common import echo
+from netpart.cli.common import add_profile_arg, echo, load_network
 from netpart.errors import PlanError, TrainError
 
 __all__ = ["register"]
@@ -116,6 +116,7 @@ def _train_parser(sub) -> None:
         help="partitioner (default auto: the lowest predicted step; see `netpart plan --help`)",
     )
     t.add_argument("--plan", type=Path, default=None, help="use this plan directory")
+    add_profile_arg(t)
     t.add_argument("--out", type=Path, default=Path("out/train"), help="run directory")
     t.add_argument("--resume", type=Path, default=None, metavar="DIR", help="continue this run")
     t.set_defaults(func=cmd_train)
@@ -240,7 +241,11 @@ def _job(args, local: bool = True):
 
             what = f"--workers {args.workers} x --replicas {config.replicas}"
             check_process_count(config.world(args.workers), what)
-        p = plan(spec, args.workers, args.method, seed=config.seed, batch=config.batch)
+        network = load_network(args.profile)
+        p = plan(
+            spec, args.workers, args.method, seed=config.seed, batch=config.batch,
+            network=network,
+        )  # fmt: skip
     return spec, p, config, args.out
 
 

@@ -1,47 +1,164 @@
 """The step-time model: layers run in lockstep, so each layer costs its slowest worker.
 
-step = sum over layers l of [ max_w compute(l, w) + max_w exchange(l, w) ], where
+step = sum over layers l of [ max_w compute(l, w) + max_w exchange(l, w) ] + fixed, where
 compute(l, w) = FLOPs of w's blocks of l (forward + backward) x batch / worker FLOP/s, and
 exchange(l, w) = for the forward halo and again for the backward halo (same values, reverse
 direction): latency + max(bytes w receives, bytes w sends) / bandwidth, when w has any traffic.
 Sends to different peers proceed concurrently (full-duplex links, one NIC per worker).
+
+A calibrated model (`netpart calibrate` writes it; `--profile FILE` reads it) refines the
+terms with what this machine measured: compute(l, w) = the time of a slice of that kind and
+FLOPs read off the measured slices (x (1 + parallel_slowdown) with more than one worker:
+processes that share a machine's memory and cores) + fill_s_per_value x the input values the
+slice gathers (its input buffer, its gradient's scatter); latency and bandwidth of the
+runtime's own exchanges; all x `slice_scale` (slices in a step against slices timed alone),
+less `joined_saving_s` for a layer with no halo (the runtime runs it in one autograd graph
+with the layer below); and `fixed` = `step_fixed_s` (loss, interpreter) + `collective_s`
+(the loss's collective) with more than one worker.
 """
 
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
 from netpart.errors import PlanError
 from netpart.partition.graph import BYTES_PER_VALUE
 
-__all__ = ["NetworkModel", "layer_times"]
+__all__ = ["KindCost", "NetworkModel", "layer_times"]
 
 _UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 
 
 @dataclass(frozen=True)
+class KindCost:
+    """A layer kind's measured slice times: (FLOPs x batch, seconds forward+backward) points
+    of this machine's slices, sorted; a slice's time is read off them (see `seconds`)."""
+
+    points: tuple[tuple[float, float], ...]
+
+    def seconds(self, work: np.ndarray) -> np.ndarray:
+        """Seconds of slices of `work` FLOPs (x batch): piecewise linear between measured
+        points (times made non-decreasing), the smallest point's time below them (a slice's
+        fixed cost dominates there), the largest point's rate above them."""
+        f, t = np.array(self.points, dtype=np.float64).T
+        t = np.maximum.accumulate(t)
+        out = np.interp(work, f, t)
+        return np.where(work > f[-1], t[-1] * work / f[-1], out)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"points": [list(p) for p in self.points]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KindCost:
+        pts = sorted((float(f), float(t)) for f, t in data["points"])
+        if not pts or any(f <= 0 or t <= 0 for f, t in pts):
+            raise ValueError("a kind needs positive (flops, seconds) points")
+        return cls(tuple(pts))
+
+
+@dataclass(frozen=True)
 class NetworkModel:
-    """Cluster figures the prediction uses. Defaults: 1 Gbit/s Ethernet, 50 µs, 20 GFLOP/s."""
+    """Cluster figures the prediction uses. Defaults: 1 Gbit/s Ethernet, 50 µs, 20 GFLOP/s,
+    no fixed costs; a calibrated profile adds per-kind compute and the runtime's fixed costs
+    (module docstring), and names itself in `profile`."""
 
     bandwidth_bps: float = 1e9  # bits per second, per worker link
     latency_s: float = 50e-6  # per exchange phase
-    flops_per_s: float = 20e9  # sustained per worker
+    flops_per_s: float = 20e9  # sustained per worker (kinds not in `kinds`)
+    kinds: dict[str, KindCost] = field(default_factory=dict)
+    fill_s_per_value: float = 0.0  # gathering a slice's input / scattering its gradient
+    step_fixed_s: float = 0.0  # per step
+    collective_s: float = 0.0  # per step with more than one worker
+    parallel_slowdown: float = 0.0  # compute is (1 + this) x slower with more than one worker
+    slice_scale: float = 1.0  # a slice in a step against the same slice timed alone
+    joined_saving_s: float = 0.0  # per layer run in one autograd graph with the one below
+    profile: str = ""  # the profile these figures came from ("": defaults or --net)
 
-    def to_dict(self) -> dict[str, float]:
-        return asdict(self)
+    def __hash__(self) -> int:
+        return hash(json.dumps(self.to_dict(), sort_keys=True))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        if not (self.kinds or self.profile):  # an uncalibrated model: the three figures
+            return {k: out[k] for k in ("bandwidth_bps", "latency_s", "flops_per_s")}
+        return {**out, "kinds": {k: c.to_dict() for k, c in self.kinds.items()}}
 
     @classmethod
-    def from_dict(cls, data: dict[str, float]) -> NetworkModel:
-        return cls(**{k: float(v) for k, v in data.items()})
+    def from_dict(cls, data: dict[str, Any]) -> NetworkModel:
+        data = dict(data)
+        kinds = {k: KindCost.from_dict(v) for k, v in data.pop("kinds", {}).items()}
+        profile = str(data.pop("profile", ""))
+        return cls(**{k: float(v) for k, v in data.items()}, kinds=kinds, profile=profile)
 
     @classmethod
-    def parse(cls, text: str) -> NetworkModel:
-        """`bandwidth=10Gbit,latency=20us,flops=50G` (any subset) over the defaults."""
-        values = asdict(cls())
+    def from_profile(cls, text: str, source: str) -> NetworkModel:
+        """The model of a `netpart calibrate` profile file; PlanError (one line) if it is not
+        one."""
+        try:
+            data = json.loads(text)
+            if not isinstance(data, dict) or data.get("schema_version") != 1:
+                raise ValueError("not a netpart calibrate profile (schema_version 1)")
+            model = cls.from_dict({**data["model"], "profile": source})
+        except (ValueError, KeyError, TypeError) as exc:
+            raise PlanError(
+                f"--profile {source}: {exc}; write one with `netpart calibrate --out FILE`"
+            ) from None
+        fixed = (model.fill_s_per_value, model.step_fixed_s, model.collective_s)
+        if min(model.bandwidth_bps, model.flops_per_s) <= 0 or min(fixed) < 0:
+            raise PlanError(f"--profile {source}: rates must be positive, fixed costs >= 0")
+        return model
+
+    def describe(self) -> str:
+        """Which figures a prediction used, in a few words."""
+        if self.profile:
+            return (
+                f"calibrated profile {self.profile}: {self.bandwidth_bps / 1e9:.3g} Gbit/s, "
+                f"{self.latency_s * 1e6:.3g} µs"
+            )
+        return (
+            f"defaults/--net: {self.bandwidth_bps / 1e9:g} Gbit/s, "
+            f"{self.latency_s * 1e6:g} µs, {self.flops_per_s / 1e9:g} GFLOP/s"
+        )
+
+    def compute_s(
+        self,
+        flops: np.ndarray,
+        batch: int,
+        kinds: list[str] | None = None,
+        values: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """[L]: the slowest worker's compute per layer, from FLOPs per example [L, P] (and,
+        calibrated, the input values each worker's slice gathers per example [L, P])."""
+        out = flops.max(axis=1) * batch / self.flops_per_s
+        if not self.kinds or kinds is None:
+            return out
+        fill = 0.0 if values is None else values * batch * self.fill_s_per_value
+        slow = self.slice_scale * (1.0 + (self.parallel_slowdown if flops.shape[1] > 1 else 0))
+        for layer, kind in enumerate(kinds):
+            cost = self.kinds.get(kind)
+            if cost is not None:
+                busy = flops[layer] > 0
+                t = slow * cost.seconds(flops[layer] * batch) + (
+                    fill if np.isscalar(fill) else fill[layer]
+                )
+                out[layer] = np.where(busy, t, 0.0).max()
+        return out
+
+    def fixed_s(self, workers: int) -> float:
+        """Per step, beyond layers: the runtime's own cost, and the collective with N > 1."""
+        return self.step_fixed_s + (self.collective_s if workers > 1 else 0.0)
+
+    @classmethod
+    def parse(cls, text: str, base: NetworkModel | None = None) -> NetworkModel:
+        """`bandwidth=10Gbit,latency=20us,flops=50G` (any subset) over the defaults, or over
+        `base` (a calibrated profile: the cluster's network with this machine's compute)."""
+        values: dict[str, float] = {}
         for item in filter(None, (t.strip() for t in text.split(","))):
             key, _, raw = item.partition("=")
             key, raw = key.strip().lower(), raw.strip().lower()
@@ -69,20 +186,31 @@ class NetworkModel:
                 raise PlanError(
                     f"--net: cannot read {item!r}; e.g. bandwidth=10Gbit, latency=20us, flops=50G"
                 ) from None
-        net = cls(**values)
+        net = replace(base or cls(), **values)
         if min(net.bandwidth_bps, net.flops_per_s) <= 0 or net.latency_s < 0:
             raise PlanError("--net: bandwidth and flops must be positive, latency >= 0")
         return net
 
 
 def layer_times(
-    flops: np.ndarray, traffic: np.ndarray, batch: int, net: NetworkModel
+    flops: np.ndarray,
+    traffic: np.ndarray,
+    batch: int,
+    net: NetworkModel,
+    kinds: list[str] | None = None,
+    values: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(compute_s[l], exchange_s[l]): the slowest worker's time in each layer.
 
-    `flops` is [L, P] per example, `traffic` [L, P, P] units per example (sender, receiver).
+    `flops` is [L, P] per example, `traffic` [L, P, P] units per example (sender, receiver),
+    `kinds` each layer's kind and `values` [L, P] the input values each worker's slice
+    gathers per example (for a calibrated model).
     """
-    compute = flops.max(axis=1) * batch / net.flops_per_s
+    compute = net.compute_s(np.asarray(flops, dtype=np.float64), batch, kinds, values)
+    if net.joined_saving_s:  # a layer with no halo runs in one graph with the layer below
+        joined = traffic.sum(axis=(1, 2)) == 0
+        joined[0] = False
+        compute = np.where(joined, np.maximum(compute - net.joined_saving_s, 0.0), compute)
     recv = traffic.sum(axis=1)  # [L, P]
     send = traffic.sum(axis=2)
     busy = np.maximum(recv, send) * batch * BYTES_PER_VALUE * 8 / net.bandwidth_bps

@@ -9,7 +9,9 @@ block ids as in `UnitGraph`, i.e. contiguous per layer in (channel group, row, c
                         ({spatial_blocks, dense_blocks, max_blocks, align_pools}: the graph the
                         node map indexes; align_pools absent in older files means false)
     workers, batch      worker count; batch size the step-time prediction assumes
-    network             {bandwidth_bps, latency_s, flops_per_s} of the prediction
+    network             {bandwidth_bps, latency_s, flops_per_s} of the prediction; with a
+                        calibrated profile also kinds ({kind: {fixed_s, flops_per_s}}),
+                        step_fixed_s, collective_s and profile (its path)
     metrics             edge_cut (units read across workers, summed over cut block edges),
                         volume and lower_bound (activation values sent per example per forward
                         pass; backward sends as many gradients back; the bound is for the number
@@ -60,7 +62,9 @@ __all__ = [
     "auto_candidates",
     "choose",
     "evaluate",
+    "input_values",
     "plan",
+    "reevaluate",
 ]
 
 SCHEMA_VERSION = 1
@@ -272,7 +276,10 @@ def evaluate(
     used = flops > 0
     fair = flops.sum(axis=1, keepdims=True) * share[None, :] * workers / spread[:, None]
     imbalance = (flops / fair).max(axis=1)
-    compute, exchange = layer_times(flops / speed[None, :], traffic, batch, network)
+    kinds = [layer.kind for layer in spec.layers]
+    values = input_values(graph, node_map, workers, traffic)
+    compute, exchange = layer_times(flops / speed[None, :], traffic, batch, network, kinds, values)
+    fixed = network.fixed_s(workers)
     lower = layer_lower_bounds(spec, used.sum(axis=1))
     per_layer_volume = traffic.sum(axis=(1, 2))
 
@@ -283,7 +290,7 @@ def evaluate(
         volume=int(per_layer_volume.sum()),
         lower_bound=int(lower.sum()),
         max_layer_imbalance=float(imbalance.max()),
-        predicted_step_s=float(compute.sum() + exchange.sum()),
+        predicted_step_s=float(compute.sum() + exchange.sum() + fixed),
         compute_s=float(compute.sum()),
         exchange_s=float(exchange.sum()),
     )
@@ -338,6 +345,34 @@ def _worker_params(graph: UnitGraph, node_map: np.ndarray, workers: int) -> np.n
             per_channel = src.channels * layer.kernel**2 + 1
             out += holds.astype(np.int64) @ (np.diff(lb.cbounds) * per_channel)
     return out
+
+
+def input_values(
+    graph: UnitGraph, node_map: np.ndarray, workers: int, traffic: np.ndarray
+) -> np.ndarray:
+    """[L, P]: values per example worker w's slice of layer l gathers into its input buffer
+    (its own units of the layer below, and the halo it receives); the gradient it scatters
+    back is as large."""
+    owned = np.zeros((len(graph.layers), workers), dtype=np.float64)
+    np.add.at(owned, (graph.layer_of, node_map), graph.units)
+    out = traffic.sum(axis=1).astype(np.float64)  # halo received, per layer and worker
+    out[1:] += owned[:-1]
+    return out
+
+
+def reevaluate(
+    spec: ModelSpec, plan_: PartitionPlan, batch: int, network: NetworkModel
+) -> PartitionPlan:
+    """The same assignment's figures at another batch size or under another network model
+    (a calibrated profile): the node map is kept, every metric is recomputed."""
+    graph = build_unit_graph(spec, plan_.granularity)
+    metrics, layers, per_worker = evaluate(
+        graph, plan_.node_map, plan_.workers, batch, network, plan_.options.get("capacities")
+    )
+    return replace(
+        plan_, batch=batch, network=network, metrics=metrics, layers=layers,
+        per_worker=per_worker,
+    )  # fmt: skip
 
 
 def plan(

@@ -29,6 +29,8 @@ __all__ = [
     "report_markdown",
     "shard_table",
     "summary_line",
+    "sweep_png",
+    "sweep_table",
 ]
 
 
@@ -60,7 +62,8 @@ def summary_line(plan: PartitionPlan) -> str:
         f"volume {m.volume:,} values/example "
         f"({_fmt_ratio(m.volume_ratio)} x lower bound {m.lower_bound:,}), "
         f"max layer imbalance {m.max_layer_imbalance:.3f}, "
-        f"predicted step {m.predicted_step_s * 1e3:.1f} ms at batch {plan.batch}"
+        f"predicted step {m.predicted_step_s * 1e3:.1f} ms at batch {plan.batch} "
+        f"({plan.network.describe()})"
     )
 
 
@@ -332,5 +335,31 @@ def _compare_png(plan: PartitionPlan, comparison: Sequence[PartitionPlan]) -> by
     a2.set_yscale("log")
     a2.set_ylabel("predicted step (ms, log)")
     fig.suptitle(f"{plan.model} on {plan.workers} workers: methods compared")
+    fig.tight_layout()
+    return _png(fig)
+
+
+def sweep_table(sweep) -> str:
+    """Predicted step and speedup per worker count, the knee and the peak marked."""
+    rows = []
+    for n, step, speed in zip(sweep.counts, sweep.step_s, sweep.speedups, strict=True):
+        mark = " <- knee" if n == sweep.knee else ""
+        mark += " <- fastest" if n == sweep.peak else ""
+        rows.append([str(n), f"{step * 1e3:.2f}", f"{speed:.2f}", mark.strip()])
+    return _table(["workers", "step ms", "speedup", ""], rows)
+
+
+def sweep_png(sweep) -> bytes:
+    """Speedup against workers (log 2), the knee and the fastest count marked."""
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    ax.plot(sweep.counts, sweep.speedups, "o-", color="tab:blue", label="predicted speedup")
+    ax.axvline(sweep.knee, color="tab:green", ls="--", label=f"knee: {sweep.knee} workers")
+    if sweep.peak != sweep.knee:
+        ax.axvline(sweep.peak, color="tab:red", ls=":", label=f"fastest: {sweep.peak}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("model workers")
+    ax.set_ylabel(f"speedup over {sweep.counts[0]} worker(s)")
+    ax.set_title(f"{sweep.model}: a doubling must gain {sweep.gain:g}x", fontsize=10)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     return _png(fig)

@@ -1,0 +1,182 @@
+"""`netpart calibrate`: measure this machine into a profile the step-time model can trust.
+
+Four measurements, each with the runtime's own code, at one batch size, over the calibration
+models' plans for 1, 2 and 3 workers:
+
+1. Slices: every (layer, worker) slice run alone with the runtime's slice classes
+   (`measure_slices`): per layer kind, a table of (FLOPs x batch, seconds) points.
+2. Exchange: 2 worker processes running only their programs' messages
+   (`run_step(exchange_only=True)`): a least-squares fit of seconds = phases x latency +
+   bytes / bandwidth, phases and bytes from each plan's validated schedule.
+3. Steps on 1 process: what the steps hold beyond their slices, fitted to step_fixed_s +
+   fill_s_per_value x the values the slices gather (input buffers, gradient scatters).
+4. Steps on 2 processes: what is left beyond all that, fitted to collective_s (the loss's
+   collective) + parallel_slowdown x compute (two processes sharing memory and cores).
+
+The result is a `NetworkModel` whose `profile` names the file; `profile_json` adds every
+measurement it was fitted to, so a profile can be checked by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from netpart.models import load_spec
+from netpart.models.spec import ModelSpec
+from netpart.partition import build_unit_graph, plan
+from netpart.partition.cost import KindCost, NetworkModel
+from netpart.partition.graph import BYTES_PER_VALUE
+from netpart.partition.planner import PartitionPlan, input_values
+from netpart.partition.schedule import build_schedule
+from netpart.runtime.check import make_batch
+from netpart.runtime.step import run_step
+from netpart.runtime.trace import measure_slices
+
+__all__ = ["CALIBRATION_MODELS", "SCHEMA_VERSION", "calibrate", "profile_json"]
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+CALIBRATION_MODELS = ("tiny-mlp", "digits-mlp", "tiny-local", "bench-local", "bench-local-wide")
+Progress = Callable[[str], None]
+
+
+def layer_flops(spec: ModelSpec, p: PartitionPlan) -> np.ndarray:
+    """[L, P] forward+backward FLOPs per example of each worker's slice of each layer."""
+    graph = build_unit_graph(spec, p.granularity)
+    flops = np.zeros((len(spec.layers), p.workers), dtype=np.float64)
+    np.add.at(flops, (graph.layer_of, p.node_map), graph.flops)
+    return flops
+
+
+def _compute_points(specs, batch: int, say: Progress) -> dict[str, list[tuple[float, float]]]:
+    """Per kind, (FLOPs x batch, seconds fwd+bwd) of every slice of 1- to 3-worker plans."""
+    points: dict[str, list[tuple[float, float]]] = {}
+    for spec in specs:
+        for workers in (1, 2, 3):
+            p = plan(spec, workers, "metis", batch=batch)
+            times = measure_slices(spec, p, batch)
+            flops = layer_flops(spec, p) * batch
+            seconds = times.forward + times.backward
+            for layer, kind in enumerate(layer.kind for layer in spec.layers):
+                for w in np.flatnonzero(flops[layer] > 0):
+                    points.setdefault(kind, []).append((flops[layer, w], seconds[layer, w]))
+        say(f"slices: timed {spec.name}")
+    return points
+
+
+def _step(spec: ModelSpec, p: PartitionPlan, batch: int, steps: int, exchange_only=False):
+    x, y = make_batch(spec, batch, 0)
+    result = run_step(
+        spec, p, x.float(), y, dtype=torch.float32, steps=steps + 3,
+        exchange_only=exchange_only,
+    )  # fmt: skip
+    return float(np.median(np.max(np.array(result.step_times), axis=0)[3:]))
+
+
+def _figures(spec: ModelSpec, p: PartitionPlan, batch: int, net: NetworkModel) -> dict:
+    """What the model needs of a plan: exchange phases and busiest-direction bytes per step,
+    compute by the slice tables alone, and the values its slices gather (slowest worker)."""
+    graph = build_unit_graph(spec, p.granularity)
+    traffic = build_schedule(graph, p.node_map, p.workers).traffic()
+    busiest = np.maximum(traffic.sum(axis=1), traffic.sum(axis=2)).max(axis=1)
+    kinds = [layer.kind for layer in spec.layers]
+    flops = layer_flops(spec, p)
+    values = input_values(graph, p.node_map, p.workers, traffic)
+    bare = replace(net, parallel_slowdown=0.0, fill_s_per_value=0.0)
+    joined = traffic.sum(axis=(1, 2)) == 0
+    return {
+        "joined": int(joined[1:].sum()),
+        "phases": 2 * int((busiest > 0).sum()),
+        "bytes": float(2 * busiest.sum() * batch * BYTES_PER_VALUE),
+        "compute_s": float(bare.compute_s(flops, batch, kinds).sum()),
+        "values": float(np.where(flops > 0, values, 0).max(axis=1).sum() * batch),
+    }
+
+
+def _lstsq(rows: list[list[float]], target: list[float], steps: list[float] | None = None):
+    """Non-negative least squares by clamping a negative unknown to 0 and refitting the
+    rest; with `steps`, every equation weighted by 1 / its run's step time (relative errors
+    count: a small model weighs as much as a large one)."""
+    a, t = np.array(rows, dtype=float), np.array(target, dtype=float)
+    if steps is not None:
+        w = 1.0 / np.maximum(np.array(steps, dtype=float), 1e-12)
+        a, t = a * w[:, None], t * w
+    sol, *_ = np.linalg.lstsq(a, t, rcond=None)
+    if (sol < 0).any():  # refit with the negative one at 0
+        keep = sol >= 0
+        sol = np.zeros_like(sol)
+        sol[keep] = np.linalg.lstsq(a[:, keep], t, rcond=None)[0]
+    return [max(float(v), 0.0) for v in sol]
+
+
+def calibrate(
+    models: tuple[str, ...] = CALIBRATION_MODELS,
+    batch: int = 32,
+    steps: int = 15,
+    say: Progress = log.info,
+) -> tuple[NetworkModel, dict]:
+    """The calibrated model of this machine, and every measurement it was fitted to."""
+    specs = [load_spec(m) for m in models]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        points = _compute_points(specs, batch, say)
+    finally:
+        torch.set_num_threads(threads)
+    kinds = {k: KindCost(tuple(sorted(v))) for k, v in sorted(points.items())}
+    base = NetworkModel(kinds=kinds)
+    runs = []
+    for spec in specs:
+        one, two = plan(spec, 1, "metis", batch=batch), plan(spec, 2, "metis", batch=batch)
+        runs.append({
+            "model": spec.name,
+            "one": {**_figures(spec, one, batch, base), "step_s": _step(spec, one, batch, steps)},
+            "two": {**_figures(spec, two, batch, base), "step_s": _step(spec, two, batch, steps),
+                    "exchange_s": _step(spec, two, batch, steps, exchange_only=True)},
+        })  # fmt: skip
+        say(f"runtime: stepped {spec.name} on 1 and 2 processes")
+    two = [r["two"] for r in runs]
+    latency, per_byte = _lstsq([[x["phases"], x["bytes"]] for x in two],
+                               [x["exchange_s"] for x in two])  # fmt: skip
+    one = [r["one"] for r in runs]
+    # One process: step = scale x slices - saving x joined layers + fixed + fill x values.
+    scale, saving, step_fixed, fill = _lstsq(
+        [[x["compute_s"], -x["joined"], 1.0, x["values"]] for x in one],
+        [x["step_s"] for x in one], [x["step_s"] for x in one],
+    )  # fmt: skip
+    # Two: what is left is the collective, and compute slowed by sharing the machine.
+    rest = [x["step_s"] - scale * x["compute_s"] + saving * x["joined"] - x["phases"] * latency
+            - x["bytes"] * per_byte - step_fixed - fill * x["values"] for x in two]  # fmt: skip
+    steps2 = [x["step_s"] for x in two]
+    collective, slowdown = _lstsq([[1.0, scale * x["compute_s"]] for x in two], rest, steps2)
+    model = replace(
+        base, bandwidth_bps=8.0 / max(per_byte, 1e-15), latency_s=latency,
+        fill_s_per_value=fill, step_fixed_s=step_fixed, collective_s=collective,
+        parallel_slowdown=slowdown, slice_scale=scale or 1.0, joined_saving_s=saving,
+    )  # fmt: skip
+    details = {"batch": batch, "slices": {k: len(v) for k, v in points.items()}, "runs": runs}
+    return model, details
+
+
+def profile_json(model: NetworkModel, details: dict) -> str:
+    """The profile file: the model (what `--profile` reads) and what it was fitted to."""
+    return json.dumps(
+        {
+            "schema_version": SCHEMA_VERSION,
+            "host": platform.node(),
+            "torch": torch.__version__,
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "model": model.to_dict(),
+            "measurements": details,
+        },
+        indent=1,
+    )

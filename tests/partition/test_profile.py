@@ -1,0 +1,122 @@
+"""Calibrated step-time model: profile files, the per-kind slice tables, and the planner's
+use of them (`netpart calibrate` itself runs once, on two small models)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from netpart.cli import main
+from netpart.errors import PlanError
+from netpart.models import load_spec
+from netpart.partition import NetworkModel, plan
+from netpart.partition.cost import KindCost, layer_times
+from netpart.partition.planner import PartitionPlan, reevaluate
+from netpart.partition.sweep import knee, parse_counts
+
+CALIBRATED = NetworkModel(
+    bandwidth_bps=8e9, latency_s=1e-4,
+    kinds={"dense": KindCost(((1e4, 1e-4), (1e6, 2e-4), (1e8, 5e-3)))},
+    fill_s_per_value=1e-9, step_fixed_s=3e-4, collective_s=5e-4, parallel_slowdown=0.2,
+    slice_scale=0.9, joined_saving_s=5e-5, profile="p.json",
+)  # fmt: skip
+
+
+def _profile_text(model: NetworkModel) -> str:
+    return json.dumps({"schema_version": 1, "model": model.to_dict()})
+
+
+def test_a_profile_round_trips_and_an_uncalibrated_model_keeps_its_three_figures():
+    back = NetworkModel.from_profile(_profile_text(CALIBRATED), "p.json")
+    assert back == CALIBRATED and back.describe().startswith("calibrated profile p.json:")
+    assert NetworkModel.from_dict(CALIBRATED.to_dict()) == CALIBRATED
+    assert set(NetworkModel().to_dict()) == {"bandwidth_bps", "latency_s", "flops_per_s"}
+
+
+@pytest.mark.parametrize(
+    "text,why",
+    [
+        ("not json", "Expecting value"),
+        ('{"schema_version": 2, "model": {}}', "schema_version 1"),
+        ('{"schema_version": 1}', "model"),
+        (_profile_text(NetworkModel(step_fixed_s=-1.0, profile="x")), "fixed costs >= 0"),
+    ],
+)
+def test_a_bad_profile_is_one_line(text, why):
+    with pytest.raises(PlanError, match=why) as err:
+        NetworkModel.from_profile(text, "bad.json")
+    assert "\n" not in str(err.value) and str(err.value).startswith("--profile bad.json")
+
+
+def test_slice_table_interpolates_and_extrapolates_at_the_largest_rate():
+    cost = KindCost(((1e6, 1e-3), (2e6, 0.9e-3), (4e6, 4e-3)))  # a noisy middle point
+    t = cost.seconds(np.array([1e3, 1.5e6, 3e6, 8e6]))
+    assert t[0] == 1e-3  # below the table: the smallest slice's time
+    assert t[1] == pytest.approx(1e-3)  # times made non-decreasing before interpolating
+    assert t[2] == pytest.approx(2.5e-3) and t[3] == pytest.approx(8e-3)  # 4e-3 x 8/4
+
+
+def test_the_calibrated_model_adds_its_terms_to_the_prediction():
+    spec = load_spec("digits-mlp")
+    p = plan(spec, 2, "stripe", batch=32, network=CALIBRATED)
+    m = p.metrics
+    assert m.predicted_step_s == pytest.approx(m.compute_s + m.exchange_s + 3e-4 + 5e-4)
+    flops = np.array([[5e5, 5e5], [0.0, 0.0]])
+    traffic = np.zeros((2, 2, 2))
+    compute, exchange = layer_times(flops, traffic, 32, CALIBRATED, ["dense", "dense"])
+    want = 0.9 * 1.2 * KindCost.seconds(CALIBRATED.kinds["dense"], np.array(5e5 * 32))
+    assert compute[0] == pytest.approx(float(want)) and compute[1] == 0 and not exchange.any()
+    one = reevaluate(spec, p, 64, NetworkModel())  # another batch and model, same node map
+    assert one.batch == 64 and np.array_equal(one.node_map, p.node_map)
+    assert one.metrics.predicted_step_s != m.predicted_step_s
+    back = PartitionPlan.from_json(p.to_json(), p.node_map)
+    assert back.network == CALIBRATED and back == p
+
+
+def test_calibrate_writes_a_profile_that_plan_and_run_use(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    args = ["calibrate", "--out", str(out), "--models", "tiny-mlp,tiny-local", "--steps", "2"]
+    assert main(args) == 0
+    model = NetworkModel.from_profile(out.read_text(), str(out))
+    kinds = {layer.kind for name in ("tiny-mlp", "tiny-local") for layer in load_spec(name).layers}
+    assert set(model.kinds) == kinds  # a slice table for every kind measured
+    assert model.bandwidth_bps > 0 and model.slice_scale > 0
+    capsys.readouterr()
+    assert main(["plan", "--model", "tiny-local", "--workers", "2", "--profile", str(out)]) == 0
+    assert f"calibrated profile {out}" in capsys.readouterr().out
+    run = ["run", "--model", "tiny-mlp", "--workers", "2", "--steps", "2", "--profile", str(out)]
+    assert main(run) == 0
+    assert f"from the calibrated profile {out}" in capsys.readouterr().out
+    assert main(["plan", "--model", "tiny-mlp", "--workers", "2", "--profile", str(tmp_path)]) == 2
+    bad = ["plan", "--model", "tiny-mlp", "--workers", "2", "--profile", str(out), "--net", "x"]
+    assert main(bad) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [e.split(":")[2].strip() for e in err] == ["--profile " + str(tmp_path), "--net"]
+    cluster = [*bad[:-1], "bandwidth=1Gbit"]  # the profile's compute, the cluster's links
+    assert main(cluster) == 0 and ": 1 Gbit/s" in capsys.readouterr().out
+
+
+def test_the_knee_is_the_last_count_each_doubling_still_paid_for():
+    counts = [1, 2, 4, 8, 16]
+    steps = [100.0, 50.0, 30.0, 26.0, 25.0]  # gains per doubling 2.0, 1.67, 1.15, 1.04
+    assert knee(counts, steps, 1.25) == (4, 16)
+    assert knee(counts, steps, 1.1) == (8, 16)
+    assert knee([1, 3], [90.0, 30.0], 1.5) == (3, 3)  # 3x over log2(3) doublings: 2.0 each
+    assert knee([1, 2, 4], [10.0, 6.0, 7.0], 1.25) == (2, 2)  # past the peak: slower
+    assert parse_counts("1-100") == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert parse_counts("8,1,2,2") == [1, 2, 8]
+    for bad in ("0,1", "4-2", "a"):
+        with pytest.raises(ValueError):
+            parse_counts(bad)
+
+
+def test_plan_sweep_prints_the_knee_and_writes_its_files(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    args = ["plan", "--model", "tiny-local", "--sweep", "1-4", "--method", "metis"]
+    assert main([*args, "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    saved = json.loads((out / "sweep.json").read_text())
+    assert saved["counts"] == [1, 2, 4] and f"book {saved['knee']} workers" in text
+    assert (out / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["plan", "--model", "tiny-local", "--sweep", "1-4", "--workers", "2"]) == 2
+    assert main([*args[:4], "0,2"]) == 2

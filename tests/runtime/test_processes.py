@@ -186,7 +186,7 @@ def test_run_times_steps_and_reports_bytes_equal_to_the_plan(tmp_path, capsys):
     argv = ["run", "--model", "tiny-mlp", "--workers", "2", "--steps", "3", "--batch", "8"]
     assert main([*argv, "--stats", str(stats)]) == 0
     out = capsys.readouterr().out
-    assert "tiny-mlp on 2 worker processes" in out and "plan predicts" in out
+    assert "tiny-mlp on 2 worker processes" in out and "predicted" in out
     moved = int(out.split("bytes moved per step: ")[1].split(" ")[0].replace(",", ""))
     planned = int(out.split("(plan: ")[1].split(")")[0].replace(",", ""))
     assert moved == planned > 0

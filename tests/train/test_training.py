@@ -320,6 +320,37 @@ def test_torchrun_restarts_a_dead_shard_from_its_checkpoint(tmp_path, restarts):
     assert restart["lost_steps"]["0"] >= 1
 
 
+def test_sigint_to_torchrun_stops_every_process_with_a_final_checkpoint(tmp_path):
+    """torchrun passes SIGINT on; every netpart process stops at a step boundary, shard 0
+    writes the model and a summary that says so. (torchrun itself then exits 1 with its
+    SignalException: its policy, documented in docs/training.md.)"""
+    run = tmp_path / "run"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [
+        str(torchrun), "--standalone", "--nproc-per-node", "3", "-m", "netpart", "train",
+        "--model", "tiny-local", "--workers", "2", "--replicas", "1", "--ps-shards", "1",
+        "--steps", "100000", "--out", str(run), "--timeout", "20",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        lines = run / "metrics_replica0.jsonl"
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and (
+            not lines.exists() or lines.read_text().count("\n") < 3
+        ):
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stopped"] and summary["steps"]["0"] < 100000, err.decode()[-2000:]
+    assert torch.load(run / "model.pt", weights_only=True)
+    assert b"wrote " in out  # shard 0 finished the run
+
+
 def test_a_dead_shard_stops_the_job_with_its_last_checkpoint_intact(tmp_path, monkeypatch):
     monkeypatch.setenv("NETPART_TEST_FAULT", "die:3@9")  # shard 1 (rank 1*2+1), 9th update
     p = plan(SPEC, 2, "metis")

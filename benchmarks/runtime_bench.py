@@ -100,7 +100,7 @@ def _run(spec, workers: int, batch: int, steps: int, **kw):
 def _step_s(result) -> float:
     """Median over timed steps of the slowest worker (warm-up and the gradient-collecting
     last step dropped)."""
-    return float(np.median(np.max(np.array(result.step_times), axis=0)[WARMUP:-1]))
+    return float(np.median(result.slowest_steps()[WARMUP:-1]))
 
 
 def scaling(name: str, batch: int, steps: int, pairs: int) -> dict:

@@ -148,7 +148,7 @@ def measured_local(spec, p, x, y, repeats: int = 3) -> tuple[float, np.ndarray, 
     layers = len(spec.layers)
     for _ in range(repeats):
         result = run_step(spec, p, x, y, dtype=torch.float32, threads=1, steps=STEPS + WARMUP)
-        steps.append(float(np.median(np.max(np.array(result.step_times), axis=0)[WARMUP:])))
+        steps.append(float(np.median(result.slowest_steps()[WARMUP:])))
         for out, phase in ((fwd, "forward"), (bwd, "backward")):
             out.append([[c.get((i, phase), 0.0) for c in result.compute_s] for i in range(layers)])
     return float(np.median(steps)), np.median(fwd, axis=0), np.median(bwd, axis=0)

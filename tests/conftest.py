@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from pathlib import Path
 
 import numpy as np
@@ -157,3 +158,13 @@ def torch_lbfgs(spec, x, y, lr: float, iterations: int, history: int):
 
     opt.step(closure)
     return ref, opt
+
+
+def wait_for_lines(path: Path, count: int, timeout: float = 60.0, poll: float = 0.02) -> None:
+    """Return once the file at `path` holds `count` lines (or after `timeout` seconds: the
+    test then fails on what it checks next, not here)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and (
+        not path.exists() or path.read_text().count("\n") < count
+    ):
+        time.sleep(poll)

@@ -148,7 +148,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         threads=args.threads, steps=args.steps + warmup, overlap=not args.no_overlap,
         split=args.split,
     )  # fmt: skip
-    per_step = np.max(np.array(result.step_times), axis=0)[warmup:]
+    per_step = result.slowest_steps()[warmup:]
     measured = float(np.median(per_step))
     predicted = p.metrics.predicted_step_s
     echo(

@@ -79,7 +79,7 @@ def _step(spec: ModelSpec, p: PartitionPlan, batch: int, steps: int, exchange_on
         spec, p, x.float(), y, dtype=torch.float32, steps=steps + 3,
         exchange_only=exchange_only,
     )  # fmt: skip
-    return float(np.median(np.max(np.array(result.step_times), axis=0)[3:]))
+    return float(np.median(result.slowest_steps()[3:]))
 
 
 def _figures(spec: ModelSpec, p: PartitionPlan, batch: int, net: NetworkModel) -> dict:

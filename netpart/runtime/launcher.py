@@ -43,6 +43,7 @@ __all__ = [
     "join_group",
     "keep_freed_memory",
     "last_error",
+    "torchrun_attempt",
     "yield_io_threads",
 ]
 
@@ -203,7 +204,7 @@ def join_group(timeout: float, store_timeout: float | None = None) -> tuple[int,
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world, timeout=pg_timeout
         )
-    elif (attempt := os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) not in ("", "0"):
+    elif attempt := torchrun_attempt():
         # torchrun restarted the job: its agent's store still holds the first attempt's
         # addresses under the keys init_process_group uses (pytorch/pytorch#135712).
         store = dist.PrefixStore(f"netpart/attempt{attempt}/", _env_store(world, pg_timeout))
@@ -214,6 +215,11 @@ def join_group(timeout: float, store_timeout: float | None = None) -> tuple[int,
         dist.init_process_group("gloo", timeout=pg_timeout)
     yield_io_threads()
     return rank, world
+
+
+def torchrun_attempt() -> int:
+    """Which restart of its job torchrun started this process as (0: the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
 
 def _env_store(world: int, timeout: datetime.timedelta) -> dist.Store:

@@ -35,6 +35,10 @@ class StepResult:
     threads: list[list[dict[str, float]]] = field(default_factory=list)  # worker, step -> s
     accuracy: float | None = None  # cross-entropy: share of the batch whose target logit is max
 
+    def slowest_steps(self) -> np.ndarray:
+        """Seconds of each timed step on its slowest worker (the step's wall time)."""
+        return np.max(np.array(self.step_times), axis=0)
+
 
 def assemble(
     spec: ModelSpec,

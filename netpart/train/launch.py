@@ -32,7 +32,7 @@ from netpart.models.spec import ModelSpec
 from netpart.partition.graph import build_unit_graph
 from netpart.partition.planner import PartitionPlan
 from netpart.partition.shards import ShardLayout
-from netpart.runtime.launcher import join_group
+from netpart.runtime.launcher import join_group, torchrun_attempt
 from netpart.runtime.zygote import Preloaded
 from netpart.train.config import TrainConfig
 from netpart.train.process import (
@@ -127,7 +127,7 @@ def train_under_torchrun(
     first_shard = placement.shard_rank(0)
     # torchrun restarted the job (--max-restarts) after a process failed: go on from the
     # checkpoints, at the furthest step the shards recorded (as the local launcher does).
-    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+    restarted = torchrun_attempt() > 0
     resume = resume or (restarted and (run / "train.json").exists())
     mine = rank == first_shard
     _prepare_on_first_shard(spec, plan, config, run, (resume, restarted), mine, placement)

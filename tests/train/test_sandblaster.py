@@ -15,7 +15,7 @@ from netpart.models import load_spec
 from netpart.partition import plan
 from netpart.train import train
 from netpart.train.config import TrainConfig
-from tests.conftest import count_processes, torch_lbfgs
+from tests.conftest import count_processes, torch_lbfgs, wait_for_lines
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -131,11 +131,7 @@ def finish_after(proc, lines, sig, twice=False):
     """Send `sig` once `lines` has 2 lines (and, if `twice`, 1 s later and again 1 s after
     that); the process's output and the seconds it took to end after the first signal."""
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and (
-            not lines.exists() or lines.read_text().count("\n") < 2
-        ):
-            time.sleep(0.05)
+        wait_for_lines(lines, 2)
         if twice:
             time.sleep(1)  # the replicas reach their hang
         t0 = time.monotonic()

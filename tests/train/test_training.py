@@ -24,7 +24,7 @@ from netpart.runtime import WorkerFailure
 from netpart.train import train
 from netpart.train.config import TrainConfig
 from netpart.train.rundir import model_from_shards
-from tests.conftest import count_processes
+from tests.conftest import count_processes, wait_for_lines
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -112,12 +112,7 @@ def test_sync_resume_after_a_signal_equals_the_uninterrupted_run(sync_run, tmp_p
     train(SPEC, p, _sync(120), straight)
 
     def signal_when_running() -> None:
-        lines = run / "metrics_replica1.jsonl"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and (
-            not lines.exists() or lines.read_text().count("\n") < 15
-        ):
-            time.sleep(0.01)
+        wait_for_lines(run / "metrics_replica1.jsonl", 15, poll=0.01)
         os.kill(os.getpid(), signal.SIGTERM)  # the launcher's handler: stop every process
 
     threading.Thread(target=signal_when_running, daemon=True).start()
@@ -191,12 +186,7 @@ def test_sigterm_stops_cleanly_with_a_final_checkpoint(tmp_path):
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        lines = run / "metrics_replica0.jsonl"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and (
-            not lines.exists() or lines.read_text().count("\n") < 3
-        ):
-            time.sleep(0.2)
+        wait_for_lines(run / "metrics_replica0.jsonl", 3)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     finally:
@@ -333,12 +323,7 @@ def test_sigint_to_torchrun_stops_every_process_with_a_final_checkpoint(tmp_path
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        lines = run / "metrics_replica0.jsonl"
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and (
-            not lines.exists() or lines.read_text().count("\n") < 3
-        ):
-            time.sleep(0.1)
+        wait_for_lines(run / "metrics_replica0.jsonl", 3, timeout=90)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:

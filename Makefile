@@ -29,12 +29,14 @@ test: $(BIN)/netpart
 	$(BIN)/ruff format --check netpart tests benchmarks experiments
 	$(BIN)/python -m pytest
 
-# Regenerates every CSV/JSON/PNG in experiments/results (about 16 minutes here; the scaling
-# slice timings are cached in experiments/results/traces, FRESH=--fresh measures them again:
-# 29m40s from a clean clone).
+# Regenerates every CSV/JSON/PNG in experiments/results (about 30 minutes here; the scaling
+# slice timings are cached in experiments/results/traces, FRESH=--fresh measures them again;
+# validate_sim needs root for its emulated machines and writes the profile the calibrated
+# Figure 3 uses).
 experiments: $(BIN)/netpart
 	$(BIN)/python experiments/scaling.py $(FRESH)
 	$(BIN)/python experiments/validate_sim.py
+	$(BIN)/python experiments/scaling.py --profile experiments/results/emulated_profile.json
 	$(BIN)/python experiments/convergence.py
 	$(BIN)/python experiments/ddp_baseline.py
 

@@ -21,6 +21,7 @@ import hashlib
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,8 @@ from tqdm import tqdm
 from netpart.files import write_atomic
 from netpart.models import load_spec
 from netpart.partition import plan
-from netpart.partition.cost import NetworkModel
+from netpart.partition.cost import KindCost, NetworkModel
+from netpart.partition.planner import reevaluate
 from netpart.partition.schedule import plan_schedule
 from netpart.partition.simulate import simulate_step
 from netpart.runtime.trace import SliceTimes, measure_slices
@@ -82,13 +84,43 @@ def traced(spec, method: str, workers: int, batch: int, cache: Path, fresh: bool
     return p, times
 
 
-def run(models, workers, batch: int, out: Path, fresh: bool) -> list[dict]:
+def calibrated(profile: NetworkModel, net_name: str, net: NetworkModel) -> NetworkModel:
+    """The profile's machines (slice tables, fixed costs) on the scenario's links, every
+    worker on a machine of its own (halo hidden behind interior compute)."""
+    scale = COMPUTE_SCALE.get(net_name, 1.0)
+    kinds = {
+        k: KindCost(tuple((f, t * scale) for f, t in c.points), c.forward_share)
+        for k, c in profile.kinds.items()
+    }
+    return replace(profile, bandwidth_bps=net.bandwidth_bps, latency_s=net.latency_s,
+                   kinds=kinds, overlap=True)  # fmt: skip
+
+
+def modelled(spec, method: str, n: int, batch: int, profile: NetworkModel) -> list[dict]:
+    """The rows of one plan predicted by the calibrated step-time model (no slice timings)."""
+    p = plan(spec, n, method, seed=0, batch=batch)
+    rows = []
+    for net_name, net in NETWORKS.items():
+        m = reevaluate(spec, p, batch, calibrated(profile, net_name, net)).metrics
+        rows.append({
+            "model": spec.name, "method": method, "workers": n, "network": net_name,
+            "step_s": m.predicted_step_s, "compute_s": m.compute_s,
+            "exchange_s": m.exchange_s, "halo_mb": 2 * m.volume * batch * 4 / 1e6,
+            "imbalance": m.max_layer_imbalance, "seconds": 0.0,
+        })  # fmt: skip
+    return rows
+
+
+def run(models, workers, batch: int, out: Path, fresh: bool, profile=None) -> list[dict]:
     jobs = [(m, meth, n) for m in models for meth in ("metis", *CONTRAST.get(m, ()))
             for n in workers]  # fmt: skip
     rows = []
     with tqdm(jobs, desc="scaling", unit="plan") as bar:
         for model, method, n in bar:
             spec = load_spec(model)
+            if profile is not None:
+                rows += modelled(spec, method, n, batch, profile)
+                continue
             t0 = time.perf_counter()
             p, times = traced(spec, method, n, batch, out / "traces", fresh, bar)
             _, schedule = plan_schedule(spec, p, validate=False)
@@ -117,7 +149,7 @@ def _imbalance(times: SliceTimes) -> float:
     return t.max(axis=1).sum() / max(t.mean(axis=1).sum(), 1e-12)
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, how: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -145,9 +177,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.grid(alpha=0.3, which="both")
     axes[0].set_ylabel("speedup of one step over 1 worker")
     axes[-1].legend(fontsize=8)
-    fig.suptitle(
-        "Speedup of one step, simulated from measured slice times (stars: the paper's Figure 3)"
-    )
+    fig.suptitle(f"Speedup of one step, {how} (stars: the paper's Figure 3)")
     fig.tight_layout()
     save_figure(fig, path)
 
@@ -181,21 +211,33 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--fresh", action="store_true", help="measure slices again")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="predict with this calibrated profile's model (e.g. results/"
+                    "emulated_profile.json from validate_sim.py) instead of simulating "
+                    "measured slice times; writes scaling_calibrated.*")  # fmt: skip
     args = ap.parse_args(argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     workers = [int(n) for n in args.workers.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = run(models, workers, args.batch, args.out, args.fresh)
-    write_csv(args.out / "scaling.csv", rows)
+    profile = None
+    if args.profile is not None:
+        profile = NetworkModel.from_profile(args.profile.read_text(), args.profile.name)
+    rows = run(models, workers, args.batch, args.out, args.fresh, profile)
+    name = "scaling" if profile is None else "scaling_calibrated"
+    write_csv(args.out / f"{name}.csv", rows)
     result = {"batch": args.batch, "networks": {k: v.to_dict() for k, v in NETWORKS.items()},
+              "profile": None if profile is None else profile.to_dict(),
               "peaks": summary(rows), "rows": rows}  # fmt: skip
-    write_atomic(args.out / "scaling.json", json.dumps(result, indent=1).encode())
-    plot(rows, args.out / "scaling.png")
+    write_atomic(args.out / f"{name}.json", json.dumps(result, indent=1).encode())
+    how = "simulated from measured slice times"
+    if profile is not None:
+        how = f"predicted by the model calibrated on emulated machines ({args.profile.name})"
+    plot(rows, args.out / f"{name}.png", how)
     for model, nets in result["peaks"].items():
         for net, peak in nets.items():
             print(f"{model:<11} {net:<9} peak {peak['peak_speedup']:6.2f}x at "
                   f"{peak['peak_workers']} workers")  # fmt: skip
-    print(f"wrote {args.out}/scaling.csv, scaling.json, scaling.png")
+    print(f"wrote {args.out}/{name}.csv, {name}.json, {name}.png")
     return 0
 
 

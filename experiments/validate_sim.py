@@ -1,280 +1,221 @@
-"""How far the scaling simulation is from real runs: predicted vs measured step time.
+"""The step-time model against real steps on emulated dedicated machines.
 
-For each model (`bench-local`, 10M parameters, and `bench-local-wide`, 32M) and N in
-{2, 3, 4}: run the model in N real worker processes on this machine (gloo over
-loopback, one thread each, median of timed steps, each step = slowest worker) and predict
-the same step from measured slice times with the simulator, told that N processes share this
-machine's cores and given a loopback network model measured with gloo. Then with one worker
-in each of N network namespaces on a bridge whose ports are limited with `tc tbf` (emulated
-machines on a switch), predicted with the link as gloo measures it. Links are measured as the
-runtime uses them: latency from a small ping-pong, bandwidth from 1 MB sent both ways at
-once. Error = predicted / measured - 1.
+Each emulated machine is a network namespace on a switch whose ports are limited with
+`tc tbf` (its own link) and a cpu cgroup held to a share of one core (its own CPU: a worker and
+its gloo threads compete with nothing else). `netpart calibrate` runs on those machines (slices
+timed on one, steps on one and two, an exchange-only run for the link), then each model runs in
+N real worker processes, one per machine, against `netpart plan --profile`'s prediction for the
+same plan. Three runs; error = predicted / measured - 1. Needs root (namespaces, cgroups);
+without it, says why and writes nothing.
 
-    python experiments/validate_sim.py        # ~6 min here; the namespace part needs root
+    python experiments/validate_sim.py                # ~10 min here
+    python experiments/validate_sim.py --workers 8 --share 0.2
 
-Writes experiments/results/validation.json (and .csv).
+Writes experiments/results/validation.json (and .csv) and the profile, emulated_profile.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # benchmarks/ and tests/ helpers
+sys.path.insert(0, str(ROOT))  # tests/ helpers
 
-from benchmarks.runtime_bench import MID_LOCAL, WIDE_LOCAL  # noqa: E402
 from experiments._common import free_port, write_csv  # noqa: E402
 from netpart.files import plan_files, write_atomic, write_files  # noqa: E402
+from netpart.models import load_spec  # noqa: E402
 from netpart.partition import plan  # noqa: E402
-from netpart.partition.cost import NetworkModel  # noqa: E402
-from netpart.partition.schedule import plan_schedule  # noqa: E402
-from netpart.partition.simulate import simulate_step  # noqa: E402
-from netpart.runtime import run_step  # noqa: E402
+from netpart.partition.planner import PartitionPlan, reevaluate  # noqa: E402
+from netpart.runtime.calibrate import CALIBRATION_MODELS, calibrate, profile_json  # noqa: E402
 from netpart.runtime.check import make_batch  # noqa: E402
 from netpart.runtime.result import load_worker_result  # noqa: E402
-from netpart.runtime.trace import measure_slices  # noqa: E402
+from netpart.runtime.trace import SliceTimes, measure_slices  # noqa: E402
 
 RESULTS = ROOT / "experiments" / "results"
 BATCH, STEPS, WARMUP = 32, 12, 3
-BOTH = 1 << 18  # float32 values sent both ways at once to measure a link: 1 MB, a few times
-# one layer's halo exchange in these models (150-340 KB each way)
+MODELS = ("digits-mlp", "bench-local", "bench-local-wide")
+TIMEOUT = 600
 
 
-def _pingpong(rank: int, port: int, queue, addr: str = "127.0.0.1") -> None:
-    """Half of a gloo ping-pong; rank 0 puts on `queue` the one-way seconds of 64 B and 4 MB,
-    and of 1 MB sent both ways at once ("both": how the runtime's exchanges use a link)."""
-    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    out = {}
-    for name, n in (("small", 16), ("large", 1 << 20)):
-        buf = torch.zeros(n)
-        laps = []
-        for _ in range(30 if name == "small" else 10):
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            else:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            laps.append(time.perf_counter() - t0)
-        out[name] = float(np.median(laps[3:])) / 2  # one way
-    send, recv, laps = torch.zeros(BOTH), torch.zeros(BOTH), []
-    for _ in range(15):
-        dist.barrier()
-        t0 = time.perf_counter()
-        works = [dist.isend(send, 1 - rank), dist.irecv(recv, 1 - rank)]
-        for work in works:
-            work.wait()
-        laps.append(time.perf_counter() - t0)
-    out["both"] = float(np.median(laps[3:]))
-    if rank == 0:
-        queue.put(out)
-    dist.destroy_process_group()
+def _slices_job(job: str) -> None:
+    """In a machine: time every slice of the plans in job/plan_<i>/ (one thread), save them."""
+    from netpart.files import load_plan
+
+    torch.set_num_threads(1)
+    folder = Path(job)
+    spec = load_spec(json.loads((folder / "job.json").read_text())["model"])
+    for sub in sorted(p for p in folder.iterdir() if p.name.startswith("plan_")):
+        times = measure_slices(spec, load_plan(sub, spec), BATCH)
+        np.savez(sub / "slices.npz", **times.to_arrays())
 
 
-def _network(t: dict) -> NetworkModel:
-    """Latency from the small ping-pong; bandwidth from 1 MB sent both ways at once, as the
-    runtime's exchanges send (on a shaped link the two directions' ACKs queue behind each
-    other's data, so this is lower than the one-way ping-pong rate, also reported)."""
-    bandwidth = BOTH * 4 * 8 / max(t["both"] - t["small"], 1e-9)
-    return NetworkModel(bandwidth_bps=bandwidth, latency_s=t["small"])
+@dataclass
+class EmulatedRunner:
+    """`netpart.runtime.calibrate.Runner` on emulated machines: hosts[i] (a namespace) with
+    groups[i] (a cpu cgroup) is machine i; workers split layers, as across real machines."""
+
+    hosts: list
+    groups: list[Path]
+    overlap: bool = True
+
+    def _argv(self, i: int, argv: list[str], env: dict[str, str]) -> list[str]:
+        from tests import cgroups
+
+        # The group first: `ip netns exec` mounts the namespace's own /sys over the cgroups.
+        return cgroups.command(self.groups[i], self.hosts[i].command(argv, env))
+
+    def slices(self, spec, plans: list[PartitionPlan], batch: int) -> list[SliceTimes]:
+        assert batch == BATCH
+        with tempfile.TemporaryDirectory(prefix="netpart-val-") as tmp:
+            job = Path(tmp)
+            (job / "job.json").write_text(json.dumps({"model": spec.name}))
+            for i, p in enumerate(plans):
+                write_files(job / f"plan_{i}", plan_files(p))
+            code = (
+                f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
+                f"from experiments.validate_sim import _slices_job; _slices_job({tmp!r})"
+            )
+            argv = self._argv(0, [sys.executable, "-c", code], {"PYTHONPATH": str(ROOT)})
+            subprocess.run(argv, check=True, timeout=TIMEOUT)
+            return [
+                SliceTimes.from_arrays(np.load(job / f"plan_{i}" / "slices.npz"))
+                for i in range(len(plans))
+            ]
+
+    def step(self, spec, p: PartitionPlan, batch: int, steps: int, exchange_only=False):
+        return float(np.median(self.steps(spec, p, batch, steps, exchange_only)))
+
+    def steps(self, spec, p: PartitionPlan, batch: int, steps: int, exchange_only=False):
+        """Every timed step (slowest worker) of `p` on machines 0..N-1."""
+        n = p.workers
+        x, y = make_batch(spec, batch, 0)
+        with tempfile.TemporaryDirectory(prefix="netpart-val-") as tmp:
+            job = Path(tmp)
+            files = plan_files(p)
+            files["spec.json"] = spec.to_json().encode()
+            config = {"seed": 0, "dtype": "float32", "timeout": 120, "threads": 1, "split": True,
+                      "steps": steps + WARMUP, "exchange_only": exchange_only}  # fmt: skip
+            files["config.json"] = json.dumps(config).encode()
+            write_files(job, files)
+            torch.save({"inputs": x.float(), "targets": y}, job / "batch.pt")
+            port, master = free_port(), self.hosts[0].address  # rank 0 hosts the store
+            env, procs = {"PYTHONPATH": str(ROOT), "TORCH_CPP_LOG_LEVEL": "ERROR"}, []
+            try:
+                for rank in range(n):
+                    wenv = {**env, "RANK": str(rank), "WORLD_SIZE": str(n),
+                            "MASTER_ADDR": master, "MASTER_PORT": str(port),
+                            "GLOO_SOCKET_IFNAME": self.hosts[rank].device}  # fmt: skip
+                    argv = [sys.executable, "-m", "netpart.runtime.step", "--job", str(job)]
+                    procs.append(subprocess.Popen(self._argv(rank, argv, wenv)))
+                for proc in procs:
+                    if proc.wait(timeout=TIMEOUT) != 0:
+                        raise RuntimeError(f"a worker of {spec.name} on {n} machines failed")
+            finally:
+                for proc in procs:
+                    if proc.poll() is None:
+                        proc.kill()
+                        proc.wait()
+            times = [load_worker_result(job / f"result_{r}.pt")[0].step_times for r in range(n)]
+        return np.max(np.array(times), axis=0)[WARMUP:]
 
 
-def namespace_network(a, b) -> dict:
-    """The same ping-pong between two namespaces: raw timings (seconds, see `_pingpong`)."""
-    code = (
-        "import sys, json, queue; sys.path.insert(0, {root!r}); "
-        "from experiments.validate_sim import _pingpong; q = queue.Queue(); "
-        "_pingpong({rank}, 29581, q, {addr!r}); print(json.dumps(q.get()) if {rank} == 0 else '')"
-    )
-    procs = []
-    for rank, host in enumerate((a, b)):
-        argv = [sys.executable, "-c", code.format(root=str(ROOT), rank=rank, addr=a.address)]
-        env = {"GLOO_SOCKET_IFNAME": host.device, "PYTHONPATH": str(ROOT)}
-        procs.append(subprocess.Popen(host.command(argv, env), stdout=subprocess.PIPE, text=True))
-    try:
-        out = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return json.loads(out[0].strip().splitlines()[-1])
-
-
-def loopback_network() -> dict:
-    """The ping-pong between two processes here: raw timings (seconds, see `_pingpong`)."""
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_pingpong, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        t = queue.get(timeout=120)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return t
-
-
-def _describe(t: dict) -> str:
-    net = _network(t)
-    one_way = (1 << 20) * 4 * 8 / max(t["large"] - t["small"], 1e-9)
-    return (
-        f"latency {net.latency_s * 1e6:.0f} us, {net.bandwidth_bps / 1e6:.1f} Mbit/s both ways "
-        f"at once ({one_way / 1e6:.1f} Mbit/s one way)"
-    )
-
-
-def measured_local(spec, p, x, y, repeats: int = 3) -> tuple[float, np.ndarray, np.ndarray]:
-    """Median step over `repeats` runs, and the in-situ compute traces: per (layer, worker)
-    the forward and backward compute the workers timed in their last step (median of runs)."""
-    steps, fwd, bwd = [], [], []
-    layers = len(spec.layers)
-    for _ in range(repeats):
-        result = run_step(spec, p, x, y, dtype=torch.float32, threads=1, steps=STEPS + WARMUP)
-        steps.append(float(np.median(result.slowest_steps()[WARMUP:])))
-        for out, phase in ((fwd, "forward"), (bwd, "backward")):
-            out.append([[c.get((i, phase), 0.0) for c in result.compute_s] for i in range(layers)])
-    return float(np.median(steps)), np.median(fwd, axis=0), np.median(bwd, axis=0)
-
-
-def predicted(spec, p, net: NetworkModel, cores: int | None, traces) -> float:
-    """Simulated step from (forward, backward) slice traces [L, N]."""
-    fwd, bwd = traces
-    _, schedule = plan_schedule(spec, p, validate=False)
-    return simulate_step(fwd, bwd, schedule.traffic(), BATCH, net, cores).step_s
-
-
-def _isolated(spec, p):
-    """Every slice of `p` timed alone (what the scaling experiment simulates from)."""
-    times = measure_slices(spec, p, BATCH)
-    return times.forward, times.backward
-
-
-def measured_namespaces(spec, p, x, y, rate: str):
-    """(step, forward and backward traces, link timings) of one worker in each of
-    `p.workers` namespaces on a switch whose ports are tbf-limited to `rate`; None where
-    namespaces cannot be made."""
-    from tests import netns
-
-    why = netns.unavailable()
-    if why is not None:
-        print(f"skipping the namespace run: {why}")
-        return None
-    n = p.workers
-    with tempfile.TemporaryDirectory(prefix="netpart-val-") as tmp, \
-            netns.switched_hosts(n, rate=rate, burst="32kb") as hosts:  # fmt: skip
-        link = namespace_network(hosts[0], hosts[1])
-        job = Path(tmp)
-        files = plan_files(p)
-        files["spec.json"] = spec.to_json().encode()
-        config = {"seed": 0, "dtype": "float32", "timeout": 120, "threads": 1,
-                  "steps": STEPS + WARMUP}  # fmt: skip
-        files["config.json"] = json.dumps(config).encode()
-        write_files(job, files)
-        torch.save({"inputs": x, "targets": y}, job / "batch.pt")
-        port, master = 29571, hosts[0].address
-        store = (
-            "import datetime, time, torch.distributed as d; "
-            f"s = d.TCPStore('{master}', {port}, {n + 1}, True, "
-            "timeout=datetime.timedelta(seconds=120), wait_for_workers=False); time.sleep(300)"
-        )
-        env = {"PYTHONPATH": str(ROOT)}
-        procs = [subprocess.Popen(hosts[0].command([sys.executable, "-c", store], env))]
-        time.sleep(1.0)
-        try:
-            for rank, host in enumerate(hosts):
-                wenv = {**env, "RANK": str(rank), "WORLD_SIZE": str(n), "MASTER_ADDR": master,
-                        "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": host.device}  # fmt: skip
-                argv = [sys.executable, "-m", "netpart.runtime.step", "--job", str(job)]
-                procs.append(subprocess.Popen(host.command(argv, wenv)))
-            for proc in procs[1:]:
-                if proc.wait(timeout=300) != 0:
-                    raise RuntimeError("a worker in a namespace failed")
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-        results = [load_worker_result(job / f"result_{r}.pt")[0] for r in range(n)]
-    times = np.array([r.step_times for r in results])
-    fwd, bwd = (
-        np.array(
-            [[r.compute_s.get((i, ph), 0.0) for r in results] for i in range(len(spec.layers))]
-        )
-        for ph in ("forward", "backward")
-    )
-    return float(np.median(times.max(axis=0)[WARMUP:])), fwd, bwd, link
-
-
-def _row(model: str, setup: str, n: int, measured: float, isolated: float, insitu: float) -> dict:
-    return {"model": model, "setup": setup, "workers": n, "measured_ms": measured * 1e3,
-            "predicted_ms": isolated * 1e3, "error": isolated / measured - 1,
-            "predicted_insitu_ms": insitu * 1e3, "error_insitu": insitu / measured - 1}  # fmt: skip
+def _say(text: str) -> None:
+    print(text, flush=True)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workers", default="2,3,4")
-    ap.add_argument("--rate", default="50mbit", help="namespace link rate (tc tbf)")
+    ap.add_argument("--workers", default="2,3,4", help="machine counts to validate")
+    ap.add_argument("--share", type=float, default=0.45, help="each machine's share of a core")
+    ap.add_argument("--rate", default="100mbit", help="each machine's link (tc tbf)")
+    ap.add_argument(
+        "--burst",
+        default="1600",
+        help="token bucket, bytes: one frame, so that no message passes faster than the rate "
+        "after an idle pause",
+    )
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument(
+        "--calibrate", default=",".join(CALIBRATION_MODELS), help="models to calibrate on"
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--models", default="bench-local,bench-local-wide")
     args = ap.parse_args(argv)
-    models = {m.name: m for m in (MID_LOCAL, WIDE_LOCAL)}
-    loopback = loopback_network()
-    net = _network(loopback)
-    cores = os.cpu_count() or 1
-    print(f"loopback gloo: {_describe(loopback)}; {cores} cores")
-    rows, links = [], {}
-    for name in args.models.split(","):
-        spec = models[name]
-        x, y = make_batch(spec, BATCH, 0)
-        x = x.float()
-        for n in (int(v) for v in args.workers.split(",")):
-            p = plan(spec, n, "metis", seed=0, batch=BATCH)
-            alone = _isolated(spec, p)
-            measured, fwd, bwd = measured_local(spec, p, x, y)
-            isolated = predicted(spec, p, net, cores, alone)
-            insitu = predicted(spec, p, net, cores, (fwd, bwd))
-            rows.append(_row(name, f"{n} processes, this machine", n, measured, isolated, insitu))
-            got = measured_namespaces(spec, p, x, y, args.rate)
-            if got is None:
-                continue
-            measured, fwd, bwd, timings = got
-            link = links[f"{name} {n}"] = _network(timings)
-            print(f"{args.rate} switch ports through gloo: {_describe(timings)}")
-            isolated = predicted(spec, p, link, cores, alone)
-            insitu = predicted(spec, p, link, cores, (fwd, bwd))
-            setup = f"{n} namespaces, {args.rate} switch"
-            rows.append(_row(name, setup, n, measured, isolated, insitu))
-    for r in rows:
-        print(f"{r['model']:<17} {r['setup']:<30} measured {r['measured_ms']:6.1f} ms; "
-              f"predicted from isolated slices {r['predicted_ms']:6.1f} ms ({r['error']:+.0%}), "
-              f"from in-run compute "
-              f"{r['predicted_insitu_ms']:6.1f} ms ({r['error_insitu']:+.0%})")  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    doc = {"models": args.models.split(","), "batch": BATCH, "loopback": loopback,
-           "network": net.to_dict(), "rows": rows,
-           "links": {k: v.to_dict() for k, v in links.items()}}  # fmt: skip
+    from tests import cgroups, netns
+
+    # A stop (SIGTERM) unwinds like Ctrl-C, so namespaces and cgroups are removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    why = netns.unavailable() or cgroups.unavailable()
+    if why is not None:
+        print(f"validate_sim: skipped: {why}")
+        return 0
+    counts = [int(v) for v in args.workers.split(",")]
+    models = args.models.split(",")
+    machines = max(2, *counts)
+    rows = []
+    with (
+        netns.switched_hosts(machines, rate=args.rate, burst=args.burst) as hosts,
+        cgroups.cpu_shares(machines, args.share) as groups,
+    ):
+        runner = EmulatedRunner(hosts, groups)
+        t0 = time.monotonic()
+        cal = tuple(args.calibrate.split(","))
+        model, details = calibrate(cal, say=_say, runner=runner)
+        profile = profile_json(model, details)
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_atomic(args.out / "emulated_profile.json", profile.encode())
+        model = replace(model, profile=str(args.out / "emulated_profile.json"))
+        _say(f"calibrated in {time.monotonic() - t0:.0f} s: {model.describe()}")
+        for run in range(1, args.runs + 1):
+            for name in models:
+                spec = load_spec(name)
+                for n in counts:
+                    p = plan(spec, n, "metis", batch=BATCH)
+                    predicted = reevaluate(spec, p, BATCH, model).metrics
+                    measured = float(np.median(runner.steps(spec, p, BATCH, STEPS)))
+                    rows.append(_row(run, name, n, measured, predicted))
+                    _say(_line(rows[-1]))
+    doc = {"share": args.share, "rate": args.rate, "batch": BATCH, "steps": STEPS,
+           "machines": machines, "profile": json.loads(profile)["model"], "rows": rows}  # fmt: skip
     write_atomic(args.out / "validation.json", json.dumps(doc, indent=1).encode())
     write_csv(args.out / "validation.csv", rows)
+    _summary(rows)
     return 0
+
+
+def _row(run: int, model: str, n: int, measured: float, m) -> dict:
+    return {"run": run, "model": model, "workers": n, "measured_ms": measured * 1e3,
+            "predicted_ms": m.predicted_step_s * 1e3, "error": m.predicted_step_s / measured - 1,
+            "predicted_compute_ms": m.compute_s * 1e3,
+            "predicted_exchange_ms": m.exchange_s * 1e3}  # fmt: skip
+
+
+def _line(r: dict) -> str:
+    return (
+        f"run {r['run']}  {r['model']:<17} N={r['workers']}  measured {r['measured_ms']:7.1f} ms"
+        f"  predicted {r['predicted_ms']:7.1f} ms ({r['error']:+.0%}; compute "
+        f"{r['predicted_compute_ms']:.1f}, exposed exchange {r['predicted_exchange_ms']:.1f})"
+    )
+
+
+def _summary(rows: list[dict]) -> None:
+    within = sum(abs(r["error"]) <= 0.15 for r in rows)
+    _say(f"within 15%: {within} of {len(rows)} rows")
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for n in sorted({r["workers"] for r in rows if r["model"] == model}):
+            errs = [r["error"] for r in rows if r["model"] == model and r["workers"] == n]
+            _say(f"  {model:<17} N={n}: " + ", ".join(f"{e:+.0%}" for e in errs))
 
 
 if __name__ == "__main__":

@@ -83,11 +83,11 @@ def two_hosts(
 
 @contextlib.contextmanager
 def switched_hosts(
-    n: int, rate: str = "200mbit", burst: str = "256kb", subnet: int = 1
+    n: int, rate: str = "200mbit", burst: str = "256kb", subnet: int = 1, queue: str = "100ms"
 ) -> Iterator[list[Host]]:
     """`n` namespaces on one bridge; each host's link is limited to `rate` in each direction
     (a token bucket on the host's end for what it sends, on the bridge's end for what it
-    receives)."""
+    receives), each queueing at most `queue` of traffic (a switch port's buffer)."""
     tag = f"{os.getpid() % 100000}"
     switch = f"np{tag}sw"
     hosts = [Host(f"np{tag}h{i}", f"np{tag}h{i}", SUBNET.format(subnet, i + 1)) for i in range(n)]
@@ -105,26 +105,26 @@ def switched_hosts(
                   "peer", "name", port, "netns", switch])  # fmt: skip
             _run([*sw, "link", "set", port, "master", "br0"])
             _run([*sw, "link", "set", port, "up"])
-            _bring_up(h, rate, burst)
-            _shape(switch, port, rate, burst)
+            _bring_up(h, rate, burst, queue)
+            _shape(switch, port, rate, burst, queue)
         yield hosts
     finally:
         _teardown(made)
 
 
-def _bring_up(h: Host, rate: str, burst: str) -> None:
+def _bring_up(h: Host, rate: str, burst: str, queue: str = "100ms") -> None:
     """Address and raise the host's link end and loopback; shape what the host sends."""
     ns = ["ip", "-n", h.netns]
     _run([*ns, "addr", "add", f"{h.address}/24", "dev", h.device])
     _run([*ns, "link", "set", h.device, "up"])
     _run([*ns, "link", "set", "lo", "up"])
-    _shape(h.netns, h.device, rate, burst)
+    _shape(h.netns, h.device, rate, burst, queue)
 
 
-def _shape(netns: str, device: str, rate: str, burst: str) -> None:
-    """A token bucket on what `device` sends: `rate`, `burst` bytes, 100 ms of queue."""
+def _shape(netns: str, device: str, rate: str, burst: str, queue: str = "100ms") -> None:
+    """A token bucket on what `device` sends: `rate`, `burst` bytes, `queue` of queue."""
     _run(["tc", "-n", netns, "qdisc", "add", "dev", device, "root", "tbf",
-          "rate", rate, "burst", burst, "latency", "100ms"])  # fmt: skip
+          "rate", rate, "burst", burst, "latency", queue])  # fmt: skip
 
 
 def _teardown(namespaces: list[str]) -> None:

@@ -124,6 +124,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     import json
+    from dataclasses import replace
 
     import numpy as np
     import torch
@@ -135,11 +136,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     from netpart.runtime.step import run_step
 
     spec, p = plan_for_run(args)
-    network = load_network(args.profile)
+    # These workers share this machine: the runtime hides halo only with --split.
+    network = replace(load_network(args.profile), overlap=args.split)
     p = p or plan(
         spec, args.workers, args.method, seed=args.seed, batch=args.batch, network=network
     )
-    if args.profile is not None or p.batch != args.batch:  # the prediction for this run
+    if p.network != network or p.batch != args.batch:  # the prediction for this run
         p = reevaluate(spec, p, args.batch, network)
     x, y = make_batch(spec, args.batch, args.seed)
     warmup = min(3, args.steps - 1) if args.steps > 1 else 0

@@ -15,6 +15,12 @@ runtime's own exchanges; all x `slice_scale` (slices in a step against slices ti
 less `joined_saving_s` for a layer with no halo (the runtime runs it in one autograd graph
 with the layer below); and `fixed` = `step_fixed_s` (loss, interpreter) + `collective_s`
 (the loss's collective) with more than one worker.
+
+With `overlap` (workers on machines of their own: the runtime then splits every layer whose
+work on a worker reaches `SPLIT_MIN_FLOPS` per example), a worker's forward halo travels
+while it computes the interior units of the layer (the share of its units that read no halo,
+x the kind's forward share of the slice), and its backward halo while it computes the
+layer's weight gradients (half the backward share): only the rest of each exchange is exposed.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ import numpy as np
 from netpart.errors import PlanError
 from netpart.partition.graph import BYTES_PER_VALUE
 
-__all__ = ["KindCost", "NetworkModel", "layer_times"]
+__all__ = ["SPLIT_MIN_FLOPS", "KindCost", "NetworkModel", "layer_times"]
+
+SPLIT_MIN_FLOPS = 1e6  # per example: ~1.5 ms of work at batch 32 on one slow core
 
 _UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
@@ -41,6 +49,7 @@ class KindCost:
     of this machine's slices, sorted; a slice's time is read off them (see `seconds`)."""
 
     points: tuple[tuple[float, float], ...]
+    forward_share: float = 1.0 / 3.0  # of a slice's time, its forward pass (median measured)
 
     def seconds(self, work: np.ndarray) -> np.ndarray:
         """Seconds of slices of `work` FLOPs (x batch): piecewise linear between measured
@@ -52,14 +61,17 @@ class KindCost:
         return np.where(work > f[-1], t[-1] * work / f[-1], out)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"points": [list(p) for p in self.points]}
+        return {"points": [list(p) for p in self.points], "forward_share": self.forward_share}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KindCost:
         pts = sorted((float(f), float(t)) for f, t in data["points"])
         if not pts or any(f <= 0 or t <= 0 for f, t in pts):
             raise ValueError("a kind needs positive (flops, seconds) points")
-        return cls(tuple(pts))
+        share = float(data.get("forward_share", 1.0 / 3.0))
+        if not 0.0 < share < 1.0:
+            raise ValueError("a kind's forward_share is between 0 and 1")
+        return cls(tuple(pts), share)
 
 
 @dataclass(frozen=True)
@@ -78,6 +90,7 @@ class NetworkModel:
     parallel_slowdown: float = 0.0  # compute is (1 + this) x slower with more than one worker
     slice_scale: float = 1.0  # a slice in a step against the same slice timed alone
     joined_saving_s: float = 0.0  # per layer run in one autograd graph with the one below
+    overlap: bool = True  # machines of their own: halo hidden behind interior compute
     profile: str = ""  # the profile these figures came from ("": defaults or --net)
 
     def __hash__(self) -> int:
@@ -94,7 +107,11 @@ class NetworkModel:
         data = dict(data)
         kinds = {k: KindCost.from_dict(v) for k, v in data.pop("kinds", {}).items()}
         profile = str(data.pop("profile", ""))
-        return cls(**{k: float(v) for k, v in data.items()}, kinds=kinds, profile=profile)
+        overlap = data.pop("overlap", True)
+        if not isinstance(overlap, bool):
+            raise ValueError("overlap is true or false")
+        floats = {k: float(v) for k, v in data.items()}
+        return cls(**floats, kinds=kinds, overlap=overlap, profile=profile)
 
     @classmethod
     def from_profile(cls, text: str, source: str) -> NetworkModel:
@@ -135,7 +152,17 @@ class NetworkModel:
     ) -> np.ndarray:
         """[L]: the slowest worker's compute per layer, from FLOPs per example [L, P] (and,
         calibrated, the input values each worker's slice gathers per example [L, P])."""
-        out = flops.max(axis=1) * batch / self.flops_per_s
+        return self.worker_compute_s(flops, batch, kinds, values).max(axis=1)
+
+    def worker_compute_s(
+        self,
+        flops: np.ndarray,
+        batch: int,
+        kinds: list[str] | None = None,
+        values: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """[L, P]: each worker's compute per layer (see `compute_s`)."""
+        out = flops * batch / self.flops_per_s
         if not self.kinds or kinds is None:
             return out
         fill = 0.0 if values is None else values * batch * self.fill_s_per_value
@@ -143,12 +170,18 @@ class NetworkModel:
         for layer, kind in enumerate(kinds):
             cost = self.kinds.get(kind)
             if cost is not None:
-                busy = flops[layer] > 0
                 t = slow * cost.seconds(flops[layer] * batch) + (
                     fill if np.isscalar(fill) else fill[layer]
                 )
-                out[layer] = np.where(busy, t, 0.0).max()
+                out[layer] = np.where(flops[layer] > 0, t, 0.0)
         return out
+
+    def forward_shares(self, kinds: list[str] | None, layers: int) -> np.ndarray:
+        """[L]: the share of each layer's slice time that is its forward pass."""
+        default = KindCost.__dataclass_fields__["forward_share"].default
+        if kinds is None:
+            return np.full(layers, default)
+        return np.array([getattr(self.kinds.get(k), "forward_share", default) for k in kinds])
 
     def fixed_s(self, workers: int) -> float:
         """Per step, beyond layers: the runtime's own cost, and the collective with N > 1."""
@@ -186,7 +219,7 @@ class NetworkModel:
                 raise PlanError(
                     f"--net: cannot read {item!r}; e.g. bandwidth=10Gbit, latency=20us, flops=50G"
                 ) from None
-        net = replace(base or cls(), **values)
+        net = replace(base or cls(), **values, overlap=True)  # a cluster: machines of their own
         if min(net.bandwidth_bps, net.flops_per_s) <= 0 or net.latency_s < 0:
             raise PlanError("--net: bandwidth and flops must be positive, latency >= 0")
         return net
@@ -199,20 +232,35 @@ def layer_times(
     net: NetworkModel,
     kinds: list[str] | None = None,
     values: np.ndarray | None = None,
+    interior: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(compute_s[l], exchange_s[l]): the slowest worker's time in each layer.
+    """(compute_s[l], exchange_s[l]): the slowest worker's time in each layer; exchange is
+    what overlap leaves exposed.
 
     `flops` is [L, P] per example, `traffic` [L, P, P] units per example (sender, receiver),
-    `kinds` each layer's kind and `values` [L, P] the input values each worker's slice
-    gathers per example (for a calibrated model).
+    `kinds` each layer's kind, `values` [L, P] the input values each worker's slice gathers
+    per example (for a calibrated model) and `interior` [L, P] the share of each worker's
+    units of each layer that read no halo (for overlap; none hidden without it).
     """
-    compute = net.compute_s(np.asarray(flops, dtype=np.float64), batch, kinds, values)
+    flops = np.asarray(flops, dtype=np.float64)
+    work = net.worker_compute_s(flops, batch, kinds, values)
     if net.joined_saving_s:  # a layer with no halo runs in one graph with the layer below
         joined = traffic.sum(axis=(1, 2)) == 0
         joined[0] = False
-        compute = np.where(joined, np.maximum(compute - net.joined_saving_s, 0.0), compute)
+        work = np.where(joined[:, None], np.maximum(work - net.joined_saving_s, 0.0), work)
     recv = traffic.sum(axis=1)  # [L, P]
     send = traffic.sum(axis=2)
     busy = np.maximum(recv, send) * batch * BYTES_PER_VALUE * 8 / net.bandwidth_bps
-    per_worker = np.where(np.maximum(recv, send) > 0, net.latency_s + busy, 0.0)
-    return compute, 2.0 * per_worker.max(axis=1)
+    phase = np.where(np.maximum(recv, send) > 0, net.latency_s + busy, 0.0)  # one direction
+    hide_fwd = hide_bwd = np.zeros_like(phase)
+    if net.overlap and interior is not None:
+        big = (flops >= SPLIT_MIN_FLOPS) & (recv > 0)
+        big[0] = False
+        kind = np.array(kinds if kinds is not None else ["dense"] * len(flops))[:, None]
+        share = net.forward_shares(kinds, len(flops))[:, None]
+        split = big & (kind != "dense") & (interior > 0) & (interior < 1)
+        hide_fwd = np.where(split, interior * work * share, 0.0)
+        weights = big & np.isin(kind, ("local", "conv", "dense"))
+        hide_bwd = np.where(weights, work * (1.0 - share) / 2.0, 0.0)
+    exposed = np.maximum(phase - hide_fwd, 0.0) + np.maximum(phase - hide_bwd, 0.0)
+    return work.max(axis=1), exposed.max(axis=1)

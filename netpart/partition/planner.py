@@ -63,6 +63,7 @@ __all__ = [
     "choose",
     "evaluate",
     "input_values",
+    "interior_shares",
     "plan",
     "reevaluate",
 ]
@@ -278,7 +279,10 @@ def evaluate(
     imbalance = (flops / fair).max(axis=1)
     kinds = [layer.kind for layer in spec.layers]
     values = input_values(graph, node_map, workers, traffic)
-    compute, exchange = layer_times(flops / speed[None, :], traffic, batch, network, kinds, values)
+    interior = interior_shares(graph, node_map, workers) if network.overlap else None
+    compute, exchange = layer_times(
+        flops / speed[None, :], traffic, batch, network, kinds, values, interior
+    )
     fixed = network.fixed_s(workers)
     lower = layer_lower_bounds(spec, used.sum(axis=1))
     per_layer_volume = traffic.sum(axis=(1, 2))
@@ -358,6 +362,22 @@ def input_values(
     out = traffic.sum(axis=1).astype(np.float64)  # halo received, per layer and worker
     out[1:] += owned[:-1]
     return out
+
+
+def interior_shares(graph: UnitGraph, node_map: np.ndarray, workers: int) -> np.ndarray:
+    """[L, P]: the share of worker w's units of layer l in blocks that read no block of
+    another worker (what it can compute while its halo travels; blocks, not units: a block
+    with one boundary unit counts as boundary, so this errs low)."""
+    u, v, _ = graph.edge_list()
+    reader = np.where(graph.layer_of[u] > graph.layer_of[v], u, v)
+    boundary = np.zeros(graph.num_vertices, dtype=bool)
+    boundary[reader[node_map[u] != node_map[v]]] = True
+    shape = (len(graph.layers), workers)
+    total, inner = np.zeros(shape), np.zeros(shape)
+    np.add.at(total, (graph.layer_of, node_map), graph.units)
+    keep = ~boundary
+    np.add.at(inner, (graph.layer_of[keep], node_map[keep]), graph.units[keep])
+    return np.divide(inner, total, out=np.zeros(shape), where=total > 0)
 
 
 def reevaluate(

@@ -23,6 +23,7 @@ import numpy as np
 
 from netpart.errors import ScheduleError, ShapeMismatchError
 from netpart.models.spec import ModelSpec
+from netpart.partition.cost import SPLIT_MIN_FLOPS
 from netpart.partition.graph import (
     BYTES_PER_VALUE,
     UnitGraph,
@@ -340,7 +341,6 @@ def _owner_of_units(owned: tuple[np.ndarray, ...]) -> np.ndarray:
     return owner
 
 
-SPLIT_MIN_FLOPS = 1e6  # per example: ~1.5 ms of work at batch 32 on one slow core
 NO_SPLITS = math.inf  # split_min_flops that splits nothing (workers on one host, loopback)
 
 

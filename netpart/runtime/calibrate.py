@@ -25,6 +25,7 @@ import platform
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -34,13 +35,20 @@ from netpart.models.spec import ModelSpec
 from netpart.partition import build_unit_graph, plan
 from netpart.partition.cost import KindCost, NetworkModel
 from netpart.partition.graph import BYTES_PER_VALUE
-from netpart.partition.planner import PartitionPlan, input_values
+from netpart.partition.planner import PartitionPlan, input_values, reevaluate
 from netpart.partition.schedule import build_schedule
 from netpart.runtime.check import make_batch
 from netpart.runtime.step import run_step
 from netpart.runtime.trace import measure_slices
 
-__all__ = ["CALIBRATION_MODELS", "SCHEMA_VERSION", "calibrate", "profile_json"]
+__all__ = [
+    "CALIBRATION_MODELS",
+    "SCHEMA_VERSION",
+    "LocalRunner",
+    "Runner",
+    "calibrate",
+    "profile_json",
+]
 
 log = logging.getLogger(__name__)
 
@@ -57,29 +65,66 @@ def layer_flops(spec: ModelSpec, p: PartitionPlan) -> np.ndarray:
     return flops
 
 
-def _compute_points(specs, batch: int, say: Progress) -> dict[str, list[tuple[float, float]]]:
-    """Per kind, (FLOPs x batch, seconds fwd+bwd) of every slice of 1- to 3-worker plans."""
-    points: dict[str, list[tuple[float, float]]] = {}
+class Runner(Protocol):
+    """Where calibration runs: `overlap` says whether each process has a machine of its own
+    (the runtime then hides halo behind interior compute); `slices` times every slice of
+    each plan alone on one of those machines; `step` runs a plan's workers, one per machine,
+    and returns the median step (seconds, slowest worker)."""
+
+    overlap: bool
+
+    def slices(self, spec: ModelSpec, plans: list[PartitionPlan], batch: int) -> list: ...
+
+    def step(
+        self, spec: ModelSpec, p: PartitionPlan, batch: int, steps: int, exchange_only: bool
+    ) -> float: ...
+
+
+class LocalRunner:
+    """This machine: slices timed in this process, steps in local worker processes that
+    share its cores (the runtime does not split layers there)."""
+
+    overlap = False
+
+    def slices(self, spec: ModelSpec, plans: list[PartitionPlan], batch: int) -> list:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return [measure_slices(spec, p, batch) for p in plans]
+        finally:
+            torch.set_num_threads(threads)
+
+    def step(self, spec, p, batch, steps, exchange_only=False) -> float:
+        x, y = make_batch(spec, batch, 0)
+        result = run_step(
+            spec, p, x.float(), y, dtype=torch.float32, steps=steps + 3,
+            exchange_only=exchange_only,
+        )  # fmt: skip
+        return float(np.median(result.slowest_steps()[3:]))
+
+
+def _compute_points(specs, batch: int, runner: Runner, say: Progress) -> dict[str, list]:
+    """Per kind, (FLOPs x batch, seconds fwd+bwd, forward share) of every slice of 1- to
+    3-worker plans."""
+    points: dict[str, list[tuple[float, float, float]]] = {}
     for spec in specs:
-        for workers in (1, 2, 3):
-            p = plan(spec, workers, "metis", batch=batch)
-            times = measure_slices(spec, p, batch)
+        plans = [plan(spec, workers, "metis", batch=batch) for workers in (1, 2, 3)]
+        for p, times in zip(plans, runner.slices(spec, plans, batch), strict=True):
             flops = layer_flops(spec, p) * batch
             seconds = times.forward + times.backward
             for layer, kind in enumerate(layer.kind for layer in spec.layers):
                 for w in np.flatnonzero(flops[layer] > 0):
-                    points.setdefault(kind, []).append((flops[layer, w], seconds[layer, w]))
+                    t = seconds[layer, w]
+                    points.setdefault(kind, []).append(
+                        (flops[layer, w], t, times.forward[layer, w] / t)
+                    )
         say(f"slices: timed {spec.name}")
     return points
 
 
-def _step(spec: ModelSpec, p: PartitionPlan, batch: int, steps: int, exchange_only=False):
-    x, y = make_batch(spec, batch, 0)
-    result = run_step(
-        spec, p, x.float(), y, dtype=torch.float32, steps=steps + 3,
-        exchange_only=exchange_only,
-    )  # fmt: skip
-    return float(np.median(result.slowest_steps()[3:]))
+def _kind_cost(points: list[tuple[float, float, float]]) -> KindCost:
+    share = float(np.clip(np.median([s for _, _, s in points]), 0.05, 0.95))
+    return KindCost(tuple(sorted((f, t) for f, t, _ in points)), share)
 
 
 def _figures(spec: ModelSpec, p: PartitionPlan, batch: int, net: NetworkModel) -> dict:
@@ -118,51 +163,77 @@ def _lstsq(rows: list[list[float]], target: list[float], steps: list[float] | No
     return [max(float(v), 0.0) for v in sol]
 
 
+def _run(spec, batch: int, steps: int, runner: Runner, base: NetworkModel) -> dict:
+    """One model's steps on 1 and 2 processes (and 2 exchanging only), with their figures."""
+    one, two = plan(spec, 1, "metis", batch=batch), plan(spec, 2, "metis", batch=batch)
+    return {
+        "model": spec.name,
+        "one": {**_figures(spec, one, batch, base),
+                "step_s": runner.step(spec, one, batch, steps, False)},
+        "two": {**_figures(spec, two, batch, base),
+                "step_s": runner.step(spec, two, batch, steps, False),
+                "exchange_s": runner.step(spec, two, batch, steps, True)},
+    }  # fmt: skip
+
+
+def _two_process_terms(specs, runs, batch: int, model: NetworkModel) -> tuple[float, float]:
+    """(collective_s, parallel_slowdown): what two-process steps hold beyond the model so
+    far (the planner's own prediction, overlap included), fitted to a constant + a share of
+    the compute."""
+    rows, rest, measured = [], [], []
+    for spec, run in zip(specs, runs, strict=True):
+        p = reevaluate(spec, plan(spec, 2, "metis", batch=batch), batch, model)
+        rows.append([1.0, p.metrics.compute_s])
+        rest.append(run["two"]["step_s"] - p.metrics.predicted_step_s)
+        measured.append(run["two"]["step_s"])
+    collective, slowdown = _lstsq(rows, rest, measured)
+    return collective, slowdown
+
+
+def fit(base: NetworkModel, specs: list[ModelSpec], runs: list[dict], batch: int):
+    """The terms beyond the slice tables, fitted to `runs` (see `_run`), every equation
+    weighted by 1 / its measurement (relative errors count: a small model weighs as much as a
+    large one): the link from exchange-only runs; the fixed step cost and the saving of a
+    joined layer from one-process steps (slices count once: `slice_scale` stays 1 unless the
+    steps say clearly otherwise); the collective and the slowdown of compute from two."""
+    two = [r["two"] for r in runs]
+    exchange = [x["exchange_s"] for x in two]
+    latency, per_byte = _lstsq([[x["phases"], x["bytes"]] for x in two], exchange, exchange)
+    one = [r["one"] for r in runs]
+    measured = [x["step_s"] for x in one]
+    # One process: step - slices = fixed - saving x joined layers.
+    step_fixed, saving = _lstsq(
+        [[1.0, -x["joined"]] for x in one],
+        [x["step_s"] - x["compute_s"] for x in one], measured,
+    )  # fmt: skip
+    model = replace(
+        base, bandwidth_bps=8.0 / max(per_byte, 1e-15), latency_s=latency,
+        step_fixed_s=step_fixed, joined_saving_s=saving,
+    )  # fmt: skip
+    # Two: what is left is the collective, and compute slowed by sharing the machine.
+    collective, slowdown = _two_process_terms(specs, runs, batch, model)
+    return replace(model, collective_s=collective, parallel_slowdown=slowdown)
+
+
 def calibrate(
     models: tuple[str, ...] = CALIBRATION_MODELS,
     batch: int = 32,
     steps: int = 15,
     say: Progress = log.info,
+    runner: Runner | None = None,
 ) -> tuple[NetworkModel, dict]:
-    """The calibrated model of this machine, and every measurement it was fitted to."""
+    """The calibrated model of the machines `runner` runs on (this one by default), and
+    every measurement it was fitted to."""
+    runner = runner or LocalRunner()
     specs = [load_spec(m) for m in models]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        points = _compute_points(specs, batch, say)
-    finally:
-        torch.set_num_threads(threads)
-    kinds = {k: KindCost(tuple(sorted(v))) for k, v in sorted(points.items())}
-    base = NetworkModel(kinds=kinds)
+    points = _compute_points(specs, batch, runner, say)
+    kinds = {k: _kind_cost(v) for k, v in sorted(points.items())}
+    base = NetworkModel(kinds=kinds, overlap=runner.overlap)
     runs = []
     for spec in specs:
-        one, two = plan(spec, 1, "metis", batch=batch), plan(spec, 2, "metis", batch=batch)
-        runs.append({
-            "model": spec.name,
-            "one": {**_figures(spec, one, batch, base), "step_s": _step(spec, one, batch, steps)},
-            "two": {**_figures(spec, two, batch, base), "step_s": _step(spec, two, batch, steps),
-                    "exchange_s": _step(spec, two, batch, steps, exchange_only=True)},
-        })  # fmt: skip
+        runs.append(_run(spec, batch, steps, runner, base))
         say(f"runtime: stepped {spec.name} on 1 and 2 processes")
-    two = [r["two"] for r in runs]
-    latency, per_byte = _lstsq([[x["phases"], x["bytes"]] for x in two],
-                               [x["exchange_s"] for x in two])  # fmt: skip
-    one = [r["one"] for r in runs]
-    # One process: step = scale x slices - saving x joined layers + fixed + fill x values.
-    scale, saving, step_fixed, fill = _lstsq(
-        [[x["compute_s"], -x["joined"], 1.0, x["values"]] for x in one],
-        [x["step_s"] for x in one], [x["step_s"] for x in one],
-    )  # fmt: skip
-    # Two: what is left is the collective, and compute slowed by sharing the machine.
-    rest = [x["step_s"] - scale * x["compute_s"] + saving * x["joined"] - x["phases"] * latency
-            - x["bytes"] * per_byte - step_fixed - fill * x["values"] for x in two]  # fmt: skip
-    steps2 = [x["step_s"] for x in two]
-    collective, slowdown = _lstsq([[1.0, scale * x["compute_s"]] for x in two], rest, steps2)
-    model = replace(
-        base, bandwidth_bps=8.0 / max(per_byte, 1e-15), latency_s=latency,
-        fill_s_per_value=fill, step_fixed_s=step_fixed, collective_s=collective,
-        parallel_slowdown=slowdown, slice_scale=scale or 1.0, joined_saving_s=saving,
-    )  # fmt: skip
+    model = fit(base, specs, runs, batch)
     details = {"batch": batch, "slices": {k: len(v) for k, v in points.items()}, "runs": runs}
     return model, details
 

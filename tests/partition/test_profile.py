@@ -2,6 +2,7 @@
 use of them (`netpart calibrate` itself runs once, on two small models)."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -11,7 +12,8 @@ from netpart.errors import PlanError
 from netpart.models import load_spec
 from netpart.partition import NetworkModel, plan
 from netpart.partition.cost import KindCost, layer_times
-from netpart.partition.planner import PartitionPlan, reevaluate
+from netpart.partition.planner import PartitionPlan, interior_shares, reevaluate
+from netpart.partition.schedule import plan_schedule
 from netpart.partition.sweep import knee, parse_counts
 
 CALIBRATED = NetworkModel(
@@ -71,6 +73,54 @@ def test_the_calibrated_model_adds_its_terms_to_the_prediction():
     assert one.metrics.predicted_step_s != m.predicted_step_s
     back = PartitionPlan.from_json(p.to_json(), p.node_map)
     assert back.network == CALIBRATED and back == p
+
+
+def test_overlap_hides_exchange_behind_interior_compute_and_weight_gradients():
+    # One local layer over an input layer; the two workers swap a halo.
+    local = KindCost(((1e6, 1e-3), (1e9, 1.0)), forward_share=0.4)
+    net = NetworkModel(bandwidth_bps=8e6, latency_s=0.0, kinds={"local": local})  # 1 MB/s
+    flops = np.array([[1e6, 1e6], [2e6, 2e6]])  # per example; batch 32: 64 ms per slice
+    traffic = np.zeros((2, 2, 2))
+    traffic[1, 1, 0] = traffic[1, 0, 1] = 250  # per example: 32 KB a phase, 32 ms at 1 MB/s
+    kinds = ["local", "local"]
+    interior = np.array([[1.0, 1.0], [0.5, 0.5]])
+    work = float(local.seconds(np.array(2e6 * 32)))
+    _, bare = layer_times(flops, traffic, 32, replace(net, overlap=False), kinds, None, interior)
+    assert bare[1] == pytest.approx(2 * 0.032)  # both phases exposed
+    _, hidden = layer_times(flops, traffic, 32, net, kinds, None, interior)
+    fwd = max(0.032 - 0.5 * work * 0.4, 0.0)  # the interior half of the forward pass
+    bwd = max(0.032 - work * 0.6 / 2, 0.0)  # the weight gradients: half the backward pass
+    assert hidden[1] == pytest.approx(fwd + bwd) and hidden[1] < bare[1]
+    small = flops / 100  # below SPLIT_MIN_FLOPS: the runtime does not split, nothing hidden
+    _, unsplit = layer_times(small, traffic, 32, net, kinds, None, interior)
+    assert unsplit[1] == pytest.approx(bare[1])
+    assert KindCost.from_dict(local.to_dict()) == local
+    with pytest.raises(ValueError, match="forward_share"):
+        KindCost.from_dict({"points": [[1, 1]], "forward_share": 1.5})
+
+
+def test_interior_shares_err_low_against_the_units_the_runtime_splits():
+    spec = load_spec("bench-local")
+    p = plan(spec, 3, "metis", batch=32)
+    graph, schedule = plan_schedule(spec, p, validate=False)
+    shares = interior_shares(graph, p.node_map, 3)
+    units = np.array(
+        [[len(i) / max(len(o), 1) for i, o in zip(ins, own, strict=True)]
+         for ins, own in zip(schedule.interior, schedule.owned, strict=True)]
+    )  # fmt: skip
+    assert (shares <= units + 1e-12).all() and (shares[0] == 1).all()
+    assert 0 < shares[2:4].mean() < 1  # the cut layers have interiors and boundaries
+    one = plan(spec, 1, "metis", batch=32)
+    assert (interior_shares(graph, one.node_map, 1) == 1).all()
+
+
+def test_a_cluster_over_a_profile_overlaps_and_a_run_here_does_not():
+    assert NetworkModel().overlap and NetworkModel.parse("bandwidth=1G").overlap
+    local = replace(CALIBRATED, overlap=False)
+    assert NetworkModel.from_dict(local.to_dict()) == local
+    assert NetworkModel.parse("bandwidth=10G", base=local).overlap
+    with pytest.raises(ValueError, match="overlap"):
+        NetworkModel.from_dict({**local.to_dict(), "overlap": "yes"})
 
 
 def test_calibrate_writes_a_profile_that_plan_and_run_use(tmp_path, capsys):

@@ -1,0 +1,81 @@
+"""Emulated CPUs: a cgroup (v1 cpu controller) per emulated machine, with a fixed share of a core.
+
+`cpu_shares(n, share)` makes n cgroups under /sys/fs/cgroup/cpu, each limited by CFS bandwidth
+control to `share` of one core (`cpu.cfs_quota_us` / `cpu.cfs_period_us`; the period is as
+short as a 1 ms quota allows, so a throttled process waits a few ms at most), and on exit kills
+whatever still runs in them and removes them. `command(group, argv)` runs argv inside a group
+(wrap `netns.Host.command` in it, not the other way round: `ip netns exec` mounts the
+namespace's own /sys over the cgroups). Needs root;
+`unavailable()` says why it cannot be used here, for a skip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+CPU = Path("/sys/fs/cgroup/cpu")
+MIN_QUOTA_US = 1000  # the kernel's smallest CFS quota
+
+
+def unavailable() -> str | None:
+    """Why cpu cgroups cannot be made here, or None."""
+    if not (CPU / "cpu.cfs_quota_us").exists():
+        return f"no cgroup v1 cpu controller at {CPU} (CFS bandwidth control)"
+    probe = CPU / f"netpart-probe-{os.getpid()}"
+    try:
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as exc:
+        return f"cannot create cpu cgroups in {CPU} ({exc.strerror}); needs root"
+    return None
+
+
+def period_us(share: float) -> int:
+    """The shortest CFS period whose quota for `share` is at least the kernel's 1 ms."""
+    return max(MIN_QUOTA_US, math.ceil(MIN_QUOTA_US / share))
+
+
+@contextlib.contextmanager
+def cpu_shares(n: int, share: float) -> Iterator[list[Path]]:
+    """`n` cgroups, each held to `share` (0 < share <= 1) of one core."""
+    if not 0 < share <= 1:
+        raise ValueError(f"share must be in (0, 1], not {share}")
+    period = period_us(share)
+    groups = [CPU / f"netpart-{os.getpid()}-{i}" for i in range(n)]
+    made: list[Path] = []
+    try:
+        for group in groups:
+            group.mkdir()
+            made.append(group)
+            (group / "cpu.cfs_period_us").write_text(str(period))
+            (group / "cpu.cfs_quota_us").write_text(str(round(period * share)))
+        yield groups
+    finally:
+        _remove(made)
+
+
+def command(group: Path, argv: list[str]) -> list[str]:
+    """`argv` run inside `group` (the shell joins it, then becomes argv)."""
+    join = 'echo $$ > "$0/cgroup.procs" && exec "$@"'
+    return ["sh", "-c", join, str(group), *argv]
+
+
+def _remove(groups: list[Path]) -> None:
+    """Kill every process left in each group, then remove the group."""
+    for group in groups:
+        for _ in range(50):
+            pids = (group / "cgroup.procs").read_text().split()
+            if not pids:
+                break
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+            time.sleep(0.05)
+        with contextlib.suppress(OSError):
+            group.rmdir()

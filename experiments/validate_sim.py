@@ -8,7 +8,7 @@ N real worker processes, one per machine, against `netpart plan --profile`'s pre
 same plan. Three runs; error = predicted / measured - 1. Needs root (namespaces, cgroups);
 without it, says why and writes nothing.
 
-    python experiments/validate_sim.py                # ~10 min here
+    python experiments/validate_sim.py                # ~16 min here
     python experiments/validate_sim.py --workers 8 --share 0.2
 
 Writes experiments/results/validation.json (and .csv) and the profile, emulated_profile.json.
@@ -54,9 +54,10 @@ def _slices_job(job: str) -> None:
 
     torch.set_num_threads(1)
     folder = Path(job)
-    spec = load_spec(json.loads((folder / "job.json").read_text())["model"])
+    job = json.loads((folder / "job.json").read_text())
+    spec = load_spec(job["model"])
     for sub in sorted(p for p in folder.iterdir() if p.name.startswith("plan_")):
-        times = measure_slices(spec, load_plan(sub, spec), BATCH)
+        times = measure_slices(spec, load_plan(sub, spec), job["batch"])
         np.savez(sub / "slices.npz", **times.to_arrays())
 
 
@@ -76,10 +77,9 @@ class EmulatedRunner:
         return cgroups.command(self.groups[i], self.hosts[i].command(argv, env))
 
     def slices(self, spec, plans: list[PartitionPlan], batch: int) -> list[SliceTimes]:
-        assert batch == BATCH
         with tempfile.TemporaryDirectory(prefix="netpart-val-") as tmp:
             job = Path(tmp)
-            (job / "job.json").write_text(json.dumps({"model": spec.name}))
+            (job / "job.json").write_text(json.dumps({"model": spec.name, "batch": batch}))
             for i, p in enumerate(plans):
                 write_files(job / f"plan_{i}", plan_files(p))
             code = (

@@ -38,6 +38,7 @@ from netpart.partition.graph import BYTES_PER_VALUE
 __all__ = ["SPLIT_MIN_FLOPS", "KindCost", "NetworkModel", "layer_times"]
 
 SPLIT_MIN_FLOPS = 1e6  # per example: ~1.5 ms of work at batch 32 on one slow core
+FORWARD_SHARE = 1.0 / 3.0  # of a slice's time, its forward pass, where nothing was measured
 
 _UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
@@ -49,7 +50,7 @@ class KindCost:
     of this machine's slices, sorted; a slice's time is read off them (see `seconds`)."""
 
     points: tuple[tuple[float, float], ...]
-    forward_share: float = 1.0 / 3.0  # of a slice's time, its forward pass (median measured)
+    forward_share: float = FORWARD_SHARE  # of a slice's time, its forward pass (median measured)
 
     def seconds(self, work: np.ndarray) -> np.ndarray:
         """Seconds of slices of `work` FLOPs (x batch): piecewise linear between measured
@@ -68,7 +69,7 @@ class KindCost:
         pts = sorted((float(f), float(t)) for f, t in data["points"])
         if not pts or any(f <= 0 or t <= 0 for f, t in pts):
             raise ValueError("a kind needs positive (flops, seconds) points")
-        share = float(data.get("forward_share", 1.0 / 3.0))
+        share = float(data.get("forward_share", FORWARD_SHARE))
         if not 0.0 < share < 1.0:
             raise ValueError("a kind's forward_share is between 0 and 1")
         return cls(tuple(pts), share)
@@ -178,10 +179,9 @@ class NetworkModel:
 
     def forward_shares(self, kinds: list[str] | None, layers: int) -> np.ndarray:
         """[L]: the share of each layer's slice time that is its forward pass."""
-        default = KindCost.__dataclass_fields__["forward_share"].default
         if kinds is None:
-            return np.full(layers, default)
-        return np.array([getattr(self.kinds.get(k), "forward_share", default) for k in kinds])
+            return np.full(layers, FORWARD_SHARE)
+        return np.array([getattr(self.kinds.get(k), "forward_share", FORWARD_SHARE) for k in kinds])
 
     def fixed_s(self, workers: int) -> float:
         """Per step, beyond layers: the runtime's own cost, and the collective with N > 1."""

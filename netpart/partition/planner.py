@@ -279,7 +279,8 @@ def evaluate(
     imbalance = (flops / fair).max(axis=1)
     kinds = [layer.kind for layer in spec.layers]
     values = input_values(graph, node_map, workers, traffic)
-    interior = interior_shares(graph, node_map, workers) if network.overlap else None
+    u, v, w = graph.edge_list()
+    interior = interior_shares(graph, node_map, workers, (u, v)) if network.overlap else None
     compute, exchange = layer_times(
         flops / speed[None, :], traffic, batch, network, kinds, values, interior
     )
@@ -287,7 +288,6 @@ def evaluate(
     lower = layer_lower_bounds(spec, used.sum(axis=1))
     per_layer_volume = traffic.sum(axis=(1, 2))
 
-    u, v, w = graph.edge_list()
     edge_cut = int(w[node_map[u] != node_map[v]].sum())
     metrics = PlanMetrics(
         edge_cut=edge_cut,
@@ -364,11 +364,14 @@ def input_values(
     return out
 
 
-def interior_shares(graph: UnitGraph, node_map: np.ndarray, workers: int) -> np.ndarray:
+def interior_shares(
+    graph: UnitGraph, node_map: np.ndarray, workers: int, edges: tuple | None = None
+) -> np.ndarray:
     """[L, P]: the share of worker w's units of layer l in blocks that read no block of
     another worker (what it can compute while its halo travels; blocks, not units: a block
-    with one boundary unit counts as boundary, so this errs low)."""
-    u, v, _ = graph.edge_list()
+    with one boundary unit counts as boundary, so this errs low). `edges`: the graph's (u, v)
+    edge list, where the caller has it."""
+    u, v = edges if edges is not None else graph.edge_list()[:2]
     reader = np.where(graph.layer_of[u] > graph.layer_of[v], u, v)
     boundary = np.zeros(graph.num_vertices, dtype=bool)
     boundary[reader[node_map[u] != node_map[v]]] = True

@@ -1,0 +1,28 @@
+"""The emulated-CPU helper: a cpu cgroup per machine, a process inside it, nothing left after."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests import cgroups
+
+pytestmark = pytest.mark.skipif(
+    cgroups.unavailable() is not None, reason=str(cgroups.unavailable())
+)
+
+
+def test_a_command_runs_inside_its_group_and_the_groups_go_with_the_context():
+    with cgroups.cpu_shares(2, 0.45) as groups:
+        period = int((groups[0] / "cpu.cfs_period_us").read_text())
+        quota = int((groups[0] / "cpu.cfs_quota_us").read_text())
+        assert quota >= cgroups.MIN_QUOTA_US and quota / period == pytest.approx(0.45, abs=0.01)
+        argv = [sys.executable, "-c", "print(open('/proc/self/cgroup').read())"]
+        out = subprocess.run(cgroups.command(groups[1], argv), capture_output=True, text=True,
+                             timeout=60, check=True).stdout  # fmt: skip
+        assert f"cpu:/{groups[1].name}" in out.replace("cpu,cpuacct", "cpu")
+        sleeper = subprocess.Popen(cgroups.command(groups[0], ["sleep", "60"]))
+    assert sleeper.wait(timeout=10) != 0  # killed on the way out
+    assert not any(g.exists() for g in groups)
+    with pytest.raises(ValueError, match="share"), cgroups.cpu_shares(1, 1.5):
+        pass

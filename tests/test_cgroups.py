@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -22,6 +23,11 @@ def test_a_command_runs_inside_its_group_and_the_groups_go_with_the_context():
                              timeout=60, check=True).stdout  # fmt: skip
         assert f"cpu:/{groups[1].name}" in out.replace("cpu,cpuacct", "cpu")
         sleeper = subprocess.Popen(cgroups.command(groups[0], ["sleep", "60"]))
+        procs = groups[0] / "cgroup.procs"
+        for _ in range(200):  # the shell joins the group after Popen returns
+            if str(sleeper.pid) in procs.read_text().split():
+                break
+            time.sleep(0.05)
     assert sleeper.wait(timeout=10) != 0  # killed on the way out
     assert not any(g.exists() for g in groups)
     with pytest.raises(ValueError, match="share"), cgroups.cpu_shares(1, 1.5):

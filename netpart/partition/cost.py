@@ -144,17 +144,6 @@ class NetworkModel:
             f"{self.latency_s * 1e6:g} µs, {self.flops_per_s / 1e9:g} GFLOP/s"
         )
 
-    def compute_s(
-        self,
-        flops: np.ndarray,
-        batch: int,
-        kinds: list[str] | None = None,
-        values: np.ndarray | None = None,
-    ) -> np.ndarray:
-        """[L]: the slowest worker's compute per layer, from FLOPs per example [L, P] (and,
-        calibrated, the input values each worker's slice gathers per example [L, P])."""
-        return self.worker_compute_s(flops, batch, kinds, values).max(axis=1)
-
     def worker_compute_s(
         self,
         flops: np.ndarray,
@@ -162,7 +151,8 @@ class NetworkModel:
         kinds: list[str] | None = None,
         values: np.ndarray | None = None,
     ) -> np.ndarray:
-        """[L, P]: each worker's compute per layer (see `compute_s`)."""
+        """[L, P]: each worker's compute per layer, from FLOPs per example [L, P] (and,
+        calibrated, the input values each worker's slice gathers per example [L, P])."""
         out = flops * batch / self.flops_per_s
         if not self.kinds or kinds is None:
             return out

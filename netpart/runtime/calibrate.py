@@ -1,17 +1,19 @@
-"""`netpart calibrate`: measure this machine into a profile the step-time model can trust.
+"""`netpart calibrate`: measure machines into a profile the step-time model can trust.
 
 Four measurements, each with the runtime's own code, at one batch size, over the calibration
-models' plans for 1, 2 and 3 workers:
+models' plans for 1, 2 and 3 workers, on the machines a `Runner` gives (`LocalRunner`: this
+one, its workers sharing it; `experiments/validate_sim.py` has emulated dedicated machines):
 
 1. Slices: every (layer, worker) slice run alone with the runtime's slice classes
-   (`measure_slices`): per layer kind, a table of (FLOPs x batch, seconds) points.
+   (`measure_slices`): per layer kind, a table of (FLOPs x batch, seconds) points and the
+   forward pass's median share of a slice.
 2. Exchange: 2 worker processes running only their programs' messages
    (`run_step(exchange_only=True)`): a least-squares fit of seconds = phases x latency +
    bytes / bandwidth, phases and bytes from each plan's validated schedule.
-3. Steps on 1 process: what the steps hold beyond their slices, fitted to step_fixed_s +
-   fill_s_per_value x the values the slices gather (input buffers, gradient scatters).
-4. Steps on 2 processes: what is left beyond all that, fitted to collective_s (the loss's
-   collective) + parallel_slowdown x compute (two processes sharing memory and cores).
+3. Steps on 1 process: what the steps hold beyond their slices, fitted to step_fixed_s -
+   joined_saving_s x the layers run in one autograd graph with the layer below.
+4. Steps on 2 processes: what is left beyond the planner's prediction so far (overlap
+   included), fitted to collective_s (the loss's collective) + parallel_slowdown x compute.
 
 The result is a `NetworkModel` whose `profile` names the file; `profile_json` adds every
 measurement it was fitted to, so a profile can be checked by hand.
@@ -35,7 +37,7 @@ from netpart.models.spec import ModelSpec
 from netpart.partition import build_unit_graph, plan
 from netpart.partition.cost import KindCost, NetworkModel
 from netpart.partition.graph import BYTES_PER_VALUE
-from netpart.partition.planner import PartitionPlan, input_values, reevaluate
+from netpart.partition.planner import PartitionPlan, reevaluate
 from netpart.partition.schedule import build_schedule
 from netpart.runtime.check import make_batch
 from netpart.runtime.step import run_step
@@ -128,22 +130,19 @@ def _kind_cost(points: list[tuple[float, float, float]]) -> KindCost:
 
 
 def _figures(spec: ModelSpec, p: PartitionPlan, batch: int, net: NetworkModel) -> dict:
-    """What the model needs of a plan: exchange phases and busiest-direction bytes per step,
-    compute by the slice tables alone, and the values its slices gather (slowest worker)."""
+    """What the fit needs of a plan: exchange phases and busiest-direction bytes per step,
+    compute by the slice tables alone (slowest worker per layer), and its joined layers."""
     graph = build_unit_graph(spec, p.granularity)
     traffic = build_schedule(graph, p.node_map, p.workers).traffic()
     busiest = np.maximum(traffic.sum(axis=1), traffic.sum(axis=2)).max(axis=1)
     kinds = [layer.kind for layer in spec.layers]
-    flops = layer_flops(spec, p)
-    values = input_values(graph, p.node_map, p.workers, traffic)
-    bare = replace(net, parallel_slowdown=0.0, fill_s_per_value=0.0)
+    compute = net.worker_compute_s(layer_flops(spec, p), batch, kinds).max(axis=1)
     joined = traffic.sum(axis=(1, 2)) == 0
     return {
         "joined": int(joined[1:].sum()),
         "phases": 2 * int((busiest > 0).sum()),
         "bytes": float(2 * busiest.sum() * batch * BYTES_PER_VALUE),
-        "compute_s": float(bare.compute_s(flops, batch, kinds).sum()),
-        "values": float(np.where(flops > 0, values, 0).max(axis=1).sum() * batch),
+        "compute_s": float(compute.sum()),
     }
 
 
@@ -163,9 +162,11 @@ def _lstsq(rows: list[list[float]], target: list[float], steps: list[float] | No
     return [max(float(v), 0.0) for v in sol]
 
 
-def _run(spec, batch: int, steps: int, runner: Runner, base: NetworkModel) -> dict:
+Plans = list[tuple[ModelSpec, PartitionPlan, PartitionPlan]]  # each model's 1- and 2-worker plan
+
+
+def _run(spec, one, two, batch: int, steps: int, runner: Runner, base: NetworkModel) -> dict:
     """One model's steps on 1 and 2 processes (and 2 exchanging only), with their figures."""
-    one, two = plan(spec, 1, "metis", batch=batch), plan(spec, 2, "metis", batch=batch)
     return {
         "model": spec.name,
         "one": {**_figures(spec, one, batch, base),
@@ -176,13 +177,13 @@ def _run(spec, batch: int, steps: int, runner: Runner, base: NetworkModel) -> di
     }  # fmt: skip
 
 
-def _two_process_terms(specs, runs, batch: int, model: NetworkModel) -> tuple[float, float]:
+def _two_process_terms(plans: Plans, runs, batch: int, model: NetworkModel):
     """(collective_s, parallel_slowdown): what two-process steps hold beyond the model so
     far (the planner's own prediction, overlap included), fitted to a constant + a share of
     the compute."""
     rows, rest, measured = [], [], []
-    for spec, run in zip(specs, runs, strict=True):
-        p = reevaluate(spec, plan(spec, 2, "metis", batch=batch), batch, model)
+    for (spec, _, two), run in zip(plans, runs, strict=True):
+        p = reevaluate(spec, two, batch, model)
         rows.append([1.0, p.metrics.compute_s])
         rest.append(run["two"]["step_s"] - p.metrics.predicted_step_s)
         measured.append(run["two"]["step_s"])
@@ -190,12 +191,12 @@ def _two_process_terms(specs, runs, batch: int, model: NetworkModel) -> tuple[fl
     return collective, slowdown
 
 
-def fit(base: NetworkModel, specs: list[ModelSpec], runs: list[dict], batch: int):
+def fit(base: NetworkModel, plans: Plans, runs: list[dict], batch: int) -> NetworkModel:
     """The terms beyond the slice tables, fitted to `runs` (see `_run`), every equation
     weighted by 1 / its measurement (relative errors count: a small model weighs as much as a
     large one): the link from exchange-only runs; the fixed step cost and the saving of a
-    joined layer from one-process steps (slices count once: `slice_scale` stays 1 unless the
-    steps say clearly otherwise); the collective and the slowdown of compute from two."""
+    joined layer from one-process steps (slices count once: `slice_scale` stays 1); the
+    collective and the slowdown of compute from two."""
     two = [r["two"] for r in runs]
     exchange = [x["exchange_s"] for x in two]
     latency, per_byte = _lstsq([[x["phases"], x["bytes"]] for x in two], exchange, exchange)
@@ -211,7 +212,7 @@ def fit(base: NetworkModel, specs: list[ModelSpec], runs: list[dict], batch: int
         step_fixed_s=step_fixed, joined_saving_s=saving,
     )  # fmt: skip
     # Two: what is left is the collective, and compute slowed by sharing the machine.
-    collective, slowdown = _two_process_terms(specs, runs, batch, model)
+    collective, slowdown = _two_process_terms(plans, runs, batch, model)
     return replace(model, collective_s=collective, parallel_slowdown=slowdown)
 
 
@@ -229,11 +230,12 @@ def calibrate(
     points = _compute_points(specs, batch, runner, say)
     kinds = {k: _kind_cost(v) for k, v in sorted(points.items())}
     base = NetworkModel(kinds=kinds, overlap=runner.overlap)
+    plans = [(s, plan(s, 1, "metis", batch=batch), plan(s, 2, "metis", batch=batch)) for s in specs]
     runs = []
-    for spec in specs:
-        runs.append(_run(spec, batch, steps, runner, base))
+    for spec, one, two in plans:
+        runs.append(_run(spec, one, two, batch, steps, runner, base))
         say(f"runtime: stepped {spec.name} on 1 and 2 processes")
-    model = fit(base, specs, runs, batch)
+    model = fit(base, plans, runs, batch)
     details = {"batch": batch, "slices": {k: len(v) for k, v in points.items()}, "runs": runs}
     return model, details
 

@@ -3,9 +3,9 @@
 Each emulated machine is a network namespace on a switch whose ports are limited with
 `tc tbf` (its own link) and a cpu cgroup held to a share of one core (its own CPU: a worker and
 its gloo threads compete with nothing else). `netpart calibrate` runs on those machines (slices
-timed on one, steps on one and two, an exchange-only run for the link), then each model runs in
-N real worker processes, one per machine, against `netpart plan --profile`'s prediction for the
-same plan. Three runs; error = predicted / measured - 1. Needs root (namespaces, cgroups);
+timed on one, the link between two, steps on one and two, exchange-only steps), then each model
+runs in N real worker processes, one per machine, against `netpart plan --profile`'s prediction
+for the same plan. Three runs; error = predicted / measured - 1. Needs root (namespaces, cgroups);
 without it, says why and writes nothing.
 
     python experiments/validate_sim.py                # ~16 min here
@@ -40,6 +40,7 @@ from netpart.partition.planner import PartitionPlan, reevaluate  # noqa: E402
 from netpart.runtime.calibrate import CALIBRATION_MODELS, calibrate, profile_json  # noqa: E402
 from netpart.runtime.check import make_batch  # noqa: E402
 from netpart.runtime.result import load_worker_result  # noqa: E402
+from netpart.runtime.step import link_job, link_result  # noqa: E402
 from netpart.runtime.trace import SliceTimes, measure_slices  # noqa: E402
 
 RESULTS = ROOT / "experiments" / "results"
@@ -96,6 +97,12 @@ class EmulatedRunner:
     def step(self, spec, p: PartitionPlan, batch: int, steps: int, exchange_only=False):
         return float(np.median(self.steps(spec, p, batch, steps, exchange_only)))
 
+    def link(self, sizes: tuple[int, ...], repeats: int) -> np.ndarray:
+        with tempfile.TemporaryDirectory(prefix="netpart-val-") as tmp:
+            link_job(Path(tmp), sizes, repeats, timeout=120)
+            self._launch(Path(tmp), 2, "the link")
+            return link_result(Path(tmp))
+
     def steps(self, spec, p: PartitionPlan, batch: int, steps: int, exchange_only=False):
         """Every timed step (slowest worker) of `p` on machines 0..N-1."""
         n = p.workers
@@ -109,25 +116,29 @@ class EmulatedRunner:
             files["config.json"] = json.dumps(config).encode()
             write_files(job, files)
             torch.save({"inputs": x.float(), "targets": y}, job / "batch.pt")
-            port, master = free_port(), self.hosts[0].address  # rank 0 hosts the store
-            env, procs = {"PYTHONPATH": str(ROOT), "TORCH_CPP_LOG_LEVEL": "ERROR"}, []
-            try:
-                for rank in range(n):
-                    wenv = {**env, "RANK": str(rank), "WORLD_SIZE": str(n),
-                            "MASTER_ADDR": master, "MASTER_PORT": str(port),
-                            "GLOO_SOCKET_IFNAME": self.hosts[rank].device}  # fmt: skip
-                    argv = [sys.executable, "-m", "netpart.runtime.step", "--job", str(job)]
-                    procs.append(subprocess.Popen(self._argv(rank, argv, wenv)))
-                for proc in procs:
-                    if proc.wait(timeout=TIMEOUT) != 0:
-                        raise RuntimeError(f"a worker of {spec.name} on {n} machines failed")
-            finally:
-                for proc in procs:
-                    if proc.poll() is None:
-                        proc.kill()
-                        proc.wait()
+            self._launch(job, n, f"{spec.name} on {n} machines")
             times = [load_worker_result(job / f"result_{r}.pt")[0].step_times for r in range(n)]
         return np.max(np.array(times), axis=0)[WARMUP:]
+
+    def _launch(self, job: Path, n: int, what: str) -> None:
+        """`python -m netpart.runtime.step --job JOB` on machines 0..n-1, to the end."""
+        port, master = free_port(), self.hosts[0].address  # rank 0 hosts the store
+        env, procs = {"PYTHONPATH": str(ROOT), "TORCH_CPP_LOG_LEVEL": "ERROR"}, []
+        try:
+            for rank in range(n):
+                wenv = {**env, "RANK": str(rank), "WORLD_SIZE": str(n),
+                        "MASTER_ADDR": master, "MASTER_PORT": str(port),
+                        "GLOO_SOCKET_IFNAME": self.hosts[rank].device}  # fmt: skip
+                argv = [sys.executable, "-m", "netpart.runtime.step", "--job", str(job)]
+                procs.append(subprocess.Popen(self._argv(rank, argv, wenv)))
+            for proc in procs:
+                if proc.wait(timeout=TIMEOUT) != 0:
+                    raise RuntimeError(f"a worker of {what} failed")
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
 
 
 def _say(text: str) -> None:

@@ -80,10 +80,11 @@ def _calibrate_parser(sub) -> None:
         "calibrate",
         help="measure this machine into a profile for `plan|run|train --profile`",
         description="Time every layer kind's slices (the runtime's own slice classes) against "
-        "their FLOPs, the runtime's exchanges between 2 worker processes against their bytes, "
-        "and whole steps on 1 and 2 processes; fit the step-time model's figures to them and "
+        "their FLOPs, the link between 2 processes per message size, the runtime's exchanges "
+        "between 2 worker processes against their bytes, and whole steps on 1 and 2 processes "
+        "(each the median of --repeats runs); fit the step-time model's figures to them and "
         "write a profile (JSON: the model, and every measurement it was fitted to). Takes a "
-        "minute or two; run it on an idle machine.",
+        "few minutes; run it on an idle machine.",
     )
     k.add_argument("--out", type=Path, default=Path("profile.json"), help="profile file to write")
     k.add_argument(
@@ -93,6 +94,9 @@ def _calibrate_parser(sub) -> None:
     )
     k.add_argument("--batch", type=positive_int, default=32, help="examples per step (default 32)")
     k.add_argument("--steps", type=positive_int, default=15, help="timed steps per run")
+    k.add_argument(
+        "--repeats", type=positive_int, default=3, help="runs of each step measurement (median)"
+    )
     k.set_defaults(func=cmd_calibrate)
 
 
@@ -104,7 +108,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     models = tuple(m.strip() for m in args.models.split(",") if m.strip())
     for m in models:
         load_spec(m)  # an unknown model is refused before a minute of measuring
-    model, details = calibrate(models, args.batch, args.steps, say=echo)
+    model, details = calibrate(models, args.batch, args.steps, say=echo, repeats=args.repeats)
     write_atomic(args.out, profile_json(model, details).encode())
     for kind, cost in model.kinds.items():
         (f0, t0), (f1, t1) = cost.points[0], cost.points[-1]
@@ -114,8 +118,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         )
     echo(
         f"exchange: {model.latency_s * 1e6:.0f} µs a phase, "
-        f"{model.bandwidth_bps / 1e9:.2f} Gbit/s; gathers {model.fill_s_per_value * 1e9:.2f} "
-        f"ns a value; per step {model.step_fixed_s * 1e3:.2f} ms, with N > 1 "
+        f"{model.bandwidth_bps / 1e9:.2f} Gbit/s (a table of {len(model.link)} sizes); "
+        f"per step {model.step_fixed_s * 1e3:.2f} ms, with N > 1 "
         f"+{model.collective_s * 1e3:.2f} ms and compute x{1 + model.parallel_slowdown:.2f}"
     )
     echo(f"wrote {args.out}; use it with `netpart plan|run|train --profile {args.out}`")

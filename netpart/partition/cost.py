@@ -10,8 +10,9 @@ A calibrated model (`netpart calibrate` writes it; `--profile FILE` reads it) re
 terms with what this machine measured: compute(l, w) = the time of a slice of that kind and
 FLOPs read off the measured slices (x (1 + parallel_slowdown) with more than one worker:
 processes that share a machine's memory and cores) + fill_s_per_value x the input values the
-slice gathers (its input buffer, its gradient's scatter); latency and bandwidth of the
-runtime's own exchanges; all x `slice_scale` (slices in a step against slices timed alone),
+slice gathers (its input buffer, its gradient's scatter); an exchange phase's time read off
+`link`, the runtime's exchange measured per message size (latency + bytes / bandwidth where it
+has none); all x `slice_scale` (slices in a step against slices timed alone),
 less `joined_saving_s` for a layer with no halo (the runtime runs it in one autograd graph
 with the layer below); and `fixed` = `step_fixed_s` (loss, interpreter) + `collective_s`
 (the loss's collective) with more than one worker.
@@ -44,6 +45,14 @@ _UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 
 
+def _points(raw, what: str) -> tuple[tuple[float, float], ...]:
+    """Sorted (size, seconds) pairs of a table read from JSON; ValueError if not positive."""
+    pts = tuple(sorted((float(x), float(t)) for x, t in raw))
+    if any(x <= 0 or t <= 0 for x, t in pts):
+        raise ValueError(f"{what} needs positive (size, seconds) points")
+    return pts
+
+
 @dataclass(frozen=True)
 class KindCost:
     """A layer kind's measured slice times: (FLOPs x batch, seconds forward+backward) points
@@ -66,13 +75,13 @@ class KindCost:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KindCost:
-        pts = sorted((float(f), float(t)) for f, t in data["points"])
-        if not pts or any(f <= 0 or t <= 0 for f, t in pts):
+        pts = _points(data["points"], "a kind")
+        if not pts:
             raise ValueError("a kind needs positive (flops, seconds) points")
         share = float(data.get("forward_share", FORWARD_SHARE))
         if not 0.0 < share < 1.0:
             raise ValueError("a kind's forward_share is between 0 and 1")
-        return cls(tuple(pts), share)
+        return cls(pts, share)
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,7 @@ class NetworkModel:
     slice_scale: float = 1.0  # a slice in a step against the same slice timed alone
     joined_saving_s: float = 0.0  # per layer run in one autograd graph with the one below
     overlap: bool = True  # machines of their own: halo hidden behind interior compute
+    link: tuple[tuple[float, float], ...] = ()  # (bytes each way, seconds) of a phase, sorted
     profile: str = ""  # the profile these figures came from ("": defaults or --net)
 
     def __hash__(self) -> int:
@@ -101,18 +111,20 @@ class NetworkModel:
         out = asdict(self)
         if not (self.kinds or self.profile):  # an uncalibrated model: the three figures
             return {k: out[k] for k in ("bandwidth_bps", "latency_s", "flops_per_s")}
-        return {**out, "kinds": {k: c.to_dict() for k, c in self.kinds.items()}}
+        kinds = {k: c.to_dict() for k, c in self.kinds.items()}
+        return {**out, "kinds": kinds, "link": [list(p) for p in self.link]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> NetworkModel:
         data = dict(data)
         kinds = {k: KindCost.from_dict(v) for k, v in data.pop("kinds", {}).items()}
         profile = str(data.pop("profile", ""))
+        link = _points(data.pop("link", ()), "link")
         overlap = data.pop("overlap", True)
         if not isinstance(overlap, bool):
             raise ValueError("overlap is true or false")
         floats = {k: float(v) for k, v in data.items()}
-        return cls(**floats, kinds=kinds, overlap=overlap, profile=profile)
+        return cls(**floats, kinds=kinds, overlap=overlap, link=link, profile=profile)
 
     @classmethod
     def from_profile(cls, text: str, source: str) -> NetworkModel:
@@ -135,9 +147,10 @@ class NetworkModel:
     def describe(self) -> str:
         """Which figures a prediction used, in a few words."""
         if self.profile:
+            link = f", link measured at {len(self.link)} sizes" if self.link else ""
             return (
                 f"calibrated profile {self.profile}: {self.bandwidth_bps / 1e9:.3g} Gbit/s, "
-                f"{self.latency_s * 1e6:.3g} µs"
+                f"{self.latency_s * 1e6:.3g} µs{link}"
             )
         return (
             f"defaults/--net: {self.bandwidth_bps / 1e9:g} Gbit/s, "
@@ -172,6 +185,18 @@ class NetworkModel:
         if kinds is None:
             return np.full(layers, FORWARD_SHARE)
         return np.array([getattr(self.kinds.get(k), "forward_share", FORWARD_SHARE) for k in kinds])
+
+    def phase_s(self, nbytes: np.ndarray) -> np.ndarray:
+        """Seconds of an exchange phase moving `nbytes` (> 0) each way: read off `link`
+        (piecewise linear, the smallest size's time below it, the last segment's rate above
+        it), or latency + bytes / bandwidth without one."""
+        if not self.link:
+            return self.latency_s + nbytes * 8 / self.bandwidth_bps
+        b, t = np.array(self.link, dtype=np.float64).T
+        t = np.maximum.accumulate(t)
+        rate = (t[-1] - t[-2]) / (b[-1] - b[-2]) if len(b) > 1 else 0.0
+        above = t[-1] + (nbytes - b[-1]) * (rate if rate > 0 else t[-1] / b[-1])
+        return np.where(nbytes > b[-1], above, np.interp(nbytes, b, t))
 
     def fixed_s(self, workers: int) -> float:
         """Per step, beyond layers: the runtime's own cost, and the collective with N > 1."""
@@ -210,6 +235,8 @@ class NetworkModel:
                     f"--net: cannot read {item!r}; e.g. bandwidth=10Gbit, latency=20us, flops=50G"
                 ) from None
         net = replace(base or cls(), **values, overlap=True)  # a cluster: machines of their own
+        if {"bandwidth_bps", "latency_s"} & values.keys():
+            net = replace(net, link=())  # the cluster's network, not the measured one
         if min(net.bandwidth_bps, net.flops_per_s) <= 0 or net.latency_s < 0:
             raise PlanError("--net: bandwidth and flops must be positive, latency >= 0")
         return net
@@ -240,8 +267,8 @@ def layer_times(
         work = np.where(joined[:, None], np.maximum(work - net.joined_saving_s, 0.0), work)
     recv = traffic.sum(axis=1)  # [L, P]
     send = traffic.sum(axis=2)
-    busy = np.maximum(recv, send) * batch * BYTES_PER_VALUE * 8 / net.bandwidth_bps
-    phase = np.where(np.maximum(recv, send) > 0, net.latency_s + busy, 0.0)  # one direction
+    busy = np.maximum(recv, send) * batch * BYTES_PER_VALUE
+    phase = np.where(busy > 0, net.phase_s(busy), 0.0)  # one direction
     hide_fwd = hide_bwd = np.zeros_like(phase)
     if net.overlap and interior is not None:
         big = (flops >= SPLIT_MIN_FLOPS) & (recv > 0)

@@ -138,7 +138,10 @@ class HaloSchedule:
         return self.flops is None or self.flops[layer, worker] >= self.split_min_flops
 
     def messages(self, worker: int, layer: int, phase: str) -> list[Instruction]:
-        """This worker's sends, then receives, of one (layer, phase), in peer order."""
+        """This worker's receives, then sends, of one (layer, phase), in peer order: a
+        receive posted first is ready when the peer's data arrives (gloo otherwise waits for
+        the receiver's notice behind the bulk data queued on the link: bench-local's exchange
+        took 1.65x as long on emulated 100 Mbit/s links, docs/runtime.md)."""
         out, ins = [], []
         for (s, d), units in sorted(self.sends[layer].items()):
             src, dst = (s, d) if phase == "forward" else (d, s)
@@ -146,7 +149,7 @@ class HaloSchedule:
                 out.append(Instruction("send", layer, phase, dst, len(units)))
             if dst == worker:
                 ins.append(Instruction("recv", layer, phase, src, len(units)))
-        return out + ins
+        return ins + out
 
     def instructions(self, worker: int) -> tuple[Instruction, ...]:
         """Worker `worker`'s program: forward layer by layer (post the halo; compute the

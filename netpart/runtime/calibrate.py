@@ -1,18 +1,22 @@
 """`netpart calibrate`: measure machines into a profile the step-time model can trust.
 
-Four measurements, each with the runtime's own code, at one batch size, over the calibration
+Five measurements, each with the runtime's own code, at one batch size, over the calibration
 models' plans for 1, 2 and 3 workers, on the machines a `Runner` gives (`LocalRunner`: this
-one, its workers sharing it; `experiments/validate_sim.py` has emulated dedicated machines):
+one, its workers sharing it; `experiments/validate_sim.py` has emulated dedicated machines).
+Every step measurement is the median of `repeats` runs, the cases alternating.
 
 1. Slices: every (layer, worker) slice run alone with the runtime's slice classes
    (`measure_slices`): per layer kind, a table of (FLOPs x batch, seconds) points and the
    forward pass's median share of a slice.
-2. Exchange: 2 worker processes running only their programs' messages
-   (`run_step(exchange_only=True)`): a least-squares fit of seconds = phases x latency +
-   bytes / bandwidth, phases and bytes from each plan's validated schedule.
-3. Steps on 1 process: what the steps hold beyond their slices, fitted to step_fixed_s -
+2. Link: 2 processes exchanging messages of `LINK_SIZES` both ways through the runtime's
+   transport (`run_link`): seconds per size.
+3. Exchange: 2 worker processes running only their programs' messages
+   (`run_step(exchange_only=True)`): what a phase costs beyond the link's time for its bytes
+   (phases and bytes from each plan's validated schedule), fitted as one overhead per phase
+   and added to the link table (the profile's `link`).
+4. Steps on 1 process: what the steps hold beyond their slices, fitted to step_fixed_s -
    joined_saving_s x the layers run in one autograd graph with the layer below.
-4. Steps on 2 processes: what is left beyond the planner's prediction so far (overlap
+5. Steps on 2 processes: what is left beyond the planner's prediction so far (overlap
    included), fitted to collective_s (the loss's collective) + parallel_slowdown x compute.
 
 The result is a `NetworkModel` whose `profile` names the file; `profile_json` adds every
@@ -40,7 +44,7 @@ from netpart.partition.graph import BYTES_PER_VALUE
 from netpart.partition.planner import PartitionPlan, reevaluate
 from netpart.partition.schedule import build_schedule
 from netpart.runtime.check import make_batch
-from netpart.runtime.step import run_step
+from netpart.runtime.step import LINK_SIZES, run_link, run_step
 from netpart.runtime.trace import measure_slices
 
 __all__ = [
@@ -70,12 +74,15 @@ def layer_flops(spec: ModelSpec, p: PartitionPlan) -> np.ndarray:
 class Runner(Protocol):
     """Where calibration runs: `overlap` says whether each process has a machine of its own
     (the runtime then hides halo behind interior compute); `slices` times every slice of
-    each plan alone on one of those machines; `step` runs a plan's workers, one per machine,
-    and returns the median step (seconds, slowest worker)."""
+    each plan alone on one of those machines; `link` the exchange of each size between two
+    (`run_link`); `step` runs a plan's workers, one per machine, and returns the median step
+    (seconds, slowest worker)."""
 
     overlap: bool
 
     def slices(self, spec: ModelSpec, plans: list[PartitionPlan], batch: int) -> list: ...
+
+    def link(self, sizes: tuple[int, ...], repeats: int) -> np.ndarray: ...
 
     def step(
         self, spec: ModelSpec, p: PartitionPlan, batch: int, steps: int, exchange_only: bool
@@ -95,6 +102,9 @@ class LocalRunner:
             return [measure_slices(spec, p, batch) for p in plans]
         finally:
             torch.set_num_threads(threads)
+
+    def link(self, sizes: tuple[int, ...], repeats: int) -> np.ndarray:
+        return run_link(sizes, repeats)
 
     def step(self, spec, p, batch, steps, exchange_only=False) -> float:
         x, y = make_batch(spec, batch, 0)
@@ -130,8 +140,9 @@ def _kind_cost(points: list[tuple[float, float, float]]) -> KindCost:
 
 
 def _figures(spec: ModelSpec, p: PartitionPlan, batch: int, net: NetworkModel) -> dict:
-    """What the fit needs of a plan: exchange phases and busiest-direction bytes per step,
-    compute by the slice tables alone (slowest worker per layer), and its joined layers."""
+    """What the fit needs of a plan: the busiest worker's bytes each way in each layer's
+    exchange (two phases each: forward and backward), compute by the slice tables alone
+    (slowest worker per layer), and its joined layers."""
     graph = build_unit_graph(spec, p.granularity)
     traffic = build_schedule(graph, p.node_map, p.workers).traffic()
     busiest = np.maximum(traffic.sum(axis=1), traffic.sum(axis=2)).max(axis=1)
@@ -140,8 +151,7 @@ def _figures(spec: ModelSpec, p: PartitionPlan, batch: int, net: NetworkModel) -
     joined = traffic.sum(axis=(1, 2)) == 0
     return {
         "joined": int(joined[1:].sum()),
-        "phases": 2 * int((busiest > 0).sum()),
-        "bytes": float(2 * busiest.sum() * batch * BYTES_PER_VALUE),
+        "phase_bytes": [float(b * batch * BYTES_PER_VALUE) for b in busiest if b > 0],
         "compute_s": float(compute.sum()),
     }
 
@@ -165,15 +175,20 @@ def _lstsq(rows: list[list[float]], target: list[float], steps: list[float] | No
 Plans = list[tuple[ModelSpec, PartitionPlan, PartitionPlan]]  # each model's 1- and 2-worker plan
 
 
-def _run(spec, one, two, batch: int, steps: int, runner: Runner, base: NetworkModel) -> dict:
-    """One model's steps on 1 and 2 processes (and 2 exchanging only), with their figures."""
+def _run(spec, one, two, batch: int, steps: int, repeats: int, runner, base) -> dict:
+    """One model's steps on 1 and 2 processes (and 2 exchanging only), each the median of
+    `repeats` runs (the three alternating), with their figures."""
+    cases = {"one": (one, False), "two": (two, False), "exchange": (two, True)}
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(repeats):
+        for key, (p, exchange_only) in cases.items():
+            times[key].append(runner.step(spec, p, batch, steps, exchange_only))
+    med = {k: float(np.median(v)) for k, v in times.items()}
     return {
         "model": spec.name,
-        "one": {**_figures(spec, one, batch, base),
-                "step_s": runner.step(spec, one, batch, steps, False)},
-        "two": {**_figures(spec, two, batch, base),
-                "step_s": runner.step(spec, two, batch, steps, False),
-                "exchange_s": runner.step(spec, two, batch, steps, True)},
+        "one": {**_figures(spec, one, batch, base), "step_s": med["one"], "runs_s": times["one"]},
+        "two": {**_figures(spec, two, batch, base), "step_s": med["two"], "runs_s": times["two"],
+                "exchange_s": med["exchange"], "exchange_runs_s": times["exchange"]},
     }  # fmt: skip
 
 
@@ -191,15 +206,31 @@ def _two_process_terms(plans: Plans, runs, batch: int, model: NetworkModel):
     return collective, slowdown
 
 
-def fit(base: NetworkModel, plans: Plans, runs: list[dict], batch: int) -> NetworkModel:
-    """The terms beyond the slice tables, fitted to `runs` (see `_run`), every equation
-    weighted by 1 / its measurement (relative errors count: a small model weighs as much as a
-    large one): the link from exchange-only runs; the fixed step cost and the saving of a
-    joined layer from one-process steps (slices count once: `slice_scale` stays 1); the
-    collective and the slowdown of compute from two."""
+def _link_terms(link: dict, runs: list[dict]) -> dict:
+    """The link table the runtime's exchanges see and its summary (latency, bandwidth): the
+    measured link + a per-phase overhead fitted to the exchange-only runs (each = sum over
+    its phases of overhead + the link's time for the phase's bytes; weighted by 1 / the run).
+    """
+    raw = NetworkModel(link=tuple(zip(link["sizes"], link["seconds"], strict=True)))
     two = [r["two"] for r in runs]
+    phases = [2.0 * len(x["phase_bytes"]) for x in two]
+    wire = [2.0 * float(raw.phase_s(np.array(x["phase_bytes"])).sum()) for x in two]
     exchange = [x["exchange_s"] for x in two]
-    latency, per_byte = _lstsq([[x["phases"], x["bytes"]] for x in two], exchange, exchange)
+    rest = [e - w for e, w in zip(exchange, wire, strict=True)]
+    (overhead,) = _lstsq([[n] for n in phases], rest, exchange) if any(phases) else [0.0]
+    table = tuple((b, overhead + t) for b, t in raw.link)
+    sizes, secs = np.array(table).T
+    latency, per_byte = _lstsq([[1.0, b] for b in sizes], list(secs), list(secs))
+    return {"link": table, "latency_s": latency, "bandwidth_bps": 8.0 / max(per_byte, 1e-15)}
+
+
+def fit(base: NetworkModel, plans: Plans, runs: list[dict], batch: int, link: dict) -> NetworkModel:
+    """The terms beyond the slice tables, fitted to `runs` (see `_run`) and `link` (sizes,
+    seconds), every equation weighted by 1 / its measurement (relative errors count: a small
+    model weighs as much as a large one): the link table from exchange-only runs; the fixed
+    step cost and the saving of a joined layer from one-process steps (slices count once:
+    `slice_scale` stays 1); the collective and the slowdown of compute from two."""
+    terms = _link_terms(link, runs)
     one = [r["one"] for r in runs]
     measured = [x["step_s"] for x in one]
     # One process: step - slices = fixed - saving x joined layers.
@@ -208,8 +239,8 @@ def fit(base: NetworkModel, plans: Plans, runs: list[dict], batch: int) -> Netwo
         [x["step_s"] - x["compute_s"] for x in one], measured,
     )  # fmt: skip
     model = replace(
-        base, bandwidth_bps=8.0 / max(per_byte, 1e-15), latency_s=latency,
-        step_fixed_s=step_fixed, joined_saving_s=saving,
+        base, link=terms["link"], bandwidth_bps=terms["bandwidth_bps"],
+        latency_s=terms["latency_s"], step_fixed_s=step_fixed, joined_saving_s=saving,
     )  # fmt: skip
     # Two: what is left is the collective, and compute slowed by sharing the machine.
     collective, slowdown = _two_process_terms(plans, runs, batch, model)
@@ -222,6 +253,7 @@ def calibrate(
     steps: int = 15,
     say: Progress = log.info,
     runner: Runner | None = None,
+    repeats: int = 3,
 ) -> tuple[NetworkModel, dict]:
     """The calibrated model of the machines `runner` runs on (this one by default), and
     every measurement it was fitted to."""
@@ -230,13 +262,18 @@ def calibrate(
     points = _compute_points(specs, batch, runner, say)
     kinds = {k: _kind_cost(v) for k, v in sorted(points.items())}
     base = NetworkModel(kinds=kinds, overlap=runner.overlap)
+    seconds = runner.link(LINK_SIZES, 10)
+    link = {"sizes": [float(b) for b in LINK_SIZES], "seconds": [float(t) for t in seconds]}
+    pairs = zip(LINK_SIZES, seconds, strict=True)
+    say("link: " + ", ".join(f"{b >> 10} KB {t * 1e3:.2f} ms" for b, t in pairs))
     plans = [(s, plan(s, 1, "metis", batch=batch), plan(s, 2, "metis", batch=batch)) for s in specs]
     runs = []
     for spec, one, two in plans:
-        runs.append(_run(spec, one, two, batch, steps, runner, base))
+        runs.append(_run(spec, one, two, batch, steps, repeats, runner, base))
         say(f"runtime: stepped {spec.name} on 1 and 2 processes")
-    model = fit(base, plans, runs, batch)
-    details = {"batch": batch, "slices": {k: len(v) for k, v in points.items()}, "runs": runs}
+    model = fit(base, plans, runs, batch, link)
+    details = {"batch": batch, "repeats": repeats, "slices": {k: len(v) for k, v in points.items()},
+               "link": link, "runs": runs}  # fmt: skip
     return model, details
 
 

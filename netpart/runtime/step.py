@@ -6,6 +6,9 @@ the launcher. Each joins the gloo group, builds its `ModelWorker`, runs the step
 timed steps) and writes `result_<rank>.pt` (loaded with weights_only). When one process
 fails, the others get `timeout` seconds to notice through the process group, then are killed;
 the error names the cause first (survivors' errors only name the peer they lost).
+
+`run_link` uses the same job machinery for the link between two processes: messages of each
+size sent both ways at once through the runtime's transport, as a halo exchange sends them.
 """
 
 from __future__ import annotations
@@ -34,9 +37,11 @@ from netpart.runtime.result import StepResult, assemble, load_worker_result, sav
 from netpart.runtime.transport import PEER_LOST, GlooTransport
 from netpart.runtime.worker import ModelWorker, WorkerResult
 
-__all__ = ["DTYPES", "run_step"]
+__all__ = ["DTYPES", "LINK_SIZES", "link_job", "run_link", "run_step"]
 
 log = logging.getLogger(__name__)
+
+LINK_SIZES = (1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)  # bytes each way
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
@@ -91,6 +96,55 @@ def run_step(
     return result
 
 
+def link_job(job: Path, sizes: tuple[int, ...], repeats: int, timeout: float = 60.0) -> None:
+    """Write a link job into `job`: 2 processes of `python -m netpart.runtime.step --job JOB`
+    then each write link_<rank>.json (see `run_link`)."""
+    config = {"link_sizes": list(sizes), "repeats": repeats, "timeout": timeout, "threads": 1}
+    write_files(job, {"config.json": json.dumps(config).encode()})
+
+
+def link_result(job: Path) -> np.ndarray:
+    """Seconds per size of a finished link job: the slower process's median."""
+    times = [json.loads((job / f"link_{r}.json").read_text())["seconds"] for r in (0, 1)]
+    return np.max(np.array(times), axis=0)
+
+
+def run_link(
+    sizes: tuple[int, ...] = LINK_SIZES, repeats: int = 10, timeout: float = 60.0
+) -> np.ndarray:
+    """Seconds for two local processes to exchange a message of each size (bytes) both ways
+    at once through the runtime's transport: the median of `repeats`, the slower process."""
+    with tempfile.TemporaryDirectory(prefix="netpart-link-") as tmp:
+        job = Path(tmp)
+        link_job(job, sizes, repeats, timeout)
+        logs = [job / f"worker_{r}.log" for r in (0, 1)]
+        with Processes("netpart.runtime.step", ["--job", str(job)], logs) as procs:
+            _watch(procs, timeout)
+        return link_result(job)
+
+
+def _link(job: Path, config: dict) -> int:
+    """One of the two processes of a link job: each size both ways, timed `repeats` times
+    after one untimed round, a barrier before each."""
+    rank, _ = join_group(float(config["timeout"]))
+    try:
+        transport, peer, seconds = GlooTransport(), 1 - rank, []
+        for size in config["link_sizes"]:
+            out = torch.zeros(max(size // 4, 1))
+            into = torch.empty_like(out)
+            times = []
+            for _ in range(int(config["repeats"]) + 1):
+                transport.barrier()
+                start = time.perf_counter()
+                transport.wait([transport.recv(0, peer, into), transport.send(0, peer, out)])
+                times.append(time.perf_counter() - start)
+            seconds.append(float(np.median(times[1:])))
+        (job / f"link_{rank}.json").write_text(json.dumps({"seconds": seconds}))
+    finally:
+        torch.distributed.destroy_process_group()
+    return 0
+
+
 def _watch(procs: Processes, timeout: float) -> None:
     """Until every worker has ended: once one fails, the others get `timeout` to notice."""
     first_failure: float | None = None
@@ -125,6 +179,8 @@ def _worker(job: Path) -> int:
     """One worker process: join the group, build the worker, run the step(s), save."""
     config = json.loads((job / "config.json").read_text())
     torch.set_num_threads(int(config["threads"]))
+    if "link_sizes" in config:
+        return _link(job, config)
     spec = ModelSpec.from_json((job / "spec.json").read_text(), str(job / "spec.json"))
     plan = load_plan(job, spec)
     batch = torch.load(job / "batch.pt", weights_only=True)

@@ -15,12 +15,14 @@ from netpart.partition.cost import KindCost, layer_times
 from netpart.partition.planner import PartitionPlan, interior_shares, reevaluate
 from netpart.partition.schedule import plan_schedule
 from netpart.partition.sweep import knee, parse_counts
+from netpart.runtime.calibrate import fit
 
 CALIBRATED = NetworkModel(
     bandwidth_bps=8e9, latency_s=1e-4,
     kinds={"dense": KindCost(((1e4, 1e-4), (1e6, 2e-4), (1e8, 5e-3)))},
     fill_s_per_value=1e-9, step_fixed_s=3e-4, collective_s=5e-4, parallel_slowdown=0.2,
-    slice_scale=0.9, joined_saving_s=5e-5, profile="p.json",
+    slice_scale=0.9, joined_saving_s=5e-5, link=((1e3, 1e-4), (1e4, 2e-4), (1e5, 1.2e-3)),
+    profile="p.json",
 )  # fmt: skip
 
 
@@ -56,6 +58,50 @@ def test_slice_table_interpolates_and_extrapolates_at_the_largest_rate():
     assert t[0] == 1e-3  # below the table: the smallest slice's time
     assert t[1] == pytest.approx(1e-3)  # times made non-decreasing before interpolating
     assert t[2] == pytest.approx(2.5e-3) and t[3] == pytest.approx(8e-3)  # 4e-3 x 8/4
+
+
+def test_a_phase_is_read_off_the_link_table_and_a_cluster_replaces_it():
+    t = CALIBRATED.phase_s(np.array([500.0, 5.5e3, 2e5]))
+    assert t[0] == 1e-4 and t[1] == pytest.approx(1.5e-4)  # below: the smallest; interpolated
+    assert t[2] == pytest.approx(1.2e-3 + 1e5 * 1e-3 / 9e4)  # above: the last segment's rate
+    bare = replace(CALIBRATED, link=())
+    assert bare.phase_s(np.array([1e6]))[0] == pytest.approx(1e-4 + 8e6 / 8e9)
+    assert NetworkModel.parse("flops=50G", base=CALIBRATED).link == CALIBRATED.link
+    assert NetworkModel.parse("bandwidth=10G", base=CALIBRATED).link == ()  # the cluster's
+    with pytest.raises(ValueError, match="link needs positive"):
+        NetworkModel.from_dict({**CALIBRATED.to_dict(), "link": [[1e3, -1.0]]})
+
+
+def test_fit_recovers_the_terms_that_made_the_runs():
+    batch, names = 32, ("tiny-mlp", "digits-mlp", "tiny-local")
+    specs = [load_spec(n) for n in names]
+    plans = [(s, plan(s, 1, "metis", batch=batch), plan(s, 2, "metis", batch=batch)) for s in specs]
+    base = NetworkModel(kinds={"dense": CALIBRATED.kinds["dense"]}, overlap=False)
+    link = {"sizes": [1e3, 1e4, 1e5, 1e6], "seconds": [1e-4, 2e-4, 1.1e-3, 1.0e-2]}
+    overhead = 5e-5  # per phase beyond the link
+    truth = replace(
+        base, link=tuple((b, t + overhead) for b, t in zip(*link.values(), strict=True)),
+        step_fixed_s=3e-4, joined_saving_s=4e-5,
+    )  # fmt: skip
+    runs = []
+    for k, (spec, _, two) in enumerate(plans):
+        phase_bytes = [2e3 * (k + 1), 5e4 * (k + 1)]
+        wire = 2 * sum(float(truth.phase_s(np.array(b))) for b in phase_bytes)
+        p = reevaluate(spec, two, batch, truth).metrics
+        compute, joined = 1e-3 * (k + 1) ** 2, k + 1
+        runs.append({
+            "one": {"joined": joined, "compute_s": compute,
+                    "step_s": compute + 3e-4 - 4e-5 * joined},
+            "two": {"phase_bytes": phase_bytes, "exchange_s": wire,
+                    "step_s": p.predicted_step_s + 2e-3 + 0.3 * p.compute_s},
+        })  # fmt: skip
+    model = fit(base, plans, runs, batch, link)
+    assert np.allclose(model.link, truth.link, rtol=1e-6)
+    assert model.step_fixed_s == pytest.approx(3e-4) and model.joined_saving_s == pytest.approx(
+        4e-5
+    )
+    assert model.collective_s == pytest.approx(2e-3, rel=1e-3)
+    assert model.parallel_slowdown == pytest.approx(0.3, rel=1e-3)
 
 
 def test_the_calibrated_model_adds_its_terms_to_the_prediction():
@@ -126,6 +172,7 @@ def test_a_cluster_over_a_profile_overlaps_and_a_run_here_does_not():
 def test_calibrate_writes_a_profile_that_plan_and_run_use(tmp_path, capsys):
     out = tmp_path / "profile.json"
     args = ["calibrate", "--out", str(out), "--models", "tiny-mlp,tiny-local", "--steps", "2"]
+    args += ["--repeats", "1"]
     assert main(args) == 0
     model = NetworkModel.from_profile(out.read_text(), str(out))
     kinds = {layer.kind for name in ("tiny-mlp", "tiny-local") for layer in load_spec(name).layers}

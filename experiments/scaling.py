@@ -93,7 +93,7 @@ def calibrated(profile: NetworkModel, net_name: str, net: NetworkModel) -> Netwo
         for k, c in profile.kinds.items()
     }
     return replace(profile, bandwidth_bps=net.bandwidth_bps, latency_s=net.latency_s,
-                   link=(), kinds=kinds, overlap=True)  # fmt: skip
+                   link={}, kinds=kinds, overlap=True)  # fmt: skip
 
 
 def modelled(spec, method: str, n: int, batch: int, profile: NetworkModel) -> list[dict]:

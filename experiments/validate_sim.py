@@ -97,11 +97,15 @@ class EmulatedRunner:
     def step(self, spec, p: PartitionPlan, batch: int, steps: int, exchange_only=False):
         return float(np.median(self.steps(spec, p, batch, steps, exchange_only)))
 
-    def link(self, sizes: tuple[int, ...], repeats: int) -> np.ndarray:
+    @property
+    def machines(self) -> int:
+        return len(self.hosts)
+
+    def link(self, sizes: tuple[int, ...], repeats: int, world: int) -> np.ndarray:
         with tempfile.TemporaryDirectory(prefix="netpart-val-") as tmp:
             link_job(Path(tmp), sizes, repeats, timeout=120)
-            self._launch(Path(tmp), 2, "the link")
-            return link_result(Path(tmp))
+            self._launch(Path(tmp), world, f"the link among {world}")
+            return link_result(Path(tmp), world)
 
     def steps(self, spec, p: PartitionPlan, batch: int, steps: int, exchange_only=False):
         """Every timed step (slowest worker) of `p` on machines 0..N-1."""

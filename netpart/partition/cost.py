@@ -11,8 +11,8 @@ terms with what this machine measured: compute(l, w) = the time of a slice of th
 FLOPs read off the measured slices (x (1 + parallel_slowdown) with more than one worker:
 processes that share a machine's memory and cores) + fill_s_per_value x the input values the
 slice gathers (its input buffer, its gradient's scatter); an exchange phase's time read off
-`link`, the runtime's exchange measured per message size (latency + bytes / bandwidth where it
-has none); all x `slice_scale` (slices in a step against slices timed alone),
+`link`, the runtime's exchange measured per size and number of peers (latency + bytes /
+bandwidth where it has none); all x `slice_scale` (slices in a step against slices timed alone),
 less `joined_saving_s` for a layer with no halo (the runtime runs it in one autograd graph
 with the layer below); and `fixed` = `step_fixed_s` (loss, interpreter) + `collective_s`
 (the loss's collective) with more than one worker.
@@ -51,6 +51,16 @@ def _points(raw, what: str) -> tuple[tuple[float, float], ...]:
     if any(x <= 0 or t <= 0 for x, t in pts):
         raise ValueError(f"{what} needs positive (size, seconds) points")
     return pts
+
+
+def _read(table: tuple[tuple[float, float], ...], x: np.ndarray) -> np.ndarray:
+    """A (size, seconds) table read at `x`: piecewise linear (times made non-decreasing), the
+    smallest size's time below it, the last segment's rate above it."""
+    b, t = np.array(table, dtype=np.float64).T
+    t = np.maximum.accumulate(t)
+    rate = (t[-1] - t[-2]) / (b[-1] - b[-2]) if len(b) > 1 else 0.0
+    above = t[-1] + (x - b[-1]) * (rate if rate > 0 else t[-1] / b[-1])
+    return np.where(x > b[-1], above, np.interp(x, b, t))
 
 
 @dataclass(frozen=True)
@@ -101,7 +111,8 @@ class NetworkModel:
     slice_scale: float = 1.0  # a slice in a step against the same slice timed alone
     joined_saving_s: float = 0.0  # per layer run in one autograd graph with the one below
     overlap: bool = True  # machines of their own: halo hidden behind interior compute
-    link: tuple[tuple[float, float], ...] = ()  # (bytes each way, seconds) of a phase, sorted
+    # peers -> (bytes each way in all, seconds) of a phase with that many peers, sorted
+    link: dict[int, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     profile: str = ""  # the profile these figures came from ("": defaults or --net)
 
     def __hash__(self) -> int:
@@ -112,14 +123,20 @@ class NetworkModel:
         if not (self.kinds or self.profile):  # an uncalibrated model: the three figures
             return {k: out[k] for k in ("bandwidth_bps", "latency_s", "flops_per_s")}
         kinds = {k: c.to_dict() for k, c in self.kinds.items()}
-        return {**out, "kinds": kinds, "link": [list(p) for p in self.link]}
+        link = {str(k): [list(p) for p in v] for k, v in self.link.items()}
+        return {**out, "kinds": kinds, "link": link}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> NetworkModel:
         data = dict(data)
         kinds = {k: KindCost.from_dict(v) for k, v in data.pop("kinds", {}).items()}
         profile = str(data.pop("profile", ""))
-        link = _points(data.pop("link", ()), "link")
+        raw = data.pop("link", {})
+        if not isinstance(raw, dict):
+            raise ValueError("link is {peers: [[bytes, seconds], ...]}")
+        link = {int(k): _points(v, "link") for k, v in raw.items()}
+        if any(k < 1 or not v for k, v in link.items()):
+            raise ValueError("link needs peers >= 1, each with (bytes, seconds) points")
         overlap = data.pop("overlap", True)
         if not isinstance(overlap, bool):
             raise ValueError("overlap is true or false")
@@ -147,7 +164,8 @@ class NetworkModel:
     def describe(self) -> str:
         """Which figures a prediction used, in a few words."""
         if self.profile:
-            link = f", link measured at {len(self.link)} sizes" if self.link else ""
+            peers = "/".join(str(k) for k in sorted(self.link))
+            link = f", link measured with {peers} peers" if self.link else ""
             return (
                 f"calibrated profile {self.profile}: {self.bandwidth_bps / 1e9:.3g} Gbit/s, "
                 f"{self.latency_s * 1e6:.3g} µs{link}"
@@ -186,17 +204,19 @@ class NetworkModel:
             return np.full(layers, FORWARD_SHARE)
         return np.array([getattr(self.kinds.get(k), "forward_share", FORWARD_SHARE) for k in kinds])
 
-    def phase_s(self, nbytes: np.ndarray) -> np.ndarray:
-        """Seconds of an exchange phase moving `nbytes` (> 0) each way: read off `link`
-        (piecewise linear, the smallest size's time below it, the last segment's rate above
-        it), or latency + bytes / bandwidth without one."""
+    def phase_s(self, nbytes: np.ndarray, peers: np.ndarray | int = 1) -> np.ndarray:
+        """Seconds of an exchange phase in which a worker moves `nbytes` (> 0) each way with
+        `peers` others: read off the `link` table of the most peers measured up to `peers`
+        (the fewest measured below them all), or latency + bytes / bandwidth without one."""
+        nbytes = np.asarray(nbytes, dtype=np.float64)
         if not self.link:
             return self.latency_s + nbytes * 8 / self.bandwidth_bps
-        b, t = np.array(self.link, dtype=np.float64).T
-        t = np.maximum.accumulate(t)
-        rate = (t[-1] - t[-2]) / (b[-1] - b[-2]) if len(b) > 1 else 0.0
-        above = t[-1] + (nbytes - b[-1]) * (rate if rate > 0 else t[-1] / b[-1])
-        return np.where(nbytes > b[-1], above, np.interp(nbytes, b, t))
+        counts = sorted(self.link)
+        pick = np.clip(np.searchsorted(counts, peers, side="right") - 1, 0, None)
+        out = np.zeros_like(nbytes)
+        for i, k in enumerate(counts):
+            out = np.where(pick == i, _read(self.link[k], nbytes), out)
+        return out
 
     def fixed_s(self, workers: int) -> float:
         """Per step, beyond layers: the runtime's own cost, and the collective with N > 1."""
@@ -236,7 +256,7 @@ class NetworkModel:
                 ) from None
         net = replace(base or cls(), **values, overlap=True)  # a cluster: machines of their own
         if {"bandwidth_bps", "latency_s"} & values.keys():
-            net = replace(net, link=())  # the cluster's network, not the measured one
+            net = replace(net, link={})  # the cluster's network, not the measured one
         if min(net.bandwidth_bps, net.flops_per_s) <= 0 or net.latency_s < 0:
             raise PlanError("--net: bandwidth and flops must be positive, latency >= 0")
         return net
@@ -268,7 +288,8 @@ def layer_times(
     recv = traffic.sum(axis=1)  # [L, P]
     send = traffic.sum(axis=2)
     busy = np.maximum(recv, send) * batch * BYTES_PER_VALUE
-    phase = np.where(busy > 0, net.phase_s(busy), 0.0)  # one direction
+    peers = ((traffic + traffic.transpose(0, 2, 1)) > 0).sum(axis=2)  # [L, P]
+    phase = np.where(busy > 0, net.phase_s(busy, peers), 0.0)  # one direction
     hide_fwd = hide_bwd = np.zeros_like(phase)
     if net.overlap and interior is not None:
         big = (flops >= SPLIT_MIN_FLOPS) & (recv > 0)

@@ -8,8 +8,9 @@ Every step measurement is the median of `repeats` runs, the cases alternating.
 1. Slices: every (layer, worker) slice run alone with the runtime's slice classes
    (`measure_slices`): per layer kind, a table of (FLOPs x batch, seconds) points and the
    forward pass's median share of a slice.
-2. Link: 2 processes exchanging messages of `LINK_SIZES` both ways through the runtime's
-   transport (`run_link`): seconds per size.
+2. Link: 2 processes (and, where the runner has the machines, up to `LINK_WORLD`) exchanging
+   messages of `LINK_SIZES` with every other process, both ways, through the runtime's
+   transport (`run_link`): seconds per size and number of peers.
 3. Exchange: 2 worker processes running only their programs' messages
    (`run_step(exchange_only=True)`): what a phase costs beyond the link's time for its bytes
    (phases and bytes from each plan's validated schedule), fitted as one overhead per phase
@@ -59,6 +60,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
+LINK_WORLD = 4  # processes: the link is measured with 1 to 3 peers at most
 CALIBRATION_MODELS = ("tiny-mlp", "digits-mlp", "tiny-local", "bench-local", "bench-local-wide")
 Progress = Callable[[str], None]
 
@@ -74,15 +76,16 @@ def layer_flops(spec: ModelSpec, p: PartitionPlan) -> np.ndarray:
 class Runner(Protocol):
     """Where calibration runs: `overlap` says whether each process has a machine of its own
     (the runtime then hides halo behind interior compute); `slices` times every slice of
-    each plan alone on one of those machines; `link` the exchange of each size between two
-    (`run_link`); `step` runs a plan's workers, one per machine, and returns the median step
-    (seconds, slowest worker)."""
+    each plan alone on one of those machines; `link` the exchange of each size among `world`
+    of them (`run_link`); `machines` is how many it has; `step` runs a plan's workers, one
+    per machine, and returns the median step (seconds, slowest worker)."""
 
     overlap: bool
+    machines: int
 
     def slices(self, spec: ModelSpec, plans: list[PartitionPlan], batch: int) -> list: ...
 
-    def link(self, sizes: tuple[int, ...], repeats: int) -> np.ndarray: ...
+    def link(self, sizes: tuple[int, ...], repeats: int, world: int) -> np.ndarray: ...
 
     def step(
         self, spec: ModelSpec, p: PartitionPlan, batch: int, steps: int, exchange_only: bool
@@ -94,6 +97,7 @@ class LocalRunner:
     share its cores (the runtime does not split layers there)."""
 
     overlap = False
+    machines = 2  # more processes than cores measure the cores, not the link
 
     def slices(self, spec: ModelSpec, plans: list[PartitionPlan], batch: int) -> list:
         threads = torch.get_num_threads()
@@ -103,8 +107,8 @@ class LocalRunner:
         finally:
             torch.set_num_threads(threads)
 
-    def link(self, sizes: tuple[int, ...], repeats: int) -> np.ndarray:
-        return run_link(sizes, repeats)
+    def link(self, sizes: tuple[int, ...], repeats: int, world: int) -> np.ndarray:
+        return run_link(sizes, repeats, world=world)
 
     def step(self, spec, p, batch, steps, exchange_only=False) -> float:
         x, y = make_batch(spec, batch, 0)
@@ -207,29 +211,32 @@ def _two_process_terms(plans: Plans, runs, batch: int, model: NetworkModel):
 
 
 def _link_terms(link: dict, runs: list[dict]) -> dict:
-    """The link table the runtime's exchanges see and its summary (latency, bandwidth): the
-    measured link + a per-phase overhead fitted to the exchange-only runs (each = sum over
-    its phases of overhead + the link's time for the phase's bytes; weighted by 1 / the run).
-    """
-    raw = NetworkModel(link=tuple(zip(link["sizes"], link["seconds"], strict=True)))
+    """The link tables the runtime's exchanges see and their summary (latency, bandwidth):
+    the measured link + a per-phase overhead fitted to the exchange-only runs (each = sum
+    over its phases of overhead + the one-peer link's time for the phase's bytes; weighted by
+    1 / the run). `link` holds bytes per peer and, per number of peers, seconds."""
+    sizes = np.array(link["sizes"])
+    raw = {int(k): tuple(zip(sizes * int(k), t, strict=True)) for k, t in link["seconds"].items()}
     two = [r["two"] for r in runs]
     phases = [2.0 * len(x["phase_bytes"]) for x in two]
-    wire = [2.0 * float(raw.phase_s(np.array(x["phase_bytes"])).sum()) for x in two]
+    one_peer = NetworkModel(link=raw)
+    wire = [2.0 * float(one_peer.phase_s(np.array(x["phase_bytes"])).sum()) for x in two]
     exchange = [x["exchange_s"] for x in two]
     rest = [e - w for e, w in zip(exchange, wire, strict=True)]
     (overhead,) = _lstsq([[n] for n in phases], rest, exchange) if any(phases) else [0.0]
-    table = tuple((b, overhead + t) for b, t in raw.link)
-    sizes, secs = np.array(table).T
-    latency, per_byte = _lstsq([[1.0, b] for b in sizes], list(secs), list(secs))
-    return {"link": table, "latency_s": latency, "bandwidth_bps": 8.0 / max(per_byte, 1e-15)}
+    tables = {k: tuple((b, overhead + t) for b, t in v) for k, v in raw.items()}
+    b, secs = np.array(tables[1]).T
+    latency, per_byte = _lstsq([[1.0, x] for x in b], list(secs), list(secs))
+    return {"link": tables, "latency_s": latency, "bandwidth_bps": 8.0 / max(per_byte, 1e-15)}
 
 
 def fit(base: NetworkModel, plans: Plans, runs: list[dict], batch: int, link: dict) -> NetworkModel:
-    """The terms beyond the slice tables, fitted to `runs` (see `_run`) and `link` (sizes,
-    seconds), every equation weighted by 1 / its measurement (relative errors count: a small
-    model weighs as much as a large one): the link table from exchange-only runs; the fixed
-    step cost and the saving of a joined layer from one-process steps (slices count once:
-    `slice_scale` stays 1); the collective and the slowdown of compute from two."""
+    """The terms beyond the slice tables, fitted to `runs` (see `_run`) and `link` (bytes per
+    peer, seconds per number of peers), every equation weighted by 1 / its measurement
+    (relative errors count: a small model weighs as much as a large one): the link tables'
+    overhead from exchange-only runs; the fixed step cost and the saving of a joined layer
+    from one-process steps (slices count once: `slice_scale` stays 1); the collective and
+    the slowdown of compute from two."""
     terms = _link_terms(link, runs)
     one = [r["one"] for r in runs]
     measured = [x["step_s"] for x in one]
@@ -262,10 +269,15 @@ def calibrate(
     points = _compute_points(specs, batch, runner, say)
     kinds = {k: _kind_cost(v) for k, v in sorted(points.items())}
     base = NetworkModel(kinds=kinds, overlap=runner.overlap)
-    seconds = runner.link(LINK_SIZES, 10)
-    link = {"sizes": [float(b) for b in LINK_SIZES], "seconds": [float(t) for t in seconds]}
-    pairs = zip(LINK_SIZES, seconds, strict=True)
-    say("link: " + ", ".join(f"{b >> 10} KB {t * 1e3:.2f} ms" for b, t in pairs))
+    link = {"sizes": [float(b) for b in LINK_SIZES], "seconds": {}}
+    for world in range(2, min(runner.machines, LINK_WORLD) + 1):
+        seconds = [float(t) for t in runner.link(LINK_SIZES, 10, world)]
+        link["seconds"][str(world - 1)] = seconds
+        pairs = zip(LINK_SIZES, seconds, strict=True)
+        say(
+            f"link, {world - 1} peer(s), per peer: "
+            + ", ".join(f"{b >> 10} KB {t * 1e3:.2f} ms" for b, t in pairs)
+        )
     plans = [(s, plan(s, 1, "metis", batch=batch), plan(s, 2, "metis", batch=batch)) for s in specs]
     runs = []
     for spec, one, two in plans:

@@ -7,8 +7,9 @@ timed steps) and writes `result_<rank>.pt` (loaded with weights_only). When one 
 fails, the others get `timeout` seconds to notice through the process group, then are killed;
 the error names the cause first (survivors' errors only name the peer they lost).
 
-`run_link` uses the same job machinery for the link between two processes: messages of each
-size sent both ways at once through the runtime's transport, as a halo exchange sends them.
+`run_link` uses the same job machinery for the link between processes: messages of each size
+sent to and from every other process at once through the runtime's transport, as a halo
+exchange sends them.
 """
 
 from __future__ import annotations
@@ -97,46 +98,50 @@ def run_step(
 
 
 def link_job(job: Path, sizes: tuple[int, ...], repeats: int, timeout: float = 60.0) -> None:
-    """Write a link job into `job`: 2 processes of `python -m netpart.runtime.step --job JOB`
-    then each write link_<rank>.json (see `run_link`)."""
+    """Write a link job into `job`: its processes (`python -m netpart.runtime.step --job JOB`,
+    any number) then each write link_<rank>.json (see `run_link`)."""
     config = {"link_sizes": list(sizes), "repeats": repeats, "timeout": timeout, "threads": 1}
     write_files(job, {"config.json": json.dumps(config).encode()})
 
 
-def link_result(job: Path) -> np.ndarray:
-    """Seconds per size of a finished link job: the slower process's median."""
-    times = [json.loads((job / f"link_{r}.json").read_text())["seconds"] for r in (0, 1)]
+def link_result(job: Path, world: int) -> np.ndarray:
+    """Seconds per size of a finished link job: the slowest process's median."""
+    times = [json.loads((job / f"link_{r}.json").read_text())["seconds"] for r in range(world)]
     return np.max(np.array(times), axis=0)
 
 
 def run_link(
-    sizes: tuple[int, ...] = LINK_SIZES, repeats: int = 10, timeout: float = 60.0
+    sizes: tuple[int, ...] = LINK_SIZES, repeats: int = 10, timeout: float = 60.0, world: int = 2
 ) -> np.ndarray:
-    """Seconds for two local processes to exchange a message of each size (bytes) both ways
-    at once through the runtime's transport: the median of `repeats`, the slower process."""
+    """Seconds for `world` local processes to exchange a message of each size (bytes) with
+    every other, both ways at once, through the runtime's transport: the median of `repeats`,
+    the slowest process."""
     with tempfile.TemporaryDirectory(prefix="netpart-link-") as tmp:
         job = Path(tmp)
         link_job(job, sizes, repeats, timeout)
-        logs = [job / f"worker_{r}.log" for r in (0, 1)]
+        logs = [job / f"worker_{r}.log" for r in range(world)]
         with Processes("netpart.runtime.step", ["--job", str(job)], logs) as procs:
             _watch(procs, timeout)
-        return link_result(job)
+        return link_result(job, world)
 
 
 def _link(job: Path, config: dict) -> int:
-    """One of the two processes of a link job: each size both ways, timed `repeats` times
-    after one untimed round, a barrier before each."""
-    rank, _ = join_group(float(config["timeout"]))
+    """One process of a link job: each size to and from every other process at once
+    (receives posted first, as the programs do), timed `repeats` times after one untimed
+    round, a barrier before each."""
+    rank, world = join_group(float(config["timeout"]))
     try:
-        transport, peer, seconds = GlooTransport(), 1 - rank, []
+        transport, seconds = GlooTransport(), []
+        peers = [r for r in range(world) if r != rank]
         for size in config["link_sizes"]:
             out = torch.zeros(max(size // 4, 1))
-            into = torch.empty_like(out)
+            into = [torch.empty_like(out) for _ in peers]
             times = []
             for _ in range(int(config["repeats"]) + 1):
                 transport.barrier()
                 start = time.perf_counter()
-                transport.wait([transport.recv(0, peer, into), transport.send(0, peer, out)])
+                posted = [transport.recv(0, p, b) for p, b in zip(peers, into, strict=True)]
+                transport.wait(posted + [transport.send(0, p, out) for p in peers])
                 times.append(time.perf_counter() - start)
             seconds.append(float(np.median(times[1:])))
         (job / f"link_{rank}.json").write_text(json.dumps({"seconds": seconds}))

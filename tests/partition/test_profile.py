@@ -21,8 +21,8 @@ CALIBRATED = NetworkModel(
     bandwidth_bps=8e9, latency_s=1e-4,
     kinds={"dense": KindCost(((1e4, 1e-4), (1e6, 2e-4), (1e8, 5e-3)))},
     fill_s_per_value=1e-9, step_fixed_s=3e-4, collective_s=5e-4, parallel_slowdown=0.2,
-    slice_scale=0.9, joined_saving_s=5e-5, link=((1e3, 1e-4), (1e4, 2e-4), (1e5, 1.2e-3)),
-    profile="p.json",
+    slice_scale=0.9, joined_saving_s=5e-5, profile="p.json",
+    link={1: ((1e3, 1e-4), (1e4, 2e-4), (1e5, 1.2e-3)), 3: ((3e3, 4e-4), (3e5, 6e-3))},
 )  # fmt: skip
 
 
@@ -64,12 +64,16 @@ def test_a_phase_is_read_off_the_link_table_and_a_cluster_replaces_it():
     t = CALIBRATED.phase_s(np.array([500.0, 5.5e3, 2e5]))
     assert t[0] == 1e-4 and t[1] == pytest.approx(1.5e-4)  # below: the smallest; interpolated
     assert t[2] == pytest.approx(1.2e-3 + 1e5 * 1e-3 / 9e4)  # above: the last segment's rate
-    bare = replace(CALIBRATED, link=())
+    two, five = CALIBRATED.phase_s(np.array([1e4, 3e3]), np.array([2, 5]))  # tables 1, 3
+    assert two == pytest.approx(2e-4) and five == pytest.approx(4e-4)
+    bare = replace(CALIBRATED, link={})
     assert bare.phase_s(np.array([1e6]))[0] == pytest.approx(1e-4 + 8e6 / 8e9)
     assert NetworkModel.parse("flops=50G", base=CALIBRATED).link == CALIBRATED.link
-    assert NetworkModel.parse("bandwidth=10G", base=CALIBRATED).link == ()  # the cluster's
+    assert NetworkModel.parse("bandwidth=10G", base=CALIBRATED).link == {}  # the cluster's
     with pytest.raises(ValueError, match="link needs positive"):
-        NetworkModel.from_dict({**CALIBRATED.to_dict(), "link": [[1e3, -1.0]]})
+        NetworkModel.from_dict({**CALIBRATED.to_dict(), "link": {"1": [[1e3, -1.0]]}})
+    with pytest.raises(ValueError, match="peers >= 1"):
+        NetworkModel.from_dict({**CALIBRATED.to_dict(), "link": {"0": [[1e3, 1.0]]}})
 
 
 def test_fit_recovers_the_terms_that_made_the_runs():
@@ -77,11 +81,13 @@ def test_fit_recovers_the_terms_that_made_the_runs():
     specs = [load_spec(n) for n in names]
     plans = [(s, plan(s, 1, "metis", batch=batch), plan(s, 2, "metis", batch=batch)) for s in specs]
     base = NetworkModel(kinds={"dense": CALIBRATED.kinds["dense"]}, overlap=False)
-    link = {"sizes": [1e3, 1e4, 1e5, 1e6], "seconds": [1e-4, 2e-4, 1.1e-3, 1.0e-2]}
+    sizes, seconds = [1e3, 1e4, 1e5, 1e6], [1e-4, 2e-4, 1.1e-3, 1.0e-2]
+    link = {"sizes": sizes, "seconds": {"1": seconds, "2": [2 * t for t in seconds]}}
     overhead = 5e-5  # per phase beyond the link
+    table = tuple((b, t + overhead) for b, t in zip(sizes, seconds, strict=True))
+    two_peers = tuple((2 * b, 2 * t + overhead) for b, t in zip(sizes, seconds, strict=True))
     truth = replace(
-        base, link=tuple((b, t + overhead) for b, t in zip(*link.values(), strict=True)),
-        step_fixed_s=3e-4, joined_saving_s=4e-5,
+        base, link={1: table, 2: two_peers}, step_fixed_s=3e-4, joined_saving_s=4e-5
     )  # fmt: skip
     runs = []
     for k, (spec, _, two) in enumerate(plans):
@@ -96,7 +102,8 @@ def test_fit_recovers_the_terms_that_made_the_runs():
                     "step_s": p.predicted_step_s + 2e-3 + 0.3 * p.compute_s},
         })  # fmt: skip
     model = fit(base, plans, runs, batch, link)
-    assert np.allclose(model.link, truth.link, rtol=1e-6)
+    assert model.link.keys() == {1, 2}  # bytes each way in all: per peer x peers
+    assert all(np.allclose(model.link[k], truth.link[k], rtol=1e-6) for k in (1, 2))
     assert model.step_fixed_s == pytest.approx(3e-4) and model.joined_saving_s == pytest.approx(
         4e-5
     )

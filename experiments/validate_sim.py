@@ -8,7 +8,7 @@ runs in N real worker processes, one per machine, against `netpart plan --profil
 for the same plan. Three runs; error = predicted / measured - 1. Needs root (namespaces, cgroups);
 without it, says why and writes nothing.
 
-    python experiments/validate_sim.py                # ~16 min here
+    python experiments/validate_sim.py                # ~20 min here
     python experiments/validate_sim.py --workers 8 --share 0.2
 
 Writes experiments/results/validation.json (and .csv) and the profile, emulated_profile.json.

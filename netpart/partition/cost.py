@@ -54,10 +54,11 @@ def _points(raw, what: str) -> tuple[tuple[float, float], ...]:
 
 
 def _read(table: tuple[tuple[float, float], ...], x: np.ndarray) -> np.ndarray:
-    """A (size, seconds) table read at `x`: piecewise linear (times made non-decreasing), the
-    smallest size's time below it, the last segment's rate above it."""
+    """A (size, seconds) table read at `x`: piecewise linear (each time at most those of the
+    larger sizes: a slow outlier at a small size is noise, as no message costs more than a
+    larger one), the smallest size's time below it, the last segment's rate above it."""
     b, t = np.array(table, dtype=np.float64).T
-    t = np.maximum.accumulate(t)
+    t = np.minimum.accumulate(t[::-1])[::-1]
     rate = (t[-1] - t[-2]) / (b[-1] - b[-2]) if len(b) > 1 else 0.0
     above = t[-1] + (x - b[-1]) * (rate if rate > 0 else t[-1] / b[-1])
     return np.where(x > b[-1], above, np.interp(x, b, t))

@@ -60,7 +60,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
-LINK_WORLD = 4  # processes: the link is measured with 1 to 3 peers at most
+LINK_WORLD = 8  # processes: the link is measured with 1 to 7 peers at most
 CALIBRATION_MODELS = ("tiny-mlp", "digits-mlp", "tiny-local", "bench-local", "bench-local-wide")
 Progress = Callable[[str], None]
 

@@ -64,6 +64,8 @@ def test_a_phase_is_read_off_the_link_table_and_a_cluster_replaces_it():
     t = CALIBRATED.phase_s(np.array([500.0, 5.5e3, 2e5]))
     assert t[0] == 1e-4 and t[1] == pytest.approx(1.5e-4)  # below: the smallest; interpolated
     assert t[2] == pytest.approx(1.2e-3 + 1e5 * 1e-3 / 9e4)  # above: the last segment's rate
+    slow_first = NetworkModel(link={1: ((1e3, 5e-4), (4e3, 1e-4), (1e4, 2e-4))})
+    assert slow_first.phase_s(np.array([1e3]))[0] == 1e-4  # no message costs more than a larger
     two, five = CALIBRATED.phase_s(np.array([1e4, 3e3]), np.array([2, 5]))  # tables 1, 3
     assert two == pytest.approx(2e-4) and five == pytest.approx(4e-4)
     bare = replace(CALIBRATED, link={})

@@ -170,6 +170,9 @@ class Forked:
         self.send_signal(signal.SIGKILL)
 
 
+_STOPS = {signal.SIGINT, signal.SIGTERM}
+
+
 def _child(module: str, args: list[str], env: dict[str, str], log: str) -> None:
     """Become one rank of the job: never returns."""
     code = 1
@@ -177,6 +180,7 @@ def _child(module: str, args: list[str], env: dict[str, str], log: str) -> None:
         die_with_parent()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)  # one sent since the fork lands now
         os.environ.update(env)
         fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(fd, 1)
@@ -215,11 +219,15 @@ def main() -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     pids = []
+    # Blocked, not ignored, across the fork: a stop sent to a child before it has restored
+    # its handlers stays pending instead of being dropped (it would then run on).
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
     for rank in order["ranks"]:
         pid = os.fork()
         if pid == 0:
             _child(order["module"], order["args"], rank["env"], rank["log"])
         pids.append(pid)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)  # ignored here, as before
     out = sys.stdout
     out.write("pids " + " ".join(map(str, pids)) + "\n")
     out.flush()

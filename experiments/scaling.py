@@ -85,15 +85,16 @@ def traced(spec, method: str, workers: int, batch: int, cache: Path, fresh: bool
 
 
 def calibrated(profile: NetworkModel, net_name: str, net: NetworkModel) -> NetworkModel:
-    """The profile's machines (slice tables, fixed costs) on the scenario's links, every
-    worker on a machine of its own (halo hidden behind interior compute)."""
+    """The profile's machines (slice tables, fixed costs) on the scenario's links (the
+    measured link and collective tables dropped), every worker on a machine of its own (halo
+    hidden behind interior compute)."""
     scale = COMPUTE_SCALE.get(net_name, 1.0)
     kinds = {
         k: KindCost(tuple((f, t * scale) for f, t in c.points), c.forward_share)
         for k, c in profile.kinds.items()
     }
     return replace(profile, bandwidth_bps=net.bandwidth_bps, latency_s=net.latency_s,
-                   link={}, kinds=kinds, overlap=True)  # fmt: skip
+                   link={}, gather=(), kinds=kinds, overlap=True)  # fmt: skip
 
 
 def modelled(spec, method: str, n: int, batch: int, profile: NetworkModel) -> list[dict]:

@@ -3,9 +3,13 @@
 Each emulated machine is a network namespace on a switch whose ports are limited with
 `tc tbf` (its own link) and a cpu cgroup held to a share of one core (its own CPU: a worker and
 its gloo threads compete with nothing else). `netpart calibrate` runs on those machines (slices
-timed on one, the link between two, steps on one and two, exchange-only steps), then each model
+timed on one, the link and the loss's collective among 2 up to all of them, steps on one and
+two, exchange-only steps), then each model
 runs in N real worker processes, one per machine, against `netpart plan --profile`'s prediction
-for the same plan. Three runs; error = predicted / measured - 1. Needs root (namespaces, cgroups);
+for the same plan. Three runs; error = predicted / measured - 1. Each row also gives the CPU
+floor: the CPU a step takes on its busiest worker (all threads) / the share, below which no
+step on those machines can run (a step near it is CPU-bound: the quota, not the critical path
+the model sums, sets its time). Needs root (namespaces, cgroups);
 without it, says why and writes nothing.
 
     python experiments/validate_sim.py                # ~20 min here
@@ -101,7 +105,7 @@ class EmulatedRunner:
     def machines(self) -> int:
         return len(self.hosts)
 
-    def link(self, sizes: tuple[int, ...], repeats: int, world: int) -> np.ndarray:
+    def link(self, sizes: tuple[int, ...], repeats: int, world: int) -> tuple[np.ndarray, float]:
         with tempfile.TemporaryDirectory(prefix="netpart-val-") as tmp:
             link_job(Path(tmp), sizes, repeats, timeout=120)
             self._launch(Path(tmp), world, f"the link among {world}")
@@ -109,6 +113,11 @@ class EmulatedRunner:
 
     def steps(self, spec, p: PartitionPlan, batch: int, steps: int, exchange_only=False):
         """Every timed step (slowest worker) of `p` on machines 0..N-1."""
+        return self.run(spec, p, batch, steps, exchange_only)[0]
+
+    def run(self, spec, p: PartitionPlan, batch: int, steps: int, exchange_only=False):
+        """(every timed step, slowest worker; the CPU seconds a step takes on the busiest
+        worker, all its threads, median over the steps) of `p` on machines 0..N-1."""
         n = p.workers
         x, y = make_batch(spec, batch, 0)
         with tempfile.TemporaryDirectory(prefix="netpart-val-") as tmp:
@@ -121,8 +130,16 @@ class EmulatedRunner:
             write_files(job, files)
             torch.save({"inputs": x.float(), "targets": y}, job / "batch.pt")
             self._launch(job, n, f"{spec.name} on {n} machines")
-            times = [load_worker_result(job / f"result_{r}.pt")[0].step_times for r in range(n)]
-        return np.max(np.array(times), axis=0)[WARMUP:]
+            loaded = [load_worker_result(job / f"result_{r}.pt") for r in range(n)]
+        times = np.array([result.step_times for result, _, _ in loaded])
+        cpu = [  # the thread groups' CPU clocks (`netpart.runtime.profile.thread_usage`)
+            np.median(
+                [sum(v for k, v in s.items() if k.endswith("_cpu_s")) for s in usage[WARMUP:]]
+            )
+            for _, _, usage in loaded
+            if usage[WARMUP:]  # exchange-only steps record none
+        ]
+        return np.max(times, axis=0)[WARMUP:], float(max(cpu, default=0.0))
 
     def _launch(self, job: Path, n: int, what: str) -> None:
         """`python -m netpart.runtime.step --job JOB` on machines 0..n-1, to the end."""
@@ -198,8 +215,9 @@ def main(argv=None) -> int:
                 for n in counts:
                     p = plan(spec, n, "metis", batch=BATCH)
                     predicted = reevaluate(spec, p, BATCH, model).metrics
-                    measured = float(np.median(runner.steps(spec, p, BATCH, STEPS)))
-                    rows.append(_row(run, name, n, measured, predicted))
+                    times, cpu = runner.run(spec, p, BATCH, STEPS)
+                    rows.append(_row(run, name, n, float(np.median(times)), predicted))
+                    rows[-1]["cpu_floor_ms"] = cpu / args.share * 1e3
                     _say(_line(rows[-1]))
     doc = {"share": args.share, "rate": args.rate, "batch": BATCH, "steps": STEPS,
            "machines": machines, "profile": json.loads(profile)["model"], "rows": rows}  # fmt: skip
@@ -220,7 +238,8 @@ def _line(r: dict) -> str:
     return (
         f"run {r['run']}  {r['model']:<17} N={r['workers']}  measured {r['measured_ms']:7.1f} ms"
         f"  predicted {r['predicted_ms']:7.1f} ms ({r['error']:+.0%}; compute "
-        f"{r['predicted_compute_ms']:.1f}, exposed exchange {r['predicted_exchange_ms']:.1f})"
+        f"{r['predicted_compute_ms']:.1f}, exposed exchange {r['predicted_exchange_ms']:.1f}); "
+        f"CPU floor {r['cpu_floor_ms']:.1f} ms"
     )
 
 

@@ -116,11 +116,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             f"{kind:<6} {len(cost.points):3d} slices: {t0 * 1e6:8.1f} µs at {f0 / 1e6:9.3f} MFLOP "
             f"... {t1 * 1e3:8.2f} ms at {f1 / 1e9:7.2f} GFLOP ({f1 / t1 / 1e9:.1f} GFLOP/s)"
         )
+    fitted = model.collective_s * 1e3
+    gather = (model.fixed_s(2) - model.step_fixed_s) * 1e3 - fitted
     echo(
         f"exchange: {model.latency_s * 1e6:.0f} µs a phase, "
-        f"{model.bandwidth_bps / 1e9:.2f} Gbit/s (a table of {len(model.link)} sizes); "
-        f"per step {model.step_fixed_s * 1e3:.2f} ms, with N > 1 "
-        f"+{model.collective_s * 1e3:.2f} ms and compute x{1 + model.parallel_slowdown:.2f}"
+        f"{model.bandwidth_bps / 1e9:.2f} Gbit/s (tables for "
+        f"{'/'.join(str(k) for k in sorted(model.link))} peers); per step "
+        f"{model.step_fixed_s * 1e3:.2f} ms; with N = 2 +{gather:.2f} ms (the loss's collective, "
+        f"measured) +{fitted:.2f} ms (fitted) and compute x{1 + model.parallel_slowdown:.2f}"
     )
     echo(f"wrote {args.out}; use it with `netpart plan|run|train --profile {args.out}`")
     return 0

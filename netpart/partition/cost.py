@@ -14,8 +14,10 @@ slice gathers (its input buffer, its gradient's scatter); an exchange phase's ti
 `link`, the runtime's exchange measured per size and number of peers (latency + bytes /
 bandwidth where it has none); all x `slice_scale` (slices in a step against slices timed alone),
 less `joined_saving_s` for a layer with no halo (the runtime runs it in one autograd graph
-with the layer below); and `fixed` = `step_fixed_s` (loss, interpreter) + `collective_s`
-(the loss's collective) with more than one worker.
+with the layer below); and `fixed` = `step_fixed_s` (loss, interpreter) + with more than one
+worker, the loss's collective read off `gather` (measured per number of workers: piecewise
+linear, the last segment's rate beyond it) + `collective_s` (what else a step of more than one
+worker costs once).
 
 With `overlap` (workers on machines of their own: the runtime then splits every layer whose
 work on a worker reaches `SPLIT_MIN_FLOPS` per example), a worker's forward halo travels
@@ -56,7 +58,8 @@ def _points(raw, what: str) -> tuple[tuple[float, float], ...]:
 def _read(table: tuple[tuple[float, float], ...], x: np.ndarray) -> np.ndarray:
     """A (size, seconds) table read at `x`: piecewise linear (each time at most those of the
     larger sizes: a slow outlier at a small size is noise, as no message costs more than a
-    larger one), the smallest size's time below it, the last segment's rate above it."""
+    larger one, nor a collective among fewer workers more than among more), the smallest
+    size's time below it, the last segment's rate above it."""
     b, t = np.array(table, dtype=np.float64).T
     t = np.minimum.accumulate(t[::-1])[::-1]
     rate = (t[-1] - t[-2]) / (b[-1] - b[-2]) if len(b) > 1 else 0.0
@@ -107,13 +110,15 @@ class NetworkModel:
     kinds: dict[str, KindCost] = field(default_factory=dict)
     fill_s_per_value: float = 0.0  # gathering a slice's input / scattering its gradient
     step_fixed_s: float = 0.0  # per step
-    collective_s: float = 0.0  # per step with more than one worker
+    collective_s: float = 0.0  # per step with more than one worker, beyond `gather`
     parallel_slowdown: float = 0.0  # compute is (1 + this) x slower with more than one worker
     slice_scale: float = 1.0  # a slice in a step against the same slice timed alone
     joined_saving_s: float = 0.0  # per layer run in one autograd graph with the one below
     overlap: bool = True  # machines of their own: halo hidden behind interior compute
     # peers -> (bytes each way in all, seconds) of a phase with that many peers, sorted
     link: dict[int, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    # (workers, seconds) of the loss's collective among that many, sorted
+    gather: tuple[tuple[float, float], ...] = ()
     profile: str = ""  # the profile these figures came from ("": defaults or --net)
 
     def __hash__(self) -> int:
@@ -125,7 +130,7 @@ class NetworkModel:
             return {k: out[k] for k in ("bandwidth_bps", "latency_s", "flops_per_s")}
         kinds = {k: c.to_dict() for k, c in self.kinds.items()}
         link = {str(k): [list(p) for p in v] for k, v in self.link.items()}
-        return {**out, "kinds": kinds, "link": link}
+        return {**out, "kinds": kinds, "link": link, "gather": [list(p) for p in self.gather]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> NetworkModel:
@@ -138,11 +143,16 @@ class NetworkModel:
         link = {int(k): _points(v, "link") for k, v in raw.items()}
         if any(k < 1 or not v for k, v in link.items()):
             raise ValueError("link needs peers >= 1, each with (bytes, seconds) points")
+        gather = _points(data.pop("gather", ()), "gather")
+        if any(n < 2 for n, _ in gather):
+            raise ValueError("gather needs (workers >= 2, seconds) points")
         overlap = data.pop("overlap", True)
         if not isinstance(overlap, bool):
             raise ValueError("overlap is true or false")
         floats = {k: float(v) for k, v in data.items()}
-        return cls(**floats, kinds=kinds, overlap=overlap, link=link, profile=profile)
+        return cls(
+            **floats, kinds=kinds, overlap=overlap, link=link, gather=gather, profile=profile
+        )
 
     @classmethod
     def from_profile(cls, text: str, source: str) -> NetworkModel:
@@ -167,6 +177,8 @@ class NetworkModel:
         if self.profile:
             peers = "/".join(str(k) for k in sorted(self.link))
             link = f", link measured with {peers} peers" if self.link else ""
+            if self.gather:
+                link += f", collective with {'/'.join(f'{n:g}' for n, _ in self.gather)} workers"
             return (
                 f"calibrated profile {self.profile}: {self.bandwidth_bps / 1e9:.3g} Gbit/s, "
                 f"{self.latency_s * 1e6:.3g} µs{link}"
@@ -220,8 +232,12 @@ class NetworkModel:
         return out
 
     def fixed_s(self, workers: int) -> float:
-        """Per step, beyond layers: the runtime's own cost, and the collective with N > 1."""
-        return self.step_fixed_s + (self.collective_s if workers > 1 else 0.0)
+        """Per step, beyond layers: the runtime's own cost, and with N > 1 the loss's
+        collective (read off `gather` where measured) and `collective_s`."""
+        if workers <= 1:
+            return self.step_fixed_s
+        gather = float(_read(self.gather, np.array(float(workers)))) if self.gather else 0.0
+        return self.step_fixed_s + gather + self.collective_s
 
     @classmethod
     def parse(cls, text: str, base: NetworkModel | None = None) -> NetworkModel:
@@ -257,7 +273,7 @@ class NetworkModel:
                 ) from None
         net = replace(base or cls(), **values, overlap=True)  # a cluster: machines of their own
         if {"bandwidth_bps", "latency_s"} & values.keys():
-            net = replace(net, link={})  # the cluster's network, not the measured one
+            net = replace(net, link={}, gather=())  # the cluster's network, not the measured
         if min(net.bandwidth_bps, net.flops_per_s) <= 0 or net.latency_s < 0:
             raise PlanError("--net: bandwidth and flops must be positive, latency >= 0")
         return net

@@ -10,15 +10,16 @@ Every step measurement is the median of `repeats` runs, the cases alternating.
    forward pass's median share of a slice.
 2. Link: 2 processes (and, where the runner has the machines, up to `LINK_WORLD`) exchanging
    messages of `LINK_SIZES` with every other process, both ways, through the runtime's
-   transport (`run_link`): seconds per size and number of peers.
+   transport (`run_link`): seconds per size and number of peers; and the loss's collective
+   among them: seconds per number of workers (the profile's `gather`).
 3. Exchange: 2 worker processes running only their programs' messages
    (`run_step(exchange_only=True)`): what a phase costs beyond the link's time for its bytes
    (phases and bytes from each plan's validated schedule), fitted as one overhead per phase
    and added to the link table (the profile's `link`).
 4. Steps on 1 process: what the steps hold beyond their slices, fitted to step_fixed_s -
    joined_saving_s x the layers run in one autograd graph with the layer below.
-5. Steps on 2 processes: what is left beyond the planner's prediction so far (overlap
-   included), fitted to collective_s (the loss's collective) + parallel_slowdown x compute.
+5. Steps on 2 processes: what is left beyond the planner's prediction so far (overlap and
+   the measured collective included), fitted to collective_s + parallel_slowdown x compute.
 
 The result is a `NetworkModel` whose `profile` names the file; `profile_json` adds every
 measurement it was fitted to, so a profile can be checked by hand.
@@ -77,15 +78,18 @@ class Runner(Protocol):
     """Where calibration runs: `overlap` says whether each process has a machine of its own
     (the runtime then hides halo behind interior compute); `slices` times every slice of
     each plan alone on one of those machines; `link` the exchange of each size among `world`
-    of them (`run_link`); `machines` is how many it has; `step` runs a plan's workers, one
-    per machine, and returns the median step (seconds, slowest worker)."""
+    of them and their loss's collective (`run_link`); `machines` is how many it has; `step`
+    runs a plan's workers, one per machine, and returns the median step (seconds, slowest
+    worker)."""
 
     overlap: bool
     machines: int
 
     def slices(self, spec: ModelSpec, plans: list[PartitionPlan], batch: int) -> list: ...
 
-    def link(self, sizes: tuple[int, ...], repeats: int, world: int) -> np.ndarray: ...
+    def link(
+        self, sizes: tuple[int, ...], repeats: int, world: int
+    ) -> tuple[np.ndarray, float]: ...
 
     def step(
         self, spec: ModelSpec, p: PartitionPlan, batch: int, steps: int, exchange_only: bool
@@ -107,7 +111,7 @@ class LocalRunner:
         finally:
             torch.set_num_threads(threads)
 
-    def link(self, sizes: tuple[int, ...], repeats: int, world: int) -> np.ndarray:
+    def link(self, sizes: tuple[int, ...], repeats: int, world: int) -> tuple[np.ndarray, float]:
         return run_link(sizes, repeats, world=world)
 
     def step(self, spec, p, batch, steps, exchange_only=False) -> float:
@@ -214,7 +218,8 @@ def _link_terms(link: dict, runs: list[dict]) -> dict:
     """The link tables the runtime's exchanges see and their summary (latency, bandwidth):
     the measured link + a per-phase overhead fitted to the exchange-only runs (each = sum
     over its phases of overhead + the one-peer link's time for the phase's bytes; weighted by
-    1 / the run). `link` holds bytes per peer and, per number of peers, seconds."""
+    1 / the run); and the loss's collective per number of workers. `link` holds bytes per
+    peer and, per number of peers, seconds (and, per number of workers, `gather_s`)."""
     sizes = np.array(link["sizes"])
     raw = {int(k): tuple(zip(sizes * int(k), t, strict=True)) for k, t in link["seconds"].items()}
     two = [r["two"] for r in runs]
@@ -227,7 +232,9 @@ def _link_terms(link: dict, runs: list[dict]) -> dict:
     tables = {k: tuple((b, overhead + t) for b, t in v) for k, v in raw.items()}
     b, secs = np.array(tables[1]).T
     latency, per_byte = _lstsq([[1.0, x] for x in b], list(secs), list(secs))
-    return {"link": tables, "latency_s": latency, "bandwidth_bps": 8.0 / max(per_byte, 1e-15)}
+    gather = tuple(sorted((float(n), float(t)) for n, t in link.get("gather_s", {}).items()))
+    return {"link": tables, "latency_s": latency, "bandwidth_bps": 8.0 / max(per_byte, 1e-15),
+            "gather": gather}  # fmt: skip
 
 
 def fit(base: NetworkModel, plans: Plans, runs: list[dict], batch: int, link: dict) -> NetworkModel:
@@ -246,7 +253,7 @@ def fit(base: NetworkModel, plans: Plans, runs: list[dict], batch: int, link: di
         [x["step_s"] - x["compute_s"] for x in one], measured,
     )  # fmt: skip
     model = replace(
-        base, link=terms["link"], bandwidth_bps=terms["bandwidth_bps"],
+        base, link=terms["link"], bandwidth_bps=terms["bandwidth_bps"], gather=terms["gather"],
         latency_s=terms["latency_s"], step_fixed_s=step_fixed, joined_saving_s=saving,
     )  # fmt: skip
     # Two: what is left is the collective, and compute slowed by sharing the machine.
@@ -269,14 +276,17 @@ def calibrate(
     points = _compute_points(specs, batch, runner, say)
     kinds = {k: _kind_cost(v) for k, v in sorted(points.items())}
     base = NetworkModel(kinds=kinds, overlap=runner.overlap)
-    link = {"sizes": [float(b) for b in LINK_SIZES], "seconds": {}}
+    link = {"sizes": [float(b) for b in LINK_SIZES], "seconds": {}, "gather_s": {}}
     for world in range(2, min(runner.machines, LINK_WORLD) + 1):
-        seconds = [float(t) for t in runner.link(LINK_SIZES, 10, world)]
+        times, gather = runner.link(LINK_SIZES, 10, world)
+        seconds = [float(t) for t in times]
         link["seconds"][str(world - 1)] = seconds
+        link["gather_s"][str(world)] = float(gather)
         pairs = zip(LINK_SIZES, seconds, strict=True)
         say(
             f"link, {world - 1} peer(s), per peer: "
             + ", ".join(f"{b >> 10} KB {t * 1e3:.2f} ms" for b, t in pairs)
+            + f"; the loss's collective {gather * 1e3:.2f} ms"
         )
     plans = [(s, plan(s, 1, "metis", batch=batch), plan(s, 2, "metis", batch=batch)) for s in specs]
     runs = []

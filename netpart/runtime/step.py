@@ -9,7 +9,8 @@ the error names the cause first (survivors' errors only name the peer they lost)
 
 `run_link` uses the same job machinery for the link between processes: messages of each size
 sent to and from every other process at once through the runtime's transport, as a halo
-exchange sends them.
+exchange sends them, and then the loss's collective (an all-gather of `GATHER_VALUES` floats
+from each process) back to back, as a step's loss runs it.
 """
 
 from __future__ import annotations
@@ -38,11 +39,21 @@ from netpart.runtime.result import StepResult, assemble, load_worker_result, sav
 from netpart.runtime.transport import PEER_LOST, GlooTransport
 from netpart.runtime.worker import ModelWorker, WorkerResult
 
-__all__ = ["DTYPES", "LINK_SIZES", "link_job", "run_link", "run_step"]
+__all__ = [
+    "DTYPES",
+    "GATHER_VALUES",
+    "LINK_SIZES",
+    "link_job",
+    "link_result",
+    "run_link",
+    "run_step",
+]
 
 log = logging.getLogger(__name__)
 
 LINK_SIZES = (1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)  # bytes each way
+GATHER_VALUES = 3 * 32 + 1  # the loss's all-gather at batch 32: (max, sum, target) + stop flag
+GATHER_REPEATS = 100
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
@@ -104,18 +115,20 @@ def link_job(job: Path, sizes: tuple[int, ...], repeats: int, timeout: float = 6
     write_files(job, {"config.json": json.dumps(config).encode()})
 
 
-def link_result(job: Path, world: int) -> np.ndarray:
-    """Seconds per size of a finished link job: the slowest process's median."""
-    times = [json.loads((job / f"link_{r}.json").read_text())["seconds"] for r in range(world)]
-    return np.max(np.array(times), axis=0)
+def link_result(job: Path, world: int) -> tuple[np.ndarray, float]:
+    """(seconds per size, seconds of the loss's collective) of a finished link job: per size
+    the slowest process's median; the collective's mean, on the slowest process."""
+    done = [json.loads((job / f"link_{r}.json").read_text()) for r in range(world)]
+    seconds = np.max(np.array([d["seconds"] for d in done]), axis=0)
+    return seconds, max(float(d["gather_s"]) for d in done)
 
 
 def run_link(
     sizes: tuple[int, ...] = LINK_SIZES, repeats: int = 10, timeout: float = 60.0, world: int = 2
-) -> np.ndarray:
+) -> tuple[np.ndarray, float]:
     """Seconds for `world` local processes to exchange a message of each size (bytes) with
-    every other, both ways at once, through the runtime's transport: the median of `repeats`,
-    the slowest process."""
+    every other, both ways at once, through the runtime's transport (the median of `repeats`,
+    the slowest process), and of the loss's collective among them (`link_result`)."""
     with tempfile.TemporaryDirectory(prefix="netpart-link-") as tmp:
         job = Path(tmp)
         link_job(job, sizes, repeats, timeout)
@@ -128,7 +141,8 @@ def run_link(
 def _link(job: Path, config: dict) -> int:
     """One process of a link job: each size to and from every other process at once
     (receives posted first, as the programs do), timed `repeats` times after one untimed
-    round, a barrier before each."""
+    round, a barrier before each; then the loss's all-gather `GATHER_REPEATS` times back to
+    back (no barrier: each waits for the last process to arrive, as in a step), its mean."""
     rank, world = join_group(float(config["timeout"]))
     try:
         transport, seconds = GlooTransport(), []
@@ -144,7 +158,14 @@ def _link(job: Path, config: dict) -> int:
                 transport.wait(posted + [transport.send(0, p, out) for p in peers])
                 times.append(time.perf_counter() - start)
             seconds.append(float(np.median(times[1:])))
-        (job / f"link_{rank}.json").write_text(json.dumps({"seconds": seconds}))
+        values, times = torch.zeros(GATHER_VALUES), []
+        transport.barrier()
+        for _ in range(GATHER_REPEATS + 1):
+            start = time.perf_counter()
+            transport.all_gather(values)
+            times.append(time.perf_counter() - start)
+        done = {"seconds": seconds, "gather_s": float(np.mean(times[1:]))}
+        (job / f"link_{rank}.json").write_text(json.dumps(done))
     finally:
         torch.distributed.destroy_process_group()
     return 0

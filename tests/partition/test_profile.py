@@ -23,6 +23,7 @@ CALIBRATED = NetworkModel(
     fill_s_per_value=1e-9, step_fixed_s=3e-4, collective_s=5e-4, parallel_slowdown=0.2,
     slice_scale=0.9, joined_saving_s=5e-5, profile="p.json",
     link={1: ((1e3, 1e-4), (1e4, 2e-4), (1e5, 1.2e-3)), 3: ((3e3, 4e-4), (3e5, 6e-3))},
+    gather=((2.0, 1e-3), (4.0, 3e-3)),
 )  # fmt: skip
 
 
@@ -72,10 +73,24 @@ def test_a_phase_is_read_off_the_link_table_and_a_cluster_replaces_it():
     assert bare.phase_s(np.array([1e6]))[0] == pytest.approx(1e-4 + 8e6 / 8e9)
     assert NetworkModel.parse("flops=50G", base=CALIBRATED).link == CALIBRATED.link
     assert NetworkModel.parse("bandwidth=10G", base=CALIBRATED).link == {}  # the cluster's
+    assert NetworkModel.parse("latency=1ms", base=CALIBRATED).gather == ()
     with pytest.raises(ValueError, match="link needs positive"):
         NetworkModel.from_dict({**CALIBRATED.to_dict(), "link": {"1": [[1e3, -1.0]]}})
     with pytest.raises(ValueError, match="peers >= 1"):
         NetworkModel.from_dict({**CALIBRATED.to_dict(), "link": {"0": [[1e3, 1.0]]}})
+
+
+def test_the_collective_is_read_off_its_table_by_the_number_of_workers():
+    fixed = CALIBRATED.step_fixed_s + CALIBRATED.collective_s
+    assert CALIBRATED.fixed_s(1) == CALIBRATED.step_fixed_s  # one worker: no collective
+    assert CALIBRATED.fixed_s(2) == pytest.approx(fixed + 1e-3)
+    assert CALIBRATED.fixed_s(3) == pytest.approx(fixed + 2e-3)  # interpolated
+    assert CALIBRATED.fixed_s(8) == pytest.approx(fixed + 7e-3)  # the last segment's rate
+    noisy = replace(CALIBRATED, gather=((2.0, 4e-3), (4.0, 3e-3)))  # fewer can cost no more
+    assert noisy.fixed_s(2) == pytest.approx(fixed + 3e-3)
+    assert replace(CALIBRATED, gather=()).fixed_s(8) == pytest.approx(fixed)
+    with pytest.raises(ValueError, match="workers >= 2"):
+        NetworkModel.from_dict({**CALIBRATED.to_dict(), "gather": [[1, 1e-3]]})
 
 
 def test_fit_recovers_the_terms_that_made_the_runs():
@@ -84,12 +99,14 @@ def test_fit_recovers_the_terms_that_made_the_runs():
     plans = [(s, plan(s, 1, "metis", batch=batch), plan(s, 2, "metis", batch=batch)) for s in specs]
     base = NetworkModel(kinds={"dense": CALIBRATED.kinds["dense"]}, overlap=False)
     sizes, seconds = [1e3, 1e4, 1e5, 1e6], [1e-4, 2e-4, 1.1e-3, 1.0e-2]
-    link = {"sizes": sizes, "seconds": {"1": seconds, "2": [2 * t for t in seconds]}}
+    link = {"sizes": sizes, "seconds": {"1": seconds, "2": [2 * t for t in seconds]},
+            "gather_s": {"2": 6e-4, "3": 9e-4}}  # fmt: skip
     overhead = 5e-5  # per phase beyond the link
     table = tuple((b, t + overhead) for b, t in zip(sizes, seconds, strict=True))
     two_peers = tuple((2 * b, 2 * t + overhead) for b, t in zip(sizes, seconds, strict=True))
     truth = replace(
-        base, link={1: table, 2: two_peers}, step_fixed_s=3e-4, joined_saving_s=4e-5
+        base, link={1: table, 2: two_peers}, step_fixed_s=3e-4, joined_saving_s=4e-5,
+        gather=((2.0, 6e-4), (3.0, 9e-4)),
     )  # fmt: skip
     runs = []
     for k, (spec, _, two) in enumerate(plans):
@@ -109,6 +126,7 @@ def test_fit_recovers_the_terms_that_made_the_runs():
     assert model.step_fixed_s == pytest.approx(3e-4) and model.joined_saving_s == pytest.approx(
         4e-5
     )
+    assert model.gather == truth.gather  # measured: the fitted constant is what is beyond it
     assert model.collective_s == pytest.approx(2e-3, rel=1e-3)
     assert model.parallel_slowdown == pytest.approx(0.3, rel=1e-3)
 
@@ -117,7 +135,7 @@ def test_the_calibrated_model_adds_its_terms_to_the_prediction():
     spec = load_spec("digits-mlp")
     p = plan(spec, 2, "stripe", batch=32, network=CALIBRATED)
     m = p.metrics
-    assert m.predicted_step_s == pytest.approx(m.compute_s + m.exchange_s + 3e-4 + 5e-4)
+    assert m.predicted_step_s == pytest.approx(m.compute_s + m.exchange_s + 3e-4 + 1e-3 + 5e-4)
     flops = np.array([[5e5, 5e5], [0.0, 0.0]])
     traffic = np.zeros((2, 2, 2))
     compute, exchange = layer_times(flops, traffic, 32, CALIBRATED, ["dense", "dense"])
@@ -187,6 +205,7 @@ def test_calibrate_writes_a_profile_that_plan_and_run_use(tmp_path, capsys):
     kinds = {layer.kind for name in ("tiny-mlp", "tiny-local") for layer in load_spec(name).layers}
     assert set(model.kinds) == kinds  # a slice table for every kind measured
     assert model.bandwidth_bps > 0 and model.slice_scale > 0
+    assert [n for n, _ in model.gather] == [2.0]  # the loss's collective, measured here
     capsys.readouterr()
     assert main(["plan", "--model", "tiny-local", "--workers", "2", "--profile", str(out)]) == 0
     assert f"calibrated profile {out}" in capsys.readouterr().out

@@ -116,8 +116,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             f"{kind:<6} {len(cost.points):3d} slices: {t0 * 1e6:8.1f} µs at {f0 / 1e6:9.3f} MFLOP "
             f"... {t1 * 1e3:8.2f} ms at {f1 / 1e9:7.2f} GFLOP ({f1 / t1 / 1e9:.1f} GFLOP/s)"
         )
-    fitted = model.collective_s * 1e3
-    gather = (model.fixed_s(2) - model.step_fixed_s) * 1e3 - fitted
+    fitted, gather = model.collective_s * 1e3, model.gather_s(2) * 1e3
     echo(
         f"exchange: {model.latency_s * 1e6:.0f} µs a phase, "
         f"{model.bandwidth_bps / 1e9:.2f} Gbit/s (tables for "

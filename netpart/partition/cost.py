@@ -231,13 +231,16 @@ class NetworkModel:
             out = np.where(pick == i, _read(self.link[k], nbytes), out)
         return out
 
+    def gather_s(self, workers: int) -> float:
+        """The loss's collective among `workers` (> 1), read off `gather` (0 unmeasured)."""
+        return float(_read(self.gather, np.array(float(workers)))) if self.gather else 0.0
+
     def fixed_s(self, workers: int) -> float:
         """Per step, beyond layers: the runtime's own cost, and with N > 1 the loss's
-        collective (read off `gather` where measured) and `collective_s`."""
+        collective (`gather_s`) and `collective_s`."""
         if workers <= 1:
             return self.step_fixed_s
-        gather = float(_read(self.gather, np.array(float(workers)))) if self.gather else 0.0
-        return self.step_fixed_s + gather + self.collective_s
+        return self.step_fixed_s + self.gather_s(workers) + self.collective_s
 
     @classmethod
     def parse(cls, text: str, base: NetworkModel | None = None) -> NetworkModel:

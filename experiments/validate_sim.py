@@ -118,19 +118,7 @@ class EmulatedRunner:
     def run(self, spec, p: PartitionPlan, batch: int, steps: int, exchange_only=False):
         """(every timed step, slowest worker; the CPU seconds a step takes on the busiest
         worker, all its threads, median over the steps) of `p` on machines 0..N-1."""
-        n = p.workers
-        x, y = make_batch(spec, batch, 0)
-        with tempfile.TemporaryDirectory(prefix="netpart-val-") as tmp:
-            job = Path(tmp)
-            files = plan_files(p)
-            files["spec.json"] = spec.to_json().encode()
-            config = {"seed": 0, "dtype": "float32", "timeout": 120, "threads": 1, "split": True,
-                      "steps": steps + WARMUP, "exchange_only": exchange_only}  # fmt: skip
-            files["config.json"] = json.dumps(config).encode()
-            write_files(job, files)
-            torch.save({"inputs": x.float(), "targets": y}, job / "batch.pt")
-            self._launch(job, n, f"{spec.name} on {n} machines")
-            loaded = [load_worker_result(job / f"result_{r}.pt") for r in range(n)]
+        loaded = self.results(spec, p, batch, steps, exchange_only)
         times = np.array([result.step_times for result, _, _ in loaded])
         cpu = [  # the thread groups' CPU clocks (`netpart.runtime.profile.thread_usage`)
             np.median(
@@ -140,6 +128,23 @@ class EmulatedRunner:
             if usage[WARMUP:]  # exchange-only steps record none
         ]
         return np.max(times, axis=0)[WARMUP:], float(max(cpu, default=0.0))
+
+    def results(self, spec, p: PartitionPlan, batch, steps, exchange_only=False, split=True):
+        """Every worker's `load_worker_result` of `steps` + WARMUP steps of `p` on machines
+        0..N-1 (`split`: programs hide halo behind compute, as across real machines)."""
+        n = p.workers
+        x, y = make_batch(spec, batch, 0)
+        with tempfile.TemporaryDirectory(prefix="netpart-val-") as tmp:
+            job = Path(tmp)
+            files = plan_files(p)
+            files["spec.json"] = spec.to_json().encode()
+            config = {"seed": 0, "dtype": "float32", "timeout": 120, "threads": 1, "split": split,
+                      "steps": steps + WARMUP, "exchange_only": exchange_only}  # fmt: skip
+            files["config.json"] = json.dumps(config).encode()
+            write_files(job, files)
+            torch.save({"inputs": x.float(), "targets": y}, job / "batch.pt")
+            self._launch(job, n, f"{spec.name} on {n} machines")
+            return [load_worker_result(job / f"result_{r}.pt") for r in range(n)]
 
     def _launch(self, job: Path, n: int, what: str) -> None:
         """`python -m netpart.runtime.step --job JOB` on machines 0..n-1, to the end."""

@@ -14,7 +14,7 @@ a network namespace behind a `tc tbf` link and a cpu cgroup held to a share of o
 Figures (medians over rounds): speedup = one / split; the share of the exchange hidden =
 1 - exposed(split) / exposed(joined), where exposed is a step's time blocked on halo
 (`wait`, mean over the two workers, median per step); and per layer, each phase's exposed
-and hidden milliseconds (worker 0, median over steps of its last run). Needs root.
+and hidden milliseconds (worker 0's last step of the last round). Needs root.
 
     python benchmarks/overlap_bench.py --out benchmarks/results/overlap_bench.json  # ~6 min
 """

@@ -67,6 +67,43 @@ def small_specs(draw: st.DrawFn, max_layers: int = 4) -> ModelSpec:
         raise
 
 
+@st.composite
+def chain_specs(draw: st.DrawFn) -> ModelSpec:
+    """Specs shaped like bench-local (a layer, a pool, a layer with a window, a dense top), on
+    whose plans producer chains of several layers are common."""
+    act = st.sampled_from(["relu", "tanh", "sigmoid", "none"])
+    layers = [
+        {
+            "kind": draw(st.sampled_from(["local", "conv"])),
+            "channels": draw(st.integers(1, 3)),
+            "kernel": draw(st.integers(1, 3)),
+            "stride": 1,
+            "activation": draw(act),
+        },
+        {
+            "kind": "pool",
+            "mode": draw(st.sampled_from(["max", "avg", "l2"])),
+            "kernel": 2,
+            "stride": 2,
+        },
+    ]
+    top = draw(st.sampled_from(["lcn", "local", "conv", "pool"]))
+    if top == "lcn":
+        layers.append({"kind": "lcn", "kernel": 3})
+    elif top == "pool":
+        layers.append({"kind": "pool", "mode": "max", "kernel": 2, "stride": 1, "padding": 1})
+    else:
+        window = {"channels": 2, "kernel": 3, "stride": 1, "padding": 1, "activation": draw(act)}
+        layers.append({"kind": top, **window})
+    layers.append({"kind": "dense", "units": draw(st.integers(2, 4)), "activation": "softmax"})
+    inp = {
+        "channels": draw(st.integers(1, 2)),
+        "height": draw(st.integers(8, 12)),
+        "width": draw(st.integers(8, 12)),
+    }
+    return ModelSpec.from_dict({"name": "chain", "input": inp, "layer": layers})
+
+
 def reads(spec: ModelSpec, index: int, unit: tuple[int, int, int]) -> list[tuple[int, int, int]]:
     """Input units (c, y, x) that output unit `unit` of layer `index` reads: explicit loops."""
     layer, src = spec.layers[index], spec.input_shape(index)

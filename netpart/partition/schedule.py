@@ -16,6 +16,7 @@ an order its data allows, and (with the plan) that volumes equal the plan's figu
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ import numpy as np
 
 from netpart.errors import ScheduleError, ShapeMismatchError
 from netpart.models.spec import ModelSpec
+from netpart.partition.chains import producer_chains
 from netpart.partition.cost import SPLIT_MIN_FLOPS
 from netpart.partition.graph import (
     BYTES_PER_VALUE,
@@ -48,8 +50,8 @@ __all__ = [
 
 OPS = ("compute", "send", "recv", "wait", "loss")
 PARTS = {
-    "forward": ("all", "interior", "boundary", "joined"),
-    "backward": ("all", "input", "weights", "through"),
+    "forward": ("all", "interior", "boundary", "joined", "early", "late"),
+    "backward": ("all", "input", "weights", "through", "late", "early"),
 }
 _WHOLE = {"forward": ({"all"}, {"joined"}), "backward": ({"all"}, {"through"})}
 
@@ -102,6 +104,10 @@ class HaloSchedule:
     overlap: bool = False
     flops: np.ndarray | None = None  # [layers, workers] forward+backward FLOPs per example
     split_min_flops: float = 0.0
+    early: tuple[tuple[np.ndarray, ...], ...] = ()  # producer chains' early units
+    chains: tuple[
+        tuple[tuple[int, int], ...], ...
+    ] = ()  # per worker: (a, b), netpart.partition.chains
 
     def joined(self, worker: int, layer: int) -> bool:
         """Whether `worker` owns every unit of the layer below `layer` and exchanges nothing
@@ -154,32 +160,74 @@ class HaloSchedule:
     def instructions(self, worker: int) -> tuple[Instruction, ...]:
         """Worker `worker`'s program: forward layer by layer (post the halo; compute the
         interior; wait; compute the rest), the loss, then backward in reverse (the input
-        gradients; post them; the weight gradients; wait)."""
-        prog = [Instruction("compute", 0)]
-        for layer in range(1, len(self.sends)):
-            msgs = self.messages(worker, layer, "forward")
-            wait = [Instruction("wait", layer)] if msgs else []
-            if self.joined(worker, layer):
-                prog.append(Instruction("compute", layer, part="joined"))
-            elif self.split_forward(worker, layer):
-                inner = Instruction("compute", layer, part="interior")
-                prog += [*msgs, inner, *wait, Instruction("compute", layer, part="boundary")]
-            else:
-                prog += [*msgs, *wait, Instruction("compute", layer)]
+        gradients; post them; the weight gradients; wait). A producer chain a..b computes its
+        early units, posts layer b + 1's messages, then its late units; backward, its late
+        units before the wait for layer b + 1's gradients, its early units after."""
+        starts = dict(self.chains[worker]) if self.chains and self.overlap else {}
+        tops = {b + 1: (a, b) for a, b in starts.items()}
+        prog = [] if 0 in starts else [Instruction("compute", 0)]
+        posted: set[int] = set()
+        layer = 0 if 0 in starts else 1
+        while layer < len(self.sends):
+            if layer in starts:
+                a, b = layer, starts[layer]
+                prog += self._forward_layer(worker, a, posted, part="early")
+                prog += [Instruction("compute", k, part="early") for k in range(a + 1, b + 1)]
+                prog += self.messages(worker, b + 1, "forward")
+                posted.add(b + 1)
+                prog += [Instruction("compute", k, part="late") for k in range(a, b + 1)]
+                layer = b + 1
+                continue
+            prog += self._forward_layer(worker, layer, posted)
+            layer += 1
         prog.append(Instruction("loss", len(self.sends) - 1))
-        for layer in range(len(self.sends) - 1, 0, -1):
-            msgs = self.messages(worker, layer, "backward")
-            wait = [Instruction("wait", layer, "backward")] if msgs else []
-            if self.joined(worker, layer):
-                prog.append(Instruction("compute", layer, "backward", part="through"))
-            elif self.split_backward(worker, layer):
-                grads = Instruction("compute", layer, "backward", part="input")
-                weights = Instruction("compute", layer, "backward", part="weights")
-                prog += [grads, *msgs, weights, *wait]
+        chained = {k for a, b in starts.items() for k in range(a, b + 1)}
+        layer = len(self.sends) - 1
+        while layer > 0:
+            below = tops.get(layer)  # the chain whose early units this layer's halo carries
+            late = [
+                Instruction("compute", k, "backward", part="late")
+                for k in (range(below[1], below[0] - 1, -1) if below else ())
+            ]
+            early = [dataclasses.replace(i, part="early") for i in late]
+            if layer in chained:  # its parts went with its chain: here only its messages
+                msgs = self.messages(worker, layer, "backward")
+                wait = [Instruction("wait", layer, "backward")] if msgs else []
+                prog += [*msgs, *late, *wait, *early]
             else:
-                prog += [Instruction("compute", layer, "backward"), *msgs, *wait]
-        prog.append(Instruction("compute", 0, "backward"))
+                prog += self._backward_layer(worker, layer, late, early)
+            layer = below[0] if below else layer - 1
+        if 0 not in chained:
+            prog.append(Instruction("compute", 0, "backward"))
         return tuple(prog)
+
+    def _forward_layer(self, worker: int, layer: int, posted: set, part: str = "") -> list:
+        """One layer's forward instructions (its messages unless `posted` already); with
+        `part` ("early"), only its messages and wait, then that part."""
+        msgs = self.messages(worker, layer, "forward") if layer else []
+        wait = [Instruction("wait", layer)] if msgs else []
+        msgs = [] if layer in posted else msgs
+        if part:
+            return [*msgs, *wait, Instruction("compute", layer, part=part)]
+        if self.joined(worker, layer):
+            return [Instruction("compute", layer, part="joined")]
+        if self.split_forward(worker, layer):
+            inner = Instruction("compute", layer, part="interior")
+            return [*msgs, inner, *wait, Instruction("compute", layer, part="boundary")]
+        return [*msgs, *wait, Instruction("compute", layer)]
+
+    def _backward_layer(self, worker: int, layer: int, before: list, after: list) -> list:
+        """One layer's backward instructions; `before` run while its messages travel (before
+        the wait), `after` once they are in."""
+        msgs = self.messages(worker, layer, "backward")
+        wait = [Instruction("wait", layer, "backward")] if msgs else []
+        if self.joined(worker, layer):
+            return [Instruction("compute", layer, "backward", part="through"), *before, *after]
+        if self.split_backward(worker, layer):
+            grads = Instruction("compute", layer, "backward", part="input")
+            weights = Instruction("compute", layer, "backward", part="weights")
+            return [grads, *msgs, weights, *before, *wait, *after]
+        return [Instruction("compute", layer, "backward"), *msgs, *before, *wait, *after]
 
     def table(self, worker: int) -> str:
         """The program of `worker` as a text table (for `netpart check --show-schedule`)."""
@@ -206,6 +254,11 @@ class HaloSchedule:
                     raise ScheduleError(
                         f"layer {layer}: worker {s} sends {d} units it does not own"
                     )
+        for w, chains in enumerate(self.chains):
+            for _, b in chains:
+                out = [u for (s, _), u in self.sends[b + 1].items() if s == w]
+                if not np.isin(np.concatenate(out), self.early[b][w]).all():
+                    raise ScheduleError(f"worker {w}: layer {b} sends units it computes late")
         sent: dict[tuple, int] = {}
         received: dict[tuple, int] = {}
         for w in range(self.workers):
@@ -279,10 +332,26 @@ def check_program(program: tuple[Instruction, ...], layers: int, worker: int = 0
         raise ScheduleError(f"worker {worker}, instruction {k} ({program[k]}): {why}")
 
     def complete(parts: set[str], phase: str) -> bool:
-        return parts in _WHOLE[phase] or parts == set(PARTS[phase][1:3])
+        halves = ({"early", "late"}, set(PARTS[phase][1:3]))
+        return parts in _WHOLE[phase] or parts in halves
 
     def halo_in(layer: int, phase: str) -> bool:
         return (layer, phase) not in posted or (layer, phase) in waited
+
+    def input_ready(layer: int, part: str) -> bool:
+        below = fwd[layer - 1] if layer else {"all"}
+        if part == "early":  # reads the early units below, or any of the whole layer
+            return complete(below, "forward") or "early" in below
+        return complete(below, "forward") and (part != "late" or "early" in fwd[layer])
+
+    def grad_ready(layer: int, part: str) -> bool:
+        above = layer + 1
+        if above >= layers:
+            return True
+        started = {"all", "input", "through"} & bwd[above]
+        if part == "late":  # its gradients come from this worker alone
+            return bool(started) or "late" in bwd[above]
+        return bool(started or {"early", "late"} <= bwd[above]) and halo_in(above, "backward")
 
     for k, ins in enumerate(program):
         key = (ins.layer, ins.phase)
@@ -294,31 +363,30 @@ def check_program(program: tuple[Instruction, ...], layers: int, worker: int = 0
                 fail(k, "an unknown part, or a part computed twice")
             if ins.part in ("all", "joined", "through") and done:
                 fail(k, "the whole layer after a part of it")
+            if done and {ins.part, *done} not in ({"early", "late"}, set(PARTS[ins.phase][1:3])):
+                fail(k, "parts of two different splits")
             if ins.part in ("joined", "through") and (not ins.layer or key in posted):
                 fail(k, "a layer joined to the one below has no messages")
             if ins.part == "through" and "joined" not in fwd[ins.layer]:
                 fail(k, "flows through a layer that was not joined")
+            halves = ins.part in ("late", "early")
+            if ins.phase == "backward" and halves != (fwd[ins.layer] == {"early", "late"}):
+                fail(k, "backward parts unlike its forward parts (early and late)")
             if ins.phase == "forward":
-                if loss or (ins.layer and not complete(fwd[ins.layer - 1], "forward")):
+                if loss or not input_ready(ins.layer, ins.part):
                     fail(k, "its input is not computed yet")
                 if ins.part not in ("interior", "joined") and not halo_in(ins.layer, "forward"):
                     fail(k, "before its halo has arrived")
-            else:
-                above = ins.layer + 1
-                if not loss or (
-                    above < layers
-                    and not (
-                        {"all", "input", "through"} & bwd[above] and halo_in(above, "backward")
-                    )
-                ):
-                    fail(k, "the gradient of its outputs is not complete yet")
+            elif not loss or not grad_ready(ins.layer, ins.part):
+                fail(k, "the gradient of its outputs is not complete yet")
             done.add(ins.part)
         elif ins.op in ("send", "recv"):
             joined = {"joined", "through"} & (fwd[ins.layer] | bwd[ins.layer])
             if ins.layer == 0 or key in waited or ins.peer == worker or ins.count <= 0 or joined:
                 fail(k, "a message outside the exchange of its layer")
+            below = fwd[ins.layer - 1] if ins.layer else set()
             if ins.op == "send" and not (
-                complete(fwd[ins.layer - 1], "forward")
+                (complete(below, "forward") or "early" in below)
                 if ins.phase == "forward"
                 else {"all", "input"} & bwd[ins.layer]
             ):
@@ -393,9 +461,13 @@ def build_schedule(
     )
     flops = np.zeros((len(graph.layers), workers))
     np.add.at(flops, (graph.layer_of, node_map), graph.flops)
+    early, chains = (), ()
+    if overlap:
+        early, chains = producer_chains(spec, owned, tuple(sends), flops, split_min_flops)
     return HaloSchedule(
-        workers, owned, tuple(sends), kinds, interior, overlap, flops, split_min_flops
-    )
+        workers, owned, tuple(sends), kinds, interior, overlap, flops, split_min_flops,
+        early, chains,
+    )  # fmt: skip
 
 
 def interior_units(graph: UnitGraph, owned: tuple, index: int, worker: int) -> np.ndarray:

@@ -101,12 +101,13 @@ class RowIndex:
 class LayerSlice(nn.Module):
     """Base: the owned `units` of layer `index`; `param_slices` maps grads into the reference.
 
-    `compute(x, part)` returns output pieces: part "all" (every owned unit), or "interior"
-    (the `interior` units, which read no halo) and "boundary" (the rest), so a worker can
-    compute the interior while its halo travels; `place(pieces, split)` puts the pieces'
-    rows in `units` order: [len(units), B]. Splittable slices read `x` only through
-    `index_select` (which saves no view of `x`), so the halo may be written into `x` between
-    the two parts.
+    `compute(x, part)` returns output pieces: part "all" (every owned unit), or "first"
+    (the `first` units: a layer's interior, which reads no halo, or a producer chain's early
+    units) and "rest" (the others), so a worker can compute one while messages travel;
+    `place(pieces, split)` puts the pieces' rows in `units` order: [len(units), B], and
+    `positions[part]` are the rows' places in `units` order. Splittable slices read `x` only
+    through `index_select` (which saves no view of `x`), so the rest of `x` (the halo, or the
+    late units below) may be written into it between the two parts.
     """
 
     def __init__(self, spec: ModelSpec, index: int, units: np.ndarray) -> None:
@@ -120,6 +121,7 @@ class LayerSlice(nn.Module):
         self.n_in = spec.input_shape(index).size
         self.pieces: list[ParamPiece] = []
         self._orders: dict[bool, torch.Tensor] = {}  # split? -> permutation into units order
+        self.positions: dict[str, torch.Tensor] = {}  # part -> its rows' places in units
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.place(self.compute(x, "all"), False, x)
@@ -135,6 +137,10 @@ class LayerSlice(nn.Module):
         batch = x.shape[1]
         placed = rows(torch.cat([p.reshape(-1, batch) for p in pieces]), self._orders[split])
         return activation(self.activation, placed)
+
+    def order(self, split: bool) -> torch.Tensor:
+        """The permutation of the pieces' rows (all; or first then rest) into units order."""
+        return self._orders[split]
 
     def param_tensors(self) -> list[torch.Tensor]:
         """This slice's parameter values, one tensor per piece, in the order of `pieces`
@@ -164,18 +170,23 @@ class LayerSlice(nn.Module):
         pairs = zip(self.pieces, grads, strict=True)
         return [(p.name, piece_index(self.spec, p), g) for p, g in pairs]
 
-    def _set_orders(self, placed: dict[bool, list[np.ndarray]]) -> None:
-        """Per mode, the concatenated pieces' unit positions -> a permutation into units."""
-        for split, where in placed.items():
+    def _set_orders(self, placed: dict[str, list[np.ndarray]]) -> None:
+        """Per part, the concatenated pieces' unit positions; per mode (split or not) the
+        permutation of the pieces' rows into units order."""
+        for part, where in placed.items():
             flat = np.concatenate(where) if where else np.zeros(0, dtype=np.int64)
-            self._orders[split] = torch.from_numpy(np.argsort(flat, kind="stable"))
+            self.positions[part] = torch.from_numpy(flat.astype(np.int64))
+        for split, parts in ((False, ("all",)), (True, ("first", "rest"))):
+            if all(p in self.positions for p in parts):
+                flat = torch.cat([self.positions[p] for p in parts]).numpy()
+                self._orders[split] = torch.from_numpy(np.argsort(flat, kind="stable"))
 
 
-def _inner_mask(units: np.ndarray, interior: np.ndarray | None) -> np.ndarray:
-    """Per owned unit: does it read no halo (all False without interior units)."""
-    if interior is None:
+def _first_mask(units: np.ndarray, first: np.ndarray | None) -> np.ndarray:
+    """Per owned unit: is it in the first part (all False without one)."""
+    if first is None:
         return np.zeros(len(units), dtype=bool)
-    return np.isin(units, interior)
+    return np.isin(units, first)
 
 
 def _runs(flags: np.ndarray) -> list[tuple[int, int]]:
@@ -189,11 +200,11 @@ class _GroupedSlice(LayerSlice):
     """Local and conv: units grouped by the plan's channel groups, one matmul per group and
     run of positions (a run keeps the weights of untied filters a view: no gather)."""
 
-    def __init__(self, spec, index, units, blocks: LayerBlocks, interior=None):
+    def __init__(self, spec, index, units, blocks: LayerBlocks, first=None):
         super().__init__(spec, index, units)
         self.groups = channel_groups(spec, index, units, blocks)
         self.pieces = layer_pieces(spec, index, units, blocks, self.groups)
-        inner = _inner_mask(units, interior)
+        inner = _first_mask(units, first)
         # Where each (group, position, channel) output lands in `units` order.
         out_index = [
             np.searchsorted(units, (np.arange(c0, c1)[None, :] * self.hw + pos[:, None]))
@@ -206,18 +217,16 @@ class _GroupedSlice(LayerSlice):
         # Runs of positions per part: (group, a, b); "all" is one run per group.
         self._gathers: dict[str, torch.Tensor] = {}
         self._part_runs = {"all": [(g, 0, len(grp[2])) for g, grp in enumerate(self.groups)]}
-        for part, want in (("interior", True), ("boundary", False)):
+        for part, want in (("first", True), ("rest", False)):
             self._part_runs[part] = [
                 (g, a, b)
                 for g, idx in enumerate(out_index)
                 for a, b in _runs(inner[idx[:, 0]] == want)
             ]
-        placed = {}
-        for split, parts in ((False, ("all",)), (True, ("interior", "boundary"))):
-            placed[split] = [
-                out_index[g][a:b].reshape(-1) for p in parts for g, a, b in self._part_runs[p]
-            ]
-        self._set_orders(placed)
+        self._set_orders({
+            part: [out_index[g][a:b].reshape(-1) for g, a, b in runs]
+            for part, runs in self._part_runs.items()
+        })  # fmt: skip
 
     def compute(self, x: torch.Tensor, part: str) -> list[torch.Tensor]:
         runs = self._part_runs[part]
@@ -247,12 +256,12 @@ class LocalSlice(_GroupedSlice):
     group for every run.
     """
 
-    def __init__(self, spec, index, units, blocks, seed, dtype, interior=None) -> None:
-        super().__init__(spec, index, units, blocks, interior)
+    def __init__(self, spec, index, units, blocks, seed, dtype, first=None) -> None:
+        super().__init__(spec, index, units, blocks, first)
         weights, biases = _grouped_params(spec, seed, self.pieces, dtype, local=True)
         self._values = [t.detach() for pair in zip(weights, biases, strict=True) for t in pair]
         cuts: dict[int, set[int]] = {}  # per group, where runs of either part start and end
-        for g, a, b in (r for p in ("all", "interior", "boundary") for r in self._part_runs[p]):
+        for g, a, b in (r for p in ("all", "first", "rest") for r in self._part_runs[p]):
             cuts.setdefault(g, set()).update((a, b))
         self._atoms = [
             (g, a, b) for g, c in sorted(cuts.items()) for a, b in itertools.pairwise(sorted(c))
@@ -313,8 +322,8 @@ class ConvSlice(_GroupedSlice):
     """Tied filters: per group and run, [cg, K] @ [Q, K, B]; each worker holds its groups'
     kernels."""
 
-    def __init__(self, spec, index, units, blocks, seed, dtype, interior=None) -> None:
-        super().__init__(spec, index, units, blocks, interior)
+    def __init__(self, spec, index, units, blocks, seed, dtype, first=None) -> None:
+        super().__init__(spec, index, units, blocks, first)
         self.weights, self.biases = _grouped_params(spec, seed, self.pieces, dtype, local=False)
 
     def _run(self, patches, g, a, b):
@@ -327,13 +336,13 @@ class ConvSlice(_GroupedSlice):
 class DenseSlice(LayerSlice):
     """Owned neurons: [|U|, n_in] @ [n_in, B] + b (never split: a neuron reads everything)."""
 
-    def __init__(self, spec, index, units, blocks, seed, dtype, interior=None) -> None:
+    def __init__(self, spec, index, units, blocks, seed, dtype, first=None) -> None:
         super().__init__(spec, index, units)
         self.pieces = layer_pieces(spec, index, units, blocks)
         weight = _initial(spec, seed, self.pieces[0]).reshape(len(units), self.n_in)
         self.weight = nn.Parameter(torch.from_numpy(weight).to(dtype))
         self.bias = nn.Parameter(torch.zeros(len(units), 1, dtype=dtype))
-        self._set_orders({False: [np.arange(len(units))]})
+        self._set_orders({"all": [np.arange(len(units))]})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return activation(self.activation, torch.addmm(self.bias, self.weight, x[: self.n_in]))
@@ -348,18 +357,15 @@ class DenseSlice(LayerSlice):
 class _UnitSlice(LayerSlice):
     """Pool and LCN: no weights; parts are subsets of the owned units."""
 
-    def __init__(self, spec, index, units, interior=None) -> None:
+    def __init__(self, spec, index, units, first=None) -> None:
         super().__init__(spec, index, units)
-        inner = _inner_mask(units, interior)
+        inner = _first_mask(units, first)
         self._part_units = {
             "all": np.arange(len(units)),
-            "interior": np.flatnonzero(inner),
-            "boundary": np.flatnonzero(~inner),
+            "first": np.flatnonzero(inner),
+            "rest": np.flatnonzero(~inner),
         }
-        self._set_orders({
-            False: [self._part_units["all"]],
-            True: [self._part_units["interior"], self._part_units["boundary"]],
-        })  # fmt: skip
+        self._set_orders({p: [u] for p, u in self._part_units.items()})
 
     def compute(self, x: torch.Tensor, part: str) -> list[torch.Tensor]:
         return [self._units(x, part)] if len(self._part_units[part]) else []
@@ -368,8 +374,8 @@ class _UnitSlice(LayerSlice):
 class PoolSlice(_UnitSlice):
     """Per-unit windows over the unit's own channel: max, average or L2."""
 
-    def __init__(self, spec, index, units, interior=None) -> None:
-        super().__init__(spec, index, units, interior)
+    def __init__(self, spec, index, units, first=None) -> None:
+        super().__init__(spec, index, units, first)
         layer = spec.layers[index]
         self.mode, self.k2 = layer.mode, layer.kernel**2
         pad = self.n_in + 1 if self.mode == "max" else self.n_in
@@ -392,8 +398,8 @@ class LcnSlice(_UnitSlice):
     positions. A part gathers only the positions its units' windows cover.
     """
 
-    def __init__(self, spec, index, units, interior=None) -> None:
-        super().__init__(spec, index, units, interior)
+    def __init__(self, spec, index, units, first=None) -> None:
+        super().__init__(spec, index, units, first)
         src = spec.input_shape(index)
         self.eps = spec.layers[index].eps
         hw = src.height * src.width
@@ -452,17 +458,17 @@ def build_slice(
     blocks: LayerBlocks,
     seed: int | None,
     dtype: torch.dtype,
-    interior: np.ndarray | None = None,
+    first: np.ndarray | None = None,
 ) -> LayerSlice:
     """The slice of layer `index` holding `units`, with the reference's initial weights
-    (constant ones with `seed` None); `interior` (a subset of `units`) enables its parts."""
+    (constant ones with `seed` None); `first` (a subset of `units`) enables its parts."""
     kind = spec.layers[index].kind
     if kind == "local":
-        return LocalSlice(spec, index, units, blocks, seed, dtype, interior)
+        return LocalSlice(spec, index, units, blocks, seed, dtype, first)
     if kind == "conv":
-        return ConvSlice(spec, index, units, blocks, seed, dtype, interior)
+        return ConvSlice(spec, index, units, blocks, seed, dtype, first)
     if kind == "dense":
-        return DenseSlice(spec, index, units, blocks, seed, dtype, interior)
+        return DenseSlice(spec, index, units, blocks, seed, dtype, first)
     if kind == "pool":
-        return PoolSlice(spec, index, units, interior)
-    return LcnSlice(spec, index, units, interior)
+        return PoolSlice(spec, index, units, first)
+    return LcnSlice(spec, index, units, first)

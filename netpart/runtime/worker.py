@@ -23,10 +23,11 @@ import numpy as np
 import torch
 
 from netpart.errors import ShapeMismatchError
+from netpart.models.reference import activation
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import UnitGraph
 from netpart.partition.schedule import HaloSchedule, Instruction
-from netpart.runtime.slices import LayerSlice, RowIndex, build_slice
+from netpart.runtime.slices import LayerSlice, RowIndex, build_slice, rows
 from netpart.runtime.transport import Handle, Transport
 
 __all__ = ["ModelWorker", "WorkerResult"]
@@ -66,6 +67,12 @@ class _StepState:
         self.outs: dict[int, torch.Tensor] = {}  # layer -> owned outputs [U, B]
         self.leaves: dict[int, torch.Tensor] = {}  # layer -> its input (autograd leaf)
         self.pieces: dict[int, list[torch.Tensor]] = {}  # layer -> interior outputs so far
+        # Producer chains: each part's activated outputs (its backward root), the early
+        # outputs in units order, and each layer's input while its parts are computed.
+        self.parts: dict[tuple[int, str], torch.Tensor] = {}
+        self.early_out: dict[int, torch.Tensor] = {}
+        self.late_out: dict[int, torch.Tensor] = {}
+        self.chain_inputs: dict[int, torch.Tensor] = {}
         # Backward roots: the (outputs, gradient, parameters) a backward call starts from —
         # a joined layer's root waits for the layer below (`pending`); a layer whose input
         # gradient went first keeps its root for its weights (`roots`).
@@ -106,14 +113,37 @@ class ModelWorker:
         self.spec, self.schedule, self.rank, self.dtype = spec, schedule, rank, dtype
         self.program: tuple[Instruction, ...] = schedule.instructions(rank)
         self.owned = [schedule.owned[i][rank] for i in range(len(spec.layers))]
-        inner = [
-            schedule.interior[i][rank] if schedule.interior else None
-            for i in range(len(spec.layers))
+        none, layers = np.zeros(0, dtype=np.int64), range(len(spec.layers))
+        early = [
+            schedule.early[i][rank] if schedule.overlap and schedule.early else none for i in layers
+        ]
+        first = [  # a layer's first part: a chain's early units, or its interior
+            early[i] if len(early[i]) else schedule.interior[i][rank] if schedule.interior else None
+            for i in layers
         ]
         self.slices: list[LayerSlice] = [
-            build_slice(spec, i, self.owned[i], graph.layers[i], seed, dtype, inner[i])
-            for i in range(len(spec.layers))
+            build_slice(spec, i, self.owned[i], graph.layers[i], seed, dtype, first[i])
+            for i in layers
         ]
+        # Producer chains: where the early units go (the next layer's buffer; their place in
+        # the early outputs, in units order) and which of them each message sends.
+        self._early_t = {i: RowIndex(e) for i, e in enumerate(early) if len(e)}
+        self._late_t = {
+            i: RowIndex(np.setdiff1d(self.owned[i], e)) for i, e in enumerate(early) if len(e)
+        }
+        self._orders = {  # a part's rows -> their units' order
+            (i, part): torch.argsort(self.slices[i].positions[part])
+            for i in self._early_t
+            for part in ("first", "rest")
+        }
+        chains = schedule.chains[rank] if schedule.overlap and schedule.chains else ()
+        self._feeds = {k for a, b in chains for k in range(a, b)}  # the layer above is chained
+        self._early_sends: dict[int, dict[int, RowIndex]] = {}
+        for i in self._early_t:
+            mine = schedule.sends[i + 1].items() if i + 1 < len(spec.layers) else ()
+            self._early_sends[i + 1] = {
+                d: RowIndex(np.searchsorted(early[i], u)) for (s, d), u in mine if s == rank
+            }
         # Per layer: what this worker sends (positions in its owned outputs) and receives
         # (units of the input buffer); contiguous ones move as views.
         self._owned_t = [RowIndex(u) for u in self.owned]
@@ -278,6 +308,8 @@ class ModelWorker:
 
     def _forward(self, st: _StepState, layer: int, part: str) -> None:
         sl, clock = self.slices[layer], time.perf_counter
+        if part in ("early", "late"):
+            return self._forward_chain(st, layer, part)
         t0 = clock()
         if part == "joined":
             x = self._joined_input(st, layer)
@@ -291,9 +323,48 @@ class ModelWorker:
         if part in ("all", "joined"):
             st.outs[layer] = sl(x)
         elif part == "interior":
-            st.pieces[layer] = sl.compute(x, "interior")
+            st.pieces[layer] = sl.compute(x, "first")
         else:
-            st.outs[layer] = sl.place(st.pieces.pop(layer) + sl.compute(x, "boundary"), True, x)
+            st.outs[layer] = sl.place(st.pieces.pop(layer) + sl.compute(x, "rest"), True, x)
+        st.prof["fill"] += t1 - t0
+        st.prof["slice"] += clock() - t1
+
+    def _forward_chain(self, st: _StepState, layer: int, part: str) -> None:
+        """A producer chain's early units (reading the early units below, or all of the
+        layer below when it is complete), or its late units (the rest of the layer below
+        written into the same buffer first). Each part keeps its own activated outputs as
+        the root of its backward; the layer's outputs in units order are assembled once the
+        late part is done."""
+        sl, clock = self.slices[layer], time.perf_counter
+        t0 = clock()
+        batch = st.batch
+        below = layer - 1 in self._feeds  # the layer below is computed in parts too
+        if part == "early":
+            if not below:
+                x = self._fill_input(st, layer, halo=False)
+            else:  # the early units below, into a buffer read as a fresh leaf
+                buf = self._input_buffer(batch, layer)
+                self._early_t[layer - 1].put_(buf, st.early_out[layer - 1])
+                x = st.leaves[layer] = buf.detach().requires_grad_(True)
+            st.chain_inputs[layer] = x
+        else:
+            x = st.chain_inputs.pop(layer)
+            if below:  # the late units below, into the same buffer
+                with torch.no_grad():
+                    buf = self._input_buffer(batch, layer)
+                    self._late_t[layer - 1].put_(buf, st.late_out.pop(layer - 1))
+        t1 = clock()
+        first = part == "early"
+        pieces = sl.compute(x, "first" if first else "rest")
+        out = activation(sl.activation, torch.cat([p.reshape(-1, batch) for p in pieces]))
+        st.parts[(layer, part)] = out
+        if first:
+            st.early_out[layer] = rows(out.detach(), self._orders[(layer, "first")])
+        elif layer in self._feeds:
+            st.late_out[layer] = rows(out.detach(), self._orders[(layer, "rest")])
+        else:  # the chain's top: its outputs in units order, for the layer above
+            early = st.parts[(layer, "early")].detach()
+            st.outs[layer] = rows(torch.cat([early, out.detach()]), sl.order(True))
         st.prof["fill"] += t1 - t0
         st.prof["slice"] += clock() - t1
 
@@ -338,6 +409,8 @@ class ModelWorker:
     def _backward(self, st: _StepState, layer: int, part: str) -> None:
         clock = time.perf_counter
         t0 = clock()
+        if part in ("late", "early"):
+            return self._backward_chain(st, layer, part)
         if part == "through":  # joined to the layer below: its backward computes this one too
             root = st.pending or (st.outs[layer], st.grad.get(layer), [])
             st.pending = (root[0], root[1], root[2] + self._params[layer])
@@ -369,10 +442,32 @@ class ModelWorker:
         st.back[layer] = {s: units.take(gx) for s, units in self.recvs[layer].items()}
         st.prof["fill"] += clock() - t1
 
+    def _backward_chain(self, st: _StepState, layer: int, part: str) -> None:
+        """One part of a producer chain's layer backward, from that part's own outputs: the
+        late units' gradients are all this worker's (no peer reads them), the early units'
+        are complete once the peers' have been added. The gradient of the layer below is
+        taken again after each part (the second adds to the first)."""
+        clock = time.perf_counter
+        t0 = clock()
+        sl = self.slices[layer]
+        grad = rows(st.grad[layer], sl.positions["first" if part == "early" else "rest"])
+        out = st.parts.pop((layer, part))
+        if out.requires_grad:  # not a parameter-free first layer
+            torch.autograd.backward(out, grad)
+        t1 = clock()
+        st.prof["slice"] += t1 - t0
+        if layer > 0:
+            st.grad[layer - 1] = self._owned_t[layer - 1].take(st.leaves[layer].grad)
+            st.back[layer] = {}
+        st.prof["fill"] += clock() - t1
+
     def _send(self, st: _StepState, ins: Instruction) -> None:
         t0 = time.perf_counter()
-        if ins.phase == "forward":
-            payload = self.sends[ins.layer][ins.peer].take(st.outs[ins.layer - 1].detach())
+        below = ins.layer - 1
+        if ins.phase == "forward" and below not in st.outs:  # sent before the late units
+            payload = self._early_sends[ins.layer][ins.peer].take(st.early_out[below])
+        elif ins.phase == "forward":
+            payload = self.sends[ins.layer][ins.peer].take(st.outs[below].detach())
         else:
             payload = st.back[ins.layer][ins.peer]
         st.prof["fill"] += time.perf_counter() - t0

@@ -27,8 +27,7 @@ def test_every_program_is_well_formed_and_its_messages_are_the_schedule(spec, wo
     for w in range(workers):
         program = sched.instructions(w)
         check_program(program, len(spec.layers), w)
-        computed = [(i.layer, i.phase) for i in program if i.op == "compute"]
-        computed = [c for k, c in enumerate(computed) if k == 0 or c != computed[k - 1]]
+        computed = list(dict.fromkeys((i.layer, i.phase) for i in program if i.op == "compute"))
         layers = range(len(spec.layers))
         assert computed == [(i, "forward") for i in layers] + [
             (i, "backward") for i in reversed(layers)
@@ -80,7 +79,8 @@ def test_overlap_programs_split_what_they_can_and_join_what_exchanges_nothing():
     for i in sched.instructions(0):
         if i.op == "compute":
             parts[(i.layer, i.phase)].add(i.part)
-    assert parts[(1, "forward")] == {"all"}  # worker 0 owns only part of layer 0
+    for layer in (0, 1):  # a producer chain: what worker 1 reads at layer 2 is computed first
+        assert parts[(layer, "forward")] == parts[(layer, "backward")] == {"early", "late"}
     alone = _schedule(spec, 1, "tiles")  # a lone worker joins every layer to the one below
     assert [i.part for i in alone.instructions(0) if i.op == "compute"] == (
         ["all"] + ["joined"] * 4 + ["through"] * 4 + ["all"]
@@ -100,3 +100,35 @@ def test_overlap_programs_split_what_they_can_and_join_what_exchanges_nothing():
             check_program(
                 _broken(program, k, part=bad_part if phase == "forward" else "through"), 5, 0
             )
+
+
+def test_a_producer_chain_posts_its_halo_between_its_parts_and_is_checked():
+    """Worker 0 computes the units worker 1 reads (layers 0-1), posts them, then the rest;
+    backward, the rest before the peer's gradients arrive. Out of order, it is refused."""
+    spec = ZOO["tiny-local"]
+    sched = _schedule(spec, 2, "tiles")
+    program = sched.instructions(0)
+    at = {(i.op, i.layer, i.phase, i.part): k for k, i in enumerate(program)}
+    assert at[("compute", 1, "forward", "early")] < at[("send", 2, "forward", "all")]
+    assert at[("send", 2, "forward", "all")] < at[("compute", 0, "forward", "late")]
+    assert at[("compute", 0, "backward", "late")] < at[("wait", 2, "backward", "all")]
+    assert at[("wait", 2, "backward", "all")] < at[("compute", 1, "backward", "early")]
+    early = [k for k, i in enumerate(program) if i.part == "early" and i.phase == "forward"]
+    send = at[("send", 2, "forward", "all")]
+    cases = {
+        "sends values it has not computed": program[send : send + 1]
+        + program[:send]
+        + program[send + 1 :],
+        "the gradient of its outputs is not complete yet": _broken(
+            program, at[("compute", 1, "backward", "late")], part="early"
+        )[: at[("compute", 1, "backward", "late")] + 1],
+        "parts of two different splits": _broken(program, early[0] + 4, part="boundary"),
+    }
+    for message, bad in cases.items():
+        with pytest.raises(ScheduleError, match=message):
+            check_program(bad, len(spec.layers), 0)
+    bad_early = tuple(
+        (row[0][:1], *row[1:]) if k == 1 else row for k, row in enumerate(sched.early)
+    )
+    with pytest.raises(ScheduleError, match="computes late"):
+        dataclasses.replace(sched, early=bad_early).validate()

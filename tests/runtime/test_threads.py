@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from netpart.errors import ScheduleError, ShapeMismatchError
@@ -22,7 +22,7 @@ from netpart.partition.shards import ShardLayout
 from netpart.runtime.check import make_batch
 from netpart.runtime.inprocess import ThreadTransport, run_step_threads
 from netpart.runtime.worker import ModelWorker
-from tests.conftest import small_specs
+from tests.conftest import chain_specs, small_specs
 
 METHODS = sorted(ALL_METHODS)  # every partitioner, new ones included
 
@@ -93,6 +93,32 @@ def test_every_split_of_the_program_equals_the_reference(spec, workers, method, 
     x, y = make_batch(spec, batch, 7)
     result = run_step_threads(spec, p, x, y, overlap=overlap, split_min_flops=0.0)
     assert_equal_to_reference(spec, result, x, y)
+
+
+@given(
+    chain_specs(),
+    st.integers(2, 4),
+    st.sampled_from(["tiles", "metis", "stripe"]),
+    st.booleans(),
+    st.integers(1, 3),
+)
+@settings(max_examples=30, deadline=None)
+def test_producer_chains_equal_the_reference(spec, workers, method, aligned, batch):
+    """Programs whose workers compute the units their peers read first (over several layers),
+    post them, then the rest, and backward the rest before the peers' gradients arrive: the
+    same step, exactly, and the plan's bytes."""
+    grain = Granularity(spatial_blocks=8, dense_blocks=4, align_pools=aligned)
+    p = plan(spec, workers, method, granularity=grain)
+    _, schedule = plan_schedule(spec, p, True, True, 0.0)
+    assume(any(schedule.chains))
+    x, y = make_batch(spec, batch, 3)
+    result = run_step_threads(spec, p, x, y, split_min_flops=0.0)
+    assert_equal_to_reference(spec, result, x, y)
+    traffic = schedule.traffic() * batch * 8
+    for w in range(workers):
+        for layer in range(1, len(spec.layers)):
+            assert result.sent[w].get((layer, "forward"), 0) == traffic[layer, w].sum()
+            assert result.sent[w].get((layer, "backward"), 0) == traffic[layer, :, w].sum()
 
 
 def test_max_pool_ties_send_the_gradient_where_torch_does():

@@ -23,7 +23,9 @@ With `overlap` (workers on machines of their own: the runtime then splits every 
 work on a worker reaches `SPLIT_MIN_FLOPS` per example), a worker's forward halo travels
 while it computes the interior units of the layer (the share of its units that read no halo,
 x the kind's forward share of the slice), and its backward halo while it computes the
-layer's weight gradients (half the backward share): only the rest of each exchange is exposed.
+layer's weight gradients (half the backward share); and both, when the layers below the halo
+form a producer chain (netpart.partition.chains), behind the chain's late units, forward and
+backward. Only the rest of each exchange is exposed.
 """
 
 from __future__ import annotations
@@ -282,6 +284,22 @@ class NetworkModel:
         return net
 
 
+def _chain_hiding(chains, flops, work, share, hide_fwd, hide_bwd):
+    """Add to each exchange the late work of the producer chain below it (forward: its
+    forward share; backward: the rest), where that work reaches SPLIT_MIN_FLOPS."""
+    late, feeds = chains
+    at = feeds >= 0
+    rows, cols = np.nonzero(at)
+    late_flops = np.zeros_like(hide_fwd)
+    np.add.at(late_flops, (feeds[at], cols), (flops * late)[at])
+    worth = late_flops[feeds[at], cols] >= SPLIT_MIN_FLOPS
+    rows, cols, top = rows[worth], cols[worth], feeds[at][worth]
+    fwd, bwd = hide_fwd.copy(), hide_bwd.copy()
+    np.add.at(fwd, (top, cols), (work * late * share)[rows, cols])
+    np.add.at(bwd, (top, cols), (work * late * (1.0 - share))[rows, cols])
+    return fwd, bwd
+
+
 def layer_times(
     flops: np.ndarray,
     traffic: np.ndarray,
@@ -290,6 +308,7 @@ def layer_times(
     kinds: list[str] | None = None,
     values: np.ndarray | None = None,
     interior: np.ndarray | None = None,
+    chains: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(compute_s[l], exchange_s[l]): the slowest worker's time in each layer; exchange is
     what overlap leaves exposed.
@@ -297,7 +316,9 @@ def layer_times(
     `flops` is [L, P] per example, `traffic` [L, P, P] units per example (sender, receiver),
     `kinds` each layer's kind, `values` [L, P] the input values each worker's slice gathers
     per example (for a calibrated model) and `interior` [L, P] the share of each worker's
-    units of each layer that read no halo (for overlap; none hidden without it).
+    units of each layer that read no halo (for overlap; none hidden without it), `chains`
+    the producer chains' (late share, layer whose exchange it hides) [L, P] each
+    (`netpart.partition.planner.chain_shares`).
     """
     flops = np.asarray(flops, dtype=np.float64)
     work = net.worker_compute_s(flops, batch, kinds, values)
@@ -320,5 +341,7 @@ def layer_times(
         hide_fwd = np.where(split, interior * work * share, 0.0)
         weights = big & np.isin(kind, ("local", "conv", "dense"))
         hide_bwd = np.where(weights, work * (1.0 - share) / 2.0, 0.0)
+        if chains is not None:  # a worker that only sends hides behind its chain too
+            hide_fwd, hide_bwd = _chain_hiding(chains, flops, work, share, hide_fwd, hide_bwd)
     exposed = np.maximum(phase - hide_fwd, 0.0) + np.maximum(phase - hide_bwd, 0.0)
     return work.max(axis=1), exposed.max(axis=1)

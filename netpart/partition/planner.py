@@ -60,6 +60,7 @@ __all__ = [
     "PlanMetrics",
     "WorkerFigures",
     "auto_candidates",
+    "chain_shares",
     "choose",
     "evaluate",
     "input_values",
@@ -280,9 +281,12 @@ def evaluate(
     kinds = [layer.kind for layer in spec.layers]
     values = input_values(graph, node_map, workers, traffic)
     u, v, w = graph.edge_list()
-    interior = interior_shares(graph, node_map, workers, (u, v)) if network.overlap else None
+    interior = chains = None
+    if network.overlap:
+        interior = interior_shares(graph, node_map, workers, (u, v))
+        chains = chain_shares(graph, node_map, workers, (u, v))
     compute, exchange = layer_times(
-        flops / speed[None, :], traffic, batch, network, kinds, values, interior
+        flops / speed[None, :], traffic, batch, network, kinds, values, interior, chains
     )
     fixed = network.fixed_s(workers)
     lower = layer_lower_bounds(spec, used.sum(axis=1))
@@ -381,6 +385,50 @@ def interior_shares(
     keep = ~boundary
     np.add.at(inner, (graph.layer_of[keep], node_map[keep]), graph.units[keep])
     return np.divide(inner, total, out=np.zeros(shape), where=total > 0)
+
+
+def chain_shares(
+    graph: UnitGraph, node_map: np.ndarray, workers: int, edges: tuple | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(late [L, P], feeds [L, P]): for each layer of a worker's producer chain
+    (`netpart.partition.chains`, here on blocks), the share of its units computed after the
+    halo above is posted, and the layer whose exchange that work hides (-1 outside chains).
+    A block with one early unit counts as early, so this errs low, as `interior_shares`."""
+    u, v = edges if edges is not None else graph.edge_list()[:2]
+    lo, hi = (
+        np.where(graph.layer_of[u] < graph.layer_of[v], u, v),
+        np.where(graph.layer_of[u] < graph.layer_of[v], v, u),
+    )  # (read, reader)
+    cross = node_map[lo] != node_map[hi]
+    layers = len(graph.layers)
+    shape = (layers, workers)
+    total = np.zeros(shape)
+    np.add.at(total, (graph.layer_of, node_map), graph.units)
+    receives, sends = np.zeros(shape, dtype=bool), np.zeros(shape, dtype=bool)
+    receives[graph.layer_of[hi[cross]], node_map[hi[cross]]] = True
+    sends[graph.layer_of[hi[cross]], node_map[lo[cross]]] = True
+    late, feeds = np.zeros(shape), np.full(shape, -1, dtype=np.int64)
+    dense = np.array([layer.kind == "dense" for layer in graph.spec.layers])
+    for w in range(workers):
+        for top in np.flatnonzero(sends[:, w])[::-1]:
+            want = np.zeros(graph.num_vertices, dtype=bool)
+            want[lo[cross & (node_map[lo] == w) & (graph.layer_of[hi] == top)]] = True
+            chain = []
+            layer = top - 1
+            while layer >= 0 and want.any() and not dense[layer] and not receives[layer, w]:
+                early = float(graph.units[want].sum())
+                if early >= total[layer, w] or feeds[layer, w] >= 0:
+                    break
+                chain.append((layer, 1.0 - early / total[layer, w]))
+                if layer == 0 or receives[layer, w] or sends[layer, w]:
+                    break
+                step = want[hi] & (node_map[lo] == w)
+                want = np.zeros_like(want)
+                want[lo[step]] = True
+                layer -= 1
+            for layer, share in chain:
+                late[layer, w], feeds[layer, w] = share, top
+    return late, feeds
 
 
 def reevaluate(

@@ -26,7 +26,8 @@ from netpart.errors import ShapeMismatchError
 from netpart.models.reference import activation
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import UnitGraph
-from netpart.partition.schedule import HaloSchedule, Instruction
+from netpart.partition.program import Instruction
+from netpart.partition.schedule import HaloSchedule
 from netpart.runtime.slices import LayerSlice, RowIndex, build_slice, rows
 from netpart.runtime.transport import Handle, Transport
 

@@ -6,16 +6,20 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from netpart.cli import main
 from netpart.errors import PlanError
 from netpart.models import load_spec
-from netpart.partition import NetworkModel, plan
+from netpart.partition import Granularity, NetworkModel, build_unit_graph, plan
 from netpart.partition.cost import KindCost, layer_times
-from netpart.partition.planner import PartitionPlan, interior_shares, reevaluate
+from netpart.partition.planner import PartitionPlan, chain_shares, interior_shares, reevaluate
 from netpart.partition.schedule import plan_schedule
 from netpart.partition.sweep import knee, parse_counts
+from netpart.partition.volume import layer_traffic
 from netpart.runtime.calibrate import fit
+from tests.conftest import chain_specs
 
 CALIBRATED = NetworkModel(
     bandwidth_bps=8e9, latency_s=1e-4,
@@ -185,6 +189,43 @@ def test_interior_shares_err_low_against_the_units_the_runtime_splits():
     assert 0 < shares[2:4].mean() < 1  # the cut layers have interiors and boundaries
     one = plan(spec, 1, "metis", batch=32)
     assert (interior_shares(graph, one.node_map, 1) == 1).all()
+
+
+@given(chain_specs(), st.integers(2, 4), st.sampled_from(["tiles", "metis", "stripe"]))
+@settings(max_examples=25, deadline=None)
+def test_chain_shares_are_the_runtime_s_chains_and_err_low(spec, workers, method):
+    """On blocks the planner finds only producer chains the schedule builds on units, with a
+    late share no larger than theirs (a block holding one early unit is early); their late
+    work hides exchange, never adds to it."""
+    p = plan(spec, workers, method, batch=4, granularity=Granularity(spatial_blocks=8))
+    graph, schedule = plan_schedule(spec, p, True, True, 0.0)
+    late, feeds = chain_shares(graph, p.node_map, workers)
+    for layer, w in zip(*np.nonzero(feeds >= 0), strict=True):
+        top = next(b + 1 for a, b in schedule.chains[w] if a <= layer <= b)
+        assert feeds[layer, w] == top
+        own = len(schedule.owned[layer][w])
+        assert late[layer, w] <= 1 - len(schedule.early[layer][w]) / own + 1e-12
+    args = (np.full(late.shape, 1e8), schedule.traffic(), 32, NetworkModel())
+    kinds, inner = [layer.kind for layer in spec.layers], np.zeros(late.shape)
+    _, without = layer_times(*args, kinds, None, inner)
+    _, with_chains = layer_times(*args, kinds, None, inner, (late, feeds))
+    assert with_chains.sum() <= without.sum()
+
+
+def test_a_chain_below_the_lcn_hides_its_halo_in_the_prediction():
+    spec = load_spec("bench-local")
+    p = plan(spec, 2, "tiles", batch=32)
+    graph = build_unit_graph(spec, p.granularity)
+    late, feeds = chain_shares(graph, p.node_map, 2)
+    assert (feeds[:2] == 2).all() and (feeds[2:] == -1).all() and (late[:2] > 0.5).all()
+    flops = np.zeros(late.shape)
+    np.add.at(flops, (graph.layer_of, p.node_map), graph.flops)
+    net = NetworkModel.parse("bandwidth=100M,flops=2G")
+    args = (flops, layer_traffic(graph, p.node_map, 2), 32, net, [ly.kind for ly in spec.layers])
+    inner = interior_shares(graph, p.node_map, 2)
+    _, without = layer_times(*args, None, inner)
+    _, with_chain = layer_times(*args, None, inner, (late, feeds))
+    assert with_chain[2] < 0.5 * without[2] and (with_chain[3:] == without[3:]).all()
 
 
 def test_a_cluster_over_a_profile_overlaps_and_a_run_here_does_not():

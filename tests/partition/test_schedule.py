@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from netpart.errors import ScheduleError
 from netpart.models import ZOO
 from netpart.partition import Granularity, build_unit_graph, plan
-from netpart.partition.schedule import Instruction, build_schedule, check_program
+from netpart.partition.program import Instruction, check_program
+from netpart.partition.schedule import build_schedule
 from tests.conftest import small_specs
 
 

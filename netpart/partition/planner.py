@@ -410,9 +410,11 @@ def chain_shares(
     late, feeds = np.zeros(shape), np.full(shape, -1, dtype=np.int64)
     dense = np.array([layer.kind == "dense" for layer in graph.spec.layers])
     for w in range(workers):
+        mine = node_map[lo] == w  # edges reading this worker's blocks: all a chain follows
+        lo_w, hi_w, out_w = lo[mine], hi[mine], cross[mine]
         for top in np.flatnonzero(sends[:, w])[::-1]:
             want = np.zeros(graph.num_vertices, dtype=bool)
-            want[lo[cross & (node_map[lo] == w) & (graph.layer_of[hi] == top)]] = True
+            want[lo_w[out_w & (graph.layer_of[hi_w] == top)]] = True
             chain = []
             layer = top - 1
             while layer >= 0 and want.any() and not dense[layer] and not receives[layer, w]:
@@ -420,11 +422,11 @@ def chain_shares(
                 if early >= total[layer, w] or feeds[layer, w] >= 0:
                     break
                 chain.append((layer, 1.0 - early / total[layer, w]))
-                if layer == 0 or receives[layer, w] or sends[layer, w]:
+                if layer == 0 or sends[layer, w]:
                     break
-                step = want[hi] & (node_map[lo] == w)
+                step = want[hi_w]
                 want = np.zeros_like(want)
-                want[lo[step]] = True
+                want[lo_w[step]] = True
                 layer -= 1
             for layer, share in chain:
                 late[layer, w], feeds[layer, w] = share, top

@@ -1,10 +1,17 @@
-"""The step-time model: layers run in lockstep, so each layer costs its slowest worker.
+"""The step-time model: each worker's own timeline through the layers, joined by the halos.
 
-step = sum over layers l of [ max_w compute(l, w) + max_w exchange(l, w) ] + fixed, where
-compute(l, w) = FLOPs of w's blocks of l (forward + backward) x batch / worker FLOP/s, and
-exchange(l, w) = for the forward halo and again for the backward halo (same values, reverse
-direction): latency + max(bytes w receives, bytes w sends) / bandwidth, when w has any traffic.
-Sends to different peers proceed concurrently (full-duplex links, one NIC per worker).
+Per layer l and worker w: compute(l, w) = FLOPs of w's blocks of l (forward + backward) x
+batch / worker FLOP/s, and exchange(l, w) = for the forward halo and again for the backward
+halo (same values, reverse direction): latency + max(bytes w receives, bytes w sends) /
+bandwidth, when w has any traffic. Sends to different peers proceed concurrently (full-duplex
+links, one NIC per worker). `layer_times` gives each layer's slowest worker (the figures a
+plan reports per layer); `critical_path` the step: a worker waits for a halo only until its
+senders have posted it and it has travelled (a late sender's share of it after that sender,
+all of it after the first), computes its slice, and the loss joins all workers once. With
+balanced workers that is sum over layers of [ max_w compute + max_w exchange ]; where the
+slowest worker changes from layer to layer (three workers that all exchange with each other),
+or a late worker's halo arrived while it computed, the step is shorter than that sum, as the
+runtime's is.
 
 A calibrated model (`netpart calibrate` writes it; `--profile FILE` reads it) refines the
 terms with what this machine measured: compute(l, w) = the time of a slice of that kind and
@@ -40,7 +47,7 @@ import numpy as np
 from netpart.errors import PlanError
 from netpart.partition.graph import BYTES_PER_VALUE
 
-__all__ = ["SPLIT_MIN_FLOPS", "KindCost", "NetworkModel", "layer_times"]
+__all__ = ["SPLIT_MIN_FLOPS", "KindCost", "NetworkModel", "critical_path", "layer_times"]
 
 SPLIT_MIN_FLOPS = 1e6  # per example: ~1.5 ms of work at batch 32 on one slow core
 FORWARD_SHARE = 1.0 / 3.0  # of a slice's time, its forward pass, where nothing was measured
@@ -300,6 +307,35 @@ def _chain_hiding(chains, flops, work, share, hide_fwd, hide_bwd):
     return fwd, bwd
 
 
+def _worker_times(flops, traffic, batch, net, kinds, values, interior, chains):
+    """Per layer and worker [L, P]: compute, one direction's exchange time, the work that
+    hides the forward and the backward exchange, and the forward share of compute."""
+    flops = np.asarray(flops, dtype=np.float64)
+    work = net.worker_compute_s(flops, batch, kinds, values)
+    if net.joined_saving_s:  # a layer with no halo runs in one graph with the layer below
+        joined = traffic.sum(axis=(1, 2)) == 0
+        joined[0] = False
+        work = np.where(joined[:, None], np.maximum(work - net.joined_saving_s, 0.0), work)
+    recv = traffic.sum(axis=1)  # [L, P]
+    send = traffic.sum(axis=2)
+    busy = np.maximum(recv, send) * batch * BYTES_PER_VALUE
+    peers = ((traffic + traffic.transpose(0, 2, 1)) > 0).sum(axis=2)  # [L, P]
+    phase = np.where(busy > 0, net.phase_s(busy, peers), 0.0)  # one direction
+    share = net.forward_shares(kinds, len(flops))[:, None]
+    hide_fwd = hide_bwd = np.zeros_like(phase)
+    if net.overlap and interior is not None:
+        big = (flops >= SPLIT_MIN_FLOPS) & (recv > 0)
+        big[0] = False
+        kind = np.array(kinds if kinds is not None else ["dense"] * len(flops))[:, None]
+        split = big & (kind != "dense") & (interior > 0) & (interior < 1)
+        hide_fwd = np.where(split, interior * work * share, 0.0)
+        weights = big & np.isin(kind, ("local", "conv", "dense"))
+        hide_bwd = np.where(weights, work * (1.0 - share) / 2.0, 0.0)
+        if chains is not None:  # a worker that only sends hides behind its chain too
+            hide_fwd, hide_bwd = _chain_hiding(chains, flops, work, share, hide_fwd, hide_bwd)
+    return work, phase, hide_fwd, hide_bwd, np.broadcast_to(share, work.shape)
+
+
 def layer_times(
     flops: np.ndarray,
     traffic: np.ndarray,
@@ -320,28 +356,52 @@ def layer_times(
     the producer chains' (late share, layer whose exchange it hides) [L, P] each
     (`netpart.partition.planner.chain_shares`).
     """
-    flops = np.asarray(flops, dtype=np.float64)
-    work = net.worker_compute_s(flops, batch, kinds, values)
-    if net.joined_saving_s:  # a layer with no halo runs in one graph with the layer below
-        joined = traffic.sum(axis=(1, 2)) == 0
-        joined[0] = False
-        work = np.where(joined[:, None], np.maximum(work - net.joined_saving_s, 0.0), work)
-    recv = traffic.sum(axis=1)  # [L, P]
-    send = traffic.sum(axis=2)
-    busy = np.maximum(recv, send) * batch * BYTES_PER_VALUE
-    peers = ((traffic + traffic.transpose(0, 2, 1)) > 0).sum(axis=2)  # [L, P]
-    phase = np.where(busy > 0, net.phase_s(busy, peers), 0.0)  # one direction
-    hide_fwd = hide_bwd = np.zeros_like(phase)
-    if net.overlap and interior is not None:
-        big = (flops >= SPLIT_MIN_FLOPS) & (recv > 0)
-        big[0] = False
-        kind = np.array(kinds if kinds is not None else ["dense"] * len(flops))[:, None]
-        share = net.forward_shares(kinds, len(flops))[:, None]
-        split = big & (kind != "dense") & (interior > 0) & (interior < 1)
-        hide_fwd = np.where(split, interior * work * share, 0.0)
-        weights = big & np.isin(kind, ("local", "conv", "dense"))
-        hide_bwd = np.where(weights, work * (1.0 - share) / 2.0, 0.0)
-        if chains is not None:  # a worker that only sends hides behind its chain too
-            hide_fwd, hide_bwd = _chain_hiding(chains, flops, work, share, hide_fwd, hide_bwd)
+    work, phase, hide_fwd, hide_bwd, _ = _worker_times(
+        flops, traffic, batch, net, kinds, values, interior, chains
+    )
     exposed = np.maximum(phase - hide_fwd, 0.0) + np.maximum(phase - hide_bwd, 0.0)
     return work.max(axis=1), exposed.max(axis=1)
+
+
+def critical_path(
+    flops: np.ndarray,
+    traffic: np.ndarray,
+    batch: int,
+    net: NetworkModel,
+    kinds: list[str] | None = None,
+    values: np.ndarray | None = None,
+    interior: np.ndarray | None = None,
+    chains: tuple[np.ndarray, np.ndarray] | None = None,
+) -> float:
+    """Seconds of a step's layers (the fixed costs aside) on each worker's own timeline: a
+    worker waits for a halo only until its senders have posted it and it has travelled, so
+    a step costs at most `sum(layer_times)` (every layer's slowest worker), and less where
+    the slowest worker differs from layer to layer. Arguments as `layer_times`."""
+    work, phase, hide_fwd, hide_bwd, share = _worker_times(
+        flops, traffic, batch, net, kinds, values, interior, chains
+    )
+    exp_f, exp_b = np.maximum(phase - hide_fwd, 0.0), np.maximum(phase - hide_bwd, 0.0)
+    fwd, bwd = work * share, work * (1.0 - share)
+    t = np.zeros(work.shape[1])
+    for layer in range(len(work)):  # forward: the halo of the layer, then its compute
+        t = _arrive(t, traffic[layer], exp_f[layer]) + fwd[layer]
+    t = np.full_like(t, t.max())  # the loss: one collective among all
+    for layer in range(len(work) - 1, -1, -1):  # backward: compute, then gradients back
+        t = _arrive(t + bwd[layer], traffic[layer].T, exp_b[layer])
+    return float(t.max())
+
+
+def _arrive(t, traffic, exposed):
+    """[P]: when each worker has its messages of a phase (`traffic` [sender, receiver]),
+    given when each worker posts (`t`) and what the phase leaves exposed when all post at
+    once: a sender's share of it after that sender posted, and all of it after the first
+    one did; never before the worker arrived itself."""
+    into = traffic.sum(axis=0)  # [receiver]
+    if not into.any():
+        return t + exposed  # sends only: they complete
+    sent = traffic > 0
+    share = traffic / np.maximum(into, 1e-300)[None, :]
+    last = np.where(sent, t[:, None] + share * exposed[None, :], -np.inf).max(axis=0)
+    first = np.where(sent, t[:, None], np.inf).min(axis=0) + exposed
+    got = np.where(into > 0, np.maximum(last, first), t + exposed)
+    return np.maximum(t, got)

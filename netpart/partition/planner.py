@@ -39,7 +39,7 @@ import numpy as np
 
 from netpart.errors import PlanError
 from netpart.models.spec import ModelSpec
-from netpart.partition.cost import NetworkModel, layer_times
+from netpart.partition.cost import NetworkModel, critical_path, layer_times
 from netpart.partition.graph import BYTES_PER_VALUE, Granularity, UnitGraph, build_unit_graph
 from netpart.partition.methods import (
     ALIGNED,
@@ -285,9 +285,9 @@ def evaluate(
     if network.overlap:
         interior = interior_shares(graph, node_map, workers, (u, v))
         chains = chain_shares(graph, node_map, workers, (u, v))
-    compute, exchange = layer_times(
-        flops / speed[None, :], traffic, batch, network, kinds, values, interior, chains
-    )
+    args = (flops / speed[None, :], traffic, batch, network, kinds, values, interior, chains)
+    compute, exchange = layer_times(*args)
+    path = critical_path(*args)  # <= compute.sum() + exchange.sum()
     fixed = network.fixed_s(workers)
     lower = layer_lower_bounds(spec, used.sum(axis=1))
     per_layer_volume = traffic.sum(axis=(1, 2))
@@ -298,9 +298,9 @@ def evaluate(
         volume=int(per_layer_volume.sum()),
         lower_bound=int(lower.sum()),
         max_layer_imbalance=float(imbalance.max()),
-        predicted_step_s=float(compute.sum() + exchange.sum() + fixed),
-        compute_s=float(compute.sum()),
-        exchange_s=float(exchange.sum()),
+        predicted_step_s=float(path + fixed),
+        compute_s=float(min(compute.sum(), path)),
+        exchange_s=float(max(path - compute.sum(), 0.0)),
     )
     layers = tuple(
         LayerFigures(

@@ -8,9 +8,8 @@ validated.
 
 Forward, a layer's input buffer holds the owned units of the layer below and the halo received
 from their owners; backward, the gradient w.r.t. halo inputs goes back to their owners, which
-add it to the gradients of their own units. The loss over a distributed output layer needs two
-all-reduces of [B] vectors (max; then sum of exponentials and target logit in one call):
-cross-entropy is computed exactly as on one process.
+add it to the gradients of their own units. The loss over a distributed output layer
+(`runtime.loss`) costs one all-gather of a few values per example and equals the reference's.
 """
 
 from __future__ import annotations
@@ -22,12 +21,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from netpart.errors import ShapeMismatchError
 from netpart.models.reference import activation
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import UnitGraph
 from netpart.partition.program import Instruction
 from netpart.partition.schedule import HaloSchedule
+from netpart.runtime.loss import OutputLoss
 from netpart.runtime.slices import LayerSlice, RowIndex, build_slice, rows
 from netpart.runtime.transport import Handle, Transport
 
@@ -163,11 +162,7 @@ class ModelWorker:
             self.sends.append(out)
             self.recvs.append(into)
         self._params = [list(s.parameters()) for s in self.slices]
-        # Cross-entropy: for each class, its column among this worker's outputs (n if none).
-        n_out, last = spec.shapes[-1].size, self.owned[-1]
-        slot = np.full(n_out, len(last), dtype=np.int64)
-        slot[last] = np.arange(len(last))
-        self._target_slot_np = slot
+        self._output_loss = OutputLoss(spec, self.owned[-1], dtype)
         self._run = {
             "compute": self._compute,
             "send": self._send,
@@ -238,8 +233,7 @@ class ModelWorker:
             elif ins.op == "wait":
                 transport.wait(posted.pop(key))
             elif ins.op == "loss":
-                values = 3 * batch + 1 if self.spec.loss == "cross_entropy" else 2
-                self._gather(transport, torch.zeros(values, dtype=self.dtype))
+                self._output_loss.exchange_only(batch, transport)
         return time.perf_counter() - t0
 
     def _stand_in(self, count: int, batch: int) -> torch.Tensor:
@@ -510,13 +504,14 @@ class ModelWorker:
 
     def _loss(self, st: _StepState, ins: Instruction) -> None:
         t0 = time.perf_counter()
+        out = st.outs[ins.layer]
         if st.transport.size == 1:  # the loss joins the graph: one backward call from it
-            root = self._loss_alone(st, st.outs[ins.layer])
+            root, res = self._output_loss.alone(out, st.targets, st.flag, st.want_accuracy)
             st.pending = (root, None, [])
         else:
-            st.loss, st.grad[ins.layer], st.accuracy, st.stop = self._loss_and_grad(
-                st.outs[ins.layer], st.targets, st.transport, st.flag
-            )
+            grad, res = self._output_loss.shared(out, st.targets, st.transport, st.flag)
+            st.grad[ins.layer] = grad
+        st.loss, st.accuracy, st.stop = res.loss, res.accuracy, res.stop
         spent = time.perf_counter() - t0
         if st.transport.size > 1:  # a lone worker's loss is compute: it exchanges nothing
             st.exchange[(ins.layer + 1, "loss")] = spent
@@ -547,82 +542,3 @@ class ModelWorker:
             units = self.recvs[layer] if phase == "forward" else self.sends[layer]
             buf = self._buffers[key] = torch.empty(len(units[peer]), batch, dtype=self.dtype)
         return buf
-
-    def _loss_and_grad(
-        self, logits: torch.Tensor, targets: torch.Tensor, transport: Transport, flag: float
-    ) -> tuple[float, torch.Tensor, float | None, bool]:
-        """The global loss, its gradient w.r.t. this worker's output units ([U, B]), the batch
-        accuracy and the replica's stop flag, from one all-gather of a few values per example.
-
-        Cross-entropy: each worker contributes, per example, its max logit, its sum of
-        exp(logit - max) and its target logit (-inf unless it owns the target's unit); the
-        log-sum-exp rule merges them exactly. A target logit equal to the global max counts as
-        correct (no extra message for accuracy).
-        """
-        logits = logits.detach().T  # [B, U]
-        batch, n = logits.shape
-        if self.spec.loss != "cross_entropy":
-            return self._mse(logits, targets, transport, flag)
-        if targets.shape != (batch,):
-            raise ShapeMismatchError(f"targets must be [{batch}] class ids, got {targets.shape}")
-        # Small arrays: numpy's operations cost a microsecond, torch's several.
-        pos = self._target_slot_np[targets.numpy()]  # the target's column here, n if another's
-        padded = np.full((batch, n + 1), -np.inf, dtype=logits.numpy().dtype)
-        padded[:, :n] = logits.numpy()
-        local_max = padded.max(axis=1)
-        exps = np.exp(padded - local_max[:, None]) if n else np.zeros_like(padded)
-        mine = np.concatenate(
-            [local_max, exps.sum(axis=1), padded[np.arange(batch), pos], [flag]]
-        ).astype(padded.dtype)
-        gathered = self._gather(transport, torch.from_numpy(mine)).numpy()
-        maxes, sums, targets_all = gathered[:, :-1].reshape(-1, 3, batch).transpose(1, 0, 2)
-        gmax = maxes.max(axis=0)
-        with np.errstate(invalid="ignore"):  # a worker with no outputs sends -inf and 0
-            lse = gmax + np.log(np.nansum(sums * np.exp(maxes - gmax), axis=0))
-        target_logit = targets_all.max(axis=0)  # exactly one worker owns each target
-        loss = float((lse - target_logit).mean())
-        accuracy = float((target_logit >= gmax).mean())
-        stop = bool(gathered[:, -1].max() > 0)
-        if not n:
-            return loss, logits.new_zeros(0, batch), accuracy, stop
-        grad = exps * np.exp(local_max - lse)[:, None]  # softmax over all workers
-        grad[np.arange(batch), pos] -= 1.0
-        grad = torch.from_numpy(grad[:, :n] / batch)
-        return loss, grad.T, accuracy, stop
-
-    def _loss_alone(self, st: _StepState, out: torch.Tensor) -> torch.Tensor:
-        """One worker holds every output (in order): the reference's own loss on them, kept
-        in the autograd graph; sets the step's loss, accuracy and stop flag."""
-        logits = out.T
-        if self.spec.loss == "cross_entropy":
-            if st.targets.shape != (st.batch,):
-                raise ShapeMismatchError(
-                    f"targets must be [{st.batch}] class ids, got {st.targets.shape}"
-                )
-            loss = torch.nn.functional.cross_entropy(logits, st.targets)
-            if st.want_accuracy:  # small arrays: numpy's operations cost a microsecond
-                z = logits.detach().numpy()
-                target = z[np.arange(st.batch), st.targets.numpy()]
-                st.accuracy = float((target >= z.max(axis=1)).mean())
-        else:
-            want = st.targets.reshape(st.batch, -1).to(self.dtype)
-            loss = torch.nn.functional.mse_loss(logits, want)
-        st.loss, st.stop = loss.item(), st.flag > 0
-        return loss
-
-    def _mse(self, logits, targets, transport, flag):
-        batch = logits.shape[0]
-        n_out = self.spec.shapes[-1].size
-        t = targets.reshape(batch, -1).to(self.dtype)[:, self._owned_t[-1].index]
-        diff = logits - t
-        mine = torch.stack([(diff * diff).sum(), torch.tensor(flag, dtype=diff.dtype)])
-        gathered = self._gather(transport, mine)
-        loss = float(gathered[:, 0].sum() / (batch * n_out))
-        return loss, (2.0 * diff / (batch * n_out)).T, None, bool(gathered[:, 1].amax() > 0)
-
-    @staticmethod
-    def _gather(transport: Transport, values: torch.Tensor) -> torch.Tensor:
-        """[workers, n]: every worker's values (no message at all for one worker)."""
-        if transport.size == 1:
-            return values[None]
-        return transport.all_gather(values)

@@ -5,10 +5,11 @@ batch / worker FLOP/s, and exchange(l, w) = for the forward halo and again for t
 halo (same values, reverse direction): latency + max(bytes w receives, bytes w sends) /
 bandwidth, when w has any traffic. Sends to different peers proceed concurrently (full-duplex
 links, one NIC per worker). `layer_times` gives each layer's slowest worker (the figures a
-plan reports per layer); `critical_path` the step: a worker waits for a halo only until its
-senders have posted it and it has travelled (a late sender's share of it after that sender,
-all of it after the first), computes its slice, and the loss joins all workers once. With
-balanced workers that is sum over layers of [ max_w compute + max_w exchange ]; where the
+plan reports per layer); `critical_path` the step (`step_times` gives both): a worker
+waits for a halo only until its senders have posted it and it has travelled (a late
+sender's share of it after that sender, all of it after the first), computes its slice, and
+the loss joins all workers once. With balanced workers that is sum over layers of
+[ max_w compute + max_w exchange ]; where the
 slowest worker changes from layer to layer (three workers that all exchange with each other),
 or a late worker's halo arrived while it computed, the step is shorter than that sum, as the
 runtime's is.
@@ -47,7 +48,14 @@ import numpy as np
 from netpart.errors import PlanError
 from netpart.partition.graph import BYTES_PER_VALUE
 
-__all__ = ["SPLIT_MIN_FLOPS", "KindCost", "NetworkModel", "critical_path", "layer_times"]
+__all__ = [
+    "SPLIT_MIN_FLOPS",
+    "KindCost",
+    "NetworkModel",
+    "critical_path",
+    "layer_times",
+    "step_times",
+]
 
 SPLIT_MIN_FLOPS = 1e6  # per example: ~1.5 ms of work at batch 32 on one slow core
 FORWARD_SHARE = 1.0 / 3.0  # of a slice's time, its forward pass, where nothing was measured
@@ -336,7 +344,7 @@ def _worker_times(flops, traffic, batch, net, kinds, values, interior, chains):
     return work, phase, hide_fwd, hide_bwd, np.broadcast_to(share, work.shape)
 
 
-def layer_times(
+def step_times(
     flops: np.ndarray,
     traffic: np.ndarray,
     batch: int,
@@ -345,9 +353,11 @@ def layer_times(
     values: np.ndarray | None = None,
     interior: np.ndarray | None = None,
     chains: tuple[np.ndarray, np.ndarray] | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """(compute_s[l], exchange_s[l]): the slowest worker's time in each layer; exchange is
-    what overlap leaves exposed.
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """(compute_s[l], exchange_s[l], path_s): the slowest worker's time in each layer
+    (exchange: what overlap leaves exposed) and the step's layers on each worker's own
+    timeline: a worker waits for a halo only until its senders have posted it and it has
+    travelled, so path_s <= the sum of every layer's slowest worker, equal when balanced.
 
     `flops` is [L, P] per example, `traffic` [L, P, P] units per example (sender, receiver),
     `kinds` each layer's kind, `values` [L, P] the input values each worker's slice gathers
@@ -356,27 +366,6 @@ def layer_times(
     the producer chains' (late share, layer whose exchange it hides) [L, P] each
     (`netpart.partition.planner.chain_shares`).
     """
-    work, phase, hide_fwd, hide_bwd, _ = _worker_times(
-        flops, traffic, batch, net, kinds, values, interior, chains
-    )
-    exposed = np.maximum(phase - hide_fwd, 0.0) + np.maximum(phase - hide_bwd, 0.0)
-    return work.max(axis=1), exposed.max(axis=1)
-
-
-def critical_path(
-    flops: np.ndarray,
-    traffic: np.ndarray,
-    batch: int,
-    net: NetworkModel,
-    kinds: list[str] | None = None,
-    values: np.ndarray | None = None,
-    interior: np.ndarray | None = None,
-    chains: tuple[np.ndarray, np.ndarray] | None = None,
-) -> float:
-    """Seconds of a step's layers (the fixed costs aside) on each worker's own timeline: a
-    worker waits for a halo only until its senders have posted it and it has travelled, so
-    a step costs at most `sum(layer_times)` (every layer's slowest worker), and less where
-    the slowest worker differs from layer to layer. Arguments as `layer_times`."""
     work, phase, hide_fwd, hide_bwd, share = _worker_times(
         flops, traffic, batch, net, kinds, values, interior, chains
     )
@@ -388,7 +377,18 @@ def critical_path(
     t = np.full_like(t, t.max())  # the loss: one collective among all
     for layer in range(len(work) - 1, -1, -1):  # backward: compute, then gradients back
         t = _arrive(t + bwd[layer], traffic[layer].T, exp_b[layer])
-    return float(t.max())
+    return work.max(axis=1), (exp_f + exp_b).max(axis=1), float(t.max())
+
+
+def layer_times(*args, **kwargs) -> tuple[np.ndarray, np.ndarray]:
+    """(compute_s[l], exchange_s[l]) of `step_times` (same arguments)."""
+    compute, exchange, _ = step_times(*args, **kwargs)
+    return compute, exchange
+
+
+def critical_path(*args, **kwargs) -> float:
+    """path_s of `step_times` (same arguments)."""
+    return step_times(*args, **kwargs)[2]
 
 
 def _arrive(t, traffic, exposed):

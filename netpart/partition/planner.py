@@ -39,7 +39,7 @@ import numpy as np
 
 from netpart.errors import PlanError
 from netpart.models.spec import ModelSpec
-from netpart.partition.cost import NetworkModel, critical_path, layer_times
+from netpart.partition.cost import NetworkModel, step_times
 from netpart.partition.graph import BYTES_PER_VALUE, Granularity, UnitGraph, build_unit_graph
 from netpart.partition.methods import (
     ALIGNED,
@@ -286,8 +286,7 @@ def evaluate(
         interior = interior_shares(graph, node_map, workers, (u, v))
         chains = chain_shares(graph, node_map, workers, (u, v))
     args = (flops / speed[None, :], traffic, batch, network, kinds, values, interior, chains)
-    compute, exchange = layer_times(*args)
-    path = critical_path(*args)  # <= compute.sum() + exchange.sum()
+    compute, exchange, path = step_times(*args)  # path <= compute.sum() + exchange.sum()
     fixed = network.fixed_s(workers)
     lower = layer_lower_bounds(spec, used.sum(axis=1))
     per_layer_volume = traffic.sum(axis=(1, 2))

@@ -4,15 +4,14 @@ Per layer l and worker w: compute(l, w) = FLOPs of w's blocks of l (forward + ba
 batch / worker FLOP/s, and exchange(l, w) = for the forward halo and again for the backward
 halo (same values, reverse direction): latency + max(bytes w receives, bytes w sends) /
 bandwidth, when w has any traffic. Sends to different peers proceed concurrently (full-duplex
-links, one NIC per worker). `layer_times` gives each layer's slowest worker (the figures a
-plan reports per layer); `critical_path` the step (`step_times` gives both): a worker
-waits for a halo only until its senders have posted it and it has travelled (a late
-sender's share of it after that sender, all of it after the first), computes its slice, and
-the loss joins all workers once. With balanced workers that is sum over layers of
-[ max_w compute + max_w exchange ]; where the
-slowest worker changes from layer to layer (three workers that all exchange with each other),
-or a late worker's halo arrived while it computed, the step is shorter than that sum, as the
-runtime's is.
+links, one NIC per worker). `step_times` gives each layer's slowest worker (the figures a
+plan reports per layer; `layer_times` alone) and the step: a worker waits for a halo only
+until its senders have posted it and it has travelled (a late sender's share of it after
+that sender, all of it after the first), computes its slice, and the loss joins all workers
+once. With balanced workers that is sum over layers of [ max_w compute + max_w exchange ];
+where the slowest worker changes from layer to layer (three workers that all exchange with
+each other), or a late worker's halo arrived while it computed, the step is shorter than
+that sum, as the runtime's is.
 
 A calibrated model (`netpart calibrate` writes it; `--profile FILE` reads it) refines the
 terms with what this machine measured: compute(l, w) = the time of a slice of that kind and
@@ -52,7 +51,6 @@ __all__ = [
     "SPLIT_MIN_FLOPS",
     "KindCost",
     "NetworkModel",
-    "critical_path",
     "layer_times",
     "step_times",
 ]
@@ -384,11 +382,6 @@ def layer_times(*args, **kwargs) -> tuple[np.ndarray, np.ndarray]:
     """(compute_s[l], exchange_s[l]) of `step_times` (same arguments)."""
     compute, exchange, _ = step_times(*args, **kwargs)
     return compute, exchange
-
-
-def critical_path(*args, **kwargs) -> float:
-    """path_s of `step_times` (same arguments)."""
-    return step_times(*args, **kwargs)[2]
 
 
 def _arrive(t, traffic, exposed):

@@ -9,7 +9,7 @@ from netpart.errors import PlanError
 from netpart.files import load_plan, plan_files, write_files
 from netpart.models import ZOO
 from netpart.partition import Granularity, NetworkModel, PartitionPlan, plan
-from netpart.partition.cost import critical_path, layer_times
+from netpart.partition.cost import layer_times, step_times
 from tests.conftest import small_specs
 
 
@@ -120,7 +120,7 @@ def test_step_time_model_by_hand():
     assert exchange.tolist() == [0.0, pytest.approx(2 * (1e-3 + 4e-6))]
 
 
-def test_critical_path_by_hand():
+def test_step_on_each_workers_timeline_by_hand():
     """Three workers that all exchange with each other, their slowest changing from layer to
     layer: each waits for its own senders only, so the step is shorter than the sum of every
     layer's slowest worker; with balanced workers it is that sum."""
@@ -128,13 +128,12 @@ def test_critical_path_by_hand():
     flops = np.array([[3e6, 1e6, 1e6], [1e6, 3e6, 1e6], [1e6, 1e6, 3e6]])  # per example
     traffic = np.zeros((3, 3, 3), dtype=np.int64)
     traffic[1:] = 1 - np.eye(3, dtype=np.int64)  # layers 1 and 2: all to all
-    compute, exchange = layer_times(flops, traffic, 1, net)
+    compute, exchange, path = step_times(flops, traffic, 1, net)
     lockstep = compute.sum() + exchange.sum()  # 9 ms compute + 4 phases x 1 ms
     assert lockstep == pytest.approx(13e-3, rel=1e-6)
-    assert critical_path(flops, traffic, 1, net) < lockstep - 1e-3
-    same = np.full((3, 3), 2e6)
-    compute, exchange = layer_times(same, traffic, 1, net)
-    assert critical_path(same, traffic, 1, net) == pytest.approx(compute.sum() + exchange.sum())
+    assert path < lockstep - 1e-3
+    compute, exchange, path = step_times(np.full((3, 3), 2e6), traffic, 1, net)
+    assert path == pytest.approx(compute.sum() + exchange.sum())
 
 
 @given(small_specs(), st.integers(2, 4), st.sampled_from(["metis", "tiles", "stripe", "random"]))

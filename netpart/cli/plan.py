@@ -79,8 +79,8 @@ def _plan_parser(sub) -> None:
         metavar="COUNTS",
         help="instead of --workers: plan at every worker count of COUNTS ('1,2,4,8' or "
         "'1-128', powers of two) and print the predicted step and speedup at each, the knee "
-        "(the last count reached while each doubling still made the step --gain times "
-        "faster) and the fastest count; with --out also sweep.json and sweep.png",
+        "(the last count whose doubling still made the step --gain times faster) and the "
+        "fastest count; with --out also sweep.json and sweep.png",
     )
     p.add_argument(
         "--gain", type=float, default=1.25, help="--sweep: the gain a doubling must buy (1.25)"
@@ -110,7 +110,8 @@ def _plan_parser(sub) -> None:
         metavar="SPEC",
         help="network model, e.g. bandwidth=10Gbit,latency=20us,flops=50G "
         "(defaults: 1Gbit, 50us, 20G FLOP/s per worker); with --profile, the figures given "
-        "replace the profile's (e.g. the cluster's links)",
+        "replace the profile's (e.g. the cluster's links), and speed=8x makes every machine "
+        "that many times as fast as the profile's",
     )
     add_profile_arg(p)
     p.add_argument(
@@ -266,8 +267,12 @@ def _sweep(spec, args: argparse.Namespace, network) -> int:
                         network.describe())  # fmt: skip
     echo(f"{spec.name}, {args.method}, batch {args.batch} ({network.describe()}):")
     echo(sweep_table(sweep))
-    echo(f"book {k} workers: one more doubling would gain less than {args.gain:g}x; the "
-         f"fastest predicted step is at {peak}")  # fmt: skip
+    why = (
+        f"still {args.gain:g}x faster per doubling at the largest count swept"
+        if k == counts[-1]
+        else f"no doubling beyond it makes the step {args.gain:g}x faster"
+    )
+    echo(f"book {k} workers: {why}; the fastest predicted step is at {peak}")  # fmt: skip
     if args.out is not None:
         files = {"sweep.json": json.dumps(sweep.to_dict(), indent=1).encode()}
         files["sweep.png"] = sweep_png(sweep)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -82,6 +83,21 @@ def _read(table: tuple[tuple[float, float], ...], x: np.ndarray) -> np.ndarray:
     return np.where(x > b[-1], above, np.interp(x, b, t))
 
 
+def _non_decreasing(t: np.ndarray) -> np.ndarray:
+    """The non-decreasing sequence nearest `t` in least squares (pool adjacent violators:
+    a run that falls is replaced by its mean; a loop over a table's few points)."""
+    means: list[float] = []
+    counts: list[int] = []
+    for v in t:
+        means.append(float(v))
+        counts.append(1)
+        while len(means) > 1 and means[-2] > means[-1]:
+            n = counts[-2] + counts[-1]
+            means[-2:] = [(means[-2] * counts[-2] + means[-1] * counts[-1]) / n]
+            counts[-2:] = [n]
+    return np.repeat(means, counts)
+
+
 @dataclass(frozen=True)
 class KindCost:
     """A layer kind's measured slice times: (FLOPs x batch, seconds forward+backward) points
@@ -90,14 +106,22 @@ class KindCost:
     points: tuple[tuple[float, float], ...]
     forward_share: float = FORWARD_SHARE  # of a slice's time, its forward pass (median measured)
 
+    @cached_property
+    def _table(self) -> tuple[np.ndarray, np.ndarray, float]:
+        """(sizes, seconds, seconds per FLOP above them) of `seconds`, computed once."""
+        f, t = np.array(sorted(self.points), dtype=np.float64).T
+        f, first = np.unique(f, return_index=True)
+        t = np.array([np.median(s) for s in np.split(t, first[1:])])
+        return f, _non_decreasing(t), float(np.median(t[-3:] / f[-3:]))
+
     def seconds(self, work: np.ndarray) -> np.ndarray:
         """Seconds of slices of `work` FLOPs (x batch): piecewise linear between measured
-        points (times made non-decreasing), the smallest point's time below them (a slice's
-        fixed cost dominates there), the largest point's rate above them."""
-        f, t = np.array(self.points, dtype=np.float64).T
-        t = np.maximum.accumulate(t)
-        out = np.interp(work, f, t)
-        return np.where(work > f[-1], t[-1] * work / f[-1], out)
+        points (one time per size, their median; made non-decreasing by least squares), the
+        smallest size's time below them (a slice's fixed cost dominates there), and above
+        them the largest time plus the median seconds per FLOP of the three largest sizes, so
+        one slow slice cannot scale every larger prediction."""
+        f, t, rate = self._table
+        return np.where(work > f[-1], t[-1] + rate * (work - f[-1]), np.interp(work, f, t))
 
     def to_dict(self) -> dict[str, Any]:
         return {"points": [list(p) for p in self.points], "forward_share": self.forward_share}
@@ -194,6 +218,8 @@ class NetworkModel:
             link = f", link measured with {peers} peers" if self.link else ""
             if self.gather:
                 link += f", collective with {'/'.join(f'{n:g}' for n, _ in self.gather)} workers"
+            if self.slice_scale != 1.0:  # fitted, or --net speed=
+                link += f", slice times x{self.slice_scale:.3g}"
             return (
                 f"calibrated profile {self.profile}: {self.bandwidth_bps / 1e9:.3g} Gbit/s, "
                 f"{self.latency_s * 1e6:.3g} µs{link}"
@@ -259,9 +285,11 @@ class NetworkModel:
 
     @classmethod
     def parse(cls, text: str, base: NetworkModel | None = None) -> NetworkModel:
-        """`bandwidth=10Gbit,latency=20us,flops=50G` (any subset) over the defaults, or over
-        `base` (a calibrated profile: the cluster's network with this machine's compute)."""
+        """`bandwidth=10Gbit,latency=20us,flops=50G,speed=8x` (any subset) over the defaults,
+        or over `base` (a calibrated profile: the cluster's network with this machine's
+        compute, or `speed` times it: every slice that many times faster)."""
         values: dict[str, float] = {}
+        speed = 1.0
         for item in filter(None, (t.strip() for t in text.split(","))):
             key, _, raw = item.partition("=")
             key, raw = key.strip().lower(), raw.strip().lower()
@@ -281,15 +309,21 @@ class NetworkModel:
                     if not m:
                         raise ValueError
                     values["flops_per_s"] = float(m.group(1)) * _UNITS[m.group(2)]
+                elif key == "speed":  # machines this many times as fast as the profile's
+                    speed = float(raw.removesuffix("x"))
                 else:
                     raise PlanError(
-                        f"--net: unknown key {key!r}; use bandwidth=1Gbit,latency=50us,flops=20G"
+                        f"--net: unknown key {key!r}; use bandwidth=1Gbit,latency=50us,flops=20G,"
+                        "speed=8x"
                     )
             except ValueError:
                 raise PlanError(
                     f"--net: cannot read {item!r}; e.g. bandwidth=10Gbit, latency=20us, flops=50G"
                 ) from None
+        if not speed > 0:
+            raise PlanError("--net: speed must be positive, e.g. speed=8x")
         net = replace(base or cls(), **values, overlap=True)  # a cluster: machines of their own
+        net = replace(net, slice_scale=net.slice_scale / speed, flops_per_s=net.flops_per_s * speed)
         if {"bandwidth_bps", "latency_s"} & values.keys():
             net = replace(net, link={}, gather=())  # the cluster's network, not the measured
         if min(net.bandwidth_bps, net.flops_per_s) <= 0 or net.latency_s < 0:

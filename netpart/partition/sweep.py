@@ -1,10 +1,12 @@
 """How many workers to book: predicted step and speedup per worker count, and the knee.
 
 `knee` is pure: given the predicted step at each worker count, the recommended count is the
-last one reached while every doubling of the workers still made the step at least `gain`
-times faster (counts that are not powers of two are compared per doubling:
-(step_a / step_b) ** (1 / log2(b / a))). `peak` is the count with the fastest step; past the
-knee, more workers cost machines for little time, and past the peak they cost time too.
+last one whose doubling of the workers (from the count before it) still made the step at
+least `gain` times faster, or the first count if none did (counts that are not powers of two
+are compared per doubling: (step_a / step_b) ** (1 / log2(b / a))). A first split that pays
+more in exchange than it saves does not hide later doublings that pay. `peak` is the count
+with the fastest step; past the knee, more workers cost machines for little time, and past
+the peak they cost time too.
 """
 
 from __future__ import annotations
@@ -42,14 +44,13 @@ def knee(counts: list[int], steps: list[float], gain: float = DEFAULT_GAIN) -> t
     """(knee, peak) of predicted `steps` at increasing `counts` (see the module docstring)."""
     if not counts or len(counts) != len(steps):
         raise ValueError("one predicted step per worker count")
-    best = counts[0]
-    for i in range(1, len(counts)):
-        a, b, ta, tb = counts[i - 1], counts[i], steps[i - 1], steps[i]
-        per_doubling = (ta / tb) ** (1.0 / math.log2(b / a))
-        if per_doubling < gain:
-            break
-        best = b
-    return best, counts[min(range(len(steps)), key=steps.__getitem__)]
+    paid = [
+        b
+        for a, b, ta, tb in zip(counts, counts[1:], steps, steps[1:], strict=False)
+        if (ta / tb) ** (1.0 / math.log2(b / a)) >= gain
+    ]
+    peak = counts[min(range(len(steps)), key=steps.__getitem__)]
+    return (paid[-1] if paid else counts[0]), peak
 
 
 def parse_counts(text: str) -> list[int]:

@@ -111,7 +111,7 @@ def test_graph_export(tmp_path, capsys):
             ["--model", "tiny-mlp", "--workers", "2", "--capacities", "1,2,3"],
             "capacities must be 2 positive numbers",
         ),
-        (["--model", "tiny-mlp", "--workers", "2", "--net", "speed=1"], "unknown key 'speed'"),
+        (["--model", "tiny-mlp", "--workers", "2", "--net", "rate=1"], "unknown key 'rate'"),
         (["--model", "BAD_TOML", "--workers", "2"], "malformed TOML"),
         (["--model", "BAD_GEOMETRY", "--workers", "2"], "kernel 7 is larger than its input"),
     ],

@@ -152,8 +152,8 @@ def test_network_model_parses_units():
     net = NetworkModel.parse("bandwidth=10Gbit,latency=20us,flops=50G")
     assert (net.bandwidth_bps, net.flops_per_s) == (1e10, 5e10)
     assert net.latency_s == pytest.approx(2e-5)
-    with pytest.raises(PlanError, match="unknown key 'speed'"):
-        NetworkModel.parse("speed=3")
+    with pytest.raises(PlanError, match="unknown key 'rate'"):
+        NetworkModel.parse("rate=3")
     with pytest.raises(PlanError, match="cannot read"):
         NetworkModel.parse("bandwidth=fast")
 

@@ -60,9 +60,20 @@ def test_a_bad_profile_is_one_line(text, why):
 def test_slice_table_interpolates_and_extrapolates_at_the_largest_rate():
     cost = KindCost(((1e6, 1e-3), (2e6, 0.9e-3), (4e6, 4e-3)))  # a noisy middle point
     t = cost.seconds(np.array([1e3, 1.5e6, 3e6, 8e6]))
-    assert t[0] == 1e-3  # below the table: the smallest slice's time
-    assert t[1] == pytest.approx(1e-3)  # times made non-decreasing before interpolating
-    assert t[2] == pytest.approx(2.5e-3) and t[3] == pytest.approx(8e-3)  # 4e-3 x 8/4
+    assert t[0] == pytest.approx(0.95e-3)  # below the table: the smallest size's time
+    assert t[1] == pytest.approx(0.95e-3)  # a fall is pooled into its mean (least squares)
+    assert t[2] == pytest.approx(2.475e-3)  # interpolated
+    assert t[3] == pytest.approx(4e-3 + 4e6 * 1e-9)  # + median s/FLOP of 1e-9, 0.45e-9, 1e-9
+
+
+def test_one_slow_slice_does_not_scale_the_predictions_above_the_table():
+    clean = [(1e6, 1e-3), (2e6, 2e-3), (4e6, 4e-3), (8e6, 8e-3)]
+    slow = KindCost(((1e6, 1e-3), (2e6, 2e-3), (4e6, 12e-3), (8e6, 8e-3)))  # 3x at 4e6
+    repeated = KindCost((*clean, (8e6, 7e-3), (8e6, 30e-3)))  # one size's median: 8e-3
+    assert repeated.seconds(np.array([8e6, 1.6e7])) == pytest.approx([8e-3, 16e-3])
+    big = float(slow.seconds(np.array([8e7]))[0])
+    assert big == pytest.approx(0.01 + 7.2e7 * 1e-9)  # the rate of the clean sizes, not 3x
+    assert np.all(np.diff(slow.seconds(np.linspace(1e6, 8e6, 50))) >= 0)
 
 
 def test_a_phase_is_read_off_the_link_table_and_a_cluster_replaces_it():
@@ -237,6 +248,18 @@ def test_a_cluster_over_a_profile_overlaps_and_a_run_here_does_not():
         NetworkModel.from_dict({**local.to_dict(), "overlap": "yes"})
 
 
+def test_speed_makes_every_slice_of_the_profile_that_many_times_faster():
+    fast = NetworkModel.parse("bandwidth=1Gbit,speed=8x", base=CALIBRATED)
+    flops = np.array([[5e5, 1e5]])
+    want = CALIBRATED.worker_compute_s(flops, 32, ["dense"]) / 8
+    assert fast.worker_compute_s(flops, 32, ["dense"]) == pytest.approx(want)
+    assert NetworkModel.parse("speed=2,flops=10G").flops_per_s == 20e9  # in any order
+    assert "slice times x0.113" in replace(fast, profile="p.json").describe()  # 0.9 / 8
+    for bad in ("speed=0", "speed=fast"):
+        with pytest.raises(PlanError, match="--net"):
+            NetworkModel.parse(bad)
+
+
 def test_calibrate_writes_a_profile_that_plan_and_run_use(tmp_path, capsys):
     out = tmp_path / "profile.json"
     args = ["calibrate", "--out", str(out), "--models", "tiny-mlp,tiny-local", "--steps", "2"]
@@ -262,13 +285,16 @@ def test_calibrate_writes_a_profile_that_plan_and_run_use(tmp_path, capsys):
     assert main(cluster) == 0 and ": 1 Gbit/s" in capsys.readouterr().out
 
 
-def test_the_knee_is_the_last_count_each_doubling_still_paid_for():
+def test_the_knee_is_the_last_count_whose_doubling_still_paid():
     counts = [1, 2, 4, 8, 16]
     steps = [100.0, 50.0, 30.0, 26.0, 25.0]  # gains per doubling 2.0, 1.67, 1.15, 1.04
     assert knee(counts, steps, 1.25) == (4, 16)
     assert knee(counts, steps, 1.1) == (8, 16)
     assert knee([1, 3], [90.0, 30.0], 1.5) == (3, 3)  # 3x over log2(3) doublings: 2.0 each
     assert knee([1, 2, 4], [10.0, 6.0, 7.0], 1.25) == (2, 2)  # past the peak: slower
+    dip = [46.0, 43.0, 31.0, 26.0, 25.0]  # the first split gains 1.07x, the second 1.39x
+    assert knee(counts, dip, 1.25) == (4, 16)
+    assert knee(counts[:2], dip[:2], 1.25) == (1, 2)  # no doubling paid: do not split
     assert parse_counts("1-100") == [1, 2, 4, 8, 16, 32, 64, 100]
     assert parse_counts("8,1,2,2") == [1, 2, 8]
     for bad in ("0,1", "4-2", "a"):

@@ -12,8 +12,10 @@ gradients for the early units travel.
 A chain is a run of layers a..b of one worker such that w sends units of layer b at layer
 b + 1, and no layer of the run receives a halo for w, reads everything below it (dense), or
 exchanges anything besides (only layer a may send). Its early units: at b, the units w sends;
-below, the owned units the early units above read. The chain stops below the first layer
-whose early units are all of its owned units (nothing would be left to compute meanwhile).
+below, the owned units the early units above read; in a conv or local layer, every owned unit
+at a position of one of them (its slice computes a position's channels in one matmul). The
+chain stops below the first layer whose early units are all of its owned units (nothing would
+be left to compute meanwhile).
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ def _chain(spec, owned, sends, w: int, message: int) -> list[tuple[int, np.ndarr
         if spec.layers[layer].kind == "dense" or receives:
             break
         mine = owned[layer][w]
+        want = _whole_positions(spec, layer, want, mine)
         if not 0 < len(want) < len(mine):  # all needed first: nothing to hide behind
             break
         found.append((layer, want))
@@ -104,3 +107,13 @@ def _chain(spec, owned, sends, w: int, message: int) -> list[tuple[int, np.ndarr
         want = np.intersect1d(units_read(spec, layer, want), owned[layer - 1][w])
         layer -= 1
     return found
+
+
+def _whole_positions(spec: ModelSpec, layer: int, want: np.ndarray, mine: np.ndarray):
+    """`want` (owned units of `layer`) grown to every owned unit at its positions when the layer
+    is conv or local: their slices split a layer by positions, never by channels."""
+    if spec.layers[layer].kind not in ("conv", "local"):
+        return want
+    shape = spec.shapes[layer]
+    plane = shape.height * shape.width
+    return mine[np.isin(mine % plane, want % plane)]

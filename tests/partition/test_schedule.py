@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -11,7 +12,7 @@ from netpart.models import ZOO
 from netpart.partition import Granularity, build_unit_graph, plan
 from netpart.partition.program import Instruction, check_program
 from netpart.partition.schedule import build_schedule
-from tests.conftest import small_specs
+from tests.conftest import chain_specs, small_specs
 
 
 def _schedule(spec, workers, method="metis", split_min_flops=0.0):
@@ -133,3 +134,26 @@ def test_a_producer_chain_posts_its_halo_between_its_parts_and_is_checked():
     )
     with pytest.raises(ScheduleError, match="computes late"):
         dataclasses.replace(sched, early=bad_early).validate()
+
+
+@given(
+    chain_specs(),
+    st.integers(2, 4),
+    st.sampled_from(["metis", "random", "tiles"]),
+    st.sampled_from([8, 64, 256]),  # many blocks: channel groups, split between workers
+)
+@settings(max_examples=60, deadline=None)
+def test_chains_split_conv_and_local_layers_by_whole_positions(spec, workers, method, blocks):
+    """A conv or local slice computes a position's channels in one matmul, so a producer
+    chain's early units there hold every owned unit of each of their positions."""
+    grain = Granularity(spatial_blocks=blocks, dense_blocks=4)
+    p = plan(spec, workers, method, granularity=grain)
+    graph = build_unit_graph(spec, p.granularity)
+    schedule = build_schedule(graph, p.node_map, workers, True, 0.0)
+    for layer, per_worker in enumerate(schedule.early):
+        if spec.layers[layer].kind not in ("conv", "local"):
+            continue
+        plane = spec.shapes[layer].height * spec.shapes[layer].width
+        for w, early in enumerate(per_worker):
+            mine = schedule.owned[layer][w]
+            assert set(mine[np.isin(mine % plane, early % plane)]) == set(early)

@@ -101,13 +101,14 @@ def test_every_split_of_the_program_equals_the_reference(spec, workers, method, 
     st.sampled_from(["tiles", "metis", "stripe"]),
     st.booleans(),
     st.integers(1, 3),
+    st.sampled_from([8, 64]),  # 64: channel groups, split between workers
 )
 @settings(max_examples=30, deadline=None)
-def test_producer_chains_equal_the_reference(spec, workers, method, aligned, batch):
+def test_producer_chains_equal_the_reference(spec, workers, method, aligned, batch, blocks):
     """Programs whose workers compute the units their peers read first (over several layers),
     post them, then the rest, and backward the rest before the peers' gradients arrive: the
     same step, exactly, and the plan's bytes."""
-    grain = Granularity(spatial_blocks=8, dense_blocks=4, align_pools=aligned)
+    grain = Granularity(spatial_blocks=blocks, dense_blocks=4, align_pools=aligned)
     p = plan(spec, workers, method, granularity=grain)
     _, schedule = plan_schedule(spec, p, True, True, 0.0)
     assume(any(schedule.chains))
@@ -207,3 +208,23 @@ def test_bound_gradients_are_the_collected_ones_in_layout_order():
         assert flats[rank].abs().sum() > 0 and torch.equal(flats[rank], collected[rank])
         layout = ShardLayout.build(graph, p.node_map, 2, 2)
         assert flats[rank].numel() == layout.worker_size(rank)
+
+
+def test_a_chain_through_a_channel_wise_reader_equals_the_reference():
+    """Found by the test above: a pool reads one channel per unit, so the units a peer reads
+    of the conv below were some channels of a position; the conv's slice computes a
+    position's channels together (the chain's early units now hold them all)."""
+    spec = ModelSpec.from_dict({
+        "name": "random",
+        "input": {"channels": 2, "height": 7, "width": 10},
+        "layers": [
+            {"kind": "conv", "channels": 3, "kernel": 3, "stride": 2, "activation": "tanh"},
+            {"kind": "pool", "mode": "l2", "kernel": 2, "stride": 1},
+            {"kind": "local", "channels": 2, "kernel": 1, "stride": 1},
+            {"kind": "dense", "units": 1, "activation": "tanh"},
+        ],
+    })  # fmt: skip
+    p = plan(spec, 4, "metis", granularity=Granularity(spatial_blocks=8, dense_blocks=4))
+    x, y = make_batch(spec, 3, 7)
+    result = run_step_threads(spec, p, x, y, overlap=True, split_min_flops=0.0)
+    assert_equal_to_reference(spec, result, x, y)

@@ -76,7 +76,9 @@ class Dataset:
             pos = (step - 1) * batch + np.arange(batch)
             epochs, at = np.divmod(pos, count)
             k = np.empty(batch, dtype=np.int64)
-            for e in np.unique(epochs):  # a batch can span several epochs of few examples
+            # A batch can span several epochs of few examples (not np.unique: its first call
+            # imports numpy.ma, 10 ms in the middle of a run).
+            for e in range(int(epochs[0]), int(epochs[-1]) + 1):
                 sel = epochs == e
                 k[sel] = self._order(replica, count, int(e))[at[sel]]
         return replica + replicas * k

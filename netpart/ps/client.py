@@ -1,7 +1,7 @@
 """ShardClient: a model worker's side of the parameter server (protocol in `netpart.ps.protocol`).
 
-Requests are posted from the caller's thread without blocking (the client has no thread of
-its own: no hand-offs, no lock shared with the step): `request` sends a push, a fetch or both
+Requests are posted without blocking, from the caller's thread or (Downpour) by a courier's
+thread, so the step loop touches no socket: `request` sends a push, a fetch or both
 to every shard that holds part of this worker's parameters and returns a `Ticket`;
 `complete(ticket)` waits for its messages and returns the fetched values. A Downpour worker
 keeps two requests in flight and completes each one step after the next was posted, so no
@@ -84,12 +84,12 @@ class _Slot:
 
 
 class _Courier:
-    """Two threads that carry requests: one posts each request's messages and waits until
-    they are written, the other waits for each request's replies, in order, and then flags
-    the ticket `finished`. Writing a push into the socket (0.1 ms per 340 KB here) thus runs
-    beside the next step; the step loop can ask whether a fetch has arrived without waiting
-    (gloo's operations cannot be polled); and a slow reply never holds up the next request.
-    The transport releases the GIL while it writes and waits."""
+    """Two threads that carry requests: one posts each request's receives and messages and
+    waits until they are written, the other waits for each request's replies, in order, and
+    then flags the ticket `finished`. Writing a push into the socket (0.1 ms per 340 KB here)
+    thus runs beside the next step; the step loop can ask whether a fetch has arrived without
+    waiting (gloo's operations cannot be polled); and a slow reply never holds up the next
+    request. The transport releases the GIL while it writes and waits."""
 
     def __init__(self, name: str) -> None:
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -101,17 +101,21 @@ class _Courier:
         for t in self.threads:
             t.start()
 
-    def post(self, ticket: Ticket, messages: list[tuple[torch.Tensor, int, int]]) -> None:
+    def post(self, ticket: Ticket, receives: list, sends: list) -> None:
+        """Carry a request: post its `receives` and `sends` (tensor, peer, tag) and wait until
+        the sends are written (posting them here, not in the step loop, measured 4% more
+        Downpour samples/s at R=1)."""
         ticket.finished = threading.Event()
-        self.outbox.put((ticket, messages))
+        self.outbox.put((ticket, receives, sends))
 
     def _send(self) -> None:
         _yield_to_compute()
         pg = dist.group.WORLD
         while (item := self.outbox.get()) is not None:
-            ticket, messages = item
+            ticket, receives, sends = item
             try:
-                for work in [pg.send([t], dst, tag) for t, dst, tag in messages]:
+                ticket.works += [pg.recv([t], src, tag) for t, src, tag in receives]
+                for work in [pg.send([t], dst, tag) for t, dst, tag in sends]:
                     work.wait()
             except RuntimeError as exc:  # the caller raises it, naming itself
                 ticket.error = exc
@@ -195,14 +199,16 @@ class ShardClient:
             kind = Kind.PUSH if grads is not None else Kind.FETCH
         ticket = Ticket(index, step, fetch)
         sends: list[tuple[torch.Tensor, int, int]] = []
+        receives: list[tuple[torch.Tensor, int, int]] = []
         at = fetch_step if kind == Kind.FETCH else step
         with self._naming("post to"):
             for s, segs in self.routes.items():
-                self._post(ticket, slot, s, segs, (kind, at, extra), grads, sends)
-            if self._courier is not None:
-                self._courier.post(ticket, sends)
+                self._post(ticket, slot, s, segs, (kind, at, extra), grads, (sends, receives))
+            if self._courier is not None:  # this thread touches no socket
+                self._courier.post(ticket, receives, sends)
             else:
                 pg = dist.group.WORLD  # on the group itself: a quarter cheaper than isend
+                ticket.works += [pg.recv([t], src, tag) for t, src, tag in receives]
                 ticket.works += [pg.send([t], dst, tag) for t, dst, tag in sends]
         slot.ticket = ticket
         return ticket
@@ -236,15 +242,15 @@ class ShardClient:
             slot.ticket.dropped = True
         return k, slot
 
-    def _post(self, ticket, slot, s, segs, what, grads, sends) -> None:
-        """Shard `s`'s part of a request: its receives are posted, its messages (tensor,
-        destination, tag) appended to `sends`."""
+    def _post(self, ticket, slot, s, segs, what, grads, messages) -> None:
+        """Shard `s`'s part of a request: its messages and receives (tensor, peer, tag)
+        appended to `messages` (sends, receives)."""
         (kind, step, extra), dst, n = what, self.shard_ranks[s], segments_length(segs)
+        sends, receives = messages
         buf = slot.requests[s]
         version = extra if extra is not None else self._used.get(s, -1)
         length = n if grads is not None else 0
         write_header(buf, int(kind), self.rank, s, step, length, self.replica, version)
-        pg = dist.group.WORLD  # posting on the group itself: a quarter cheaper than irecv
         own = self._push_bufs.get(grads.data_ptr()) if grads is not None else None
         if grads is None:
             sends.append((buf[:HEADER_BYTES], dst, TAG_HEADER))
@@ -263,11 +269,10 @@ class ShardClient:
                     sends.append((payload[a:b], dst, TAG_CHUNK + i))
             ticket.keep.append(payload)
         if kind in (Kind.FETCH, Kind.PUSH_FETCH):
-            reply = slot.replies[s]
-            ticket.works.append(pg.recv([reply], dst, TAG_HEADER))
+            receives.append((slot.replies[s], dst, TAG_HEADER))
             if not combined_reply(n):
                 target = ticket.targets[s] = self._direct(slot, segs)
-                ticket.works.append(pg.recv([target], dst, TAG_PAYLOAD))
+                receives.append((target, dst, TAG_PAYLOAD))
 
     def _direct(self, slot: _Slot, segs: tuple[Segment, ...]) -> torch.Tensor:
         """Where a separate reply's values land: the staging buffer itself for one segment."""

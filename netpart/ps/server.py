@@ -174,7 +174,7 @@ class ShardServer:
         except (RuntimeError, ProtocolError) as exc:
             reason = str(exc) if isinstance(exc, ProtocolError) else transport_reason(exc)
             self.lose(replica, f"worker {worker}: {reason}")
-        except OSError as exc:  # a checkpoint write failed (disk full, read-only): fatal
+        except OSError as exc:  # an update hook's write failed (disk full, read-only): fatal
             where = f" {exc.filename}" if exc.filename else ""
             self.fail(f"writing{where} failed: {exc.strerror or exc}")
 

@@ -8,13 +8,16 @@ its byte counts, staleness histogram and lost replicas.
 
 from __future__ import annotations
 
+import io
 import logging
+import queue
 import threading
 import time
 
 import torch
 
 from netpart import faults
+from netpart.errors import RuntimeFailure
 from netpart.models.spec import ModelSpec
 from netpart.partition.shards import ShardLayout, piece_initial
 from netpart.ps.checkpoint import load_shard, save_shard
@@ -75,7 +78,7 @@ def serve_shard(job, layout: ShardLayout, shard: int, rank: int, stop, placement
     else:
         values = initial_values(spec, layout, shard, config.seed, dtype)
         state = ShardState(values=values, state=None)
-    saving = threading.Lock()
+    writer = _Writer(shard)
 
     def save(server: ShardServer, updates: int, final: bool = False) -> None:
         """After update number `updates` (and at the end): a checkpoint every K updates."""
@@ -83,23 +86,63 @@ def serve_shard(job, layout: ShardLayout, shard: int, rank: int, stop, placement
         every = config.snapshot_every
         if every and not final and updates % every == 0:  # kept: run/snapshots/<k>/
             snap = run / "snapshots" / f"{updates // every:05d}"
-            save_shard(snap, shard, server.snapshot(), {**meta, "time": time.time()})
+            writer.put(server, snap, {**meta, "time": time.time()})
         if final or updates % config.checkpoint_every == 0:
-            with saving:
-                extra = _final_figures(server) if final else {}
-                save_shard(run, shard, server.snapshot(), {**meta, **extra})
+            writer.put(server, run, {**meta, **(_final_figures(server) if final else {})})
 
     setup = ShardSetup(layout, shard, config.replicas, rank, placement.worker_rank)
     server = ShardServer(setup, state, shard_mode(config, state, placement), on_update=save)
     log.info("%d values, serving workers %s", size, server.workers)
-    server.serve(stop, grace=config.timeout)
-    save(server, server.state.updates, final=True)
+    try:
+        server.serve(stop, grace=config.timeout)
+        save(server, server.state.updates, final=True)
+    finally:
+        failed = writer.close()  # every checkpoint taken is on disk, or why not
+    if failed is not None:
+        raise RuntimeFailure(f"shard {shard}: {failed}")
     log.info(
         "done after %d updates (%.1f MB in, %.1f MB out); lost replicas: %s",
         server.state.updates, server.bytes_in / 1e6, server.bytes_out / 1e6,
         sorted(server.lost) or "none",
     )  # fmt: skip
     return server
+
+
+class _Writer:
+    """Writes a shard's checkpoints from a thread of its own, in the order they were taken: a
+    peer's thread only takes the snapshot (the write and its fsyncs, milliseconds, no longer
+    hold up that peer's next request). A failed write makes the server fail (`serve` raises);
+    `close` waits for what is queued and says why the first failed write failed."""
+
+    def __init__(self, shard: int) -> None:
+        self.shard = shard
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.order = threading.Lock()  # snapshot and queue together: writes keep their order
+        self.error: str | None = None
+        torch.save({"values": torch.zeros(1)}, io.BytesIO())  # its first call imports
+        self.thread = threading.Thread(target=self._run, name="checkpoints", daemon=True)
+        self.thread.start()
+
+    def put(self, server: ShardServer, where, meta: dict) -> None:
+        with self.order:
+            self.queue.put((server, where, server.snapshot(), meta))
+
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            server, where, snapshot, meta = item
+            if self.error is not None:
+                continue
+            try:
+                save_shard(where, self.shard, snapshot, meta)
+            except OSError as exc:  # disk full, read-only: this shard cannot go on
+                name = f" {exc.filename}" if exc.filename else ""
+                self.error = f"writing{name} failed: {exc.strerror or exc}"
+                server.fail(self.error)
+
+    def close(self) -> str | None:
+        self.queue.put(None)
+        self.thread.join()
+        return self.error
 
 
 def _catch_up(state: ShardState, starts: dict[int, int], sync: bool) -> None:

@@ -109,7 +109,7 @@ def _chain(spec, owned, sends, w: int, message: int) -> list[tuple[int, np.ndarr
     return found
 
 
-def _whole_positions(spec: ModelSpec, layer: int, want: np.ndarray, mine: np.ndarray):
+def _whole_positions(spec: ModelSpec, layer: int, want: np.ndarray, mine: np.ndarray) -> np.ndarray:
     """`want` (owned units of `layer`) grown to every owned unit at its positions when the layer
     is conv or local: their slices split a layer by positions, never by channels."""
     if spec.layers[layer].kind not in ("conv", "local"):

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from netpart.files import write_atomic
 from netpart.models import load_spec
 from netpart.partition import plan
-from netpart.partition.cost import KindCost, NetworkModel
+from netpart.partition.cost import NetworkModel
 from netpart.partition.planner import reevaluate
 from netpart.partition.schedule import plan_schedule
 from netpart.partition.simulate import simulate_step
@@ -88,13 +88,9 @@ def calibrated(profile: NetworkModel, net_name: str, net: NetworkModel) -> Netwo
     """The profile's machines (slice tables, fixed costs) on the scenario's links (the
     measured link and collective tables dropped), every worker on a machine of its own (halo
     hidden behind interior compute)."""
-    scale = COMPUTE_SCALE.get(net_name, 1.0)
-    kinds = {
-        k: KindCost(tuple((f, t * scale) for f, t in c.points), c.forward_share)
-        for k, c in profile.kinds.items()
-    }
-    return replace(profile, bandwidth_bps=net.bandwidth_bps, latency_s=net.latency_s,
-                   link={}, gather=(), kinds=kinds, overlap=True)  # fmt: skip
+    scenario = replace(profile, bandwidth_bps=net.bandwidth_bps, latency_s=net.latency_s,
+                       link={}, gather=(), overlap=True)  # fmt: skip
+    return scenario.faster(1 / COMPUTE_SCALE.get(net_name, 1.0))  # as `--net speed=`
 
 
 def modelled(spec, method: str, n: int, batch: int, profile: NetworkModel) -> list[dict]:

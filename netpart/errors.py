@@ -33,6 +33,7 @@ __all__ = [
     "TrainError",
     "WorkerFailure",
     "transport_reason",
+    "write_reason",
 ]
 
 EXIT_FAILURE, EXIT_INPUT, EXIT_INTERRUPTED = 1, 2, 130
@@ -95,3 +96,9 @@ def transport_reason(exc: BaseException) -> str:
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     text = re.sub(r"^\[[^\]]*\]\s*", "", text)
     return text.split(". This is typically")[0]
+
+
+def write_reason(exc: OSError) -> str:
+    """A failed file write as one short line naming the file (disk full, read-only)."""
+    where = f" {exc.filename}" if exc.filename else ""
+    return f"writing{where} failed: {exc.strerror or exc}"

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from netpart.errors import ProtocolError, RuntimeFailure, transport_reason
+from netpart.errors import ProtocolError, RuntimeFailure, transport_reason, write_reason
 from netpart.partition.shards import Segment, ShardLayout
 from netpart.ps.modes import Mode
 from netpart.ps.protocol import (
@@ -175,8 +175,7 @@ class ShardServer:
             reason = str(exc) if isinstance(exc, ProtocolError) else transport_reason(exc)
             self.lose(replica, f"worker {worker}: {reason}")
         except OSError as exc:  # an update hook's write failed (disk full, read-only): fatal
-            where = f" {exc.filename}" if exc.filename else ""
-            self.fail(f"writing{where} failed: {exc.strerror or exc}")
+            self.fail(write_reason(exc))
 
     def fail(self, why: str) -> None:
         """This shard cannot go on: `serve` raises RuntimeFailure(why) instead of waiting."""

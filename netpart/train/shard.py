@@ -17,7 +17,7 @@ import time
 import torch
 
 from netpart import faults
-from netpart.errors import RuntimeFailure
+from netpart.errors import RuntimeFailure, write_reason
 from netpart.models.spec import ModelSpec
 from netpart.partition.shards import ShardLayout, piece_initial
 from netpart.ps.checkpoint import load_shard, save_shard
@@ -78,7 +78,6 @@ def serve_shard(job, layout: ShardLayout, shard: int, rank: int, stop, placement
     else:
         values = initial_values(spec, layout, shard, config.seed, dtype)
         state = ShardState(values=values, state=None)
-    writer = _Writer(shard)
 
     def save(server: ShardServer, updates: int, final: bool = False) -> None:
         """After update number `updates` (and at the end): a checkpoint every K updates."""
@@ -86,12 +85,13 @@ def serve_shard(job, layout: ShardLayout, shard: int, rank: int, stop, placement
         every = config.snapshot_every
         if every and not final and updates % every == 0:  # kept: run/snapshots/<k>/
             snap = run / "snapshots" / f"{updates // every:05d}"
-            writer.put(server, snap, {**meta, "time": time.time()})
+            writer.put(snap, {**meta, "time": time.time()})
         if final or updates % config.checkpoint_every == 0:
-            writer.put(server, run, {**meta, **(_final_figures(server) if final else {})})
+            writer.put(run, {**meta, **(_final_figures(server) if final else {})})
 
     setup = ShardSetup(layout, shard, config.replicas, rank, placement.worker_rank)
     server = ShardServer(setup, state, shard_mode(config, state, placement), on_update=save)
+    writer = _Writer(server)  # before any update: `serve` has not started
     log.info("%d values, serving workers %s", size, server.workers)
     try:
         server.serve(stop, grace=config.timeout)
@@ -114,8 +114,8 @@ class _Writer:
     hold up that peer's next request). A failed write makes the server fail (`serve` raises);
     `close` waits for what is queued and says why the first failed write failed."""
 
-    def __init__(self, shard: int) -> None:
-        self.shard = shard
+    def __init__(self, server: ShardServer) -> None:
+        self.server = server
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.order = threading.Lock()  # snapshot and queue together: writes keep their order
         self.error: str | None = None
@@ -123,21 +123,20 @@ class _Writer:
         self.thread = threading.Thread(target=self._run, name="checkpoints", daemon=True)
         self.thread.start()
 
-    def put(self, server: ShardServer, where, meta: dict) -> None:
+    def put(self, where, meta: dict) -> None:
         with self.order:
-            self.queue.put((server, where, server.snapshot(), meta))
+            self.queue.put((where, self.server.snapshot(), meta))
 
     def _run(self) -> None:
         while (item := self.queue.get()) is not None:
-            server, where, snapshot, meta = item
+            where, snapshot, meta = item
             if self.error is not None:
                 continue
             try:
-                save_shard(where, self.shard, snapshot, meta)
+                save_shard(where, self.server.shard, snapshot, meta)
             except OSError as exc:  # disk full, read-only: this shard cannot go on
-                name = f" {exc.filename}" if exc.filename else ""
-                self.error = f"writing{name} failed: {exc.strerror or exc}"
-                server.fail(self.error)
+                self.error = write_reason(exc)
+                self.server.fail(self.error)
 
     def close(self) -> str | None:
         self.queue.put(None)

@@ -345,7 +345,9 @@ class DenseSlice(LayerSlice):
         self._set_orders({"all": [np.arange(len(units))]})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return activation(self.activation, torch.addmm(self.bias, self.weight, x[: self.n_in]))
+        if x.shape[0] != self.n_in:  # a buffer with padding rows (a joined input has none):
+            x = x[: self.n_in]  # slicing adds a node to autograd's graph, so only when needed
+        return activation(self.activation, torch.addmm(self.bias, self.weight, x))
 
     def compute(self, x: torch.Tensor, part: str) -> list[torch.Tensor]:
         return [self.forward(x)]

@@ -316,7 +316,7 @@ class ModelWorker:
                 self._fill_halo(st, layer, self._input_buffer(st.batch, layer))
         t1 = clock()
         if part in ("all", "joined"):
-            st.outs[layer] = sl(x)
+            st.outs[layer] = sl.forward(x)  # not through nn.Module's __call__: no hooks here
         elif part == "interior":
             st.pieces[layer] = sl.compute(x, "first")
         else:

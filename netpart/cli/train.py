@@ -82,6 +82,13 @@ def _train_parser(sub) -> None:
     flag("n_push", int, "downpour: push gradients every K steps")
     flag("push_norm", float, "downpour: push sooner once the gradient's L2 norm reaches this")
     flag("dc_lambda", float, "downpour: DC-ASGD delay compensation lambda (0: off)")
+    flag(
+        "local_update",
+        str,
+        "downpour with sgd: auto | on | off: a replica also applies each step to its own "
+        "parameters (the paper's client), and fetched values get its pushes they do not "
+        "reflect yet; with one replica that is exactly single-process SGD (auto: on for sgd)",
+    )
     flag("units", int, "sandblaster: work units per batch", "--units", "--units-per-batch")
     flag("history", int, "sandblaster: L-BFGS curvature pairs kept in the shards")
     flag("line_search", str, "sandblaster: armijo | none (torch.optim.LBFGS's fixed step)")
@@ -177,7 +184,7 @@ _FIELDS = (
     "replicas", "shards", "mode", "optimizer", "lr", "n_fetch", "n_push", "steps", "batch",
     "warm_start", "checkpoint_every", "snapshot_every", "data", "seed", "dtype", "timeout",
     "threads", "placement", "push_norm", "dc_lambda", "units", "history", "line_search",
-    "restarts",
+    "restarts", "local_update",
 )  # fmt: skip
 _FIXED_ON_RESUME = ("shards", "optimizer", "dtype", "seed", "data")
 

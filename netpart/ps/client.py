@@ -186,12 +186,14 @@ class ShardClient:
         fetch: bool = False,
         fetch_step: int = 0,
         extra: int | None = None,
+        ahead: int = 0,
     ) -> Ticket:
         """Post a push of `grads` (flat, this worker's piece order; computed on the values last
-        fetched) and/or a fetch to every shard. A fetch alone is answered once `fetch_step` is
-        applied (0: at once); a push-and-fetch as the shard's mode says (sync: once `step` is
-        applied by every replica). `extra` replaces the versions in push headers
-        (Sandblaster: the evaluation its unit belongs to)."""
+        fetched, and `ahead` of this worker's later pushes applied locally) and/or a fetch to
+        every shard. A fetch alone is answered once `fetch_step` is applied (0: at once); a
+        push-and-fetch as the shard's mode says (sync: once `step` is applied by every replica).
+        `extra` replaces the versions in push headers (Sandblaster: the evaluation its unit
+        belongs to)."""
         index, slot = self._take_slot()
         if grads is not None and fetch:
             kind = Kind.PUSH_FETCH
@@ -203,7 +205,8 @@ class ShardClient:
         at = fetch_step if kind == Kind.FETCH else step
         with self._naming("post to"):
             for s, segs in self.routes.items():
-                self._post(ticket, slot, s, segs, (kind, at, extra), grads, (sends, receives))
+                what = (kind, at, extra, ahead)
+                self._post(ticket, slot, s, segs, what, grads, (sends, receives))
             if self._courier is not None:  # this thread touches no socket
                 self._courier.post(ticket, receives, sends)
             else:
@@ -245,10 +248,14 @@ class ShardClient:
     def _post(self, ticket, slot, s, segs, what, grads, messages) -> None:
         """Shard `s`'s part of a request: its messages and receives (tensor, peer, tag)
         appended to `messages` (sends, receives)."""
-        (kind, step, extra), dst, n = what, self.shard_ranks[s], segments_length(segs)
+        (kind, step, extra, ahead), dst, n = what, self.shard_ranks[s], segments_length(segs)
         sends, receives = messages
         buf = slot.requests[s]
-        version = extra if extra is not None else self._used.get(s, -1)
+        # The version a push was computed on: the fetched values' (the shard's update count
+        # then), plus this worker's pushes that had not reached them but were applied locally:
+        # the shard's staleness then counts only the updates the gradient did not see.
+        used = self._used.get(s, -1)
+        version = extra if extra is not None else used + ahead if used >= 0 else -1
         length = n if grads is not None else 0
         write_header(buf, int(kind), self.rank, s, step, length, self.replica, version)
         own = self._push_bufs.get(grads.data_ptr()) if grads is not None else None

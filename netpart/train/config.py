@@ -30,6 +30,7 @@ __all__ = ["MODES", "SCHEMA_VERSION", "TrainConfig", "TrainError", "layout_key"]
 SCHEMA_VERSION = 1
 DTYPES = ("float32", "float64")
 MODES = ("downpour", "sync", "sandblaster")
+LOCAL_UPDATE = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class TrainConfig:
     history: int = 10  # sandblaster: L-BFGS curvature pairs kept in the shards
     line_search: str = "armijo"  # sandblaster: armijo | none (torch.optim.LBFGS's fixed step)
     push_norm: float = 0.0  # downpour: also push once the gradient's L2 norm reaches this
+    local_update: str = "auto"  # downpour: each step also applied by the replica (see below)
     restarts: int = 3  # times a shard that dies is restarted from its last checkpoint
 
     def __post_init__(self) -> None:
@@ -92,6 +94,13 @@ class TrainConfig:
                 "--dc-lambda and --push-norm apply to --mode downpour (sync pushes every step, "
                 "and its gradients are never stale)"
             )
+        if self.local_update not in LOCAL_UPDATE:
+            raise TrainError(f"--local-update {self.local_update}: choose auto, on or off")
+        if self.local_update == "on" and not self._local_defined:
+            raise TrainError(
+                "--local-update on needs --mode downpour and --optimizer sgd without --dc-lambda "
+                "(the replica applies p -= lr * g itself, as the shards' SGD does)"
+            )
         if (self.mode == "sandblaster") != (self.optimizer == "lbfgs"):
             raise TrainError(
                 "--mode sandblaster goes with --optimizer lbfgs, and lbfgs only with sandblaster"
@@ -102,6 +111,18 @@ class TrainConfig:
             raise TrainError(f"--units {self.units}: at most --batch {self.batch} units")
         if not 0 < self.timeout <= MAX_TIMEOUT:
             raise TrainError(f"--timeout {self.timeout}: must be > 0 and <= {MAX_TIMEOUT} seconds")
+
+    @property
+    def _local_defined(self) -> bool:
+        return self.mode == "downpour" and self.optimizer == "sgd" and self.dc_lambda == 0
+
+    @property
+    def local_steps(self) -> bool:
+        """Whether a Downpour replica applies each step to its own parameters (the paper's
+        client: p -= lr * g) and brings fetched values up to date with its pushes they do not
+        reflect yet: with --local-update auto (the default) wherever the shards' rule is SGD
+        and no delay compensation reads the versions served."""
+        return self.local_update != "off" and self._local_defined
 
     @property
     def optim(self) -> Optimizer:

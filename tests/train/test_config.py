@@ -28,8 +28,22 @@ def test_train_config_round_trip_and_errors():
         ({"optimizer": "lbfgs"}, "goes with --optimizer lbfgs"),
         ({"mode": "sandblaster", "optimizer": "lbfgs", "line_search": "wolfe"}, "armijo or none"),
         ({"mode": "sandblaster", "optimizer": "lbfgs", "units": 64, "batch": 32}, "--units 64"),
+        ({"local_update": "yes"}, "--local-update yes: choose auto, on or off"),
+        ({"local_update": "on"}, "--local-update on needs --mode downpour and --optimizer sgd"),
+        ({"local_update": "on", "optimizer": "sgd", "dc_lambda": 0.1}, "without --dc-lambda"),
     ):
         with pytest.raises(TrainError, match=match):
             TrainConfig(**bad)
     with pytest.raises(TrainError, match="unknown"):
         TrainConfig.from_dict({"replica": 2})
+
+
+def test_local_steps_where_the_shards_apply_sgd():
+    """Downpour with SGD applies each step locally unless turned off; Adagrad, sync and
+    delay compensation never do (what the replica would apply is not what the shards do)."""
+    sgd = TrainConfig(optimizer="sgd")
+    assert sgd.local_steps and TrainConfig(optimizer="sgd", local_update="on").local_steps
+    assert not TrainConfig(optimizer="sgd", local_update="off").local_steps
+    assert not TrainConfig().local_steps  # adagrad
+    assert not TrainConfig(optimizer="sgd", mode="sync").local_steps
+    assert not TrainConfig(optimizer="sgd", dc_lambda=0.5).local_steps

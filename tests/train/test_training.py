@@ -125,6 +125,41 @@ def test_sync_resume_after_a_signal_equals_the_uninterrupted_run(sync_run, tmp_p
         assert torch.allclose(got[k], want[k], rtol=0, atol=1e-12), k
 
 
+@pytest.mark.parametrize("n_push, n_fetch", [(1, 1), (3, 2)])
+def test_downpour_with_local_steps_and_one_replica_is_single_process_sgd(tmp_path, n_push, n_fetch):
+    """The replica applies every step itself and brings fetched values up to date with its
+    pushes still in flight (and its unpushed steps): one replica's run equals plain SGD,
+    whatever its pushes and fetches overlap, and the shards count no push as stale."""
+    p = plan(SPEC, 2, "metis")
+    steps = 9
+    cfg = TrainConfig(
+        replicas=1, shards=2, optimizer="sgd", lr=0.1, steps=steps, batch=8, dtype="float64",
+        n_push=n_push, n_fetch=n_fetch, timeout=30,
+    )  # fmt: skip
+    assert cfg.local_steps
+    run = tmp_path / "run"
+    train(SPEC, p, cfg, run)
+    got = torch.load(run / "model.pt", weights_only=True)
+    ref = build_reference(SPEC, 0, torch.float64)
+    data = load_data("synthetic", SPEC, 0, cfg.examples)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    losses = []
+    for t in range(1, steps + 1):
+        opt.zero_grad()
+        x, y = data.batch(0, 1, t, 8, torch.float64)
+        loss = ref.loss(ref(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(got[k], v, rtol=0, atol=1e-12), k
+    # Every step trained on the values plain SGD had then: the same losses.
+    assert [m["loss"] for m in metrics(run)] == pytest.approx(losses, rel=0, abs=1e-12)
+    for s in range(2):
+        meta = json.loads((run / f"shard_{s}.json").read_text())
+        assert set(meta["staleness"]) == {"0"}
+
+
 def test_downpour_lowers_the_loss_and_pushes_reach_only_their_shards(tmp_path):
     p = plan(SPEC, 2, "metis")
     cfg = TrainConfig(replicas=2, shards=2, steps=40, n_push=2, n_fetch=3, lr=0.05, timeout=30)

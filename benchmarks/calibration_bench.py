@@ -32,7 +32,7 @@ def netpart(*args: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--steps", type=int, default=None, help="netpart run's (default: its own)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/calibration_bench.json"))
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="calibration-bench-"))
@@ -45,7 +45,8 @@ def main() -> int:
         for r in range(args.rounds):
             for m, n in CASES:
                 stats = tmp / "stats.json"
-                netpart("run", "--model", m, "--workers", str(n), "--steps", str(args.steps),
+                steps = [] if args.steps is None else ["--steps", str(args.steps)]
+                netpart("run", "--model", m, "--workers", str(n), *steps,
                         "--profile", str(profile), "--stats", str(stats))  # fmt: skip
                 s = json.loads(stats.read_text())
                 rows[f"{m}/{n}"].append([s["step_s_median"], s["predicted_step_s"]])

@@ -30,7 +30,12 @@ def register(sub) -> None:
         "time, the per-layer compute and exchange time, and the bytes moved.",
     )
     add_launch_args(r, batch=32, stats_help="write the measurements as JSON")
-    r.add_argument("--steps", type=positive_int, default=10, help="timed steps (default 10)")
+    r.add_argument(
+        "--steps",
+        type=positive_int,
+        default=None,
+        help="timed steps (default: at least 10, and about 0.5 s of steps by the prediction)",
+    )
     r.add_argument("--threads", type=positive_int, default=1, help="torch threads per worker")
     r.add_argument(
         "--split",
@@ -93,7 +98,12 @@ def _calibrate_parser(sub) -> None:
         help=f"zoo models to measure (default {','.join(CALIBRATION_MODELS)})",
     )
     k.add_argument("--batch", type=positive_int, default=32, help="examples per step (default 32)")
-    k.add_argument("--steps", type=positive_int, default=15, help="timed steps per run")
+    k.add_argument(
+        "--steps",
+        type=positive_int,
+        default=15,
+        help="timed steps per run at least (and about 0.3 s of them; default 15)",
+    )
     k.add_argument(
         "--repeats", type=positive_int, default=3, help="runs of each step measurement (median)"
     )
@@ -139,7 +149,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from netpart.partition import plan
     from netpart.partition.planner import reevaluate
     from netpart.runtime.check import make_batch
-    from netpart.runtime.step import run_step
+    from netpart.runtime.step import run_step, timed_steps
 
     spec, p = plan_for_run(args)
     # These workers share this machine: the runtime hides halo only with --split.
@@ -150,10 +160,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     if p.network != network or p.batch != args.batch:  # the prediction for this run
         p = reevaluate(spec, p, args.batch, network)
     x, y = make_batch(spec, args.batch, args.seed)
-    warmup = min(3, args.steps - 1) if args.steps > 1 else 0
+    if args.steps is None:
+        steps, warmup = timed_steps(p.metrics.predicted_step_s)
+    else:
+        steps, warmup = args.steps, min(3, args.steps - 1) if args.steps > 1 else 0
     result = run_step(
         spec, p, x.float(), y, seed=args.seed, dtype=torch.float32, timeout=args.timeout,
-        threads=args.threads, steps=args.steps + warmup, overlap=not args.no_overlap,
+        threads=args.threads, steps=steps + warmup, overlap=not args.no_overlap,
         split=args.split,
     )  # fmt: skip
     per_step = result.slowest_steps()[warmup:]

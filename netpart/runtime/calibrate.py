@@ -46,7 +46,7 @@ from netpart.partition.graph import BYTES_PER_VALUE
 from netpart.partition.planner import PartitionPlan, reevaluate
 from netpart.partition.schedule import build_schedule
 from netpart.runtime.check import make_batch
-from netpart.runtime.step import LINK_SIZES, run_link, run_step
+from netpart.runtime.step import LINK_SIZES, run_link, run_step, timed_steps
 from netpart.runtime.trace import measure_slices
 
 __all__ = [
@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 LINK_WORLD = 8  # processes: the link is measured with 1 to 7 peers at most
+CALIBRATION_S = 0.3  # seconds of timed steps a step measurement covers at least
 CALIBRATION_MODELS = ("tiny-mlp", "digits-mlp", "tiny-local", "bench-local", "bench-local-wide")
 Progress = Callable[[str], None]
 
@@ -116,11 +117,12 @@ class LocalRunner:
 
     def step(self, spec, p, batch, steps, exchange_only=False) -> float:
         x, y = make_batch(spec, batch, 0)
+        warm = max(3, steps // 10)  # a small model settles only after tens of steps
         result = run_step(
-            spec, p, x.float(), y, dtype=torch.float32, steps=steps + 3,
+            spec, p, x.float(), y, dtype=torch.float32, steps=steps + warm,
             exchange_only=exchange_only,
         )  # fmt: skip
-        return float(np.median(result.slowest_steps()[3:]))
+        return float(np.median(result.slowest_steps()[warm:]))
 
 
 def _compute_points(specs, batch: int, runner: Runner, say: Progress) -> dict[str, list]:
@@ -185,12 +187,18 @@ Plans = list[tuple[ModelSpec, PartitionPlan, PartitionPlan]]  # each model's 1- 
 
 def _run(spec, one, two, batch: int, steps: int, repeats: int, runner, base) -> dict:
     """One model's steps on 1 and 2 processes (and 2 exchanging only), each the median of
-    `repeats` runs (the three alternating), with their figures."""
+    `repeats` runs (the three alternating), with their figures. A run times at least `steps`
+    steps and about CALIBRATION_S of them (by the slice tables' prediction)."""
     cases = {"one": (one, False), "two": (two, False), "exchange": (two, True)}
+    counts = {
+        key: timed_steps(reevaluate(spec, p, batch, base).metrics.predicted_step_s, steps,
+                         CALIBRATION_S)[0]
+        for key, (p, _) in cases.items()
+    }  # fmt: skip
     times: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(repeats):
         for key, (p, exchange_only) in cases.items():
-            times[key].append(runner.step(spec, p, batch, steps, exchange_only))
+            times[key].append(runner.step(spec, p, batch, counts[key], exchange_only))
     med = {k: float(np.median(v)) for k, v in times.items()}
     return {
         "model": spec.name,

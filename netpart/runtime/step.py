@@ -47,6 +47,7 @@ __all__ = [
     "link_result",
     "run_link",
     "run_step",
+    "timed_steps",
 ]
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,18 @@ GATHER_VALUES = 3 * 32 + 1  # the loss's all-gather at batch 32: (max, sum, targ
 GATHER_REPEATS = 100
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
+TIMED_S = 0.5  # a timed run covers at least this long of steps (by the plan's prediction)
+MOST_STEPS = 1000
+
+
+def timed_steps(predicted_s: float, least: int = 10, seconds: float = TIMED_S) -> tuple[int, int]:
+    """(timed steps, warm-up steps) of a run whose step is predicted to take `predicted_s`:
+    at least `least` timed steps and about `seconds` of them (at most MOST_STEPS), and a
+    tenth as many (at least 3) before them. A model of a millisecond a step settles only
+    after tens of steps, and its median over ten steps moves by tens of percent."""
+    wanted = int(np.ceil(seconds / max(predicted_s, 1e-6)))
+    steps = int(min(max(least, wanted), max(least, MOST_STEPS)))
+    return steps, max(3, steps // 10)
 
 
 def run_step(

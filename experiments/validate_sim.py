@@ -44,7 +44,7 @@ from netpart.partition.planner import PartitionPlan, reevaluate  # noqa: E402
 from netpart.runtime.calibrate import CALIBRATION_MODELS, calibrate, profile_json  # noqa: E402
 from netpart.runtime.check import make_batch  # noqa: E402
 from netpart.runtime.result import load_worker_result  # noqa: E402
-from netpart.runtime.step import link_job, link_result  # noqa: E402
+from netpart.runtime.step import link_job, link_result, timed_steps  # noqa: E402
 from netpart.runtime.trace import SliceTimes, measure_slices  # noqa: E402
 
 RESULTS = ROOT / "experiments" / "results"
@@ -220,7 +220,8 @@ def main(argv=None) -> int:
                 for n in counts:
                     p = plan(spec, n, "metis", batch=BATCH)
                     predicted = reevaluate(spec, p, BATCH, model).metrics
-                    times, cpu = runner.run(spec, p, BATCH, STEPS)
+                    steps = timed_steps(predicted.predicted_step_s, STEPS)[0]  # as `run`
+                    times, cpu = runner.run(spec, p, BATCH, steps)
                     rows.append(_row(run, name, n, float(np.median(times)), predicted))
                     rows[-1]["cpu_floor_ms"] = cpu / args.share * 1e3
                     _say(_line(rows[-1]))

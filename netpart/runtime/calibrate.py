@@ -189,16 +189,17 @@ def _run(spec, one, two, batch: int, steps: int, repeats: int, runner, base) -> 
     """One model's steps on 1 and 2 processes (and 2 exchanging only), each the median of
     `repeats` runs (the three alternating), with their figures. A run times at least `steps`
     steps and about CALIBRATION_S of them (by the slice tables' prediction)."""
-    cases = {"one": (one, False), "two": (two, False), "exchange": (two, True)}
-    counts = {
-        key: timed_steps(reevaluate(spec, p, batch, base).metrics.predicted_step_s, steps,
-                         CALIBRATION_S)[0]
-        for key, (p, _) in cases.items()
-    }  # fmt: skip
+    n_one, n_two = (
+        timed_steps(
+            reevaluate(spec, p, batch, base).metrics.predicted_step_s, steps, CALIBRATION_S
+        )[0]
+        for p in (one, two)
+    )  # the exchange-only runs take the two-process plan's count
+    cases = {"one": (one, False, n_one), "two": (two, False, n_two), "exchange": (two, True, n_two)}
     times: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(repeats):
-        for key, (p, exchange_only) in cases.items():
-            times[key].append(runner.step(spec, p, batch, counts[key], exchange_only))
+        for key, (p, exchange_only, count) in cases.items():
+            times[key].append(runner.step(spec, p, batch, count, exchange_only))
     med = {k: float(np.median(v)) for k, v in times.items()}
     return {
         "model": spec.name,

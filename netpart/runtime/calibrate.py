@@ -46,7 +46,7 @@ from netpart.partition.graph import BYTES_PER_VALUE
 from netpart.partition.planner import PartitionPlan, reevaluate
 from netpart.partition.schedule import build_schedule
 from netpart.runtime.check import make_batch
-from netpart.runtime.step import LINK_SIZES, run_link, run_step, timed_steps
+from netpart.runtime.step import LINK_SIZES, run_link, run_step, timed_steps, warmup_steps
 from netpart.runtime.trace import measure_slices
 
 __all__ = [
@@ -117,7 +117,7 @@ class LocalRunner:
 
     def step(self, spec, p, batch, steps, exchange_only=False) -> float:
         x, y = make_batch(spec, batch, 0)
-        warm = max(3, steps // 10)  # a small model settles only after tens of steps
+        warm = warmup_steps(steps)  # a small model settles only after tens of steps
         result = run_step(
             spec, p, x.float(), y, dtype=torch.float32, steps=steps + warm,
             exchange_only=exchange_only,

@@ -48,6 +48,7 @@ __all__ = [
     "run_link",
     "run_step",
     "timed_steps",
+    "warmup_steps",
 ]
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,12 @@ def timed_steps(predicted_s: float, least: int = 10, seconds: float = TIMED_S) -
     after tens of steps, and its median over ten steps moves by tens of percent."""
     wanted = int(np.ceil(seconds / max(predicted_s, 1e-6)))
     steps = int(min(max(least, wanted), max(least, MOST_STEPS)))
-    return steps, max(3, steps // 10)
+    return steps, warmup_steps(steps)
+
+
+def warmup_steps(steps: int) -> int:
+    """Untimed steps before `steps` timed ones: a tenth as many, at least 3."""
+    return max(3, steps // 10)
 
 
 def run_step(

@@ -12,6 +12,11 @@ from `push_buffers` carry a header in front, so a push from one goes out with no
 values `complete` returns (the reply's own bytes when one shard holds them all) stay valid
 until `complete` returns newer ones: a caller may make its parameters views of them. A fetch
 whose slot had to be taken back before it was completed is dropped (`complete` gives None).
+
+A client made with `local_steps` (its caller applies every push to its own parameters too)
+asks the shards to answer CURRENT where nothing but its own pushes changed their values: such
+a fetch moves no values, and when every shard answers so, `complete` gives None and the
+caller's values stay what they are (`Ticket.current` names the shards that did).
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ class Ticket:
     done: bool = False
     values: torch.Tensor | None = None  # fetched, once done
     dropped: bool = False  # its slot was taken back: the fetch is lost
+    current: tuple[int, ...] = ()  # shards that answered CURRENT (no values), once done
     finished: threading.Event | None = None  # set by the courier when all its messages are
     error: RuntimeError | None = None  # what the courier's sends or receives raised
 
@@ -162,6 +168,7 @@ class ShardClient:
         dtype: torch.dtype,
         depth: int = 3,
         background: bool = False,
+        local_steps: bool = False,
     ) -> None:
         self.worker, self.replica, self.rank, self.shard_ranks = worker, replica, rank, shard_ranks
         self.routes = layout.routes(worker)
@@ -177,6 +184,8 @@ class ShardClient:
         self.staleness = -1  # the largest staleness the shards reported in the newest fetch
         self._used: dict[int, int] = {}  # per shard, the version of the values last fetched
         self._courier = _Courier(f"ps-{replica}-{worker}") if background else None
+        self.local_steps = local_steps
+        self.received = 0  # values received in fetches' replies
 
     # ---- requests ------------------------------------------------------------------------
     def request(
@@ -196,7 +205,7 @@ class ShardClient:
         belongs to)."""
         index, slot = self._take_slot()
         if grads is not None and fetch:
-            kind = Kind.PUSH_FETCH
+            kind = Kind.PUSH_FETCH_LOCAL if self.local_steps else Kind.PUSH_FETCH
         else:
             kind = Kind.PUSH if grads is not None else Kind.FETCH
         ticket = Ticket(index, step, fetch)
@@ -275,7 +284,7 @@ class ShardClient:
                 if i > 0:
                     sends.append((payload[a:b], dst, TAG_CHUNK + i))
             ticket.keep.append(payload)
-        if kind in (Kind.FETCH, Kind.PUSH_FETCH):
+        if kind in (Kind.FETCH, Kind.PUSH_FETCH, Kind.PUSH_FETCH_LOCAL):
             receives.append((slot.replies[s], dst, TAG_HEADER))
             if not combined_reply(n):
                 target = ticket.targets[s] = self._direct(slot, segs)
@@ -288,9 +297,10 @@ class ShardClient:
         return torch.empty(segments_length(segs), dtype=self.dtype)
 
     def complete(self, ticket: Ticket) -> torch.Tensor | None:
-        """Wait for the ticket's messages; the fetched values (or None for a push alone)."""
+        """Wait for the ticket's messages; the fetched values (None for a push alone, a
+        dropped fetch, or one every shard answered CURRENT: the caller keeps its values)."""
         self._wait(ticket)
-        if ticket.dropped or not ticket.fetch:
+        if ticket.dropped or ticket.values is None:
             return None
         self._held = ticket.slot
         return ticket.values
@@ -315,15 +325,27 @@ class ShardClient:
         if ticket.fetch:
             ticket.values = self._unpack(ticket)
 
-    def _unpack(self, ticket: Ticket) -> torch.Tensor:
+    def current_ranges(self, ticket: Ticket) -> list[tuple[int, int]]:
+        """[lo, hi) of this worker's flat values held by the shards that answered `ticket`
+        CURRENT (their part of the fetched values was not sent: the caller's are those)."""
+        segs = (g for s in ticket.current for g in self.routes[s])
+        return [(g.local_lo, g.local_lo + g.length) for g in segs]
+
+    def _unpack(self, ticket: Ticket) -> torch.Tensor | None:
+        """The fetched values in this worker's order (None if every shard answered CURRENT)."""
         slot = self._slots[ticket.slot]
         values = slot.values
-        version, versions, stale = None, {}, -1
+        version, versions, stale, current = None, {}, -1, []
         for s, segs in self.routes.items():
             n, reply = segments_length(segs), slot.replies[s]
             kind, _sender, shard, v, length, _rep, extra = (
                 read_header(reply) if combined_reply(n) else reply.tolist()
             )
+            if kind == Kind.CURRENT and shard == s and length == 0:
+                version = v if version is None else min(version, v)
+                versions[s], stale = v, max(stale, extra)
+                current.append(s)
+                continue
             if kind != Kind.PARAMS or shard != s or length != n:
                 raise ProtocolError(
                     f"replica {self.replica} worker {self.worker}: bad reply from shard {s} "
@@ -331,6 +353,7 @@ class ShardClient:
                 )
             version = v if version is None else min(version, v)
             versions[s], stale = v, max(stale, extra)
+            self.received += n
             data = values_of(reply, self.dtype, n) if combined_reply(n) else ticket.targets[s]
             if len(self.routes) == 1 and len(segs) == 1 and n == self.size:
                 values = data  # one shard holds it all, in order: no staging copy
@@ -344,7 +367,8 @@ class ShardClient:
         self._used = versions
         self.version = -1 if version is None else version
         self.staleness = stale
-        return values
+        ticket.current = tuple(current)
+        return None if len(current) == len(self.routes) else values
 
     def close(self) -> None:
         """Complete what is in flight, then say goodbye to every shard."""

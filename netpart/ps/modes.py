@@ -77,6 +77,12 @@ class Mode:
         """A push-and-fetch of `step`: the step its answer waits for (0: none)."""
         return 0
 
+    def current(self, replica: int, worker: int) -> int | None:
+        """The version after this peer's last push if no other update came between the values
+        it was computed on and it (so the peer's values, with its own pushes applied, are the
+        shard's); None if another did, or where the mode does not tell."""
+        return None
+
     def served(self, replica: int, worker: int, version: int, out: torch.Tensor) -> None:
         """A fetch was answered with `out`."""
 
@@ -123,6 +129,7 @@ class Downpour(Mode):
     def __init__(self, rule: UpdateRule, compensation: DelayCompensation | None = None) -> None:
         super().__init__(rule)
         self.dc = compensation
+        self._current: dict[tuple[int, int], int | None] = {}  # peer -> `current`
 
     def ready(self, replica: int, step: int) -> bool:
         srv = self.server
@@ -141,19 +148,28 @@ class Downpour(Mode):
         return None if self.dc is None else self.dc.served_values((replica, worker), version)
 
     def receive(self, replica, worker, step, extra, first, payload, segments, src) -> None:
-        """A push is applied whole, under one hold of the lock, once all its chunks are in:
-        no fetch sees part of it."""
+        """A push is applied whole and counted, under one hold of the lock, once all its
+        chunks are in: no fetch sees part of it, and the update count orders pushes as they
+        were applied (`current` is exact)."""
         then = self._then(replica, worker, extra)
         posted = post_chunks(payload, src)
         for _, work in posted:
             work.wait()
-        with self.server.cond:
-            if replica in self.server.lost:
+        srv = self.server
+        with srv.cond:
+            if replica in srv.lost:
                 return
+            alone = 0 <= extra == srv.state.updates  # no update since its values but its own
             self._apply(first, segments, 0, first.numel(), then)
             for (a, b), _ in posted:
                 self._apply(payload[a:b], segments, a, b, then)
-        self.server.record_push(replica, worker, step, extra)
+            applied, count = srv.note_push(replica, worker, step, extra)
+            self._current[(replica, worker)] = count if alone else None
+        if applied:
+            srv.updated(count)
+
+    def current(self, replica, worker) -> int | None:
+        return self._current.pop((replica, worker), None)
 
     def _fold_chunk(self, replica, step, values, segments, a, b, then) -> None:
         with self.server.cond:

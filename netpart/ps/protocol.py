@@ -16,6 +16,12 @@ tags. A PUSH_FETCH applies the push and answers with the values. A reply is one 
 `[header | values]` when the values fit in one chunk (`combined_reply`), else a header and the
 values. So a Downpour step of a small model is two messages, not five.
 
+A worker that applies its own pushes to its parameters (Downpour's local steps) sends
+PUSH_FETCH_LOCAL instead: when no update but its own came between the values its push was
+computed on and the push, the shard's values equal the worker's, and the answer is a CURRENT
+header alone (followed by an empty payload message where a separate one was expected), with
+the version after the push: no values are copied or sent.
+
 One tag space for the default group (halo exchanges use each replica's own group):
 
     TAG_HEADER      1   requests (worker -> shard) and reply headers; coordinator commands
@@ -83,6 +89,8 @@ class Kind(IntEnum):
     UNIT = 7  # coordinator -> worker: compute this work unit
     DONE = 8  # worker 0 of a replica -> coordinator: unit finished, with its loss sum
     PUSH_FETCH = 9  # worker -> shard: apply this push, then answer with the values
+    PUSH_FETCH_LOCAL = 10  # ... or CURRENT if nothing but the sender's own pushes changed them
+    CURRENT = 11  # shard -> worker: your values (with your pushes applied) are the shard's
 
 
 class Op(IntEnum):

@@ -32,6 +32,7 @@ from netpart.ps.protocol import (
     TAG_PAYLOAD,
     Kind,
     combined_reply,
+    header,
     read_header,
     request_buffer,
     segments_length,
@@ -154,7 +155,7 @@ class ShardServer:
                         f"shard {self.shard}: header from rank {src} says sender {sender}, "
                         f"shard {shard}, replica {rep}"
                     )
-                if kind in (Kind.PUSH, Kind.PUSH_FETCH):
+                if kind in (Kind.PUSH, Kind.PUSH_FETCH, Kind.PUSH_FETCH_LOCAL):
                     if length != n:
                         raise ProtocolError(
                             f"shard {self.shard}: push of {length} values from replica "
@@ -163,7 +164,11 @@ class ShardServer:
                     first = values_of(request, dtype, min(n, CHUNK))
                     self.mode.receive(replica, worker, step, extra, first, payload, segments, src)
                     self._count(bytes_in=payload.numel() * payload.element_size())
-                if kind in (Kind.FETCH, Kind.PUSH_FETCH):
+                local = kind == Kind.PUSH_FETCH_LOCAL
+                current = self.mode.current(replica, worker) if local else None
+                if current is not None:
+                    self._reply_current(replica, current, src, reply is not None)
+                elif kind in (Kind.FETCH, Kind.PUSH_FETCH, Kind.PUSH_FETCH_LOCAL):
                     upto = step if kind == Kind.FETCH else self.mode.answer_after_push(step)
                     self._reply(replica, worker, upto, src, reply)
                 elif kind == Kind.BYE:
@@ -201,6 +206,16 @@ class ShardServer:
             dist.send(torch.tensor(head, dtype=torch.int64), dst=dst, tag=TAG_HEADER)
             dist.send(out, dst=dst, tag=TAG_PAYLOAD)
         self._count(bytes_out=out.numel() * out.element_size())
+
+    def _reply_current(self, replica: int, version: int, dst: int, combined: bool) -> None:
+        """Answer a PUSH_FETCH_LOCAL whose push was the only update since the values it was
+        computed on: a CURRENT header with the version after it (and an empty payload message
+        where the worker expects the values apart)."""
+        head = header(Kind.CURRENT, self.rank, self.shard, version, 0, replica, 0)
+        pg = dist.group.WORLD
+        pg.send([head], dst, TAG_HEADER).wait()
+        if not combined:
+            pg.send([head[:0]], dst, TAG_PAYLOAD).wait()
 
     def _count(self, bytes_in: int = 0, bytes_out: int = 0) -> None:
         with self.cond:  # peers run in threads: count under the lock
@@ -256,19 +271,25 @@ class ShardServer:
     def record_push(self, replica: int, worker: int, step: int, version: int) -> None:
         """A push is in: note how far the replica got and its staleness; let the mode apply."""
         with self.cond:
-            if replica in self.lost:
-                return
-            self.pushed[(replica, worker)] = step
-            self.state.progress[replica] = min(self.pushed[(replica, w)] for w in self.workers)
-            if version >= 0:
-                stale = max(0, self.mode.version() - version)
-                self.staleness[stale] += 1
-                self.last_staleness[(replica, worker)] = stale
-            applied = self.mode.pushed(replica, worker, step)
-            count = self.state.updates  # read under the lock: another peer may update next
-            self.cond.notify_all()
+            applied, count = self.note_push(replica, worker, step, version)
         if applied:
             self.updated(count)
+
+    def note_push(self, replica: int, worker: int, step: int, version: int) -> tuple[bool, int]:
+        """`record_push` under a hold of the lock the caller already has (a mode that applies
+        a push and counts it in one hold): (whether an update was applied, the update count);
+        the caller then calls `updated(count)` outside the lock if one was."""
+        if replica in self.lost:
+            return False, self.state.updates
+        self.pushed[(replica, worker)] = step
+        self.state.progress[replica] = min(self.pushed[(replica, w)] for w in self.workers)
+        if version >= 0:
+            stale = max(0, self.mode.version() - version)
+            self.staleness[stale] += 1
+            self.last_staleness[(replica, worker)] = stale
+        applied = self.mode.pushed(replica, worker, step)
+        self.cond.notify_all()
+        return applied, self.state.updates  # read under the lock: another peer may update next
 
     def updated(self, count: int) -> None:
         """Called (outside the lock) after update number `count`: checkpoints hook in here."""

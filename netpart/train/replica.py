@@ -92,7 +92,7 @@ class ReplicaJob:
         background = self.config.mode == "downpour" and not self.config.local_steps
         client = ShardClient(
             self.layout, self.worker, self.replica, self.rank, shard_ranks, dtype,
-            IN_FLIGHT + 1, background,
+            IN_FLIGHT + 1, background, self.config.local_steps,
         )  # fmt: skip
         return model, transport, client
 
@@ -155,7 +155,7 @@ def run_worker(
             t4 = clock()
             if metrics is not None:
                 times = (t1 - t0, t2 - t1, t3 - t2, t4 - t3)
-                line = metrics.line(t, result, client.staleness, times, pushed, fetched)
+                line = metrics.line(t, result, client.staleness, times, pushed, client.received)
                 if on_step is not None:
                     on_step(line)
             if result.stop:
@@ -178,6 +178,8 @@ class Requests:
     date when they arrive: fetched values reflect this worker's pushes up to their request,
     so its later pushes, still in flight, and its unpushed steps are applied to them as the
     shards' SGD will. With one replica every step's parameters are then single-process SGD's.
+    Where nothing but this worker's pushes changed the shards' values, they answer CURRENT and
+    send none: the values held already are those (one replica's fetches move no values).
     """
 
     def __init__(
@@ -195,18 +197,26 @@ class Requests:
         (waiting) until at most `keep` are left; the parameters become the newest values."""
         inflight, client = self.inflight, self.client
         while inflight and (len(inflight) > keep or client.arrived(inflight[0][0])):
-            fresh = client.complete(inflight.popleft()[0])
-            if fresh is None:
-                continue
-            self.model.bind_values(fresh)
+            ticket = inflight.popleft()[0]
+            fresh = client.complete(ticket)
             if self.lr is None:
+                if fresh is not None:
+                    self.model.bind_values(fresh)
+                continue
+            if ticket.dropped or not ticket.fetch:
                 continue
             later = [pushed for _, pushed in inflight if pushed is not None]
+            self.ahead = len(later)
+            if fresh is None:  # every shard answered CURRENT: its values are these already
+                continue
+            self.model.bind_values(fresh)
             for pushed in later:  # in the order the shards will apply them
                 fresh.add_(pushed, alpha=-self.lr)
             if self.unpushed:
                 fresh.add_(self.grads.flat, alpha=-self.lr)
-            self.values, self.ahead = fresh, len(later)
+            for lo, hi in client.current_ranges(ticket):  # the values here are those already
+                fresh[lo:hi] = self.values[lo:hi]
+            self.values = fresh
 
     def stepped(self) -> None:
         """A step's gradient is in: apply it locally (with a learning rate) and count it."""
@@ -242,6 +252,8 @@ class _Metrics:
         self.size = size
         self.halo_bytes = 2 * halo_values * job.config.batch * size  # fwd + bwd, all workers
         self.ps_values = sum(job.layout.worker_size(w) for w in range(job.layout.workers))
+        self.scale = self.ps_values / max(1, job.layout.worker_size(job.worker))
+        self.received = 0  # the client's count of values received at the last line
         path = job.run / f"metrics_replica{job.replica}.jsonl"
         # Lines are appended in one write call every FLUSH_S seconds (and at the end): a line
         # is on disk within FLUSH_S of its step. A write per line cost 3-5% of a small
@@ -250,8 +262,11 @@ class _Metrics:
         self._lines: list[str] = []
         self._flushed = time.monotonic()
 
-    def line(self, step, result, staleness, times, pushed, fetched) -> dict:
+    def line(self, step, result, staleness, times, pushed, received) -> dict:
+        """A step's metrics line; `received`: the client's count of values fetched so far
+        (the replica's fetched bytes are this worker's, scaled to all its workers)."""
         take_s, data_s, step_s, ps_s = times
+        fetched, self.received = (received - self.received) * self.scale, received
         halo_s = sum(result.exchange_s.values())  # exposed: posting, waiting, the loss
         line = {
             "step": step,
@@ -267,7 +282,7 @@ class _Metrics:
             "ps_s": take_s + ps_s,
             "data_s": data_s,
             "halo_bytes": self.halo_bytes,
-            "ps_bytes": (int(pushed) + int(fetched)) * self.ps_values * self.size,
+            "ps_bytes": round(int(pushed) * self.ps_values + fetched) * self.size,
         }
         self._lines.append(json.dumps(line) + "\n")
         if time.monotonic() - self._flushed >= FLUSH_S:

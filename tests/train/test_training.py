@@ -125,16 +125,21 @@ def test_sync_resume_after_a_signal_equals_the_uninterrupted_run(sync_run, tmp_p
         assert torch.allclose(got[k], want[k], rtol=0, atol=1e-12), k
 
 
-@pytest.mark.parametrize("n_push, n_fetch", [(1, 1), (3, 2)])
-def test_downpour_with_local_steps_and_one_replica_is_single_process_sgd(tmp_path, n_push, n_fetch):
+@pytest.mark.parametrize("shards, n_push, n_fetch", [(3, 1, 1), (2, 3, 2)])
+def test_downpour_with_local_steps_and_one_replica_is_single_process_sgd(
+    tmp_path, shards, n_push, n_fetch
+):
     """The replica applies every step itself and brings fetched values up to date with its
     pushes still in flight (and its unpushed steps): one replica's run equals plain SGD,
-    whatever its pushes and fetches overlap, and the shards count no push as stale."""
+    whatever its pushes and fetches overlap. A shard one worker alone pushes to counts none
+    of its pushes as stale and answers CURRENT, sending no values; with 3 shards the middle
+    one holds both workers' values (each one's pushes are updates the other did not see), and
+    its values are mixed with the CURRENT answers of the others."""
     p = plan(SPEC, 2, "metis")
     steps = 9
     cfg = TrainConfig(
-        replicas=1, shards=2, optimizer="sgd", lr=0.1, steps=steps, batch=8, dtype="float64",
-        n_push=n_push, n_fetch=n_fetch, timeout=30,
+        replicas=1, shards=shards, optimizer="sgd", lr=0.1, steps=steps, batch=8,
+        dtype="float64", n_push=n_push, n_fetch=n_fetch, timeout=30,
     )  # fmt: skip
     assert cfg.local_steps
     run = tmp_path / "run"
@@ -155,9 +160,14 @@ def test_downpour_with_local_steps_and_one_replica_is_single_process_sgd(tmp_pat
         assert torch.allclose(got[k], v, rtol=0, atol=1e-12), k
     # Every step trained on the values plain SGD had then: the same losses.
     assert [m["loss"] for m in metrics(run)] == pytest.approx(losses, rel=0, abs=1e-12)
-    for s in range(2):
+    layout = ShardLayout.build(build_unit_graph(SPEC, p.granularity), p.node_map, 2, shards)
+    for s in range(shards):
         meta = json.loads((run / f"shard_{s}.json").read_text())
-        assert set(meta["staleness"]) == {"0"}
+        alone = len(layout.peers(s)) == 1
+        assert alone == (set(meta["staleness"]) == {"0"})
+        if n_push == n_fetch == 1:  # values sent: the first fetch, then only by a shared shard
+            first = 8 * int(layout.shard_sizes()[s])
+            assert meta["bytes_out"] == first if alone else meta["bytes_out"] > 5 * first
 
 
 def test_downpour_lowers_the_loss_and_pushes_reach_only_their_shards(tmp_path):

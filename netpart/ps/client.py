@@ -72,6 +72,19 @@ class Ticket:
     error: RuntimeError | None = None  # what the courier's sends or receives raised
 
 
+class _Push:
+    """A push buffer that lies behind room for a header (`raw`): its messages, made once:
+    the header and first chunk, then the later chunks (tensor, tag)."""
+
+    def __init__(self, raw: torch.Tensor, payload: torch.Tensor) -> None:
+        self.raw, self.payload = raw, payload
+        cuts = chunks(payload.numel())
+        first = cuts[0][1] * payload.element_size()
+        self.messages = [(raw[: VALUES_AT + first], TAG_HEADER)] + [
+            (payload[a:b], TAG_CHUNK + i) for i, (a, b) in enumerate(cuts) if i > 0
+        ]
+
+
 class _Slot:
     """The buffers of one request in flight: per shard, its request bytes and reply target."""
 
@@ -179,7 +192,7 @@ class ShardClient:
         self._slots = [_Slot(self.routes, self.size, dtype) for _ in range(depth)]
         self._next = 0
         self._held: int | None = None  # the slot whose values the caller holds
-        self._push_bufs: dict[int, torch.Tensor] = {}  # data_ptr of values -> message bytes
+        self._pushes: dict[int, _Push] = {}  # data_ptr of a push buffer -> its messages
         self.version = -1  # the oldest shard version in the newest fetch
         self.staleness = -1  # the largest staleness the shards reported in the newest fetch
         self._used: dict[int, int] = {}  # per shard, the version of the values last fetched
@@ -237,7 +250,7 @@ class ShardClient:
                 continue
             raw = torch.zeros(VALUES_AT + self.size * self.dtype.itemsize, dtype=torch.uint8)
             values = values_of(raw, self.dtype, self.size)
-            self._push_bufs[values.data_ptr()] = raw
+            self._pushes[values.data_ptr()] = _Push(raw, values)
             out.append(values)
         return out
 
@@ -265,20 +278,21 @@ class ShardClient:
         # the shard's staleness then counts only the updates the gradient did not see.
         used = self._used.get(s, -1)
         version = extra if extra is not None else used + ahead if used >= 0 else -1
-        length = n if grads is not None else 0
-        write_header(buf, int(kind), self.rank, s, step, length, self.replica, version)
-        own = self._push_bufs.get(grads.data_ptr()) if grads is not None else None
-        if grads is None:
+        head = (int(kind), self.rank, s, step, n if grads is not None else 0, self.replica)
+        own = self._pushes.get(grads.data_ptr()) if grads is not None else None
+        if own is not None and grads.numel() == n:  # the header goes in front: no copy
+            write_header(own.raw, *head, version)
+            sends += [(msg, dst, tag) for msg, tag in own.messages]
+            ticket.keep.append(own.payload)
+        elif grads is None:
+            write_header(buf, *head, version)
             sends.append((buf[:HEADER_BYTES], dst, TAG_HEADER))
         else:
+            write_header(buf, *head, version)
             parts = [grads[g.local_lo : g.local_lo + g.length] for g in segs]
             payload = parts[0] if len(parts) == 1 else torch.cat(parts)
             first = min(n, CHUNK)
-            if own is not None and grads.numel() == n:  # the header goes in front: no copy
-                write_header(own, int(kind), self.rank, s, step, length, self.replica, version)
-                buf = own[: VALUES_AT + first * payload.element_size()]
-            else:
-                values_of(buf, payload.dtype, first).copy_(payload[:first])
+            values_of(buf, payload.dtype, first).copy_(payload[:first])
             sends.append((buf, dst, TAG_HEADER))
             for i, (a, b) in enumerate(chunks(n)):
                 if i > 0:

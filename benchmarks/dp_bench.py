@@ -6,7 +6,11 @@ replica, SGD lr 0.05, 300 steps per replica, one thread per process:
 
 - `plain`: one plain torch process (R=1);
 - `pytorch-distbelief` 0.1.0 (PyPI), Downpour with n_push = n_pull = 1: a server process and R
-  workers (installed by this script into its own environment, never a netpart dependency);
+  workers (installed by this script into its own environment, never a netpart dependency).
+  It drops the Work of every `dist.isend`, and with this torch's gloo such a message is never
+  delivered: its server applies no push and its workers train alone. `-delivered` is the same
+  code with its `send_message` patched to keep each Work until it completed (its messages
+  then arrive: the server applies pushes and answers requests);
 - `ddp`: torch DistributedDataParallel over gloo, R processes;
 - `netpart-downpour` and `netpart-sync`: `netpart train --workers 1 --replicas R --ps-shards 1`.
 
@@ -14,7 +18,9 @@ Per run: samples/s over the steps (all replicas; from each system's own timing o
 loop), wall time of the whole command including start-up, and held-out accuracy on the same
 359 images. Every peer reads the same arrays. Round k seeds every system with k (weights and
 batch order): one image is 0.28% of the held-out set, so accuracies are compared as medians
-over seeds, not as one run's.
+over seeds, not as one run's. pytorch-distbelief's workers never wait for its server: the
+script also records how many of their pushes the server had applied when the first worker
+left (its exit ends the server; netpart's shards apply every push before a run ends).
 
     python benchmarks/dp_bench.py --out benchmarks/results/dp_bench.json
 """
@@ -22,6 +28,7 @@ over seeds, not as one run's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -81,9 +88,26 @@ import torch.distributed as dist
 rank, world, out = int(sys.argv[6]), int(sys.argv[7]), sys.argv[8]
 dist.init_process_group("gloo", init_method="file://" + sys.argv[9], rank=rank, world_size=world)
 model = mlp()
+if sys.argv[10] == "delivered":  # keep each isend's Work until it completed: else never sent
+    import distbelief.optim.downpour_sgd as D, distbelief.server as S
+    import distbelief.utils.messaging as M
+    pending = []
+    def send_message(message_code, payload, dst=0):
+        m = torch.cat((torch.Tensor([dist.get_rank(), message_code.value]), payload))
+        pending[:] = [w for w in pending if not w.is_completed()] + [dist.isend(m, dst=dst)]
+    M.send_message = D.send_message = S.send_message = send_message
 if rank == 0:
     from distbelief.server import ParameterServer
-    ParameterServer(model).run()  # serves until the driver stops it
+    applied = [0]
+    class Counting(ParameterServer):  # counts the gradient updates it applied
+        def receive(self, sender, message_code, parameter):
+            super().receive(sender, message_code, parameter)
+            applied[0] += message_code.value == 1  # MessageCode.GradientUpdate
+    try:
+        Counting(model).run()  # serves until the driver stops it, or a worker left
+    finally:  # then the traceback of the closed connection, and the driver stops it
+        with open(out + ".applied", "w") as f:
+            f.write(str(applied[0]))
 from distbelief.optim import DownpourSGD
 opt = DownpourSGD(model.parameters(), lr=lr, n_push=1, n_pull=1, model=model)
 t0 = time.perf_counter()
@@ -137,13 +161,16 @@ def prepare_data(path: Path) -> None:
     np.savez(path, x=data.x, y=data.y, x_test=x_test, y_test=y_test)
 
 
-def _processes(python: Path, script: str, args: list[str], world: int, tmp: Path) -> list[dict]:
+def _processes(
+    python: Path, script: str, args: list[str], world: int, tmp: Path, variant: str = ""
+) -> list[dict]:
     """`world` ranks of `script`; the per-rank results they wrote (None if a rank failed or
     did not finish within PEER_TIMEOUT seconds: pytorch-distbelief sometimes hangs)."""
-    out, store = tmp / "result", tmp / f"store{time.monotonic_ns()}"
+    out, store = tmp / f"result{time.monotonic_ns()}", tmp / f"store{time.monotonic_ns()}"
     procs = [
         subprocess.Popen(
-            [str(python), "-c", script, *args, str(rank), str(world), str(out), str(store)],
+            [str(python), "-c", script, *args, str(rank), str(world), str(out), str(store),
+             variant],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         for rank in range(world)
@@ -153,6 +180,10 @@ def _processes(python: Path, script: str, args: list[str], world: int, tmp: Path
         waiting = procs[1:] if script is PDB else procs  # pdb's server serves for ever
         for p in waiting:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        if script is PDB:  # its count is written once a worker's exit closed its connection
+            deadline = time.monotonic() + 2.0
+            while not Path(f"{out}.applied").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
     except subprocess.TimeoutExpired:
         return None
     finally:
@@ -162,9 +193,13 @@ def _processes(python: Path, script: str, args: list[str], world: int, tmp: Path
             p.wait()
     ranks = range(1, world) if script is PDB else range(world)
     try:
-        return [json.loads(Path(f"{out}.{r}").read_text()) for r in ranks]
+        got = [json.loads(Path(f"{out}.{r}").read_text()) for r in ranks]
     except (OSError, json.JSONDecodeError):
         return None
+    if script is PDB:  # the gradient updates its server applied before a worker left
+        with contextlib.suppress(OSError, ValueError):
+            got[0]["applied"] = int(Path(f"{out}.applied").read_text())
+    return got
 
 
 def run_peer(system: str, replicas: int, python: Path, data: Path, tmp: Path, seed: int) -> dict:
@@ -176,15 +211,20 @@ def run_peer(system: str, replicas: int, python: Path, data: Path, tmp: Path, se
         wall = time.perf_counter() - t0
         return {"samples_s": res["samples"] / res["seconds"], "accuracy": res["accuracy"],
                 "wall_s": wall}  # fmt: skip
-    script, world = (PDB, replicas + 1) if system == "pytorch-distbelief" else (DDP, replicas)
-    ranks = _processes(python, script, args, world, tmp)
+    pdb = system.startswith("pytorch-distbelief")
+    script, world = (PDB, replicas + 1) if pdb else (DDP, replicas)
+    ranks = _processes(python, script, args, world, tmp, system.removeprefix("pytorch-distbelief-"))
     wall = time.perf_counter() - t0
     if ranks is None:
         return {"samples_s": float("nan"), "accuracy": float("nan"), "wall_s": wall,
                 "failed": f"did not finish in {PEER_TIMEOUT:.0f} s"}  # fmt: skip
     span = max(r["end"] for r in ranks) - min(r["start"] for r in ranks)
-    return {"samples_s": sum(r["samples"] for r in ranks) / span,
-            "accuracy": ranks[0]["accuracy"], "wall_s": wall}  # fmt: skip
+    out = {"samples_s": sum(r["samples"] for r in ranks) / span,
+           "accuracy": ranks[0]["accuracy"], "wall_s": wall}  # fmt: skip
+    if pdb:  # of the replicas' pushes, how many were applied
+        out["applied"] = ranks[0].get("applied")
+        out["pushes"] = replicas * STEPS
+    return out
 
 
 def run_netpart(mode: str, replicas: int, tmp: Path, seed: int) -> dict:
@@ -208,10 +248,11 @@ def run_netpart(mode: str, replicas: int, tmp: Path, seed: int) -> dict:
             "wall_s": wall, "steps_s": steps_s}  # fmt: skip
 
 
+PDBS = ("pytorch-distbelief", "pytorch-distbelief-delivered")
 SYSTEMS = {
-    1: ("plain", "pytorch-distbelief", "netpart-downpour"),
-    2: ("pytorch-distbelief", "ddp", "netpart-downpour", "netpart-sync"),
-    4: ("pytorch-distbelief", "ddp", "netpart-downpour", "netpart-sync"),
+    1: ("plain", *PDBS, "netpart-downpour"),
+    2: (*PDBS, "ddp", "netpart-downpour", "netpart-sync"),
+    4: (*PDBS, "ddp", "netpart-downpour", "netpart-sync"),
 }
 
 
@@ -231,6 +272,12 @@ def summarise(runs: list[dict]) -> dict:
         "accuracy": [r["accuracy"] for r in runs],
         "wall_s": [r["wall_s"] for r in runs],
     }
+    if done and "pushes" in done[0]:  # pytorch-distbelief: updates its server applied in time
+        counted = [r for r in done if r.get("applied") is not None]
+        out["applied"] = [r.get("applied") for r in runs]
+        out["applied_share_median"] = (
+            statistics.median(r["applied"] / r["pushes"] for r in counted) if counted else None
+        )
     if done and "steps_s" in done[0]:
         out["steps_s_median"] = median("steps_s")
         out["wall_over_steps"] = statistics.median(r["wall_s"] / r["steps_s"] for r in done)
@@ -241,8 +288,10 @@ def print_table(summary: dict) -> None:
     print(f"\n{'system':<28} {'samples/s':>10} {'held-out':>9} {'wall s':>7}  runs (samples/s)")
     for key, s in summary.items():
         runs = ", ".join("hung" if v != v else f"{v:,.0f}" for v in s["samples_s"])
+        share = s.get("applied_share_median")
+        applied = "" if share is None else f"  (server applied {share:.0%} of the pushes)"
         print(f"{key:<28} {s['samples_s_median']:>10,.0f} {s['accuracy_median']:>9.3f} "
-              f"{s['wall_s_median']:>7.1f}  {runs}")  # fmt: skip
+              f"{s['wall_s_median']:>7.1f}  {runs}{applied}")  # fmt: skip
 
 
 def main() -> int:

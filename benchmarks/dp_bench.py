@@ -285,12 +285,12 @@ def summarise(runs: list[dict]) -> dict:
 
 
 def print_table(summary: dict) -> None:
-    print(f"\n{'system':<28} {'samples/s':>10} {'held-out':>9} {'wall s':>7}  runs (samples/s)")
+    print(f"\n{'system':<34} {'samples/s':>10} {'held-out':>9} {'wall s':>7}  runs (samples/s)")
     for key, s in summary.items():
         runs = ", ".join("hung" if v != v else f"{v:,.0f}" for v in s["samples_s"])
         share = s.get("applied_share_median")
         applied = "" if share is None else f"  (server applied {share:.0%} of the pushes)"
-        print(f"{key:<28} {s['samples_s_median']:>10,.0f} {s['accuracy_median']:>9.3f} "
+        print(f"{key:<34} {s['samples_s_median']:>10,.0f} {s['accuracy_median']:>9.3f} "
               f"{s['wall_s_median']:>7.1f}  {runs}{applied}")  # fmt: skip
 
 

@@ -13,6 +13,8 @@
     alternating runs. Shards share this machine's 2 cores with the workers.
 
     python benchmarks/ps_bench.py --out benchmarks/results/ps_bench.json   # links need root
+    python benchmarks/ps_bench.py --only b --batches 32 --pairs 5 \
+        --out benchmarks/results/ps_bench_b.json
 """
 
 from __future__ import annotations
@@ -221,6 +223,7 @@ def main() -> None:
         help="(a) also between two namespaces over a link of each rate ('' for none)",
     )
     ap.add_argument("--batches", default="32,128", help="batch sizes for (b)")
+    ap.add_argument("--only", choices=("a", "b"), default=None, help="run only (a) or (b)")
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--peer", type=int, default=None, help=argparse.SUPPRESS)
@@ -240,10 +243,12 @@ def main() -> None:
             got
             for rate in [None, *filter(None, args.links.split(","))]
             for o in ("sgd", "adagrad")
-            if (got := shard_throughput(args.iters, args.rounds, o, rate)) is not None
+            if args.only in (None, "a")
+            and (got := shard_throughput(args.iters, args.rounds, o, rate)) is not None
         ],
         "downpour_step": [
-            downpour_step(args.pairs, args.steps, int(b)) for b in args.batches.split(",")
+            downpour_step(args.pairs, args.steps, int(b))
+            for b in args.batches.split(",") if args.only in (None, "b")
         ],
     }  # fmt: skip
     print(json.dumps(out, indent=1))

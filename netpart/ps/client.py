@@ -217,14 +217,17 @@ class ShardClient:
         `extra` replaces the versions in push headers (Sandblaster: the evaluation its unit
         belongs to)."""
         index, slot = self._take_slot()
+        local = self.local_steps
         if grads is not None and fetch:
-            kind = Kind.PUSH_FETCH_LOCAL if self.local_steps else Kind.PUSH_FETCH
+            kind = Kind.PUSH_FETCH_LOCAL if local else Kind.PUSH_FETCH
+        elif grads is not None:
+            kind = Kind.PUSH
         else:
-            kind = Kind.PUSH if grads is not None else Kind.FETCH
+            kind = Kind.FETCH_LOCAL if local else Kind.FETCH
         ticket = Ticket(index, step, fetch)
         sends: list[tuple[torch.Tensor, int, int]] = []
         receives: list[tuple[torch.Tensor, int, int]] = []
-        at = fetch_step if kind == Kind.FETCH else step
+        at = fetch_step if kind in (Kind.FETCH, Kind.FETCH_LOCAL) else step
         with self._naming("post to"):
             for s, segs in self.routes.items():
                 what = (kind, at, extra, ahead)
@@ -298,7 +301,7 @@ class ShardClient:
                 if i > 0:
                     sends.append((payload[a:b], dst, TAG_CHUNK + i))
             ticket.keep.append(payload)
-        if kind in (Kind.FETCH, Kind.PUSH_FETCH, Kind.PUSH_FETCH_LOCAL):
+        if kind != Kind.PUSH:
             receives.append((slot.replies[s], dst, TAG_HEADER))
             if not combined_reply(n):
                 target = ticket.targets[s] = self._direct(slot, segs)

@@ -20,7 +20,9 @@ A worker that applies its own pushes to its parameters (Downpour's local steps) 
 PUSH_FETCH_LOCAL instead: when no update but its own came between the values its push was
 computed on and the push, the shard's values equal the worker's, and the answer is a CURRENT
 header alone (followed by an empty payload message where a separate one was expected), with
-the version after the push: no values are copied or sent.
+the version after the push: no values are copied or sent. Its fetches alone are FETCH_LOCAL,
+answered CURRENT when the shard's version is still the one the worker's values hold (the
+push header's version: the values fetched plus its own pushes since).
 
 One tag space for the default group (halo exchanges use each replica's own group):
 
@@ -91,6 +93,7 @@ class Kind(IntEnum):
     PUSH_FETCH = 9  # worker -> shard: apply this push, then answer with the values
     PUSH_FETCH_LOCAL = 10  # ... or CURRENT if nothing but the sender's own pushes changed them
     CURRENT = 11  # shard -> worker: your values (with your pushes applied) are the shard's
+    FETCH_LOCAL = 12  # a FETCH answered CURRENT if the shard is still at version `extra`
 
 
 class Op(IntEnum):

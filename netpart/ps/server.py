@@ -168,9 +168,11 @@ class ShardServer:
                 current = self.mode.current(replica, worker) if local else None
                 if current is not None:
                     self._reply_current(replica, current, src, reply is not None)
-                elif kind in (Kind.FETCH, Kind.PUSH_FETCH, Kind.PUSH_FETCH_LOCAL):
-                    upto = step if kind == Kind.FETCH else self.mode.answer_after_push(step)
-                    self._reply(replica, worker, upto, src, reply)
+                elif kind in (Kind.FETCH, Kind.FETCH_LOCAL):
+                    held = extra if kind == Kind.FETCH_LOCAL else -1
+                    self._reply(replica, worker, step, src, reply, held)
+                elif kind in (Kind.PUSH_FETCH, Kind.PUSH_FETCH_LOCAL):
+                    self._reply(replica, worker, self.mode.answer_after_push(step), src, reply)
                 elif kind == Kind.BYE:
                     self._goodbye(replica, worker)
                     return
@@ -188,16 +190,20 @@ class ShardServer:
             self.fatal = self.fatal or why
         self.may_end()
 
-    def _reply(self, replica: int, worker: int, upto: int, dst: int, reply) -> None:
+    def _reply(self, replica: int, worker: int, upto: int, dst: int, reply, held=-1) -> None:
         """Answer a fetch (once step `upto` is applied): one message [header | values] when
         they fit one chunk, else a header and the values. The values are copied under the
         lock where the mode may change them while the reply travels (Downpour), so a reply
-        always shows whole updates."""
+        always shows whole updates. If the shard is still at version `held` (>= 0: the
+        version a worker with local steps holds), the answer is CURRENT."""
         n = segments_length(self.routes[worker])
         snapshot = values_of(reply, self.state.values.dtype, n) if reply is not None else None
         if snapshot is None and self.mode.changes_while_served:  # freed once sent
             snapshot = torch.empty(n, dtype=self.state.values.dtype)
-        out, version, stale = self.answer_fetch(replica, worker, upto, snapshot)
+        out, version, stale = self.answer_fetch(replica, worker, upto, snapshot, held)
+        if out is None:
+            self._reply_current(replica, version, dst, reply is not None)
+            return
         head = (int(Kind.PARAMS), self.rank, self.shard, version, out.numel(), replica, stale)
         if reply is not None:
             write_header(reply, *head)
@@ -208,8 +214,9 @@ class ShardServer:
         self._count(bytes_out=out.numel() * out.element_size())
 
     def _reply_current(self, replica: int, version: int, dst: int, combined: bool) -> None:
-        """Answer a PUSH_FETCH_LOCAL whose push was the only update since the values it was
-        computed on: a CURRENT header with the version after it (and an empty payload message
+        """Answer a fetch from a worker whose values are the shard's (a PUSH_FETCH_LOCAL whose
+        push was the only update since the values it was computed on, or a FETCH_LOCAL at the
+        version it holds): a CURRENT header with that version (and an empty payload message
         where the worker expects the values apart)."""
         head = header(Kind.CURRENT, self.rank, self.shard, version, 0, replica, 0)
         pg = dist.group.WORLD
@@ -234,15 +241,23 @@ class ShardServer:
 
     # ---- what the modes share ---------------------------------------------------------------
     def answer_fetch(
-        self, replica: int, worker: int, step: int, into: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, int, int]:
+        self,
+        replica: int,
+        worker: int,
+        step: int,
+        into: torch.Tensor | None = None,
+        held: int = -1,
+    ) -> tuple[torch.Tensor | None, int, int]:
         """(values, version, staleness of this peer's last push) for a fetch, once the mode
         says the values are ready for `step`. With `into`, the values are copied there under
-        the lock (a snapshot no update tears); without, one segment is returned as a view."""
+        the lock (a snapshot no update tears); without, one segment is returned as a view.
+        No values (None) if the version is `held`: the peer holds these values."""
         segments = self.routes[worker]
         with self.cond:
             while not self.mode.ready(replica, step):
                 self.cond.wait(timeout=0.5)
+            if held >= 0 and self.mode.version() == held:
+                return None, held, self.last_staleness.get((replica, worker), -1)
             values = self.state.values
             parts = [values[s.shard_lo : s.shard_lo + s.length] for s in segments]
             if into is not None and len(parts) > 1:

@@ -115,6 +115,33 @@ def test_dc_asgd_compensates_a_stale_push_with_the_values_it_was_computed_on():
     assert torch.allclose(_served(plain, 0, w)[0], now - lr * g0, atol=1e-15)
 
 
+def test_a_worker_whose_values_are_the_shards_is_told_so_without_values():
+    """Local steps: a push that was the only update since the values it was computed on
+    leaves the shard at its worker's values (`current`), and so does a fetch at the version
+    the worker holds; another replica's update in between means values are sent."""
+    server = _server("downpour", lr=0.1)
+    w = server.workers[0]
+    segs = server.routes[w]
+    n = sum(g.length for g in segs)
+    g = torch.linspace(-1, 1, n, dtype=torch.float64)
+
+    def push(replica, step, version):  # one chunk: the request carries it all
+        server.mode.receive(replica, w, step, version, g, torch.empty(n), segs, src=0)
+        return server.mode.current(replica, w)
+
+    assert server.answer_fetch(0, w, 0, held=0)[:2] == (None, 0)
+    assert push(0, 1, version=0) == 1 and server.mode.current(0, w) is None  # told once
+    assert server.answer_fetch(0, w, 0, held=1)[:2] == (None, 1)
+    assert push(1, 1, version=0) is None  # replica 1 had not seen replica 0's push
+    out, version, _ = server.answer_fetch(0, w, 0, held=1)
+    values = server.state.values
+    assert version == 2 and torch.equal(
+        out, torch.cat([values[x.shard_lo :][: x.length] for x in segs])
+    )
+    assert push(0, 2, version=1) is None  # replica 1's push came in between
+    assert server.answer_fetch(0, w, 0, held=-1)[0] is not None  # no version held: values
+
+
 def test_sync_shard_applies_the_mean_once_every_live_replica_pushed():
     server = _server("sync")
     n = {w: sum(g.length for g in server.routes[w]) for w in server.workers}

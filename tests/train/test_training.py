@@ -132,7 +132,8 @@ def test_downpour_with_local_steps_and_one_replica_is_single_process_sgd(
     """The replica applies every step itself and brings fetched values up to date with its
     pushes still in flight (and its unpushed steps): one replica's run equals plain SGD,
     whatever its pushes and fetches overlap. A shard one worker alone pushes to counts none
-    of its pushes as stale and answers CURRENT, sending no values; with 3 shards the middle
+    of its pushes as stale and answers every fetch after the first CURRENT (with a push or
+    alone), sending no values; with 3 shards the middle
     one holds both workers' values (each one's pushes are updates the other did not see), and
     its values are mixed with the CURRENT answers of the others."""
     p = plan(SPEC, 2, "metis")
@@ -165,9 +166,8 @@ def test_downpour_with_local_steps_and_one_replica_is_single_process_sgd(
         meta = json.loads((run / f"shard_{s}.json").read_text())
         alone = len(layout.peers(s)) == 1
         assert alone == (set(meta["staleness"]) == {"0"})
-        if n_push == n_fetch == 1:  # values sent: the first fetch, then only by a shared shard
-            first = 8 * int(layout.shard_sizes()[s])
-            assert meta["bytes_out"] == first if alone else meta["bytes_out"] > 5 * first
+        first = 8 * int(layout.shard_sizes()[s])  # values sent: the first fetch, then only
+        assert meta["bytes_out"] == first if alone else meta["bytes_out"] > 3 * first  # shared
 
 
 def test_downpour_lowers_the_loss_and_pushes_reach_only_their_shards(tmp_path):

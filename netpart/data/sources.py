@@ -36,6 +36,7 @@ __all__ = ["DataError", "Dataset", "load_data"]
 PROTOTYPE_CACHE = 256  # prototypes kept per process (each is one input's worth of floats)
 GENERATED_HELD_OUT = 1000  # held-out examples of the generated sources (ids n .. n + 999)
 HELD_OUT = 0.2  # fraction of digits, npz and folders held out, by a fixed permutation
+EPOCH_COPY_BYTES = 1 << 26  # in-memory inputs up to this size are gathered once per epoch
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,7 +86,7 @@ class Dataset:
 
     def _order(self, replica: int, count: int, epoch: int) -> np.ndarray:
         """Replica `replica`'s shuffle of its `count` examples in `epoch` (cached; older
-        epochs than the one before are dropped)."""
+        epochs than the one before are dropped, with what `_epoch` keeps of them)."""
         key = ("order", replica, count, epoch)
         order = self._cache.get(key)
         if order is None:
@@ -102,8 +103,27 @@ class Dataset:
     def batch(
         self, replica: int, replicas: int, step: int, batch: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs [B, features], targets) of one step of one replica."""
+        """(inputs [B, features], targets) of one step of one replica: the examples
+        `indices` names. In-memory arrays up to EPOCH_COPY_BYTES are gathered once per epoch
+        in the replica's order, and a batch inside one epoch is copied from a slice of them:
+        in a busy step loop a gather of 32 random digits rows cost 26 µs, 5x its cost alone."""
+        count = len(range(replica, self.n, replicas))
+        epoch, within = divmod((step - 1) * batch, max(count, 1))
+        in_memory = self.x is not None and self.y is not None
+        if in_memory and self.x.nbytes <= EPOCH_COPY_BYTES and within + batch <= count:
+            x, y = self._epoch(replica, replicas, count, epoch, dtype)
+            return x[within : within + batch].clone(), y[within : within + batch].clone()
         return self.examples(self.indices(replica, replicas, step, batch), dtype)
+
+    def _epoch(self, replica: int, replicas: int, count: int, epoch: int, dtype: torch.dtype):
+        """Replica `replica`'s examples in their order of `epoch` (cached with that order:
+        older epochs than the one before are dropped)."""
+        key = ("examples", replica, count, epoch, dtype)
+        got = self._cache.get(key)
+        if got is None:
+            ids = replica + replicas * self._order(replica, count, epoch)
+            got = self._cache[key] = self.examples(ids, dtype)
+        return got
 
     def examples(self, ids: np.ndarray, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs [len(ids), features], targets) of the training examples `ids`."""

@@ -135,6 +135,22 @@ def test_replicas_read_disjoint_shards_and_batches_are_pure():
     assert sorted(epoch.tolist()) == list(range(0, 100, 3))  # one epoch = the whole shard
 
 
+def test_in_memory_batches_are_the_examples_their_indices_name():
+    """Batches sliced from each epoch's gathered examples are exactly the gathered ones, in
+    every epoch and across an epoch's end, and drawing them changes nothing."""
+    spec = load_spec("digits-mlp")
+    data = load_data("digits", spec)
+    for replica, replicas in ((0, 1), (1, 3)):
+        count = len(range(replica, data.n, replicas))
+        for step in (1, 2, count // 32, count // 32 + 1, count // 32 + 2, 3 * count // 32):
+            x, y = data.batch(replica, replicas, step, 32, torch.float64)
+            want = data.examples(data.indices(replica, replicas, step, 32), torch.float64)
+            assert torch.equal(x, want[0]) and torch.equal(y, want[1]), (replica, step)
+            x += 1  # a batch is the caller's to change
+            again = data.batch(replica, replicas, step, 32, torch.float64)[0]
+            assert torch.equal(again, want[0])
+
+
 def test_npz_data_is_checked(tmp_path):
     spec = load_spec("tiny-mlp")
     bad = tmp_path / "bad.npz"

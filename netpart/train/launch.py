@@ -201,6 +201,8 @@ def _bar(config: TrainConfig, start: int, rank: int, placement):
     from tqdm import tqdm
 
     bar = tqdm(total=config.steps - start, desc="train", unit="step", disable=None)
+    if bar.disable:  # not a terminal: no figures to format every step
+        return bar, None
     done = [0]
 
     def on_step(line: dict) -> None:  # replica 0's steps

@@ -1,12 +1,15 @@
 """No update lost or torn: R replica processes push known gradients to two shard processes at
-once, through the real client (courier thread, pipelined requests, pushes of several chunks),
-and every shard's final values are exactly what the sum of all pushes makes them."""
+once, through the real client (courier thread, pipelined requests, pushes of several chunks;
+or, as with local steps, posted from the caller with CURRENT answers allowed), and every
+shard's final values are exactly what the sum of all pushes makes them."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+
+import pytest
 
 from tests.conftest import finish
 
@@ -21,7 +24,8 @@ from netpart.partition.shards import ShardLayout
 from netpart.ps import Downpour, Optimizer, ShardClient, ShardServer, ShardSetup, ShardState
 from netpart.ps import client, protocol, server, make_rule
 
-rank, store, replicas, shards, steps, chunk = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
+rank, store, replicas, shards, steps, chunk, local = (
+    sys.argv[1], sys.argv[2], *map(int, sys.argv[3:]))
 rank = int(rank)
 for module in (protocol, client, server):  # small chunks: every push travels in several
     module.CHUNK = chunk
@@ -42,28 +46,33 @@ if rank >= replicas:  # a shard: zeros, SGD with lr 1, Downpour
 else:  # a replica: pushes (rank + 1) * step everywhere, two requests in flight, and checks
     # that every fetch shows each shard's values at one moment (one value across its range)
     c = ShardClient(layout, 0, rank, rank, list(range(replicas, replicas + shards)),
-                    torch.float64, depth=3, background=True)
+                    torch.float64, depth=3, background=not local, local_steps=bool(local))
     routes = c.routes
     bufs = c.push_buffers(3)
-    torn, inflight = 0, []
+    torn, current, inflight = 0, 0, []
     for step in range(1, steps + 1):
         bufs[step % 3].fill_(float((rank + 1) * step))
         while len(inflight) > 1:
-            got = c.complete(inflight.pop(0))
-            for segs in routes.values():
-                part = torch.cat([got[g.local_lo:g.local_lo + g.length] for g in segs])
-                torn += int(torch.unique(part).numel() != 1)
-        inflight.append(c.request(step, bufs[step % 3], fetch=True))
+            ticket = inflight.pop(0)
+            got = c.complete(ticket)
+            current += len(ticket.current)  # answered without values (2-38 of 78 seen)
+            for s, segs in routes.items():
+                if s not in ticket.current:
+                    part = torch.cat([got[g.local_lo:g.local_lo + g.length] for g in segs])
+                    torn += int(torch.unique(part).numel() != 1)
+        inflight.append(c.request(step, bufs[step % 3], fetch=True, ahead=len(inflight)))
     c.close()
-    print(json.dumps({"replica": rank, "torn": torn}))
+    print(json.dumps({"replica": rank, "torn": torn, "current": current}))
 sys.stdout.flush()
 os._exit(0)  # as the real roles end: peer threads may still sit in gloo calls
 """
 
 
-def test_concurrent_pushes_are_all_applied_whole(tmp_path):
+@pytest.mark.parametrize("local", [0, 1])
+def test_concurrent_pushes_are_all_applied_whole(tmp_path, local):
     world = REPLICAS + SHARDS
     args = [str(tmp_path / "store"), str(REPLICAS), str(SHARDS), str(STEPS), str(CHUNK)]
+    args.append(str(local))
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", ROLE, str(rank), *args],

@@ -202,7 +202,7 @@ class ShardServer:
             snapshot = torch.empty(n, dtype=self.state.values.dtype)
         out, version, stale = self.answer_fetch(replica, worker, upto, snapshot, held)
         if out is None:
-            self._reply_current(replica, version, dst, reply is not None)
+            self._reply_current(replica, version, dst, reply is not None, stale)
             return
         head = (int(Kind.PARAMS), self.rank, self.shard, version, out.numel(), replica, stale)
         if reply is not None:
@@ -213,12 +213,14 @@ class ShardServer:
             dist.send(out, dst=dst, tag=TAG_PAYLOAD)
         self._count(bytes_out=out.numel() * out.element_size())
 
-    def _reply_current(self, replica: int, version: int, dst: int, combined: bool) -> None:
+    def _reply_current(
+        self, replica: int, version: int, dst: int, combined: bool, stale: int = 0
+    ) -> None:
         """Answer a fetch from a worker whose values are the shard's (a PUSH_FETCH_LOCAL whose
         push was the only update since the values it was computed on, or a FETCH_LOCAL at the
         version it holds): a CURRENT header with that version (and an empty payload message
-        where the worker expects the values apart)."""
-        head = header(Kind.CURRENT, self.rank, self.shard, version, 0, replica, 0)
+        where the worker expects the values apart); `stale`: of the peer's last push."""
+        head = header(Kind.CURRENT, self.rank, self.shard, version, 0, replica, stale)
         pg = dist.group.WORLD
         pg.send([head], dst, TAG_HEADER).wait()
         if not combined:

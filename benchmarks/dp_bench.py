@@ -213,7 +213,8 @@ def run_peer(system: str, replicas: int, python: Path, data: Path, tmp: Path, se
                 "wall_s": wall}  # fmt: skip
     pdb = system.startswith("pytorch-distbelief")
     script, world = (PDB, replicas + 1) if pdb else (DDP, replicas)
-    ranks = _processes(python, script, args, world, tmp, system.removeprefix("pytorch-distbelief-"))
+    variant = "delivered" if system.endswith("-delivered") else "as-shipped"
+    ranks = _processes(python, script, args, world, tmp, variant)
     wall = time.perf_counter() - t0
     if ranks is None:
         return {"samples_s": float("nan"), "accuracy": float("nan"), "wall_s": wall,

@@ -36,14 +36,13 @@ from netpart.ps.protocol import (
     CHUNK,
     HEADER_BYTES,
     HEADER_LEN,
-    TAG_CHUNK,
     TAG_HEADER,
     TAG_PAYLOAD,
     VALUES_AT,
     Kind,
-    chunks,
     combined_reply,
     header,
+    later_chunks,
     read_header,
     request_buffer,
     segments_length,
@@ -78,10 +77,9 @@ class _Push:
 
     def __init__(self, raw: torch.Tensor, payload: torch.Tensor) -> None:
         self.raw, self.payload = raw, payload
-        cuts = chunks(payload.numel())
-        first = cuts[0][1] * payload.element_size()
+        first = min(payload.numel(), CHUNK) * payload.element_size()
         self.messages = [(raw[: VALUES_AT + first], TAG_HEADER)] + [
-            (payload[a:b], TAG_CHUNK + i) for i, (a, b) in enumerate(cuts) if i > 0
+            (payload[a:b], tag) for (a, b), tag in later_chunks(payload.numel())
         ]
 
 
@@ -297,9 +295,7 @@ class ShardClient:
             first = min(n, CHUNK)
             values_of(buf, payload.dtype, first).copy_(payload[:first])
             sends.append((buf, dst, TAG_HEADER))
-            for i, (a, b) in enumerate(chunks(n)):
-                if i > 0:
-                    sends.append((payload[a:b], dst, TAG_CHUNK + i))
+            sends += [(payload[a:b], dst, tag) for (a, b), tag in later_chunks(n)]
             ticket.keep.append(payload)
         if kind != Kind.PUSH:
             receives.append((slot.replies[s], dst, TAG_HEADER))

@@ -64,6 +64,7 @@ __all__ = [
     "chunks",
     "combined_reply",
     "header",
+    "later_chunks",
     "overlaps",
     "post_chunks",
     "read_header",
@@ -157,13 +158,18 @@ def chunks(n: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in itertools.pairwise(cuts) if b > a] or [(0, 0)]
 
 
+def later_chunks(n: int) -> list[tuple[tuple[int, int], int]]:
+    """((a, b), tag) of the chunks of an n-value push after the first (which travels in the
+    request)."""
+    return [((a, b), TAG_CHUNK + i) for i, (a, b) in enumerate(chunks(n)) if i > 0]
+
+
 def post_chunks(payload: torch.Tensor, src: int) -> list[tuple[tuple[int, int], dist.Work]]:
     """Post the receives of a push's chunks after the first (which came in the request) into
     `payload`: ((a, b), work) per chunk."""
     return [
-        ((a, b), dist.irecv(payload[a:b], src=src, tag=TAG_CHUNK + i))
-        for i, (a, b) in enumerate(chunks(payload.numel()))
-        if i > 0
+        ((a, b), dist.irecv(payload[a:b], src=src, tag=tag))
+        for (a, b), tag in later_chunks(payload.numel())
     ]
 
 

@@ -60,7 +60,8 @@ else:  # a replica: pushes (rank + 1) * step everywhere, two requests in flight,
                 if s not in ticket.current:
                     part = torch.cat([got[g.local_lo:g.local_lo + g.length] for g in segs])
                     torn += int(torch.unique(part).numel() != 1)
-        inflight.append(c.request(step, bufs[step % 3], fetch=True, ahead=len(inflight)))
+        ahead = len(inflight) if local else 0  # as local steps claim the versions they hold
+        inflight.append(c.request(step, bufs[step % 3], fetch=True, ahead=ahead))
     c.close()
     print(json.dumps({"replica": rank, "torn": torn, "current": current}))
 sys.stdout.flush()

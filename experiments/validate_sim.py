@@ -208,7 +208,7 @@ def main(argv=None) -> int:
         runner = EmulatedRunner(hosts, groups)
         t0 = time.monotonic()
         cal = tuple(args.calibrate.split(","))
-        model, details = calibrate(cal, say=_say, runner=runner)
+        model, details = calibrate(cal, say=_say, runner=runner, repeats=3)
         profile = profile_json(model, details)
         args.out.mkdir(parents=True, exist_ok=True)
         write_atomic(args.out / "emulated_profile.json", profile.encode())

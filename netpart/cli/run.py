@@ -105,7 +105,10 @@ def _calibrate_parser(sub) -> None:
         help="timed steps per run at least (and about 0.3 s of them; default 15)",
     )
     k.add_argument(
-        "--repeats", type=positive_int, default=3, help="runs of each step measurement (median)"
+        "--repeats",
+        type=positive_int,
+        default=5,
+        help="runs of each step measurement (median; default 5)",
     )
     k.set_defaults(func=cmd_calibrate)
 
@@ -122,13 +125,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     write_atomic(args.out, profile_json(model, details).encode())
     for kind, cost in model.kinds.items():
         (f0, t0), (f1, t1) = cost.points[0], cost.points[-1]
+        per_value = f", +{cost.per_value * 1e9:.2f} ns per input value" if cost.per_value else ""
         echo(
             f"{kind:<6} {len(cost.points):3d} slices: {t0 * 1e6:8.1f} µs at {f0 / 1e6:9.3f} MFLOP "
             f"... {t1 * 1e3:8.2f} ms at {f1 / 1e9:7.2f} GFLOP ({f1 / t1 / 1e9:.1f} GFLOP/s)"
+            f"{per_value}"
         )
     fitted, gather = model.collective_s * 1e3, model.gather_s(2) * 1e3
     echo(
-        f"exchange: {model.latency_s * 1e6:.0f} µs a phase, "
+        f"exchange: {model.latency_s * 1e6:.0f} µs a phase in a step, "
         f"{model.bandwidth_bps / 1e9:.2f} Gbit/s (tables for "
         f"{'/'.join(str(k) for k in sorted(model.link))} peers); per step "
         f"{model.step_fixed_s * 1e3:.2f} ms; with N = 2 +{gather:.2f} ms (the loss's collective, "

@@ -101,10 +101,12 @@ def _non_decreasing(t: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class KindCost:
     """A layer kind's measured slice times: (FLOPs x batch, seconds forward+backward) points
-    of this machine's slices, sorted; a slice's time is read off them (see `seconds`)."""
+    of this machine's slices, sorted, less `per_value` x the input values (x batch) each slice
+    gathered; a slice's time is read off them, plus its own values' share (see `seconds`)."""
 
     points: tuple[tuple[float, float], ...]
     forward_share: float = FORWARD_SHARE  # of a slice's time, its forward pass (median measured)
+    per_value: float = 0.0  # seconds per input value (x batch) a slice gathers
 
     @cached_property
     def _table(self) -> tuple[np.ndarray, np.ndarray, float]:
@@ -114,17 +116,23 @@ class KindCost:
         t = np.array([np.median(s) for s in np.split(t, first[1:])])
         return f, _non_decreasing(t), float(np.median(t[-3:] / f[-3:]))
 
-    def seconds(self, work: np.ndarray) -> np.ndarray:
-        """Seconds of slices of `work` FLOPs (x batch): piecewise linear between measured
-        points (one time per size, their median; made non-decreasing by least squares), the
-        smallest size's time below them (a slice's fixed cost dominates there), and above
-        them the largest time plus the median seconds per FLOP of the three largest sizes, so
-        one slow slice cannot scale every larger prediction."""
+    def seconds(self, work: np.ndarray, values: np.ndarray | float = 0.0) -> np.ndarray:
+        """Seconds of slices of `work` FLOPs that gather `values` input values (both x batch):
+        `per_value` x values, plus piecewise linear between measured points (one time per
+        size, their median; made non-decreasing by least squares), the smallest size's time
+        below them (a slice's fixed cost dominates there), and above them the largest time
+        plus the median seconds per FLOP of the three largest sizes, so one slow slice cannot
+        scale every larger prediction."""
         f, t, rate = self._table
-        return np.where(work > f[-1], t[-1] + rate * (work - f[-1]), np.interp(work, f, t))
+        table = np.where(work > f[-1], t[-1] + rate * (work - f[-1]), np.interp(work, f, t))
+        return table + self.per_value * np.asarray(values, dtype=np.float64)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"points": [list(p) for p in self.points], "forward_share": self.forward_share}
+        return {
+            "points": [list(p) for p in self.points],
+            "forward_share": self.forward_share,
+            "per_value": self.per_value,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KindCost:
@@ -134,7 +142,10 @@ class KindCost:
         share = float(data.get("forward_share", FORWARD_SHARE))
         if not 0.0 < share < 1.0:
             raise ValueError("a kind's forward_share is between 0 and 1")
-        return cls(pts, share)
+        per_value = float(data.get("per_value", 0.0))
+        if not per_value >= 0.0:
+            raise ValueError("a kind's per_value is >= 0")
+        return cls(pts, share, per_value)
 
 
 @dataclass(frozen=True)
@@ -248,14 +259,13 @@ class NetworkModel:
         out = flops * batch / self.flops_per_s
         if not self.kinds or kinds is None:
             return out
-        fill = 0.0 if values is None else values * batch * self.fill_s_per_value
+        gathered = np.zeros_like(out) if values is None else values * batch
         slow = self.slice_scale * (1.0 + (self.parallel_slowdown if flops.shape[1] > 1 else 0))
         for layer, kind in enumerate(kinds):
             cost = self.kinds.get(kind)
             if cost is not None:
-                t = slow * cost.seconds(flops[layer] * batch) + (
-                    fill if np.isscalar(fill) else fill[layer]
-                )
+                t = slow * cost.seconds(flops[layer] * batch, gathered[layer])
+                t = t + gathered[layer] * self.fill_s_per_value
                 out[layer] = np.where(flops[layer] > 0, t, 0.0)
         return out
 

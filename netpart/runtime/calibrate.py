@@ -3,11 +3,13 @@
 Five measurements, each with the runtime's own code, at one batch size, over the calibration
 models' plans for 1, 2 and 3 workers, on the machines a `Runner` gives (`LocalRunner`: this
 one, its workers sharing it; `experiments/validate_sim.py` has emulated dedicated machines).
-Every step measurement is the median of `repeats` runs, the cases alternating.
+Every step measurement is the median of `repeats` runs, taken in rounds over every model and
+case (a slow spell of the machine then touches one run of each, not every run of one).
 
 1. Slices: every (layer, worker) slice run alone with the runtime's slice classes
-   (`measure_slices`): per layer kind, a table of (FLOPs x batch, seconds) points and the
-   forward pass's median share of a slice.
+   (`measure_slices`), the fastest of SLICE_PASSES passes: per layer kind, a table of (FLOPs
+   x batch, seconds) points, the seconds per input value a slice gathers where they lower
+   the table's error, and the forward pass's median share of a slice.
 2. Link: 2 processes (and, where the runner has the machines, up to `LINK_WORLD`) exchanging
    messages of `LINK_SIZES` with every other process, both ways, through the runtime's
    transport (`run_link`): seconds per size and number of peers; and the loss's collective
@@ -19,7 +21,8 @@ Every step measurement is the median of `repeats` runs, the cases alternating.
 4. Steps on 1 process: what the steps hold beyond their slices, fitted to step_fixed_s -
    joined_saving_s x the layers run in one autograd graph with the layer below.
 5. Steps on 2 processes: what is left beyond the planner's prediction so far (overlap and
-   the measured collective included), fitted to collective_s + parallel_slowdown x compute.
+   the measured collective included), fitted to collective_s + parallel_slowdown x compute
+   + a cost per exchange phase in a step (added to the link tables).
 
 The result is a `NetworkModel` whose `profile` names the file; `profile_json` adds every
 measurement it was fitted to, so a profile can be checked by hand.
@@ -43,11 +46,12 @@ from netpart.models.spec import ModelSpec
 from netpart.partition import build_unit_graph, plan
 from netpart.partition.cost import KindCost, NetworkModel
 from netpart.partition.graph import BYTES_PER_VALUE
-from netpart.partition.planner import PartitionPlan, reevaluate
+from netpart.partition.planner import PartitionPlan, input_values, reevaluate
 from netpart.partition.schedule import build_schedule
+from netpart.partition.volume import layer_traffic
 from netpart.runtime.check import make_batch
 from netpart.runtime.step import LINK_SIZES, run_link, run_step, timed_steps, warmup_steps
-from netpart.runtime.trace import measure_slices
+from netpart.runtime.trace import SliceTimes, measure_slices
 
 __all__ = [
     "CALIBRATION_MODELS",
@@ -55,6 +59,7 @@ __all__ = [
     "LocalRunner",
     "Runner",
     "calibrate",
+    "kind_cost",
     "profile_json",
 ]
 
@@ -62,9 +67,17 @@ log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 LINK_WORLD = 8  # processes: the link is measured with 1 to 7 peers at most
+SLICE_PASSES = 2  # every slice is timed in this many passes over the models; the fastest counts
 CALIBRATION_S = 0.3  # seconds of timed steps a step measurement covers at least
 CALIBRATION_MODELS = ("tiny-mlp", "digits-mlp", "tiny-local", "bench-local", "bench-local-wide")
 Progress = Callable[[str], None]
+
+
+def gathered_values(spec: ModelSpec, p: PartitionPlan) -> np.ndarray:
+    """[L, P] input values per example each worker's slice of each layer gathers (what the
+    step-time model charges a kind's `per_value` for)."""
+    graph = build_unit_graph(spec, p.granularity)
+    return input_values(graph, p.node_map, p.workers, layer_traffic(graph, p.node_map, p.workers))
 
 
 def layer_flops(spec: ModelSpec, p: PartitionPlan) -> np.ndarray:
@@ -125,28 +138,57 @@ class LocalRunner:
         return float(np.median(result.slowest_steps()[warm:]))
 
 
+def _fastest(timings: list[SliceTimes]) -> SliceTimes:
+    """Per slice, the timing (forward and backward) of the pass whose sum was least."""
+    fwd = np.stack([t.forward for t in timings])
+    bwd = np.stack([t.backward for t in timings])
+    best = np.argmin(fwd + bwd, axis=0)[None]
+    fwd, bwd = (np.take_along_axis(a, best, axis=0)[0] for a in (fwd, bwd))
+    return SliceTimes(fwd, bwd, timings[0].batch)
+
+
 def _compute_points(specs, batch: int, runner: Runner, say: Progress) -> dict[str, list]:
-    """Per kind, (FLOPs x batch, seconds fwd+bwd, forward share) of every slice of 1- to
-    3-worker plans."""
-    points: dict[str, list[tuple[float, float, float]]] = {}
-    for spec in specs:
-        plans = [plan(spec, workers, "metis", batch=batch) for workers in (1, 2, 3)]
-        for p, times in zip(plans, runner.slices(spec, plans, batch), strict=True):
+    """Per kind, (FLOPs x batch, input values gathered x batch, seconds fwd+bwd, forward
+    share) of every slice of 1- to 3-worker plans: per slice the faster of SLICE_PASSES
+    timings, one per pass over all the models (a slow moment of the machine lasts seconds)."""
+    plans = {spec.name: [plan(spec, n, "metis", batch=batch) for n in (1, 2, 3)] for spec in specs}
+    passes = []
+    for k in range(SLICE_PASSES):
+        passes.append([runner.slices(spec, plans[spec.name], batch) for spec in specs])
+        say(f"slices: pass {k + 1} of {SLICE_PASSES} timed {len(specs)} models")
+    points: dict[str, list[tuple[float, float, float, float]]] = {}
+    for m, spec in enumerate(specs):
+        for i, p in enumerate(plans[spec.name]):
+            times = _fastest([timed[m][i] for timed in passes])
             flops = layer_flops(spec, p) * batch
+            values = gathered_values(spec, p) * batch
             seconds = times.forward + times.backward
             for layer, kind in enumerate(layer.kind for layer in spec.layers):
                 for w in np.flatnonzero(flops[layer] > 0):
                     t = seconds[layer, w]
                     points.setdefault(kind, []).append(
-                        (flops[layer, w], t, times.forward[layer, w] / t)
+                        (flops[layer, w], values[layer, w], t, times.forward[layer, w] / t)
                     )
-        say(f"slices: timed {spec.name}")
     return points
 
 
-def _kind_cost(points: list[tuple[float, float, float]]) -> KindCost:
-    share = float(np.clip(np.median([s for _, _, s in points]), 0.05, 0.95))
-    return KindCost(tuple(sorted((f, t) for f, t, _ in points)), share)
+def kind_cost(points: list[tuple[float, float, float, float]]) -> KindCost:
+    """A kind's table, with the seconds per gathered input value that a fit of time to
+    (1, FLOPs, values) gives where that lowers the table's error on its own points (a dense
+    slice over a large input costs more than one of the same FLOPs over a small one)."""
+    share = float(np.clip(np.median([s for *_, s in points]), 0.05, 0.95))
+    f, v, t = np.array([p[:3] for p in points], dtype=np.float64).T
+    plain = KindCost(tuple(sorted(zip(f, t, strict=True))), share)
+    per_value = _lstsq(np.column_stack([np.ones_like(f), f, v]).tolist(), t.tolist(), t.tolist())[2]
+    rest = t - per_value * v
+    if per_value <= 0 or (rest <= 0.2 * t).any():  # values cannot be most of a slice's time
+        return plain
+    with_values = KindCost(tuple(sorted(zip(f, rest, strict=True))), share, per_value)
+
+    def error(cost: KindCost) -> float:
+        return float(np.square(np.log(cost.seconds(f, v) / t)).sum())
+
+    return with_values if error(with_values) < error(plain) else plain
 
 
 def _figures(spec: ModelSpec, p: PartitionPlan, batch: int, net: NetworkModel) -> dict:
@@ -157,7 +199,8 @@ def _figures(spec: ModelSpec, p: PartitionPlan, batch: int, net: NetworkModel) -
     traffic = build_schedule(graph, p.node_map, p.workers).traffic()
     busiest = np.maximum(traffic.sum(axis=1), traffic.sum(axis=2)).max(axis=1)
     kinds = [layer.kind for layer in spec.layers]
-    compute = net.worker_compute_s(layer_flops(spec, p), batch, kinds).max(axis=1)
+    values = input_values(graph, p.node_map, p.workers, traffic)
+    compute = net.worker_compute_s(layer_flops(spec, p), batch, kinds, values).max(axis=1)
     joined = traffic.sum(axis=(1, 2)) == 0
     return {
         "joined": int(joined[1:].sum()),
@@ -185,50 +228,75 @@ def _lstsq(rows: list[list[float]], target: list[float], steps: list[float] | No
 Plans = list[tuple[ModelSpec, PartitionPlan, PartitionPlan]]  # each model's 1- and 2-worker plan
 
 
-def _run(spec, one, two, batch: int, steps: int, repeats: int, runner, base) -> dict:
-    """One model's steps on 1 and 2 processes (and 2 exchanging only), each the median of
-    `repeats` runs (the three alternating), with their figures. A run times at least `steps`
-    steps and about CALIBRATION_S of them (by the slice tables' prediction)."""
-    n_one, n_two = (
-        timed_steps(
-            reevaluate(spec, p, batch, base).metrics.predicted_step_s, steps, CALIBRATION_S
-        )[0]
-        for p in (one, two)
-    )  # the exchange-only runs take the two-process plan's count
-    cases = {"one": (one, False, n_one), "two": (two, False, n_two), "exchange": (two, True, n_two)}
-    times: dict[str, list[float]] = {k: [] for k in cases}
-    for _ in range(repeats):
-        for key, (p, exchange_only, count) in cases.items():
-            times[key].append(runner.step(spec, p, batch, count, exchange_only))
-    med = {k: float(np.median(v)) for k, v in times.items()}
-    return {
-        "model": spec.name,
-        "one": {**_figures(spec, one, batch, base), "step_s": med["one"], "runs_s": times["one"]},
-        "two": {**_figures(spec, two, batch, base), "step_s": med["two"], "runs_s": times["two"],
-                "exchange_s": med["exchange"], "exchange_runs_s": times["exchange"]},
-    }  # fmt: skip
+def _runs(plans: Plans, batch: int, steps: int, repeats: int, runner, base, say) -> list[dict]:
+    """Each model's steps on 1 and 2 processes (and 2 exchanging only), each the median of
+    `repeats` runs, with their figures. The runs go round the models `repeats` times, so a
+    model's runs are spread over the whole stage (this machine's slow spells last seconds
+    and would otherwise fall on every run of one model). A run times at least `steps` steps
+    and about CALIBRATION_S of them (by the slice tables' prediction)."""
+    cases = []
+    for spec, one, two in plans:
+        n_one, n_two = (
+            timed_steps(
+                reevaluate(spec, p, batch, base).metrics.predicted_step_s, steps, CALIBRATION_S
+            )[0]
+            for p in (one, two)
+        )  # the exchange-only runs take the two-process plan's count
+        cases.append({"one": (one, False, n_one), "two": (two, False, n_two),
+                      "exchange": (two, True, n_two)})  # fmt: skip
+    times = [{key: [] for key in c} for c in cases]
+    for r in range(repeats):
+        for (spec, _, _), case, timed in zip(plans, cases, times, strict=True):
+            for key, (p, exchange_only, count) in case.items():
+                timed[key].append(runner.step(spec, p, batch, count, exchange_only))
+        say(f"runtime: round {r + 1} of {repeats}: stepped every model on 1 and 2 processes")
+    runs = []
+    for (spec, one, two), timed in zip(plans, times, strict=True):
+        med = {k: float(np.median(v)) for k, v in timed.items()}
+        runs.append({
+            "model": spec.name,
+            "one": {**_figures(spec, one, batch, base), "step_s": med["one"],
+                    "runs_s": timed["one"]},
+            "two": {**_figures(spec, two, batch, base), "step_s": med["two"],
+                    "runs_s": timed["two"], "exchange_s": med["exchange"],
+                    "exchange_runs_s": timed["exchange"]},
+        })  # fmt: skip
+    return runs
 
 
 def _two_process_terms(plans: Plans, runs, batch: int, model: NetworkModel):
-    """(collective_s, parallel_slowdown): what two-process steps hold beyond the model so
-    far (the planner's own prediction, overlap included), fitted to a constant + a share of
-    the compute."""
+    """(collective_s, parallel_slowdown, in-step seconds per phase): what two-process steps
+    hold beyond the model so far (the planner's own prediction, overlap included), fitted to
+    a constant + a share of the compute + a cost per exchange phase (a phase in a step, with
+    both workers computing around it, costs more than in the exchange-only runs). The last
+    term's regressor is the prediction's own change per second added to every phase, so a
+    phase hidden behind compute counts only as far as the model exposes it."""
+    delta = 1e-4
+    shifted = replace(model, link=_plus(model.link, delta))
     rows, rest, measured = [], [], []
     for (spec, _, two), run in zip(plans, runs, strict=True):
-        p = reevaluate(spec, two, batch, model)
-        rows.append([1.0, p.metrics.compute_s])
-        rest.append(run["two"]["step_s"] - p.metrics.predicted_step_s)
+        p = reevaluate(spec, two, batch, model).metrics
+        phases = (reevaluate(spec, two, batch, shifted).metrics.predicted_step_s
+                  - p.predicted_step_s) / delta  # fmt: skip
+        rows.append([1.0, p.compute_s, phases])
+        rest.append(run["two"]["step_s"] - p.predicted_step_s)
         measured.append(run["two"]["step_s"])
-    collective, slowdown = _lstsq(rows, rest, measured)
-    return collective, slowdown
+    collective, slowdown, per_phase = _lstsq(rows, rest, measured)
+    return collective, slowdown, per_phase
 
 
-def _link_terms(link: dict, runs: list[dict]) -> dict:
+def _plus(tables: dict, seconds: float) -> dict:
+    """Link tables with `seconds` more in every phase."""
+    return {k: tuple((b, seconds + t) for b, t in v) for k, v in tables.items()}
+
+
+def _link_terms(link: dict, runs: list[dict], in_step: float = 0.0) -> dict:
     """The link tables the runtime's exchanges see and their summary (latency, bandwidth):
     the measured link + a per-phase overhead fitted to the exchange-only runs (each = sum
     over its phases of overhead + the one-peer link's time for the phase's bytes; weighted by
-    1 / the run); and the loss's collective per number of workers. `link` holds bytes per
-    peer and, per number of peers, seconds (and, per number of workers, `gather_s`)."""
+    1 / the run) + `in_step` (a phase's further cost in a step); and the loss's collective
+    per number of workers. `link` holds bytes per peer and, per number of peers, seconds
+    (and, per number of workers, `gather_s`)."""
     sizes = np.array(link["sizes"])
     raw = {int(k): tuple(zip(sizes * int(k), t, strict=True)) for k, t in link["seconds"].items()}
     two = [r["two"] for r in runs]
@@ -238,7 +306,7 @@ def _link_terms(link: dict, runs: list[dict]) -> dict:
     exchange = [x["exchange_s"] for x in two]
     rest = [e - w for e, w in zip(exchange, wire, strict=True)]
     (overhead,) = _lstsq([[n] for n in phases], rest, exchange) if any(phases) else [0.0]
-    tables = {k: tuple((b, overhead + t) for b, t in v) for k, v in raw.items()}
+    tables = _plus(raw, overhead + in_step)
     b, secs = np.array(tables[1]).T
     latency, per_byte = _lstsq([[1.0, x] for x in b], list(secs), list(secs))
     gather = tuple(sorted((float(n), float(t)) for n, t in link.get("gather_s", {}).items()))
@@ -251,8 +319,8 @@ def fit(base: NetworkModel, plans: Plans, runs: list[dict], batch: int, link: di
     peer, seconds per number of peers), every equation weighted by 1 / its measurement
     (relative errors count: a small model weighs as much as a large one): the link tables'
     overhead from exchange-only runs; the fixed step cost and the saving of a joined layer
-    from one-process steps (slices count once: `slice_scale` stays 1); the collective and
-    the slowdown of compute from two."""
+    from one-process steps (slices count once: `slice_scale` stays 1); the collective, the
+    slowdown of compute and a phase's further cost in a step from two."""
     terms = _link_terms(link, runs)
     one = [r["one"] for r in runs]
     measured = [x["step_s"] for x in one]
@@ -265,9 +333,14 @@ def fit(base: NetworkModel, plans: Plans, runs: list[dict], batch: int, link: di
         base, link=terms["link"], bandwidth_bps=terms["bandwidth_bps"], gather=terms["gather"],
         latency_s=terms["latency_s"], step_fixed_s=step_fixed, joined_saving_s=saving,
     )  # fmt: skip
-    # Two: what is left is the collective, and compute slowed by sharing the machine.
-    collective, slowdown = _two_process_terms(plans, runs, batch, model)
-    return replace(model, collective_s=collective, parallel_slowdown=slowdown)
+    # Two: what is left is the collective, compute slowed by sharing the machine, and
+    # each exchange phase's cost in a step beyond the exchange-only runs' (into the tables).
+    collective, slowdown, per_phase = _two_process_terms(plans, runs, batch, model)
+    terms = _link_terms(link, runs, per_phase)
+    return replace(
+        model, link=terms["link"], latency_s=terms["latency_s"],
+        bandwidth_bps=terms["bandwidth_bps"], collective_s=collective, parallel_slowdown=slowdown,
+    )  # fmt: skip
 
 
 def calibrate(
@@ -276,14 +349,14 @@ def calibrate(
     steps: int = 15,
     say: Progress = log.info,
     runner: Runner | None = None,
-    repeats: int = 3,
+    repeats: int = 5,
 ) -> tuple[NetworkModel, dict]:
     """The calibrated model of the machines `runner` runs on (this one by default), and
     every measurement it was fitted to."""
     runner = runner or LocalRunner()
     specs = [load_spec(m) for m in models]
     points = _compute_points(specs, batch, runner, say)
-    kinds = {k: _kind_cost(v) for k, v in sorted(points.items())}
+    kinds = {k: kind_cost(v) for k, v in sorted(points.items())}
     base = NetworkModel(kinds=kinds, overlap=runner.overlap)
     link = {"sizes": [float(b) for b in LINK_SIZES], "seconds": {}, "gather_s": {}}
     for world in range(2, min(runner.machines, LINK_WORLD) + 1):
@@ -298,10 +371,7 @@ def calibrate(
             + f"; the loss's collective {gather * 1e3:.2f} ms"
         )
     plans = [(s, plan(s, 1, "metis", batch=batch), plan(s, 2, "metis", batch=batch)) for s in specs]
-    runs = []
-    for spec, one, two in plans:
-        runs.append(_run(spec, one, two, batch, steps, repeats, runner, base))
-        say(f"runtime: stepped {spec.name} on 1 and 2 processes")
+    runs = _runs(plans, batch, steps, repeats, runner, base, say)
     model = fit(base, plans, runs, batch, link)
     details = {"batch": batch, "repeats": repeats, "slices": {k: len(v) for k, v in points.items()},
                "link": link, "runs": runs}  # fmt: skip

@@ -28,7 +28,9 @@ __all__ = ["SliceTimes", "measure_slices"]
 
 log = logging.getLogger(__name__)
 
-REPEAT_BELOW_S = 0.2  # slices faster than this are timed three times after the warm-up, not two
+REPEAT_BELOW_S = 0.2  # slices faster than this are timed at least three times after the warm-up
+TIMED_LEAST_S = 0.02  # and for at least this long in all (at most MOST_RUNS runs): the best of
+MOST_RUNS = 9  # a few runs spread over time, so a slow moment of the machine is not the time
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,9 +89,10 @@ def measure_slices(
 
 def _time_slice(layer_slice, x: torch.Tensor) -> tuple[float, float]:
     """(forward, backward) seconds: the best of two runs after a warm-up run (which also
-    allocates and first-touches the gradients); of three runs for fast slices."""
-    runs = []
-    for _ in range(4):
+    allocates and first-touches the gradients); for slices under REPEAT_BELOW_S, of at least
+    three runs that take TIMED_LEAST_S in all (at most MOST_RUNS)."""
+    runs: list[tuple[float, float]] = []
+    while len(runs) <= MOST_RUNS:
         x.grad = None
         t0 = time.perf_counter()
         out = layer_slice(x)
@@ -102,6 +105,8 @@ def _time_slice(layer_slice, x: torch.Tensor) -> tuple[float, float]:
         for p in layer_slice.parameters():
             p.grad = None
         if len(runs) == 3 and sum(runs[0]) >= REPEAT_BELOW_S:
+            break
+        if len(runs) >= 4 and sum(map(sum, runs[1:])) >= TIMED_LEAST_S:
             break
     best = min(runs[1:], key=sum)
     return float(best[0]), float(best[1])

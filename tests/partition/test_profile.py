@@ -18,7 +18,7 @@ from netpart.partition.planner import PartitionPlan, chain_shares, interior_shar
 from netpart.partition.schedule import plan_schedule
 from netpart.partition.sweep import knee, parse_counts
 from netpart.partition.volume import layer_traffic
-from netpart.runtime.calibrate import fit
+from netpart.runtime.calibrate import fit, kind_cost
 from tests.conftest import chain_specs
 
 CALIBRATED = NetworkModel(
@@ -116,34 +116,54 @@ def test_fit_recovers_the_terms_that_made_the_runs():
     sizes, seconds = [1e3, 1e4, 1e5, 1e6], [1e-4, 2e-4, 1.1e-3, 1.0e-2]
     link = {"sizes": sizes, "seconds": {"1": seconds, "2": [2 * t for t in seconds]},
             "gather_s": {"2": 6e-4, "3": 9e-4}}  # fmt: skip
-    overhead = 5e-5  # per phase beyond the link
+    overhead, in_step = 5e-5, 8e-5  # per phase beyond the link: exchanging only, in a step
     table = tuple((b, t + overhead) for b, t in zip(sizes, seconds, strict=True))
     two_peers = tuple((2 * b, 2 * t + overhead) for b, t in zip(sizes, seconds, strict=True))
     truth = replace(
         base, link={1: table, 2: two_peers}, step_fixed_s=3e-4, joined_saving_s=4e-5,
         gather=((2.0, 6e-4), (3.0, 9e-4)),
     )  # fmt: skip
+    stepping = replace(truth, link={k: tuple((b, t + in_step) for b, t in v)
+                                    for k, v in truth.link.items()})  # fmt: skip
     runs = []
     for k, (spec, _, two) in enumerate(plans):
         phase_bytes = [2e3 * (k + 1), 5e4 * (k + 1)]
         wire = 2 * sum(float(truth.phase_s(np.array(b))) for b in phase_bytes)
         p = reevaluate(spec, two, batch, truth).metrics
+        step = reevaluate(spec, two, batch, stepping).metrics.predicted_step_s
         compute, joined = 1e-3 * (k + 1) ** 2, k + 1
         runs.append({
             "one": {"joined": joined, "compute_s": compute,
                     "step_s": compute + 3e-4 - 4e-5 * joined},
             "two": {"phase_bytes": phase_bytes, "exchange_s": wire,
-                    "step_s": p.predicted_step_s + 2e-3 + 0.3 * p.compute_s},
+                    "step_s": step + 2e-3 + 0.3 * p.compute_s},
         })  # fmt: skip
     model = fit(base, plans, runs, batch, link)
     assert model.link.keys() == {1, 2}  # bytes each way in all: per peer x peers
-    assert all(np.allclose(model.link[k], truth.link[k], rtol=1e-6) for k in (1, 2))
+    assert all(np.allclose(model.link[k], stepping.link[k], rtol=1e-6) for k in (1, 2))
     assert model.step_fixed_s == pytest.approx(3e-4) and model.joined_saving_s == pytest.approx(
         4e-5
     )
     assert model.gather == truth.gather  # measured: the fitted constant is what is beyond it
     assert model.collective_s == pytest.approx(2e-3, rel=1e-3)
     assert model.parallel_slowdown == pytest.approx(0.3, rel=1e-3)
+
+
+def test_a_kind_s_slices_over_larger_inputs_cost_their_values_where_that_fits_better():
+    # Two shapes at each FLOPs: a slice over a large input takes longer than one over a small.
+    flops = np.repeat([1e6, 2e6, 4e6, 8e6], 2)
+    values = np.tile([1e3, 1e5], 4)
+    seconds = 1e-4 + 1e-11 * flops + 1e-9 * values
+    cost = kind_cost([(f, v, t, 0.3) for f, v, t in zip(flops, values, seconds, strict=True)])
+    assert cost.per_value == pytest.approx(1e-9, rel=1e-6)
+    assert cost.seconds(flops, values) == pytest.approx(seconds, rel=1e-6)
+    back = KindCost.from_dict(json.loads(json.dumps(cost.to_dict())))
+    assert back == cost and back.seconds(np.array([3e6]), 5e4) == cost.seconds(np.array([3e6]), 5e4)
+    # Time that does not follow the values: the plain table, as before.
+    plain = kind_cost([(f, v, 1e-4 + 1e-11 * f, 0.3) for f, v in zip(flops, values, strict=True)])
+    assert plain.per_value == 0.0 and plain.seconds(np.array([3e6])) == pytest.approx(1.3e-4)
+    with pytest.raises(ValueError, match="per_value"):
+        KindCost.from_dict({**cost.to_dict(), "per_value": -1.0})
 
 
 def test_the_calibrated_model_adds_its_terms_to_the_prediction():

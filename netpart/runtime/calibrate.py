@@ -45,7 +45,7 @@ from netpart.models import load_spec
 from netpart.models.spec import ModelSpec
 from netpart.partition import build_unit_graph, plan
 from netpart.partition.cost import KindCost, NetworkModel
-from netpart.partition.graph import BYTES_PER_VALUE
+from netpart.partition.graph import BYTES_PER_VALUE, UnitGraph
 from netpart.partition.planner import PartitionPlan, input_values, reevaluate
 from netpart.partition.schedule import build_schedule
 from netpart.partition.volume import layer_traffic
@@ -73,17 +73,9 @@ CALIBRATION_MODELS = ("tiny-mlp", "digits-mlp", "tiny-local", "bench-local", "be
 Progress = Callable[[str], None]
 
 
-def gathered_values(spec: ModelSpec, p: PartitionPlan) -> np.ndarray:
-    """[L, P] input values per example each worker's slice of each layer gathers (what the
-    step-time model charges a kind's `per_value` for)."""
-    graph = build_unit_graph(spec, p.granularity)
-    return input_values(graph, p.node_map, p.workers, layer_traffic(graph, p.node_map, p.workers))
-
-
-def layer_flops(spec: ModelSpec, p: PartitionPlan) -> np.ndarray:
+def layer_flops(graph: UnitGraph, p: PartitionPlan) -> np.ndarray:
     """[L, P] forward+backward FLOPs per example of each worker's slice of each layer."""
-    graph = build_unit_graph(spec, p.granularity)
-    flops = np.zeros((len(spec.layers), p.workers), dtype=np.float64)
+    flops = np.zeros((len(graph.layers), p.workers), dtype=np.float64)
     np.add.at(flops, (graph.layer_of, p.node_map), graph.flops)
     return flops
 
@@ -160,8 +152,10 @@ def _compute_points(specs, batch: int, runner: Runner, say: Progress) -> dict[st
     for m, spec in enumerate(specs):
         for i, p in enumerate(plans[spec.name]):
             times = _fastest([timed[m][i] for timed in passes])
-            flops = layer_flops(spec, p) * batch
-            values = gathered_values(spec, p) * batch
+            graph = build_unit_graph(spec, p.granularity)
+            flops = layer_flops(graph, p) * batch
+            traffic = layer_traffic(graph, p.node_map, p.workers)
+            values = input_values(graph, p.node_map, p.workers, traffic) * batch
             seconds = times.forward + times.backward
             for layer, kind in enumerate(layer.kind for layer in spec.layers):
                 for w in np.flatnonzero(flops[layer] > 0):
@@ -200,7 +194,7 @@ def _figures(spec: ModelSpec, p: PartitionPlan, batch: int, net: NetworkModel) -
     busiest = np.maximum(traffic.sum(axis=1), traffic.sum(axis=2)).max(axis=1)
     kinds = [layer.kind for layer in spec.layers]
     values = input_values(graph, p.node_map, p.workers, traffic)
-    compute = net.worker_compute_s(layer_flops(spec, p), batch, kinds, values).max(axis=1)
+    compute = net.worker_compute_s(layer_flops(graph, p), batch, kinds, values).max(axis=1)
     joined = traffic.sum(axis=(1, 2)) == 0
     return {
         "joined": int(joined[1:].sum()),

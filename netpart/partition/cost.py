@@ -13,18 +13,18 @@ where the slowest worker changes from layer to layer (three workers that all exc
 each other), or a late worker's halo arrived while it computed, the step is shorter than
 that sum, as the runtime's is.
 
-A calibrated model (`netpart calibrate` writes it; `--profile FILE` reads it) refines the
-terms with what this machine measured: compute(l, w) = the time of a slice of that kind and
-FLOPs read off the measured slices (x (1 + parallel_slowdown) with more than one worker:
-processes that share a machine's memory and cores) + fill_s_per_value x the input values the
-slice gathers (its input buffer, its gradient's scatter); an exchange phase's time read off
-`link`, the runtime's exchange measured per size and number of peers (latency + bytes /
-bandwidth where it has none); all x `slice_scale` (slices in a step against slices timed alone),
-less `joined_saving_s` for a layer with no halo (the runtime runs it in one autograd graph
-with the layer below); and `fixed` = `step_fixed_s` (loss, interpreter) + with more than one
-worker, the loss's collective read off `gather` (measured per number of workers: piecewise
-linear, the last segment's rate beyond it) + `collective_s` (what else a step of more than one
-worker costs once).
+A calibrated model (`netpart calibrate` writes it; `--profile FILE` reads it) refines the terms
+with what this machine measured: compute(l, w) = the time of a slice of that kind and FLOPs
+read off the measured slices (x (1 + parallel_slowdown) with more than one worker: processes
+that share a machine's memory and cores) + fill_s_per_value x the input values the slice reads
+(`partition.planner.input_values`: its gather, its gradient's scatter); an exchange phase's
+time read off `link`, the runtime's exchange measured per size and number of peers (latency +
+bytes / bandwidth where it has none); all x `slice_scale` (slices in a step against slices
+timed alone), less `joined_saving_s` for a layer with no halo (the runtime runs it in one
+autograd graph with the layer below); and `fixed` = `step_fixed_s` (loss, interpreter) + with
+more than one worker, the loss's collective read off `gather` (measured per number of workers:
+piecewise linear, the last segment's rate beyond it) + `collective_s` (what else a step of more
+than one worker costs once).
 
 With `overlap` (workers on machines of their own: the runtime then splits every layer whose
 work on a worker reaches `SPLIT_MIN_FLOPS` per example), a worker's forward halo travels
@@ -49,6 +49,7 @@ from netpart.errors import PlanError
 from netpart.partition.graph import BYTES_PER_VALUE
 
 __all__ = [
+    "PROFILE_SCHEMA",
     "SPLIT_MIN_FLOPS",
     "KindCost",
     "NetworkModel",
@@ -56,6 +57,7 @@ __all__ = [
     "step_times",
 ]
 
+PROFILE_SCHEMA = 2  # 2: a kind's per_value counts the values a slice reads (1: its input buffer)
 SPLIT_MIN_FLOPS = 1e6  # per example: ~1.5 ms of work at batch 32 on one slow core
 FORWARD_SHARE = 1.0 / 3.0  # of a slice's time, its forward pass, where nothing was measured
 
@@ -210,8 +212,14 @@ class NetworkModel:
         one."""
         try:
             data = json.loads(text)
-            if not isinstance(data, dict) or data.get("schema_version") != 1:
-                raise ValueError("not a netpart calibrate profile (schema_version 1)")
+            if isinstance(data, dict) and data.get("schema_version") == 1:
+                raise ValueError(
+                    "schema_version 1 is an older calibration (other values per slice)"
+                )
+            if not isinstance(data, dict) or data.get("schema_version") != PROFILE_SCHEMA:
+                raise ValueError(
+                    f"not a netpart calibrate profile (schema_version {PROFILE_SCHEMA})"
+                )
             model = cls.from_dict({**data["model"], "profile": source})
         except (ValueError, KeyError, TypeError) as exc:
             raise PlanError(

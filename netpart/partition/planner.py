@@ -40,7 +40,13 @@ import numpy as np
 from netpart.errors import PlanError
 from netpart.models.spec import ModelSpec
 from netpart.partition.cost import NetworkModel, step_times
-from netpart.partition.graph import BYTES_PER_VALUE, Granularity, UnitGraph, build_unit_graph
+from netpart.partition.graph import (
+    BYTES_PER_VALUE,
+    Granularity,
+    UnitGraph,
+    build_unit_graph,
+    read_window,
+)
 from netpart.partition.methods import (
     ALIGNED,
     METHOD_OPTIONS,
@@ -357,13 +363,29 @@ def _worker_params(graph: UnitGraph, node_map: np.ndarray, workers: int) -> np.n
 def input_values(
     graph: UnitGraph, node_map: np.ndarray, workers: int, traffic: np.ndarray
 ) -> np.ndarray:
-    """[L, P]: values per example worker w's slice of layer l gathers into its input buffer
-    (its own units of the layer below, and the halo it receives); the gradient it scatters
-    back is as large."""
-    owned = np.zeros((len(graph.layers), workers), dtype=np.float64)
+    """[L, P]: values per example worker w's slice of layer l reads from its input (and
+    scatters its gradient back into): local and conv a window of every input channel per
+    owned position and channel group, pool a window per unit, dense the whole input, lcn its
+    input buffer (its own units of the layer below and the halo it receives)."""
+    spec, layers = graph.spec, len(graph.layers)
+    owned = np.zeros((layers, workers), dtype=np.float64)
     np.add.at(owned, (graph.layer_of, node_map), graph.units)
     out = traffic.sum(axis=1).astype(np.float64)  # halo received, per layer and worker
     out[1:] += owned[:-1]
+    for lb in graph.layers:
+        kind, ids = spec.layers[lb.index].kind, lb.ids
+        if kind == "dense":
+            out[lb.index] = np.where(owned[lb.index] > 0, spec.input_shape(lb.index).size, 0)
+            continue
+        if kind not in ("local", "conv", "pool"):
+            continue
+        window = read_window(spec, lb.index)[0] ** 2
+        if kind == "pool":  # one window of the unit's own channel
+            reads = graph.units[ids] * window
+        else:  # one window of every input channel per position of a channel group
+            channels = np.diff(lb.cbounds)[np.arange(lb.count) // (lb.ny * lb.nx)]
+            reads = graph.units[ids] / channels * spec.input_shape(lb.index).channels * window
+        out[lb.index] = np.bincount(node_map[ids], weights=reads, minlength=workers)
     return out
 
 

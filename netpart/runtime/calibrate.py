@@ -44,7 +44,7 @@ import torch
 from netpart.models import load_spec
 from netpart.models.spec import ModelSpec
 from netpart.partition import build_unit_graph, plan
-from netpart.partition.cost import KindCost, NetworkModel
+from netpart.partition.cost import PROFILE_SCHEMA, KindCost, NetworkModel
 from netpart.partition.graph import BYTES_PER_VALUE, UnitGraph
 from netpart.partition.planner import PartitionPlan, input_values, reevaluate
 from netpart.partition.schedule import build_schedule
@@ -65,7 +65,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = PROFILE_SCHEMA
 LINK_WORLD = 8  # processes: the link is measured with 1 to 7 peers at most
 SLICE_PASSES = 2  # every slice is timed in this many passes over the models; the fastest counts
 CALIBRATION_S = 0.3  # seconds of timed steps a step measurement covers at least
@@ -175,7 +175,7 @@ def kind_cost(points: list[tuple[float, float, float, float]]) -> KindCost:
     plain = KindCost(tuple(sorted(zip(f, t, strict=True))), share)
     per_value = _lstsq(np.column_stack([np.ones_like(f), f, v]).tolist(), t.tolist(), t.tolist())[2]
     rest = t - per_value * v
-    if per_value <= 0 or (rest <= 0.2 * t).any():  # values cannot be most of a slice's time
+    if per_value <= 0 or (rest <= 0).any():  # what the values leave of a slice is positive
         return plain
     with_values = KindCost(tuple(sorted(zip(f, rest, strict=True))), share, per_value)
 

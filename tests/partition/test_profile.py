@@ -32,7 +32,7 @@ CALIBRATED = NetworkModel(
 
 
 def _profile_text(model: NetworkModel) -> str:
-    return json.dumps({"schema_version": 1, "model": model.to_dict()})
+    return json.dumps({"schema_version": 2, "model": model.to_dict()})
 
 
 def test_a_profile_round_trips_and_an_uncalibrated_model_keeps_its_three_figures():
@@ -46,8 +46,9 @@ def test_a_profile_round_trips_and_an_uncalibrated_model_keeps_its_three_figures
     "text,why",
     [
         ("not json", "Expecting value"),
-        ('{"schema_version": 2, "model": {}}', "schema_version 1"),
-        ('{"schema_version": 1}', "model"),
+        ('{"schema_version": 3, "model": {}}', "schema_version 2"),
+        ('{"schema_version": 1, "model": {}}', "an older calibration.*netpart calibrate"),
+        ('{"schema_version": 2}', "model"),
         (_profile_text(NetworkModel(step_fixed_s=-1.0, profile="x")), "fixed costs >= 0"),
     ],
 )

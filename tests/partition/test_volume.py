@@ -5,7 +5,11 @@ from hypothesis import strategies as st
 from netpart.models import ZOO
 from netpart.partition import METHODS as ALL_METHODS
 from netpart.partition import Granularity, build_unit_graph, plan
+from netpart.partition.planner import input_values
+from netpart.partition.schedule import build_schedule
+from netpart.partition.shards import channel_groups
 from netpart.partition.volume import layer_lower_bounds, layer_traffic
+from netpart.runtime.slices import window_index
 from tests.conftest import brute_force_volume, small_specs
 
 METHODS = sorted(ALL_METHODS)  # every partitioner, new ones included
@@ -19,6 +23,33 @@ def test_traffic_equals_a_unit_level_recount_for_any_assignment(spec, workers, s
     t = layer_traffic(g, node_map, workers)
     assert t.sum(axis=(1, 2)).tolist() == brute_force_volume(g, node_map)
     assert np.all(np.diagonal(t, axis1=1, axis2=2) == 0)
+
+
+@given(small_specs(max_layers=3), st.integers(1, 4), st.integers(0, 2**16))
+@settings(max_examples=60, deadline=None)
+def test_input_values_count_what_each_worker_s_slice_gathers(spec, workers, seed):
+    """The cost model's values per slice are the runtime's own gathers, unit by unit: a window
+    of every input channel per position and channel group (local, conv), a window of the
+    unit's channel (pool), the whole input (dense)."""
+    g = build_unit_graph(spec, Granularity(spatial_blocks=12, dense_blocks=3))
+    node_map = np.random.default_rng(seed).integers(0, workers, g.num_vertices)
+    got = input_values(g, node_map, workers, layer_traffic(g, node_map, workers))
+    owned = build_schedule(g, node_map, workers).owned
+    for i, layer in enumerate(spec.layers):
+        n_in, out = spec.input_shape(i).size, spec.shapes[i]
+        for w in range(workers):
+            units = owned[i][w]
+            if layer.kind in ("local", "conv"):
+                groups = channel_groups(spec, i, units, g.layers[i])
+                want = sum(window_index(spec, i, pos, None, n_in).size for _, _, pos, _ in groups)
+            elif layer.kind == "pool":
+                channel, position = np.divmod(units, out.height * out.width)
+                want = window_index(spec, i, position, channel, n_in).size
+            elif layer.kind == "dense":
+                want = n_in if len(units) else 0
+            else:  # lcn: its input buffer
+                continue
+            assert got[i, w] == want, (i, layer.kind, w)
 
 
 @given(small_specs(), st.integers(1, 4), st.sampled_from(METHODS))

@@ -82,7 +82,7 @@ def main(argv=None) -> int:
         netns.switched_hosts(2, rate=args.rate, burst="1600") as hosts,
         cgroups.cpu_shares(2, args.share) as groups,
     ):
-        runner = EmulatedRunner(hosts, groups)
+        runner = EmulatedRunner(hosts, groups, args.share)
         for name in args.models.split(","):
             spec = load_spec(name)
             plans = {n: plan(spec, n, "metis", batch=BATCH) for n in (1, 2)}

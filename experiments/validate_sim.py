@@ -62,7 +62,7 @@ def _slices_job(job: str) -> None:
     job = json.loads((folder / "job.json").read_text())
     spec = load_spec(job["model"])
     for sub in sorted(p for p in folder.iterdir() if p.name.startswith("plan_")):
-        times = measure_slices(spec, load_plan(sub, spec), job["batch"])
+        times = measure_slices(spec, load_plan(sub, spec), job["batch"], share=job["share"])
         np.savez(sub / "slices.npz", **times.to_arrays())
 
 
@@ -73,6 +73,7 @@ class EmulatedRunner:
 
     hosts: list
     groups: list[Path]
+    share: float  # of a core, each machine's cgroup quota
     overlap: bool = True
 
     def _argv(self, i: int, argv: list[str], env: dict[str, str]) -> list[str]:
@@ -84,7 +85,8 @@ class EmulatedRunner:
     def slices(self, spec, plans: list[PartitionPlan], batch: int) -> list[SliceTimes]:
         with tempfile.TemporaryDirectory(prefix="netpart-val-") as tmp:
             job = Path(tmp)
-            (job / "job.json").write_text(json.dumps({"model": spec.name, "batch": batch}))
+            job_doc = {"model": spec.name, "batch": batch, "share": self.share}
+            (job / "job.json").write_text(json.dumps(job_doc))
             for i, p in enumerate(plans):
                 write_files(job / f"plan_{i}", plan_files(p))
             code = (
@@ -205,7 +207,7 @@ def main(argv=None) -> int:
         netns.switched_hosts(machines, rate=args.rate, burst=args.burst) as hosts,
         cgroups.cpu_shares(machines, args.share) as groups,
     ):
-        runner = EmulatedRunner(hosts, groups)
+        runner = EmulatedRunner(hosts, groups, args.share)
         t0 = time.monotonic()
         cal = tuple(args.calibrate.split(","))
         model, details = calibrate(cal, say=_say, runner=runner, repeats=3)

@@ -79,7 +79,7 @@ def register(sub) -> None:
 
 
 def _calibrate_parser(sub) -> None:
-    from netpart.runtime.calibrate import CALIBRATION_MODELS
+    from netpart.runtime.calibrate import CALIBRATION_MODELS, SLICE_MODELS
 
     k = sub.add_parser(
         "calibrate",
@@ -96,6 +96,12 @@ def _calibrate_parser(sub) -> None:
         "--models",
         default=",".join(CALIBRATION_MODELS),
         help=f"zoo models to measure (default {','.join(CALIBRATION_MODELS)})",
+    )
+    k.add_argument(
+        "--slice-models",
+        default=",".join(SLICE_MODELS),
+        help="zoo models whose slices only are timed, so that the tables reach larger layers "
+        f"('' for none; default {','.join(SLICE_MODELS)})",
     )
     k.add_argument("--batch", type=positive_int, default=32, help="examples per step (default 32)")
     k.add_argument(
@@ -119,9 +125,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from netpart.runtime.calibrate import calibrate, profile_json
 
     models = tuple(m.strip() for m in args.models.split(",") if m.strip())
-    for m in models:
+    extra = tuple(m.strip() for m in args.slice_models.split(",") if m.strip())
+    for m in models + extra:
         load_spec(m)  # an unknown model is refused before a minute of measuring
-    model, details = calibrate(models, args.batch, args.steps, say=echo, repeats=args.repeats)
+    model, details = calibrate(
+        models, args.batch, args.steps, say=echo, repeats=args.repeats, slice_models=extra
+    )
     write_atomic(args.out, profile_json(model, details).encode())
     for kind, cost in model.kinds.items():
         (f0, t0), (f1, t1) = cost.points[0], cost.points[-1]

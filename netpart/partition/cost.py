@@ -212,13 +212,12 @@ class NetworkModel:
         one."""
         try:
             data = json.loads(text)
-            if isinstance(data, dict) and data.get("schema_version") == 1:
+            version = data.get("schema_version") if isinstance(data, dict) else None
+            if version != PROFILE_SCHEMA:
                 raise ValueError(
                     "schema_version 1 is an older calibration (other values per slice)"
-                )
-            if not isinstance(data, dict) or data.get("schema_version") != PROFILE_SCHEMA:
-                raise ValueError(
-                    f"not a netpart calibrate profile (schema_version {PROFILE_SCHEMA})"
+                    if version == 1
+                    else f"not a netpart calibrate profile (schema_version {PROFILE_SCHEMA})"
                 )
             model = cls.from_dict({**data["model"], "profile": source})
         except (ValueError, KeyError, TypeError) as exc:

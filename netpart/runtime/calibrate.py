@@ -6,7 +6,8 @@ one, its workers sharing it; `experiments/validate_sim.py` has emulated dedicate
 Every step measurement is the median of `repeats` runs, taken in rounds over every model and
 case (a slow spell of the machine then touches one run of each, not every run of one).
 
-1. Slices: every (layer, worker) slice run alone with the runtime's slice classes
+1. Slices: every (layer, worker) slice (of the calibration models and of SLICE_MODELS, whose
+   larger layers the tables then reach) run alone with the runtime's slice classes
    (`measure_slices`), the fastest of SLICE_PASSES passes: per layer kind, a table of (FLOPs
    x batch, seconds) points, the seconds per input value a slice gathers where they lower
    the table's error, and the forward pass's median share of a slice.
@@ -47,7 +48,6 @@ from netpart.partition import build_unit_graph, plan
 from netpart.partition.cost import PROFILE_SCHEMA, KindCost, NetworkModel
 from netpart.partition.graph import BYTES_PER_VALUE, UnitGraph
 from netpart.partition.planner import PartitionPlan, input_values, reevaluate
-from netpart.partition.schedule import build_schedule
 from netpart.partition.volume import layer_traffic
 from netpart.runtime.check import make_batch
 from netpart.runtime.step import LINK_SIZES, run_link, run_step, timed_steps, warmup_steps
@@ -56,6 +56,7 @@ from netpart.runtime.trace import SliceTimes, measure_slices
 __all__ = [
     "CALIBRATION_MODELS",
     "SCHEMA_VERSION",
+    "SLICE_MODELS",
     "LocalRunner",
     "Runner",
     "calibrate",
@@ -70,6 +71,10 @@ LINK_WORLD = 8  # processes: the link is measured with 1 to 7 peers at most
 SLICE_PASSES = 2  # every slice is timed in this many passes over the models; the fastest counts
 CALIBRATION_S = 0.3  # seconds of timed steps a step measurement covers at least
 CALIBRATION_MODELS = ("tiny-mlp", "digits-mlp", "tiny-local", "bench-local", "bench-local-wide")
+# Models whose slices only are timed: they carry the kinds' tables to the sizes larger models
+# use (speech's dense slices of 0.1-4 GFLOP a batch run at 2-3x the FLOP rate of the MLPs' 1-13
+# MFLOP ones, which a table extrapolates from otherwise).
+SLICE_MODELS = ("speech",)
 Progress = Callable[[str], None]
 
 
@@ -78,6 +83,14 @@ def layer_flops(graph: UnitGraph, p: PartitionPlan) -> np.ndarray:
     flops = np.zeros((len(graph.layers), p.workers), dtype=np.float64)
     np.add.at(flops, (graph.layer_of, p.node_map), graph.flops)
     return flops
+
+
+def _plan_arrays(spec: ModelSpec, p: PartitionPlan) -> tuple[np.ndarray, ...]:
+    """Per example, of each worker's slice of each layer: FLOPs [L, P], the units it sends
+    each other worker [L, P, P] (sender, receiver) and the input values it reads [L, P]."""
+    graph = build_unit_graph(spec, p.granularity)
+    traffic = layer_traffic(graph, p.node_map, p.workers)
+    return layer_flops(graph, p), traffic, input_values(graph, p.node_map, p.workers, traffic)
 
 
 class Runner(Protocol):
@@ -152,10 +165,7 @@ def _compute_points(specs, batch: int, runner: Runner, say: Progress) -> dict[st
     for m, spec in enumerate(specs):
         for i, p in enumerate(plans[spec.name]):
             times = _fastest([timed[m][i] for timed in passes])
-            graph = build_unit_graph(spec, p.granularity)
-            flops = layer_flops(graph, p) * batch
-            traffic = layer_traffic(graph, p.node_map, p.workers)
-            values = input_values(graph, p.node_map, p.workers, traffic) * batch
+            flops, _, values = (a * batch for a in _plan_arrays(spec, p))
             seconds = times.forward + times.backward
             for layer, kind in enumerate(layer.kind for layer in spec.layers):
                 for w in np.flatnonzero(flops[layer] > 0):
@@ -189,12 +199,10 @@ def _figures(spec: ModelSpec, p: PartitionPlan, batch: int, net: NetworkModel) -
     """What the fit needs of a plan: the busiest worker's bytes each way in each layer's
     exchange (two phases each: forward and backward), compute by the slice tables alone
     (slowest worker per layer), and its joined layers."""
-    graph = build_unit_graph(spec, p.granularity)
-    traffic = build_schedule(graph, p.node_map, p.workers).traffic()
+    flops, traffic, values = _plan_arrays(spec, p)
     busiest = np.maximum(traffic.sum(axis=1), traffic.sum(axis=2)).max(axis=1)
     kinds = [layer.kind for layer in spec.layers]
-    values = input_values(graph, p.node_map, p.workers, traffic)
-    compute = net.worker_compute_s(layer_flops(graph, p), batch, kinds, values).max(axis=1)
+    compute = net.worker_compute_s(flops, batch, kinds, values).max(axis=1)
     joined = traffic.sum(axis=(1, 2)) == 0
     return {
         "joined": int(joined[1:].sum()),
@@ -344,12 +352,14 @@ def calibrate(
     say: Progress = log.info,
     runner: Runner | None = None,
     repeats: int = 5,
+    slice_models: tuple[str, ...] = SLICE_MODELS,
 ) -> tuple[NetworkModel, dict]:
     """The calibrated model of the machines `runner` runs on (this one by default), and
-    every measurement it was fitted to."""
+    every measurement it was fitted to (`slice_models`: their slices only)."""
     runner = runner or LocalRunner()
     specs = [load_spec(m) for m in models]
-    points = _compute_points(specs, batch, runner, say)
+    extra = [load_spec(m) for m in slice_models if m not in models]
+    points = _compute_points(specs + extra, batch, runner, say)
     kinds = {k: kind_cost(v) for k, v in sorted(points.items())}
     base = NetworkModel(kinds=kinds, overlap=runner.overlap)
     link = {"sizes": [float(b) for b in LINK_SIZES], "seconds": {}, "gather_s": {}}
@@ -367,8 +377,8 @@ def calibrate(
     plans = [(s, plan(s, 1, "metis", batch=batch), plan(s, 2, "metis", batch=batch)) for s in specs]
     runs = _runs(plans, batch, steps, repeats, runner, base, say)
     model = fit(base, plans, runs, batch, link)
-    details = {"batch": batch, "repeats": repeats, "slices": {k: len(v) for k, v in points.items()},
-               "link": link, "runs": runs}  # fmt: skip
+    slices = {k: [[float(x) for x in pt] for pt in v] for k, v in sorted(points.items())}
+    details = {"batch": batch, "repeats": repeats, "slices": slices, "link": link, "runs": runs}
     return model, details
 
 

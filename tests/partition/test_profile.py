@@ -284,11 +284,16 @@ def test_speed_makes_every_slice_of_the_profile_that_many_times_faster():
 def test_calibrate_writes_a_profile_that_plan_and_run_use(tmp_path, capsys):
     out = tmp_path / "profile.json"
     args = ["calibrate", "--out", str(out), "--models", "tiny-mlp,tiny-local", "--steps", "2"]
-    args += ["--repeats", "1"]
+    args += ["--repeats", "1", "--slice-models", "digits-mlp"]
     assert main(args) == 0
     model = NetworkModel.from_profile(out.read_text(), str(out))
     kinds = {layer.kind for name in ("tiny-mlp", "tiny-local") for layer in load_spec(name).layers}
     assert set(model.kinds) == kinds  # a slice table for every kind measured
+    measured = json.loads(out.read_text())["measurements"]
+    # Dense slices of 1-, 2- and 3-worker plans: tiny-mlp's 2 layers, tiny-local's 1 and the
+    # slice-only digits-mlp's 3, each 1 + 2 + 3 slices; digits-mlp takes no step.
+    assert len(measured["slices"]["dense"]) == (2 + 1 + 3) * 6
+    assert [r["model"] for r in measured["runs"]] == ["tiny-mlp", "tiny-local"]
     assert model.bandwidth_bps > 0 and model.slice_scale > 0
     assert [n for n, _ in model.gather] == [2.0]  # the loss's collective, measured here
     capsys.readouterr()

@@ -41,7 +41,12 @@ from netpart.files import plan_files, write_atomic, write_files  # noqa: E402
 from netpart.models import load_spec  # noqa: E402
 from netpart.partition import plan  # noqa: E402
 from netpart.partition.planner import PartitionPlan, reevaluate  # noqa: E402
-from netpart.runtime.calibrate import CALIBRATION_MODELS, calibrate, profile_json  # noqa: E402
+from netpart.runtime.calibrate import (  # noqa: E402
+    CALIBRATION_MODELS,
+    calibrate,
+    profile_json,
+    step_cpu_s,
+)
 from netpart.runtime.check import make_batch  # noqa: E402
 from netpart.runtime.result import load_worker_result  # noqa: E402
 from netpart.runtime.step import link_job, link_result, timed_steps  # noqa: E402
@@ -101,7 +106,8 @@ class EmulatedRunner:
             ]
 
     def step(self, spec, p: PartitionPlan, batch: int, steps: int, exchange_only=False):
-        return float(np.median(self.steps(spec, p, batch, steps, exchange_only)))
+        times, cpu = self.run(spec, p, batch, steps, exchange_only)
+        return float(np.median(times)), cpu
 
     @property
     def machines(self) -> int:
@@ -122,14 +128,8 @@ class EmulatedRunner:
         worker, all its threads, median over the steps) of `p` on machines 0..N-1."""
         loaded = self.results(spec, p, batch, steps, exchange_only)
         times = np.array([result.step_times for result, _, _ in loaded])
-        cpu = [  # the thread groups' CPU clocks (`netpart.runtime.profile.thread_usage`)
-            np.median(
-                [sum(v for k, v in s.items() if k.endswith("_cpu_s")) for s in usage[WARMUP:]]
-            )
-            for _, _, usage in loaded
-            if usage[WARMUP:]  # exchange-only steps record none
-        ]
-        return np.max(times, axis=0)[WARMUP:], float(max(cpu, default=0.0))
+        cpu = step_cpu_s([usage for _, _, usage in loaded], WARMUP)  # exchange-only: none
+        return np.max(times, axis=0)[WARMUP:], cpu
 
     def results(self, spec, p: PartitionPlan, batch, steps, exchange_only=False, split=True):
         """Every worker's `load_worker_result` of `steps` + WARMUP steps of `p` on machines

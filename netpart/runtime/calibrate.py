@@ -62,6 +62,7 @@ __all__ = [
     "calibrate",
     "kind_cost",
     "profile_json",
+    "step_cpu_s",
 ]
 
 log = logging.getLogger(__name__)
@@ -95,14 +96,16 @@ def _plan_arrays(spec: ModelSpec, p: PartitionPlan) -> tuple[np.ndarray, ...]:
 
 class Runner(Protocol):
     """Where calibration runs: `overlap` says whether each process has a machine of its own
-    (the runtime then hides halo behind interior compute); `slices` times every slice of
-    each plan alone on one of those machines; `link` the exchange of each size among `world`
-    of them and their loss's collective (`run_link`); `machines` is how many it has; `step`
-    runs a plan's workers, one per machine, and returns the median step (seconds, slowest
-    worker)."""
+    (the runtime then hides halo behind interior compute); `share` is each machine's share
+    of a core (a cpu quota; 1 without one); `slices` times every slice of each plan alone on
+    one of those machines; `link` the exchange of each size among `world` of them and their
+    loss's collective (`run_link`); `machines` is how many it has; `step` runs a plan's
+    workers, one per machine, and returns the median step (seconds, slowest worker) and the
+    CPU seconds a step took on its busiest worker, all threads (0 where not recorded)."""
 
     overlap: bool
     machines: int
+    share: float
 
     def slices(self, spec: ModelSpec, plans: list[PartitionPlan], batch: int) -> list: ...
 
@@ -112,7 +115,7 @@ class Runner(Protocol):
 
     def step(
         self, spec: ModelSpec, p: PartitionPlan, batch: int, steps: int, exchange_only: bool
-    ) -> float: ...
+    ) -> tuple[float, float]: ...
 
 
 class LocalRunner:
@@ -121,6 +124,7 @@ class LocalRunner:
 
     overlap = False
     machines = 2  # more processes than cores measure the cores, not the link
+    share = 1.0
 
     def slices(self, spec: ModelSpec, plans: list[PartitionPlan], batch: int) -> list:
         threads = torch.get_num_threads()
@@ -133,14 +137,26 @@ class LocalRunner:
     def link(self, sizes: tuple[int, ...], repeats: int, world: int) -> tuple[np.ndarray, float]:
         return run_link(sizes, repeats, world=world)
 
-    def step(self, spec, p, batch, steps, exchange_only=False) -> float:
+    def step(self, spec, p, batch, steps, exchange_only=False) -> tuple[float, float]:
         x, y = make_batch(spec, batch, 0)
         warm = warmup_steps(steps)  # a small model settles only after tens of steps
         result = run_step(
             spec, p, x.float(), y, dtype=torch.float32, steps=steps + warm,
             exchange_only=exchange_only,
         )  # fmt: skip
-        return float(np.median(result.slowest_steps()[warm:]))
+        return float(np.median(result.slowest_steps()[warm:])), step_cpu_s(result.threads, warm)
+
+
+def step_cpu_s(threads: list[list[dict[str, float]]], warm: int) -> float:
+    """The CPU seconds a step takes on the busiest worker: per worker (`threads`: per step,
+    each thread group's seconds, `netpart.runtime.profile.thread_usage`) the median over its
+    steps after `warm` of all its threads' CPU; 0 where none was recorded."""
+    per_worker = [
+        float(np.median([sum(v for k, v in s.items() if k.endswith("_cpu_s")) for s in w[warm:]]))
+        for w in threads
+        if w[warm:]
+    ]
+    return max(per_worker, default=0.0)
 
 
 def _fastest(timings: list[SliceTimes]) -> SliceTimes:
@@ -247,21 +263,24 @@ def _runs(plans: Plans, batch: int, steps: int, repeats: int, runner, base, say)
         cases.append({"one": (one, False, n_one), "two": (two, False, n_two),
                       "exchange": (two, True, n_two)})  # fmt: skip
     times = [{key: [] for key in c} for c in cases]
+    cpus = [{key: [] for key in c} for c in cases]
     for r in range(repeats):
-        for (spec, _, _), case, timed in zip(plans, cases, times, strict=True):
+        for (spec, _, _), case, timed, cpu in zip(plans, cases, times, cpus, strict=True):
             for key, (p, exchange_only, count) in case.items():
-                timed[key].append(runner.step(spec, p, batch, count, exchange_only))
+                seconds, cpu_s = runner.step(spec, p, batch, count, exchange_only)
+                timed[key].append(seconds)
+                cpu[key].append(cpu_s)
         say(f"runtime: round {r + 1} of {repeats}: stepped every model on 1 and 2 processes")
     runs = []
-    for (spec, one, two), timed in zip(plans, times, strict=True):
+    for (spec, one, two), timed, cpu in zip(plans, times, cpus, strict=True):
         med = {k: float(np.median(v)) for k, v in timed.items()}
         runs.append({
             "model": spec.name,
             "one": {**_figures(spec, one, batch, base), "step_s": med["one"],
-                    "runs_s": timed["one"]},
+                    "runs_s": timed["one"], "cpu_s": float(np.median(cpu["one"]))},
             "two": {**_figures(spec, two, batch, base), "step_s": med["two"],
                     "runs_s": timed["two"], "exchange_s": med["exchange"],
-                    "exchange_runs_s": timed["exchange"]},
+                    "exchange_runs_s": timed["exchange"], "cpu_s": float(np.median(cpu["two"]))},
         })  # fmt: skip
     return runs
 
@@ -378,7 +397,8 @@ def calibrate(
     runs = _runs(plans, batch, steps, repeats, runner, base, say)
     model = fit(base, plans, runs, batch, link)
     slices = {k: [[float(x) for x in pt] for pt in v] for k, v in sorted(points.items())}
-    details = {"batch": batch, "repeats": repeats, "slices": slices, "link": link, "runs": runs}
+    details = {"batch": batch, "repeats": repeats, "share": runner.share, "slices": slices,
+               "link": link, "runs": runs}  # fmt: skip
     return model, details
 
 

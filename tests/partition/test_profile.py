@@ -18,7 +18,7 @@ from netpart.partition.planner import PartitionPlan, chain_shares, interior_shar
 from netpart.partition.schedule import plan_schedule
 from netpart.partition.sweep import knee, parse_counts
 from netpart.partition.volume import layer_traffic
-from netpart.runtime.calibrate import fit, kind_cost
+from netpart.runtime.calibrate import fit, kind_cost, step_cpu_s
 from tests.conftest import chain_specs
 
 CALIBRATED = NetworkModel(
@@ -148,6 +148,20 @@ def test_fit_recovers_the_terms_that_made_the_runs():
     assert model.gather == truth.gather  # measured: the fitted constant is what is beyond it
     assert model.collective_s == pytest.approx(2e-3, rel=1e-3)
     assert model.parallel_slowdown == pytest.approx(0.3, rel=1e-3)
+
+
+def test_a_step_s_cpu_is_its_busiest_worker_s_median_over_every_thread():
+    """The CPU a calibration step records (the profile's `cpu_s`): per worker the median
+    after the warm-up steps of all its thread groups' CPU, then the busiest worker."""
+    quiet = [{"main_cpu_s": 9.0, "gloo_io_cpu_s": 9.0}] + [
+        {"main_cpu_s": 1.0, "gloo_io_cpu_s": t} for t in (0.5, 1.0, 2.0)
+    ]
+    busy = [{"main_cpu_s": 0.0}] + [
+        {"main_cpu_s": 3.0, "gloo_io_cpu_s": 0.5, "gloo_io_runqueue_s": 9.0}
+    ] * 3
+    assert step_cpu_s([quiet, busy], warm=1) == pytest.approx(3.5)
+    assert step_cpu_s([quiet], warm=1) == pytest.approx(2.0)
+    assert step_cpu_s([quiet[:1], []], warm=1) == 0.0  # exchange-only steps record none
 
 
 def test_a_kind_s_slices_over_larger_inputs_cost_their_values_where_that_fits_better():

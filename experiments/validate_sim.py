@@ -119,10 +119,6 @@ class EmulatedRunner:
             self._launch(Path(tmp), world, f"the link among {world}")
             return link_result(Path(tmp), world)
 
-    def steps(self, spec, p: PartitionPlan, batch: int, steps: int, exchange_only=False):
-        """Every timed step (slowest worker) of `p` on machines 0..N-1."""
-        return self.run(spec, p, batch, steps, exchange_only)[0]
-
     def run(self, spec, p: PartitionPlan, batch: int, steps: int, exchange_only=False):
         """(every timed step, slowest worker; the CPU seconds a step takes on the busiest
         worker, all its threads, median over the steps) of `p` on machines 0..N-1."""

@@ -3,9 +3,10 @@
 `cpu_shares(n, share)` makes n cgroups under /sys/fs/cgroup/cpu, each limited by CFS bandwidth
 control to `share` of one core (`cpu.cfs_quota_us` / `cpu.cfs_period_us`; the period is as
 short as a 1 ms quota allows, so a throttled process waits a few ms at most), and on exit kills
-whatever still runs in them and removes them. `command(group, argv)` runs argv inside a group
-(wrap `netns.Host.command` in it, not the other way round: `ip netns exec` mounts the
-namespace's own /sys over the cgroups). Needs root;
+whatever still runs in them and removes them; it first removes the groups of an earlier run
+whose process is gone (`remove_stale`: SIGKILL leaves no chance to). `command(group, argv)`
+runs argv inside a group (wrap `netns.Host.command` in it, not the other way round:
+`ip netns exec` mounts the namespace's own /sys over the cgroups). Needs root;
 `unavailable()` says why it cannot be used here, for a skip.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -21,6 +23,7 @@ from pathlib import Path
 
 CPU = Path("/sys/fs/cgroup/cpu")
 MIN_QUOTA_US = 1000  # the kernel's smallest CFS quota
+OURS = re.compile(r"netpart-(\d+)-\d+")  # netpart-<pid>-<machine>
 
 
 def unavailable() -> str | None:
@@ -46,6 +49,7 @@ def cpu_shares(n: int, share: float) -> Iterator[list[Path]]:
     """`n` cgroups, each held to `share` (0 < share <= 1) of one core."""
     if not 0 < share <= 1:
         raise ValueError(f"share must be in (0, 1], not {share}")
+    remove_stale()
     period = period_us(share)
     groups = [CPU / f"netpart-{os.getpid()}-{i}" for i in range(n)]
     made: list[Path] = []
@@ -58,6 +62,17 @@ def cpu_shares(n: int, share: float) -> Iterator[list[Path]]:
         yield groups
     finally:
         _remove(made)
+
+
+def remove_stale() -> list[Path]:
+    """Remove the groups `cpu_shares` made for a process that no longer runs (the pid in the
+    name); returns them."""
+    stale = [
+        g for g in CPU.iterdir()
+        if (m := OURS.fullmatch(g.name)) and not Path(f"/proc/{m.group(1)}").exists()
+    ]  # fmt: skip
+    _remove(stale)
+    return stale
 
 
 def command(group: Path, argv: list[str]) -> list[str]:

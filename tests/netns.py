@@ -5,20 +5,23 @@ an address), limits each direction of the link to `rate` with a token bucket (th
 no netem, so no latency is added), and on exit kills whatever still runs inside them and
 deletes them (which deletes the veth pair). `switched_hosts(n)` joins n namespaces through a
 bridge in a namespace of its own, each port limited to `rate` both ways (a switch with one
-link per machine). Needs root (CAP_NET_ADMIN); `unavailable()` says
-why it cannot be used here, for a skip.
+link per machine). Both first remove the namespaces of an earlier run whose process is gone
+(`remove_stale`: a run killed outright, e.g. by SIGKILL, cannot tear down its own). Needs root
+(CAP_NET_ADMIN); `unavailable()` says why it cannot be used here, for a skip.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 SUBNET = "10.201.{}.{}"
+OURS = re.compile(r"np(\d+)(?:a|b|sw|h\d+)")  # np<pid % 100000><role>
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ def two_hosts(
 ) -> Iterator[tuple[Host, Host]]:
     """Two namespaces a <-> b over a veth pair limited to `rate` each way (token bucket of
     `burst` bytes: messages smaller than it pass at full speed after an idle pause)."""
+    remove_stale()
     tag = f"{os.getpid() % 100000}"
     hosts = [
         Host(f"np{tag}{side}", f"np{tag}{side}", SUBNET.format(subnet, i + 1))
@@ -88,6 +92,7 @@ def switched_hosts(
     """`n` namespaces on one bridge; each host's link is limited to `rate` in each direction
     (a token bucket on the host's end for what it sends, on the bridge's end for what it
     receives), each queueing at most `queue` of traffic (a switch port's buffer)."""
+    remove_stale()
     tag = f"{os.getpid() % 100000}"
     switch = f"np{tag}sw"
     hosts = [Host(f"np{tag}h{i}", f"np{tag}h{i}", SUBNET.format(subnet, i + 1)) for i in range(n)]
@@ -110,6 +115,16 @@ def switched_hosts(
         yield hosts
     finally:
         _teardown(made)
+
+
+def remove_stale() -> list[str]:
+    """Delete the namespaces these helpers made for a process that no longer runs (no live
+    pid has the tag in its name); returns their names."""
+    live = {int(d) % 100000 for d in os.listdir("/proc") if d.isdigit()}
+    names = [line.split()[0] for line in _run(["ip", "netns", "list"]).splitlines() if line]
+    stale = [n for n in names if (m := OURS.fullmatch(n)) and int(m.group(1)) not in live]
+    _teardown(stale)
+    return stale
 
 
 def _bring_up(h: Host, rate: str, burst: str, queue: str = "100ms") -> None:

@@ -32,3 +32,19 @@ def test_a_command_runs_inside_its_group_and_the_groups_go_with_the_context():
     assert not any(g.exists() for g in groups)
     with pytest.raises(ValueError, match="share"), cgroups.cpu_shares(1, 1.5):
         pass
+
+
+def test_groups_of_a_process_that_is_gone_are_removed_and_live_ones_kept():
+    """A run killed outright (SIGKILL) leaves its groups; the next `cpu_shares` removes them."""
+    gone = subprocess.Popen(["true"])
+    gone.wait(timeout=10)
+    stale, live = cgroups.CPU / f"netpart-{gone.pid}-0", cgroups.CPU / "netpart-1-0"  # pid 1 runs
+    stale.mkdir()
+    live.mkdir()
+    try:
+        assert cgroups.remove_stale() == [stale]
+        assert not stale.exists() and live.exists()
+    finally:
+        for g in (stale, live):
+            if g.exists():
+                g.rmdir()

@@ -1,6 +1,7 @@
 """Training across two emulated machines: network namespaces, a rate-limited veth, torchrun."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -89,3 +90,20 @@ def test_switched_hosts_reach_each_other_and_leave_nothing_behind():
         assert "tbf" in qdisc and "50Mbit" in qdisc
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(name in left for name in names)
+
+
+@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+def test_namespaces_of_a_process_that_is_gone_are_removed_and_live_ones_kept():
+    """A run killed outright (SIGKILL) leaves its namespaces; the next one removes them."""
+    gone = subprocess.Popen(["true"])
+    gone.wait(timeout=10)
+    stale, live = f"np{gone.pid % 100000}h0", f"np{os.getpid() % 100000}h99"
+    for name in (stale, live):
+        subprocess.run(["ip", "netns", "add", name], check=True, timeout=30)
+    try:
+        assert netns.remove_stale() == [stale]
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert stale not in names.split() and live in names.split()
+    finally:
+        for name in (stale, live):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)

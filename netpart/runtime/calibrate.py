@@ -262,25 +262,24 @@ def _runs(plans: Plans, batch: int, steps: int, repeats: int, runner, base, say)
         )  # the exchange-only runs take the two-process plan's count
         cases.append({"one": (one, False, n_one), "two": (two, False, n_two),
                       "exchange": (two, True, n_two)})  # fmt: skip
-    times = [{key: [] for key in c} for c in cases]
-    cpus = [{key: [] for key in c} for c in cases]
+    done = [{key: [] for key in c} for c in cases]  # (seconds, CPU seconds) per run
     for r in range(repeats):
-        for (spec, _, _), case, timed, cpu in zip(plans, cases, times, cpus, strict=True):
+        for (spec, _, _), case, runs_of in zip(plans, cases, done, strict=True):
             for key, (p, exchange_only, count) in case.items():
-                seconds, cpu_s = runner.step(spec, p, batch, count, exchange_only)
-                timed[key].append(seconds)
-                cpu[key].append(cpu_s)
+                runs_of[key].append(runner.step(spec, p, batch, count, exchange_only))
         say(f"runtime: round {r + 1} of {repeats}: stepped every model on 1 and 2 processes")
     runs = []
-    for (spec, one, two), timed, cpu in zip(plans, times, cpus, strict=True):
+    for (spec, one, two), runs_of in zip(plans, done, strict=True):
+        timed = {k: [t for t, _ in v] for k, v in runs_of.items()}
         med = {k: float(np.median(v)) for k, v in timed.items()}
+        cpu = {k: float(np.median([c for _, c in v])) for k, v in runs_of.items()}
         runs.append({
             "model": spec.name,
             "one": {**_figures(spec, one, batch, base), "step_s": med["one"],
-                    "runs_s": timed["one"], "cpu_s": float(np.median(cpu["one"]))},
+                    "runs_s": timed["one"], "cpu_s": cpu["one"]},
             "two": {**_figures(spec, two, batch, base), "step_s": med["two"],
                     "runs_s": timed["two"], "exchange_s": med["exchange"],
-                    "exchange_runs_s": timed["exchange"], "cpu_s": float(np.median(cpu["two"]))},
+                    "exchange_runs_s": timed["exchange"], "cpu_s": cpu["two"]},
         })  # fmt: skip
     return runs
 

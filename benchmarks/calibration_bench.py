@@ -3,7 +3,9 @@
 Calibrates this machine twice — on every benchmark model, and on a subset that leaves the
 MLP and bench-local-wide out (their predictions are then out of sample) — and then runs
 `netpart run --profile` for each (model, workers) case, the cases alternating, ROUNDS times.
-Prints and saves the median measured / predicted ratio per case and profile.
+Prints and saves the median measured / predicted ratio per case and profile, and per run how
+much slower than at calibration the machine ran (`netpart run`'s `slowdown`, its speed probe
+against the profile's).
 
     python benchmarks/calibration_bench.py [--rounds 3] [--out FILE.json]
 """
@@ -49,20 +51,25 @@ def main() -> int:
                 netpart("run", "--model", m, "--workers", str(n), *steps,
                         "--profile", str(profile), "--stats", str(stats))  # fmt: skip
                 s = json.loads(stats.read_text())
-                rows[f"{m}/{n}"].append([s["step_s_median"], s["predicted_step_s"]])
+                rows[f"{m}/{n}"].append(
+                    [s["step_s_median"], s["predicted_step_s"], s["slowdown"] or 0.0]
+                )
             print(f"  round {r + 1} done", flush=True)
         results[name] = {"models": models, "cases": {}}
         for key, pairs in rows.items():
-            ratios = [meas / pred for meas, pred in pairs]
+            ratios = [meas / pred for meas, pred, _ in pairs]
             med = statistics.median(ratios)
             results[name]["cases"][key] = {
                 "measured_ms": [p[0] * 1e3 for p in pairs],
                 "predicted_ms": [p[1] * 1e3 for p in pairs],
+                "slowdown": [p[2] for p in pairs],
                 "ratio_median": med,
                 "within_15pct": abs(med - 1) <= 0.15,
             }
             print(f"  {key:<20} measured/predicted {med:.2f} (rounds: "
-                  f"{', '.join(f'{x:.2f}' for x in ratios)})", flush=True)  # fmt: skip
+                  f"{', '.join(f'{x:.2f}' for x in ratios)}; the machine's speed probe at "
+                  f"{', '.join(f'{p[2]:.2f}' for p in pairs)}x its calibrated time)",
+                  flush=True)  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
     print(f"wrote {args.out}")

@@ -9,8 +9,9 @@ runs in N real worker processes, one per machine, against `netpart plan --profil
 for the same plan. Three runs; error = predicted / measured - 1. Each row also gives the CPU
 floor: the CPU a step takes on its busiest worker (all threads) / the share, below which no
 step on those machines can run (a step near it is CPU-bound: the quota, not the critical path
-the model sums, sets its time). Needs root (namespaces, cgroups);
-without it, says why and writes nothing.
+the model sums, sets its time), and how much slower than at calibration the machine's cores
+ran (`slowdown`: the speed probe, `netpart.runtime.speed`, against the profile's). Needs
+root (namespaces, cgroups); without it, says why and writes nothing.
 
     python experiments/validate_sim.py                # ~20 min here
     python experiments/validate_sim.py --workers 8 --share 0.2
@@ -49,6 +50,7 @@ from netpart.runtime.calibrate import (  # noqa: E402
 )
 from netpart.runtime.check import make_batch  # noqa: E402
 from netpart.runtime.result import load_worker_result  # noqa: E402
+from netpart.runtime.speed import SpeedProbe  # noqa: E402
 from netpart.runtime.step import link_job, link_result, timed_steps  # noqa: E402
 from netpart.runtime.trace import SliceTimes, measure_slices  # noqa: E402
 
@@ -219,9 +221,11 @@ def main(argv=None) -> int:
                     p = plan(spec, n, "metis", batch=BATCH)
                     predicted = reevaluate(spec, p, BATCH, model).metrics
                     steps = timed_steps(predicted.predicted_step_s, STEPS)[0]  # as `run`
-                    times, cpu = runner.run(spec, p, BATCH, steps)
+                    with SpeedProbe() as probe:
+                        times, cpu = runner.run(spec, p, BATCH, steps)
                     rows.append(_row(run, name, n, float(np.median(times)), predicted))
                     rows[-1]["cpu_floor_ms"] = cpu / args.share * 1e3
+                    rows[-1]["slowdown"] = probe.median() / model.probe_s
                     _say(_line(rows[-1]))
     doc = {"share": args.share, "rate": args.rate, "batch": BATCH, "steps": STEPS,
            "machines": machines, "profile": json.loads(profile)["model"], "rows": rows}  # fmt: skip
@@ -243,7 +247,8 @@ def _line(r: dict) -> str:
         f"run {r['run']}  {r['model']:<17} N={r['workers']}  measured {r['measured_ms']:7.1f} ms"
         f"  predicted {r['predicted_ms']:7.1f} ms ({r['error']:+.0%}; compute "
         f"{r['predicted_compute_ms']:.1f}, exposed exchange {r['predicted_exchange_ms']:.1f}); "
-        f"CPU floor {r['cpu_floor_ms']:.1f} ms"
+        f"CPU floor {r['cpu_floor_ms']:.1f} ms; speed probe at {r['slowdown']:.2f}x its calibrated "
+        "time"
     )
 
 

@@ -163,6 +163,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from netpart.partition import plan
     from netpart.partition.planner import reevaluate
     from netpart.runtime.check import make_batch
+    from netpart.runtime.speed import SLOW_SPELL, SpeedProbe
     from netpart.runtime.step import run_step, timed_steps
 
     spec, p = plan_for_run(args)
@@ -178,11 +179,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         steps, warmup = timed_steps(p.metrics.predicted_step_s)
     else:
         steps, warmup = args.steps, min(3, args.steps - 1) if args.steps > 1 else 0
-    result = run_step(
-        spec, p, x.float(), y, seed=args.seed, dtype=torch.float32, timeout=args.timeout,
-        threads=args.threads, steps=steps + warmup, overlap=not args.no_overlap,
-        split=args.split,
-    )  # fmt: skip
+    with SpeedProbe() as probe:
+        result = run_step(
+            spec, p, x.float(), y, seed=args.seed, dtype=torch.float32, timeout=args.timeout,
+            threads=args.threads, steps=steps + warmup, overlap=not args.no_overlap,
+            split=args.split,
+        )  # fmt: skip
     per_step = result.slowest_steps()[warmup:]
     measured = float(np.median(per_step))
     predicted = p.metrics.predicted_step_s
@@ -192,6 +194,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"predicted {predicted * 1e3:.1f} ms, {measured / predicted:.2f}x, from the "
         f"{p.network.describe()})"
     )
+    slowdown = probe.median() / network.probe_s if network.probe_s else None
+    if slowdown is not None:
+        spell = " (a slow spell: the prediction is for the machine as calibrated)"
+        spell = spell if slowdown > SLOW_SPELL else ""
+        echo(
+            f"speed probe during the run: {slowdown:.2f}x its median while the profile was "
+            f"calibrated{spell}"
+        )
     _layer_table(spec, result)
     if args.breakdown:
         _profile_table(result, warmup)
@@ -210,6 +220,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             "step_s_median": measured,
             "predicted_step_s": predicted,
             "prediction": p.network.describe(),
+            "probe_s": probe.median(),
+            "slowdown": slowdown,
             "per_worker": per_worker_stats(result),
         }
         write_atomic(args.stats, json.dumps(stats, indent=1).encode())

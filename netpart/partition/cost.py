@@ -166,6 +166,7 @@ class NetworkModel:
     parallel_slowdown: float = 0.0  # compute is (1 + this) x slower with more than one worker
     slice_scale: float = 1.0  # a slice in a step against the same slice timed alone
     joined_saving_s: float = 0.0  # per layer run in one autograd graph with the one below
+    probe_s: float = 0.0  # median speed probe (CPU s) of the calibration runs (0: not measured)
     overlap: bool = True  # machines of their own: halo hidden behind interior compute
     # peers -> (bytes each way in all, seconds) of a phase with that many peers, sorted
     link: dict[int, tuple[tuple[float, float], ...]] = field(default_factory=dict)

@@ -4,7 +4,9 @@ Five measurements, each with the runtime's own code, at one batch size, over the
 models' plans for 1, 2 and 3 workers, on the machines a `Runner` gives (`LocalRunner`: this
 one, its workers sharing it; `experiments/validate_sim.py` has emulated dedicated machines).
 Every step measurement is the median of `repeats` runs, taken in rounds over every model and
-case (a slow spell of the machine then touches one run of each, not every run of one).
+case (a slow spell of the machine then touches one run of each, not every run of one); the
+speed probe (`netpart.runtime.speed`) is sampled through every run, and the runs' median
+probe is the profile's `probe_s`, against which `netpart run` says how fast the machine ran.
 
 1. Slices: every (layer, worker) slice (of the calibration models and of SLICE_MODELS, whose
    larger layers the tables then reach) run alone with the runtime's slice classes
@@ -50,6 +52,7 @@ from netpart.partition.graph import BYTES_PER_VALUE, UnitGraph
 from netpart.partition.planner import PartitionPlan, input_values, reevaluate
 from netpart.partition.volume import layer_traffic
 from netpart.runtime.check import make_batch
+from netpart.runtime.speed import SpeedProbe
 from netpart.runtime.step import LINK_SIZES, run_link, run_step, timed_steps, warmup_steps
 from netpart.runtime.trace import SliceTimes, measure_slices
 
@@ -246,12 +249,14 @@ def _lstsq(rows: list[list[float]], target: list[float], steps: list[float] | No
 Plans = list[tuple[ModelSpec, PartitionPlan, PartitionPlan]]  # each model's 1- and 2-worker plan
 
 
-def _runs(plans: Plans, batch: int, steps: int, repeats: int, runner, base, say) -> list[dict]:
-    """Each model's steps on 1 and 2 processes (and 2 exchanging only), each the median of
-    `repeats` runs, with their figures. The runs go round the models `repeats` times, so a
-    model's runs are spread over the whole stage (this machine's slow spells last seconds
-    and would otherwise fall on every run of one model). A run times at least `steps` steps
-    and about CALIBRATION_S of them (by the slice tables' prediction)."""
+def _runs(plans: Plans, batch: int, steps: int, repeats: int, runner, base, say):
+    """Each model's steps on 1 and 2 processes (and 2 exchanging only), with their figures,
+    and the median speed probe of the runs (`netpart.runtime.speed`: the machine as it was
+    calibrated). The runs go round the models `repeats` times, so a model's runs are spread
+    over the whole stage (this machine's slow spells last seconds to minutes and would
+    otherwise fall on every run of one model); a case's time is the median of its runs,
+    each run's probe recorded beside it. A run times at least `steps` steps and about
+    CALIBRATION_S of them (by the slice tables' prediction)."""
     cases = []
     for spec, one, two in plans:
         n_one, n_two = (
@@ -262,26 +267,34 @@ def _runs(plans: Plans, batch: int, steps: int, repeats: int, runner, base, say)
         )  # the exchange-only runs take the two-process plan's count
         cases.append({"one": (one, False, n_one), "two": (two, False, n_two),
                       "exchange": (two, True, n_two)})  # fmt: skip
-    done = [{key: [] for key in c} for c in cases]  # (seconds, CPU seconds) per run
+    done = [{key: [] for key in c} for c in cases]  # (seconds, CPU seconds, probe) per run
     for r in range(repeats):
         for (spec, _, _), case, runs_of in zip(plans, cases, done, strict=True):
             for key, (p, exchange_only, count) in case.items():
-                runs_of[key].append(runner.step(spec, p, batch, count, exchange_only))
+                with SpeedProbe() as probe:
+                    seconds, cpu = runner.step(spec, p, batch, count, exchange_only)
+                runs_of[key].append((seconds, cpu, probe.median()))
         say(f"runtime: round {r + 1} of {repeats}: stepped every model on 1 and 2 processes")
+    probe = _median([r for runs_of in done for v in runs_of.values() for r in v], 2)
     runs = []
     for (spec, one, two), runs_of in zip(plans, done, strict=True):
-        timed = {k: [t for t, _ in v] for k, v in runs_of.items()}
-        med = {k: float(np.median(v)) for k, v in timed.items()}
-        cpu = {k: float(np.median([c for _, c in v])) for k, v in runs_of.items()}
+        med = {k: (_median(v, 0), _median(v, 1)) for k, v in runs_of.items()}
+        seen = {k: {"runs_s": [t for t, _, _ in v], "probe_runs_s": [q for *_, q in v]}
+                for k, v in runs_of.items()}  # fmt: skip
         runs.append({
             "model": spec.name,
-            "one": {**_figures(spec, one, batch, base), "step_s": med["one"],
-                    "runs_s": timed["one"], "cpu_s": cpu["one"]},
-            "two": {**_figures(spec, two, batch, base), "step_s": med["two"],
-                    "runs_s": timed["two"], "exchange_s": med["exchange"],
-                    "exchange_runs_s": timed["exchange"], "cpu_s": cpu["two"]},
+            "one": {**_figures(spec, one, batch, base), "step_s": med["one"][0],
+                    "cpu_s": med["one"][1], **seen["one"]},
+            "two": {**_figures(spec, two, batch, base), "step_s": med["two"][0],
+                    "cpu_s": med["two"][1], **seen["two"], "exchange_s": med["exchange"][0],
+                    "exchange_runs_s": seen["exchange"]["runs_s"]},
         })  # fmt: skip
-    return runs
+    return runs, probe
+
+
+def _median(runs: list[tuple[float, ...]], i: int) -> float:
+    """The median of the runs' `i`th figures."""
+    return float(np.median([r[i] for r in runs]))
 
 
 def _two_process_terms(plans: Plans, runs, batch: int, model: NetworkModel):
@@ -393,8 +406,8 @@ def calibrate(
             + f"; the loss's collective {gather * 1e3:.2f} ms"
         )
     plans = [(s, plan(s, 1, "metis", batch=batch), plan(s, 2, "metis", batch=batch)) for s in specs]
-    runs = _runs(plans, batch, steps, repeats, runner, base, say)
-    model = fit(base, plans, runs, batch, link)
+    runs, probe = _runs(plans, batch, steps, repeats, runner, base, say)
+    model = replace(fit(base, plans, runs, batch, link), probe_s=probe)
     slices = {k: [[float(x) for x in pt] for pt in v] for k, v in sorted(points.items())}
     details = {"batch": batch, "repeats": repeats, "share": runner.share, "slices": slices,
                "link": link, "runs": runs}  # fmt: skip

@@ -25,7 +25,7 @@ CALIBRATED = NetworkModel(
     bandwidth_bps=8e9, latency_s=1e-4,
     kinds={"dense": KindCost(((1e4, 1e-4), (1e6, 2e-4), (1e8, 5e-3)))},
     fill_s_per_value=1e-9, step_fixed_s=3e-4, collective_s=5e-4, parallel_slowdown=0.2,
-    slice_scale=0.9, joined_saving_s=5e-5, profile="p.json",
+    slice_scale=0.9, joined_saving_s=5e-5, probe_s=2e-3, profile="p.json",
     link={1: ((1e3, 1e-4), (1e4, 2e-4), (1e5, 1.2e-3)), 3: ((3e3, 4e-4), (3e5, 6e-3))},
     gather=((2.0, 1e-3), (4.0, 3e-3)),
 )  # fmt: skip
@@ -308,14 +308,17 @@ def test_calibrate_writes_a_profile_that_plan_and_run_use(tmp_path, capsys):
     # slice-only digits-mlp's 3, each 1 + 2 + 3 slices; digits-mlp takes no step.
     assert len(measured["slices"]["dense"]) == (2 + 1 + 3) * 6
     assert [r["model"] for r in measured["runs"]] == ["tiny-mlp", "tiny-local"]
-    assert model.bandwidth_bps > 0 and model.slice_scale > 0
+    assert model.bandwidth_bps > 0 and model.slice_scale > 0 and model.probe_s > 0
     assert [n for n, _ in model.gather] == [2.0]  # the loss's collective, measured here
     capsys.readouterr()
     assert main(["plan", "--model", "tiny-local", "--workers", "2", "--profile", str(out)]) == 0
     assert f"calibrated profile {out}" in capsys.readouterr().out
     run = ["run", "--model", "tiny-mlp", "--workers", "2", "--steps", "2", "--profile", str(out)]
-    assert main(run) == 0
-    assert f"from the calibrated profile {out}" in capsys.readouterr().out
+    assert main([*run, "--stats", str(tmp_path / "s.json")]) == 0
+    said = capsys.readouterr().out
+    assert f"from the calibrated profile {out}" in said and "speed probe during the run" in said
+    stats = json.loads((tmp_path / "s.json").read_text())
+    assert stats["slowdown"] == pytest.approx(stats["probe_s"] / model.probe_s)
     assert main(["plan", "--model", "tiny-mlp", "--workers", "2", "--profile", str(tmp_path)]) == 2
     bad = ["plan", "--model", "tiny-mlp", "--workers", "2", "--profile", str(out), "--net", "x"]
     assert main(bad) == 2

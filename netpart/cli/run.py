@@ -194,7 +194,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"predicted {predicted * 1e3:.1f} ms, {measured / predicted:.2f}x, from the "
         f"{p.network.describe()})"
     )
-    slowdown = probe.median() / network.probe_s if network.probe_s else None
+    probe_s = probe.median()
+    slowdown = probe_s / network.probe_s if network.probe_s else None
     if slowdown is not None:
         spell = " (a slow spell: the prediction is for the machine as calibrated)"
         spell = spell if slowdown > SLOW_SPELL else ""
@@ -220,7 +221,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             "step_s_median": measured,
             "predicted_step_s": predicted,
             "prediction": p.network.describe(),
-            "probe_s": probe.median(),
+            "probe_s": probe_s,
             "slowdown": slowdown,
             "per_worker": per_worker_stats(result),
         }

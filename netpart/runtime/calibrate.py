@@ -275,26 +275,26 @@ def _runs(plans: Plans, batch: int, steps: int, repeats: int, runner, base, say)
                     seconds, cpu = runner.step(spec, p, batch, count, exchange_only)
                 runs_of[key].append((seconds, cpu, probe.median()))
         say(f"runtime: round {r + 1} of {repeats}: stepped every model on 1 and 2 processes")
-    probe = _median([r for runs_of in done for v in runs_of.values() for r in v], 2)
+    probe = float(np.median([q for runs_of in done for v in runs_of.values() for *_, q in v]))
     runs = []
     for (spec, one, two), runs_of in zip(plans, done, strict=True):
-        med = {k: (_median(v, 0), _median(v, 1)) for k, v in runs_of.items()}
-        seen = {k: {"runs_s": [t for t, _, _ in v], "probe_runs_s": [q for *_, q in v]}
-                for k, v in runs_of.items()}  # fmt: skip
+        case = {k: _case(v) for k, v in runs_of.items()}
         runs.append({
             "model": spec.name,
-            "one": {**_figures(spec, one, batch, base), "step_s": med["one"][0],
-                    "cpu_s": med["one"][1], **seen["one"]},
-            "two": {**_figures(spec, two, batch, base), "step_s": med["two"][0],
-                    "cpu_s": med["two"][1], **seen["two"], "exchange_s": med["exchange"][0],
-                    "exchange_runs_s": seen["exchange"]["runs_s"]},
+            "one": {**_figures(spec, one, batch, base), **case["one"]},
+            "two": {**_figures(spec, two, batch, base), **case["two"],
+                    "exchange_s": case["exchange"]["step_s"],
+                    "exchange_runs_s": case["exchange"]["runs_s"]},
         })  # fmt: skip
     return runs, probe
 
 
-def _median(runs: list[tuple[float, ...]], i: int) -> float:
-    """The median of the runs' `i`th figures."""
-    return float(np.median([r[i] for r in runs]))
+def _case(runs: list[tuple[float, float, float]]) -> dict:
+    """A case's runs (seconds, CPU seconds, probe): the medians of seconds and CPU, and
+    every run's seconds and probe."""
+    seconds, cpu, probes = (list(x) for x in zip(*runs, strict=True))
+    return {"step_s": float(np.median(seconds)), "cpu_s": float(np.median(cpu)),
+            "runs_s": seconds, "probe_runs_s": probes}  # fmt: skip
 
 
 def _two_process_terms(plans: Plans, runs, batch: int, model: NetworkModel):

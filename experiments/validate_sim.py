@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))  # tests/ helpers
 from experiments._common import free_port, write_csv  # noqa: E402
 from netpart.files import plan_files, write_atomic, write_files  # noqa: E402
 from netpart.models import load_spec  # noqa: E402
-from netpart.partition import plan  # noqa: E402
+from netpart.partition import NetworkModel, plan  # noqa: E402
 from netpart.partition.planner import PartitionPlan, reevaluate  # noqa: E402
 from netpart.runtime.calibrate import (  # noqa: E402
     CALIBRATION_MODELS,
@@ -58,6 +58,7 @@ RESULTS = ROOT / "experiments" / "results"
 BATCH, STEPS, WARMUP = 32, 12, 3
 MODELS = ("digits-mlp", "bench-local", "bench-local-wide")
 TIMEOUT = 600
+REPEATS = 3  # runs of each calibration step measurement
 
 
 def _slices_job(job: str) -> None:
@@ -82,6 +83,7 @@ class EmulatedRunner:
     groups: list[Path]
     share: float  # of a core, each machine's cgroup quota
     overlap: bool = True
+    probe_beside: bool = True  # the probe runs here, outside the machines
 
     def _argv(self, i: int, argv: list[str], env: dict[str, str]) -> list[str]:
         from tests import cgroups
@@ -187,6 +189,13 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--calibrate", default=",".join(CALIBRATION_MODELS), help="models to calibrate on"
     )
+    ap.add_argument(
+        "--via",
+        choices=("runner", "torchrun"),
+        default="runner",
+        help="calibrate through this script's runner, or as a user would across machines: "
+        "`torchrun ... -m netpart calibrate` with one process on every emulated machine",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     from tests import cgroups, netns
@@ -208,11 +217,17 @@ def main(argv=None) -> int:
         runner = EmulatedRunner(hosts, groups, args.share)
         t0 = time.monotonic()
         cal = tuple(args.calibrate.split(","))
-        model, details = calibrate(cal, say=_say, runner=runner, repeats=3)
-        profile = profile_json(model, details)
         args.out.mkdir(parents=True, exist_ok=True)
-        write_atomic(args.out / "emulated_profile.json", profile.encode())
-        model = replace(model, profile=str(args.out / "emulated_profile.json"))
+        path = args.out / "emulated_profile.json"
+        if args.via == "torchrun":
+            _calibrate_torchrun(hosts, groups, args.calibrate, args.share, path)
+            profile = path.read_text()
+            model = NetworkModel.from_profile(profile, str(path))
+        else:
+            model, details = calibrate(cal, say=_say, runner=runner, repeats=REPEATS)
+            profile = profile_json(model, details)
+            write_atomic(path, profile.encode())
+            model = replace(model, profile=str(path))
         _say(f"calibrated in {time.monotonic() - t0:.0f} s: {model.describe()}")
         for run in range(1, args.runs + 1):
             for name in models:
@@ -225,14 +240,45 @@ def main(argv=None) -> int:
                         times, cpu = runner.run(spec, p, BATCH, steps)
                     rows.append(_row(run, name, n, float(np.median(times)), predicted))
                     rows[-1]["cpu_floor_ms"] = cpu / args.share * 1e3
-                    rows[-1]["slowdown"] = probe.median() / model.probe_s
+                    # A profile calibrated through torchrun probed inside machine 0, this
+                    # probe runs outside the machines: not comparable.
+                    beside = args.via == "runner" and model.probe_s > 0
+                    rows[-1]["slowdown"] = probe.median() / model.probe_s if beside else None
                     _say(_line(rows[-1]))
     doc = {"share": args.share, "rate": args.rate, "batch": BATCH, "steps": STEPS,
-           "machines": machines, "profile": json.loads(profile)["model"], "rows": rows}  # fmt: skip
+           "machines": machines, "calibrated_via": args.via,
+           "profile": json.loads(profile)["model"], "rows": rows}  # fmt: skip
     write_atomic(args.out / "validation.json", json.dumps(doc, indent=1).encode())
     write_csv(args.out / "validation.csv", rows)
     _summary(rows)
     return 0
+
+
+def _calibrate_torchrun(hosts, groups, models: str, share: float, out: Path) -> None:
+    """`netpart calibrate --out OUT` under torchrun, one process on each machine (static
+    rendezvous on machine 0), as across real machines (`netpart.runtime.hosts`)."""
+    from tests import cgroups
+
+    torchrun, port, procs = str(Path(sys.executable).with_name("torchrun")), free_port(), []
+    try:
+        for rank, host in enumerate(hosts):
+            argv = [torchrun, "--nnodes", str(len(hosts)), "--nproc-per-node", "1",
+                    "--node-rank", str(rank), "--master-addr", hosts[0].address,
+                    "--master-port", str(port), "--local-addr", host.address,
+                    "-m", "netpart", "calibrate", "--models", models,
+                    "--repeats", str(REPEATS), "--share", str(share),
+                    "--out", str(out)]  # fmt: skip
+            env = {"PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": host.device,
+                   "TORCH_CPP_LOG_LEVEL": "ERROR"}  # fmt: skip
+            procs.append(subprocess.Popen(cgroups.command(groups[rank], host.command(argv, env))))
+        for proc in procs:
+            if proc.wait(timeout=3 * TIMEOUT) != 0:
+                raise RuntimeError("`netpart calibrate` under torchrun failed on a machine")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def _row(run: int, model: str, n: int, measured: float, m) -> dict:
@@ -247,8 +293,8 @@ def _line(r: dict) -> str:
         f"run {r['run']}  {r['model']:<17} N={r['workers']}  measured {r['measured_ms']:7.1f} ms"
         f"  predicted {r['predicted_ms']:7.1f} ms ({r['error']:+.0%}; compute "
         f"{r['predicted_compute_ms']:.1f}, exposed exchange {r['predicted_exchange_ms']:.1f}); "
-        f"CPU floor {r['cpu_floor_ms']:.1f} ms; speed probe at {r['slowdown']:.2f}x its calibrated "
-        "time"
+        f"CPU floor {r['cpu_floor_ms']:.1f} ms"
+        + (f"; speed probe at {r['slowdown']:.2f}x its calibrated time" if r["slowdown"] else "")
     )
 
 

@@ -14,7 +14,9 @@ Grammar: comma-separated entries `ACTION:RANK[@N]`
 What a point is depends on the role: a model worker of `run`/`check` reaches point 0 once it
 is built; a training worker reaches point t before step t (point 0 before the first); a
 parameter-server shard reaches point n after its n-th update; a Sandblaster worker reaches a
-point before each work unit. `enospc` counts checkpoint writes instead (the first is 1).
+point before each work unit; a host following `netpart calibrate` under torchrun reaches
+point n before its n-th command from rank 0. `enospc` counts checkpoint writes instead (the
+first is 1).
 
 Faults fire in a job's first attempt only: not in processes restarted after a failure
 (`NETPART_RESTART` or torchrun's `TORCHELASTIC_RESTART_COUNT` above 0), so a test can kill a

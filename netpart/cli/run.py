@@ -89,7 +89,10 @@ def _calibrate_parser(sub) -> None:
         "between 2 worker processes against their bytes, and whole steps on 1 and 2 processes "
         "(each the median of --repeats runs); fit the step-time model's figures to them and "
         "write a profile (JSON: the model, and every measurement it was fitted to). Takes a "
-        "few minutes; run it on an idle machine.",
+        "few minutes; run it on an idle machine. Started by torchrun with one process per "
+        "host (`torchrun --nnodes H --nproc-per-node 1 ... -m netpart calibrate`), it "
+        "measures the link among the hosts and steps with one worker per host (layers split "
+        "as across machines); rank 0 times the slices on its host and writes the profile.",
     )
     k.add_argument("--out", type=Path, default=Path("profile.json"), help="profile file to write")
     k.add_argument(
@@ -116,21 +119,58 @@ def _calibrate_parser(sub) -> None:
         default=5,
         help="runs of each step measurement (median; default 5)",
     )
+    k.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="under torchrun: seconds a host waits for a peer's message (default 120)",
+    )
+    k.add_argument(
+        "--share",
+        type=float,
+        default=1.0,
+        help="each process's share of a core where a cpu quota (a container's cgroup) holds it "
+        "below one: a slice then takes at least its CPU time / share (default 1)",
+    )
     k.set_defaults(func=cmd_calibrate)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    import torch.distributed
+
+    from netpart.errors import PlanError
     from netpart.files import write_atomic
     from netpart.models import load_spec
-    from netpart.runtime.calibrate import calibrate, profile_json
+    from netpart.runtime.calibrate import LocalRunner, calibrate, profile_json
+    from netpart.runtime.check import under_torchrun
 
     models = tuple(m.strip() for m in args.models.split(",") if m.strip())
     extra = tuple(m.strip() for m in args.slice_models.split(",") if m.strip())
     for m in models + extra:
         load_spec(m)  # an unknown model is refused before a minute of measuring
-    model, details = calibrate(
-        models, args.batch, args.steps, say=echo, repeats=args.repeats, slice_models=extra
-    )
+    if args.timeout <= 0:
+        raise PlanError(f"--timeout must be positive, got {args.timeout}")
+    if not 0 < args.share <= 1:
+        raise PlanError(f"--share is a fraction of one core (0 < share <= 1), got {args.share}")
+    runner = LocalRunner(args.share)
+    if under_torchrun():  # one process per host: the link and steps between the hosts
+        from netpart.runtime.hosts import HostsRunner
+
+        runner = HostsRunner(args.timeout, args.share)
+        if runner.rank != 0:
+            runner.follow()
+            return 0
+    try:
+        model, details = calibrate(
+            models, args.batch, args.steps, say=echo, repeats=args.repeats, slice_models=extra,
+            runner=runner,
+        )  # fmt: skip
+    except BaseException:
+        if torch.distributed.is_initialized():  # the followers see the group close and stop
+            torch.distributed.destroy_process_group()
+        raise
+    if torch.distributed.is_initialized():
+        runner.close()
     write_atomic(args.out, profile_json(model, details).encode())
     for kind, cost in model.kinds.items():
         (f0, t0), (f1, t1) = cost.points[0], cost.points[-1]

@@ -52,7 +52,7 @@ from netpart.partition.graph import BYTES_PER_VALUE, UnitGraph
 from netpart.partition.planner import PartitionPlan, input_values, reevaluate
 from netpart.partition.volume import layer_traffic
 from netpart.runtime.check import make_batch
-from netpart.runtime.speed import SpeedProbe
+from netpart.runtime.speed import SpeedProbe, probe_once
 from netpart.runtime.step import LINK_SIZES, run_link, run_step, timed_steps, warmup_steps
 from netpart.runtime.trace import SliceTimes, measure_slices
 
@@ -74,6 +74,7 @@ SCHEMA_VERSION = PROFILE_SCHEMA
 LINK_WORLD = 8  # processes: the link is measured with 1 to 7 peers at most
 SLICE_PASSES = 2  # every slice is timed in this many passes over the models; the fastest counts
 CALIBRATION_S = 0.3  # seconds of timed steps a step measurement covers at least
+PROBE_BEFORE = 5  # speed probe samples before a run whose worker this process is
 CALIBRATION_MODELS = ("tiny-mlp", "digits-mlp", "tiny-local", "bench-local", "bench-local-wide")
 # Models whose slices only are timed: they carry the kinds' tables to the sizes larger models
 # use (speech's dense slices of 0.1-4 GFLOP a batch run at 2-3x the FLOP rate of the MLPs' 1-13
@@ -104,11 +105,14 @@ class Runner(Protocol):
     one of those machines; `link` the exchange of each size among `world` of them and their
     loss's collective (`run_link`); `machines` is how many it has; `step` runs a plan's
     workers, one per machine, and returns the median step (seconds, slowest worker) and the
-    CPU seconds a step took on its busiest worker, all threads (0 where not recorded)."""
+    CPU seconds a step took on its busiest worker, all threads (0 where not recorded).
+    `probe_beside`: whether the speed probe may run in this process during a step (false
+    where this process is one of the step's workers)."""
 
     overlap: bool
     machines: int
     share: float
+    probe_beside: bool
 
     def slices(self, spec: ModelSpec, plans: list[PartitionPlan], batch: int) -> list: ...
 
@@ -123,17 +127,22 @@ class Runner(Protocol):
 
 class LocalRunner:
     """This machine: slices timed in this process, steps in local worker processes that
-    share its cores (the runtime does not split layers there)."""
+    share its cores (the runtime does not split layers there). `share`: of a core, where a
+    cpu quota holds this process to less than one (a slice then takes at least its CPU time
+    / share)."""
 
     overlap = False
     machines = 2  # more processes than cores measure the cores, not the link
-    share = 1.0
+    probe_beside = True
+
+    def __init__(self, share: float = 1.0):
+        self.share = share
 
     def slices(self, spec: ModelSpec, plans: list[PartitionPlan], batch: int) -> list:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return [measure_slices(spec, p, batch) for p in plans]
+            return [measure_slices(spec, p, batch, share=self.share) for p in plans]
         finally:
             torch.set_num_threads(threads)
 
@@ -271,9 +280,7 @@ def _runs(plans: Plans, batch: int, steps: int, repeats: int, runner, base, say)
     for r in range(repeats):
         for (spec, _, _), case, runs_of in zip(plans, cases, done, strict=True):
             for key, (p, exchange_only, count) in case.items():
-                with SpeedProbe() as probe:
-                    seconds, cpu = runner.step(spec, p, batch, count, exchange_only)
-                runs_of[key].append((seconds, cpu, probe.median()))
+                runs_of[key].append(_probed_step(runner, spec, p, batch, count, exchange_only))
         say(f"runtime: round {r + 1} of {repeats}: stepped every model on 1 and 2 processes")
     probe = float(np.median([q for runs_of in done for v in runs_of.values() for *_, q in v]))
     runs = []
@@ -287,6 +294,18 @@ def _runs(plans: Plans, batch: int, steps: int, repeats: int, runner, base, say)
                     "exchange_runs_s": case["exchange"]["runs_s"]},
         })  # fmt: skip
     return runs, probe
+
+
+def _probed_step(runner: Runner, spec, p, batch, count, exchange_only) -> tuple[float, ...]:
+    """(seconds, CPU seconds, probe) of one `runner.step`: the speed probe sampled beside
+    the run, or, where this process is one of the run's workers (`probe_beside` false),
+    PROBE_BEFORE samples just before it (beside, it would take the worker's CPU)."""
+    if runner.probe_beside:
+        with SpeedProbe() as probe:
+            seconds, cpu = runner.step(spec, p, batch, count, exchange_only)
+        return seconds, cpu, probe.median()
+    probe = float(np.median([probe_once() for _ in range(PROBE_BEFORE)]))
+    return (*runner.step(spec, p, batch, count, exchange_only), probe)
 
 
 def _case(runs: list[tuple[float, float, float]]) -> dict:
@@ -409,7 +428,8 @@ def calibrate(
     runs, probe = _runs(plans, batch, steps, repeats, runner, base, say)
     model = replace(fit(base, plans, runs, batch, link), probe_s=probe)
     slices = {k: [[float(x) for x in pt] for pt in v] for k, v in sorted(points.items())}
-    details = {"batch": batch, "repeats": repeats, "share": runner.share, "slices": slices,
+    details = {"batch": batch, "repeats": repeats, "share": runner.share,
+               "machines": runner.machines, "overlap": runner.overlap, "slices": slices,
                "link": link, "runs": runs}  # fmt: skip
     return model, details
 

@@ -43,10 +43,13 @@ __all__ = [
     "DTYPES",
     "GATHER_VALUES",
     "LINK_SIZES",
+    "exchange_loop",
     "link_job",
+    "link_loop",
     "link_result",
     "run_link",
     "run_step",
+    "step_loop",
     "timed_steps",
     "warmup_steps",
 ]
@@ -158,36 +161,43 @@ def run_link(
 
 
 def _link(job: Path, config: dict) -> int:
-    """One process of a link job: each size to and from every other process at once
-    (receives posted first, as the programs do), timed `repeats` times after one untimed
-    round, a barrier before each; then the loss's all-gather `GATHER_REPEATS` times back to
-    back (no barrier: each waits for the last process to arrive, as in a step), its mean."""
-    rank, world = join_group(float(config["timeout"]))
+    """One process of a link job (`link_loop`); writes link_<rank>.json."""
+    rank, _ = join_group(float(config["timeout"]))
     try:
-        transport, seconds = GlooTransport(), []
-        peers = [r for r in range(world) if r != rank]
-        for size in config["link_sizes"]:
-            out = torch.zeros(max(size // 4, 1))
-            into = [torch.empty_like(out) for _ in peers]
-            times = []
-            for _ in range(int(config["repeats"]) + 1):
-                transport.barrier()
-                start = time.perf_counter()
-                posted = [transport.recv(0, p, b) for p, b in zip(peers, into, strict=True)]
-                transport.wait(posted + [transport.send(0, p, out) for p in peers])
-                times.append(time.perf_counter() - start)
-            seconds.append(float(np.median(times[1:])))
-        values, times = torch.zeros(GATHER_VALUES), []
-        transport.barrier()
-        for _ in range(GATHER_REPEATS + 1):
-            start = time.perf_counter()
-            transport.all_gather(values)
-            times.append(time.perf_counter() - start)
-        done = {"seconds": seconds, "gather_s": float(np.mean(times[1:]))}
+        seconds, gather = link_loop(GlooTransport(), config["link_sizes"], int(config["repeats"]))
+        done = {"seconds": seconds, "gather_s": gather}
         (job / f"link_{rank}.json").write_text(json.dumps(done))
     finally:
         torch.distributed.destroy_process_group()
     return 0
+
+
+def link_loop(transport, sizes, repeats: int) -> tuple[list[float], float]:
+    """(seconds per size, seconds of the loss's collective) on this process: each size to and
+    from every other process of `transport` at once (receives posted first, as the programs
+    do), timed `repeats` times after one untimed round, a barrier before each, the median;
+    then the loss's all-gather `GATHER_REPEATS` times back to back (no barrier: each waits
+    for the last process to arrive, as in a step), the mean."""
+    seconds = []
+    peers = [r for r in range(transport.size) if r != transport.rank]
+    for size in sizes:
+        out = torch.zeros(max(int(size) // 4, 1))
+        into = [torch.empty_like(out) for _ in peers]
+        times = []
+        for _ in range(repeats + 1):
+            transport.barrier()
+            start = time.perf_counter()
+            posted = [transport.recv(0, p, b) for p, b in zip(peers, into, strict=True)]
+            transport.wait(posted + [transport.send(0, p, out) for p in peers])
+            times.append(time.perf_counter() - start)
+        seconds.append(float(np.median(times[1:])))
+    values, times = torch.zeros(GATHER_VALUES), []
+    transport.barrier()
+    for _ in range(GATHER_REPEATS + 1):
+        start = time.perf_counter()
+        transport.all_gather(values)
+        times.append(time.perf_counter() - start)
+    return seconds, float(np.mean(times[1:]))
 
 
 def _watch(procs: Processes, timeout: float) -> None:
@@ -237,25 +247,11 @@ def _worker(job: Path) -> int:
         worker = ModelWorker(spec, graph, schedule, rank, config["seed"], DTYPES[config["dtype"]])
         faults.point(rank, 0)
         transport = GlooTransport()
-        times, profiles, usage = [], [], []
         steps = int(config.get("steps", 1))  # > 1 only for benchmarks
-        lr = float(config.get("sgd_lr", 0.0))
         if config.get("exchange_only"):
             return _exchange_only(job, worker, transport, rank, len(batch["inputs"]), steps)
-        for i in range(steps):
-            worker.zero_grad()
-            before = thread_usage()
-            if steps > 1:  # timed steps start together
-                transport.barrier()
-            start = time.perf_counter()
-            result = worker.step(batch["inputs"], batch["targets"], transport, i == steps - 1)
-            if lr:
-                _sgd(worker, lr)
-            times.append(time.perf_counter() - start)
-            after = thread_usage()
-            profiles.append(result.profile)
-            usage.append({k: v - before.get(k, 0.0) for k, v in after.items()})
-        result.step_times = times
+        lr = float(config.get("sgd_lr", 0.0))
+        result, profiles, usage = step_loop(worker, transport, batch, steps, lr)
         save_worker_result(job / f"result_{rank}.pt", result, profiles, usage)
     finally:
         torch.distributed.destroy_process_group()
@@ -269,12 +265,41 @@ def _sgd(worker: ModelWorker, lr: float) -> None:
         torch._foreach_add_(params, [p.grad for p in params], alpha=-lr)
 
 
-def _exchange_only(job: Path, worker: ModelWorker, transport, rank, batch, steps) -> int:
-    """The messages of `steps` steps alone; writes a result holding only the step times."""
+def step_loop(worker: ModelWorker, transport, batch: dict, steps: int, lr: float = 0.0):
+    """(the last step's WorkerResult holding every step's wall time, each step's profile,
+    each step's thread CPU) of `steps` steps of `worker` on `batch` (inputs, targets); with
+    more than one, a barrier starts each (timed steps start together); `lr` > 0 ends each
+    with plain SGD on the worker's own parameters."""
+    times, profiles, usage = [], [], []
+    for i in range(steps):
+        worker.zero_grad()
+        before = thread_usage()
+        if steps > 1:
+            transport.barrier()
+        start = time.perf_counter()
+        result = worker.step(batch["inputs"], batch["targets"], transport, i == steps - 1)
+        if lr:
+            _sgd(worker, lr)
+        times.append(time.perf_counter() - start)
+        after = thread_usage()
+        profiles.append(result.profile)
+        usage.append({k: v - before.get(k, 0.0) for k, v in after.items()})
+    result.step_times = times
+    return result, profiles, usage
+
+
+def exchange_loop(worker: ModelWorker, transport, batch: int, steps: int) -> list[float]:
+    """Seconds of each of `steps` steps of the worker's messages alone, a barrier before each."""
     times = []
     for _ in range(steps):
         transport.barrier()
         times.append(worker.exchange_only(batch, transport))
+    return times
+
+
+def _exchange_only(job: Path, worker: ModelWorker, transport, rank, batch, steps) -> int:
+    """The messages of `steps` steps alone; writes a result holding only the step times."""
+    times = exchange_loop(worker, transport, batch, steps)
     empty = torch.zeros(batch, 0)
     result = WorkerResult(rank, 0.0, empty, np.zeros(0, dtype=np.int64), [], step_times=times)
     save_worker_result(job / f"result_{rank}.pt", result, [], [])

@@ -1,0 +1,181 @@
+"""Calibration across the hosts of a torchrun job: the link and the steps between machines.
+
+`netpart calibrate` started by torchrun with one process per host measures the network
+between the hosts, not loopback: every process joins one gloo group; rank 0 runs
+`calibrate` with a `HostsRunner` and every other rank `follow`s it. Rank 0 times the slices
+on its own host (the hosts are taken to be alike) while the others wait; for the link and
+for every step measurement it broadcasts a command (JSON bytes, never a pickle), and the
+ranks the command names run the runtime's own link loop or worker steps, one worker per
+host, with layers split as across machines. Each result is reduced to rank 0 (the slowest
+process), and rank 0 writes the profile. Commands wait at most COMMAND_WAIT_S; everything
+else at most the job's timeout, and a lost peer ends every rank with one line.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import itertools
+import json
+import logging
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from netpart import faults
+from netpart.errors import PeerError, transport_reason
+from netpart.models.spec import ModelSpec
+from netpart.partition.planner import PartitionPlan
+from netpart.partition.schedule import SPLIT_MIN_FLOPS, plan_schedule
+from netpart.runtime.calibrate import LocalRunner, step_cpu_s
+from netpart.runtime.check import make_batch
+from netpart.runtime.launcher import join_group, yield_io_threads
+from netpart.runtime.step import exchange_loop, link_loop, step_loop, warmup_steps
+from netpart.runtime.transport import PEER_LOST, GlooTransport
+from netpart.runtime.worker import ModelWorker
+
+__all__ = ["COMMAND_WAIT_S", "HostsRunner"]
+
+log = logging.getLogger(__name__)
+
+COMMAND_WAIT_S = 1800.0  # a follower waits this long at most for rank 0's next command
+OPS = ("plan", "link", "step", "done")
+
+
+class _Commands:
+    """JSON documents from rank 0 to every rank: a length, then the bytes (no pickle)."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int):
+        self.group, self.rank = group, rank
+
+    def send(self, doc: dict) -> None:
+        data = torch.frombuffer(bytearray(json.dumps(doc).encode()), dtype=torch.uint8)
+        self._broadcast(torch.tensor([data.numel()], dtype=torch.int64))
+        self._broadcast(data)
+
+    def receive(self) -> dict:
+        size = self._broadcast(torch.zeros(1, dtype=torch.int64))
+        data = self._broadcast(torch.empty(int(size[0]), dtype=torch.uint8))
+        doc = json.loads(data.numpy().tobytes().decode())
+        if not isinstance(doc, dict) or doc.get("op") not in OPS:
+            raise ValueError(f"not a calibration command from rank 0: {str(doc)[:80]}")
+        return doc
+
+    def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        try:
+            dist.broadcast(tensor, 0, group=self.group)
+        except RuntimeError as exc:
+            raise PeerError(
+                f"calibration rank {self.rank}: a command from rank 0 failed ({PEER_LOST}): "
+                f"{transport_reason(exc)}"
+            ) from None
+        return tensor
+
+
+class HostsRunner:
+    """`netpart.runtime.calibrate.Runner` over the processes of a torchrun job, one per host:
+    `machines` is the job's world size; a step of an N-worker plan runs on ranks 0..N-1 (N
+    at most the world), a link among `world` on ranks 0..world-1. Built on every rank
+    (it joins the group); rank 0 measures, the others call `follow` until rank 0 `close`s."""
+
+    overlap = True  # workers on different hosts hide halo behind interior compute
+    probe_beside = False  # rank 0 is a worker of every step
+
+    def __init__(self, timeout: float = 120.0, share: float = 1.0):
+        self.share = share  # of a core, each host's (a cpu quota): slices count CPU / share
+        self.rank, self.machines = join_group(timeout)
+        torch.set_num_threads(1)  # as every worker process
+        # Every rank creates every group, members or not, in the same order.
+        self._groups = {k: dist.new_group(list(range(k))) for k in range(1, self.machines + 1)}
+        wait = datetime.timedelta(seconds=COMMAND_WAIT_S)
+        group = dist.new_group(list(range(self.machines)), timeout=wait)
+        self._commands = _Commands(group, self.rank)
+        yield_io_threads()  # the new groups' I/O threads too, as the workers' (launcher)
+        self._plans: dict[str, tuple[ModelSpec, PartitionPlan]] = {}
+
+    # rank 0: the Runner protocol
+    def slices(self, spec: ModelSpec, plans: list[PartitionPlan], batch: int) -> list:
+        return LocalRunner(self.share).slices(spec, plans, batch)
+
+    def link(self, sizes: tuple[int, ...], repeats: int, world: int) -> tuple[np.ndarray, float]:
+        cmd = {"op": "link", "world": world, "sizes": [int(b) for b in sizes], "repeats": repeats}
+        self._commands.send(cmd)
+        return self._link(cmd)
+
+    def step(self, spec, p, batch, steps, exchange_only=False) -> tuple[float, float]:
+        key = _key(spec, p)
+        if key not in self._plans:
+            self._commands.send({"op": "plan", "key": key, "spec": spec.to_json(),
+                                 "plan": p.to_json(), "node_map": p.node_map.tolist()})  # fmt: skip
+            self._plans[key] = (spec, p)
+        cmd = {"op": "step", "key": key, "batch": batch, "steps": steps,
+               "exchange_only": exchange_only}  # fmt: skip
+        self._commands.send(cmd)
+        return self._step(cmd)
+
+    def close(self) -> None:
+        """Rank 0: release the followers and leave the group."""
+        try:
+            self._commands.send({"op": "done"})
+        finally:
+            dist.destroy_process_group()
+
+    # every other rank
+    def follow(self) -> None:
+        """Run rank 0's commands until it is done; then leave the group."""
+        try:
+            for n in itertools.count():
+                faults.point(self.rank, n)
+                if (cmd := self._commands.receive())["op"] == "done":
+                    break
+                if cmd["op"] == "plan":
+                    spec = ModelSpec.from_json(cmd["spec"], "rank 0's command")
+                    node_map = np.array(cmd["node_map"], dtype=np.int64)
+                    p = PartitionPlan.from_json(cmd["plan"], node_map, "rank 0's command")
+                    self._plans[cmd["key"]] = (spec, p)
+                elif cmd["op"] == "link":
+                    self._link(cmd)
+                else:
+                    self._step(cmd)
+        finally:
+            dist.destroy_process_group()
+
+    # what every rank a command names runs
+    def _link(self, cmd: dict) -> tuple[np.ndarray, float]:
+        world = int(cmd["world"])
+        if self.rank >= world:
+            return np.zeros(0), 0.0
+        transport = GlooTransport(self._groups[world], list(range(world)))
+        seconds, gather = link_loop(transport, cmd["sizes"], int(cmd["repeats"]))
+        slowest = transport.all_reduce(torch.tensor([*seconds, gather], dtype=torch.float64), "max")
+        return slowest[:-1].numpy(), float(slowest[-1])
+
+    def _step(self, cmd: dict) -> tuple[float, float]:
+        """(median step, slowest worker; CPU seconds a step on the busiest worker, all
+        threads) of the command's plan on ranks 0..N-1, after warm-up steps."""
+        spec, p = self._plans[cmd["key"]]
+        if self.rank >= p.workers:
+            return 0.0, 0.0
+        graph, schedule = plan_schedule(spec, p, True, True, SPLIT_MIN_FLOPS)
+        worker = ModelWorker(spec, graph, schedule, self.rank, 0, torch.float32)
+        x, y = make_batch(spec, int(cmd["batch"]), 0)
+        transport = GlooTransport(self._groups[p.workers], list(range(p.workers)))
+        warm = warmup_steps(int(cmd["steps"]))
+        total = int(cmd["steps"]) + warm
+        if cmd["exchange_only"]:
+            times, cpu = exchange_loop(worker, transport, len(x), total), 0.0
+        else:
+            batch = {"inputs": x.float(), "targets": y}
+            result, _, usage = step_loop(worker, transport, batch, total)
+            times, cpu = result.step_times, step_cpu_s([usage], warm)
+        mine = torch.tensor([*times[warm:], cpu], dtype=torch.float64)
+        slowest = transport.all_reduce(mine, "max")
+        return float(np.median(slowest[:-1].numpy())), float(slowest[-1])
+
+
+def _key(spec: ModelSpec, p: PartitionPlan) -> str:
+    """The same model and plan get the same key: their followers build them once."""
+    digest = hashlib.sha256(spec.to_json().encode() + p.to_json().encode())
+    digest.update(np.ascontiguousarray(p.node_map, dtype=np.int64).tobytes())
+    return digest.hexdigest()[:16]

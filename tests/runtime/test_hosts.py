@@ -1,0 +1,73 @@
+"""`netpart calibrate` across hosts: one process per host, the link between them measured."""
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from netpart.partition.cost import NetworkModel
+from tests import netns
+from tests.conftest import finish
+
+pytestmark = pytest.mark.timeout(300)
+
+REASON = netns.unavailable()
+CALIBRATE = ["-m", "netpart", "calibrate", "--models", "tiny-mlp", "--slice-models", "",
+             "--repeats", "1", "--steps", "3"]  # fmt: skip
+
+
+@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+def test_calibrate_under_torchrun_measures_the_link_between_the_hosts(tmp_path):
+    out = tmp_path / "hosts.json"
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    with netns.two_hosts(rate="100mbit") as (a, b):
+        procs = []
+        for k, host in enumerate((a, b)):
+            argv = [
+                torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"{a.address}:29563", "--rdzv-id", "calibrate-test",
+                "--local-addr", host.address, *(["--rdzv-conf", "is_host=1"] if k == 0 else []),
+                *CALIBRATE, "--out", str(out), "--timeout", "60",
+            ]  # fmt: skip
+            env = {"GLOO_SOCKET_IFNAME": host.device, "PYTHONPATH": str(Path.cwd())}
+            pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+            procs.append(subprocess.Popen(host.command(argv, env), **pipes))
+        outs = finish(procs, 240)
+        sent = a.tx_bytes() + b.tx_bytes()
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    doc = json.loads(out.read_text())
+    details = doc["measurements"]
+    assert details["machines"] == 2 and details["overlap"] is True
+    # The link is the 100 Mbit/s veth, not loopback (~10 Gbit/s here): 4 MB each way takes
+    # its 0.34 s (both directions at once, each at the full rate), and the fitted bandwidth
+    # is that link's (above it by what the 256 KB token bucket lets small messages gain).
+    four_mb = dict(zip(details["link"]["sizes"], details["link"]["seconds"]["1"], strict=True))
+    assert 0.3 < four_mb[float(1 << 22)] < 0.8
+    model = NetworkModel.from_dict(doc["model"])
+    assert 60e6 < model.bandwidth_bps < 200e6, model.bandwidth_bps
+    # Steps on one and on two hosts were measured, and their bytes crossed the link.
+    (run,) = details["runs"]
+    assert run["model"] == "tiny-mlp" and run["two"]["step_s"] > run["one"]["step_s"] > 0
+    assert sent > 11 * 2 * (1 << 22)  # the link's 4 MB messages alone, both ways
+
+
+def test_a_host_that_dies_ends_calibration_with_one_line(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out, procs = tmp_path / "p.json", []
+    for rank in (0, 1):
+        env = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "NETPART_TEST_FAULT": "die:1@2",
+               "PYTHONPATH": str(Path.cwd()), "PATH": "/usr/bin:/bin"}  # fmt: skip
+        argv = [sys.executable, *CALIBRATE, "--out", str(out), "--timeout", "20"]
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+        procs.append(subprocess.Popen(argv, env=env, **pipes))
+    outs = finish(procs, 120)
+    assert [p.returncode for p in procs] == [1, 17], outs[0][1][-2000:]
+    error = [line for line in outs[0][1].splitlines() if line.strip()]
+    assert len(error) == 1 and "peer dead or past the timeout" in error[0], outs[0][1]
+    assert not out.exists()  # nothing half-written

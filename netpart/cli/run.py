@@ -156,6 +156,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if under_torchrun():  # one process per host: the link and steps between the hosts
         from netpart.runtime.hosts import HostsRunner
 
+        if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+            raise PlanError(
+                "netpart calibrate under torchrun measures between machines: start one "
+                "process on each of at least 2 (torchrun --nnodes K --nproc-per-node 1)"
+            )
+
         runner = HostsRunner(args.timeout, args.share)
         if runner.rank != 0:
             runner.follow()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from netpart.cli import main
 from netpart.partition.cost import NetworkModel
 from tests import netns
 from tests.conftest import finish
@@ -71,3 +72,13 @@ def test_a_host_that_dies_ends_calibration_with_one_line(tmp_path):
     error = [line for line in outs[0][1].splitlines() if line.strip()]
     assert len(error) == 1 and "peer dead or past the timeout" in error[0], outs[0][1]
     assert not out.exists()  # nothing half-written
+
+
+def test_one_process_under_torchrun_is_refused(tmp_path, monkeypatch, capsys):
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    out = tmp_path / "p.json"
+    assert main(["calibrate", "--out", str(out), "--models", "tiny-mlp"]) == 2
+    err = capsys.readouterr().err
+    assert "at least 2" in err and err.count("\n") == 1 and not out.exists()

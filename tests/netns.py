@@ -17,8 +17,10 @@ import os
 import re
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 SUBNET = "10.201.{}.{}"
 OURS = re.compile(r"np(\d+)(?:a|b|sw|h\d+)")  # np<pid % 100000><role>
@@ -38,6 +40,26 @@ class Host:
     def tx_bytes(self) -> int:
         path = f"/sys/class/net/{self.device}/statistics/tx_bytes"
         return int(_run(["ip", "netns", "exec", self.netns, "cat", path]).strip())
+
+
+def torchrun_on(
+    hosts: list[Host], port: int, run_id: str, nproc: int, args: list[str]
+) -> list[subprocess.Popen]:
+    """One torchrun node per host (c10d rendezvous hosted on the first, gloo on each host's
+    veth), each running `python args`, with stdout and stderr piped."""
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    procs = []
+    for k, host in enumerate(hosts):
+        argv = [
+            torchrun, "--nnodes", str(len(hosts)), "--nproc-per-node", str(nproc),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0].address}:{port}",
+            "--rdzv-id", run_id, "--local-addr", host.address,
+            *(["--rdzv-conf", "is_host=1"] if k == 0 else []), *args,
+        ]  # fmt: skip
+        env = {"GLOO_SOCKET_IFNAME": host.device, "PYTHONPATH": str(Path.cwd())}
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+        procs.append(subprocess.Popen(host.command(argv, env), **pipes))
+    return procs
 
 
 def _run(argv: list[str]) -> str:

@@ -23,19 +23,9 @@ CALIBRATE = ["-m", "netpart", "calibrate", "--models", "tiny-mlp", "--slice-mode
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_calibrate_under_torchrun_measures_the_link_between_the_hosts(tmp_path):
     out = tmp_path / "hosts.json"
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    args = [*CALIBRATE, "--out", str(out), "--timeout", "60"]
     with netns.two_hosts(rate="100mbit") as (a, b):
-        procs = []
-        for k, host in enumerate((a, b)):
-            argv = [
-                torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"{a.address}:29563", "--rdzv-id", "calibrate-test",
-                "--local-addr", host.address, *(["--rdzv-conf", "is_host=1"] if k == 0 else []),
-                *CALIBRATE, "--out", str(out), "--timeout", "60",
-            ]  # fmt: skip
-            env = {"GLOO_SOCKET_IFNAME": host.device, "PYTHONPATH": str(Path.cwd())}
-            pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
-            procs.append(subprocess.Popen(host.command(argv, env), **pipes))
+        procs = netns.torchrun_on([a, b], 29563, "calibrate-test", 1, args)
         outs = finish(procs, 240)
         sent = a.tx_bytes() + b.tx_bytes()
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]

@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -23,21 +22,13 @@ REASON = netns.unavailable()
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_two_machines_train_with_replicas_on_their_own_hosts(tmp_path):
     run, steps = tmp_path / "run", 40
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    args = [
+        "-m", "netpart", "train", "--model", "tiny-local", "--workers", "2", "--replicas",
+        "2", "--ps-shards", "2", "--data", "digits", "--steps", str(steps), "--out", str(run),
+        "--timeout", "30",
+    ]  # fmt: skip
     with netns.two_hosts(rate="100mbit") as (a, b):
-        procs = []
-        for k, host in enumerate((a, b)):
-            argv = [
-                torchrun, "--nnodes", "2", "--nproc-per-node", "3", "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"{a.address}:29561", "--rdzv-id", "netns-test",
-                "--local-addr", host.address, *(["--rdzv-conf", "is_host=1"] if k == 0 else []),
-                "-m", "netpart", "train", "--model", "tiny-local", "--workers", "2",
-                "--replicas", "2", "--ps-shards", "2", "--data", "digits", "--steps", str(steps),
-                "--out", str(run), "--timeout", "30",
-            ]  # fmt: skip
-            env = {"GLOO_SOCKET_IFNAME": host.device, "PYTHONPATH": str(Path.cwd())}
-            pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
-            procs.append(subprocess.Popen(host.command(argv, env), **pipes))
+        procs = netns.torchrun_on([a, b], 29561, "netns-test", 3, args)
         outs = finish(procs, 240)
         sent = a.tx_bytes() + b.tx_bytes()
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]

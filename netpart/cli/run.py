@@ -92,7 +92,9 @@ def _calibrate_parser(sub) -> None:
         "few minutes; run it on an idle machine. Started by torchrun with one process per "
         "host (`torchrun --nnodes H --nproc-per-node 1 ... -m netpart calibrate`), it "
         "measures the link among the hosts and steps with one worker per host (layers split "
-        "as across machines); rank 0 times the slices on its host and writes the profile.",
+        "as across machines); rank 0 times the slices on its host and writes the profile. "
+        "Layers larger than any timed slice are extrapolated: to plan a model whose layers "
+        "are far larger than the calibration models', add it to --slice-models.",
     )
     k.add_argument("--out", type=Path, default=Path("profile.json"), help="profile file to write")
     k.add_argument(

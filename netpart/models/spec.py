@@ -157,6 +157,14 @@ class ModelSpec:
     def layer_name(self, index: int) -> str:
         return f"{index}:{self.layers[index].kind}"
 
+    def layer_key(self, index: int) -> str:
+        """What a slice's speed depends on beyond its FLOPs: the layer's kind, options and
+        input and output shapes (`local 3x48x48->24x44x44 channels=24 kernel=5 ...`); layers
+        of two models with equal keys run at the same rate."""
+        layer = self.layers[index]
+        options = " ".join(f"{k}={v}" for k, v in layer.to_dict().items() if k != "kind")
+        return f"{layer.kind} {self.input_shape(index)}->{self.shapes[index]} {options}"
+
     # ---- serialisation ---------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -14,10 +14,12 @@ each other), or a late worker's halo arrived while it computed, the step is shor
 that sum, as the runtime's is.
 
 A calibrated model (`netpart calibrate` writes it; `--profile FILE` reads it) refines the terms
-with what this machine measured: compute(l, w) = the time of a slice of that kind and FLOPs
-read off the measured slices (x (1 + parallel_slowdown) with more than one worker: processes
-that share a machine's memory and cores) + fill_s_per_value x the input values the slice reads
-(`partition.planner.input_values`: its gather, its gradient's scatter); an exchange phase's
+with what this machine measured: compute(l, w) = the time of a slice of that layer (its
+`ModelSpec.layer_key`, where the calibration timed slices of it: `LayerCost`), else of that
+kind, and FLOPs read off the measured slices (x (1 + parallel_slowdown) with more than one
+worker: processes that share a machine's memory and cores) + fill_s_per_value x the input
+values the slice reads (`partition.planner.input_values`: its gather, its gradient's
+scatter); an exchange phase's
 time read off `link`, the runtime's exchange measured per size and number of peers (latency +
 bytes / bandwidth where it has none); all x `slice_scale` (slices in a step against slices
 timed alone), less `joined_saving_s` for a layer with no halo (the runtime runs it in one
@@ -52,6 +54,7 @@ __all__ = [
     "PROFILE_SCHEMA",
     "SPLIT_MIN_FLOPS",
     "KindCost",
+    "LayerCost",
     "NetworkModel",
     "layer_times",
     "step_times",
@@ -60,6 +63,7 @@ __all__ = [
 PROFILE_SCHEMA = 2  # 2: a kind's per_value counts the values a slice reads (1: its input buffer)
 SPLIT_MIN_FLOPS = 1e6  # per example: ~1.5 ms of work at batch 32 on one slow core
 FORWARD_SHARE = 1.0 / 3.0  # of a slice's time, its forward pass, where nothing was measured
+NEAR = 1.3  # a layer's slices within this factor of its smallest (largest) give its rate there
 
 _UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
@@ -151,6 +155,48 @@ class KindCost:
 
 
 @dataclass(frozen=True)
+class LayerCost:
+    """One layer's measured slice times (its `ModelSpec.layer_key`): (FLOPs x batch, seconds)
+    of slices of that very layer. A kind's table mixes layers whose slices of equal FLOPs run
+    at different rates (a local layer over 48 input channels at 11 GFLOP/s, one over 3 at 7);
+    a layer's own table does not. Read like a kind's table between its sizes, and beyond them
+    in proportion to the FLOPs at the rate of its nearest slices, never below `floor_s` (the
+    kind's smallest slice: what any slice costs)."""
+
+    points: tuple[tuple[float, float], ...]
+    floor_s: float = 0.0
+
+    @cached_property
+    def _table(self) -> tuple[np.ndarray, np.ndarray, float, float]:
+        """(sizes, seconds, seconds per FLOP at the smallest and at the largest sizes)."""
+        f, t = np.array(sorted(self.points), dtype=np.float64).T
+        small, large = f <= f[0] * NEAR, f >= f[-1] / NEAR
+        rates = (float(np.median(t[m] / f[m])) for m in (small, large))
+        sizes, first = np.unique(f, return_index=True)
+        seconds = np.array([np.median(s) for s in np.split(t, first[1:])])
+        return sizes, _non_decreasing(seconds), *rates
+
+    def seconds(self, work: np.ndarray) -> np.ndarray:
+        """Seconds of slices of this layer of `work` FLOPs (x batch)."""
+        f, t, small, large = self._table
+        work = np.asarray(work, dtype=np.float64)
+        inside = np.interp(work, f, t)
+        out = np.where(work < f[0], work * small, np.where(work > f[-1], work * large, inside))
+        return np.maximum(out, self.floor_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"points": [list(p) for p in self.points], "floor_s": self.floor_s}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LayerCost:
+        pts = _points(data["points"], "a layer")
+        floor = float(data.get("floor_s", 0.0))
+        if not pts or not floor >= 0.0:
+            raise ValueError("a layer needs positive (flops, seconds) points and floor_s >= 0")
+        return cls(pts, floor)
+
+
+@dataclass(frozen=True)
 class NetworkModel:
     """Cluster figures the prediction uses. Defaults: 1 Gbit/s Ethernet, 50 µs, 20 GFLOP/s,
     no fixed costs; a calibrated profile adds per-kind compute and the runtime's fixed costs
@@ -160,6 +206,7 @@ class NetworkModel:
     latency_s: float = 50e-6  # per exchange phase
     flops_per_s: float = 20e9  # sustained per worker (kinds not in `kinds`)
     kinds: dict[str, KindCost] = field(default_factory=dict)
+    layers: dict[str, LayerCost] = field(default_factory=dict)  # by `ModelSpec.layer_key`
     fill_s_per_value: float = 0.0  # gathering a slice's input / scattering its gradient
     step_fixed_s: float = 0.0  # per step
     collective_s: float = 0.0  # per step with more than one worker, beyond `gather`
@@ -182,13 +229,16 @@ class NetworkModel:
         if not (self.kinds or self.profile):  # an uncalibrated model: the three figures
             return {k: out[k] for k in ("bandwidth_bps", "latency_s", "flops_per_s")}
         kinds = {k: c.to_dict() for k, c in self.kinds.items()}
+        layers = {k: c.to_dict() for k, c in self.layers.items()}
         link = {str(k): [list(p) for p in v] for k, v in self.link.items()}
-        return {**out, "kinds": kinds, "link": link, "gather": [list(p) for p in self.gather]}
+        gather = [list(p) for p in self.gather]
+        return {**out, "kinds": kinds, "layers": layers, "link": link, "gather": gather}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> NetworkModel:
         data = dict(data)
         kinds = {k: KindCost.from_dict(v) for k, v in data.pop("kinds", {}).items()}
+        layers = {str(k): LayerCost.from_dict(v) for k, v in data.pop("layers", {}).items()}
         profile = str(data.pop("profile", ""))
         raw = data.pop("link", {})
         if not isinstance(raw, dict):
@@ -204,8 +254,9 @@ class NetworkModel:
             raise ValueError("overlap is true or false")
         floats = {k: float(v) for k, v in data.items()}
         return cls(
-            **floats, kinds=kinds, overlap=overlap, link=link, gather=gather, profile=profile
-        )
+            **floats, kinds=kinds, layers=layers, overlap=overlap, link=link, gather=gather,
+            profile=profile,
+        )  # fmt: skip
 
     @classmethod
     def from_profile(cls, text: str, source: str) -> NetworkModel:
@@ -244,6 +295,8 @@ class NetworkModel:
             link = f", link measured with {peers} peers" if self.link else ""
             if self.gather:
                 link += f", collective with {'/'.join(f'{n:g}' for n, _ in self.gather)} workers"
+            if self.layers:
+                link += f", {len(self.layers)} layers' own slice tables"
             if self.slice_scale != 1.0:  # fitted, or --net speed=
                 link += f", slice times x{self.slice_scale:.3g}"
             return (
@@ -261,20 +314,28 @@ class NetworkModel:
         batch: int,
         kinds: list[str] | None = None,
         values: np.ndarray | None = None,
+        keys: list[str] | None = None,
     ) -> np.ndarray:
         """[L, P]: each worker's compute per layer, from FLOPs per example [L, P] (and,
-        calibrated, the input values each worker's slice gathers per example [L, P])."""
+        calibrated, the input values each worker's slice gathers per example [L, P]): read
+        off the layer's own table where `layers` has its key (`ModelSpec.layer_key`), else
+        off its kind's."""
         out = flops * batch / self.flops_per_s
         if not self.kinds or kinds is None:
             return out
         gathered = np.zeros_like(out) if values is None else values * batch
         slow = self.slice_scale * (1.0 + (self.parallel_slowdown if flops.shape[1] > 1 else 0))
         for layer, kind in enumerate(kinds):
+            own = self.layers.get(keys[layer]) if keys is not None else None
             cost = self.kinds.get(kind)
-            if cost is not None:
+            if own is not None:
+                t = slow * own.seconds(flops[layer] * batch)
+            elif cost is not None:
                 t = slow * cost.seconds(flops[layer] * batch, gathered[layer])
-                t = t + gathered[layer] * self.fill_s_per_value
-                out[layer] = np.where(flops[layer] > 0, t, 0.0)
+            else:
+                continue
+            t = t + gathered[layer] * self.fill_s_per_value
+            out[layer] = np.where(flops[layer] > 0, t, 0.0)
         return out
 
     def forward_shares(self, kinds: list[str] | None, layers: int) -> np.ndarray:
@@ -372,11 +433,11 @@ def _chain_hiding(chains, flops, work, share, hide_fwd, hide_bwd):
     return fwd, bwd
 
 
-def _worker_times(flops, traffic, batch, net, kinds, values, interior, chains):
+def _worker_times(flops, traffic, batch, net, kinds, values, interior, chains, keys):
     """Per layer and worker [L, P]: compute, one direction's exchange time, the work that
     hides the forward and the backward exchange, and the forward share of compute."""
     flops = np.asarray(flops, dtype=np.float64)
-    work = net.worker_compute_s(flops, batch, kinds, values)
+    work = net.worker_compute_s(flops, batch, kinds, values, keys)
     if net.joined_saving_s:  # a layer with no halo runs in one graph with the layer below
         joined = traffic.sum(axis=(1, 2)) == 0
         joined[0] = False
@@ -410,6 +471,7 @@ def step_times(
     values: np.ndarray | None = None,
     interior: np.ndarray | None = None,
     chains: tuple[np.ndarray, np.ndarray] | None = None,
+    keys: list[str] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, float]:
     """(compute_s[l], exchange_s[l], path_s): the slowest worker's time in each layer
     (exchange: what overlap leaves exposed) and the step's layers on each worker's own
@@ -421,10 +483,11 @@ def step_times(
     per example (for a calibrated model) and `interior` [L, P] the share of each worker's
     units of each layer that read no halo (for overlap; none hidden without it), `chains`
     the producer chains' (late share, layer whose exchange it hides) [L, P] each
-    (`netpart.partition.planner.chain_shares`).
+    (`netpart.partition.planner.chain_shares`), and `keys` each layer's
+    `ModelSpec.layer_key` (a calibrated model's own tables of those layers).
     """
     work, phase, hide_fwd, hide_bwd, share = _worker_times(
-        flops, traffic, batch, net, kinds, values, interior, chains
+        flops, traffic, batch, net, kinds, values, interior, chains, keys
     )
     exp_f, exp_b = np.maximum(phase - hide_fwd, 0.0), np.maximum(phase - hide_bwd, 0.0)
     fwd, bwd = work * share, work * (1.0 - share)

@@ -291,8 +291,9 @@ def evaluate(
     if network.overlap:
         interior = interior_shares(graph, node_map, workers, (u, v))
         chains = chain_shares(graph, node_map, workers, (u, v))
+    keys = [spec.layer_key(i) for i in range(nlayers)]
     args = (flops / speed[None, :], traffic, batch, network, kinds, values, interior, chains)
-    compute, exchange, path = step_times(*args)  # path <= compute.sum() + exchange.sum()
+    compute, exchange, path = step_times(*args, keys)  # path <= compute.sum() + exchange.sum()
     fixed = network.fixed_s(workers)
     lower = layer_lower_bounds(spec, used.sum(axis=1))
     per_layer_volume = traffic.sum(axis=(1, 2))

@@ -47,7 +47,7 @@ import torch
 from netpart.models import load_spec
 from netpart.models.spec import ModelSpec
 from netpart.partition import build_unit_graph, plan
-from netpart.partition.cost import PROFILE_SCHEMA, KindCost, NetworkModel
+from netpart.partition.cost import PROFILE_SCHEMA, KindCost, LayerCost, NetworkModel
 from netpart.partition.graph import BYTES_PER_VALUE, UnitGraph
 from netpart.partition.planner import PartitionPlan, input_values, reevaluate
 from netpart.partition.volume import layer_traffic
@@ -64,6 +64,7 @@ __all__ = [
     "Runner",
     "calibrate",
     "kind_cost",
+    "layer_costs",
     "profile_json",
     "step_cpu_s",
 ]
@@ -180,16 +181,18 @@ def _fastest(timings: list[SliceTimes]) -> SliceTimes:
     return SliceTimes(fwd, bwd, timings[0].batch)
 
 
-def _compute_points(specs, batch: int, runner: Runner, say: Progress) -> dict[str, list]:
+def _compute_points(specs, batch: int, runner: Runner, say: Progress) -> tuple[dict, dict]:
     """Per kind, (FLOPs x batch, input values gathered x batch, seconds fwd+bwd, forward
-    share) of every slice of 1- to 3-worker plans: per slice the faster of SLICE_PASSES
-    timings, one per pass over all the models (a slow moment of the machine lasts seconds)."""
+    share) of every slice of 1- to 3-worker plans, and per layer (`ModelSpec.layer_key`),
+    (FLOPs x batch, seconds) of its slices: per slice the faster of SLICE_PASSES timings, one
+    per pass over all the models (a slow moment of the machine lasts seconds)."""
     plans = {spec.name: [plan(spec, n, "metis", batch=batch) for n in (1, 2, 3)] for spec in specs}
     passes = []
     for k in range(SLICE_PASSES):
         passes.append([runner.slices(spec, plans[spec.name], batch) for spec in specs])
         say(f"slices: pass {k + 1} of {SLICE_PASSES} timed {len(specs)} models")
     points: dict[str, list[tuple[float, float, float, float]]] = {}
+    per_layer: dict[str, list[tuple[float, float]]] = {}
     for m, spec in enumerate(specs):
         for i, p in enumerate(plans[spec.name]):
             times = _fastest([timed[m][i] for timed in passes])
@@ -201,7 +204,19 @@ def _compute_points(specs, batch: int, runner: Runner, say: Progress) -> dict[st
                     points.setdefault(kind, []).append(
                         (flops[layer, w], values[layer, w], t, times.forward[layer, w] / t)
                     )
-    return points
+                    per_layer.setdefault(spec.layer_key(layer), []).append((flops[layer, w], t))
+    return points, per_layer
+
+
+def layer_costs(per_layer: dict[str, list], kinds: dict[str, KindCost]) -> dict[str, LayerCost]:
+    """Each layer's own table (`LayerCost`) from its slices, where they have two sizes or
+    more, floored at its kind's smallest slice."""
+    out = {}
+    for key, pts in sorted(per_layer.items()):
+        if len({f for f, _ in pts}) > 1:
+            floor = float(kinds[key.split()[0]].seconds(np.zeros(1))[0])
+            out[key] = LayerCost(tuple(sorted((float(f), float(t)) for f, t in pts)), floor)
+    return out
 
 
 def kind_cost(points: list[tuple[float, float, float, float]]) -> KindCost:
@@ -230,7 +245,8 @@ def _figures(spec: ModelSpec, p: PartitionPlan, batch: int, net: NetworkModel) -
     flops, traffic, values = _plan_arrays(spec, p)
     busiest = np.maximum(traffic.sum(axis=1), traffic.sum(axis=2)).max(axis=1)
     kinds = [layer.kind for layer in spec.layers]
-    compute = net.worker_compute_s(flops, batch, kinds, values).max(axis=1)
+    keys = [spec.layer_key(i) for i in range(len(kinds))]
+    compute = net.worker_compute_s(flops, batch, kinds, values, keys).max(axis=1)
     joined = traffic.sum(axis=(1, 2)) == 0
     return {
         "joined": int(joined[1:].sum()),
@@ -409,9 +425,10 @@ def calibrate(
     runner = runner or LocalRunner()
     specs = [load_spec(m) for m in models]
     extra = [load_spec(m) for m in slice_models if m not in models]
-    points = _compute_points(specs + extra, batch, runner, say)
+    points, per_layer = _compute_points(specs + extra, batch, runner, say)
     kinds = {k: kind_cost(v) for k, v in sorted(points.items())}
-    base = NetworkModel(kinds=kinds, overlap=runner.overlap)
+    layers = layer_costs(per_layer, kinds)
+    base = NetworkModel(kinds=kinds, layers=layers, overlap=runner.overlap)
     link = {"sizes": [float(b) for b in LINK_SIZES], "seconds": {}, "gather_s": {}}
     for world in range(2, min(runner.machines, LINK_WORLD) + 1):
         times, gather = runner.link(LINK_SIZES, 10, world)

@@ -139,3 +139,12 @@ def test_malformed_json_says_where(tmp_path):
 def test_unknown_model_lists_the_zoo():
     with pytest.raises(SpecError, match=r"unknown model 'resnet'.*speech"):
         load_spec("resnet")
+
+
+def test_a_layer_key_is_its_kind_options_and_shapes_not_its_model():
+    narrow, wide = load_spec("bench-local"), load_spec("bench-local-wide")
+    want = "local 3x48x48->24x44x44 channels=24 kernel=5 stride=1 padding=0 activation=relu"
+    assert narrow.layer_key(0) == want and wide.layer_key(0) != want
+    renamed = ModelSpec.from_json(narrow.to_json().replace('"bench-local"', '"other"'))
+    assert renamed.name == "other"
+    assert [renamed.layer_key(i) for i in range(6)] == [narrow.layer_key(i) for i in range(6)]

@@ -13,12 +13,12 @@ from netpart.cli import main
 from netpart.errors import PlanError
 from netpart.models import load_spec
 from netpart.partition import Granularity, NetworkModel, build_unit_graph, plan
-from netpart.partition.cost import KindCost, layer_times
+from netpart.partition.cost import KindCost, LayerCost, layer_times
 from netpart.partition.planner import PartitionPlan, chain_shares, interior_shares, reevaluate
 from netpart.partition.schedule import plan_schedule
 from netpart.partition.sweep import knee, parse_counts
 from netpart.partition.volume import layer_traffic
-from netpart.runtime.calibrate import fit, kind_cost, step_cpu_s
+from netpart.runtime.calibrate import fit, kind_cost, layer_costs, step_cpu_s
 from tests.conftest import chain_specs
 
 CALIBRATED = NetworkModel(
@@ -39,6 +39,9 @@ def test_a_profile_round_trips_and_an_uncalibrated_model_keeps_its_three_figures
     back = NetworkModel.from_profile(_profile_text(CALIBRATED), "p.json")
     assert back == CALIBRATED and back.describe().startswith("calibrated profile p.json:")
     assert NetworkModel.from_dict(CALIBRATED.to_dict()) == CALIBRATED
+    own = replace(CALIBRATED, layers={"dense 64->256 units=256": LayerCost(((1e6, 1e-3),), 1e-4)})
+    assert NetworkModel.from_profile(_profile_text(own), "p.json") == own
+    assert "1 layers' own slice tables" in own.describe()
     assert set(NetworkModel().to_dict()) == {"bandwidth_bps", "latency_s", "flops_per_s"}
 
 
@@ -50,6 +53,7 @@ def test_a_profile_round_trips_and_an_uncalibrated_model_keeps_its_three_figures
         ('{"schema_version": 1, "model": {}}', "an older calibration.*netpart calibrate"),
         ('{"schema_version": 2}', "model"),
         (_profile_text(NetworkModel(step_fixed_s=-1.0, profile="x")), "fixed costs >= 0"),
+        (_profile_text(replace(CALIBRATED, layers={"x": LayerCost(((1.0, -1.0),))})), "positive"),
     ],
 )
 def test_a_bad_profile_is_one_line(text, why):
@@ -75,6 +79,38 @@ def test_one_slow_slice_does_not_scale_the_predictions_above_the_table():
     big = float(slow.seconds(np.array([8e7]))[0])
     assert big == pytest.approx(0.01 + 7.2e7 * 1e-9)  # the rate of the clean sizes, not 3x
     assert np.all(np.diff(slow.seconds(np.linspace(1e6, 8e6, 50))) >= 0)
+
+
+def test_a_layer_s_own_table_scales_beyond_its_sizes_at_its_nearest_slices_rate():
+    own = LayerCost(((1e8, 10e-3), (1.1e8, 12e-3), (2e8, 20e-3), (4e8, 36e-3)), floor_s=1e-3)
+    t = own.seconds(np.array([1e6, 5e7, 1.5e8, 8e8]))
+    small = np.median([10e-3 / 1e8, 12e-3 / 1.1e8])  # the slices within 1.3x of the smallest
+    assert t[0] == pytest.approx(1e-3)  # never below the kind's smallest slice
+    assert t[1] == pytest.approx(5e7 * small)
+    assert t[2] == pytest.approx(12e-3 + 8e-3 * 0.4 / 0.9)  # between its sizes: interpolated
+    assert t[3] == pytest.approx(36e-3 * 2)  # above: at the largest slice's rate
+
+
+def test_a_layer_with_its_own_table_is_read_off_it_and_the_others_off_their_kind():
+    spec = load_spec("digits-mlp")
+    keys = [spec.layer_key(i) for i in range(3)]
+    own = LayerCost(((1e6, 5e-3), (2e6, 1e-2)))
+    net = replace(CALIBRATED, layers={keys[1]: own})
+    flops, kinds = np.full((3, 2), 5e4), ["dense"] * 3
+    got = net.worker_compute_s(flops, 32, kinds, None, keys)
+    assert got[1] == pytest.approx([0.9 * 1.2 * 8e-3] * 2)  # 1.6e6 FLOPs: 8 ms, slowed
+    assert got[[0, 2]] == pytest.approx(CALIBRATED.worker_compute_s(flops, 32, kinds)[[0, 2]])
+    assert net.worker_compute_s(flops, 32, kinds) == pytest.approx(
+        CALIBRATED.worker_compute_s(flops, 32, kinds)
+    )  # without the layers' keys: their kind's table
+    p = plan(spec, 2, "stripe", batch=32, network=CALIBRATED)
+    assert reevaluate(spec, p, 32, net).metrics.compute_s > p.metrics.compute_s
+
+
+def test_layer_tables_are_made_for_layers_timed_at_two_sizes_and_floored_at_their_kind():
+    kinds = {"dense": KindCost(((1e3, 2e-4), (1e6, 1e-3)))}
+    made = layer_costs({"dense a": [(1e6, 1e-3), (2e6, 2e-3)], "dense b": [(1e6, 1e-3)] * 2}, kinds)
+    assert list(made) == ["dense a"] and made["dense a"].floor_s == pytest.approx(2e-4)
 
 
 def test_a_phase_is_read_off_the_link_table_and_a_cluster_replaces_it():
@@ -303,6 +339,9 @@ def test_calibrate_writes_a_profile_that_plan_and_run_use(tmp_path, capsys):
     model = NetworkModel.from_profile(out.read_text(), str(out))
     kinds = {layer.kind for name in ("tiny-mlp", "tiny-local") for layer in load_spec(name).layers}
     assert set(model.kinds) == kinds  # a slice table for every kind measured
+    keys = {s.layer_key(i) for s in map(load_spec, ("tiny-mlp", "tiny-local", "digits-mlp"))
+            for i in range(len(s.layers))}  # fmt: skip
+    assert model.layers and set(model.layers) <= keys  # and for layers timed at two sizes
     measured = json.loads(out.read_text())["measurements"]
     # Dense slices of 1-, 2- and 3-worker plans: tiny-mlp's 2 layers, tiny-local's 1 and the
     # slice-only digits-mlp's 3, each 1 + 2 + 3 slices; digits-mlp takes no step.

@@ -42,13 +42,13 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import asdict, dataclass, field, replace
-from functools import cached_property
 from typing import Any
 
 import numpy as np
 
 from netpart.errors import PlanError
 from netpart.partition.graph import BYTES_PER_VALUE
+from netpart.partition.tables import FORWARD_SHARE, KindCost, LayerCost, table_points
 
 __all__ = [
     "PROFILE_SCHEMA",
@@ -62,19 +62,9 @@ __all__ = [
 
 PROFILE_SCHEMA = 2  # 2: a kind's per_value counts the values a slice reads (1: its input buffer)
 SPLIT_MIN_FLOPS = 1e6  # per example: ~1.5 ms of work at batch 32 on one slow core
-FORWARD_SHARE = 1.0 / 3.0  # of a slice's time, its forward pass, where nothing was measured
-NEAR = 1.3  # a layer's slices within this factor of its smallest (largest) give its rate there
 
 _UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
-
-
-def _points(raw, what: str) -> tuple[tuple[float, float], ...]:
-    """Sorted (size, seconds) pairs of a table read from JSON; ValueError if not positive."""
-    pts = tuple(sorted((float(x), float(t)) for x, t in raw))
-    if any(x <= 0 or t <= 0 for x, t in pts):
-        raise ValueError(f"{what} needs positive (size, seconds) points")
-    return pts
 
 
 def _read(table: tuple[tuple[float, float], ...], x: np.ndarray) -> np.ndarray:
@@ -87,113 +77,6 @@ def _read(table: tuple[tuple[float, float], ...], x: np.ndarray) -> np.ndarray:
     rate = (t[-1] - t[-2]) / (b[-1] - b[-2]) if len(b) > 1 else 0.0
     above = t[-1] + (x - b[-1]) * (rate if rate > 0 else t[-1] / b[-1])
     return np.where(x > b[-1], above, np.interp(x, b, t))
-
-
-def _non_decreasing(t: np.ndarray) -> np.ndarray:
-    """The non-decreasing sequence nearest `t` in least squares (pool adjacent violators:
-    a run that falls is replaced by its mean; a loop over a table's few points)."""
-    means: list[float] = []
-    counts: list[int] = []
-    for v in t:
-        means.append(float(v))
-        counts.append(1)
-        while len(means) > 1 and means[-2] > means[-1]:
-            n = counts[-2] + counts[-1]
-            means[-2:] = [(means[-2] * counts[-2] + means[-1] * counts[-1]) / n]
-            counts[-2:] = [n]
-    return np.repeat(means, counts)
-
-
-@dataclass(frozen=True)
-class KindCost:
-    """A layer kind's measured slice times: (FLOPs x batch, seconds forward+backward) points
-    of this machine's slices, sorted, less `per_value` x the input values (x batch) each slice
-    gathered; a slice's time is read off them, plus its own values' share (see `seconds`)."""
-
-    points: tuple[tuple[float, float], ...]
-    forward_share: float = FORWARD_SHARE  # of a slice's time, its forward pass (median measured)
-    per_value: float = 0.0  # seconds per input value (x batch) a slice gathers
-
-    @cached_property
-    def _table(self) -> tuple[np.ndarray, np.ndarray, float]:
-        """(sizes, seconds, seconds per FLOP above them) of `seconds`, computed once."""
-        f, t = np.array(sorted(self.points), dtype=np.float64).T
-        f, first = np.unique(f, return_index=True)
-        t = np.array([np.median(s) for s in np.split(t, first[1:])])
-        return f, _non_decreasing(t), float(np.median(t[-3:] / f[-3:]))
-
-    def seconds(self, work: np.ndarray, values: np.ndarray | float = 0.0) -> np.ndarray:
-        """Seconds of slices of `work` FLOPs that gather `values` input values (both x batch):
-        `per_value` x values, plus piecewise linear between measured points (one time per
-        size, their median; made non-decreasing by least squares), the smallest size's time
-        below them (a slice's fixed cost dominates there), and above them the largest time
-        plus the median seconds per FLOP of the three largest sizes, so one slow slice cannot
-        scale every larger prediction."""
-        f, t, rate = self._table
-        table = np.where(work > f[-1], t[-1] + rate * (work - f[-1]), np.interp(work, f, t))
-        return table + self.per_value * np.asarray(values, dtype=np.float64)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "points": [list(p) for p in self.points],
-            "forward_share": self.forward_share,
-            "per_value": self.per_value,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> KindCost:
-        pts = _points(data["points"], "a kind")
-        if not pts:
-            raise ValueError("a kind needs positive (flops, seconds) points")
-        share = float(data.get("forward_share", FORWARD_SHARE))
-        if not 0.0 < share < 1.0:
-            raise ValueError("a kind's forward_share is between 0 and 1")
-        per_value = float(data.get("per_value", 0.0))
-        if not per_value >= 0.0:
-            raise ValueError("a kind's per_value is >= 0")
-        return cls(pts, share, per_value)
-
-
-@dataclass(frozen=True)
-class LayerCost:
-    """One layer's measured slice times (its `ModelSpec.layer_key`): (FLOPs x batch, seconds)
-    of slices of that very layer. A kind's table mixes layers whose slices of equal FLOPs run
-    at different rates (a local layer over 48 input channels at 11 GFLOP/s, one over 3 at 7);
-    a layer's own table does not. Read like a kind's table between its sizes, and beyond them
-    in proportion to the FLOPs at the rate of its nearest slices, never below `floor_s` (the
-    kind's smallest slice: what any slice costs)."""
-
-    points: tuple[tuple[float, float], ...]
-    floor_s: float = 0.0
-
-    @cached_property
-    def _table(self) -> tuple[np.ndarray, np.ndarray, float, float]:
-        """(sizes, seconds, seconds per FLOP at the smallest and at the largest sizes)."""
-        f, t = np.array(sorted(self.points), dtype=np.float64).T
-        small, large = f <= f[0] * NEAR, f >= f[-1] / NEAR
-        rates = (float(np.median(t[m] / f[m])) for m in (small, large))
-        sizes, first = np.unique(f, return_index=True)
-        seconds = np.array([np.median(s) for s in np.split(t, first[1:])])
-        return sizes, _non_decreasing(seconds), *rates
-
-    def seconds(self, work: np.ndarray) -> np.ndarray:
-        """Seconds of slices of this layer of `work` FLOPs (x batch)."""
-        f, t, small, large = self._table
-        work = np.asarray(work, dtype=np.float64)
-        inside = np.interp(work, f, t)
-        out = np.where(work < f[0], work * small, np.where(work > f[-1], work * large, inside))
-        return np.maximum(out, self.floor_s)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"points": [list(p) for p in self.points], "floor_s": self.floor_s}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> LayerCost:
-        pts = _points(data["points"], "a layer")
-        floor = float(data.get("floor_s", 0.0))
-        if not pts or not floor >= 0.0:
-            raise ValueError("a layer needs positive (flops, seconds) points and floor_s >= 0")
-        return cls(pts, floor)
 
 
 @dataclass(frozen=True)
@@ -243,10 +126,10 @@ class NetworkModel:
         raw = data.pop("link", {})
         if not isinstance(raw, dict):
             raise ValueError("link is {peers: [[bytes, seconds], ...]}")
-        link = {int(k): _points(v, "link") for k, v in raw.items()}
+        link = {int(k): table_points(v, "link") for k, v in raw.items()}
         if any(k < 1 or not v for k, v in link.items()):
             raise ValueError("link needs peers >= 1, each with (bytes, seconds) points")
-        gather = _points(data.pop("gather", ()), "gather")
+        gather = table_points(data.pop("gather", ()), "gather")
         if any(n < 2 for n, _ in gather):
             raise ValueError("gather needs (workers >= 2, seconds) points")
         overlap = data.pop("overlap", True)

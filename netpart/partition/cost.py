@@ -19,14 +19,13 @@ with what this machine measured: compute(l, w) = the time of a slice of that lay
 kind, and FLOPs read off the measured slices (x (1 + parallel_slowdown) with more than one
 worker: processes that share a machine's memory and cores) + fill_s_per_value x the input
 values the slice reads (`partition.planner.input_values`: its gather, its gradient's
-scatter); an exchange phase's
-time read off `link`, the runtime's exchange measured per size and number of peers (latency +
-bytes / bandwidth where it has none); all x `slice_scale` (slices in a step against slices
-timed alone), less `joined_saving_s` for a layer with no halo (the runtime runs it in one
-autograd graph with the layer below); and `fixed` = `step_fixed_s` (loss, interpreter) + with
-more than one worker, the loss's collective read off `gather` (measured per number of workers:
-piecewise linear, the last segment's rate beyond it) + `collective_s` (what else a step of more
-than one worker costs once).
+scatter); an exchange phase's time read off `link`, the runtime's exchange measured per size
+and number of peers (latency + bytes / bandwidth where it has none); all x `slice_scale`
+(slices in a step against slices timed alone), less `joined_saving_s` for a layer with no
+halo (the runtime runs it in one autograd graph with the layer below); and `fixed` =
+`step_fixed_s` (loss, interpreter) + with more than one worker, the loss's collective read
+off `gather` (measured per number of workers: piecewise linear, the last segment's rate
+beyond it) + `collective_s` (what else a step of more than one worker costs once).
 
 With `overlap` (workers on machines of their own: the runtime then splits every layer whose
 work on a worker reaches `SPLIT_MIN_FLOPS` per example), a worker's forward halo travels

@@ -86,10 +86,11 @@ def traced(spec, method: str, workers: int, batch: int, cache: Path, fresh: bool
 
 def calibrated(profile: NetworkModel, net_name: str, net: NetworkModel) -> NetworkModel:
     """The profile's machines (slice tables, fixed costs) on the scenario's links (the
-    measured link and collective tables dropped), every worker on a machine of its own (halo
-    hidden behind interior compute)."""
+    measured link, collective and crowd tables dropped: the emulated machines' shared host is
+    not the cluster's), every worker on a machine of its own (halo hidden behind interior
+    compute)."""
     scenario = replace(profile, bandwidth_bps=net.bandwidth_bps, latency_s=net.latency_s,
-                       link={}, gather=(), overlap=True)  # fmt: skip
+                       link={}, gather=(), crowd=(), overlap=True)  # fmt: skip
     return scenario.faster(1 / COMPUTE_SCALE.get(net_name, 1.0))  # as `--net speed=`
 
 

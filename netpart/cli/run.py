@@ -196,6 +196,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         f"{model.step_fixed_s * 1e3:.2f} ms; with N = 2 +{gather:.2f} ms (the loss's collective, "
         f"measured) +{fitted:.2f} ms (fitted) and compute x{1 + model.parallel_slowdown:.2f}"
     )
+    for n, slowdown, seconds in model.crowd:
+        echo(
+            f"with N = {n:g}: compute x{1 + model.parallel_slowdown + slowdown:.2f}, "
+            f"+{seconds * 1e3:.2f} ms a step beyond N = 2's terms (steps measured at {n:g})"
+        )
     echo(f"wrote {args.out}; use it with `netpart plan|run|train --profile {args.out}`")
     return 0
 

@@ -25,7 +25,10 @@ and number of peers (latency + bytes / bandwidth where it has none); all x `slic
 halo (the runtime runs it in one autograd graph with the layer below); and `fixed` =
 `step_fixed_s` (loss, interpreter) + with more than one worker, the loss's collective read
 off `gather` (measured per number of workers: piecewise linear, the last segment's rate
-beyond it) + `collective_s` (what else a step of more than one worker costs once).
+beyond it) + `collective_s` (what else a step of more than one worker costs once). Where the
+calibration stepped more than two workers, `crowd` adds what those steps held beyond that:
+per number of workers a further compute slowdown and seconds per step (machines that share a
+host slow down as more of them run at once), linear in between, the largest count's beyond.
 
 With `overlap` (workers on machines of their own: the runtime then splits every layer whose
 work on a worker reaches `SPLIT_MIN_FLOPS` per example), a worker's forward halo travels
@@ -101,6 +104,9 @@ class NetworkModel:
     link: dict[int, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     # (workers, seconds) of the loss's collective among that many, sorted
     gather: tuple[tuple[float, float], ...] = ()
+    # (workers >= 3, slowdown, seconds) of steps at that many workers beyond the 2-worker fit
+    # (corrections: either may be negative)
+    crowd: tuple[tuple[float, float, float], ...] = ()
     profile: str = ""  # the profile these figures came from ("": defaults or --net)
 
     def __hash__(self) -> int:
@@ -114,7 +120,9 @@ class NetworkModel:
         layers = {k: c.to_dict() for k, c in self.layers.items()}
         link = {str(k): [list(p) for p in v] for k, v in self.link.items()}
         gather = [list(p) for p in self.gather]
-        return {**out, "kinds": kinds, "layers": layers, "link": link, "gather": gather}
+        crowd = [list(p) for p in self.crowd]
+        return {**out, "kinds": kinds, "layers": layers, "link": link, "gather": gather,
+                "crowd": crowd}  # fmt: skip
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> NetworkModel:
@@ -131,13 +139,14 @@ class NetworkModel:
         gather = table_points(data.pop("gather", ()), "gather")
         if any(n < 2 for n, _ in gather):
             raise ValueError("gather needs (workers >= 2, seconds) points")
+        crowd = _crowd_points(data.pop("crowd", ()))
         overlap = data.pop("overlap", True)
         if not isinstance(overlap, bool):
             raise ValueError("overlap is true or false")
         floats = {k: float(v) for k, v in data.items()}
         return cls(
             **floats, kinds=kinds, layers=layers, overlap=overlap, link=link, gather=gather,
-            profile=profile,
+            crowd=crowd, profile=profile,
         )  # fmt: skip
 
     @classmethod
@@ -159,8 +168,13 @@ class NetworkModel:
                 f"--profile {source}: {exc}; write one with `netpart calibrate --out FILE`"
             ) from None
         fixed = (model.fill_s_per_value, model.step_fixed_s, model.collective_s)
-        if min(model.bandwidth_bps, model.flops_per_s) <= 0 or min(fixed) < 0:
-            raise PlanError(f"--profile {source}: rates must be positive, fixed costs >= 0")
+        fixed += tuple(model.fixed_s(round(n)) for n, *_ in model.crowd)
+        slow = (1 + model.parallel_slowdown + s for _, s, _ in model.crowd)
+        if min(model.bandwidth_bps, model.flops_per_s, *slow) <= 0 or min(fixed) < 0:
+            raise PlanError(
+                f"--profile {source}: rates and compute slowdowns must be positive, fixed "
+                "costs >= 0"
+            )
         return model
 
     def faster(self, speed: float) -> NetworkModel:
@@ -177,6 +191,8 @@ class NetworkModel:
             link = f", link measured with {peers} peers" if self.link else ""
             if self.gather:
                 link += f", collective with {'/'.join(f'{n:g}' for n, _ in self.gather)} workers"
+            if self.crowd:
+                link += f", steps at {'/'.join(f'{n:g}' for n, *_ in self.crowd)} workers"
             if self.layers:
                 link += f", {len(self.layers)} layers' own slice tables"
             if self.slice_scale != 1.0:  # fitted, or --net speed=
@@ -206,7 +222,9 @@ class NetworkModel:
         if not self.kinds or kinds is None:
             return out
         gathered = np.zeros_like(out) if values is None else values * batch
-        slow = self.slice_scale * (1.0 + (self.parallel_slowdown if flops.shape[1] > 1 else 0))
+        workers = flops.shape[1]
+        crowd = self.crowd_terms(workers)[0]
+        slow = self.slice_scale * (1.0 + (self.parallel_slowdown + crowd if workers > 1 else 0))
         for layer, kind in enumerate(kinds):
             own = self.layers.get(keys[layer]) if keys is not None else None
             cost = self.kinds.get(kind)
@@ -249,7 +267,16 @@ class NetworkModel:
         collective (`gather_s`) and `collective_s`."""
         if workers <= 1:
             return self.step_fixed_s
-        return self.step_fixed_s + self.gather_s(workers) + self.collective_s
+        crowd = self.crowd_terms(workers)[1]
+        return self.step_fixed_s + self.gather_s(workers) + self.collective_s + crowd
+
+    def crowd_terms(self, workers: int) -> tuple[float, float]:
+        """(further compute slowdown, seconds per step) with `workers`, off `crowd`: none
+        at 2 or fewer, linear between the measured counts, the largest count's beyond it."""
+        if workers <= 2 or not self.crowd:
+            return 0.0, 0.0
+        n, slowdown, seconds = np.array(((2.0, 0.0, 0.0), *self.crowd)).T
+        return float(np.interp(workers, n, slowdown)), float(np.interp(workers, n, seconds))
 
     @classmethod
     def parse(cls, text: str, base: NetworkModel | None = None) -> NetworkModel:
@@ -293,10 +320,23 @@ class NetworkModel:
         net = replace(base or cls(), **values, overlap=True)  # a cluster: machines of their own
         net = net.faster(speed)
         if {"bandwidth_bps", "latency_s"} & values.keys():
-            net = replace(net, link={}, gather=())  # the cluster's network, not the measured
+            # the cluster's network, not the measured one
+            net = replace(net, link={}, gather=(), crowd=())
         if min(net.bandwidth_bps, net.flops_per_s) <= 0 or net.latency_s < 0:
             raise PlanError("--net: bandwidth and flops must be positive, latency >= 0")
         return net
+
+
+def _crowd_points(raw: Any) -> tuple[tuple[float, float, float], ...]:
+    """`crowd` from JSON: [[workers >= 3, slowdown, seconds], ...], sorted (corrections to
+    the two-worker terms: either may be negative; `from_profile` checks what they leave)."""
+    try:
+        points = tuple(sorted((float(n), float(s), float(t)) for n, s, t in raw))
+    except (TypeError, ValueError):
+        raise ValueError("crowd is [[workers, slowdown, seconds], ...]") from None
+    if any(n < 3 or not np.isfinite([s, t]).all() for n, s, t in points):
+        raise ValueError("crowd needs workers >= 3 and finite slowdown and seconds")
+    return points
 
 
 def _chain_hiding(chains, flops, work, share, hide_fwd, hide_bwd):

@@ -26,6 +26,13 @@ probe is the profile's `probe_s`, against which `netpart run` says how fast the 
 5. Steps on 2 processes: what is left beyond the planner's prediction so far (overlap and
    the measured collective included), fitted to collective_s + parallel_slowdown x compute
    + a cost per exchange phase in a step (added to the link tables).
+6. Steps on more processes, where the runner has the machines (`crowd_counts`: 4, 8 and its
+   own count, at most `LINK_WORLD`): what is left beyond all that, per number of workers,
+   fitted to seconds per step + a further slowdown of compute (the profile's `crowd`).
+   Emulated machines that share one host need it: with 8 of them at 0.2 core stepping, the
+   host's kernel spends a third of its cores moving their messages, and compute slows.
+
+The fitting itself is `netpart.runtime.fitting` (pure).
 
 The result is a `NetworkModel` whose `profile` names the file; `profile_json` adds every
 measurement it was fitted to, so a profile can be checked by hand.
@@ -47,11 +54,12 @@ import torch
 from netpart.models import load_spec
 from netpart.models.spec import ModelSpec
 from netpart.partition import build_unit_graph, plan
-from netpart.partition.cost import PROFILE_SCHEMA, KindCost, LayerCost, NetworkModel
+from netpart.partition.cost import PROFILE_SCHEMA, NetworkModel
 from netpart.partition.graph import BYTES_PER_VALUE, UnitGraph
 from netpart.partition.planner import PartitionPlan, input_values, reevaluate
 from netpart.partition.volume import layer_traffic
 from netpart.runtime.check import make_batch
+from netpart.runtime.fitting import Crowd, Plans, fit, kind_cost, layer_costs
 from netpart.runtime.speed import SpeedProbe, probe_once
 from netpart.runtime.step import LINK_SIZES, run_link, run_step, timed_steps, warmup_steps
 from netpart.runtime.trace import SliceTimes, measure_slices
@@ -63,6 +71,8 @@ __all__ = [
     "LocalRunner",
     "Runner",
     "calibrate",
+    "crowd_counts",
+    "fit",
     "kind_cost",
     "layer_costs",
     "profile_json",
@@ -208,36 +218,6 @@ def _compute_points(specs, batch: int, runner: Runner, say: Progress) -> tuple[d
     return points, per_layer
 
 
-def layer_costs(per_layer: dict[str, list], kinds: dict[str, KindCost]) -> dict[str, LayerCost]:
-    """Each layer's own table (`LayerCost`) from its slices, where they have two sizes or
-    more, floored at its kind's smallest slice."""
-    out = {}
-    for key, pts in sorted(per_layer.items()):
-        if len({f for f, _ in pts}) > 1:
-            floor = float(kinds[key.split()[0]].seconds(np.zeros(1))[0])
-            out[key] = LayerCost(tuple(sorted((float(f), float(t)) for f, t in pts)), floor)
-    return out
-
-
-def kind_cost(points: list[tuple[float, float, float, float]]) -> KindCost:
-    """A kind's table, with the seconds per gathered input value that a fit of time to
-    (1, FLOPs, values) gives where that lowers the table's error on its own points (a dense
-    slice over a large input costs more than one of the same FLOPs over a small one)."""
-    share = float(np.clip(np.median([s for *_, s in points]), 0.05, 0.95))
-    f, v, t = np.array([p[:3] for p in points], dtype=np.float64).T
-    plain = KindCost(tuple(sorted(zip(f, t, strict=True))), share)
-    per_value = _lstsq(np.column_stack([np.ones_like(f), f, v]).tolist(), t.tolist(), t.tolist())[2]
-    rest = t - per_value * v
-    if per_value <= 0 or (rest <= 0).any():  # what the values leave of a slice is positive
-        return plain
-    with_values = KindCost(tuple(sorted(zip(f, rest, strict=True))), share, per_value)
-
-    def error(cost: KindCost) -> float:
-        return float(np.square(np.log(cost.seconds(f, v) / t)).sum())
-
-    return with_values if error(with_values) < error(plain) else plain
-
-
 def _figures(spec: ModelSpec, p: PartitionPlan, batch: int, net: NetworkModel) -> dict:
     """What the fit needs of a plan: the busiest worker's bytes each way in each layer's
     exchange (two phases each: forward and backward), compute by the slice tables alone
@@ -255,33 +235,22 @@ def _figures(spec: ModelSpec, p: PartitionPlan, batch: int, net: NetworkModel) -
     }
 
 
-def _lstsq(rows: list[list[float]], target: list[float], steps: list[float] | None = None):
-    """Non-negative least squares by clamping a negative unknown to 0 and refitting the
-    rest; with `steps`, every equation weighted by 1 / its run's step time (relative errors
-    count: a small model weighs as much as a large one)."""
-    a, t = np.array(rows, dtype=float), np.array(target, dtype=float)
-    if steps is not None:
-        w = 1.0 / np.maximum(np.array(steps, dtype=float), 1e-12)
-        a, t = a * w[:, None], t * w
-    sol, *_ = np.linalg.lstsq(a, t, rcond=None)
-    if (sol < 0).any():  # refit with the negative one at 0
-        keep = sol >= 0
-        sol = np.zeros_like(sol)
-        sol[keep] = np.linalg.lstsq(a[:, keep], t, rcond=None)[0]
-    return [max(float(v), 0.0) for v in sol]
+def crowd_counts(machines: int) -> list[int]:
+    """The worker counts above 2 that calibration steps on `machines`: each power of two
+    and `machines` itself, up to LINK_WORLD."""
+    top = min(machines, LINK_WORLD)
+    return sorted({n for n in (4, 8, top) if 2 < n <= top})
 
 
-Plans = list[tuple[ModelSpec, PartitionPlan, PartitionPlan]]  # each model's 1- and 2-worker plan
-
-
-def _runs(plans: Plans, batch: int, steps: int, repeats: int, runner, base, say):
-    """Each model's steps on 1 and 2 processes (and 2 exchanging only), with their figures,
-    and the median speed probe of the runs (`netpart.runtime.speed`: the machine as it was
-    calibrated). The runs go round the models `repeats` times, so a model's runs are spread
-    over the whole stage (this machine's slow spells last seconds to minutes and would
-    otherwise fall on every run of one model); a case's time is the median of its runs,
-    each run's probe recorded beside it. A run times at least `steps` steps and about
-    CALIBRATION_S of them (by the slice tables' prediction)."""
+def _runs(plans: Plans, wide: dict, batch: int, steps: int, repeats: int, runner, base, say):
+    """Each model's steps on 1 and 2 processes (and 2 exchanging only; and on each count of
+    `wide`: {workers: each model's plan}), with their figures, and the median speed probe
+    of the runs (`netpart.runtime.speed`: the machine as it was calibrated). The runs go
+    round the models `repeats` times, so a model's runs are spread over the whole stage (this
+    machine's slow spells last seconds to minutes and would otherwise fall on every run of
+    one model); a case's time is the median of its runs, each run's probe recorded beside
+    it. A run times at least `steps` steps and about CALIBRATION_S of them (by the slice
+    tables' prediction)."""
     cases = []
     for spec, one, two in plans:
         n_one, n_two = (
@@ -292,12 +261,17 @@ def _runs(plans: Plans, batch: int, steps: int, repeats: int, runner, base, say)
         )  # the exchange-only runs take the two-process plan's count
         cases.append({"one": (one, False, n_one), "two": (two, False, n_two),
                       "exchange": (two, True, n_two)})  # fmt: skip
+    for n, wide_plans in wide.items():
+        for (spec, *_), case, p in zip(plans, cases, wide_plans, strict=True):
+            pred = reevaluate(spec, p, batch, base).metrics.predicted_step_s
+            case[n] = (p, False, timed_steps(pred, steps, CALIBRATION_S)[0])
     done = [{key: [] for key in c} for c in cases]  # (seconds, CPU seconds, probe) per run
     for r in range(repeats):
         for (spec, _, _), case, runs_of in zip(plans, cases, done, strict=True):
             for key, (p, exchange_only, count) in case.items():
                 runs_of[key].append(_probed_step(runner, spec, p, batch, count, exchange_only))
-        say(f"runtime: round {r + 1} of {repeats}: stepped every model on 1 and 2 processes")
+        counts = "/".join(str(n) for n in (1, 2, *wide))
+        say(f"runtime: round {r + 1} of {repeats}: stepped every model on {counts} processes")
     probe = float(np.median([q for runs_of in done for v in runs_of.values() for *_, q in v]))
     runs = []
     for (spec, one, two), runs_of in zip(plans, done, strict=True):
@@ -308,6 +282,7 @@ def _runs(plans: Plans, batch: int, steps: int, repeats: int, runner, base, say)
             "two": {**_figures(spec, two, batch, base), **case["two"],
                     "exchange_s": case["exchange"]["step_s"],
                     "exchange_runs_s": case["exchange"]["runs_s"]},
+            "crowd": {str(n): case[n] for n in wide},
         })  # fmt: skip
     return runs, probe
 
@@ -330,85 +305,6 @@ def _case(runs: list[tuple[float, float, float]]) -> dict:
     seconds, cpu, probes = (list(x) for x in zip(*runs, strict=True))
     return {"step_s": float(np.median(seconds)), "cpu_s": float(np.median(cpu)),
             "runs_s": seconds, "probe_runs_s": probes}  # fmt: skip
-
-
-def _two_process_terms(plans: Plans, runs, batch: int, model: NetworkModel):
-    """(collective_s, parallel_slowdown, in-step seconds per phase): what two-process steps
-    hold beyond the model so far (the planner's own prediction, overlap included), fitted to
-    a constant + a share of the compute + a cost per exchange phase (a phase in a step, with
-    both workers computing around it, costs more than in the exchange-only runs). The last
-    term's regressor is the prediction's own change per second added to every phase, so a
-    phase hidden behind compute counts only as far as the model exposes it."""
-    delta = 1e-4
-    shifted = replace(model, link=_plus(model.link, delta))
-    rows, rest, measured = [], [], []
-    for (spec, _, two), run in zip(plans, runs, strict=True):
-        p = reevaluate(spec, two, batch, model).metrics
-        phases = (reevaluate(spec, two, batch, shifted).metrics.predicted_step_s
-                  - p.predicted_step_s) / delta  # fmt: skip
-        rows.append([1.0, p.compute_s, phases])
-        rest.append(run["two"]["step_s"] - p.predicted_step_s)
-        measured.append(run["two"]["step_s"])
-    collective, slowdown, per_phase = _lstsq(rows, rest, measured)
-    return collective, slowdown, per_phase
-
-
-def _plus(tables: dict, seconds: float) -> dict:
-    """Link tables with `seconds` more in every phase."""
-    return {k: tuple((b, seconds + t) for b, t in v) for k, v in tables.items()}
-
-
-def _link_terms(link: dict, runs: list[dict], in_step: float = 0.0) -> dict:
-    """The link tables the runtime's exchanges see and their summary (latency, bandwidth):
-    the measured link + a per-phase overhead fitted to the exchange-only runs (each = sum
-    over its phases of overhead + the one-peer link's time for the phase's bytes; weighted by
-    1 / the run) + `in_step` (a phase's further cost in a step); and the loss's collective
-    per number of workers. `link` holds bytes per peer and, per number of peers, seconds
-    (and, per number of workers, `gather_s`)."""
-    sizes = np.array(link["sizes"])
-    raw = {int(k): tuple(zip(sizes * int(k), t, strict=True)) for k, t in link["seconds"].items()}
-    two = [r["two"] for r in runs]
-    phases = [2.0 * len(x["phase_bytes"]) for x in two]
-    one_peer = NetworkModel(link=raw)
-    wire = [2.0 * float(one_peer.phase_s(np.array(x["phase_bytes"])).sum()) for x in two]
-    exchange = [x["exchange_s"] for x in two]
-    rest = [e - w for e, w in zip(exchange, wire, strict=True)]
-    (overhead,) = _lstsq([[n] for n in phases], rest, exchange) if any(phases) else [0.0]
-    tables = _plus(raw, overhead + in_step)
-    b, secs = np.array(tables[1]).T
-    latency, per_byte = _lstsq([[1.0, x] for x in b], list(secs), list(secs))
-    gather = tuple(sorted((float(n), float(t)) for n, t in link.get("gather_s", {}).items()))
-    return {"link": tables, "latency_s": latency, "bandwidth_bps": 8.0 / max(per_byte, 1e-15),
-            "gather": gather}  # fmt: skip
-
-
-def fit(base: NetworkModel, plans: Plans, runs: list[dict], batch: int, link: dict) -> NetworkModel:
-    """The terms beyond the slice tables, fitted to `runs` (see `_run`) and `link` (bytes per
-    peer, seconds per number of peers), every equation weighted by 1 / its measurement
-    (relative errors count: a small model weighs as much as a large one): the link tables'
-    overhead from exchange-only runs; the fixed step cost and the saving of a joined layer
-    from one-process steps (slices count once: `slice_scale` stays 1); the collective, the
-    slowdown of compute and a phase's further cost in a step from two."""
-    terms = _link_terms(link, runs)
-    one = [r["one"] for r in runs]
-    measured = [x["step_s"] for x in one]
-    # One process: step - slices = fixed - saving x joined layers.
-    step_fixed, saving = _lstsq(
-        [[1.0, -x["joined"]] for x in one],
-        [x["step_s"] - x["compute_s"] for x in one], measured,
-    )  # fmt: skip
-    model = replace(
-        base, link=terms["link"], bandwidth_bps=terms["bandwidth_bps"], gather=terms["gather"],
-        latency_s=terms["latency_s"], step_fixed_s=step_fixed, joined_saving_s=saving,
-    )  # fmt: skip
-    # Two: what is left is the collective, compute slowed by sharing the machine, and
-    # each exchange phase's cost in a step beyond the exchange-only runs' (into the tables).
-    collective, slowdown, per_phase = _two_process_terms(plans, runs, batch, model)
-    terms = _link_terms(link, runs, per_phase)
-    return replace(
-        model, link=terms["link"], latency_s=terms["latency_s"],
-        bandwidth_bps=terms["bandwidth_bps"], collective_s=collective, parallel_slowdown=slowdown,
-    )  # fmt: skip
 
 
 def calibrate(
@@ -442,8 +338,14 @@ def calibrate(
             + f"; the loss's collective {gather * 1e3:.2f} ms"
         )
     plans = [(s, plan(s, 1, "metis", batch=batch), plan(s, 2, "metis", batch=batch)) for s in specs]
-    runs, probe = _runs(plans, batch, steps, repeats, runner, base, say)
-    model = replace(fit(base, plans, runs, batch, link), probe_s=probe)
+    wide = {n: [plan(s, n, "metis", batch=batch) for s in specs]
+            for n in crowd_counts(runner.machines)}  # fmt: skip
+    runs, probe = _runs(plans, wide, batch, steps, repeats, runner, base, say)
+    crowd: Crowd = [
+        (n, [(s, p, r["crowd"][str(n)]["step_s"]) for s, p, r in zip(specs, ps, runs, strict=True)])
+        for n, ps in wide.items()
+    ]
+    model = replace(fit(base, plans, runs, batch, link, crowd), probe_s=probe)
     slices = {k: [[float(x) for x in pt] for pt in v] for k, v in sorted(points.items())}
     details = {"batch": batch, "repeats": repeats, "share": runner.share,
                "machines": runner.machines, "overlap": runner.overlap, "slices": slices,

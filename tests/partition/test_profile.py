@@ -18,7 +18,7 @@ from netpart.partition.planner import PartitionPlan, chain_shares, interior_shar
 from netpart.partition.schedule import plan_schedule
 from netpart.partition.sweep import knee, parse_counts
 from netpart.partition.volume import layer_traffic
-from netpart.runtime.calibrate import fit, kind_cost, layer_costs, step_cpu_s
+from netpart.runtime.calibrate import crowd_counts, fit, kind_cost, layer_costs, step_cpu_s
 from tests.conftest import chain_specs
 
 CALIBRATED = NetworkModel(
@@ -54,6 +54,11 @@ def test_a_profile_round_trips_and_an_uncalibrated_model_keeps_its_three_figures
         ('{"schema_version": 2}', "model"),
         (_profile_text(NetworkModel(step_fixed_s=-1.0, profile="x")), "fixed costs >= 0"),
         (_profile_text(replace(CALIBRATED, layers={"x": LayerCost(((1.0, -1.0),))})), "positive"),
+        (_profile_text(replace(CALIBRATED, crowd=((2.0, 0.1, 0.0),))), "crowd needs workers >= 3"),
+        (_profile_text(replace(CALIBRATED, crowd=((4.0, -1.2, 0.0),))), "slowdowns must be pos"),
+        (_profile_text(replace(CALIBRATED, crowd=((4.0, 0.1, -1.0),))), "fixed costs >= 0"),
+        (_profile_text(CALIBRATED).replace('"crowd": []', '"crowd": [[4, NaN, 0]]'), "finite"),
+        (_profile_text(CALIBRATED).replace('"crowd": []', '"crowd": [1]'), "crowd is"),
     ],
 )
 def test_a_bad_profile_is_one_line(text, why):
@@ -145,6 +150,26 @@ def test_the_collective_is_read_off_its_table_by_the_number_of_workers():
         NetworkModel.from_dict({**CALIBRATED.to_dict(), "gather": [[1, 1e-3]]})
 
 
+def test_steps_at_more_workers_add_their_terms_between_and_beyond_the_counts_measured():
+    crowd = replace(CALIBRATED, crowd=((4.0, 0.2, 1e-3), (8.0, 1.0, 3e-3)))
+    assert crowd.crowd_terms(2) == (0.0, 0.0) and crowd.crowd_terms(1) == (0.0, 0.0)
+    assert crowd.crowd_terms(3) == pytest.approx((0.1, 5e-4))  # from none at 2
+    assert crowd.crowd_terms(6) == pytest.approx((0.6, 2e-3))
+    assert crowd.crowd_terms(64) == pytest.approx((1.0, 3e-3))  # the largest count's beyond
+    assert crowd.fixed_s(6) == pytest.approx(CALIBRATED.fixed_s(6) + 2e-3)
+    flops = np.full((1, 6), 5e5)
+    ratio = (1 + 0.2 + 0.6) / (1 + 0.2)  # parallel_slowdown 0.2, crowd 0.6 at 6
+    assert crowd.worker_compute_s(flops, 32, ["dense"]) == pytest.approx(
+        ratio * CALIBRATED.worker_compute_s(flops, 32, ["dense"])
+    )
+    back = NetworkModel.from_profile(_profile_text(crowd), "p.json")
+    assert back == crowd and "steps at 4/8 workers" in back.describe()
+    assert NetworkModel.parse("bandwidth=10G", base=crowd).crowd == ()  # the cluster's own
+    assert NetworkModel.parse("speed=8x", base=crowd).crowd == crowd.crowd
+    assert crowd_counts(2) == [] and crowd_counts(3) == [3] and crowd_counts(4) == [4]
+    assert crowd_counts(6) == [4, 6] and crowd_counts(8) == [4, 8] and crowd_counts(64) == [4, 8]
+
+
 def test_fit_recovers_the_terms_that_made_the_runs():
     batch, names = 32, ("tiny-mlp", "digits-mlp", "tiny-local")
     specs = [load_spec(n) for n in names]
@@ -184,6 +209,26 @@ def test_fit_recovers_the_terms_that_made_the_runs():
     assert model.gather == truth.gather  # measured: the fitted constant is what is beyond it
     assert model.collective_s == pytest.approx(2e-3, rel=1e-3)
     assert model.parallel_slowdown == pytest.approx(0.3, rel=1e-3)
+    assert model.crowd == ()
+    # Steps at 4 workers that held 1.5 ms and 0.4 x compute more than the model fitted at 2.
+    crowded = replace(model, crowd=((4.0, 0.4, 1.5e-3),))
+    wide = [(s, plan(s, 4, "metis", batch=batch)) for s in specs]
+    crowd = [(4, [(s, p, reevaluate(s, p, batch, crowded).metrics.predicted_step_s)
+                  for s, p in wide])]  # fmt: skip
+    again = fit(base, plans, runs, batch, link, crowd)
+    assert replace(again, crowd=()) == model
+    ((n, slowdown, seconds),) = again.crowd
+    assert n == 4 and slowdown == pytest.approx(0.4, rel=1e-3)
+    assert seconds == pytest.approx(1.5e-3, rel=1e-3)
+    # Steps that held less than the two-worker terms: a correction down, bounded by them.
+    for truth, want in (((-0.1, -5e-4), (-0.1, -5e-4)), ((-0.5, -5e-4), (-0.3, None))):
+        less = replace(model, crowd=((4.0, *truth),))
+        crowd = [(4, [(s, p, reevaluate(s, p, batch, less).metrics.predicted_step_s)
+                      for s, p in wide])]  # fmt: skip
+        ((_, slowdown, seconds),) = fit(base, plans, runs, batch, link, crowd).crowd
+        assert slowdown == pytest.approx(want[0], rel=1e-3)  # at most parallel_slowdown back
+        if want[1] is not None:
+            assert seconds == pytest.approx(want[1], rel=1e-3)
 
 
 def test_a_step_s_cpu_is_its_busiest_worker_s_median_over_every_thread():

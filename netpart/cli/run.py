@@ -199,7 +199,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     for n, slowdown, seconds in model.crowd:
         echo(
             f"with N = {n:g}: compute x{1 + model.parallel_slowdown + slowdown:.2f}, "
-            f"+{seconds * 1e3:.2f} ms a step beyond N = 2's terms (steps measured at {n:g})"
+            f"{seconds * 1e3:+.2f} ms a step beyond N = 2's terms (steps measured at {n:g})"
         )
     echo(f"wrote {args.out}; use it with `netpart plan|run|train --profile {args.out}`")
     return 0

@@ -27,8 +27,9 @@ halo (the runtime runs it in one autograd graph with the layer below); and `fixe
 off `gather` (measured per number of workers: piecewise linear, the last segment's rate
 beyond it) + `collective_s` (what else a step of more than one worker costs once). Where the
 calibration stepped more than two workers, `crowd` adds what those steps held beyond that:
-per number of workers a further compute slowdown and seconds per step (machines that share a
-host slow down as more of them run at once), linear in between, the largest count's beyond.
+per number of workers a further compute slowdown and seconds per step (corrections: either
+may be negative; machines that share a host slow down as more of them run at once), linear
+in between, the largest count's beyond.
 
 With `overlap` (workers on machines of their own: the runtime then splits every layer whose
 work on a worker reaches `SPLIT_MIN_FLOPS` per example), a worker's forward halo travels

@@ -251,20 +251,19 @@ def _runs(plans: Plans, wide: dict, batch: int, steps: int, repeats: int, runner
     one model); a case's time is the median of its runs, each run's probe recorded beside
     it. A run times at least `steps` steps and about CALIBRATION_S of them (by the slice
     tables' prediction)."""
+
+    def count(spec, p) -> int:
+        predicted = reevaluate(spec, p, batch, base).metrics.predicted_step_s
+        return timed_steps(predicted, steps, CALIBRATION_S)[0]
+
     cases = []
     for spec, one, two in plans:
-        n_one, n_two = (
-            timed_steps(
-                reevaluate(spec, p, batch, base).metrics.predicted_step_s, steps, CALIBRATION_S
-            )[0]
-            for p in (one, two)
-        )  # the exchange-only runs take the two-process plan's count
-        cases.append({"one": (one, False, n_one), "two": (two, False, n_two),
+        n_two = count(spec, two)  # the exchange-only runs take the two-process plan's count
+        cases.append({"one": (one, False, count(spec, one)), "two": (two, False, n_two),
                       "exchange": (two, True, n_two)})  # fmt: skip
     for n, wide_plans in wide.items():
         for (spec, *_), case, p in zip(plans, cases, wide_plans, strict=True):
-            pred = reevaluate(spec, p, batch, base).metrics.predicted_step_s
-            case[n] = (p, False, timed_steps(pred, steps, CALIBRATION_S)[0])
+            case[n] = (p, False, count(spec, p))
     done = [{key: [] for key in c} for c in cases]  # (seconds, CPU seconds, probe) per run
     for r in range(repeats):
         for (spec, _, _), case, runs_of in zip(plans, cases, done, strict=True):

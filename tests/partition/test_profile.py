@@ -210,22 +210,22 @@ def test_fit_recovers_the_terms_that_made_the_runs():
     assert model.collective_s == pytest.approx(2e-3, rel=1e-3)
     assert model.parallel_slowdown == pytest.approx(0.3, rel=1e-3)
     assert model.crowd == ()
-    # Steps at 4 workers that held 1.5 ms and 0.4 x compute more than the model fitted at 2.
-    crowded = replace(model, crowd=((4.0, 0.4, 1.5e-3),))
     wide = [(s, plan(s, 4, "metis", batch=batch)) for s in specs]
-    crowd = [(4, [(s, p, reevaluate(s, p, batch, crowded).metrics.predicted_step_s)
-                  for s, p in wide])]  # fmt: skip
-    again = fit(base, plans, runs, batch, link, crowd)
+
+    def steps_at_4(slowdown: float, seconds: float) -> list:  # as `model` + those terms at 4
+        held = replace(model, crowd=((4.0, slowdown, seconds),))
+        return [(4, [(s, p, reevaluate(s, p, batch, held).metrics.predicted_step_s)
+                     for s, p in wide])]  # fmt: skip
+
+    # Steps at 4 workers that held 1.5 ms and 0.4 x compute more than the model fitted at 2.
+    again = fit(base, plans, runs, batch, link, steps_at_4(0.4, 1.5e-3))
     assert replace(again, crowd=()) == model
     ((n, slowdown, seconds),) = again.crowd
     assert n == 4 and slowdown == pytest.approx(0.4, rel=1e-3)
     assert seconds == pytest.approx(1.5e-3, rel=1e-3)
     # Steps that held less than the two-worker terms: a correction down, bounded by them.
     for truth, want in (((-0.1, -5e-4), (-0.1, -5e-4)), ((-0.5, -5e-4), (-0.3, None))):
-        less = replace(model, crowd=((4.0, *truth),))
-        crowd = [(4, [(s, p, reevaluate(s, p, batch, less).metrics.predicted_step_s)
-                      for s, p in wide])]  # fmt: skip
-        ((_, slowdown, seconds),) = fit(base, plans, runs, batch, link, crowd).crowd
+        ((_, slowdown, seconds),) = fit(base, plans, runs, batch, link, steps_at_4(*truth)).crowd
         assert slowdown == pytest.approx(want[0], rel=1e-3)  # at most parallel_slowdown back
         if want[1] is not None:
             assert seconds == pytest.approx(want[1], rel=1e-3)

@@ -5,7 +5,7 @@ pooled with them) and is read piecewise linearly between its sizes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -119,6 +119,10 @@ class LayerCost:
         inside = np.interp(work, f, t)
         out = np.where(work < f[0], work * small, np.where(work > f[-1], work * large, inside))
         return np.maximum(out, self.floor_s)
+
+    def scaled(self, factor: float) -> LayerCost:
+        """The same table with every slice `factor` times as long (the floor kept)."""
+        return replace(self, points=tuple((f, t * factor) for f, t in self.points))
 
     def to_dict(self) -> dict[str, Any]:
         return {"points": [list(p) for p in self.points], "floor_s": self.floor_s}

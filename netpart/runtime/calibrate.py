@@ -26,7 +26,7 @@ probe is the profile's `probe_s`, against which `netpart run` says how fast the 
 5. Steps on 2 processes: what is left beyond the planner's prediction so far (overlap and
    the measured collective included), fitted to collective_s + parallel_slowdown x compute
    + a cost per exchange phase in a step (added to the link tables).
-6. Steps on more processes, where the runner has the machines (`crowd_counts`: 4, 8 and its
+6. Steps on more processes, where the runner has the machines (`crowd_counts`: 3, 4, 6, 8 and its
    own count, at most `LINK_WORLD`): what is left beyond all that, per number of workers,
    fitted to seconds per step + a further slowdown of compute (the profile's `crowd`).
    Emulated machines that share one host need it: with 8 of them at 0.2 core stepping, the
@@ -236,10 +236,11 @@ def _figures(spec: ModelSpec, p: PartitionPlan, batch: int, net: NetworkModel) -
 
 
 def crowd_counts(machines: int) -> list[int]:
-    """The worker counts above 2 that calibration steps on `machines`: each power of two
-    and `machines` itself, up to LINK_WORLD."""
+    """The worker counts above 2 that calibration steps on `machines`: 3, 4, 6, 8 (each at
+    most 1.5x the one before, so that reading between two of them stays close) and
+    `machines` itself, up to LINK_WORLD."""
     top = min(machines, LINK_WORLD)
-    return sorted({n for n in (4, 8, top) if 2 < n <= top})
+    return sorted({n for n in (3, 4, 6, 8, top) if 2 < n <= top})
 
 
 def _runs(plans: Plans, wide: dict, batch: int, steps: int, repeats: int, runner, base, say):

@@ -2,7 +2,8 @@
 
 `kind_cost` and `layer_costs` turn timed slices into tables (`netpart.partition.tables`);
 `fit` turns the runs `netpart.runtime.calibrate` measured into the terms beyond the tables:
-the link's overhead per phase, the one-process step's fixed cost, the two-process step's
+the link's overhead per phase, the one-process step's fixed cost (and each calibration
+model's layer tables scaled to its one-process step: `anchored`), the two-process step's
 collective, compute slowdown and in-step cost per phase, and, where steps at more workers
 were measured, what they held beyond all that (`crowd`). Every equation is weighted by 1 / its
 measurement, so a small model counts as much as a large one, and every term is >= 0 (those
@@ -19,8 +20,9 @@ from netpart.models.spec import ModelSpec
 from netpart.partition.cost import KindCost, LayerCost, NetworkModel
 from netpart.partition.planner import PartitionPlan, reevaluate
 
-__all__ = ["Crowd", "Plans", "crowd_terms", "fit", "kind_cost", "layer_costs"]
+__all__ = ["Crowd", "Plans", "anchored", "crowd_terms", "fit", "kind_cost", "layer_costs"]
 
+ANCHOR_LOW, ANCHOR_HIGH = 0.5, 2.0  # bounds of a layer table's factor (`anchored`)
 Plans = list[tuple[ModelSpec, PartitionPlan, PartitionPlan]]  # each model's 1- and 2-worker plan
 # Per number of workers > 2, each model's (spec, plan for that many, measured step seconds).
 Crowd = list[tuple[int, list[tuple[ModelSpec, PartitionPlan, float]]]]
@@ -142,7 +144,8 @@ def fit(
     and `link` (bytes per peer, seconds per number of peers), every equation weighted by 1 /
     its measurement (relative errors count: a small model weighs as much as a large one):
     the link tables' overhead from exchange-only runs; the fixed step cost and the saving of
-    a joined layer from one-process steps (slices count once: `slice_scale` stays 1); the
+    a joined layer from one-process steps (slices count once: `slice_scale` stays 1), and
+    the calibration models' layer tables scaled to those steps (`anchored`); the
     collective, the slowdown of compute and a phase's further cost in a step from two; and
     from `crowd`, the steps at more workers, what they held beyond all that (`crowd_terms`)."""
     terms = _link_terms(link, runs)
@@ -157,6 +160,7 @@ def fit(
         base, link=terms["link"], bandwidth_bps=terms["bandwidth_bps"], gather=terms["gather"],
         latency_s=terms["latency_s"], step_fixed_s=step_fixed, joined_saving_s=saving,
     )  # fmt: skip
+    model = anchored(model, plans, [r["one"]["step_s"] for r in runs], batch)
     # Two: what is left is the collective, compute slowed by sharing the machine, and
     # each exchange phase's cost in a step beyond the exchange-only runs' (into the tables).
     collective, slowdown, per_phase = _two_process_terms(plans, runs, batch, model)
@@ -166,6 +170,32 @@ def fit(
         bandwidth_bps=terms["bandwidth_bps"], collective_s=collective, parallel_slowdown=slowdown,
     )  # fmt: skip
     return replace(model, crowd=crowd_terms(model, crowd, batch)) if crowd else model
+
+
+def anchored(model: NetworkModel, plans: Plans, one_s: list[float], batch: int) -> NetworkModel:
+    """`model` with each calibration model's own layer tables scaled so that its one-process
+    step is predicted as measured (`one_s`; the prediction is linear in the tables). The
+    step, the median of runs spread over the calibration, moves by 1-2% from one calibration
+    to the next; its slices, timed alone, sum to 0.8-0.95 of it and move by 15% (bench-local
+    on this host: 66-76 ms against steps of 79-81). A layer of several calibration models
+    takes the geometric mean of their factors, each held to [ANCHOR_LOW, ANCHOR_HIGH];
+    layers of other models, and kinds' tables, are left as they are."""
+    factors: dict[str, list[float]] = {}
+    for (spec, one, _), step_s in zip(plans, one_s, strict=True):
+        keys = {spec.layer_key(i) for i in range(len(spec.layers))} & model.layers.keys()
+        doubled = {k: model.layers[k].scaled(2.0) for k in keys}
+        now = reevaluate(spec, one, batch, model).metrics.predicted_step_s
+        tables = reevaluate(spec, one, batch, replace(model, layers={**model.layers, **doubled}))
+        part = tables.metrics.predicted_step_s - now  # what its layer tables add to the step
+        factor = 1.0 + (step_s - now) / part if part > 0 else 1.0
+        for key in keys:
+            factors.setdefault(key, []).append(float(np.clip(factor, ANCHOR_LOW, ANCHOR_HIGH)))
+    layers = {
+        key: cost.scaled(float(np.exp(np.mean(np.log(factors[key])))))
+        if key in factors else cost
+        for key, cost in model.layers.items()
+    }  # fmt: skip
+    return replace(model, layers=layers)
 
 
 def crowd_terms(model: NetworkModel, crowd: Crowd, batch: int) -> tuple:

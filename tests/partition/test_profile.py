@@ -19,6 +19,7 @@ from netpart.partition.schedule import plan_schedule
 from netpart.partition.sweep import knee, parse_counts
 from netpart.partition.volume import layer_traffic
 from netpart.runtime.calibrate import crowd_counts, fit, kind_cost, layer_costs, step_cpu_s
+from netpart.runtime.fitting import ANCHOR_HIGH, anchored
 from tests.conftest import chain_specs
 
 CALIBRATED = NetworkModel(
@@ -166,8 +167,39 @@ def test_steps_at_more_workers_add_their_terms_between_and_beyond_the_counts_mea
     assert back == crowd and "steps at 4/8 workers" in back.describe()
     assert NetworkModel.parse("bandwidth=10G", base=crowd).crowd == ()  # the cluster's own
     assert NetworkModel.parse("speed=8x", base=crowd).crowd == crowd.crowd
-    assert crowd_counts(2) == [] and crowd_counts(3) == [3] and crowd_counts(4) == [4]
-    assert crowd_counts(6) == [4, 6] and crowd_counts(8) == [4, 8] and crowd_counts(64) == [4, 8]
+    assert crowd_counts(2) == [] and crowd_counts(3) == [3] and crowd_counts(4) == [3, 4]
+    assert crowd_counts(5) == [3, 4, 5] and crowd_counts(8) == [3, 4, 6, 8]
+    assert crowd_counts(64) == [3, 4, 6, 8]
+
+
+def test_anchoring_scales_each_calibration_model_s_layer_tables_to_its_one_process_step():
+    batch = 32
+    specs = [load_spec(n) for n in ("tiny-mlp", "digits-mlp")]
+    own = LayerCost(((1e5, 1e-4), (1e8, 5e-3)))
+    keys = [s.layer_key(i) for s in specs for i in range(len(s.layers))]
+    base = replace(CALIBRATED, layers={**dict.fromkeys(keys, own), "dense other": own})
+
+    def steps(plans, factors) -> list:  # one-process steps with the tables x factor
+        def scaled(f):
+            return replace(base, layers={k: c.scaled(f) for k, c in base.layers.items()})
+
+        pairs = zip(plans, factors, strict=True)
+        return [
+            reevaluate(s, p, batch, scaled(f)).metrics.predicted_step_s for (s, p, _), f in pairs
+        ]
+
+    plans = [(s, plan(s, 1, "metis", batch=batch), plan(s, 2, "metis", batch=batch)) for s in specs]
+    measured = steps(plans, (1.3, 0.8))
+    got = anchored(base, plans, measured, batch)
+    predicted = [reevaluate(s, p, batch, got).metrics.predicted_step_s for s, p, _ in plans]
+    assert predicted == pytest.approx(measured) and predicted != pytest.approx(steps(plans, (1, 1)))
+    assert got.layers["dense other"] == own and got.kinds == base.kinds  # not calibrated here
+    # A layer of two calibration models: the geometric mean of their factors, each at most 2.
+    twice = plans[1:] * 2
+    got = anchored(base, twice, steps(twice, (1.3, 0.8)), batch)
+    assert got.layers[keys[2]].points[1][1] == pytest.approx(5e-3 * (1.3 * 0.8) ** 0.5)
+    got = anchored(base, twice, steps(twice, (9.0, 2.0)), batch)
+    assert got.layers[keys[2]].points[1][1] == pytest.approx(5e-3 * ANCHOR_HIGH)
 
 
 def test_fit_recovers_the_terms_that_made_the_runs():

@@ -208,10 +208,13 @@ run_step(spec, plan(spec, 3), x, y, timeout=120)
 
 
 @pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGTERM"])
-def test_killing_the_launcher_takes_its_workers_with_it(signal_name):
+def test_killing_the_launcher_takes_its_workers_with_it(signal_name, tmp_path):
+    """No worker outlives its launcher; after SIGTERM its temporary files are gone too (after
+    SIGKILL nothing can remove them: they go to this test's own directory)."""
     import signal
 
-    parent = subprocess.Popen([sys.executable, "-c", LAUNCH_AND_HANG])
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    parent = subprocess.Popen([sys.executable, "-c", LAUNCH_AND_HANG], env=env)
     try:
         deadline = time.monotonic() + 60
         while workers_alive() < 4 and time.monotonic() < deadline:
@@ -227,3 +230,5 @@ def test_killing_the_launcher_takes_its_workers_with_it(signal_name):
             parent.kill()
             parent.wait()
     assert workers_alive() == 0
+    if signal_name == "SIGTERM":
+        assert not list(tmp_path.glob("netpart-*"))

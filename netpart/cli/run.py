@@ -196,6 +196,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         f"{model.step_fixed_s * 1e3:.2f} ms; with N = 2 +{gather:.2f} ms (the loss's collective, "
         f"measured) +{fitted:.2f} ms (fitted) and compute x{1 + model.parallel_slowdown:.2f}"
     )
+    if details.get("anchored"):
+        echo(
+            "layer tables scaled to each model's one-process step (its slices timed alone: "
+            "x1.00): " + ", ".join(f"{m} x{f:.2f}" for m, f in details["anchored"].items())
+        )
     for n, slowdown, seconds in model.crowd:
         echo(
             f"with N = {n:g}: compute x{1 + model.parallel_slowdown + slowdown:.2f}, "

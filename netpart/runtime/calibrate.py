@@ -349,8 +349,20 @@ def calibrate(
     slices = {k: [[float(x) for x in pt] for pt in v] for k, v in sorted(points.items())}
     details = {"batch": batch, "repeats": repeats, "share": runner.share,
                "machines": runner.machines, "overlap": runner.overlap, "slices": slices,
-               "link": link, "runs": runs}  # fmt: skip
+               "link": link, "runs": runs, "anchored": _anchors(specs, base, model)}  # fmt: skip
     return model, details
+
+
+def _anchors(specs: list[ModelSpec], base: NetworkModel, model: NetworkModel) -> dict:
+    """Per calibration model, the median factor its layer tables were scaled by
+    (`fitting.anchored`): its one-process step against its slices timed alone."""
+    out = {}
+    for spec in specs:
+        keys = {spec.layer_key(i) for i in range(len(spec.layers))} & base.layers.keys()
+        ratios = [model.layers[k].points[0][1] / base.layers[k].points[0][1] for k in keys]
+        if ratios:
+            out[spec.name] = float(np.median(ratios))
+    return out
 
 
 def profile_json(model: NetworkModel, details: dict) -> str:

@@ -426,7 +426,8 @@ def test_calibrate_writes_a_profile_that_plan_and_run_use(tmp_path, capsys):
     assert [r["model"] for r in measured["runs"]] == ["tiny-mlp", "tiny-local"]
     assert model.bandwidth_bps > 0 and model.slice_scale > 0 and model.probe_s > 0
     assert [n for n, _ in model.gather] == [2.0]  # the loss's collective, measured here
-    capsys.readouterr()
+    assert set(measured["anchored"]) == {"tiny-mlp", "tiny-local"}  # tables to their steps
+    assert "layer tables scaled to each model's one-process step" in capsys.readouterr().out
     assert main(["plan", "--model", "tiny-local", "--workers", "2", "--profile", str(out)]) == 0
     assert f"calibrated profile {out}" in capsys.readouterr().out
     run = ["run", "--model", "tiny-mlp", "--workers", "2", "--steps", "2", "--profile", str(out)]

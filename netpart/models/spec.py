@@ -165,6 +165,10 @@ class ModelSpec:
         options = " ".join(f"{k}={v}" for k, v in layer.to_dict().items() if k != "kind")
         return f"{layer.kind} {self.input_shape(index)}->{self.shapes[index]} {options}"
 
+    def layer_keys(self) -> list[str]:
+        """Every layer's `layer_key`, in order."""
+        return [self.layer_key(i) for i in range(len(self.layers))]
+
     # ---- serialisation ---------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {

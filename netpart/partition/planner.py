@@ -291,7 +291,7 @@ def evaluate(
     if network.overlap:
         interior = interior_shares(graph, node_map, workers, (u, v))
         chains = chain_shares(graph, node_map, workers, (u, v))
-    keys = [spec.layer_key(i) for i in range(nlayers)]
+    keys = spec.layer_keys()
     args = (flops / speed[None, :], traffic, batch, network, kinds, values, interior, chains)
     compute, exchange, path = step_times(*args, keys)  # path <= compute.sum() + exchange.sum()
     fixed = network.fixed_s(workers)

@@ -225,7 +225,7 @@ def _figures(spec: ModelSpec, p: PartitionPlan, batch: int, net: NetworkModel) -
     flops, traffic, values = _plan_arrays(spec, p)
     busiest = np.maximum(traffic.sum(axis=1), traffic.sum(axis=2)).max(axis=1)
     kinds = [layer.kind for layer in spec.layers]
-    keys = [spec.layer_key(i) for i in range(len(kinds))]
+    keys = spec.layer_keys()
     compute = net.worker_compute_s(flops, batch, kinds, values, keys).max(axis=1)
     joined = traffic.sum(axis=(1, 2)) == 0
     return {
@@ -358,7 +358,7 @@ def _anchors(specs: list[ModelSpec], base: NetworkModel, model: NetworkModel) ->
     (`fitting.anchored`): its one-process step against its slices timed alone."""
     out = {}
     for spec in specs:
-        keys = {spec.layer_key(i) for i in range(len(spec.layers))} & base.layers.keys()
+        keys = set(spec.layer_keys()) & base.layers.keys()
         ratios = [model.layers[k].points[0][1] / base.layers[k].points[0][1] for k in keys]
         if ratios:
             out[spec.name] = float(np.median(ratios))

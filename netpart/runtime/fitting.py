@@ -182,7 +182,7 @@ def anchored(model: NetworkModel, plans: Plans, one_s: list[float], batch: int) 
     layers of other models, and kinds' tables, are left as they are."""
     factors: dict[str, list[float]] = {}
     for (spec, one, _), step_s in zip(plans, one_s, strict=True):
-        keys = {spec.layer_key(i) for i in range(len(spec.layers))} & model.layers.keys()
+        keys = set(spec.layer_keys()) & model.layers.keys()
         doubled = {k: model.layers[k].scaled(2.0) for k in keys}
         now = reevaluate(spec, one, batch, model).metrics.predicted_step_s
         tables = reevaluate(spec, one, batch, replace(model, layers={**model.layers, **doubled}))

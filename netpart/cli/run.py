@@ -143,7 +143,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from netpart.errors import PlanError
     from netpart.files import write_atomic
     from netpart.models import load_spec
-    from netpart.runtime.calibrate import LocalRunner, calibrate, profile_json
+    from netpart.runtime.calibrate import PROBE_SWING, LocalRunner, calibrate, profile_json
     from netpart.runtime.check import under_torchrun
 
     models = tuple(m.strip() for m in args.models.split(",") if m.strip())
@@ -200,6 +200,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         echo(
             "layer tables scaled to each model's one-process step (its slices timed alone: "
             "x1.00): " + ", ".join(f"{m} x{f:.2f}" for m, f in details["anchored"].items())
+        )
+    low, high = details["probe_spread"]
+    echo(f"speed probe over the runs: 10th-90th percentile {low:.2f}-{high:.2f}x its median")
+    if high / low > PROBE_SWING:
+        echo(
+            f"warning: the machine's speed moved {high / low:.2f}x while it was calibrated; "
+            "predictions from this profile may be off by as much: calibrate again when it is "
+            "quiet (nothing else running)"
         )
     for n, slowdown, seconds in model.crowd:
         echo(

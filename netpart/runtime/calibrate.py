@@ -66,6 +66,7 @@ from netpart.runtime.trace import SliceTimes, measure_slices
 
 __all__ = [
     "CALIBRATION_MODELS",
+    "PROBE_SWING",
     "SCHEMA_VERSION",
     "SLICE_MODELS",
     "LocalRunner",
@@ -86,6 +87,9 @@ LINK_WORLD = 8  # processes: the link is measured with 1 to 7 peers at most
 SLICE_PASSES = 2  # every slice is timed in this many passes over the models; the fastest counts
 CALIBRATION_S = 0.3  # seconds of timed steps a step measurement covers at least
 PROBE_BEFORE = 5  # speed probe samples before a run whose worker this process is
+# The probe's 90th over its 10th percentile across the runs above which `netpart calibrate`
+# warns that the machine's speed moved while it was calibrated.
+PROBE_SWING = 1.25
 CALIBRATION_MODELS = ("tiny-mlp", "digits-mlp", "tiny-local", "bench-local", "bench-local-wide")
 # Models whose slices only are timed: they carry the kinds' tables to the sizes larger models
 # use (speech's dense slices of 0.1-4 GFLOP a batch run at 2-3x the FLOP rate of the MLPs' 1-13
@@ -245,8 +249,8 @@ def crowd_counts(machines: int) -> list[int]:
 
 def _runs(plans: Plans, wide: dict, batch: int, steps: int, repeats: int, runner, base, say):
     """Each model's steps on 1 and 2 processes (and 2 exchanging only; and on each count of
-    `wide`: {workers: each model's plan}), with their figures, and the median speed probe
-    of the runs (`netpart.runtime.speed`: the machine as it was calibrated). The runs go
+    `wide`: {workers: each model's plan}), with their figures, and the speed probe of
+    every run (`netpart.runtime.speed`: the machine as it was calibrated). The runs go
     round the models `repeats` times, so a model's runs are spread over the whole stage (this
     machine's slow spells last seconds to minutes and would otherwise fall on every run of
     one model); a case's time is the median of its runs, each run's probe recorded beside
@@ -272,7 +276,7 @@ def _runs(plans: Plans, wide: dict, batch: int, steps: int, repeats: int, runner
                 runs_of[key].append(_probed_step(runner, spec, p, batch, count, exchange_only))
         counts = "/".join(str(n) for n in (1, 2, *wide))
         say(f"runtime: round {r + 1} of {repeats}: stepped every model on {counts} processes")
-    probe = float(np.median([q for runs_of in done for v in runs_of.values() for *_, q in v]))
+    probes = [q for runs_of in done for v in runs_of.values() for *_, q in v]
     runs = []
     for (spec, one, two), runs_of in zip(plans, done, strict=True):
         case = {k: _case(v) for k, v in runs_of.items()}
@@ -284,7 +288,7 @@ def _runs(plans: Plans, wide: dict, batch: int, steps: int, repeats: int, runner
                     "exchange_runs_s": case["exchange"]["runs_s"]},
             "crowd": {str(n): case[n] for n in wide},
         })  # fmt: skip
-    return runs, probe
+    return runs, probes
 
 
 def _probed_step(runner: Runner, spec, p, batch, count, exchange_only) -> tuple[float, ...]:
@@ -340,16 +344,19 @@ def calibrate(
     plans = [(s, plan(s, 1, "metis", batch=batch), plan(s, 2, "metis", batch=batch)) for s in specs]
     wide = {n: [plan(s, n, "metis", batch=batch) for s in specs]
             for n in crowd_counts(runner.machines)}  # fmt: skip
-    runs, probe = _runs(plans, wide, batch, steps, repeats, runner, base, say)
+    runs, probes = _runs(plans, wide, batch, steps, repeats, runner, base, say)
+    probe = float(np.median(probes))
     crowd: Crowd = [
         (n, [(s, p, r["crowd"][str(n)]["step_s"]) for s, p, r in zip(specs, ps, runs, strict=True)])
         for n, ps in wide.items()
     ]
     model = replace(fit(base, plans, runs, batch, link, crowd), probe_s=probe)
     slices = {k: [[float(x) for x in pt] for pt in v] for k, v in sorted(points.items())}
+    spread = [float(np.percentile(probes, q) / probe) for q in (10, 90)]
     details = {"batch": batch, "repeats": repeats, "share": runner.share,
                "machines": runner.machines, "overlap": runner.overlap, "slices": slices,
-               "link": link, "runs": runs, "anchored": _anchors(specs, base, model)}  # fmt: skip
+               "link": link, "runs": runs, "anchored": _anchors(specs, base, model),
+               "probe_spread": spread}  # fmt: skip
     return model, details
 
 

@@ -427,7 +427,11 @@ def test_calibrate_writes_a_profile_that_plan_and_run_use(tmp_path, capsys):
     assert model.bandwidth_bps > 0 and model.slice_scale > 0 and model.probe_s > 0
     assert [n for n, _ in model.gather] == [2.0]  # the loss's collective, measured here
     assert set(measured["anchored"]) == {"tiny-mlp", "tiny-local"}  # tables to their steps
-    assert "layer tables scaled to each model's one-process step" in capsys.readouterr().out
+    low, high = measured["probe_spread"]  # the probe's 10th and 90th percentile / its median
+    assert 0 < low <= 1 <= high
+    said = capsys.readouterr().out
+    assert "layer tables scaled to each model's one-process step" in said
+    assert "speed probe over the runs: 10th-90th percentile" in said
     assert main(["plan", "--model", "tiny-local", "--workers", "2", "--profile", str(out)]) == 0
     assert f"calibrated profile {out}" in capsys.readouterr().out
     run = ["run", "--model", "tiny-mlp", "--workers", "2", "--steps", "2", "--profile", str(out)]

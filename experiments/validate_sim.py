@@ -6,8 +6,9 @@ its gloo threads compete with nothing else). `netpart calibrate` runs on those m
 timed on one, the link and the loss's collective among 2 up to all of them, steps on one and
 two, exchange-only steps), then each model
 runs in N real worker processes, one per machine, against `netpart plan --profile`'s prediction
-for the same plan. Three runs; error = predicted / measured - 1. Each row also gives the CPU
-floor: the CPU a step takes on its busiest worker (all threads) / the share, below which no
+for the same plan. Three runs, each row the median of its launches in the run (three, in
+passes over all rows: minutes apart); error = predicted / measured - 1. Each row also gives
+the CPU floor: the CPU a step takes on its busiest worker (all threads) / the share, below which no
 step on those machines can run (a step near it is CPU-bound: the quota, not the critical path
 the model sums, sets its time), and how much slower than at calibration the machine's cores
 ran (`slowdown`: the speed probe, `netpart.runtime.speed`, against the profile's). Needs
@@ -213,6 +214,8 @@ def main(argv=None) -> int:
     if why is not None:
         print(f"validate_sim: skipped: {why}")
         return 0
+    if args.launches < 1 or args.runs < 1:
+        ap.error(f"--runs and --launches are at least 1, got {args.runs} and {args.launches}")
     counts = [int(v) for v in args.workers.split(",")]
     models = args.models.split(",")
     machines = max(2, *counts)

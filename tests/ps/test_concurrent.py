@@ -1,7 +1,8 @@
 """No update lost or torn: R replica processes push known gradients to two shard processes at
 once, through the real client (courier thread, pipelined requests, pushes of several chunks;
 or, as with local steps, posted from the caller with CURRENT answers allowed), and every
-shard's final values are exactly what the sum of all pushes makes them."""
+shard's final values are exactly what the sum of all pushes makes them. In sync mode every
+replica's fetch of step t shows exactly the values after step t."""
 
 from __future__ import annotations
 
@@ -93,3 +94,69 @@ def test_concurrent_pushes_are_all_applied_whole(tmp_path, local):
     for rep in reports[REPLICAS:]:
         assert rep["updates"] == REPLICAS * STEPS  # none lost
         assert rep["distinct"] == [-float(pushed)]  # every value got every push, whole
+
+
+SYNC_ROLE = """
+import json, os, sys
+import torch, torch.distributed as dist
+from netpart.models import load_spec
+from netpart.partition import build_unit_graph, plan
+from netpart.partition.shards import ShardLayout
+from netpart.ps import Optimizer, ShardClient, ShardServer, ShardSetup, ShardState, Sync
+from netpart.ps import client, protocol, server, make_rule
+
+rank, store, replicas, shards, steps, chunk = (sys.argv[1], sys.argv[2], *map(int, sys.argv[3:]))
+rank = int(rank)
+for module in (protocol, client, server):  # 1000: replies as a header and values apart
+    module.CHUNK = chunk
+dist.init_process_group("gloo", store=dist.FileStore(store, replicas + shards), rank=rank,
+                        world_size=replicas + shards)
+spec = load_spec("digits-mlp")
+p = plan(spec, 1, "metis")
+layout = ShardLayout.build(build_unit_graph(spec, p.granularity), p.node_map, 1, shards)
+if rank >= replicas:  # a shard: zeros, SGD with lr 1, sync
+    s = rank - replicas
+    values = torch.zeros(int(layout.bounds[s + 1] - layout.bounds[s]), dtype=torch.float64)
+    setup = ShardSetup(layout, s, replicas, rank, lambda r, w: r)
+    srv = ShardServer(setup, ShardState(values, None), Sync(make_rule(Optimizer("sgd", 1.0),
+                                                                      values)))
+    srv.serve()
+    print(json.dumps({"shard": s, "updates": srv.state.updates}))
+else:  # a replica pushes (rank + 1) * step: the mean over replicas is (R + 1) / 2 * step
+    c = ShardClient(layout, 0, rank, rank, list(range(replicas, replicas + shards)),
+                    torch.float64)
+    buf = c.push_buffers(1)[0]
+    c.complete(c.request(0, fetch=True))
+    wrong = []
+    for step in range(1, steps + 1):
+        buf.fill_(float((rank + 1) * step))
+        got = c.complete(c.request(step, buf, fetch=True))
+        want = -(replicas + 1) / 2 * step * (step + 1) / 2
+        if c.version != step or not bool((got == want).all()):
+            wrong.append(step)
+    c.close()
+    print(json.dumps({"replica": rank, "wrong": wrong}))
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("chunk", [CHUNK, 1 << 20])
+def test_sync_fetches_show_exactly_the_step_they_wait_for(tmp_path, chunk):
+    world = REPLICAS + SHARDS
+    args = [str(tmp_path / "store"), str(REPLICAS), str(SHARDS), str(STEPS), str(chunk)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", SYNC_ROLE, str(rank), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    outs = finish(procs, 120)
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-2000:]
+    reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert [r["wrong"] for r in reports[:REPLICAS]] == [[]] * REPLICAS
+    assert [r["updates"] for r in reports[REPLICAS:]] == [STEPS] * SHARDS

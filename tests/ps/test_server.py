@@ -2,6 +2,7 @@
 and the reference initialisation of every shard's range."""
 
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -218,3 +219,52 @@ def test_sync_never_applies_a_step_a_stopped_replica_did_not_push():
         server._goodbye(1, w)  # what a BYE message from replica 1's worker w does
     assert server.state.clock == 1 and torch.equal(server.state.values, after_one)
     assert server.mode.ready(0, 2) and server.mode.last_step() == 1
+
+
+class _Done:
+    def __init__(self, then=None):
+        self.then = then
+
+    def wait(self):
+        if self.then is not None:
+            self.then()
+
+
+class _Scripted:
+    """A process group whose peer hands the shard `messages`, then is gone: a receive posted
+    after them fails as gloo's does once the peer closed its connection."""
+
+    def __init__(self, messages):
+        self.messages, self.sent = list(messages), []
+
+    def recv(self, tensors, src, tag):
+        if not self.messages:
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:1")
+        message = self.messages.pop(0)
+        return _Done(lambda: tensors[0][: message.numel()].copy_(message))
+
+    def send(self, tensors, dst, tag):
+        self.sent.append(tensors[0].clone())
+        return _Done()
+
+
+def test_a_peer_that_leaves_right_after_its_goodbye_is_not_lost(monkeypatch):
+    """The next request's receive is posted ahead, but never after a goodbye: a worker that
+    exits at once (its job done) must not make the shard mark its replica lost."""
+    server = _server("downpour", replicas=1)
+    w = server.workers[0]
+    n = sum(g.length for g in server.routes[w])
+    src = server.setup.rank_of(0, w)
+
+    def message(kind):
+        buf = protocol.request_buffer(0, torch.float64)
+        protocol.write_header(buf, int(kind), src, 0, 0, 0, 0, -1)
+        return buf
+
+    group = _Scripted([message(protocol.Kind.FETCH), message(protocol.Kind.BYE)])
+    monkeypatch.setattr(ps.server, "dist", SimpleNamespace(group=SimpleNamespace(WORLD=group)))
+    server._peer(0, w)
+    assert server.lost == {} and (0, w) in server.done
+    reply = group.sent[0]
+    assert protocol.read_header(reply)[0] == protocol.Kind.PARAMS
+    assert protocol.read_header(reply)[4] == n

@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 120.0  # seconds for one run
 
 ROLE = r"""
@@ -105,14 +106,14 @@ def run(system: str, replicas: int, iters: int, tmp: Path, baseline: Path | None
     """Median over the replicas of ms per exchange (nan if a process failed or timed out)."""
     world = replicas if system == "allreduce" else replicas + 1
     store = tmp / f"store{time.monotonic_ns()}"
-    env = dict(os.environ)
+    env, cwd = dict(os.environ), ROOT  # `python -c` imports from its working directory first
     if system == "baseline":  # the netpart role, importing the other checkout's package
-        env["PYTHONPATH"] = str(baseline)
+        env["PYTHONPATH"], cwd = str(baseline), baseline
         system = "netpart"
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", ROLE, system, str(rank), str(world), str(store), str(iters)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
         )
         for rank in range(world)
     ]  # fmt: skip
@@ -141,6 +142,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.rounds < 1 or args.iters < 1:
         ap.error("--rounds and --iters must be at least 1")
+    if args.baseline is not None:
+        args.baseline = args.baseline.resolve()
     if args.baseline is not None and not (args.baseline / "netpart" / "ps").is_dir():
         ap.error(f"--baseline {args.baseline}: no netpart/ps package there")
     systems = SYSTEMS + (("baseline",) if args.baseline is not None else ())

@@ -50,6 +50,7 @@ class Mode:
 
     server: ShardServer
     changes_while_served = False  # whether an update may land while a fetch's reply travels
+    serves_in_rounds = False  # one thread serves every peer, a request of each per round
 
     def __init__(self, rule: UpdateRule | None) -> None:
         self.rule = rule
@@ -196,6 +197,8 @@ class Sync(Mode):
     replica lost mid-step can be left out); the buffers are reused, and the mean is summed
     in place when the step is complete (no allocation, no stacking per step).
     """
+
+    serves_in_rounds = True  # every peer pushes each step and waits for its answer
 
     def __init__(self, rule: UpdateRule) -> None:
         super().__init__(rule)

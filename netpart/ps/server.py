@@ -1,10 +1,13 @@
 """ShardServer: one parameter-server shard serving every replica's workers that hold its range.
 
 Each (replica, worker) peer is served from its own thread (gloo isolates pairs: a dead peer
-fails only its own thread). The server checks every header against the layout, counts bytes,
-answers fetches and keeps the bookkeeping every mode shares — how far each replica pushed,
-the staleness of every push, which peers said goodbye and which replicas were lost — under
-one lock. What a push *does* is the mode's (`netpart.ps.modes`: Downpour, Sync, Sandblaster).
+fails only its own thread); in sync mode, where every peer pushes each step and waits for its
+answer, one thread serves them all a round at a time (no hand-off between threads lies
+between the last push of a step and the replies). The server checks every header against the
+layout, counts bytes, answers fetches and keeps the bookkeeping every mode shares — how far
+each replica pushed, the staleness of every push, which peers said goodbye and which replicas
+were lost — under one lock. What a push *does* is the mode's (`netpart.ps.modes`: Downpour,
+Sync, Sandblaster).
 
 A peer whose connection fails marks its whole replica lost: the shard keeps serving the rest.
 Staleness of a push = updates the shard applied between serving the values the gradient was
@@ -67,6 +70,20 @@ class ShardState:
     progress: dict[int, int] = field(default_factory=dict)  # replica -> last step pushed
 
 
+@dataclass
+class _Link:
+    """One peer's buffers: its requests land in `request`, a push's later chunks in
+    `payload`; `reply` holds [header | values] when they fit one chunk."""
+
+    replica: int
+    worker: int
+    src: int
+    segments: tuple[Segment, ...]
+    request: torch.Tensor
+    payload: torch.Tensor
+    reply: torch.Tensor | None
+
+
 class ShardServer:
     """Shard `setup.shard` of the layout; `mode` decides what pushes and fetches do."""
 
@@ -100,11 +117,14 @@ class ShardServer:
     # ---- serving -------------------------------------------------------------------------
     def serve(self, stop: threading.Event | None = None, grace: float = 60.0) -> None:
         """Serve until every peer said goodbye or was lost (or `grace` s after `stop` is set)."""
-        threads = [
-            threading.Thread(target=self._peer, args=(r, w), daemon=True, name=f"peer-{r}-{w}")
-            for r in range(self.replicas)
-            for w in self.workers
-        ]
+        if self.mode.serves_in_rounds:
+            threads = [threading.Thread(target=self._rounds, daemon=True, name="peers")]
+        else:
+            threads = [
+                threading.Thread(target=self._peer, args=(r, w), daemon=True, name=f"peer-{r}-{w}")
+                for r in range(self.replicas)
+                for w in self.workers
+            ]
         threads += self.mode.threads()
         for t in threads:
             t.start()
@@ -136,53 +156,134 @@ class ShardServer:
             for w in self.workers
         )
 
-    def _peer(self, replica: int, worker: int) -> None:
-        src = self.setup.rank_of(replica, worker)
-        segments = self.routes[worker]
-        n = segments_length(segments)
+    def _link(self, replica: int, worker: int) -> _Link:
+        n = segments_length(self.routes[worker])
         dtype = self.state.values.dtype
-        request = request_buffer(n, dtype)  # every request of this peer lands here
-        payload = torch.empty(n, dtype=dtype)  # a push's later chunks
-        # A whole reply, header and values in one message, when the values fit in a chunk.
-        reply = request_buffer(n, dtype) if combined_reply(n) else None
+        return _Link(
+            replica, worker, self.setup.rank_of(replica, worker), self.routes[worker],
+            request_buffer(n, dtype), torch.empty(n, dtype=dtype),
+            request_buffer(n, dtype) if combined_reply(n) else None,
+        )  # fmt: skip
+
+    def _peer(self, replica: int, worker: int) -> None:
+        """Serve one peer from its own thread until it says goodbye or is lost."""
+        link = self._link(replica, worker)
         pg = dist.group.WORLD  # on the group itself: no wrapper per message
         try:
             while True:
-                pg.recv([request], src, TAG_HEADER).wait()
-                kind, sender, shard, step, length, rep, extra = read_header(request)
-                if (sender, shard, rep) != (src, self.shard, replica):
-                    raise ProtocolError(
-                        f"shard {self.shard}: header from rank {src} says sender {sender}, "
-                        f"shard {shard}, replica {rep}"
-                    )
-                if kind in (Kind.PUSH, Kind.PUSH_FETCH, Kind.PUSH_FETCH_LOCAL):
-                    if length != n:
-                        raise ProtocolError(
-                            f"shard {self.shard}: push of {length} values from replica "
-                            f"{replica} worker {worker}, the layout says {n}"
-                        )
-                    first = values_of(request, dtype, min(n, CHUNK))
-                    self.mode.receive(replica, worker, step, extra, first, payload, segments, src)
-                    self._count(bytes_in=payload.numel() * payload.element_size())
-                local = kind == Kind.PUSH_FETCH_LOCAL
-                current = self.mode.current(replica, worker) if local else None
-                if current is not None:
-                    self._reply_current(replica, current, src, reply is not None)
-                elif kind in (Kind.FETCH, Kind.FETCH_LOCAL):
-                    held = extra if kind == Kind.FETCH_LOCAL else -1
-                    self._reply(replica, worker, step, src, reply, held)
-                elif kind in (Kind.PUSH_FETCH, Kind.PUSH_FETCH_LOCAL):
-                    self._reply(replica, worker, self.mode.answer_after_push(step), src, reply)
-                elif kind == Kind.BYE:
-                    self._goodbye(replica, worker)
+                pg.recv([link.request], link.src, TAG_HEADER).wait()
+                if self._answer(link, *self._take(link)):
                     return
-                elif kind != Kind.PUSH:
-                    raise ProtocolError(f"shard {self.shard}: unknown message kind {kind}")
         except (RuntimeError, ProtocolError) as exc:
-            reason = str(exc) if isinstance(exc, ProtocolError) else transport_reason(exc)
-            self.lose(replica, f"worker {worker}: {reason}")
+            self._drop(link, exc)
         except OSError as exc:  # an update hook's write failed (disk full, read-only): fatal
             self.fail(write_reason(exc))
+
+    def _rounds(self) -> None:
+        """Serve every peer from one thread, a round at a time (sync): receive one request
+        from each peer not waiting for an answer, then answer every waiting peer whose step is
+        applied. Each sends one request per step and waits for its answer, so once a round is
+        in, the step is complete, and no hand-off between threads lies between the last push
+        and the replies. Peers that wait for a step no peer left can complete fail the shard
+        in one line instead of waiting for ever."""
+        links = [self._link(r, w) for r in range(self.replicas) for w in self.workers]
+        pg, waiting = dist.group.WORLD, []
+        try:
+            while links:
+                busy = {id(x[0]) for x in waiting}
+                posted = []
+                for link in [x for x in links if id(x) not in busy]:
+                    try:
+                        posted.append((link, pg.recv([link.request], link.src, TAG_HEADER)))
+                    except RuntimeError as exc:
+                        self._drop(link, exc, links)
+                for link, work in posted:
+                    try:
+                        work.wait()
+                        waiting.append((link, *self._take(link)))
+                    except (RuntimeError, ProtocolError) as exc:
+                        self._drop(link, exc, links)
+                waiting = self._answer_ready(waiting, links)
+                if waiting and len(waiting) == len(links):
+                    link, _, step, _ = waiting[0]
+                    self.fail(f"replica {link.replica} waits for step {step}, which no peer "
+                              "left can complete")  # fmt: skip
+                    return
+        except OSError as exc:  # an update hook's write failed (disk full, read-only): fatal
+            self.fail(write_reason(exc))
+
+    def _answer_ready(self, waiting: list, links: list) -> list:
+        """Answer the waiting (link, kind, step, extra) whose answer is ready, again while one
+        more became ready (a goodbye can make another's step answerable); those left."""
+        while True:
+            left = []
+            for item in waiting:
+                link, kind, step, _ = item
+                if kind in (Kind.FETCH, Kind.FETCH_LOCAL):
+                    upto = step
+                elif kind in (Kind.PUSH_FETCH, Kind.PUSH_FETCH_LOCAL):
+                    upto = self.mode.answer_after_push(step)
+                else:
+                    upto = 0  # a push alone or a goodbye: nothing to wait for
+                with self.cond:
+                    ready = self.mode.ready(link.replica, upto)
+                if not ready:
+                    left.append(item)
+                    continue
+                try:
+                    if self._answer(link, *item[1:]):
+                        links.remove(link)
+                except (RuntimeError, ProtocolError) as exc:
+                    self._drop(link, exc, links)
+            if len(left) == len(waiting):
+                return left
+            waiting = left
+
+    def _take(self, link: _Link) -> tuple[int, int, int]:
+        """A request received in `link.request`: check its header and take in its push (the
+        later chunks included, folded as they land); (kind, step, extra)."""
+        replica, worker, src, n = link.replica, link.worker, link.src, link.payload.numel()
+        kind, sender, shard, step, length, rep, extra = read_header(link.request)
+        if (sender, shard, rep) != (src, self.shard, replica):
+            raise ProtocolError(
+                f"shard {self.shard}: header from rank {src} says sender {sender}, "
+                f"shard {shard}, replica {rep}"
+            )
+        if kind in (Kind.PUSH, Kind.PUSH_FETCH, Kind.PUSH_FETCH_LOCAL):
+            if length != n:
+                raise ProtocolError(
+                    f"shard {self.shard}: push of {length} values from replica "
+                    f"{replica} worker {worker}, the layout says {n}"
+                )
+            first = values_of(link.request, link.payload.dtype, min(n, CHUNK))
+            self.mode.receive(replica, worker, step, extra, first, link.payload, link.segments, src)
+            self._count(bytes_in=n * link.payload.element_size())
+        return kind, step, extra
+
+    def _answer(self, link: _Link, kind: int, step: int, extra: int) -> bool:
+        """Answer a taken request as its kind says; True after a goodbye."""
+        replica, worker, src, reply = link.replica, link.worker, link.src, link.reply
+        current = self.mode.current(replica, worker) if kind == Kind.PUSH_FETCH_LOCAL else None
+        if current is not None:
+            self._reply_current(replica, current, src, reply is not None)
+        elif kind in (Kind.FETCH, Kind.FETCH_LOCAL):
+            held = extra if kind == Kind.FETCH_LOCAL else -1
+            self._reply(replica, worker, step, src, reply, held)
+        elif kind in (Kind.PUSH_FETCH, Kind.PUSH_FETCH_LOCAL):
+            self._reply(replica, worker, self.mode.answer_after_push(step), src, reply)
+        elif kind == Kind.BYE:
+            self._goodbye(replica, worker)
+            return True
+        elif kind != Kind.PUSH:
+            raise ProtocolError(f"shard {self.shard}: unknown message kind {kind}")
+        return False
+
+    def _drop(self, link: _Link, exc: Exception, links: list | None = None) -> None:
+        """A peer's connection failed or it broke the protocol: its replica is lost."""
+        reason = str(exc) if isinstance(exc, ProtocolError) else transport_reason(exc)
+        self.lose(link.replica, f"worker {link.worker}: {reason}")
+        if links is not None and link in links:
+            links.remove(link)
 
     def fail(self, why: str) -> None:
         """This shard cannot go on: `serve` raises RuntimeFailure(why) instead of waiting."""

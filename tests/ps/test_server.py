@@ -268,3 +268,60 @@ def test_a_peer_that_leaves_right_after_its_goodbye_is_not_lost(monkeypatch):
     reply = group.sent[0]
     assert protocol.read_header(reply)[0] == protocol.Kind.PARAMS
     assert protocol.read_header(reply)[4] == n
+
+
+class _Peers(_Scripted):
+    """`_Scripted` for every peer at once: messages per source rank."""
+
+    def __init__(self, messages):
+        self.messages, self.sent = {src: list(m) for src, m in messages.items()}, []
+
+    def recv(self, tensors, src, tag):
+        if not self.messages[src]:
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:1")
+        message = self.messages[src].pop(0)
+        return _Done(lambda: tensors[0][: message.numel()].copy_(message))
+
+    def send(self, tensors, dst, tag):
+        self.sent.append((dst, tensors[0].clone()))
+        return _Done()
+
+
+def _request(server, replica, worker, kind, step, values=None):
+    src = server.setup.rank_of(replica, worker)
+    n = 0 if values is None else values.numel()
+    buf = protocol.request_buffer(n, torch.float64)
+    protocol.write_header(buf, int(kind), src, 0, step, n, replica, 0)
+    if values is not None:
+        protocol.values_of(buf, torch.float64, n).copy_(values)
+    return buf
+
+
+@pytest.mark.parametrize("stopped", [False, True])
+def test_sync_rounds_answer_every_peer_once_its_step_is_applied(monkeypatch, stopped):
+    """One thread serves every peer of a sync shard, a request of each per round. Replica r
+    pushes r + 1 everywhere at step 1: every answer holds the mean applied once. Stopped:
+    replica 1 says goodbye instead, so step 1 is never applied and replica 0's push-and-fetch
+    is answered as things stand (after the goodbye, in the same round)."""
+    server = _server("sync")
+    n = {w: sum(g.length for g in server.routes[w]) for w in server.workers}
+    K = protocol.Kind
+    script = {}
+    for r in range(2):
+        for w in server.workers:
+            push = _request(server, r, w, K.PUSH_FETCH, 1, torch.full((n[w],), r + 1.0))
+            last = [_request(server, r, w, K.BYE, 0)]
+            steps = last if stopped and r == 1 else [push, *last]
+            script[server.setup.rank_of(r, w)] = [_request(server, r, w, K.FETCH, 0), *steps]
+    group = _Peers(script)
+    monkeypatch.setattr(ps.server, "dist", SimpleNamespace(group=SimpleNamespace(WORLD=group)))
+    server._rounds()
+    assert server.lost == {} and server.fatal is None and len(server.done) == 2 * len(n)
+    want = 0.0 if stopped else -1.5  # lr 1, the mean of 1 and 2
+    assert server.state.clock == (0 if stopped else 1)
+    assert torch.equal(server.state.values, torch.full_like(server.state.values, want))
+    assert len(group.sent) == 2 * len(n) + (len(n) if stopped else 2 * len(n))
+    for dst, msg in group.sent[2 * len(n) :]:  # after the first fetches
+        head, w = protocol.read_header(msg), dst % 2
+        assert head[0] == K.PARAMS and head[3] == (0 if stopped else 1) and head[4] == n[w]
+        assert bool((protocol.values_of(msg, torch.float64, n[w]) == want).all())

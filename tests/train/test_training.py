@@ -191,10 +191,11 @@ def test_downpour_lowers_the_loss_and_pushes_reach_only_their_shards(tmp_path):
         assert meta["bytes_in"] == want and meta["updates"] == pushes * len(layout.peers(s)) * 2
 
 
-def test_a_dead_replica_does_not_stop_training(tmp_path, monkeypatch):
+@pytest.mark.parametrize("mode", ["downpour", "sync"])  # sync: the shards serve in rounds
+def test_a_dead_replica_does_not_stop_training(tmp_path, monkeypatch, mode):
     monkeypatch.setenv("NETPART_TEST_FAULT", "die:3@5")  # replica 1, worker 1, step 5
     p = plan(SPEC, 2, "metis")
-    cfg = TrainConfig(replicas=2, shards=2, steps=30, lr=0.05, timeout=10)
+    cfg = TrainConfig(replicas=2, shards=2, steps=30, lr=0.05, timeout=10, mode=mode)
     summary = train(SPEC, p, cfg, tmp_path / "run")
     # The worker that died is named, not its mate that failed because it was gone.
     assert list(summary.lost) == [1] and summary.lost[1] == "worker 1 exited with code 17"

@@ -144,8 +144,8 @@ def main() -> int:
         ap.error("--rounds and --iters must be at least 1")
     if args.baseline is not None:
         args.baseline = args.baseline.resolve()
-    if args.baseline is not None and not (args.baseline / "netpart" / "ps").is_dir():
-        ap.error(f"--baseline {args.baseline}: no netpart/ps package there")
+        if not (args.baseline / "netpart" / "ps").is_dir():
+            ap.error(f"--baseline {args.baseline}: no netpart/ps package there")
     systems = SYSTEMS + (("baseline",) if args.baseline is not None else ())
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="sync-bench-") as tmp:

@@ -70,7 +70,7 @@ class ShardState:
     progress: dict[int, int] = field(default_factory=dict)  # replica -> last step pushed
 
 
-@dataclass
+@dataclass(eq=False)  # a peer is itself: compared and hashed by identity
 class _Link:
     """One peer's buffers: its requests land in `request`, a push's later chunks in
     `payload`; `reply` holds [header | values] when they fit one chunk."""
@@ -190,9 +190,9 @@ class ShardServer:
         pg, waiting = dist.group.WORLD, []
         try:
             while links:
-                busy = {id(x[0]) for x in waiting}
+                busy = {x[0] for x in waiting}
                 posted = []
-                for link in [x for x in links if id(x) not in busy]:
+                for link in [x for x in links if x not in busy]:
                     try:
                         posted.append((link, pg.recv([link.request], link.src, TAG_HEADER)))
                     except RuntimeError as exc:
@@ -219,14 +219,8 @@ class ShardServer:
             left = []
             for item in waiting:
                 link, kind, step, _ = item
-                if kind in (Kind.FETCH, Kind.FETCH_LOCAL):
-                    upto = step
-                elif kind in (Kind.PUSH_FETCH, Kind.PUSH_FETCH_LOCAL):
-                    upto = self.mode.answer_after_push(step)
-                else:
-                    upto = 0  # a push alone or a goodbye: nothing to wait for
                 with self.cond:
-                    ready = self.mode.ready(link.replica, upto)
+                    ready = self.mode.ready(link.replica, self._waits_for(kind, step))
                 if not ready:
                     left.append(item)
                     continue
@@ -268,15 +262,24 @@ class ShardServer:
             self._reply_current(replica, current, src, reply is not None)
         elif kind in (Kind.FETCH, Kind.FETCH_LOCAL):
             held = extra if kind == Kind.FETCH_LOCAL else -1
-            self._reply(replica, worker, step, src, reply, held)
+            self._reply(replica, worker, self._waits_for(kind, step), src, reply, held)
         elif kind in (Kind.PUSH_FETCH, Kind.PUSH_FETCH_LOCAL):
-            self._reply(replica, worker, self.mode.answer_after_push(step), src, reply)
+            self._reply(replica, worker, self._waits_for(kind, step), src, reply)
         elif kind == Kind.BYE:
             self._goodbye(replica, worker)
             return True
         elif kind != Kind.PUSH:
             raise ProtocolError(f"shard {self.shard}: unknown message kind {kind}")
         return False
+
+    def _waits_for(self, kind: int, step: int) -> int:
+        """The step a request's answer waits for: a fetch's own, a push-and-fetch's as the
+        mode says, none (0) for a push alone or a goodbye."""
+        if kind in (Kind.FETCH, Kind.FETCH_LOCAL):
+            return step
+        if kind in (Kind.PUSH_FETCH, Kind.PUSH_FETCH_LOCAL):
+            return self.mode.answer_after_push(step)
+        return 0
 
     def _drop(self, link: _Link, exc: Exception, links: list | None = None) -> None:
         """A peer's connection failed or it broke the protocol: its replica is lost."""

@@ -3,7 +3,7 @@
 On this machine's loopback a halo is a memory copy by gloo's threads on the cores that compute,
 so splitting layers does not pay (docs/runtime.md). Here each worker has a machine of its own:
 a network namespace behind a `tc tbf` link and a cpu cgroup held to a share of one core
-(`experiments/validate_sim.py`'s machines). Per model and round, alternating:
+(`netpart.calibrate.emulated`'s machines). Per model and round, alternating:
 
 - `one`: the 1-worker step (one machine);
 - `split`: the 2-worker step, every layer that qualifies split (interior units while the
@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # tests/ and experiments/ helpers
+sys.path.insert(0, str(ROOT))
 
-from experiments.validate_sim import WARMUP, EmulatedRunner  # noqa: E402
+from netpart.calibrate.emulated import WARMUP, EmulatedRunner  # noqa: E402
 from netpart.models import load_spec  # noqa: E402
 from netpart.partition import plan  # noqa: E402
 
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    from tests import cgroups, netns
+    from netpart.testbed import cgroups, netns
 
     why = netns.unavailable() or cgroups.unavailable()
     if why is not None:

@@ -70,9 +70,9 @@ def _one(mk, model: str, workers: int) -> dict:
     from netpart.partition import plan
     from netpart.partition.balance import follow_pools, quantile_cut, rebalance
     from netpart.partition.cost import NetworkModel
+    from netpart.partition.figures import evaluate
     from netpart.partition.graph import Granularity, build_unit_graph
     from netpart.partition.plane import blocks_from_plane, build_plane
-    from netpart.partition.planner import evaluate
 
     spec = load_spec(model)
     start = time.perf_counter()

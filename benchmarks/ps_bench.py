@@ -143,7 +143,7 @@ def shard_throughput(
             del store
             commands = [peer(r, "127.0.0.1", port) for r in (0, 1)]
         else:
-            from tests import netns
+            from netpart.testbed import netns
 
             why = netns.unavailable()
             if why is not None:

@@ -9,11 +9,11 @@ pairs), one thread per process, batch 32, float32:
     runs: the MLP (N=2 / N=1 step ratio) and `bench-local`, `bench-local-wide` (speedup);
 (c) efficiency at N=2: the measured step over (the slowest worker's isolated compute + the
     raw gloo time of the same messages): isolated compute from every slice run alone
-    (`netpart.runtime.trace`), messages from the same programs run without compute;
+    (`netpart.calibrate.trace`), messages from the same programs run without compute;
 (d) overlap on bench-local-wide at N=2: exposed exchange with overlap over the exchange of
     the same program without it (alternated runs);
 (e) the locally connected slice kernel's GFLOP/s vs a dense matmul's;
-(--profile) where each step goes at N = 1, 2, 3 on the three models (`netpart.runtime.profile`).
+(--breakdown) where each step goes at N = 1, 2, 3 on the three models (`netpart.runtime.breakdown`).
 
     python benchmarks/runtime_bench.py --out benchmarks/results/runtime_bench.json
 """
@@ -30,14 +30,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from netpart.calibrate.trace import measure_slices
 from netpart.models import build_reference, load_spec
 from netpart.partition import plan
 from netpart.partition.schedule import plan_schedule
 from netpart.runtime import run_step
+from netpart.runtime.breakdown import step_breakdown, thread_medians
 from netpart.runtime.check import make_batch
 from netpart.runtime.inprocess import ThreadTransport
-from netpart.runtime.profile import step_profile, thread_medians
-from netpart.runtime.trace import measure_slices
 from netpart.runtime.worker import ModelWorker
 
 MODELS = ("digits-mlp", "bench-local", "bench-local-wide")
@@ -162,8 +162,8 @@ def overlap(name: str, batch: int, steps: int, pairs: int) -> dict:
     }
 
 
-def profile(batch: int, steps: int) -> dict:
-    """Median per-step profile of each worker at N = 1, 2, 3 on every model."""
+def breakdown(batch: int, steps: int) -> dict:
+    """Median per-step breakdown of each worker at N = 1, 2, 3 on every model."""
     out = {}
     for name in MODELS:
         spec = load_spec(name)
@@ -171,10 +171,10 @@ def profile(batch: int, steps: int) -> dict:
             r = _run(spec, n, batch, steps)
             out[f"{name}/N={n}"] = [
                 {
-                    **step_profile(t[WARMUP:-1], p[WARMUP:-1]),
+                    **step_breakdown(t[WARMUP:-1], p[WARMUP:-1]),
                     **thread_medians(th[WARMUP:-1]),
                 }
-                for t, p, th in zip(r.step_times, r.profiles, r.threads, strict=True)
+                for t, p, th in zip(r.step_times, r.breakdowns, r.threads, strict=True)
             ]
     return out
 
@@ -238,10 +238,10 @@ def _report(result: dict) -> None:
             f"{e['local_slice_gflops']:.1f} GFLOP/s vs dense matmul {e['dense_matmul_gflops']:.1f}"
         )
         print(f"(e) local slice {rates}: {e['ratio_local_over_matmul']:.2f} (>= 0.3)")
-    for key, workers in result.get("profile", {}).items():
+    for key, workers in result.get("breakdown", {}).items():
         for w, prof in enumerate(workers):
             parts = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in prof.items())
-            print(f"profile {key} worker {w} (ms/step): {parts}")
+            print(f"breakdown {key} worker {w} (ms/step): {parts}")
 
 
 def main() -> int:
@@ -251,7 +251,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=41, help="alternations for (a), (e)")
     ap.add_argument("--steps", type=int, default=12, help="timed steps per run (at least)")
     ap.add_argument("--pairs", type=int, default=5, help="alternating run pairs for (b)-(d)")
-    ap.add_argument("--profile", action="store_true", help="also profile N = 1, 2, 3")
+    ap.add_argument("--breakdown", action="store_true", help="also break down N = 1, 2, 3")
     ap.add_argument("--only", choices=("a", "b", "c", "d", "e"), default=None)
     args = ap.parse_args()
     run = {k: args.only in (None, k) for k in "abcde"}
@@ -265,9 +265,9 @@ def main() -> int:
         "overlap": overlap("bench-local-wide", b, steps, pairs) if run["d"] else {},
         "kernel": kernel_rate(b, args.repeat) if run["e"] else {},
     }
-    if args.profile:
-        result["profile"] = profile(args.batch, args.steps)
-    _report({k: v for k, v in result.items() if v or k == "profile"})
+    if args.breakdown:
+        result["breakdown"] = breakdown(args.batch, args.steps)
+    _report({k: v for k, v in result.items() if v or k == "breakdown"})
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))

@@ -1,10 +1,9 @@
-"""What the experiment scripts share: atomic CSV and PNG writes, a free local port."""
+"""What the experiment scripts share: atomic CSV and PNG writes."""
 
 from __future__ import annotations
 
 import csv
 import io
-import socket
 from pathlib import Path
 
 from netpart.files import write_atomic
@@ -27,9 +26,3 @@ def save_figure(fig, path: Path, dpi: int = 110) -> None:
     fig.savefig(buf, format="png", dpi=dpi)
     plt.close(fig)
     write_atomic(path, buf.getvalue())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -39,7 +39,8 @@ from netpart.train.report import evaluate, read_metrics
 from netpart.train.rundir import model_from_shards
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # experiments._common
-from experiments._common import free_port, save_figure, write_csv
+from experiments._common import save_figure, write_csv
+from netpart.calibrate.emulated import free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL, DATA, LR, BATCH = "tiny-local", "digits", 0.1, 32

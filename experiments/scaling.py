@@ -1,7 +1,7 @@
 """Figure 3 of the paper: speedup of one training step against the number of model workers.
 
 For each model and N, plan with METIS (and baselines for contrast), execute every worker's
-slice of every layer alone on one thread to measure its compute time (`netpart.runtime.trace`),
+slice of every layer alone on one thread to measure its compute time (`netpart.calibrate.trace`),
 and put the measurements on the plan's lockstep critical path with the halo bytes over a
 network model (`netpart.partition.simulate`). Speedup = simulated step at N=1 / at N.
 
@@ -27,14 +27,14 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from netpart.calibrate.trace import SliceTimes, measure_slices
 from netpart.files import write_atomic
 from netpart.models import load_spec
 from netpart.partition import plan
 from netpart.partition.cost import NetworkModel
-from netpart.partition.planner import reevaluate
+from netpart.partition.figures import reevaluate
 from netpart.partition.schedule import plan_schedule
 from netpart.partition.simulate import simulate_step
-from netpart.runtime.trace import SliceTimes, measure_slices
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # experiments._common
 from experiments._common import save_figure, write_csv

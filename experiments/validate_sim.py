@@ -11,7 +11,7 @@ passes over all rows: minutes apart); error = predicted / measured - 1. Each row
 the CPU floor: the CPU a step takes on its busiest worker (all threads) / the share, below which no
 step on those machines can run (a step near it is CPU-bound: the quota, not the critical path
 the model sums, sets its time), and how much slower than at calibration the machine's cores
-ran (`slowdown`: the speed probe, `netpart.runtime.speed`, against the profile's). Needs
+ran (`slowdown`: the speed probe, `netpart.calibrate.speed`, against the profile's). Needs
 root (namespaces, cgroups); without it, says why and writes nothing.
 
     python experiments/validate_sim.py                # ~50 min here (three launches a row)
@@ -27,147 +27,33 @@ import json
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # tests/ helpers
+sys.path.insert(0, str(ROOT))  # experiments/ helpers
 
-from experiments._common import free_port, write_csv  # noqa: E402
-from netpart.files import plan_files, write_atomic, write_files  # noqa: E402
-from netpart.models import load_spec  # noqa: E402
-from netpart.partition import NetworkModel, plan  # noqa: E402
-from netpart.partition.planner import PartitionPlan, reevaluate  # noqa: E402
-from netpart.runtime.calibrate import (  # noqa: E402
+from experiments._common import write_csv  # noqa: E402
+from netpart.calibrate.emulated import TIMEOUT, EmulatedRunner, free_port  # noqa: E402
+from netpart.calibrate.measure import (  # noqa: E402
     CALIBRATION_MODELS,
     calibrate,
     profile_json,
-    step_cpu_s,
 )
-from netpart.runtime.check import make_batch  # noqa: E402
-from netpart.runtime.result import load_worker_result  # noqa: E402
-from netpart.runtime.speed import SpeedProbe  # noqa: E402
-from netpart.runtime.step import link_job, link_result, timed_steps  # noqa: E402
-from netpart.runtime.trace import SliceTimes, measure_slices  # noqa: E402
+from netpart.calibrate.speed import SpeedProbe  # noqa: E402
+from netpart.files import write_atomic  # noqa: E402
+from netpart.models import load_spec  # noqa: E402
+from netpart.partition import NetworkModel, plan  # noqa: E402
+from netpart.partition.figures import reevaluate  # noqa: E402
+from netpart.runtime.step import timed_steps  # noqa: E402
 
 RESULTS = ROOT / "experiments" / "results"
-BATCH, STEPS, WARMUP = 32, 12, 3
+BATCH, STEPS = 32, 12
 MODELS = ("digits-mlp", "bench-local", "bench-local-wide")
-TIMEOUT = 600
 REPEATS = 3  # runs of each calibration step measurement
-
-
-def _slices_job(job: str) -> None:
-    """In a machine: time every slice of the plans in job/plan_<i>/ (one thread), save them."""
-    from netpart.files import load_plan
-
-    torch.set_num_threads(1)
-    folder = Path(job)
-    job = json.loads((folder / "job.json").read_text())
-    spec = load_spec(job["model"])
-    for sub in sorted(p for p in folder.iterdir() if p.name.startswith("plan_")):
-        times = measure_slices(spec, load_plan(sub, spec), job["batch"], share=job["share"])
-        np.savez(sub / "slices.npz", **times.to_arrays())
-
-
-@dataclass
-class EmulatedRunner:
-    """`netpart.runtime.calibrate.Runner` on emulated machines: hosts[i] (a namespace) with
-    groups[i] (a cpu cgroup) is machine i; workers split layers, as across real machines."""
-
-    hosts: list
-    groups: list[Path]
-    share: float  # of a core, each machine's cgroup quota
-    overlap: bool = True
-    probe_beside: bool = True  # the probe runs here, outside the machines
-
-    def _argv(self, i: int, argv: list[str], env: dict[str, str]) -> list[str]:
-        from tests import cgroups
-
-        # The group first: `ip netns exec` mounts the namespace's own /sys over the cgroups.
-        return cgroups.command(self.groups[i], self.hosts[i].command(argv, env))
-
-    def slices(self, spec, plans: list[PartitionPlan], batch: int) -> list[SliceTimes]:
-        with tempfile.TemporaryDirectory(prefix="netpart-val-") as tmp:
-            job = Path(tmp)
-            job_doc = {"model": spec.name, "batch": batch, "share": self.share}
-            (job / "job.json").write_text(json.dumps(job_doc))
-            for i, p in enumerate(plans):
-                write_files(job / f"plan_{i}", plan_files(p))
-            code = (
-                f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
-                f"from experiments.validate_sim import _slices_job; _slices_job({tmp!r})"
-            )
-            argv = self._argv(0, [sys.executable, "-c", code], {"PYTHONPATH": str(ROOT)})
-            subprocess.run(argv, check=True, timeout=TIMEOUT)
-            return [
-                SliceTimes.from_arrays(np.load(job / f"plan_{i}" / "slices.npz"))
-                for i in range(len(plans))
-            ]
-
-    def step(self, spec, p: PartitionPlan, batch: int, steps: int, exchange_only=False):
-        times, cpu = self.run(spec, p, batch, steps, exchange_only)
-        return float(np.median(times)), cpu
-
-    @property
-    def machines(self) -> int:
-        return len(self.hosts)
-
-    def link(self, sizes: tuple[int, ...], repeats: int, world: int) -> tuple[np.ndarray, float]:
-        with tempfile.TemporaryDirectory(prefix="netpart-val-") as tmp:
-            link_job(Path(tmp), sizes, repeats, timeout=120)
-            self._launch(Path(tmp), world, f"the link among {world}")
-            return link_result(Path(tmp), world)
-
-    def run(self, spec, p: PartitionPlan, batch: int, steps: int, exchange_only=False):
-        """(every timed step, slowest worker; the CPU seconds a step takes on the busiest
-        worker, all its threads, median over the steps) of `p` on machines 0..N-1."""
-        loaded = self.results(spec, p, batch, steps, exchange_only)
-        times = np.array([result.step_times for result, _, _ in loaded])
-        cpu = step_cpu_s([usage for _, _, usage in loaded], WARMUP)  # exchange-only: none
-        return np.max(times, axis=0)[WARMUP:], cpu
-
-    def results(self, spec, p: PartitionPlan, batch, steps, exchange_only=False, split=True):
-        """Every worker's `load_worker_result` of `steps` + WARMUP steps of `p` on machines
-        0..N-1 (`split`: programs hide halo behind compute, as across real machines)."""
-        n = p.workers
-        x, y = make_batch(spec, batch, 0)
-        with tempfile.TemporaryDirectory(prefix="netpart-val-") as tmp:
-            job = Path(tmp)
-            files = plan_files(p)
-            files["spec.json"] = spec.to_json().encode()
-            config = {"seed": 0, "dtype": "float32", "timeout": 120, "threads": 1, "split": split,
-                      "steps": steps + WARMUP, "exchange_only": exchange_only}  # fmt: skip
-            files["config.json"] = json.dumps(config).encode()
-            write_files(job, files)
-            torch.save({"inputs": x.float(), "targets": y}, job / "batch.pt")
-            self._launch(job, n, f"{spec.name} on {n} machines")
-            return [load_worker_result(job / f"result_{r}.pt") for r in range(n)]
-
-    def _launch(self, job: Path, n: int, what: str) -> None:
-        """`python -m netpart.runtime.step --job JOB` on machines 0..n-1, to the end."""
-        port, master = free_port(), self.hosts[0].address  # rank 0 hosts the store
-        env, procs = {"PYTHONPATH": str(ROOT), "TORCH_CPP_LOG_LEVEL": "ERROR"}, []
-        try:
-            for rank in range(n):
-                wenv = {**env, "RANK": str(rank), "WORLD_SIZE": str(n),
-                        "MASTER_ADDR": master, "MASTER_PORT": str(port),
-                        "GLOO_SOCKET_IFNAME": self.hosts[rank].device}  # fmt: skip
-                argv = [sys.executable, "-m", "netpart.runtime.step", "--job", str(job)]
-                procs.append(subprocess.Popen(self._argv(rank, argv, wenv)))
-            for proc in procs:
-                if proc.wait(timeout=TIMEOUT) != 0:
-                    raise RuntimeError(f"a worker of {what} failed")
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
 
 
 def _say(text: str) -> None:
@@ -206,7 +92,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
-    from tests import cgroups, netns
+    from netpart.testbed import cgroups, netns
 
     # A stop (SIGTERM) unwinds like Ctrl-C, so namespaces and cgroups are removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -224,7 +110,7 @@ def main(argv=None) -> int:
         netns.switched_hosts(machines, rate=args.rate, burst=args.burst) as hosts,
         cgroups.cpu_shares(machines, args.share) as groups,
     ):
-        runner = EmulatedRunner(hosts, groups, args.share)
+        runner = EmulatedRunner(hosts, groups, args.share, env={"PYTHONPATH": str(ROOT)})
         t0 = time.monotonic()
         cal = tuple(args.calibrate.split(","))
         args.out.mkdir(parents=True, exist_ok=True)
@@ -289,8 +175,8 @@ def _run(runner, model, models, counts, run: int, launches: int, via: str) -> li
 
 def _calibrate_torchrun(hosts, groups, models: str, share: float, out: Path) -> None:
     """`netpart calibrate --out OUT` under torchrun, one process on each machine (static
-    rendezvous on machine 0), as across real machines (`netpart.runtime.hosts`)."""
-    from tests import cgroups
+    rendezvous on machine 0), as across real machines (`netpart.calibrate.hosts`)."""
+    from netpart.testbed import cgroups
 
     torchrun, port, procs = str(Path(sys.executable).with_name("torchrun")), free_port(), []
     try:

@@ -13,10 +13,14 @@ from netpart import faults
 ROOT = Path(__file__).resolve().parents[1] / "netpart"
 # A room may import itself and the rooms below it (errors/files/faults are the bottom floor).
 BELOW = {
-    "cli": {"train", "runtime", "ps", "partition", "data", "models"},
-    "train": {"runtime", "ps", "partition", "data", "models"},
-    "runtime": {"partition", "data", "models"},
+    "cli": {"train", "calibrate", "runtime", "ps", "processes", "testbed"}
+    | {"partition", "data", "models"},
+    "train": {"runtime", "ps", "processes", "testbed", "partition", "data", "models"},
+    "calibrate": {"runtime", "processes", "testbed", "partition", "data", "models"},
+    "runtime": {"processes", "partition", "data", "models"},
     "ps": {"partition", "models"},
+    "processes": set(),
+    "testbed": set(),
     "partition": {"models"},
     "data": {"models"},
     "models": set(),

@@ -81,8 +81,8 @@ def add_launch_args(parser: argparse.ArgumentParser, batch: int, stats_help: str
 
 def plan_for_run(args: argparse.Namespace):
     """The spec and plan `run` and `check` use: --plan (checked), or None to plan afresh."""
-    from netpart.files import load_plan
     from netpart.models import load_spec
+    from netpart.partition.plans import load_plan
 
     spec = load_spec(args.model)
     if args.timeout <= 0:

@@ -16,7 +16,7 @@ outputs in --out DIR:
   plan.json        schema_version, model + fingerprint, method, options, metrics
                    (edge_cut, volume, lower_bound, max_layer_imbalance, predicted_step_s),
                    per-layer and per-worker figures
-  node_map.npy     block -> worker (int64), loads back with netpart.files.load_plan
+  node_map.npy     block -> worker (int64), loads back with netpart.partition.plans.load_plan
   report.md        the report, with the figures below
   partition_map.png, load.png, halo_traffic.png (+ compare.png with --compare: log
                    scales, an undefined ratio (traffic over a bound of 0) marked)
@@ -177,9 +177,10 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from netpart.files import foreign_entries, plan_files, write_files
+    from netpart.files import foreign_entries, write_files
     from netpart.models import load_spec
     from netpart.partition import Granularity, build_unit_graph
+    from netpart.partition.plans import plan_files
     from netpart.partition.report import (
         auto_table,
         compare_table,
@@ -337,8 +338,8 @@ def _make_plans(spec, args: argparse.Namespace, options: dict, common: dict) -> 
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from netpart.files import load_plan
     from netpart.models import ZOO, load_spec
+    from netpart.partition.plans import load_plan
     from netpart.partition.report import layer_table, summary_line
 
     plan = load_plan(args.plan)

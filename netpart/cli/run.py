@@ -15,6 +15,7 @@ from netpart.cli.common import (
     plan_for_run,
     positive_int,
 )
+from netpart.files import write_atomic
 
 __all__ = ["register"]
 
@@ -79,7 +80,7 @@ def register(sub) -> None:
 
 
 def _calibrate_parser(sub) -> None:
-    from netpart.runtime.calibrate import CALIBRATION_MODELS, SLICE_MODELS
+    from netpart.calibrate.measure import CALIBRATION_MODELS, SLICE_MODELS
 
     k = sub.add_parser(
         "calibrate",
@@ -140,10 +141,9 @@ def _calibrate_parser(sub) -> None:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     import torch.distributed
 
+    from netpart.calibrate.measure import PROBE_SWING, LocalRunner, calibrate, profile_json
     from netpart.errors import PlanError
-    from netpart.files import write_atomic
     from netpart.models import load_spec
-    from netpart.runtime.calibrate import PROBE_SWING, LocalRunner, calibrate, profile_json
     from netpart.runtime.check import under_torchrun
 
     models = tuple(m.strip() for m in args.models.split(",") if m.strip())
@@ -156,7 +156,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise PlanError(f"--share is a fraction of one core (0 < share <= 1), got {args.share}")
     runner = LocalRunner(args.share)
     if under_torchrun():  # one process per host: the link and steps between the hosts
-        from netpart.runtime.hosts import HostsRunner
+        from netpart.calibrate.hosts import HostsRunner
 
         if int(os.environ.get("WORLD_SIZE", "1")) < 2:
             raise PlanError(
@@ -225,11 +225,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from netpart.files import write_atomic
+    from netpart.calibrate.speed import SLOW_SPELL, SpeedProbe
     from netpart.partition import plan
-    from netpart.partition.planner import reevaluate
+    from netpart.partition.figures import reevaluate
     from netpart.runtime.check import make_batch
-    from netpart.runtime.speed import SLOW_SPELL, SpeedProbe
     from netpart.runtime.step import run_step, timed_steps
 
     spec, p = plan_for_run(args)
@@ -271,7 +270,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     _layer_table(spec, result)
     if args.breakdown:
-        _profile_table(result, warmup)
+        _breakdown_table(result, warmup)
     sent = sum(v for s in result.sent for v in s.values())
     echo(f"bytes moved per step: {sent:,} (plan: {2 * p.metrics.volume * args.batch * 4:,})")
     if args.stats is not None:
@@ -316,21 +315,21 @@ def _layer_table(spec, result) -> None:
     echo(f"{'loss':<10} {'':>11} {loss * 1e3:>11.2f}")
 
 
-def _profile_table(result, warmup: int) -> None:
+def _breakdown_table(result, warmup: int) -> None:
     """Per worker: median ms per step by category, and its threads' CPU per step."""
-    from netpart.runtime.profile import step_profile, thread_medians
+    from netpart.runtime.breakdown import step_breakdown, thread_medians
 
-    echo(f"\n{'worker':<7}" + "".join(f"{k:>9}" for k in (*PROFILE_COLUMNS, "step")))
-    for w, (times, profiles) in enumerate(zip(result.step_times, result.profiles, strict=True)):
-        prof = step_profile(times[warmup:], profiles[warmup:])
-        echo(f"{w:<7}" + "".join(f"{prof[k] * 1e3:>9.2f}" for k in (*PROFILE_COLUMNS, "step")))
+    echo(f"\n{'worker':<7}" + "".join(f"{k:>9}" for k in (*BREAKDOWN_COLUMNS, "step")))
+    for w, (times, breakdowns) in enumerate(zip(result.step_times, result.breakdowns, strict=True)):
+        prof = step_breakdown(times[warmup:], breakdowns[warmup:])
+        echo(f"{w:<7}" + "".join(f"{prof[k] * 1e3:>9.2f}" for k in (*BREAKDOWN_COLUMNS, "step")))
     for w, usage in enumerate(result.threads):
         per = thread_medians(usage[warmup:])
         text = ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.2f}" for k, v in per.items())
         echo(f"worker {w} threads, median ms per step: {text}")
 
 
-PROFILE_COLUMNS = ("slice", "fill", "post", "wait", "loss", "other")
+BREAKDOWN_COLUMNS = ("slice", "fill", "post", "wait", "loss", "other")
 
 
 def _show_schedule(spec, p) -> None:
@@ -347,7 +346,6 @@ def _show_schedule(spec, p) -> None:
 def cmd_check(args: argparse.Namespace) -> int:
     import json
 
-    from netpart.files import write_atomic
     from netpart.partition import plan
     from netpart.runtime.check import (
         check_step,

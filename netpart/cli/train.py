@@ -196,9 +196,9 @@ def _flag(field: str) -> str:
 def _job(args, local: bool = True):
     """Spec, plan and config from the flags, or from the run directory with --resume; `local`:
     every process on this machine (refuse what cannot fit it)."""
-    from netpart.files import load_plan
     from netpart.models import load_spec
     from netpart.partition import plan
+    from netpart.partition.plans import load_plan
     from netpart.train.config import TrainConfig
     from netpart.train.rundir import read_run
 
@@ -265,7 +265,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)  # peers' gloo threads may still block: do not wait for them
-    from netpart.runtime.zygote import Preloaded
+    from netpart.processes.zygote import Preloaded
 
     # The interpreter that will fork the job's processes imports torch while this one plans.
     with Preloaded("netpart.train.process", new_session=True) as preloaded:
@@ -350,8 +350,8 @@ def _run_model(run: Path, from_shards: bool = False):
     `from_shards`), else the shard checkpoints."""
     import torch
 
-    from netpart.files import load_plan
     from netpart.partition import build_unit_graph
+    from netpart.partition.plans import load_plan
     from netpart.partition.shards import ShardLayout
     from netpart.train.rundir import model_from_shards, read_run
 

@@ -16,7 +16,8 @@ import numpy as np
 
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import BYTES_PER_VALUE, UnitGraph
-from netpart.partition.planner import TIE, PartitionPlan
+from netpart.partition.planner import TIE
+from netpart.partition.plans import PartitionPlan
 from netpart.partition.shards import ShardLayout
 from netpart.partition.volume import layer_traffic
 

@@ -33,7 +33,7 @@ from netpart.partition.graph import (
     owned_units,
     read_window,
 )
-from netpart.partition.planner import PartitionPlan
+from netpart.partition.plans import PartitionPlan
 from netpart.partition.program import Instruction, check_program
 from netpart.partition.volume import coverage
 

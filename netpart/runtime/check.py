@@ -18,9 +18,9 @@ import torch.distributed as dist
 from netpart.errors import PlanError
 from netpart.models.reference import build_reference
 from netpart.models.spec import ModelSpec
-from netpart.partition.planner import PartitionPlan
+from netpart.partition.plans import PartitionPlan
 from netpart.partition.schedule import plan_schedule
-from netpart.runtime.launcher import join_group
+from netpart.processes.launcher import join_group
 from netpart.runtime.result import StepResult, assemble
 from netpart.runtime.step import run_step
 from netpart.runtime.transport import GlooTransport

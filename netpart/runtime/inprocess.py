@@ -15,7 +15,7 @@ import torch
 
 from netpart.errors import PeerError, ShapeMismatchError
 from netpart.models.spec import ModelSpec
-from netpart.partition.planner import PartitionPlan
+from netpart.partition.plans import PartitionPlan
 from netpart.partition.schedule import SPLIT_MIN_FLOPS, plan_schedule
 from netpart.runtime.result import StepResult, assemble
 from netpart.runtime.transport import Handle

@@ -31,7 +31,7 @@ class StepResult:
     compute_s: list[dict[tuple[int, str], float]]  # per worker, last step, per (layer, phase)
     exchange_s: list[dict[tuple[int, str], float]]  # exposed: posting and waiting
     hidden_s: list[dict[tuple[int, str], float]] = field(default_factory=list)  # overlapped
-    profiles: list[list[dict[str, float]]] = field(default_factory=list)  # worker, step -> s
+    breakdowns: list[list[dict[str, float]]] = field(default_factory=list)  # worker, step -> s
     threads: list[list[dict[str, float]]] = field(default_factory=list)  # worker, step -> s
     accuracy: float | None = None  # cross-entropy: share of the batch whose target logit is max
 
@@ -84,7 +84,7 @@ _TIMINGS = ("compute_s", "exchange_s", "hidden_s")
 
 
 def load_worker_result(path: Path) -> tuple[WorkerResult, list[dict], list[dict]]:
-    """A worker's result file: (the last step's result, per-step profiles, per-step thread
+    """A worker's result file: (the last step's result, per-step breakdowns, per-step thread
     figures)."""
     d = torch.load(path, weights_only=True)
     timings: dict[str, dict] = {kind: {} for kind in _TIMINGS}
@@ -105,7 +105,11 @@ def load_worker_result(path: Path) -> tuple[WorkerResult, list[dict], list[dict]
         step_times=[float(t) for t in d["step_times"]],
         **timings,
     )
-    return result, _rows(d["profile_keys"], d["profiles"]), _rows(d["thread_keys"], d["threads"])
+    return (
+        result,
+        _rows(d["breakdown_keys"], d["breakdowns"]),
+        _rows(d["thread_keys"], d["threads"]),
+    )
 
 
 def _rows(keys: list[str], table: torch.Tensor) -> list[dict[str, float]]:
@@ -118,10 +122,10 @@ def _table(rows: list[dict[str, float]]) -> tuple[list[str], torch.Tensor]:
 
 
 def save_worker_result(
-    path: Path, r: WorkerResult, profiles: list[dict], threads: list[dict]
+    path: Path, r: WorkerResult, breakdowns: list[dict], threads: list[dict]
 ) -> None:
     """Write a worker's result (tensors, numbers and strings only: loads with weights_only)."""
-    profile_keys, profile_table = _table(profiles)
+    breakdown_keys, breakdown_table = _table(breakdowns)
     thread_keys, thread_table = _table(threads)
     timing = [(kind, k, v) for kind in _TIMINGS for k, v in getattr(r, kind).items()]
     buf = io.BytesIO()
@@ -142,8 +146,8 @@ def save_worker_result(
             "timing_keys": [[k[0], k[1]] for _, k, _ in timing],
             "timing_kind": [kind for kind, _, _ in timing],
             "timing_s": [v for _, _, v in timing],
-            "profile_keys": profile_keys,
-            "profiles": profile_table,
+            "breakdown_keys": breakdown_keys,
+            "breakdowns": breakdown_table,
             "thread_keys": thread_keys,
             "threads": thread_table,
         },

@@ -29,12 +29,12 @@ import torch
 
 from netpart import faults
 from netpart.errors import WorkerFailure
-from netpart.files import load_plan, plan_files, write_files
+from netpart.files import write_files
 from netpart.models.spec import ModelSpec
-from netpart.partition.planner import PartitionPlan
+from netpart.partition.plans import PartitionPlan, load_plan, plan_files
 from netpart.partition.schedule import NO_SPLITS, SPLIT_MIN_FLOPS, plan_schedule
-from netpart.runtime.launcher import Processes, join_group
-from netpart.runtime.profile import thread_usage
+from netpart.processes.launcher import Processes, join_group
+from netpart.runtime.breakdown import thread_usage
 from netpart.runtime.result import StepResult, assemble, load_worker_result, save_worker_result
 from netpart.runtime.transport import PEER_LOST, GlooTransport
 from netpart.runtime.worker import ModelWorker, WorkerResult
@@ -99,7 +99,7 @@ def run_step(
 
     `threads` is torch's intra-op thread count per worker. With `steps` > 1 each worker repeats
     the step (gradients zeroed, a barrier before each) and reports per-step wall times and
-    profiles (`netpart.runtime.profile`); the result describes the last step. `split` lets
+    breakdowns (`netpart.runtime.breakdown`); the result describes the last step. `split` lets
     the programs hide halo exchange behind interior compute (off by default: these processes
     share one host, where a halo is a memory copy on the same cores and hiding it costs as
     much as it saves, docs/runtime.md); `overlap=False` runs programs that neither split nor
@@ -125,7 +125,7 @@ def run_step(
             _watch(procs, timeout)
         loaded = [load_worker_result(job / f"result_{r}.pt") for r in range(plan.workers)]
     result = assemble(spec, [r for r, _, _ in loaded], inputs.shape[0], dtype)
-    result.profiles = [p for _, p, _ in loaded]
+    result.breakdowns = [p for _, p, _ in loaded]
     result.threads = [t for _, _, t in loaded]
     return result
 
@@ -251,8 +251,8 @@ def _worker(job: Path) -> int:
         if config.get("exchange_only"):
             return _exchange_only(job, worker, transport, rank, len(batch["inputs"]), steps)
         lr = float(config.get("sgd_lr", 0.0))
-        result, profiles, usage = step_loop(worker, transport, batch, steps, lr)
-        save_worker_result(job / f"result_{rank}.pt", result, profiles, usage)
+        result, breakdowns, usage = step_loop(worker, transport, batch, steps, lr)
+        save_worker_result(job / f"result_{rank}.pt", result, breakdowns, usage)
     finally:
         torch.distributed.destroy_process_group()
     return 0
@@ -266,11 +266,11 @@ def _sgd(worker: ModelWorker, lr: float) -> None:
 
 
 def step_loop(worker: ModelWorker, transport, batch: dict, steps: int, lr: float = 0.0):
-    """(the last step's WorkerResult holding every step's wall time, each step's profile,
+    """(the last step's WorkerResult holding every step's wall time, each step's breakdown,
     each step's thread CPU) of `steps` steps of `worker` on `batch` (inputs, targets); with
     more than one, a barrier starts each (timed steps start together); `lr` > 0 ends each
     with plain SGD on the worker's own parameters."""
-    times, profiles, usage = [], [], []
+    times, breakdowns, usage = [], [], []
     for i in range(steps):
         worker.zero_grad()
         before = thread_usage()
@@ -282,10 +282,10 @@ def step_loop(worker: ModelWorker, transport, batch: dict, steps: int, lr: float
             _sgd(worker, lr)
         times.append(time.perf_counter() - start)
         after = thread_usage()
-        profiles.append(result.profile)
+        breakdowns.append(result.breakdown)
         usage.append({k: v - before.get(k, 0.0) for k, v in after.items()})
     result.step_times = times
-    return result, profiles, usage
+    return result, breakdowns, usage
 
 
 def exchange_loop(worker: ModelWorker, transport, batch: int, steps: int) -> list[float]:

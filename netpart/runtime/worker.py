@@ -50,12 +50,12 @@ class WorkerResult:
     compute_s: dict[tuple[int, str], float] = field(default_factory=dict)  # (layer, phase)
     exchange_s: dict[tuple[int, str], float] = field(default_factory=dict)  # exposed
     hidden_s: dict[tuple[int, str], float] = field(default_factory=dict)  # behind compute
-    profile: dict[str, float] = field(default_factory=dict)  # category -> seconds
+    breakdown: dict[str, float] = field(default_factory=dict)  # category -> seconds
     accuracy: float | None = None  # cross-entropy: share of the batch whose target logit is max
     stop: bool = False  # some worker of the replica asked to stop after this step
 
 
-PROFILE = ("slice", "fill", "post", "wait", "loss")
+BREAKDOWN = ("slice", "fill", "post", "wait", "loss")
 
 
 class _StepState:
@@ -87,7 +87,7 @@ class _StepState:
         self.compute: dict[tuple[int, str], float] = {}
         self.exchange: dict[tuple[int, str], float] = {}
         self.hidden: dict[tuple[int, str], float] = {}
-        self.prof = dict.fromkeys(PROFILE, 0.0)
+        self.breakdown = dict.fromkeys(BREAKDOWN, 0.0)
         self.loss = 0.0
         self.accuracy: float | None = None
         self.want_accuracy = True
@@ -208,7 +208,7 @@ class ModelWorker:
             compute_s=st.compute,
             exchange_s=st.exchange,
             hidden_s=st.hidden,
-            profile=st.prof,
+            breakdown=st.breakdown,
             accuracy=st.accuracy,
             stop=st.stop,
         )
@@ -321,8 +321,8 @@ class ModelWorker:
             st.pieces[layer] = sl.compute(x, "first")
         else:
             st.outs[layer] = sl.place(st.pieces.pop(layer) + sl.compute(x, "rest"), True, x)
-        st.prof["fill"] += t1 - t0
-        st.prof["slice"] += clock() - t1
+        st.breakdown["fill"] += t1 - t0
+        st.breakdown["slice"] += clock() - t1
 
     def _forward_chain(self, st: _StepState, layer: int, part: str) -> None:
         """A producer chain's early units (reading the early units below, or all of the
@@ -360,8 +360,8 @@ class ModelWorker:
         else:  # the chain's top: its outputs in units order, for the layer above
             early = st.parts[(layer, "early")].detach()
             st.outs[layer] = rows(torch.cat([early, out.detach()]), sl.order(True))
-        st.prof["fill"] += t1 - t0
-        st.prof["slice"] += clock() - t1
+        st.breakdown["fill"] += t1 - t0
+        st.breakdown["slice"] += clock() - t1
 
     def _fill_input(self, st: _StepState, layer: int, halo: bool) -> torch.Tensor:
         """The layer's input buffer (reused across steps) with the owned units of the layer
@@ -414,7 +414,7 @@ class ModelWorker:
             out, grad, params = st.roots.pop(layer)
             if out.requires_grad and params:
                 torch.autograd.backward(out, grad, inputs=params)
-            st.prof["slice"] += clock() - t0
+            st.breakdown["slice"] += clock() - t0
             return
         out, grad, params = st.pending or (st.outs[layer], st.grad.get(layer), [])
         params = params + self._params[layer]
@@ -429,13 +429,13 @@ class ModelWorker:
             torch.autograd.backward(out, grad)
             gx = leaf.grad if leaf is not None else None
         t1 = clock()
-        st.prof["slice"] += t1 - t0
+        st.breakdown["slice"] += t1 - t0
         if layer == 0:
             return
         gx = gx if gx is not None else torch.zeros_like(leaf)
         st.grad[layer - 1] = self._owned_t[layer - 1].take(gx)
         st.back[layer] = {s: units.take(gx) for s, units in self.recvs[layer].items()}
-        st.prof["fill"] += clock() - t1
+        st.breakdown["fill"] += clock() - t1
 
     def _backward_chain(self, st: _StepState, layer: int, part: str) -> None:
         """One part of a producer chain's layer backward, from that part's own outputs: the
@@ -450,11 +450,11 @@ class ModelWorker:
         if out.requires_grad:  # not a parameter-free first layer
             torch.autograd.backward(out, grad)
         t1 = clock()
-        st.prof["slice"] += t1 - t0
+        st.breakdown["slice"] += t1 - t0
         if layer > 0:
             st.grad[layer - 1] = self._owned_t[layer - 1].take(st.leaves[layer].grad)
             st.back[layer] = {}
-        st.prof["fill"] += clock() - t1
+        st.breakdown["fill"] += clock() - t1
 
     def _send(self, st: _StepState, ins: Instruction) -> None:
         t0 = time.perf_counter()
@@ -465,7 +465,7 @@ class ModelWorker:
             payload = self.sends[ins.layer][ins.peer].take(st.outs[below].detach())
         else:
             payload = st.back[ins.layer][ins.peer]
-        st.prof["fill"] += time.perf_counter() - t0
+        st.breakdown["fill"] += time.perf_counter() - t0
         self._post(st, ins, st.transport.send, payload, st.sent)
 
     def _recv(self, st: _StepState, ins: Instruction) -> None:
@@ -486,7 +486,7 @@ class ModelWorker:
         _add(book, key, tensor.numel() * tensor.element_size())
         spent = time.perf_counter() - t0
         _add(st.exchange, key, spent)
-        st.prof["post"] += spent
+        st.breakdown["post"] += spent
 
     def _wait(self, st: _StepState, ins: Instruction) -> None:
         key = (ins.layer, ins.phase)
@@ -497,8 +497,8 @@ class ModelWorker:
             grad = st.grad[ins.layer - 1]
             for d, pos in self.sends[ins.layer].items():
                 pos.add_(grad, self._halo(ins.layer, "backward", d, st.batch))
-        st.prof["wait"] += t1 - t0
-        st.prof["fill"] += time.perf_counter() - t1
+        st.breakdown["wait"] += t1 - t0
+        st.breakdown["fill"] += time.perf_counter() - t1
         _add(st.exchange, key, t1 - t0)
         st.hidden[key] = max(0.0, t1 - st.first_post[key] - st.exchange[key])
 
@@ -515,7 +515,7 @@ class ModelWorker:
         spent = time.perf_counter() - t0
         if st.transport.size > 1:  # a lone worker's loss is compute: it exchanges nothing
             st.exchange[(ins.layer + 1, "loss")] = spent
-        st.prof["loss"] += spent
+        st.breakdown["loss"] += spent
 
     # ---- buffers ---------------------------------------------------------------------------
     def _input_buffer(self, batch: int, layer: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from netpart.errors import TrainError
-from netpart.partition.planner import PartitionPlan
+from netpart.partition.plans import PartitionPlan
 from netpart.ps.optimizer import OPTIMIZERS, Optimizer
 from netpart.train.placement import POLICIES
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from netpart.errors import TrainError
 from netpart.models.spec import ModelSpec
-from netpart.partition.planner import PartitionPlan
+from netpart.partition.plans import PartitionPlan
 from netpart.train.config import TrainConfig
 
 __all__ = ["BASE_BYTES", "Estimate", "available_bytes", "check_fits", "check_process_count"]

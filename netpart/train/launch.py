@@ -2,7 +2,7 @@
 
 On this machine (`train`): everything is validated first (plan, layout, resume directory and
 checkpoints), the run directory is written, and only then do R x N workers + S shards (+ a
-coordinator) start, through the one launcher (`netpart.runtime.launcher`), watched by the
+coordinator) start, through the one launcher (`netpart.processes.launcher`), watched by the
 fault policy of `netpart.train.supervise`: a worker that fails takes only its replica down; a
 shard that dies is restarted from its last checkpoint with the whole job (up to
 `config.restarts` times); a shard that reports an error, or the coordinator, stops the job
@@ -30,10 +30,10 @@ import torch.distributed as dist
 from netpart.errors import TrainError
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import build_unit_graph
-from netpart.partition.planner import PartitionPlan
+from netpart.partition.plans import PartitionPlan
 from netpart.partition.shards import ShardLayout
-from netpart.runtime.launcher import join_group, torchrun_attempt
-from netpart.runtime.zygote import Preloaded
+from netpart.processes.launcher import join_group, torchrun_attempt
+from netpart.processes.zygote import Preloaded
 from netpart.train.config import TrainConfig
 from netpart.train.process import (
     PS_TIMEOUT,

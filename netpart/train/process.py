@@ -1,7 +1,7 @@
 """One process of a training job: a model worker of some replica, a parameter-server shard, or
 Sandblaster's coordinator. `python -m netpart.train.process --run DIR [--resume]`.
 
-Started by the launcher (`netpart.runtime.launcher`) or by torchrun (through `netpart train`,
+Started by the launcher (`netpart.processes.launcher`) or by torchrun (through `netpart train`,
 which calls `play_role` itself). The process reads the run directory (spec, plan, config,
 start steps), joins the default gloo group, learns its role from the placement and plays it.
 Every rank creates every replica's process group in the same order (torch.distributed requires
@@ -29,13 +29,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from netpart.files import load_plan
 from netpart.models.spec import ModelSpec
-from netpart.partition.planner import PartitionPlan
+from netpart.partition.plans import PartitionPlan, load_plan
 from netpart.partition.schedule import NO_SPLITS, SPLIT_MIN_FLOPS, plan_schedule
 from netpart.partition.shards import ShardLayout
+from netpart.processes.launcher import join_group, yield_io_threads
 from netpart.ps.server import ShardServer
-from netpart.runtime.launcher import join_group, yield_io_threads
 from netpart.train.config import TrainConfig
 from netpart.train.placement import Placement, place
 from netpart.train.replica import ReplicaJob, run_worker

@@ -22,9 +22,9 @@ import torch
 
 from netpart.data import load_data
 from netpart.errors import RuntimeFailure, TrainError, WorkerFailure
-from netpart.files import foreign_entries, plan_files, write_atomic, write_files
+from netpart.files import foreign_entries, write_atomic, write_files
 from netpart.models.spec import ModelSpec
-from netpart.partition.planner import PartitionPlan
+from netpart.partition.plans import PartitionPlan, plan_files
 from netpart.partition.schedule import plan_schedule
 from netpart.partition.shards import ShardLayout
 from netpart.ps.checkpoint import export_state_dict, load_shard, save_model, shard_path

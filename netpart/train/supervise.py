@@ -25,7 +25,7 @@ from pathlib import Path
 from netpart.errors import WorkerFailure
 from netpart.faults import RESTART_ENV
 from netpart.files import write_atomic
-from netpart.runtime.launcher import Processes
+from netpart.processes.launcher import Processes
 from netpart.train.config import TrainConfig
 from netpart.train.rundir import Progress, TrainSummary
 

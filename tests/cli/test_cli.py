@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from netpart.cli import main
-from netpart.files import load_plan
 from netpart.models import ZOO
+from netpart.partition.plans import load_plan
 
 
 def run(capsys, *argv):

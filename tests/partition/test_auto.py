@@ -6,14 +6,8 @@ from hypothesis import strategies as st
 
 from netpart.models import ZOO
 from netpart.partition import Granularity, plan
-from netpart.partition.planner import (
-    TIE,
-    Candidate,
-    PartitionPlan,
-    PlanMetrics,
-    auto_candidates,
-    choose,
-)
+from netpart.partition.planner import TIE, auto_candidates, choose
+from netpart.partition.plans import Candidate, PartitionPlan, PlanMetrics
 from tests.conftest import small_specs
 
 

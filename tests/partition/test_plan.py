@@ -6,10 +6,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from netpart.errors import PlanError
-from netpart.files import load_plan, plan_files, write_files
+from netpart.files import write_files
 from netpart.models import ZOO
 from netpart.partition import Granularity, NetworkModel, PartitionPlan, plan
 from netpart.partition.cost import layer_times, step_times
+from netpart.partition.plans import load_plan, plan_files
 from tests.conftest import small_specs
 
 

@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 from netpart.models import ZOO
 from netpart.partition import METHODS as ALL_METHODS
 from netpart.partition import Granularity, build_unit_graph, plan
-from netpart.partition.planner import input_values
+from netpart.partition.figures import input_values
 from netpart.partition.schedule import build_schedule
 from netpart.partition.shards import channel_groups
 from netpart.partition.volume import layer_lower_bounds, layer_traffic

@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from netpart.files import load_plan
 from netpart.models import load_spec
 from netpart.partition import build_unit_graph
+from netpart.partition.plans import load_plan
 from netpart.partition.shards import ShardLayout
-from tests import netns
+from netpart.testbed import netns
 from tests.conftest import finish
 
 pytestmark = pytest.mark.timeout(300)

@@ -24,13 +24,13 @@ import torch
 import torch.distributed as dist
 
 from netpart import faults
+from netpart.calibrate.measure import LocalRunner, step_cpu_s
 from netpart.errors import PeerError, transport_reason
 from netpart.models.spec import ModelSpec
-from netpart.partition.planner import PartitionPlan
+from netpart.partition.plans import PartitionPlan
 from netpart.partition.schedule import SPLIT_MIN_FLOPS, plan_schedule
-from netpart.runtime.calibrate import LocalRunner, step_cpu_s
+from netpart.processes.launcher import join_group, yield_io_threads
 from netpart.runtime.check import make_batch
-from netpart.runtime.launcher import join_group, yield_io_threads
 from netpart.runtime.step import exchange_loop, link_loop, step_loop, warmup_steps
 from netpart.runtime.transport import PEER_LOST, GlooTransport
 from netpart.runtime.worker import ModelWorker
@@ -74,7 +74,7 @@ class _Commands:
 
 
 class HostsRunner:
-    """`netpart.runtime.calibrate.Runner` over the processes of a torchrun job, one per host:
+    """`netpart.calibrate.measure.Runner` over the processes of a torchrun job, one per host:
     `machines` is the job's world size; a step of an N-worker plan runs on ranks 0..N-1 (N
     at most the world), a link among `world` on ranks 0..world-1. Built on every rank
     (it joins the group); rank 0 measures, the others call `follow` until rank 0 `close`s."""

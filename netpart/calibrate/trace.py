@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from netpart.models.spec import ModelSpec
-from netpart.partition.planner import PartitionPlan
+from netpart.partition.plans import PartitionPlan
 from netpart.partition.schedule import plan_schedule
-from netpart.runtime.launcher import keep_freed_memory
+from netpart.processes.launcher import keep_freed_memory
 from netpart.runtime.slices import build_slice
 
 __all__ = ["SliceTimes", "measure_slices"]

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests import cgroups
+from netpart.testbed import cgroups
 
 pytestmark = pytest.mark.skipif(
     cgroups.unavailable() is not None, reason=str(cgroups.unavailable())

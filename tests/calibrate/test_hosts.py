@@ -10,7 +10,7 @@ import pytest
 
 from netpart.cli import main
 from netpart.partition.cost import NetworkModel
-from tests import netns
+from netpart.testbed import netns
 from tests.conftest import finish
 
 pytestmark = pytest.mark.timeout(300)

@@ -5,7 +5,7 @@ starts them and each process only joins the group (`join_group`). A process runs
 `MODULE.main()` with ARGS as its command line and the variables torchrun sets (RANK,
 LOCAL_RANK, WORLD_SIZE) and `NETPART_STORE`, the path of a file store in a private temporary
 directory: the rendezvous opens no network listener. Output goes to one log file per rank.
-The processes are forked by one preloaded interpreter (`netpart.runtime.zygote`): torch is
+The processes are forked by one preloaded interpreter (`netpart.processes.zygote`): torch is
 imported once per job, not once per process (`fork=False`: one `python -m MODULE` each).
 
 One signal scheme for every job. SIGINT or SIGTERM to the launcher is passed on once to every
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from netpart.runtime.zygote import Forked, Preloaded, die_with_parent
+from netpart.processes.zygote import Forked, Preloaded, die_with_parent
 
 __all__ = [
     "STORE_ENV",

@@ -1,4 +1,4 @@
-"""The speed probe (`netpart.runtime.speed`): what `netpart calibrate` records beside every
+"""The speed probe (`netpart.calibrate.speed`): what `netpart calibrate` records beside every
 run and `netpart run` compares against."""
 
 import time
@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from netpart.runtime.speed import SpeedProbe, probe_once
+from netpart.calibrate.speed import SpeedProbe, probe_once
 
 
 def test_a_probe_samples_at_once_and_then_every_period_and_restores_the_thread_count():

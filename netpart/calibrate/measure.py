@@ -5,7 +5,7 @@ models' plans for 1, 2 and 3 workers, on the machines a `Runner` gives (`LocalRu
 one, its workers sharing it; `experiments/validate_sim.py` has emulated dedicated machines).
 Every step measurement is the median of `repeats` runs, taken in rounds over every model and
 case (a slow spell of the machine then touches one run of each, not every run of one); the
-speed probe (`netpart.runtime.speed`) is sampled through every run, and the runs' median
+speed probe (`netpart.calibrate.speed`) is sampled through every run, and the runs' median
 probe is the profile's `probe_s`, against which `netpart run` says how fast the machine ran.
 
 1. Slices: every (layer, worker) slice (of the calibration models and of SLICE_MODELS, whose
@@ -32,7 +32,7 @@ probe is the profile's `probe_s`, against which `netpart run` says how fast the 
    Emulated machines that share one host need it: with 8 of them at 0.2 core stepping, the
    host's kernel spends a third of its cores moving their messages, and compute slows.
 
-The fitting itself is `netpart.runtime.fitting` (pure).
+The fitting itself is `netpart.calibrate.fitting` (pure).
 
 The result is a `NetworkModel` whose `profile` names the file; `profile_json` adds every
 measurement it was fitted to, so a profile can be checked by hand.
@@ -51,18 +51,19 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from netpart.calibrate.fitting import Crowd, Plans, fit, kind_cost, layer_costs
+from netpart.calibrate.speed import SpeedProbe, probe_once
+from netpart.calibrate.trace import SliceTimes, measure_slices
 from netpart.models import load_spec
 from netpart.models.spec import ModelSpec
 from netpart.partition import build_unit_graph, plan
 from netpart.partition.cost import PROFILE_SCHEMA, NetworkModel
+from netpart.partition.figures import input_values, reevaluate
 from netpart.partition.graph import BYTES_PER_VALUE, UnitGraph
-from netpart.partition.planner import PartitionPlan, input_values, reevaluate
+from netpart.partition.plans import PartitionPlan
 from netpart.partition.volume import layer_traffic
 from netpart.runtime.check import make_batch
-from netpart.runtime.fitting import Crowd, Plans, fit, kind_cost, layer_costs
-from netpart.runtime.speed import SpeedProbe, probe_once
 from netpart.runtime.step import LINK_SIZES, run_link, run_step, timed_steps, warmup_steps
-from netpart.runtime.trace import SliceTimes, measure_slices
 
 __all__ = [
     "CALIBRATION_MODELS",
@@ -176,7 +177,7 @@ class LocalRunner:
 
 def step_cpu_s(threads: list[list[dict[str, float]]], warm: int) -> float:
     """The CPU seconds a step takes on the busiest worker: per worker (`threads`: per step,
-    each thread group's seconds, `netpart.runtime.profile.thread_usage`) the median over its
+    each thread group's seconds, `netpart.runtime.breakdown.thread_usage`) the median over its
     steps after `warm` of all its threads' CPU; 0 where none was recorded."""
     per_worker = [
         float(np.median([sum(v for k, v in s.items() if k.endswith("_cpu_s")) for s in w[warm:]]))
@@ -250,7 +251,7 @@ def crowd_counts(machines: int) -> list[int]:
 def _runs(plans: Plans, wide: dict, batch: int, steps: int, repeats: int, runner, base, say):
     """Each model's steps on 1 and 2 processes (and 2 exchanging only; and on each count of
     `wide`: {workers: each model's plan}), with their figures, and the speed probe of
-    every run (`netpart.runtime.speed`: the machine as it was calibrated). The runs go
+    every run (`netpart.calibrate.speed`: the machine as it was calibrated). The runs go
     round the models `repeats` times, so a model's runs are spread over the whole stage (this
     machine's slow spells last seconds to minutes and would otherwise fall on every run of
     one model); a case's time is the median of its runs, each run's probe recorded beside

@@ -1,6 +1,6 @@
 """Where a partitioned step's time goes.
 
-Two sources. The worker times every instruction of its program by category (`PROFILE`):
+Two sources. The worker times every instruction of its program by category (`BREAKDOWN`):
 `slice` (the layer's arithmetic, forward and autograd), `fill` (building input buffers,
 payloads and received-gradient sums: gathers and scatters), `post` (handing messages to the
 transport), `wait` (blocked until the halo is in: transfer plus waiting for the slower peer)
@@ -17,7 +17,7 @@ import os
 import statistics
 import time
 
-__all__ = ["THREAD_GROUPS", "step_profile", "thread_medians", "thread_usage"]
+__all__ = ["THREAD_GROUPS", "step_breakdown", "thread_medians", "thread_usage"]
 
 THREAD_GROUPS = {"gloo_tcp_loop": "gloo_io", "pt_gloo_runloop": "gloo_collectives"}
 
@@ -49,13 +49,13 @@ def _thread_clock(tid: int) -> int:
     return ((~tid) << 3) | 6
 
 
-def step_profile(step_times: list[float], profiles: list[dict[str, float]]) -> dict[str, float]:
+def step_breakdown(step_times: list[float], breakdowns: list[dict[str, float]]) -> dict[str, float]:
     """Median seconds per step of each category, and `other` (the rest of the step)."""
-    if not profiles:
+    if not breakdowns:
         return {}
-    keys = sorted(profiles[0])
-    out = {k: statistics.median(p[k] for p in profiles) for k in keys}
-    rest = [t - sum(p.values()) for t, p in zip(step_times, profiles, strict=True)]
+    keys = sorted(breakdowns[0])
+    out = {k: statistics.median(p[k] for p in breakdowns) for k in keys}
+    rest = [t - sum(p.values()) for t, p in zip(step_times, breakdowns, strict=True)]
     out["other"] = max(0.0, statistics.median(rest))
     out["step"] = statistics.median(step_times)
     return out

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from netpart.runtime.zygote import Preloaded
+from netpart.processes.zygote import Preloaded
 
 pytestmark = pytest.mark.timeout(120)
 

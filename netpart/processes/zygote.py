@@ -1,4 +1,4 @@
-"""A preloaded interpreter that forks a job's processes (`python -m netpart.runtime.zygote`).
+"""A preloaded interpreter that forks a job's processes (`python -m netpart.processes.zygote`).
 
 Each process of a job used to be a fresh `python -m MODULE`: 1.2 s importing torch, 0.35 s
 more for the sympy that autograd's first backward imports, and on a machine with fewer cores
@@ -53,7 +53,7 @@ class Preloaded:
         self.module = module
         self.errors = tempfile.TemporaryFile()  # noqa: SIM115 - closed by close()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "netpart.runtime.zygote", module, *PRELOAD],
+            [sys.executable, "-m", "netpart.processes.zygote", module, *PRELOAD],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.errors,

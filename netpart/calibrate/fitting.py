@@ -1,7 +1,7 @@
 """Fitting a calibration's measurements into the step-time model: pure functions, no I/O.
 
 `kind_cost` and `layer_costs` turn timed slices into tables (`netpart.partition.tables`);
-`fit` turns the runs `netpart.runtime.calibrate` measured into the terms beyond the tables:
+`fit` turns the runs `netpart.calibrate.measure` measured into the terms beyond the tables:
 the link's overhead per phase, the one-process step's fixed cost (and each calibration
 model's layer tables scaled to its one-process step: `anchored`), the two-process step's
 collective, compute slowdown and in-step cost per phase, and, where steps at more workers
@@ -18,7 +18,8 @@ import numpy as np
 
 from netpart.models.spec import ModelSpec
 from netpart.partition.cost import KindCost, LayerCost, NetworkModel
-from netpart.partition.planner import PartitionPlan, reevaluate
+from netpart.partition.figures import reevaluate
+from netpart.partition.plans import PartitionPlan
 
 __all__ = ["Crowd", "Plans", "anchored", "crowd_terms", "fit", "kind_cost", "layer_costs"]
 
@@ -140,7 +141,7 @@ def fit(
     link: dict,
     crowd: Crowd | None = None,
 ) -> NetworkModel:
-    """The terms beyond the slice tables, fitted to `runs` (`netpart.runtime.calibrate`'s)
+    """The terms beyond the slice tables, fitted to `runs` (`netpart.calibrate.measure`'s)
     and `link` (bytes per peer, seconds per number of peers), every equation weighted by 1 /
     its measurement (relative errors count: a small model weighs as much as a large one):
     the link tables' overhead from exchange-only runs; the fixed step cost and the saving of

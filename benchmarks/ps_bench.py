@@ -93,10 +93,12 @@ def _peer(
             values = torch.zeros(n)
             rule = make_rule(Optimizer(optimizer, 0.01), values)
             setup = ShardSetup(layout, 0, 1, rank=1, rank_of=lambda r, w: 0)
-            server = ShardServer(setup, ShardState(values=values, state=None), Downpour(rule))
+            server = ShardServer(setup, ShardState(values=values, state=None), Downpour(), rule)
             server.serve()
             continue
-        client = ShardClient(layout, 0, 0, 0, [1] + [-1] * 15, torch.float32)
+        client = ShardClient(
+            layout, worker=0, replica=0, rank=0, shard_ranks=[1] + [-1] * 15, dtype=torch.float32
+        )
         t0 = time.perf_counter()
         for step in range(1, iters + 1):
             got = client.complete(client.request(step, grads, fetch=True))

@@ -60,9 +60,10 @@ if system == "netpart":
         values = torch.zeros(n)
         setup = ShardSetup(layout, 0, replicas, rank, lambda r, w: r)
         rule = make_rule(Optimizer("sgd", 0.01), values)
-        ShardServer(setup, ShardState(values=values, state=None), Sync(rule)).serve()
+        ShardServer(setup, ShardState(values=values, state=None), Sync(), rule).serve()
         os._exit(0)
-    client = ShardClient(layout, 0, rank, rank, [replicas], torch.float32)
+    client = ShardClient(layout, worker=0, replica=rank, rank=rank, shard_ranks=[replicas],
+                         dtype=torch.float32)
     grads = client.push_buffers(1)[0]
     grads.normal_()
     client.complete(client.request(0, fetch=True))

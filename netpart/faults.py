@@ -31,7 +31,17 @@ import os
 import time
 from dataclasses import dataclass
 
-__all__ = ["ENV", "EXIT_CODE", "RESTART_ENV", "Fault", "parse", "point", "restarted", "write_fails"]
+__all__ = [
+    "ENV",
+    "EXIT_CODE",
+    "RESTART_ENV",
+    "Fault",
+    "active",
+    "parse",
+    "point",
+    "restarted",
+    "write_fails",
+]
 
 ENV = "NETPART_TEST_FAULT"
 RESTART_ENV = "NETPART_RESTART"  # set by the launcher: which restart of the job this is
@@ -70,6 +80,13 @@ def restarted() -> bool:
     """Whether this process belongs to a restart of its job (not the first attempt)."""
     counts = (os.environ.get(v, "0") for v in (RESTART_ENV, "TORCHELASTIC_RESTART_COUNT"))
     return any(c.strip() not in ("", "0") for c in counts)
+
+
+def active(rank: int) -> bool:
+    """Whether any fault is set for rank `rank` (in this attempt)."""
+    if ENV not in os.environ:
+        return False
+    return any(_mine(rank, action) for action in ACTIONS)
 
 
 def point(rank: int, n: int) -> None:

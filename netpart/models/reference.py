@@ -14,9 +14,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from netpart.models.init import init_rows
-from netpart.models.spec import LayerSpec, ModelSpec, Shape
+from netpart.models.spec import DTYPE_NAMES, LayerSpec, ModelSpec, Shape
 
 __all__ = [
+    "DTYPES",
     "LocalContrastNorm",
     "LocallyConnected2d",
     "Pool2d",
@@ -25,6 +26,7 @@ __all__ = [
     "build_reference",
 ]
 
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # the one table of them
 L2_POOL_EPS = 1e-6  # sqrt(sum x^2 + eps): keeps the gradient finite where a window is all zero
 
 

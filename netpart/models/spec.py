@@ -38,9 +38,18 @@ from typing import Any
 
 from netpart.errors import SpecError
 
-__all__ = ["ACTIVATIONS", "LAYER_KINDS", "InputSpec", "LayerSpec", "ModelSpec", "Shape"]
+__all__ = [
+    "ACTIVATIONS",
+    "DTYPE_NAMES",
+    "LAYER_KINDS",
+    "InputSpec",
+    "LayerSpec",
+    "ModelSpec",
+    "Shape",
+]
 
 LAYER_KINDS = ("local", "conv", "dense", "pool", "lcn")
+DTYPE_NAMES = ("float32", "float64")  # what a model may run in (`reference.DTYPES`)
 ACTIVATIONS = ("relu", "sigmoid", "tanh", "none", "softmax")
 POOL_MODES = ("max", "avg", "l2")
 SPATIAL_KINDS = ("local", "conv", "pool", "lcn")

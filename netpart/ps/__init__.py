@@ -1,5 +1,6 @@
-"""The parameter server: wire protocol, shard server, per-mode behaviour (Downpour, sync,
-Sandblaster), update rules, the worker's client, checkpoints, and shard-side L-BFGS vectors.
+"""The parameter server: wire protocol, shard server (and how it serves its peers), the
+policy of each mode (Downpour, sync, Sandblaster), update rules, the worker's client,
+Sandblaster's coordinator messages, checkpoints, and shard-side L-BFGS vectors.
 
 Names are imported on first use, so `netpart.ps.optimizer` (read by configs and the command
 line) does not load torch.
@@ -10,8 +11,12 @@ from typing import Any
 
 _WHERE = {
     "ShardClient": "client",
+    "ShardCommands": "commands",
+    "UnitChannel": "commands",
     "Downpour": "modes",
     "Mode": "modes",
+    "Push": "modes",
+    "Response": "modes",
     "Sandblaster": "modes",
     "Sync": "modes",
     "OPTIMIZERS": "optimizer",

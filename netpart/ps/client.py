@@ -108,7 +108,8 @@ class _Courier:
     waiting (gloo's operations cannot be polled); and a slow reply never holds up the next
     request. The transport releases the GIL while it writes and waits."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, group: dist.ProcessGroup) -> None:
+        self.group = group
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.sent: queue.SimpleQueue = queue.SimpleQueue()
         self.threads = [
@@ -127,7 +128,7 @@ class _Courier:
 
     def _send(self) -> None:
         _yield_to_compute()
-        pg = dist.group.WORLD
+        pg = self.group
         while (item := self.outbox.get()) is not None:
             ticket, receives, sends = item
             try:
@@ -165,13 +166,16 @@ def _yield_to_compute() -> None:
 
 
 class ShardClient:
-    """Model worker `worker` of replica `replica`: its requests to the shards. With
-    `background`, a courier thread sends them and waits for their replies (Downpour: the step
-    loop never waits for a push, and takes fetched values once they have arrived)."""
+    """Model worker `worker` of replica `replica` (global `rank`): its requests to the shards
+    (`shard_ranks[s]`: shard s's rank), `depth` of them in flight at most. With `background`,
+    a courier thread sends them and waits for their replies (Downpour: the step loop never
+    waits for a push, and takes fetched values once they have arrived). `group`: where the
+    shards are (default: the default process group)."""
 
     def __init__(
         self,
         layout: ShardLayout,
+        *,
         worker: int,
         replica: int,
         rank: int,
@@ -180,6 +184,7 @@ class ShardClient:
         depth: int = 3,
         background: bool = False,
         local_steps: bool = False,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         self.worker, self.replica, self.rank, self.shard_ranks = worker, replica, rank, shard_ranks
         self.routes = layout.routes(worker)
@@ -194,7 +199,8 @@ class ShardClient:
         self.version = -1  # the oldest shard version in the newest fetch
         self.staleness = -1  # the largest staleness the shards reported in the newest fetch
         self._used: dict[int, int] = {}  # per shard, the version of the values last fetched
-        self._courier = _Courier(f"ps-{replica}-{worker}") if background else None
+        self.group = group if group is not None else dist.group.WORLD
+        self._courier = _Courier(f"ps-{replica}-{worker}", self.group) if background else None
         self.local_steps = local_steps
         self.received = 0  # values received in fetches' replies
 
@@ -232,8 +238,8 @@ class ShardClient:
                 self._post(ticket, slot, s, segs, what, grads, (sends, receives))
             if self._courier is not None:  # this thread touches no socket
                 self._courier.post(ticket, receives, sends)
-            else:
-                pg = dist.group.WORLD  # on the group itself: a quarter cheaper than isend
+            else:  # on the group itself: a quarter cheaper than isend
+                pg = self.group
                 ticket.works += [pg.recv([t], src, tag) for t, src, tag in receives]
                 ticket.works += [pg.send([t], dst, tag) for t, dst, tag in sends]
         slot.ticket = ticket
@@ -393,7 +399,7 @@ class ShardClient:
         with self._naming("say goodbye to"):
             for s in self.routes:
                 bye = header(Kind.BYE, self.rank, s, 0, 0, self.replica)
-                dist.send(bye, self.shard_ranks[s], tag=TAG_HEADER)
+                self.group.send([bye], self.shard_ranks[s], TAG_HEADER).wait()
 
     @contextlib.contextmanager
     def _naming(self, what: str):

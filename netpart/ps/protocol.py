@@ -164,11 +164,13 @@ def later_chunks(n: int) -> list[tuple[tuple[int, int], int]]:
     return [((a, b), TAG_CHUNK + i) for i, (a, b) in enumerate(chunks(n)) if i > 0]
 
 
-def post_chunks(payload: torch.Tensor, src: int) -> list[tuple[tuple[int, int], dist.Work]]:
+def post_chunks(
+    group: dist.ProcessGroup, payload: torch.Tensor, src: int
+) -> list[tuple[tuple[int, int], dist.Work]]:
     """Post the receives of a push's chunks after the first (which came in the request) into
-    `payload`: ((a, b), work) per chunk."""
+    `payload`, on `group`: ((a, b), work) per chunk."""
     return [
-        ((a, b), dist.irecv(payload[a:b], src=src, tag=tag))
+        ((a, b), group.recv([payload[a:b]], src, tag))
         for (a, b), tag in later_chunks(payload.numel())
     ]
 

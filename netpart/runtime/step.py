@@ -30,6 +30,7 @@ import torch
 from netpart import faults
 from netpart.errors import WorkerFailure
 from netpart.files import write_files
+from netpart.models.reference import DTYPES
 from netpart.models.spec import ModelSpec
 from netpart.partition.plans import PartitionPlan, load_plan, plan_files
 from netpart.partition.schedule import NO_SPLITS, SPLIT_MIN_FLOPS, plan_schedule
@@ -40,7 +41,6 @@ from netpart.runtime.transport import PEER_LOST, GlooTransport
 from netpart.runtime.worker import ModelWorker, WorkerResult
 
 __all__ = [
-    "DTYPES",
     "GATHER_VALUES",
     "LINK_SIZES",
     "exchange_loop",
@@ -60,7 +60,6 @@ LINK_SIZES = (1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)  # 
 GATHER_VALUES = 3 * 32 + 1  # the loss's all-gather at batch 32: (max, sum, target) + stop flag
 GATHER_REPEATS = 100
 
-DTYPES = {"float64": torch.float64, "float32": torch.float32}
 TIMED_S = 0.5  # a timed run covers at least this long of steps (by the plan's prediction)
 MOST_STEPS = 1000
 

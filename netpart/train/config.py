@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from netpart.errors import TrainError
+from netpart.models.spec import DTYPE_NAMES
 from netpart.partition.plans import PartitionPlan
 from netpart.ps.optimizer import OPTIMIZERS, Optimizer
 from netpart.train.placement import POLICIES
@@ -28,7 +29,6 @@ MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: a longer wait is no longer a timeout
 __all__ = ["MODES", "SCHEMA_VERSION", "TrainConfig", "TrainError", "layout_key"]
 
 SCHEMA_VERSION = 1
-DTYPES = ("float32", "float64")
 MODES = ("downpour", "sync", "sandblaster")
 LOCAL_UPDATE = ("auto", "on", "off")
 
@@ -81,8 +81,8 @@ class TrainConfig:
                 raise TrainError(f"{flag} {getattr(self, name)}: must be a finite number")
         if not self.lr > 0:
             raise TrainError(f"--lr {self.lr}: the learning rate must be > 0")
-        if self.dtype not in DTYPES:
-            raise TrainError(f"dtype {self.dtype}: choose one of {', '.join(DTYPES)}")
+        if self.dtype not in DTYPE_NAMES:
+            raise TrainError(f"dtype {self.dtype}: choose one of {', '.join(DTYPE_NAMES)}")
         if self.placement not in POLICIES:
             raise TrainError(f"--placement {self.placement}: choose one of {', '.join(POLICIES)}")
         for name in ("dc_lambda", "push_norm"):

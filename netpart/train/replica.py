@@ -28,6 +28,7 @@ import torch.distributed as dist
 from netpart import faults
 from netpart.data import load_data
 from netpart.errors import RuntimeFailure
+from netpart.models.reference import DTYPES
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import UnitGraph
 from netpart.partition.schedule import HaloSchedule
@@ -39,7 +40,6 @@ from netpart.train.config import TrainConfig
 from netpart.train.placement import Placement
 
 __all__ = [
-    "DTYPES",
     "FLUSH_S",
     "IN_FLIGHT",
     "GradBuffers",
@@ -51,7 +51,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
 FLUSH_S = 0.2  # seconds between appends of the metrics lines
 IN_FLIGHT = 2  # Downpour requests a worker keeps in flight (each holds a gradient buffer)
 
@@ -91,8 +90,9 @@ class ReplicaJob:
         # for the GIL and the cores (digits-mlp, one replica: 15% more samples/s).
         background = self.config.mode == "downpour" and not self.config.local_steps
         client = ShardClient(
-            self.layout, self.worker, self.replica, self.rank, shard_ranks, dtype,
-            IN_FLIGHT + 1, background, self.config.local_steps,
+            self.layout, worker=self.worker, replica=self.replica, rank=self.rank,
+            shard_ranks=shard_ranks, dtype=dtype, depth=IN_FLIGHT + 1, background=background,
+            local_steps=self.config.local_steps,
         )  # fmt: skip
         return model, transport, client
 

@@ -1,10 +1,12 @@
 """Sandblaster L-BFGS across processes: a coordinator, the shards' vectors, work units.
 
-The coordinator runs `LBFGSDriver` with `RemoteShards`: every vector operation goes to every
-shard as a command (`Kind.CMD`) and comes back as one float64 per shard, so no parameter
-vector reaches the coordinator. An evaluation of the loss and gradient at the shards' x is a
-batch of `--batch` examples (the same batch every time: full-batch L-BFGS when it is the
-whole training set) cut into `--units` work units:
+The coordinator runs `LBFGSDriver` with `netpart.ps.commands.ShardCommands`: every vector
+operation goes to every shard as a command and comes back as one float64 per shard, so no
+parameter vector reaches the coordinator; the units and their reports travel through
+`netpart.ps.commands` too (this module speaks no wire protocol of its own). An evaluation
+of the loss and gradient at the shards' x is a batch of `--batch` examples (the same batch
+every time: full-batch L-BFGS when it is the whole training set) cut into `--units` work
+units:
 
 - the coordinator hands units to replicas as they become free, so a fast replica does more;
 - once every unit is handed out, a replica that becomes free gets a backup copy of the
@@ -21,89 +23,23 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import queue
 import threading
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
 from netpart import faults
 from netpart.data import load_data
-from netpart.errors import RuntimeFailure, transport_reason
-from netpart.ps.lbfgs import name_code
-from netpart.ps.protocol import (
-    HEADER_LEN,
-    TAG_DONE,
-    TAG_DONE_VALUE,
-    TAG_HEADER,
-    TAG_PAYLOAD,
-    TAG_UNIT,
-    Kind,
-    Op,
-    header,
-)
+from netpart.errors import RuntimeFailure
+from netpart.models.reference import DTYPES
+from netpart.ps.commands import ShardCommands, UnitChannel, next_unit, report_unit
+from netpart.ps.protocol import Op
 from netpart.train.lbfgs import LBFGSDriver
 from netpart.train.placement import Placement
-from netpart.train.replica import DTYPES, ReplicaJob
+from netpart.train.replica import ReplicaJob
 
-__all__ = ["Coordinator", "RemoteShards", "run_coordinator", "run_unit_worker"]
+__all__ = ["Coordinator", "run_coordinator", "run_unit_worker"]
 
 log = logging.getLogger(__name__)
-
-
-class RemoteShards:
-    """The driver's view of the shard processes: one command to each, one float back."""
-
-    def __init__(self, ranks: list[int], me: int) -> None:
-        self.ranks, self.me = ranks, me
-        self.bytes_in = 0  # everything the coordinator received from the shards
-        self.scalars = 0
-
-    def call(self, op: Op, alpha: float = 0.0, a="x", b="x", c="x") -> list[float]:
-        args = torch.tensor([alpha, name_code(a), name_code(b), name_code(c)], dtype=torch.float64)
-        works, replies, headers = [], [], []  # every tensor stays alive until its wait
-        for s, rank in enumerate(self.ranks):
-            headers.append(header(Kind.CMD, self.me, s, int(op), 4, 0))
-            reply = (
-                torch.empty(HEADER_LEN, dtype=torch.int64),
-                torch.empty(1, dtype=torch.float64),
-            )
-            replies.append(reply)
-            works += [dist.isend(headers[-1], rank, tag=TAG_HEADER)]
-            works += [dist.isend(args, rank, tag=TAG_PAYLOAD)]
-            works += [dist.irecv(reply[0], rank, tag=TAG_HEADER)]
-            works += [dist.irecv(reply[1], rank, tag=TAG_PAYLOAD)]
-        for w in works:
-            w.wait()
-        self.bytes_in += sum(h.numel() * 8 + v.numel() * 8 for h, v in replies)
-        self.scalars += len(replies)
-        return [float(v[0]) for _, v in replies]
-
-    def dot(self, a: str, b: str) -> float:
-        return sum(self.call(Op.DOT, a=a, b=b))
-
-    def abs_sum(self, a: str) -> float:
-        return sum(self.call(Op.ABS_SUM, a=a))
-
-    def abs_max(self, a: str) -> float:
-        return max(self.call(Op.ABS_MAX, a=a))
-
-    def axpy(self, alpha: float, a: str, b: str) -> None:
-        self.call(Op.AXPY, alpha, a, b)
-
-    def copy(self, src: str, dst: str) -> None:
-        self.call(Op.COPY, a=src, b=dst)
-
-    def scale(self, name: str, alpha: float) -> None:
-        self.call(Op.SCALE, alpha, a=name)
-
-    def diff(self, a: str, b: str, out: str) -> None:
-        self.call(Op.DIFF, a=a, b=b, c=out)
-
-    def keep_pair(self) -> None:
-        self.call(Op.KEEP_PAIR)
 
 
 def _bounds(batch: int, units: int) -> list[int]:
@@ -149,42 +85,6 @@ class _Evaluation:
         return True
 
 
-class _Reports:
-    """Unit reports, received by one thread per replica from its worker 0. A report, or the
-    replica's loss when that receive fails (its worker 0 died, or ended after timing out on
-    a dead mate), lands in one queue, which the coordinator reads with a deadline."""
-
-    def __init__(self, placement: Placement, replicas: int) -> None:
-        self.queue: queue.Queue = queue.Queue()
-        for r in range(replicas):
-            src = placement.worker_rank(r, 0)
-            threading.Thread(
-                target=self._listen, args=(r, src), daemon=True, name=f"reports-{r}"
-            ).start()
-
-    def _listen(self, replica: int, src: int) -> None:
-        head = torch.empty(HEADER_LEN, dtype=torch.int64)
-        value = torch.empty(1, dtype=torch.float64)
-        try:
-            while True:
-                dist.recv(head, src=src, tag=TAG_DONE)
-                dist.recv(value, src=src, tag=TAG_DONE_VALUE)
-                _, _, _, unit, _, _, ev = head.tolist()
-                self.queue.put((replica, unit, ev, float(value[0]), None))
-        except RuntimeError as exc:  # also when the replica ends after its goodbye: unread
-            self.queue.put((replica, -1, -1, 0.0, transport_reason(exc)))
-
-    def next(self, timeout: float, busy: dict) -> tuple[int, int, int, float, str | None]:
-        """(replica, unit, evaluation, loss sum, None) or (replica, .., why it was lost)."""
-        try:
-            return self.queue.get(timeout=timeout)
-        except queue.Empty:
-            raise RuntimeFailure(
-                f"no replica reported a work unit for {timeout:g} s "
-                f"(replicas {sorted(busy)} hold units); raise --timeout if a unit takes longer"
-            ) from None
-
-
 class Coordinator:
     """Sandblaster's coordinator: L-BFGS over the shards' vectors, work units to replicas.
     A replica lost while it holds a unit has the unit re-issued; nothing waits for ever."""
@@ -193,8 +93,9 @@ class Coordinator:
         self, config, placement: Placement, rank: int, run: Path, stop: threading.Event | None
     ) -> None:
         self.config, self.placement, self.rank, self.stop = config, placement, rank, stop
-        self.shards = RemoteShards([placement.shard_rank(s) for s in range(config.shards)], rank)
-        self.reports = _Reports(placement, config.replicas)
+        self.shards = ShardCommands([placement.shard_rank(s) for s in range(config.shards)], rank)
+        ranks = [placement.replica_ranks(r) for r in range(config.replicas)]
+        self.units = UnitChannel(rank, ranks)
         self.lost: set[int] = set()
         self.busy: dict[int, tuple[int, int, bool]] = {}  # replica -> (unit, evaluation, backup)
         self.stats = {"units_by_replica": [0] * config.replicas, "backups_sent": 0,
@@ -216,13 +117,13 @@ class Coordinator:
         finally:
             self.metrics.close()
         while self.busy:  # replicas still on a unit report it before the goodbye (gloo sends
-            r, *_, why = self.reports.next(config.timeout, self.busy)  # block until received)
+            r, *_, why = self.units.next_report(config.timeout, self.busy)  # block until received)
             self.busy.pop(r, None)
             if why is not None:
                 self._lose(r, why)
         for r in range(config.replicas):
             if r not in self.lost:
-                self._assign(r, Kind.BYE)
+                self._assign(r, bye=True)
         self.shards.call(Op.STOP)
         self.stats.update(
             iterations=result.iterations, stopped=result.stopped, losses=result.losses,
@@ -262,7 +163,7 @@ class Coordinator:
             self._hand_out(ev, free)
             if len(self.lost) == self.config.replicas:
                 raise RuntimeFailure("every replica was lost")
-            r, u, eval_id, loss_sum, why = self.reports.next(self.config.timeout, self.busy)
+            r, u, eval_id, loss_sum, why = self.units.next_report(self.config.timeout, self.busy)
             if why is not None:
                 self._lose(r, why, ev)
                 continue
@@ -299,7 +200,7 @@ class Coordinator:
                 continue
             u, backup = choice
             self.stats["backups_sent"] += int(backup)
-            if self._assign(r, Kind.UNIT, u):
+            if self._assign(r, u):
                 ev.holders[u].add(r)
                 self.busy[r] = (u, self.eval_id, backup)
                 ev.first_sent.setdefault(u, time.monotonic())
@@ -307,16 +208,12 @@ class Coordinator:
                 ev.pending.appendleft(u)
         free.extend(idle)
 
-    def _assign(self, replica: int, kind: Kind, unit: int = 0) -> bool:
+    def _assign(self, replica: int, unit: int = 0, bye: bool = False) -> bool:
         """Send a unit (or goodbye) to every worker of `replica`; False if it is lost."""
-        head = header(kind, self.rank, 0, unit, 0, replica, self.eval_id)
-        try:
-            for k in self.placement.replica_ranks(replica):
-                dist.send(head, k, tag=TAG_UNIT)
-        except RuntimeError as exc:
-            self._lose(replica, transport_reason(exc))
-            return False
-        return True
+        why = self.units.assign(replica, unit, self.eval_id, bye=bye)
+        if why is not None:
+            self._lose(replica, why)
+        return why is None
 
 
 def run_unit_worker(job: ReplicaJob) -> None:
@@ -328,13 +225,9 @@ def run_unit_worker(job: ReplicaJob) -> None:
     ids = data.indices(0, 1, 1, config.batch)  # the batch every evaluation works on
     bounds = _bounds(config.batch, config.units)
     coordinator = job.placement.coordinator_rank()
-    head = torch.empty(HEADER_LEN, dtype=torch.int64)
     fetched, done_units = None, 0
-    while True:
-        dist.recv(head, coordinator, tag=TAG_UNIT)
-        kind, _, _, unit, _, _, ev = head.tolist()
-        if kind == Kind.BYE:
-            break
+    while not (got := next_unit(coordinator)).bye:
+        unit, ev = got.unit, got.evaluation
         if ev != fetched:
             load(client.complete(client.request(0, fetch=True)))
             fetched = ev
@@ -346,9 +239,6 @@ def run_unit_worker(job: ReplicaJob) -> None:
         result = model.step(x, y, transport, collect_grads=False)
         push = client.request(unit, model.flat_grads() * (len(part) / config.batch), extra=ev)
         if worker == 0:
-            done = header(Kind.DONE, rank, 0, unit, 0, replica, ev)
-            dist.send(done, coordinator, tag=TAG_DONE)
-            value = torch.tensor([result.loss * len(part)], dtype=torch.float64)
-            dist.send(value, coordinator, tag=TAG_DONE_VALUE)
+            report_unit(coordinator, rank, replica, got, result.loss * len(part))
         client.complete(push)
     client.close()

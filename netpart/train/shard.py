@@ -1,39 +1,38 @@
 """A parameter-server shard's role in a training job: its state, its mode, its checkpoints.
 
 The shard starts from the reference initialisation of its range (or from its checkpoint on
-`--resume`), serves every replica until they are done or lost, writes a checkpoint every
-`checkpoint_every` updates (and a kept snapshot every `snapshot_every`), and a final one with
-its byte counts, staleness histogram and lost replicas.
+`--resume`) and serves every replica until they are done or lost. What it writes and when is
+decided in one place, `Checkpoints`: a checkpoint every `checkpoint_every` updates (and a kept
+snapshot every `snapshot_every`), and a final one with its byte counts, staleness histogram
+and lost replicas.
 """
 
 from __future__ import annotations
 
 import io
 import logging
-import queue
 import threading
 import time
+from pathlib import Path
 
 import torch
 
 from netpart import faults
 from netpart.errors import RuntimeFailure, write_reason
+from netpart.models.reference import DTYPES
 from netpart.models.spec import ModelSpec
 from netpart.partition.shards import ShardLayout, piece_initial
 from netpart.ps.checkpoint import load_shard, save_shard
 from netpart.ps.lbfgs import ShardVectors
 from netpart.ps.modes import Downpour, Mode, Sandblaster, Sync
-from netpart.ps.rules import DelayCompensation, make_rule
+from netpart.ps.rules import DelayCompensation, UpdateRule, make_rule
 from netpart.ps.server import ShardServer, ShardSetup, ShardState
 from netpart.train.config import TrainConfig
-from netpart.train.placement import Placement
 from netpart.train.rundir import checkpoint_meta
 
-__all__ = ["initial_values", "serve_shard", "shard_mode"]
+__all__ = ["Checkpoints", "initial_values", "serve_shard", "shard_mode"]
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 def initial_values(
@@ -54,15 +53,18 @@ def initial_values(
     return out
 
 
-def shard_mode(config: TrainConfig, state: ShardState, placement: Placement) -> Mode:
-    """The mode object of `config.mode`, over the shard's values (and optimizer state)."""
-    if config.mode == "sandblaster":
+def shard_mode(
+    config: TrainConfig, state: ShardState, workers: tuple[int, ...]
+) -> tuple[Mode, UpdateRule | None]:
+    """The mode object of `config.mode` and the update rule over the shard's values (and
+    optimizer state); `workers`: the model workers the shard serves."""
+    if config.mode == "sandblaster":  # the coordinator moves x by vector operations
         vectors = ShardVectors(state.values, config.history)
-        return Sandblaster(vectors, placement.coordinator_rank(), config.timeout)
+        return Sandblaster(vectors, workers, config.timeout), None
     rule = make_rule(config.optim, state.values, state.state)
     if config.mode == "sync":
-        return Sync(rule)
-    return Downpour(rule, DelayCompensation(config.dc_lambda) if config.dc_lambda else None)
+        return Sync(), rule
+    return Downpour(DelayCompensation(config.dc_lambda) if config.dc_lambda else None), rule
 
 
 def serve_shard(job, layout: ShardLayout, shard: int, rank: int, stop, placement) -> ShardServer:
@@ -78,26 +80,16 @@ def serve_shard(job, layout: ShardLayout, shard: int, rank: int, stop, placement
     else:
         values = initial_values(spec, layout, shard, config.seed, dtype)
         state = ShardState(values=values, state=None)
-
-    def save(server: ShardServer, updates: int, final: bool = False) -> None:
-        """After update number `updates` (and at the end): a checkpoint every K updates."""
-        faults.point(rank, updates)  # test hook: a shard "dies" after that many updates
-        every = config.snapshot_every
-        if every and not final and updates % every == 0:  # kept: run/snapshots/<k>/
-            snap = run / "snapshots" / f"{updates // every:05d}"
-            writer.put(snap, {**meta, "time": time.time()})
-        if final or updates % config.checkpoint_every == 0:
-            writer.put(run, {**meta, **(_final_figures(server) if final else {})})
-
-    setup = ShardSetup(layout, shard, config.replicas, rank, placement.worker_rank)
-    server = ShardServer(setup, state, shard_mode(config, state, placement), on_update=save)
-    writer = _Writer(server)  # before any update: `serve` has not started
+    mode, rule = shard_mode(config, state, tuple(layout.peers(shard)))
+    coordinator = placement.coordinator_rank() if config.mode == "sandblaster" else -1
+    setup = ShardSetup(layout, shard, config.replicas, rank, placement.worker_rank, coordinator)
+    server = ShardServer(setup, state, mode, rule)
+    checkpoints = Checkpoints(server, run, meta, config, rank)  # before any update
     log.info("%d values, serving workers %s", size, server.workers)
     try:
         server.serve(stop, grace=config.timeout)
-        save(server, server.state.updates, final=True)
     finally:
-        failed = writer.close()  # every checkpoint taken is on disk, or why not
+        failed = checkpoints.close(final=_final_figures(server))  # on disk, or why not
     if failed is not None:
         raise RuntimeFailure(f"shard {shard}: {failed}")
     log.info(
@@ -108,39 +100,76 @@ def serve_shard(job, layout: ShardLayout, shard: int, rank: int, stop, placement
     return server
 
 
-class _Writer:
-    """Writes a shard's checkpoints from a thread of its own, in the order they were taken: a
-    peer's thread only takes the snapshot (the write and its fsyncs, milliseconds, no longer
-    hold up that peer's next request). A failed write makes the server fail (`serve` raises);
-    `close` waits for what is queued and says why the first failed write failed."""
+class Checkpoints:
+    """What a shard writes and when, from a thread of its own: after every `checkpoint_every`
+    updates a checkpoint (`run/shard_<s>.pt`), after every `snapshot_every` a kept snapshot
+    (`run/snapshots/<k>/`), at the end (`close`) a final checkpoint with the shard's figures.
 
-    def __init__(self, server: ShardServer) -> None:
-        self.server = server
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.order = threading.Lock()  # snapshot and queue together: writes keep their order
+    The thread waits for the server's update count to reach the next due count, copies a
+    consistent state and writes it: no peer's thread waits for a write, and the server calls
+    nothing back. A failed write makes the server fail (`serve` raises); `close` says why.
+    Test hook: with a fault set for this rank, the thread looks at every update and reaches
+    fault point n after update n (a shard "dies" after that many updates), and checkpoint
+    write number k may fail with ENOSPC (`netpart.faults`)."""
+
+    def __init__(self, server: ShardServer, run: Path, meta: dict, config: TrainConfig, rank: int):
+        self.server, self.run, self.meta, self.rank = server, run, meta, rank
+        self.every, self.snapshot_every = config.checkpoint_every, config.snapshot_every
+        self.seen = server.state.updates
+        self.writes = 0
         self.error: str | None = None
+        self._closing = threading.Event()
         torch.save({"values": torch.zeros(1)}, io.BytesIO())  # its first call imports
-        self.thread = threading.Thread(target=self._run, name="checkpoints", daemon=True)
+        self.thread = threading.Thread(target=self._watch, name="checkpoints", daemon=True)
         self.thread.start()
 
-    def put(self, where, meta: dict) -> None:
-        with self.order:
-            self.queue.put((where, self.server.snapshot(), meta))
+    def _next_due(self) -> int:
+        """The update count to wake at: the next multiple of either period (every update
+        where a fault is set for this rank)."""
+        if faults.active(self.rank):
+            return self.seen + 1
+        periods = [p for p in (self.every, self.snapshot_every) if p]
+        return min((self.seen // p + 1) * p for p in periods)
 
-    def _run(self) -> None:
-        while (item := self.queue.get()) is not None:
-            where, snapshot, meta = item
-            if self.error is not None:
-                continue
-            try:
-                save_shard(where, self.server.shard, snapshot, meta)
-            except OSError as exc:  # disk full, read-only: this shard cannot go on
-                self.error = write_reason(exc)
-                self.server.fail(self.error)
+    def _watch(self) -> None:
+        while not self._closing.is_set():
+            self._look(self.server.wait_update(self._next_due(), timeout=0.5))
 
-    def close(self) -> str | None:
-        self.queue.put(None)
+    def _look(self, updates: int) -> None:
+        """Updates up to `updates` were applied: reach their fault points, and write what
+        fell due (one checkpoint and one snapshot at most, of the state as it is now)."""
+        due, snapshot = False, None
+        for k in range(self.seen + 1, updates + 1):
+            faults.point(self.rank, k)
+            due |= k % self.every == 0
+            if self.snapshot_every and k % self.snapshot_every == 0:
+                snapshot = k // self.snapshot_every
+        self.seen = max(self.seen, updates)
+        if snapshot is not None:
+            where = self.run / "snapshots" / f"{snapshot:05d}"
+            self._write(where, self.server.snapshot(), {**self.meta, "time": time.time()})
+        if due:
+            self._write(self.run, self.server.snapshot(), self.meta)
+
+    def _write(self, where: Path, state: ShardState, meta: dict) -> None:
+        if self.error is not None:
+            return
+        self.writes += 1
+        try:
+            faults.write_fails(self.rank, self.writes)
+            save_shard(where, self.server.shard, state, meta)
+        except OSError as exc:  # disk full, read-only: this shard cannot go on
+            self.error = write_reason(exc)
+            self.server.fail(self.error)
+
+    def close(self, final: dict) -> str | None:
+        """Stop watching, write what fell due and the final checkpoint (with `final`'s
+        figures); why a write failed, or None."""
+        self._closing.set()
         self.thread.join()
+        updates = self.server.state.updates
+        self._look(updates)
+        self._write(self.run, self.server.snapshot(), {**self.meta, **final})
         return self.error
 
 

@@ -39,8 +39,8 @@ if rank >= replicas:  # a shard: zeros, SGD with lr 1
     values = torch.zeros(int(layout.bounds[s + 1] - layout.bounds[s]), dtype=torch.float64)
     setup = ShardSetup(layout, s, replicas, rank, lambda r, w: r)
     rule = make_rule(Optimizer("sgd", 1.0), values)
-    srv = ShardServer(setup, ShardState(values, None), Sync(rule) if mode == "sync" else
-                      Downpour(rule))
+    srv = ShardServer(setup, ShardState(values, None), Sync() if mode == "sync" else Downpour(),
+                      rule)
     srv.serve()
     print(json.dumps({"shard": s, "updates": srv.state.updates,
                       "distinct": np.unique(values.numpy()).tolist()}))
@@ -51,8 +51,9 @@ if rank >= replicas:  # a shard: zeros, SGD with lr 1
 DOWNPOUR = """
 # A replica: pushes (rank + 1) * step everywhere, two requests in flight, and checks that
 # every fetch shows each shard's values at one moment (one value across its range).
-c = ShardClient(layout, 0, rank, rank, list(range(replicas, replicas + shards)),
-                torch.float64, depth=3, background=not local, local_steps=bool(local))
+c = ShardClient(layout, worker=0, replica=rank, rank=rank,
+                shard_ranks=list(range(replicas, replicas + shards)),
+                dtype=torch.float64, depth=3, background=not local, local_steps=bool(local))
 routes = c.routes
 bufs = c.push_buffers(3)
 torn, current, inflight = 0, 0, []
@@ -76,7 +77,8 @@ os._exit(0)
 
 SYNC = """
 # A replica pushes (rank + 1) * step: the mean over replicas is (R + 1) / 2 * step.
-c = ShardClient(layout, 0, rank, rank, list(range(replicas, replicas + shards)), torch.float64)
+c = ShardClient(layout, worker=0, replica=rank, rank=rank,
+                shard_ranks=list(range(replicas, replicas + shards)), dtype=torch.float64)
 buf = c.push_buffers(1)[0]
 c.complete(c.request(0, fetch=True))
 wrong = []

@@ -1,8 +1,9 @@
 """The shard server and its modes, in process: chunk folding, DC-ASGD, sync, warm start,
-and the reference initialisation of every shard's range."""
+and the reference initialisation of every shard's range. Requests are real request bytes
+handed to the server (`ShardServer.handle`, or the serving loops over a scripted process
+group); answers are read off the messages it sends."""
 
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from netpart import ps
 from netpart.models import build_reference, load_spec
 from netpart.partition import build_unit_graph, plan
 from netpart.partition.shards import Segment, ShardLayout
-from netpart.ps import protocol
+from netpart.ps import protocol, serving
 from netpart.ps.checkpoint import export_state_dict
 from netpart.ps.lbfgs import ShardVectors
 from netpart.ps.rules import DelayCompensation, Optimizer, make_rule
@@ -74,23 +75,88 @@ def test_push_chunks_fold_into_exactly_the_segments(lengths, chunk):
     assert landed == want
 
 
-def _server(mode, replicas=2, dc_lambda=0.0, lr=1.0):
+class _Done:
+    def __init__(self, then=None):
+        self.then = then
+
+    def wait(self):
+        if self.then is not None:
+            self.then()
+
+
+class _Scripted:
+    """A process group whose peers hand the shard `messages` (per source rank), then are
+    gone: a receive posted after them fails as gloo's does once a peer closed its connection.
+    Every message sent is recorded."""
+
+    def __init__(self, messages=None):
+        self.messages = {src: list(m) for src, m in (messages or {}).items()}
+        self.sent = []
+
+    def recv(self, tensors, src, tag):
+        if not self.messages.get(src):
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:1")
+        message = self.messages[src].pop(0)
+        return _Done(lambda: tensors[0][: message.numel()].copy_(message))
+
+    def send(self, tensors, dst, tag):
+        self.sent.append((dst, tensors[0].clone()))
+        return _Done()
+
+
+def _server(mode, replicas=2, dc_lambda=0.0, lr=1.0, group=None):
     layout = _layout(load_spec("tiny-mlp"), 2, "metis", 1)
     values = torch.zeros(layout.total, dtype=torch.float64)
     rule = make_rule(Optimizer("sgd", lr), values)
     state = ShardState(values=values, state=None)
     if mode == "sync":
-        behaviour = ps.Sync(rule)
+        behaviour = ps.Sync()
     else:
-        behaviour = ps.Downpour(rule, DelayCompensation(dc_lambda) if dc_lambda else None)
+        behaviour = ps.Downpour(DelayCompensation(dc_lambda) if dc_lambda else None)
     setup = ShardSetup(layout, 0, replicas, 4, lambda r, w: r * 2 + w)
-    return ShardServer(setup, state, behaviour)
+    return ShardServer(setup, state, behaviour, rule, group=group or _Scripted())
+
+
+def _request(server, replica, worker, kind, step, values=None, version=0):
+    """A request's bytes as worker `worker` of `replica` sends them to shard 0."""
+    src = server.setup.rank_of(replica, worker)
+    n = 0 if values is None else values.numel()
+    buf = protocol.request_buffer(n, torch.float64)
+    protocol.write_header(buf, int(kind), src, 0, step, n, replica, version)
+    if values is not None:
+        protocol.values_of(buf, torch.float64, n).copy_(values)
+    return buf
+
+
+def _send(server, replica, worker, kind, step, values=None, version=0):
+    """Hand the server one request of (replica, worker); its answer (header, values) or None."""
+    link = server.link(replica, worker)
+    buf = _request(server, replica, worker, kind, step, values, version)
+    link.request[: buf.numel()].copy_(buf)
+    before = len(server.group.sent)
+    server.handle(link)
+    if len(server.group.sent) == before:
+        return None
+    msg = server.group.sent[-1][1]
+    head = protocol.read_header(msg)
+    return head, protocol.values_of(msg, torch.float64, head[4]).clone()
+
+
+def _push(server, replica, worker, step, values, version=-1):
+    """A push alone (what a fold of a whole push in memory did)."""
+    _send(server, replica, worker, protocol.Kind.PUSH, step, values, version)
 
 
 def _served(server, replica, worker):
-    """What a fetch of (replica, worker) is answered with, remembered as DC-ASGD needs."""
-    out, version, _ = server.answer_fetch(replica, worker, 0)
-    return out.clone(), version
+    """What a fetch of (replica, worker) is answered with: (values, version)."""
+    head, values = _send(server, replica, worker, protocol.Kind.FETCH, 0)
+    return values, head[3]
+
+
+def _fetch_local(server, replica, worker, held):
+    """A fetch from a worker holding version `held`: (values or None if CURRENT, version)."""
+    head, values = _send(server, replica, worker, protocol.Kind.FETCH_LOCAL, 0, version=held)
+    return (None if head[0] == protocol.Kind.CURRENT else values), head[3]
 
 
 def test_dc_asgd_compensates_a_stale_push_with_the_values_it_was_computed_on():
@@ -102,17 +168,17 @@ def test_dc_asgd_compensates_a_stale_push_with_the_values_it_was_computed_on():
     then, v0 = _served(server, 0, w)  # replica 0 fetches (all zeros), version 0
     g1 = torch.linspace(-1, 1, n, dtype=torch.float64)
     _, v1 = _served(server, 1, w)
-    server.fold(1, w, 1, g1, segs, version=v1)  # replica 1's fresh push: no correction
+    _push(server, 1, w, 1, g1, version=v1)  # replica 1's fresh push: no correction
     now = then - lr * g1
     assert torch.allclose(_served(server, 1, w)[0], now, atol=1e-15)
     g0 = torch.cos(torch.arange(n, dtype=torch.float64))
-    server.fold(0, w, 1, g0, segs, version=v0)  # stale by one update
+    _push(server, 0, w, 1, g0, version=v0)  # stale by one update
     want = now - lr * (g0 + lam * g0 * g0 * (now - then))
     assert torch.allclose(_served(server, 0, w)[0], want, atol=1e-15)
     assert server.staleness == {0: 1, 1: 1}
     plain = _server("downpour", lr=lr)  # without compensation: the plain stale gradient
-    plain.fold(1, w, 1, g1, segs, version=0)
-    plain.fold(0, w, 1, g0, segs, version=0)
+    _push(plain, 1, w, 1, g1, version=0)
+    _push(plain, 0, w, 1, g0, version=0)
     assert torch.allclose(_served(plain, 0, w)[0], now - lr * g0, atol=1e-15)
 
 
@@ -127,20 +193,20 @@ def test_a_worker_whose_values_are_the_shards_is_told_so_without_values():
     g = torch.linspace(-1, 1, n, dtype=torch.float64)
 
     def push(replica, step, version):  # one chunk: the request carries it all
-        server.mode.receive(replica, w, step, version, g, torch.empty(n), segs, src=0)
-        return server.mode.current(replica, w)
+        head, _ = _send(server, replica, w, protocol.Kind.PUSH_FETCH_LOCAL, step, g, version)
+        return head[3] if head[0] == protocol.Kind.CURRENT else None
 
-    assert server.answer_fetch(0, w, 0, held=0)[:2] == (None, 0)
+    assert _fetch_local(server, 0, w, held=0) == (None, 0)
     assert push(0, 1, version=0) == 1 and server.mode.current(0, w) is None  # told once
-    assert server.answer_fetch(0, w, 0, held=1)[:2] == (None, 1)
+    assert _fetch_local(server, 0, w, held=1) == (None, 1)
     assert push(1, 1, version=0) is None  # replica 1 had not seen replica 0's push
-    out, version, _ = server.answer_fetch(0, w, 0, held=1)
+    out, version = _fetch_local(server, 0, w, held=1)
     values = server.state.values
     assert version == 2 and torch.equal(
         out, torch.cat([values[x.shard_lo :][: x.length] for x in segs])
     )
     assert push(0, 2, version=1) is None  # replica 1's push came in between
-    assert server.answer_fetch(0, w, 0, held=-1)[0] is not None  # no version held: values
+    assert _served(server, 0, w)[0] is not None  # no version held: values
 
 
 def test_sync_shard_applies_the_mean_once_every_live_replica_pushed():
@@ -148,38 +214,40 @@ def test_sync_shard_applies_the_mean_once_every_live_replica_pushed():
     n = {w: sum(g.length for g in server.routes[w]) for w in server.workers}
     one = {w: torch.ones(n[w], dtype=torch.float64) for w in server.workers}
     for w in server.workers:  # replica 0 pushes step 1: nothing applied yet
-        server.fold(0, w, 1, one[w], server.routes[w])
-    assert server.state.clock == 0 and not server.mode.ready(0, 1)
+        _push(server, 0, w, 1, one[w])
+    assert server.state.clock == 0 and not server.mode.ready(server.view, 0, 1)
     for w in server.workers:
-        server.fold(1, w, 1, 3 * one[w], server.routes[w])
-    assert server.state.clock == 1 and server.mode.ready(0, 1)
+        _push(server, 1, w, 1, 3 * one[w])
+    assert server.state.clock == 1 and server.mode.ready(server.view, 0, 1)
     assert torch.equal(server.state.values, torch.full_like(server.state.values, -2.0))  # mean 2
     for w in server.workers:  # step 2: replica 1 is lost mid-step; its push is dropped
-        server.fold(1, w, 2, one[w], server.routes[w])
+        _push(server, 1, w, 2, one[w])
     server.lose(1, "test")
     assert server.state.clock == 1
     for w in server.workers:
-        server.fold(0, w, 2, one[w], server.routes[w])
+        _push(server, 0, w, 2, one[w])
     assert server.state.clock == 2 and server.state.values[0] == -3.0
 
 
 def test_downpour_warm_start_waits_for_replica_0():
     server = _server("downpour")
     n = {w: sum(g.length for g in server.routes[w]) for w in server.workers}
-    assert server.mode.ready(1, 0) and not server.mode.ready(1, 3)
+    view = server.view
+    assert server.mode.ready(view, 1, 0) and not server.mode.ready(view, 1, 3)
     for step in (1, 2, 3):
-        assert not server.mode.ready(1, 3)
+        assert not server.mode.ready(view, 1, 3)
         for w in server.workers:
-            server.fold(0, w, step, torch.zeros(n[w], dtype=torch.float64), server.routes[w])
-    assert server.mode.ready(1, 3) and server.state.updates == 3 * len(server.workers)
+            _push(server, 0, w, step, torch.zeros(n[w], dtype=torch.float64))
+    assert server.mode.ready(view, 1, 3) and server.state.updates == 3 * len(server.workers)
 
 
 def _sandblaster(timeout):
     layout = _layout(load_spec("tiny-mlp"), 2, "metis", 1)
     values = torch.zeros(layout.total, dtype=torch.float64)
-    mode = ps.Sandblaster(ShardVectors(values, 3), coordinator=4, timeout=timeout)
-    setup = ShardSetup(layout, 0, 2, 4, lambda r, w: r * 2 + w)
-    return ShardServer(setup, ShardState(values=values, state=None), mode), mode
+    mode = ps.Sandblaster(ShardVectors(values, 3), tuple(layout.peers(0)), timeout=timeout)
+    setup = ShardSetup(layout, 0, 2, 4, lambda r, w: r * 2 + w, coordinator=4)
+    state = ShardState(values=values, state=None)
+    return ShardServer(setup, state, mode, group=_Scripted()), mode
 
 
 @pytest.mark.parametrize("lost", [False, True])
@@ -190,16 +258,16 @@ def test_sandblaster_wait_ends_when_a_part_will_not_come(lost):
     w0, w1 = server.workers
     ones = {w: torch.ones(sum(g.length for g in server.routes[w]), dtype=torch.float64)
             for w in server.workers}  # fmt: skip
-    mode.command(protocol.Op.BEGIN, 1.0, 0, 0, 0)
+    server.command(protocol.Op.BEGIN, (1.0, 0, 0, 0))
     for unit, w in [(0, w0), (1, w0), (0, w1)]:  # unit 1's part of w1 never comes
-        server.fold(0, w, unit, ones[w], server.routes[w], version=1)
+        _push(server, 0, w, unit, ones[w], version=1)
     if lost:
         server.lose(1, "test")
     t0 = time.monotonic()
-    assert mode.command(protocol.Op.WAIT, 2.0, 0, 0, 0) == 1.0
+    assert server.command(protocol.Op.WAIT, (2.0, 0, 0, 0)) == 1.0
     assert 0.5 < time.monotonic() - t0 < 10 and server.state.updates == 0
-    server.fold(1, w1, 1, ones[w1], server.routes[w1], version=1)  # a backup copy arrives
-    assert mode.command(protocol.Op.WAIT, 2.0, 0, 0, 0) == 0.0 and server.state.updates == 1
+    _push(server, 1, w1, 1, ones[w1], version=1)  # a backup copy arrives
+    assert server.command(protocol.Op.WAIT, (2.0, 0, 0, 0)) == 0.0 and server.state.updates == 1
     assert torch.all(mode.vectors.vectors["g"] > 0)  # every part folded
 
 
@@ -211,44 +279,17 @@ def test_sync_never_applies_a_step_a_stopped_replica_did_not_push():
             for w in server.workers}  # fmt: skip
     for r in (0, 1):
         for w in server.workers:
-            server.fold(r, w, 1, ones[w], server.routes[w])
+            _push(server, r, w, 1, ones[w])
     assert server.state.clock == 1
     after_one = server.state.values.clone()
     for w in server.workers:
-        server.fold(0, w, 2, ones[w], server.routes[w])
-        server._goodbye(1, w)  # what a BYE message from replica 1's worker w does
+        _push(server, 0, w, 2, ones[w])
+        _send(server, 1, w, protocol.Kind.BYE, 0)  # replica 1's worker w says goodbye
     assert server.state.clock == 1 and torch.equal(server.state.values, after_one)
-    assert server.mode.ready(0, 2) and server.mode.last_step() == 1
+    assert server.mode.ready(server.view, 0, 2) and server.mode.last_step(server.view) == 1
 
 
-class _Done:
-    def __init__(self, then=None):
-        self.then = then
-
-    def wait(self):
-        if self.then is not None:
-            self.then()
-
-
-class _Scripted:
-    """A process group whose peers hand the shard `messages` (per source rank), then are
-    gone: a receive posted after them fails as gloo's does once a peer closed its connection."""
-
-    def __init__(self, messages):
-        self.messages, self.sent = {src: list(m) for src, m in messages.items()}, []
-
-    def recv(self, tensors, src, tag):
-        if not self.messages[src]:
-            raise RuntimeError("Connection closed by peer [127.0.0.1]:1")
-        message = self.messages[src].pop(0)
-        return _Done(lambda: tensors[0][: message.numel()].copy_(message))
-
-    def send(self, tensors, dst, tag):
-        self.sent.append((dst, tensors[0].clone()))
-        return _Done()
-
-
-def test_a_peer_that_leaves_right_after_its_goodbye_is_not_lost(monkeypatch):
+def test_a_peer_that_leaves_right_after_its_goodbye_is_not_lost():
     """Nothing is received from a peer after its goodbye: a worker that exits at once (its
     job done) must not make the shard mark its replica lost (a version that posted each next
     receive ahead did so in 2 of about 100 training runs)."""
@@ -256,33 +297,19 @@ def test_a_peer_that_leaves_right_after_its_goodbye_is_not_lost(monkeypatch):
     w = server.workers[0]
     n = sum(g.length for g in server.routes[w])
     src = server.setup.rank_of(0, w)
-
-    def message(kind):
-        buf = protocol.request_buffer(0, torch.float64)
-        protocol.write_header(buf, int(kind), src, 0, 0, 0, 0, -1)
-        return buf
-
-    group = _Scripted({src: [message(protocol.Kind.FETCH), message(protocol.Kind.BYE)]})
-    monkeypatch.setattr(ps.server, "dist", SimpleNamespace(group=SimpleNamespace(WORLD=group)))
-    server._peer(0, w)
+    messages = [
+        _request(server, 0, w, kind, 0) for kind in (protocol.Kind.FETCH, protocol.Kind.BYE)
+    ]
+    server.group.messages = {src: messages}
+    serving.serve_peer(server, server.link(0, w))
     assert server.lost == {} and (0, w) in server.done
-    reply = group.sent[0][1]
+    reply = server.group.sent[0][1]
     assert protocol.read_header(reply)[0] == protocol.Kind.PARAMS
     assert protocol.read_header(reply)[4] == n
 
 
-def _request(server, replica, worker, kind, step, values=None):
-    src = server.setup.rank_of(replica, worker)
-    n = 0 if values is None else values.numel()
-    buf = protocol.request_buffer(n, torch.float64)
-    protocol.write_header(buf, int(kind), src, 0, step, n, replica, 0)
-    if values is not None:
-        protocol.values_of(buf, torch.float64, n).copy_(values)
-    return buf
-
-
 @pytest.mark.parametrize("stopped", [False, True])
-def test_sync_rounds_answer_every_peer_once_its_step_is_applied(monkeypatch, stopped):
+def test_sync_rounds_answer_every_peer_once_its_step_is_applied(stopped):
     """One thread serves every peer of a sync shard, a request of each per round. Replica r
     pushes r + 1 everywhere at step 1: every answer holds the mean applied once. Stopped:
     replica 1 says goodbye instead, so step 1 is never applied and replica 0's push-and-fetch
@@ -297,9 +324,9 @@ def test_sync_rounds_answer_every_peer_once_its_step_is_applied(monkeypatch, sto
             last = [_request(server, r, w, K.BYE, 0)]
             steps = last if stopped and r == 1 else [push, *last]
             script[server.setup.rank_of(r, w)] = [_request(server, r, w, K.FETCH, 0), *steps]
-    group = _Scripted(script)
-    monkeypatch.setattr(ps.server, "dist", SimpleNamespace(group=SimpleNamespace(WORLD=group)))
-    server._rounds()
+    group = server.group
+    group.messages = script
+    serving.serve_rounds(server)
     assert server.lost == {} and server.fatal is None and len(server.done) == 2 * len(n)
     want = 0.0 if stopped else -1.5  # lr 1, the mean of 1 and 2
     assert server.state.clock == (0 if stopped else 1)

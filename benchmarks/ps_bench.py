@@ -38,7 +38,9 @@ import torch.distributed as dist
 
 from netpart.models import load_spec
 from netpart.partition import build_unit_graph, plan
+from netpart.partition.schedule import NO_SPLITS, plan_schedule
 from netpart.partition.shards import ShardLayout
+from netpart.processes.launcher import join_group
 from netpart.ps import (
     Downpour,
     Optimizer,
@@ -48,8 +50,9 @@ from netpart.ps import (
     ShardState,
     make_rule,
 )
-from netpart.runtime import run_step
 from netpart.runtime.check import make_batch
+from netpart.runtime.transport import GlooTransport
+from netpart.runtime.worker import ModelWorker
 from netpart.train import train
 from netpart.train.config import TrainConfig
 
@@ -178,26 +181,69 @@ def _median_step(run: Path, skip: int) -> float:
     return statistics.median(steps)
 
 
+def _own_sgd_worker(rank: int, store: str, steps: int, batch: int, lr: float, out: Path) -> None:
+    """One of two worker processes of bench-local's step followed by plain SGD on the
+    worker's own parameters (no parameter server, no data loading, no metrics); rank 0
+    writes each step's time on the slower worker to `out`."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", NETPART_STORE=store)
+    join_group(60.0)
+    torch.set_num_threads(1)
+    spec = load_spec("bench-local")
+    graph, schedule = plan_schedule(spec, plan(spec, 2, "metis"), split_min_flops=NO_SPLITS)
+    worker = ModelWorker(spec, graph, schedule, rank, seed=0, dtype=torch.float32)
+    x, y = make_batch(spec, batch, 0)
+    transport, times = GlooTransport(), []
+    for _ in range(steps):
+        worker.zero_grad()
+        transport.barrier()
+        start = time.perf_counter()
+        worker.step(x.float(), y, transport, collect_grads=False)
+        params = [p for p in worker.parameters() if p.grad is not None]
+        with torch.no_grad():
+            torch._foreach_add_(params, [p.grad for p in params], alpha=-lr)
+        times.append(time.perf_counter() - start)
+    slower = transport.all_reduce(torch.tensor(times, dtype=torch.float64), "max")
+    if rank == 0:
+        out.write_text(json.dumps(slower.tolist()))
+    dist.destroy_process_group()
+
+
+def _own_sgd(steps: int, batch: int, lr: float) -> list[float]:
+    """Each step's seconds (slower worker) of the own-SGD baseline, two processes here."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "times.json"
+        argv = [sys.executable, __file__, "--own-sgd", tmp, "--steps", str(steps),
+                "--batches", str(batch), "--lr", str(lr)]  # fmt: skip
+        procs = [subprocess.Popen([*argv, "--peer", str(r)]) for r in (0, 1)]
+        try:
+            for proc in procs:
+                if proc.wait(timeout=600) != 0:
+                    raise RuntimeError("a worker of the own-SGD baseline failed")
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        return json.loads(out.read_text())
+
+
 def downpour_step(pairs: int, steps: int, batch: int) -> dict:
     """Downpour's median step (the replica's loop: data, step, push and fetch, metrics) vs the
     same partitioned step followed by plain SGD on each worker's own parameters, without a
-    parameter server (`run_step(sgd_lr=...)`: no data loading, no metrics, so the ratio
-    charges every cost of the training loop to the parameter server), alternating."""
+    parameter server (`_own_sgd`: no data loading, no metrics, so the ratio charges every
+    cost of the training loop to the parameter server), alternating."""
     spec = load_spec("bench-local")
     p = plan(spec, 2, "metis")
     lr = 0.01
     base = dict(replicas=1, shards=2, steps=steps, batch=batch, lr=lr, timeout=60)
     config = TrainConfig(**base, optimizer="sgd")
-    x, y = make_batch(spec, batch, 0)
-    x = x.float()
     downpour, local, ratios = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(pairs):
             a = Path(tmp) / f"ps{i}"
             train(spec, p, config, a)
-            alone = run_step(spec, p, x, y, dtype=torch.float32, steps=steps, sgd_lr=lr)
+            per_step = _own_sgd(steps, batch, lr)
             downpour.append(_median_step(a, 3))
-            per_step = [max(ts) for ts in zip(*alone.step_times, strict=True)]  # slower worker
             local.append(statistics.median(per_step[3:]))
             ratios.append(downpour[-1] / local[-1])
     return {
@@ -233,7 +279,13 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--optimizer", default="sgd", help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--own-sgd", default=None, help=argparse.SUPPRESS)  # a baseline worker
+    ap.add_argument("--lr", type=float, default=0.01, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.own_sgd is not None:
+        store, out = str(Path(args.own_sgd) / "store"), Path(args.own_sgd) / "times.json"
+        _own_sgd_worker(args.peer, store, args.steps, int(args.batches), args.lr, out)
+        return
     if args.peer is not None:
         _peer(args.peer, args.addr, args.port, args.iters, args.rounds, args.optimizer, args.result)
         return

@@ -34,10 +34,10 @@ from netpart.calibrate.trace import measure_slices
 from netpart.models import build_reference, load_spec
 from netpart.partition import plan
 from netpart.partition.schedule import plan_schedule
-from netpart.runtime import run_step
 from netpart.runtime.breakdown import step_breakdown, thread_medians
 from netpart.runtime.check import make_batch
 from netpart.runtime.inprocess import ThreadTransport
+from netpart.runtime.step import StepOptions, run_step
 from netpart.runtime.worker import ModelWorker
 
 MODELS = ("digits-mlp", "bench-local", "bench-local-wide")
@@ -61,7 +61,7 @@ def overhead(name: str, batch: int, repeat: int) -> dict:
     x, y = make_batch(spec, batch, 0)
     x = x.float()
     model = build_reference(spec, 0, torch.float32)
-    worker = ModelWorker(spec, *plan_schedule(spec, plan(spec, 1)), 0, 0, torch.float32)
+    worker = ModelWorker(spec, *plan_schedule(spec, plan(spec, 1)), 0, seed=0, dtype=torch.float32)
     transport = ThreadTransport.group(1)[0]  # never used: one worker sends nothing
 
     def ref_step():
@@ -91,10 +91,8 @@ def overhead(name: str, batch: int, repeat: int) -> dict:
 def _run(spec, workers: int, batch: int, steps: int, **kw):
     steps = max(steps, STEPS.get(spec.name, steps))  # a tiny model needs many steps to settle
     x, y = make_batch(spec, batch, 0)
-    return run_step(
-        spec, plan(spec, workers), x.float(), y, dtype=torch.float32, steps=steps + WARMUP + 1,
-        threads=1, **kw,
-    )  # fmt: skip
+    options = StepOptions(dtype="float32", steps=steps + WARMUP + 1, threads=1, **kw)
+    return run_step(spec, plan(spec, workers), x.float(), y, options)
 
 
 def _step_s(result) -> float:
@@ -183,7 +181,7 @@ def kernel_rate(batch: int, repeat: int) -> dict:
     """(e) the local slice (whole layer 3 of bench-local) vs a dense matmul, GFLOP/s, 1 thread."""
     torch.set_num_threads(1)
     spec = load_spec("bench-local")
-    worker = ModelWorker(spec, *plan_schedule(spec, plan(spec, 1)), 0, 0, torch.float32)
+    worker = ModelWorker(spec, *plan_schedule(spec, plan(spec, 1)), 0, seed=0, dtype=torch.float32)
     layer = 3
     sl = worker.slices[layer]
     src = spec.input_shape(layer)

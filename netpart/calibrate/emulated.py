@@ -29,7 +29,7 @@ from netpart.models.spec import ModelSpec
 from netpart.partition.plans import PartitionPlan, load_plan, plan_files
 from netpart.runtime.check import make_batch
 from netpart.runtime.result import load_worker_result
-from netpart.runtime.step import link_job, link_result
+from netpart.runtime.step import StepOptions, link_job, link_result, step_job
 from netpart.testbed import cgroups
 
 __all__ = ["TIMEOUT", "WARMUP", "EmulatedRunner", "free_port", "main"]
@@ -103,15 +103,11 @@ class EmulatedRunner:
         """Every worker's `load_worker_result` of `steps` + WARMUP steps of `p` on machines
         0..N-1 (`split`: programs hide halo behind compute, as across real machines)."""
         x, y = make_batch(spec, batch, 0)
+        options = StepOptions(dtype="float32", timeout=120, split=split, steps=steps + WARMUP,
+                              exchange_only=exchange_only)  # fmt: skip
         with tempfile.TemporaryDirectory(prefix="netpart-emulated-") as tmp:
             job = Path(tmp)
-            files = plan_files(p)
-            files["spec.json"] = spec.to_json().encode()
-            config = {"seed": 0, "dtype": "float32", "timeout": 120, "threads": 1, "split": split,
-                      "steps": steps + WARMUP, "exchange_only": exchange_only}  # fmt: skip
-            files["config.json"] = json.dumps(config).encode()
-            write_files(job, files)
-            torch.save({"inputs": x.float(), "targets": y}, job / "batch.pt")
+            step_job(job, spec, p, (x.float(), y), options)
             self._launch(job, p.workers, f"{spec.name} on {p.workers} machines")
             return [load_worker_result(job / f"result_{r}.pt") for r in range(p.workers)]
 

@@ -157,8 +157,8 @@ class HostsRunner:
         spec, p = self._plans[cmd["key"]]
         if self.rank >= p.workers:
             return 0.0, 0.0
-        graph, schedule = plan_schedule(spec, p, True, True, SPLIT_MIN_FLOPS)
-        worker = ModelWorker(spec, graph, schedule, self.rank, 0, torch.float32)
+        graph, schedule = plan_schedule(spec, p, split_min_flops=SPLIT_MIN_FLOPS)
+        worker = ModelWorker(spec, graph, schedule, self.rank, seed=0, dtype=torch.float32)
         x, y = make_batch(spec, int(cmd["batch"]), 0)
         transport = GlooTransport(self._groups[p.workers], list(range(p.workers)))
         warm = warmup_steps(int(cmd["steps"]))

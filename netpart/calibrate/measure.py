@@ -63,7 +63,14 @@ from netpart.partition.graph import BYTES_PER_VALUE, UnitGraph
 from netpart.partition.plans import PartitionPlan
 from netpart.partition.volume import layer_traffic
 from netpart.runtime.check import make_batch
-from netpart.runtime.step import LINK_SIZES, run_link, run_step, timed_steps, warmup_steps
+from netpart.runtime.step import (
+    LINK_SIZES,
+    StepOptions,
+    run_link,
+    run_step,
+    timed_steps,
+    warmup_steps,
+)
 
 __all__ = [
     "CALIBRATION_MODELS",
@@ -78,6 +85,7 @@ __all__ = [
     "kind_cost",
     "layer_costs",
     "profile_json",
+    "profile_lines",
     "step_cpu_s",
 ]
 
@@ -168,10 +176,8 @@ class LocalRunner:
     def step(self, spec, p, batch, steps, exchange_only=False) -> tuple[float, float]:
         x, y = make_batch(spec, batch, 0)
         warm = warmup_steps(steps)  # a small model settles only after tens of steps
-        result = run_step(
-            spec, p, x.float(), y, dtype=torch.float32, steps=steps + warm,
-            exchange_only=exchange_only,
-        )  # fmt: skip
+        options = StepOptions(dtype="float32", steps=steps + warm, exchange_only=exchange_only)
+        result = run_step(spec, p, x.float(), y, options)
         return float(np.median(result.slowest_steps()[warm:])), step_cpu_s(result.threads, warm)
 
 
@@ -370,6 +376,47 @@ def _anchors(specs: list[ModelSpec], base: NetworkModel, model: NetworkModel) ->
         ratios = [model.layers[k].points[0][1] / base.layers[k].points[0][1] for k in keys]
         if ratios:
             out[spec.name] = float(np.median(ratios))
+    return out
+
+
+def profile_lines(model: NetworkModel, details: dict) -> list[str]:
+    """What a calibration fitted, in a few lines for the console (with a warning where the
+    machine's speed moved while it was measured)."""
+    out = []
+    for kind, cost in model.kinds.items():
+        (f0, t0), (f1, t1) = cost.points[0], cost.points[-1]
+        per_value = f", +{cost.per_value * 1e9:.2f} ns per input value" if cost.per_value else ""
+        out.append(
+            f"{kind:<6} {len(cost.points):3d} slices: {t0 * 1e6:8.1f} µs at {f0 / 1e6:9.3f} MFLOP "
+            f"... {t1 * 1e3:8.2f} ms at {f1 / 1e9:7.2f} GFLOP ({f1 / t1 / 1e9:.1f} GFLOP/s)"
+            f"{per_value}"
+        )
+    fitted, gather = model.collective_s * 1e3, model.gather_s(2) * 1e3
+    out.append(
+        f"exchange: {model.latency_s * 1e6:.0f} µs a phase in a step, "
+        f"{model.bandwidth_bps / 1e9:.2f} Gbit/s (tables for "
+        f"{'/'.join(str(k) for k in sorted(model.link))} peers); per step "
+        f"{model.step_fixed_s * 1e3:.2f} ms; with N = 2 +{gather:.2f} ms (the loss's collective, "
+        f"measured) +{fitted:.2f} ms (fitted) and compute x{1 + model.parallel_slowdown:.2f}"
+    )
+    if details.get("anchored"):
+        out.append(
+            "layer tables scaled to each model's one-process step (its slices timed alone: "
+            "x1.00): " + ", ".join(f"{m} x{f:.2f}" for m, f in details["anchored"].items())
+        )
+    low, high = details["probe_spread"]
+    out.append(f"speed probe over the runs: 10th-90th percentile {low:.2f}-{high:.2f}x its median")
+    if high / low > PROBE_SWING:
+        out.append(
+            f"warning: the machine's speed moved {high / low:.2f}x while it was calibrated; "
+            "predictions from this profile may be off by as much: calibrate again when it is "
+            "quiet (nothing else running)"
+        )
+    for n, slowdown, seconds in model.crowd:
+        out.append(
+            f"with N = {n:g}: compute x{1 + model.parallel_slowdown + slowdown:.2f}, "
+            f"{seconds * 1e3:+.2f} ms a step beyond N = 2's terms (steps measured at {n:g})"
+        )
     return out
 
 

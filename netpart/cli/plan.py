@@ -73,18 +73,7 @@ def _plan_parser(sub) -> None:
     )
     p.add_argument("--model", required=True, help="zoo name (see `netpart models`) or .toml/.json")
     p.add_argument("--workers", type=positive_int, default=None, help="number of model workers")
-    p.add_argument(
-        "--sweep",
-        default=None,
-        metavar="COUNTS",
-        help="instead of --workers: plan at every worker count of COUNTS ('1,2,4,8' or "
-        "'1-128', powers of two) and print the predicted step and speedup at each, the knee "
-        "(the last count whose doubling still made the step --gain times faster) and the "
-        "fastest count; with --out also sweep.json and sweep.png",
-    )
-    p.add_argument(
-        "--gain", type=float, default=1.25, help="--sweep: the gain a doubling must buy (1.25)"
-    )
+    _sweep_options(p)
     p.add_argument(
         "--method",
         default="auto",
@@ -104,16 +93,7 @@ def _plan_parser(sub) -> None:
         default=24,
         help="granularity: target blocks per worker in each spatial layer (default 24)",
     )
-    p.add_argument(
-        "--net",
-        default="",
-        metavar="SPEC",
-        help="network model, e.g. bandwidth=10Gbit,latency=20us,flops=50G "
-        "(defaults: 1Gbit, 50us, 20G FLOP/s per worker); with --profile, the figures given "
-        "replace the profile's (e.g. the cluster's links), and speed=8x makes every machine "
-        "that many times as fast as the profile's",
-    )
-    add_profile_arg(p)
+    _network_options(p)
     p.add_argument(
         "--compare", action="store_true", help="also run every method and add a comparison"
     )
@@ -126,6 +106,36 @@ def _plan_parser(sub) -> None:
     p.add_argument("--out", type=Path, default=None, help="directory for plan files and report")
     p.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
     p.set_defaults(func=cmd_plan)
+
+
+def _sweep_options(p: argparse.ArgumentParser) -> None:
+    """--sweep and the gain its knee is read at."""
+    p.add_argument(
+        "--sweep",
+        default=None,
+        metavar="COUNTS",
+        help="instead of --workers: plan at every worker count of COUNTS ('1,2,4,8' or "
+        "'1-128', powers of two) and print the predicted step and speedup at each, the knee "
+        "(the last count whose doubling still made the step --gain times faster) and the "
+        "fastest count; with --out also sweep.json and sweep.png",
+    )
+    p.add_argument(
+        "--gain", type=float, default=1.25, help="--sweep: the gain a doubling must buy (1.25)"
+    )
+
+
+def _network_options(p: argparse.ArgumentParser) -> None:
+    """What the prediction assumes: --net figures and/or a calibrated --profile."""
+    p.add_argument(
+        "--net",
+        default="",
+        metavar="SPEC",
+        help="network model, e.g. bandwidth=10Gbit,latency=20us,flops=50G "
+        "(defaults: 1Gbit, 50us, 20G FLOP/s per worker); with --profile, the figures given "
+        "replace the profile's (e.g. the cluster's links), and speed=8x makes every machine "
+        "that many times as fast as the profile's",
+    )
+    add_profile_arg(p)
 
 
 def _metis_options(p: argparse.ArgumentParser) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 
@@ -141,7 +142,7 @@ def _calibrate_parser(sub) -> None:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     import torch.distributed
 
-    from netpart.calibrate.measure import PROBE_SWING, LocalRunner, calibrate, profile_json
+    from netpart.calibrate.measure import LocalRunner, calibrate, profile_json, profile_lines
     from netpart.errors import PlanError
     from netpart.models import load_spec
     from netpart.runtime.check import under_torchrun
@@ -180,76 +181,31 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if torch.distributed.is_initialized():
         runner.close()
     write_atomic(args.out, profile_json(model, details).encode())
-    for kind, cost in model.kinds.items():
-        (f0, t0), (f1, t1) = cost.points[0], cost.points[-1]
-        per_value = f", +{cost.per_value * 1e9:.2f} ns per input value" if cost.per_value else ""
-        echo(
-            f"{kind:<6} {len(cost.points):3d} slices: {t0 * 1e6:8.1f} µs at {f0 / 1e6:9.3f} MFLOP "
-            f"... {t1 * 1e3:8.2f} ms at {f1 / 1e9:7.2f} GFLOP ({f1 / t1 / 1e9:.1f} GFLOP/s)"
-            f"{per_value}"
-        )
-    fitted, gather = model.collective_s * 1e3, model.gather_s(2) * 1e3
-    echo(
-        f"exchange: {model.latency_s * 1e6:.0f} µs a phase in a step, "
-        f"{model.bandwidth_bps / 1e9:.2f} Gbit/s (tables for "
-        f"{'/'.join(str(k) for k in sorted(model.link))} peers); per step "
-        f"{model.step_fixed_s * 1e3:.2f} ms; with N = 2 +{gather:.2f} ms (the loss's collective, "
-        f"measured) +{fitted:.2f} ms (fitted) and compute x{1 + model.parallel_slowdown:.2f}"
-    )
-    if details.get("anchored"):
-        echo(
-            "layer tables scaled to each model's one-process step (its slices timed alone: "
-            "x1.00): " + ", ".join(f"{m} x{f:.2f}" for m, f in details["anchored"].items())
-        )
-    low, high = details["probe_spread"]
-    echo(f"speed probe over the runs: 10th-90th percentile {low:.2f}-{high:.2f}x its median")
-    if high / low > PROBE_SWING:
-        echo(
-            f"warning: the machine's speed moved {high / low:.2f}x while it was calibrated; "
-            "predictions from this profile may be off by as much: calibrate again when it is "
-            "quiet (nothing else running)"
-        )
-    for n, slowdown, seconds in model.crowd:
-        echo(
-            f"with N = {n:g}: compute x{1 + model.parallel_slowdown + slowdown:.2f}, "
-            f"{seconds * 1e3:+.2f} ms a step beyond N = 2's terms (steps measured at {n:g})"
-        )
+    for line in profile_lines(model, details):
+        echo(line)
     echo(f"wrote {args.out}; use it with `netpart plan|run|train --profile {args.out}`")
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import json
-    from dataclasses import replace
-
     import numpy as np
-    import torch
 
     from netpart.calibrate.speed import SLOW_SPELL, SpeedProbe
-    from netpart.partition import plan
-    from netpart.partition.figures import reevaluate
     from netpart.runtime.check import make_batch
-    from netpart.runtime.step import run_step, timed_steps
+    from netpart.runtime.step import StepOptions, run_step, timed_steps
 
-    spec, p = plan_for_run(args)
-    # These workers share this machine: the runtime hides halo only with --split.
-    network = replace(load_network(args.profile), overlap=args.split)
-    p = p or plan(
-        spec, args.workers, args.method, seed=args.seed, batch=args.batch, network=network
-    )
-    if p.network != network or p.batch != args.batch:  # the prediction for this run
-        p = reevaluate(spec, p, args.batch, network)
+    spec, p, network = _run_plan(args)
     x, y = make_batch(spec, args.batch, args.seed)
     if args.steps is None:
         steps, warmup = timed_steps(p.metrics.predicted_step_s)
     else:
         steps, warmup = args.steps, min(3, args.steps - 1) if args.steps > 1 else 0
     with SpeedProbe() as probe:
-        result = run_step(
-            spec, p, x.float(), y, seed=args.seed, dtype=torch.float32, timeout=args.timeout,
-            threads=args.threads, steps=steps + warmup, overlap=not args.no_overlap,
-            split=args.split,
+        options = StepOptions(
+            seed=args.seed, dtype="float32", timeout=args.timeout, threads=args.threads,
+            steps=steps + warmup, overlap=not args.no_overlap, split=args.split,
         )  # fmt: skip
+        result = run_step(spec, p, x.float(), y, options)
     per_step = result.slowest_steps()[warmup:]
     measured = float(np.median(per_step))
     predicted = p.metrics.predicted_step_s
@@ -259,14 +215,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"predicted {predicted * 1e3:.1f} ms, {measured / predicted:.2f}x, from the "
         f"{p.network.describe()})"
     )
-    probe_s = probe.median()
-    slowdown = probe_s / network.probe_s if network.probe_s else None
+    slowdown = probe.median() / network.probe_s if network.probe_s else None
     if slowdown is not None:
         spell = " (a slow spell: the prediction is for the machine as calibrated)"
-        spell = spell if slowdown > SLOW_SPELL else ""
         echo(
             f"speed probe during the run: {slowdown:.2f}x its median while the profile was "
-            f"calibrated{spell}"
+            f"calibrated{spell if slowdown > SLOW_SPELL else ''}"
         )
     _layer_table(spec, result)
     if args.breakdown:
@@ -275,23 +229,33 @@ def cmd_run(args: argparse.Namespace) -> int:
     echo(f"bytes moved per step: {sent:,} (plan: {2 * p.metrics.volume * args.batch * 4:,})")
     if args.stats is not None:
         stats = {
-            "model": spec.name,
-            "workers": args.workers,
-            "method": p.method,
-            "batch": args.batch,
-            "threads": args.threads,
-            "overlap": not args.no_overlap,
-            "split": args.split,
-            "step_s": per_step.tolist(),
-            "step_s_median": measured,
-            "predicted_step_s": predicted,
-            "prediction": p.network.describe(),
-            "probe_s": probe_s,
-            "slowdown": slowdown,
+            "model": spec.name, "workers": args.workers, "method": p.method,
+            "batch": args.batch, "threads": args.threads, "overlap": not args.no_overlap,
+            "split": args.split, "step_s": per_step.tolist(), "step_s_median": measured,
+            "predicted_step_s": predicted, "prediction": p.network.describe(),
+            "probe_s": probe.median(), "slowdown": slowdown,
             "per_worker": per_worker_stats(result),
-        }
+        }  # fmt: skip
         write_atomic(args.stats, json.dumps(stats, indent=1).encode())
     return 0
+
+
+def _run_plan(args: argparse.Namespace):
+    """(spec, plan, network) of `netpart run`: the plan predicted for this run's workers,
+    which share this machine (the runtime hides halo only with --split)."""
+    from dataclasses import replace
+
+    from netpart.partition import plan
+    from netpart.partition.figures import reevaluate
+
+    spec, p = plan_for_run(args)
+    network = replace(load_network(args.profile), overlap=args.split)
+    p = p or plan(
+        spec, args.workers, args.method, seed=args.seed, batch=args.batch, network=network
+    )
+    if p.network != network or p.batch != args.batch:  # the prediction for this run
+        p = reevaluate(spec, p, args.batch, network)
+    return spec, p, network
 
 
 def _layer_table(spec, result) -> None:

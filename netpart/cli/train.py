@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 from netpart.cli.common import add_profile_arg, echo, load_network
-from netpart.errors import PlanError, TrainError
 
 __all__ = ["register"]
 
@@ -56,9 +55,7 @@ def register(sub) -> None:
 
 def _train_parser(sub) -> None:
     from netpart.partition.methods import METHODS
-    from netpart.train.config import TrainConfig
 
-    d = TrainConfig()
     t = sub.add_parser(
         "train",
         help="train a partitioned model: R replicas against a sharded parameter server",
@@ -72,7 +69,25 @@ def _train_parser(sub) -> None:
     )
     t.add_argument("--model", default=None, help="zoo name or .toml/.json (default on --resume)")
     t.add_argument("--workers", type=int, default=None, help="model workers per replica (N)")
-    flag = _config_flag(t, d)
+    _config_flags(t)
+    t.add_argument(
+        "--method",
+        default="auto",
+        choices=["auto", *METHODS],
+        help="partitioner (default auto: the lowest predicted step; see `netpart plan --help`)",
+    )
+    t.add_argument("--plan", type=Path, default=None, help="use this plan directory")
+    add_profile_arg(t)
+    t.add_argument("--out", type=Path, default=Path("out/train"), help="run directory")
+    t.add_argument("--resume", type=Path, default=None, metavar="DIR", help="continue this run")
+    t.set_defaults(func=cmd_train)
+
+
+def _config_flags(t: argparse.ArgumentParser) -> None:
+    """The TrainConfig fields as flags whose absence means "the default, or the run's"."""
+    from netpart.train.config import TrainConfig
+
+    flag = _config_flag(t, TrainConfig())
     flag("replicas", int, "replicas of the model (R)")
     flag("shards", int, "parameter-server shards (S; default: N)", name="--ps-shards")
     flag("mode", str, "downpour | sync | sandblaster (batch L-BFGS with a coordinator)")
@@ -116,17 +131,6 @@ def _train_parser(sub) -> None:
     )
     flag("threads", int, "torch threads per process")
     flag("placement", str, "pack | spread | ordered: which ranks play which role")
-    t.add_argument(
-        "--method",
-        default="auto",
-        choices=["auto", *METHODS],
-        help="partitioner (default auto: the lowest predicted step; see `netpart plan --help`)",
-    )
-    t.add_argument("--plan", type=Path, default=None, help="use this plan directory")
-    add_profile_arg(t)
-    t.add_argument("--out", type=Path, default=Path("out/train"), help="run directory")
-    t.add_argument("--resume", type=Path, default=None, metavar="DIR", help="continue this run")
-    t.set_defaults(func=cmd_train)
 
 
 def _run_parsers(sub) -> None:
@@ -180,151 +184,70 @@ def _config_flag(parser, defaults):
     return add
 
 
-_FIELDS = (
-    "replicas", "shards", "mode", "optimizer", "lr", "n_fetch", "n_push", "steps", "batch",
-    "warm_start", "checkpoint_every", "snapshot_every", "data", "seed", "dtype", "timeout",
-    "threads", "placement", "push_norm", "dc_lambda", "units", "history", "line_search",
-    "restarts", "local_update",
-)  # fmt: skip
-_FIXED_ON_RESUME = ("shards", "optimizer", "dtype", "seed", "data")
+def _request(args: argparse.Namespace):
+    """The flags as a `TrainRequest` (the job's rules are the train room's)."""
+    from netpart.train.job import FIELDS, TrainRequest
 
-
-def _flag(field: str) -> str:
-    return "ps-shards" if field == "shards" else field.replace("_", "-")
-
-
-def _job(args, local: bool = True):
-    """Spec, plan and config from the flags, or from the run directory with --resume; `local`:
-    every process on this machine (refuse what cannot fit it)."""
-    from netpart.models import load_spec
-    from netpart.partition import plan
-    from netpart.partition.plans import load_plan
-    from netpart.train.config import TrainConfig
-    from netpart.train.rundir import read_run
-
-    if args.resume is not None:
-        run = args.resume
-        manifest, spec, old = read_run(run)
-        if old.mode == "sandblaster":
-            raise TrainError(
-                f"--resume {run}: a Sandblaster L-BFGS run cannot be resumed (its curvature "
-                "history and iteration count are not checkpointed); start a new --out"
-            )
-        if args.model is not None and load_spec(args.model).fingerprint() != spec.fingerprint():
-            raise TrainError(f"--resume {run}: the run trained {spec.name}, not {args.model}")
-        if args.workers is not None and args.workers != manifest.get("workers"):
-            raise TrainError(
-                f"--workers {args.workers}: the run in {run} has {manifest.get('workers')} "
-                "workers per replica; resume with the same layout or start a new --out"
-            )
-        for k in _FIXED_ON_RESUME:
-            given = getattr(args, k)
-            if given is not None and given != getattr(old, k):
-                raise TrainError(
-                    f"--{_flag(k)} {given}: the run in {run} has {getattr(old, k)}; "
-                    "resume with the same value or start a new --out"
-                )
-        given = {k: getattr(args, k) for k in _FIELDS if getattr(args, k) is not None}
-        config = TrainConfig.from_dict({**old.to_dict(), **given})
-        return spec, load_plan(run, spec), config, run
-    if args.model is None or args.workers is None:
-        raise TrainError("--model and --workers are required (or --resume DIR)")
-    if args.workers < 1:
-        raise TrainError(f"--workers {args.workers}: must be an integer >= 1")
-    spec = load_spec(args.model)
-    given = {k: getattr(args, k) for k in _FIELDS if getattr(args, k) is not None}
-    given.setdefault("shards", args.workers)
-    config = TrainConfig.from_dict(given, "command line")
-    from netpart.data import load_data
-
-    load_data(config.data, spec, config.seed, config.examples)  # bad data fails before planning
-    if args.plan is not None:
-        p = load_plan(args.plan, spec)
-        if p.workers != args.workers:
-            raise PlanError(f"{args.plan}: the plan is for {p.workers} workers, not {args.workers}")
-    else:
-        if local:  # thousands of processes are refused before minutes of planning
-            from netpart.train.fit import check_process_count
-
-            what = f"--workers {args.workers} x --replicas {config.replicas}"
-            check_process_count(config.world(args.workers), what)
-        network = load_network(args.profile)
-        p = plan(
-            spec, args.workers, args.method, seed=config.seed, batch=config.batch,
-            network=network,
-        )  # fmt: skip
-    return spec, p, config, args.out
+    given = {k: getattr(args, k) for k in FIELDS if getattr(args, k) is not None}
+    network = load_network(args.profile) if args.resume is None and args.plan is None else None
+    return TrainRequest(
+        model=args.model, workers=args.workers, given=given, method=args.method, plan=args.plan,
+        network=network, out=args.out, resume=args.resume,
+    )  # fmt: skip
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    if os.environ.get("RANK") is not None and os.environ.get("TORCHELASTIC_RUN_ID"):
-        spec, p, config, run = _job(args, local=False)
-        from netpart.train.launch import train_under_torchrun
+    from netpart.train.job import train_here, train_torchrun, under_torchrun
 
-        code = train_under_torchrun(spec, p, config, run, args.resume is not None, echo)
+    request = _request(args)
+    if under_torchrun():
+        code = train_torchrun(request, echo)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)  # peers' gloo threads may still block: do not wait for them
-    from netpart.processes.zygote import Preloaded
-
-    # The interpreter that will fork the job's processes imports torch while this one plans.
-    with Preloaded("netpart.train.process", new_session=True) as preloaded:
-        spec, p, config, run = _job(args)
-        summary = _train_here(args, spec, p, config, run, preloaded)
-    for r in sorted(summary.final_loss):
-        echo(f"replica {r}: step {summary.steps[r]}, loss {summary.final_loss[r]:.4g}")
-    for r, why in summary.lost.items():
-        echo(f"replica {r} was lost: {why}")
-    for restart in summary.restarts:
-        from netpart.train.report import restart_line
-
-        echo(restart_line(restart))
-    if summary.held_out:
-        from netpart.train.launch import held_out_line
-
-        echo(held_out_line(summary.held_out, config.data))
-    echo(f"wrote {run}/model.pt and shard checkpoints ({summary.wall_s:.1f} s); "
-         f"report: {run}/report.md")  # fmt: skip
-    return 130 if summary.stopped else 0
-
-
-def _train_here(args, spec, p, config, run, preloaded):
-    """`train` on this machine behind a progress bar; the summary."""
     from tqdm import tqdm
 
-    from netpart.train.fit import check_fits
-    from netpart.train.launch import postfix, train
+    from netpart.train.launch import postfix
 
-    if run.exists() and not run.is_dir():
-        raise TrainError(f"--out {run}: exists and is not a directory")
-    check_fits(spec, p, config)  # before any process starts or any file is written
-    world = config.world(p.workers)
-    banner = (
-        f"{spec.name}: {config.replicas} replica(s) x {p.workers} worker(s) + {config.shards} "
-        f"shard(s) = {world} processes, {config.mode}, {config.optimizer} lr {config.lr}; "
-        f"run directory {run}"
-    )
     with tqdm(total=0, desc="train", unit="step", disable=None) as bar:
 
         def progress(done: int, stats: dict, total: int) -> None:
-            if bar.total == 0:  # the first call comes once the job is validated and started
-                tqdm.write(banner)
-            bar.total = total
-            bar.n = done
+            bar.total, bar.n = total, done
             if stats:
                 bar.set_postfix_str(postfix(stats), refresh=False)
             bar.refresh()
 
-        resume = args.resume is not None
-        return train(spec, p, config, run, resume, on_progress=progress, preloaded=preloaded)
+        job, summary = train_here(request, on_start=tqdm.write, on_progress=progress)
+    for line in summary_lines(summary, job.config.data):
+        echo(line)
+    echo(f"wrote {job.run}/model.pt and shard checkpoints ({summary.wall_s:.1f} s); "
+         f"report: {job.run}/report.md")  # fmt: skip
+    return 130 if summary.stopped else 0
+
+
+def summary_lines(summary, data: str) -> list[str]:
+    """What a finished job says: each replica's last step and loss, lost replicas, restarts,
+    held-out figures."""
+    from netpart.train.launch import held_out_line
+    from netpart.train.report import restart_line
+
+    lines = [f"replica {r}: step {summary.steps[r]}, loss {summary.final_loss[r]:.4g}"
+             for r in sorted(summary.final_loss)]  # fmt: skip
+    lines += [f"replica {r} was lost: {why}" for r, why in summary.lost.items()]
+    lines += [restart_line(restart) for restart in summary.restarts]
+    if summary.held_out:
+        lines.append(held_out_line(summary.held_out, data))
+    return lines
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from netpart.data import load_data
     from netpart.train.report import evaluate
+    from netpart.train.rundir import run_model
 
     run = args.checkpoint
-    spec, config, state = _run_model(run)
+    job, state = run_model(run)
+    spec, config = job.spec, job.config
     source = args.data or config.data
     data = load_data(source, spec, config.seed, config.examples)
     x, y = data.held_out_set()
@@ -337,46 +260,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from netpart.train.report import write_report
-    from netpart.train.rundir import read_run
+    from netpart.train.rundir import read_job
 
-    read_run(args.run)  # a clear error for a directory that is not a run
+    read_job(args.run)  # a clear error for a directory that is not a run
     path = write_report(args.run)
     echo(f"wrote {path} and its plots")
     return 0
 
 
-def _run_model(run: Path, from_shards: bool = False):
-    """(spec, config, reference state_dict) of a run: model.pt if there is one (unless
-    `from_shards`), else the shard checkpoints."""
-    import torch
-
-    from netpart.partition import build_unit_graph
-    from netpart.partition.plans import load_plan
-    from netpart.partition.shards import ShardLayout
-    from netpart.train.rundir import model_from_shards, read_run
-
-    _, spec, config = read_run(run)
-    if not from_shards and (run / "model.pt").exists():
-        try:
-            return spec, config, torch.load(run / "model.pt", weights_only=True)
-        except Exception as exc:  # a torn or foreign file: torch's message runs to many lines
-            raise TrainError(
-                f"{run / 'model.pt'}: not a model file netpart wrote ({type(exc).__name__} from "
-                f"torch.load); rebuild it from "
-                f"the shard checkpoints with `netpart export {run}`"
-            ) from None
-    p = load_plan(run, spec)
-    layout = ShardLayout.build(
-        build_unit_graph(spec, p.granularity), p.node_map, p.workers, config.shards
-    )
-    return spec, config, model_from_shards(spec, p, config, run, layout)
-
-
 def cmd_export(args: argparse.Namespace) -> int:
     from netpart.ps.checkpoint import save_model
+    from netpart.train.rundir import run_model
 
-    spec, _, state = _run_model(args.run, from_shards=True)
+    job, state = run_model(args.run, from_shards=True)
     out = args.output or args.run / "model.pt"
     save_model(out, state)
-    echo(f"wrote {out}: {spec.name}, {sum(v.numel() for v in state.values()):,} parameters")
+    echo(f"wrote {out}: {job.spec.name}, {sum(v.numel() for v in state.values()):,} parameters")
     return 0

@@ -68,24 +68,40 @@ def evaluate(
         exchange_s=float(max(path - compute.sum(), 0.0)),
     )
     layers = tuple(
-        LayerFigures(
-            name=spec.layer_name(i),
-            shape=str(spec.shapes[i]),
-            blocks=graph.layers[i].count,
-            spread=int(spread[i]),
-            workers_used=int(used[i].sum()),
-            volume=int(per_layer_volume[i]),
-            lower_bound=int(lower[i]),
-            imbalance=float(imbalance[i]),
-            compute_s=float(compute[i]),
-            exchange_s=float(exchange[i]),
+        _layer_figures(
+            graph, i, spread, used, per_layer_volume, lower, imbalance, (compute, exchange)
         )
         for i in range(nlayers)
     )
+    return metrics, layers, _worker_figures(graph, node_map, traffic, flops)
+
+
+def _layer_figures(graph, i, spread, used, volume, lower, imbalance, times) -> LayerFigures:
+    """Layer `i`'s figures from the per-layer arrays of `evaluate`."""
+    compute, exchange = times
+    return LayerFigures(
+        name=graph.spec.layer_name(i),
+        shape=str(graph.spec.shapes[i]),
+        blocks=graph.layers[i].count,
+        spread=int(spread[i]),
+        workers_used=int(used[i].sum()),
+        volume=int(volume[i]),
+        lower_bound=int(lower[i]),
+        imbalance=float(imbalance[i]),
+        compute_s=float(compute[i]),
+        exchange_s=float(exchange[i]),
+    )
+
+
+def _worker_figures(
+    graph: UnitGraph, node_map: np.ndarray, traffic: np.ndarray, flops: np.ndarray
+) -> tuple[WorkerFigures, ...]:
+    """Per worker: FLOPs per layer, parameters held, halo bytes in and out, neighbours."""
+    workers = flops.shape[1]
     params = _worker_params(graph, node_map, workers)
     total = traffic.sum(axis=0)
     links = (total + total.T) > 0
-    per_worker = tuple(
+    return tuple(
         WorkerFigures(
             worker=d,
             flops=tuple(int(x) for x in flops[:, d]),
@@ -96,7 +112,6 @@ def evaluate(
         )
         for d in range(workers)
     )
-    return metrics, layers, per_worker
 
 
 def _worker_params(graph: UnitGraph, node_map: np.ndarray, workers: int) -> np.ndarray:

@@ -160,10 +160,6 @@ class UnitGraph:
     def num_edges(self) -> int:
         return len(self.adjncy) // 2
 
-    @property
-    def sizes_bytes(self) -> np.ndarray:
-        return self.units * BYTES_PER_VALUE
-
     def edge_list(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(u, v, w) for each undirected edge once, u < v."""
         src = np.repeat(np.arange(self.num_vertices), np.diff(self.xadj))

@@ -140,6 +140,35 @@ def part_graph(
         raise MetisError(f"METIS input: nparts must be >= 1, got {nparts}")
     if nparts == 1:
         return MetisResult(np.zeros(n, dtype=np.int64), 0)
+    opts = _options(algorithm, objective, seed=seed, ncuts=ncuts, niter=niter, minconn=minconn)
+    tp, ub = _arr(tpwgts, _REAL), _arr(ubvec, _REAL)
+    if tp is not None and tp.size != nparts * ncon:
+        raise MetisError(f"METIS input: tpwgts must have {nparts}x{ncon} entries, got {tp.size}")
+    if ub is not None and (ub.size != ncon or np.any(ub <= 1.0)):
+        raise MetisError(f"METIS input: ubvec must be {ncon} values > 1")
+    nvtxs, ncon_a, nparts_a = (np.array([x], dtype=_IDX) for x in (n, ncon, nparts))
+    objval = np.zeros(1, dtype=_IDX)
+    part = np.zeros(n, dtype=_IDX)
+    fn = _LIB.METIS_PartGraphKway if algorithm == "kway" else _LIB.METIS_PartGraphRecursive
+    arrays = (nvtxs, ncon_a, xadj, adjncy, vwgt.ravel(), _arr(vsize, _IDX), _arr(adjwgt, _IDX),
+              nparts_a, tp, ub, opts, objval, part)  # fmt: skip
+    status = fn(*(None if a is None else a.ctypes.data_as(ctypes.c_void_p) for a in arrays))
+    if status != 1:
+        raise MetisError(f"METIS ({algorithm}) failed: {_STATUS.get(status, status)}")
+    if part.min() < 0 or part.max() >= nparts:
+        raise MetisError("METIS returned part ids outside 0..nparts-1")
+    log.debug("METIS %s %d parts, %d constraints: objval %d", algorithm, nparts, ncon, objval[0])
+    return MetisResult(part.astype(np.int64), int(objval[0]))
+
+
+def _arr(a: np.ndarray | None, dtype: type) -> np.ndarray | None:
+    return None if a is None else np.ascontiguousarray(a, dtype=dtype).ravel()
+
+
+def _options(
+    algorithm: str, objective: str, *, seed: int, ncuts: int, niter: int, minconn: bool
+) -> np.ndarray:
+    """METIS's options array for one call (its defaults, then ours)."""
     if objective not in _OBJTYPE:
         raise MetisError(f"METIS objective must be one of {sorted(_OBJTYPE)}, got {objective!r}")
     if algorithm not in ("kway", "recursive"):
@@ -155,43 +184,4 @@ def part_graph(
     opts[_OPT_NCUTS] = ncuts
     opts[_OPT_NITER] = niter
     opts[_OPT_NUMBERING] = 0
-
-    def arr(a: np.ndarray | None, dtype: type) -> np.ndarray | None:
-        return None if a is None else np.ascontiguousarray(a, dtype=dtype).ravel()
-
-    vsize_a, adjwgt_a = arr(vsize, _IDX), arr(adjwgt, _IDX)
-    tp = arr(tpwgts, _REAL)
-    if tp is not None and tp.size != nparts * ncon:
-        raise MetisError(f"METIS input: tpwgts must have {nparts}x{ncon} entries, got {tp.size}")
-    ub = arr(ubvec, _REAL)
-    if ub is not None and (ub.size != ncon or np.any(ub <= 1.0)):
-        raise MetisError(f"METIS input: ubvec must be {ncon} values > 1")
-    nvtxs, ncon_a, nparts_a = (np.array([x], dtype=_IDX) for x in (n, ncon, nparts))
-    objval = np.zeros(1, dtype=_IDX)
-    part = np.zeros(n, dtype=_IDX)
-
-    def ptr(a: np.ndarray | None) -> ctypes.c_void_p | None:
-        return None if a is None else a.ctypes.data_as(ctypes.c_void_p)
-
-    fn = _LIB.METIS_PartGraphKway if algorithm == "kway" else _LIB.METIS_PartGraphRecursive
-    status = fn(
-        ptr(nvtxs),
-        ptr(ncon_a),
-        ptr(xadj),
-        ptr(adjncy),
-        ptr(vwgt.ravel()),
-        ptr(vsize_a),
-        ptr(adjwgt_a),
-        ptr(nparts_a),
-        ptr(tp),
-        ptr(ub),
-        ptr(opts),
-        ptr(objval),
-        ptr(part),
-    )
-    if status != 1:
-        raise MetisError(f"METIS ({algorithm}) failed: {_STATUS.get(status, status)}")
-    if part.min() < 0 or part.max() >= nparts:
-        raise MetisError("METIS returned part ids outside 0..nparts-1")
-    log.debug("METIS %s %d parts, %d constraints: objval %d", algorithm, nparts, ncon, objval[0])
-    return MetisResult(part.astype(np.int64), int(objval[0]))
+    return opts

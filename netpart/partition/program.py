@@ -6,22 +6,88 @@ for it, sends values it has not computed, mixes the parts of two different split
 a message in flight. Parts of a layer: forward, all | interior and boundary (the units that
 read no halo, then the rest) | early and late (a producer chain's units its peers read, then
 the rest) | joined; backward, all | input and weights | late and early | through.
+
+The vocabulary is typed (`Op`, `Phase`, `Part`: strings too, so "forward" == Phase.FORWARD),
+and an instruction prints as a short token that parses back (`Instruction.from_str`), as
+torch `distributed/pipelining`'s `_Action` does: `C3F.interior` (compute layer 3 forward, its
+interior), `S3F>1*1920` / `R3B<0*1920` (send to / receive from a peer, units per example),
+`W3F` (wait), `L5` (the loss over layer 5). `program_text` and `parse_program` do a whole
+program, one token per line.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from enum import Enum
 
 from netpart.errors import ScheduleError
 
-__all__ = ["OPS", "PARTS", "Instruction", "check_program"]
+__all__ = [
+    "OPS",
+    "PARTS",
+    "Instruction",
+    "Op",
+    "Part",
+    "Phase",
+    "check_program",
+    "halo_tag",
+    "parse_program",
+    "program_text",
+]
 
-OPS = ("compute", "send", "recv", "wait", "loss")
+
+class _Word(str, Enum):
+    """A word of the vocabulary: equal to its string, printed as it."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Op(_Word):
+    COMPUTE = "compute"
+    SEND = "send"
+    RECV = "recv"
+    WAIT = "wait"
+    LOSS = "loss"
+
+
+class Phase(_Word):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class Part(_Word):
+    ALL = "all"
+    INTERIOR = "interior"  # forward: the owned units that read no halo
+    BOUNDARY = "boundary"  # forward: the rest, once the halo is in
+    JOINED = "joined"  # forward: all of it, reading the layer below in one autograd graph
+    EARLY = "early"  # a producer chain's units its peers read
+    LATE = "late"  # the chain's other units
+    INPUT = "input"  # backward: the gradient w.r.t. the layer's input
+    WEIGHTS = "weights"  # backward: the weight gradients
+    THROUGH = "through"  # backward: nothing yet (a joined layer's flows on below)
+
+
+OPS = tuple(Op)
 PARTS = {
-    "forward": ("all", "interior", "boundary", "joined", "early", "late"),
-    "backward": ("all", "input", "weights", "through", "late", "early"),
+    Phase.FORWARD: (Part.ALL, Part.INTERIOR, Part.BOUNDARY, Part.JOINED, Part.EARLY, Part.LATE),
+    Phase.BACKWARD: (Part.ALL, Part.INPUT, Part.WEIGHTS, Part.THROUGH, Part.LATE, Part.EARLY),
 }
-_WHOLE = {"forward": ({"all"}, {"joined"}), "backward": ({"all"}, {"through"})}
+_WHOLE = {
+    Phase.FORWARD: ({Part.ALL}, {Part.JOINED}),
+    Phase.BACKWARD: ({Part.ALL}, {Part.THROUGH}),
+}
+_LETTER = {Op.COMPUTE: "C", Op.SEND: "S", Op.RECV: "R", Op.WAIT: "W", Op.LOSS: "L"}
+_TOKEN = re.compile(
+    r"(?P<op>[CSRWL])(?P<layer>\d+)(?P<phase>[FB])?"
+    r"(?:\.(?P<part>[a-z]+)|(?P<way>[<>])(?P<peer>\d+)\*(?P<count>\d+))?"
+)
+
+
+def halo_tag(layer: int, phase: Phase) -> int:
+    """The transport tag of layer `layer`'s messages in `phase` (one per direction)."""
+    return 2 * layer + (phase == Phase.BACKWARD)
 
 
 @dataclass(frozen=True)
@@ -35,106 +101,193 @@ class Instruction:
     the next backward computation). send/recv: post the (layer, phase) message to/from
     `peer`, `count` units per example (units of layer - 1). wait: complete every message of
     (layer, phase); a backward wait also adds the received gradients to the owned units'.
-    loss: the loss over the output layer and its gradient.
+    loss: the loss over the output layer and its gradient. Strings are read as their words
+    (ScheduleError for one that is not).
     """
 
-    op: str
+    op: Op
     layer: int
-    phase: str = "forward"
+    phase: Phase = Phase.FORWARD
     peer: int = -1
     count: int = 0
-    part: str = "all"
+    part: Part = Part.ALL
+
+    def __post_init__(self) -> None:
+        for name, kind in (("op", Op), ("phase", Phase), ("part", Part)):
+            value = getattr(self, name)
+            try:
+                object.__setattr__(self, name, kind(value))
+            except ValueError:
+                words = ", ".join(map(str, kind))
+                raise ScheduleError(
+                    f"{name} {value!r} is not an instruction of this model (one of {words})"
+                ) from None
 
     def __str__(self) -> str:
-        if self.op in ("send", "recv"):
-            way = "to" if self.op == "send" else "from"
+        head = f"{_LETTER[self.op]}{self.layer}"
+        if self.op == Op.LOSS:
+            return head
+        head += "F" if self.phase == Phase.FORWARD else "B"
+        if self.op == Op.COMPUTE:
+            return f"{head}.{self.part}"
+        if self.op in (Op.SEND, Op.RECV):
+            return f"{head}{'>' if self.op == Op.SEND else '<'}{self.peer}*{self.count}"
+        return head
+
+    @classmethod
+    def from_str(cls, text: str) -> Instruction:
+        """The instruction a token names (`str` of one); ScheduleError for anything else."""
+        m = _TOKEN.fullmatch(text.strip())
+        op = next((o for o, letter in _LETTER.items() if m and letter == m["op"]), None)
+        if m is None or (op == Op.LOSS) != (m["phase"] is None):
+            raise ScheduleError(f"not an instruction: {text!r}")
+        if (op == Op.COMPUTE) != (m["part"] is not None) or (op in (Op.SEND, Op.RECV)) != (
+            m["way"] == (">" if op == Op.SEND else "<")
+        ):
+            raise ScheduleError(f"not an instruction: {text!r}")
+        phase = Phase.BACKWARD if m["phase"] == "B" else Phase.FORWARD
+        peer, count = (int(m["peer"]), int(m["count"])) if m["way"] else (-1, 0)
+        return cls(op, int(m["layer"]), phase, peer, count, m["part"] or Part.ALL)
+
+    def describe(self) -> str:
+        """The instruction in words (error messages)."""
+        if self.op in (Op.SEND, Op.RECV):
+            way = "to" if self.op == Op.SEND else "from"
             return f"{self.op} {self.phase} halo of layer {self.layer} {way} {self.peer}"
-        if self.op == "compute":
+        if self.op == Op.COMPUTE:
             return f"compute layer {self.layer} {self.phase} ({self.part})"
-        return "loss" if self.op == "loss" else f"wait {self.phase} layer {self.layer}"
+        return "loss" if self.op == Op.LOSS else f"wait {self.phase} layer {self.layer}"
+
+
+def program_text(program: tuple[Instruction, ...]) -> str:
+    """A program as text: one instruction's token per line."""
+    return "\n".join(map(str, program))
+
+
+def parse_program(text: str) -> tuple[Instruction, ...]:
+    """The program `program_text` wrote (blank lines ignored)."""
+    return tuple(Instruction.from_str(line) for line in text.splitlines() if line.strip())
 
 
 def check_program(program: tuple[Instruction, ...], layers: int, worker: int = 0) -> None:
     """Raise ScheduleError unless `program` (one worker's, for a model of `layers` layers)
     computes every layer forward and then backward exactly once, sends only what it has
     computed, uses a halo only after waiting for it, and ends with nothing in flight."""
-    fwd: list[set[str]] = [set() for _ in range(layers)]
-    bwd: list[set[str]] = [set() for _ in range(layers)]
-    posted: set[tuple[int, str]] = set()
-    waited: set[tuple[int, str]] = set()
-    loss = False
-
-    def fail(k: int, why: str) -> None:
-        raise ScheduleError(f"worker {worker}, instruction {k} ({program[k]}): {why}")
-
-    def complete(parts: set[str], phase: str) -> bool:
-        halves = ({"early", "late"}, set(PARTS[phase][1:3]))
-        return parts in _WHOLE[phase] or parts in halves
-
-    def halo_in(layer: int, phase: str) -> bool:
-        return (layer, phase) not in posted or (layer, phase) in waited
-
-    def input_ready(layer: int, part: str) -> bool:
-        below = fwd[layer - 1] if layer else {"all"}
-        if part == "early":  # reads the early units below, or any of the whole layer
-            return complete(below, "forward") or "early" in below
-        return complete(below, "forward") and (part != "late" or "early" in fwd[layer])
-
-    def grad_ready(layer: int, part: str) -> bool:
-        above = layer + 1
-        if above >= layers:
-            return True
-        started = {"all", "input", "through"} & bwd[above]
-        if part == "late":  # its gradients come from this worker alone
-            return bool(started) or "late" in bwd[above]
-        return bool(started or {"early", "late"} <= bwd[above]) and halo_in(above, "backward")
-
+    check = _Checker(layers, worker)
     for k, ins in enumerate(program):
-        key = (ins.layer, ins.phase)
-        if ins.op not in OPS or ins.phase not in PARTS or not 0 <= ins.layer < layers:
-            fail(k, "not an instruction of this model")
-        if ins.op == "compute":
-            done = (fwd if ins.phase == "forward" else bwd)[ins.layer]
-            if ins.part not in PARTS[ins.phase] or ins.part in done or "all" in done:
-                fail(k, "an unknown part, or a part computed twice")
-            if ins.part in ("all", "joined", "through") and done:
-                fail(k, "the whole layer after a part of it")
-            if done and {ins.part, *done} not in ({"early", "late"}, set(PARTS[ins.phase][1:3])):
-                fail(k, "parts of two different splits")
-            if ins.part in ("joined", "through") and (not ins.layer or key in posted):
-                fail(k, "a layer joined to the one below has no messages")
-            if ins.part == "through" and "joined" not in fwd[ins.layer]:
-                fail(k, "flows through a layer that was not joined")
-            halves = ins.part in ("late", "early")
-            if ins.phase == "backward" and halves != (fwd[ins.layer] == {"early", "late"}):
-                fail(k, "backward parts unlike its forward parts (early and late)")
-            if ins.phase == "forward":
-                if loss or not input_ready(ins.layer, ins.part):
-                    fail(k, "its input is not computed yet")
-                if ins.part not in ("interior", "joined") and not halo_in(ins.layer, "forward"):
-                    fail(k, "before its halo has arrived")
-            elif not loss or not grad_ready(ins.layer, ins.part):
-                fail(k, "the gradient of its outputs is not complete yet")
-            done.add(ins.part)
-        elif ins.op in ("send", "recv"):
-            joined = {"joined", "through"} & (fwd[ins.layer] | bwd[ins.layer])
-            if ins.layer == 0 or key in waited or ins.peer == worker or ins.count <= 0 or joined:
-                fail(k, "a message outside the exchange of its layer")
-            below = fwd[ins.layer - 1] if ins.layer else set()
-            if ins.op == "send" and not (
-                (complete(below, "forward") or "early" in below)
-                if ins.phase == "forward"
-                else {"all", "input"} & bwd[ins.layer]
-            ):
-                fail(k, "sends values it has not computed")
-            posted.add(key)
-        elif ins.op == "wait":
-            if key not in posted or key in waited:
-                fail(k, "waits for nothing posted, or twice")
-            waited.add(key)
-        else:
-            if loss or not all(complete(f, "forward") for f in fwd):
-                fail(k, "the loss before the whole forward pass, or twice")
-            loss = True
-    if not all(complete(b, "backward") for b in bwd) or posted != waited:
+        why = check(ins)
+        if why is not None:
+            raise ScheduleError(f"worker {worker}, instruction {k} ({ins.describe()}): {why}")
+    if not all(_complete(b, Phase.BACKWARD) for b in check.bwd) or check.posted != check.waited:
         raise ScheduleError(f"worker {worker}: the program ends before its backward pass does")
+
+
+def _complete(parts: set[Part], phase: Phase) -> bool:
+    """Whether `parts` computed of a layer in `phase` make the whole of it."""
+    return parts in _WHOLE[phase] or parts in ({Part.EARLY, Part.LATE}, set(PARTS[phase][1:3]))
+
+
+class _Checker:
+    """What a program did so far; called with each instruction, it says why that one may
+    not come next (None: it may)."""
+
+    def __init__(self, layers: int, worker: int) -> None:
+        self.layers, self.worker = layers, worker
+        self.fwd: list[set[Part]] = [set() for _ in range(layers)]
+        self.bwd: list[set[Part]] = [set() for _ in range(layers)]
+        self.posted: set[tuple[int, Phase]] = set()
+        self.waited: set[tuple[int, Phase]] = set()
+        self.loss = False
+
+    def __call__(self, ins: Instruction) -> str | None:
+        if not 0 <= ins.layer < self.layers:
+            return "not an instruction of this model"
+        if ins.op == Op.COMPUTE:
+            return self._compute(ins) or self._order(ins)
+        if ins.op in (Op.SEND, Op.RECV):
+            return self._message(ins)
+        if ins.op == Op.WAIT:
+            key = (ins.layer, ins.phase)
+            if key not in self.posted or key in self.waited:
+                return "waits for nothing posted, or twice"
+            self.waited.add(key)
+            return None
+        if self.loss or not all(_complete(f, Phase.FORWARD) for f in self.fwd):
+            return "the loss before the whole forward pass, or twice"
+        self.loss = True
+        return None
+
+    def _compute(self, ins: Instruction) -> str | None:
+        """Whether the part fits the parts of the layer computed so far."""
+        done = (self.fwd if ins.phase == Phase.FORWARD else self.bwd)[ins.layer]
+        if ins.part not in PARTS[ins.phase] or ins.part in done or Part.ALL in done:
+            return "an unknown part, or a part computed twice"
+        if ins.part in (Part.ALL, Part.JOINED, Part.THROUGH) and done:
+            return "the whole layer after a part of it"
+        if done and {ins.part, *done} not in ({Part.EARLY, Part.LATE}, set(PARTS[ins.phase][1:3])):
+            return "parts of two different splits"
+        if ins.part in (Part.JOINED, Part.THROUGH) and (
+            not ins.layer or (ins.layer, ins.phase) in self.posted
+        ):
+            return "a layer joined to the one below has no messages"
+        if ins.part == Part.THROUGH and Part.JOINED not in self.fwd[ins.layer]:
+            return "flows through a layer that was not joined"
+        halves = ins.part in (Part.LATE, Part.EARLY)
+        if ins.phase == Phase.BACKWARD and halves != (
+            self.fwd[ins.layer] == {Part.EARLY, Part.LATE}
+        ):
+            return "backward parts unlike its forward parts (early and late)"
+        return None
+
+    def _order(self, ins: Instruction) -> str | None:
+        """Whether what the part reads is computed (and in) yet; if so it is done."""
+        if ins.phase == Phase.FORWARD:
+            if self.loss or not self._input_ready(ins.layer, ins.part):
+                return "its input is not computed yet"
+            reads_halo = ins.part not in (Part.INTERIOR, Part.JOINED)
+            if reads_halo and not self._halo_in(ins.layer, Phase.FORWARD):
+                return "before its halo has arrived"
+            self.fwd[ins.layer].add(ins.part)
+            return None
+        if not self.loss or not self._grad_ready(ins.layer, ins.part):
+            return "the gradient of its outputs is not complete yet"
+        self.bwd[ins.layer].add(ins.part)
+        return None
+
+    def _message(self, ins: Instruction) -> str | None:
+        key = (ins.layer, ins.phase)
+        joined = {Part.JOINED, Part.THROUGH} & (self.fwd[ins.layer] | self.bwd[ins.layer])
+        if ins.layer == 0 or key in self.waited or ins.peer == self.worker or ins.count <= 0:
+            return "a message outside the exchange of its layer"
+        if joined:
+            return "a message outside the exchange of its layer"
+        below = self.fwd[ins.layer - 1]
+        computed = (
+            _complete(below, Phase.FORWARD) or Part.EARLY in below
+            if ins.phase == Phase.FORWARD
+            else {Part.ALL, Part.INPUT} & self.bwd[ins.layer]
+        )
+        if ins.op == Op.SEND and not computed:
+            return "sends values it has not computed"
+        self.posted.add(key)
+        return None
+
+    def _halo_in(self, layer: int, phase: Phase) -> bool:
+        return (layer, phase) not in self.posted or (layer, phase) in self.waited
+
+    def _input_ready(self, layer: int, part: Part) -> bool:
+        below = self.fwd[layer - 1] if layer else {Part.ALL}
+        if part == Part.EARLY:  # reads the early units below, or any of the whole layer
+            return _complete(below, Phase.FORWARD) or Part.EARLY in below
+        whole = _complete(below, Phase.FORWARD)
+        return whole and (part != Part.LATE or Part.EARLY in self.fwd[layer])
+
+    def _grad_ready(self, layer: int, part: Part) -> bool:
+        above = layer + 1
+        if above >= self.layers:
+            return True
+        started = {Part.ALL, Part.INPUT, Part.THROUGH} & self.bwd[above]
+        if part == Part.LATE:  # its gradients come from this worker alone
+            return bool(started) or Part.LATE in self.bwd[above]
+        both = {Part.EARLY, Part.LATE} <= self.bwd[above]
+        return bool(started or both) and self._halo_in(above, Phase.BACKWARD)

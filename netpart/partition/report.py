@@ -155,8 +155,43 @@ def report_markdown(
     figure_names: Sequence[str] = (),
     shards: ShardLayout | None = None,
 ) -> str:
+    """The plan's `report.md`: summary, how auto chose, layers, workers, shards, methods
+    compared, figures."""
+    lines = _summary_lines(spec, plan)
+    if plan.candidates:
+        lines += ["## How auto chose", "", auto_table(plan), ""]
+    lines += ["## Layers", "", layer_table(plan), ""]
+    lines += [
+        "Volume counts each unit once per remote worker that reads it (forward pass; the "
+        "backward pass sends as many gradients back). The bound per layer: dense layers "
+        "all-gather their input, (q-1)·n; spatial layers need the halo of the best regular "
+        "tiling into q tiles, q being the number of workers the plan spreads the layer over.",
+        "",
+        "## Workers",
+        "",
+        _worker_table(plan),
+        "",
+    ]
+    if shards is not None:
+        lines += [
+            f"## Parameter server: {shards.shards} shards",
+            "",
+            "Every replica's worker w pushes to and fetches from the shards listed for it; "
+            "bytes are float32 values, one push (or fetch) per worker.",
+            "",
+            shard_table(shards),
+            "",
+        ]
+    if comparison:
+        lines += ["## Methods compared", "", compare_table(comparison), ""]
+    if figure_names:
+        lines += ["## Figures", ""] + [f"![{n}]({n})" for n in figure_names] + [""]
+    return "\n".join(lines)
+
+
+def _summary_lines(spec: ModelSpec, plan: PartitionPlan) -> list[str]:
+    """The report's title, the plan's provenance and its summary figures."""
     m, net = plan.metrics, plan.network
-    small = [ly for ly in plan.layers if ly.blocks < plan.workers]
     lines = [
         f"# Partition plan: {plan.model} on {plan.workers} workers",
         "",
@@ -180,24 +215,17 @@ def report_markdown(
         f"(compute {m.compute_s * 1e3:.2f} ms + exchange {m.exchange_s * 1e3:.2f} ms)",
         "",
     ]
+    small = [ly for ly in plan.layers if ly.blocks < plan.workers]
     if small:
         names = ", ".join(f"{ly.name} ({ly.blocks} blocks)" for ly in small)
         lines += [
             f"Layers with fewer blocks than workers are spread over a subset of them: {names}.",
             "",
         ]
-    if plan.candidates:
-        lines += ["## How auto chose", "", auto_table(plan), ""]
-    lines += ["## Layers", "", layer_table(plan), ""]
-    lines += [
-        "Volume counts each unit once per remote worker that reads it (forward pass; the "
-        "backward pass sends as many gradients back). The bound per layer: dense layers "
-        "all-gather their input, (q-1)·n; spatial layers need the halo of the best regular "
-        "tiling into q tiles, q being the number of workers the plan spreads the layer over.",
-        "",
-        "## Workers",
-        "",
-    ]
+    return lines
+
+
+def _worker_table(plan: PartitionPlan) -> str:
     rows = [
         [
             str(w.worker),
@@ -209,27 +237,8 @@ def report_markdown(
         ]
         for w in plan.per_worker
     ]
-    lines += [
-        _table(
-            ["worker", "FLOPs/example", "params", "halo in/ex", "halo out/ex", "neighbours"], rows
-        ),
-        "",
-    ]
-    if shards is not None:
-        lines += [
-            f"## Parameter server: {shards.shards} shards",
-            "",
-            "Every replica's worker w pushes to and fetches from the shards listed for it; "
-            "bytes are float32 values, one push (or fetch) per worker.",
-            "",
-            shard_table(shards),
-            "",
-        ]
-    if comparison:
-        lines += ["## Methods compared", "", compare_table(comparison), ""]
-    if figure_names:
-        lines += ["## Figures", ""] + [f"![{n}]({n})" for n in figure_names] + [""]
-    return "\n".join(lines)
+    headers = ["worker", "FLOPs/example", "params", "halo in/ex", "halo out/ex", "neighbours"]
+    return _table(headers, rows)
 
 
 def shard_table(layout: ShardLayout) -> str:

@@ -294,6 +294,7 @@ def build_schedule(
     graph: UnitGraph,
     node_map: np.ndarray,
     workers: int,
+    *,
     overlap: bool = True,
     split_min_flops: float = SPLIT_MIN_FLOPS,
 ) -> HaloSchedule:
@@ -381,6 +382,7 @@ def interior_units(graph: UnitGraph, owned: tuple, index: int, worker: int) -> n
 def plan_schedule(
     spec: ModelSpec,
     plan: PartitionPlan,
+    *,
     validate: bool = True,
     overlap: bool = True,
     split_min_flops: float = SPLIT_MIN_FLOPS,
@@ -392,7 +394,9 @@ def plan_schedule(
     """
     plan.check_model(spec)
     graph = build_unit_graph(spec, plan.granularity)
-    schedule = build_schedule(graph, plan.node_map, plan.workers, overlap, split_min_flops)
+    schedule = build_schedule(
+        graph, plan.node_map, plan.workers, overlap=overlap, split_min_flops=split_min_flops
+    )
     if validate:
         schedule.validate(plan)
     return graph, schedule

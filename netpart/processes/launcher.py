@@ -63,6 +63,7 @@ class Processes:
         module: str,
         args: list[str],
         logs: list[Path],
+        *,
         grace: float = 0.0,
         new_session: bool = False,
         fork: bool = True,

@@ -23,7 +23,3 @@ class Optimizer:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.name!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
-
-    @property
-    def has_state(self) -> bool:
-        return self.name == "adagrad"

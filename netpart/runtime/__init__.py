@@ -12,10 +12,11 @@ _WHERE = {
     "GlooTransport": "netpart.runtime.transport",
     "ModelWorker": "netpart.runtime.worker",
     "PeerError": "netpart.errors",
+    "StepOptions": "netpart.runtime.step",
     "StepResult": "netpart.runtime.result",
     "Transport": "netpart.runtime.transport",
     "WorkerFailure": "netpart.errors",
-    "WorkerResult": "netpart.runtime.worker",
+    "WorkerResult": "netpart.runtime.state",
     "run_step": "netpart.runtime.step",
 }
 __all__ = sorted(_WHERE)

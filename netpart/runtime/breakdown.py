@@ -1,14 +1,14 @@
 """Where a partitioned step's time goes.
 
-Two sources. The worker times every instruction of its program by category (`BREAKDOWN`):
-`slice` (the layer's arithmetic, forward and autograd), `fill` (building input buffers,
-payloads and received-gradient sums: gathers and scatters), `post` (handing messages to the
-transport), `wait` (blocked until the halo is in: transfer plus waiting for the slower peer)
-and `loss` (the loss and its one collective); what the step's wall time holds beyond them is
-`other` (the interpreter between instructions). And the kernel, per thread
-(`/proc/self/task/*/schedstat`): CPU time, and time spent runnable but waiting for a core —
-of the compute thread, of gloo's I/O thread (`gloo_tcp_loop`) and of its collective workers
-(`pt_gloo_runloop`).
+Two sources. The worker times every instruction of its program by category
+(`netpart.runtime.state.BREAKDOWN`): `slice` (the layer's arithmetic, forward and autograd),
+`fill` (building input buffers, payloads and received-gradient sums: gathers and scatters),
+`post` (handing messages to the transport), `wait` (blocked until the halo is in: transfer
+plus waiting for the slower peer) and `loss` (the loss and its one collective); what the
+step's wall time holds beyond them is `other` (the interpreter between instructions). And
+the kernel, per thread (`/proc/self/task/*/schedstat`): CPU time, and time spent runnable but
+waiting for a core — of the compute thread, of gloo's I/O thread (`gloo_tcp_loop`) and of
+its collective workers (`pt_gloo_runloop`).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from netpart.partition.plans import PartitionPlan
 from netpart.partition.schedule import plan_schedule
 from netpart.processes.launcher import join_group
 from netpart.runtime.result import StepResult, assemble
-from netpart.runtime.step import run_step
+from netpart.runtime.step import StepOptions, run_step
 from netpart.runtime.transport import GlooTransport
 from netpart.runtime.worker import ModelWorker
 
@@ -142,7 +142,7 @@ def check_step(
     """Run the reference and the partitioned step on the same batch and compare everything."""
     require_memory(spec, batch)
     x, y = make_batch(spec, batch, seed)
-    result = run_step(spec, plan, x, y, seed=seed, dtype=torch.float64, timeout=timeout)
+    result = run_step(spec, plan, x, y, StepOptions(seed=seed, dtype="float64", timeout=timeout))
     diffs = _against_reference(spec, x, y, seed, result, tolerance)
     _, schedule = plan_schedule(spec, plan, validate=False)  # run_step validated it
     planned = schedule.traffic() * batch * 8
@@ -193,7 +193,7 @@ def check_step_distributed(
             )
         graph, schedule = plan_schedule(spec, plan)
         x, y = make_batch(spec, batch, seed)
-        worker = ModelWorker(spec, graph, schedule, rank, seed, torch.float64)
+        worker = ModelWorker(spec, graph, schedule, rank, seed=seed, dtype=torch.float64)
         mine = worker.step(x, y, GlooTransport())
         result = assemble(spec, [mine], batch, torch.float64, check_loss=False)
         for t in (*result.grads.values(), result.outputs):

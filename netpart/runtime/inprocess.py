@@ -18,8 +18,9 @@ from netpart.models.spec import ModelSpec
 from netpart.partition.plans import PartitionPlan
 from netpart.partition.schedule import SPLIT_MIN_FLOPS, plan_schedule
 from netpart.runtime.result import StepResult, assemble
+from netpart.runtime.state import WorkerResult
 from netpart.runtime.transport import Handle
-from netpart.runtime.worker import ModelWorker, WorkerResult
+from netpart.runtime.worker import ModelWorker
 
 __all__ = ["ThreadTransport", "run_step_threads"]
 
@@ -118,14 +119,14 @@ def run_step_threads(
 ) -> StepResult:
     """One partitioned step of `spec` by `plan`, workers as threads; the result as `run_step`'s
     (`split_min_flops=0` makes every program split whatever it can, for tests)."""
-    graph, schedule = plan_schedule(spec, plan, True, overlap, split_min_flops)
+    graph, schedule = plan_schedule(spec, plan, overlap=overlap, split_min_flops=split_min_flops)
     transports = ThreadTransport.group(plan.workers)
     results: list[WorkerResult | None] = [None] * plan.workers
     errors: list[BaseException] = []
 
     def work(rank: int) -> None:
         try:
-            worker = ModelWorker(spec, graph, schedule, rank, seed, dtype)
+            worker = ModelWorker(spec, graph, schedule, rank, seed=seed, dtype=dtype)
             results[rank] = worker.step(inputs, targets, transports[rank])
         except BaseException as exc:  # surfaced below
             errors.append(exc)

@@ -12,7 +12,7 @@ import torch
 from netpart.files import write_atomic
 from netpart.models.reference import ReferenceModel
 from netpart.models.spec import ModelSpec
-from netpart.runtime.worker import WorkerResult
+from netpart.runtime.state import WorkerResult
 
 __all__ = ["StepResult", "assemble", "load_worker_result", "save_worker_result"]
 

@@ -22,6 +22,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,18 +38,21 @@ from netpart.partition.schedule import NO_SPLITS, SPLIT_MIN_FLOPS, plan_schedule
 from netpart.processes.launcher import Processes, join_group
 from netpart.runtime.breakdown import thread_usage
 from netpart.runtime.result import StepResult, assemble, load_worker_result, save_worker_result
+from netpart.runtime.state import WorkerResult
 from netpart.runtime.transport import PEER_LOST, GlooTransport
-from netpart.runtime.worker import ModelWorker, WorkerResult
+from netpart.runtime.worker import ModelWorker
 
 __all__ = [
     "GATHER_VALUES",
     "LINK_SIZES",
+    "StepOptions",
     "exchange_loop",
     "link_job",
     "link_loop",
     "link_result",
     "run_link",
     "run_step",
+    "step_job",
     "step_loop",
     "timed_steps",
     "warmup_steps",
@@ -79,54 +83,73 @@ def warmup_steps(steps: int) -> int:
     return max(3, steps // 10)
 
 
+@dataclass(frozen=True)
+class StepOptions:
+    """How `run_step` runs a plan's step (the job's `config.json`).
+
+    `threads` is torch's intra-op thread count per worker; with `steps` > 1 each worker
+    repeats the step (gradients zeroed, a barrier before each) and reports per-step wall times
+    and breakdowns (`netpart.runtime.breakdown`), and the result describes the last step.
+    `split` lets the programs hide halo exchange behind interior compute (off by default:
+    processes that share one host exchange a halo as a memory copy on the same cores, and
+    hiding it costs as much as it saves, docs/runtime.md); `overlap=False` runs programs that
+    neither split nor join layers (for comparisons); `exchange_only` runs only the programs'
+    messages (step times only, no gradients). A worker that waits `timeout` seconds for a peer
+    gives up."""
+
+    seed: int = 0
+    dtype: str = "float64"  # a name of `netpart.models.reference.DTYPES`
+    timeout: float = 60.0
+    threads: int = 1
+    steps: int = 1
+    overlap: bool = True
+    split: bool = False
+    exchange_only: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r}: one of {', '.join(DTYPES)}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> StepOptions:
+        return cls(**json.loads(text))
+
+
 def run_step(
     spec: ModelSpec,
     plan: PartitionPlan,
     inputs: torch.Tensor,
     targets: torch.Tensor,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float64,
-    timeout: float = 60.0,
-    threads: int = 1,
-    steps: int = 1,
-    overlap: bool = True,
-    split: bool = False,
-    exchange_only: bool = False,
-    sgd_lr: float = 0.0,
+    options: StepOptions = StepOptions(),
 ) -> StepResult:
-    """One forward/backward step of `spec` partitioned by `plan`, in `plan.workers` processes.
-
-    `threads` is torch's intra-op thread count per worker. With `steps` > 1 each worker repeats
-    the step (gradients zeroed, a barrier before each) and reports per-step wall times and
-    breakdowns (`netpart.runtime.breakdown`); the result describes the last step. `split` lets
-    the programs hide halo exchange behind interior compute (off by default: these processes
-    share one host, where a halo is a memory copy on the same cores and hiding it costs as
-    much as it saves, docs/runtime.md); `overlap=False` runs programs that neither split nor
-    join layers (for comparisons); `exchange_only` runs only the programs' messages (step
-    times only, no gradients); `sgd_lr` > 0 ends each timed step with plain SGD on each
-    worker's own parameters (a replica without a parameter server, for comparisons).
-    """
+    """One forward/backward step of `spec` partitioned by `plan`, in `plan.workers` processes
+    on this machine, as `options` say; the workers' results assembled in reference terms."""
     plan_schedule(spec, plan)  # refuse a foreign or corrupted plan before any process starts
-    dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
-    config = {
-        "seed": seed, "dtype": dtype_name, "timeout": timeout, "threads": threads,
-        "overlap": overlap, "split": split, "exchange_only": exchange_only, "sgd_lr": sgd_lr,
-    }  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="netpart-job-") as tmp:
         job = Path(tmp)
-        files = plan_files(plan)
-        files["spec.json"] = spec.to_json().encode()
-        files["config.json"] = json.dumps({**config, "steps": steps}).encode()
-        write_files(job, files)
-        torch.save({"inputs": inputs, "targets": targets}, job / "batch.pt")
+        step_job(job, spec, plan, (inputs, targets), options)
         logs = [job / f"worker_{r}.log" for r in range(plan.workers)]
         with Processes("netpart.runtime.step", ["--job", str(job)], logs) as procs:
-            _watch(procs, timeout)
+            _watch(procs, options.timeout)
         loaded = [load_worker_result(job / f"result_{r}.pt") for r in range(plan.workers)]
-    result = assemble(spec, [r for r, _, _ in loaded], inputs.shape[0], dtype)
+    result = assemble(spec, [r for r, _, _ in loaded], inputs.shape[0], DTYPES[options.dtype])
     result.breakdowns = [p for _, p, _ in loaded]
     result.threads = [t for _, _, t in loaded]
     return result
+
+
+def step_job(job: Path, spec: ModelSpec, plan: PartitionPlan, batch, options: StepOptions):
+    """Write a step job into `job`: spec, plan files, options and the batch (inputs,
+    targets); its processes (`python -m netpart.runtime.step --job JOB`, one per worker,
+    started by any launcher) each write result_<rank>.pt."""
+    files = plan_files(plan)
+    files["spec.json"] = spec.to_json().encode()
+    files["config.json"] = options.to_json().encode()
+    write_files(job, files)
+    torch.save({"inputs": batch[0], "targets": batch[1]}, job / "batch.pt")
 
 
 def link_job(job: Path, sizes: tuple[int, ...], repeats: int, timeout: float = 60.0) -> None:
@@ -231,44 +254,37 @@ def _watch(procs: Processes, timeout: float) -> None:
 
 def _worker(job: Path) -> int:
     """One worker process: join the group, build the worker, run the step(s), save."""
-    config = json.loads((job / "config.json").read_text())
-    torch.set_num_threads(int(config["threads"]))
-    if "link_sizes" in config:
-        return _link(job, config)
+    text = (job / "config.json").read_text()
+    if "link_sizes" in json.loads(text):
+        return _link(job, json.loads(text))
+    options = StepOptions.from_json(text)
+    torch.set_num_threads(options.threads)
     spec = ModelSpec.from_json((job / "spec.json").read_text(), str(job / "spec.json"))
     plan = load_plan(job, spec)
     batch = torch.load(job / "batch.pt", weights_only=True)
-    rank, _ = join_group(float(config["timeout"]))
+    rank, _ = join_group(options.timeout)
     try:
-        splits = SPLIT_MIN_FLOPS if config.get("split") else NO_SPLITS
-        overlap = config.get("overlap", True)
-        graph, schedule = plan_schedule(spec, plan, False, overlap, splits)  # validated
-        worker = ModelWorker(spec, graph, schedule, rank, config["seed"], DTYPES[config["dtype"]])
+        splits = SPLIT_MIN_FLOPS if options.split else NO_SPLITS
+        graph, schedule = plan_schedule(  # validated by the launcher
+            spec, plan, validate=False, overlap=options.overlap, split_min_flops=splits
+        )
+        dtype = DTYPES[options.dtype]
+        worker = ModelWorker(spec, graph, schedule, rank, seed=options.seed, dtype=dtype)
         faults.point(rank, 0)
         transport = GlooTransport()
-        steps = int(config.get("steps", 1))  # > 1 only for benchmarks
-        if config.get("exchange_only"):
-            return _exchange_only(job, worker, transport, rank, len(batch["inputs"]), steps)
-        lr = float(config.get("sgd_lr", 0.0))
-        result, breakdowns, usage = step_loop(worker, transport, batch, steps, lr)
+        if options.exchange_only:
+            return _exchange_only(job, worker, transport, rank, len(batch["inputs"]), options.steps)
+        result, breakdowns, usage = step_loop(worker, transport, batch, options.steps)
         save_worker_result(job / f"result_{rank}.pt", result, breakdowns, usage)
     finally:
         torch.distributed.destroy_process_group()
     return 0
 
 
-def _sgd(worker: ModelWorker, lr: float) -> None:
-    """values -= lr * gradient, in place, for every parameter that has one."""
-    params = [p for p in worker.parameters() if p.grad is not None]
-    with torch.no_grad():
-        torch._foreach_add_(params, [p.grad for p in params], alpha=-lr)
-
-
-def step_loop(worker: ModelWorker, transport, batch: dict, steps: int, lr: float = 0.0):
+def step_loop(worker: ModelWorker, transport, batch: dict, steps: int):
     """(the last step's WorkerResult holding every step's wall time, each step's breakdown,
     each step's thread CPU) of `steps` steps of `worker` on `batch` (inputs, targets); with
-    more than one, a barrier starts each (timed steps start together); `lr` > 0 ends each
-    with plain SGD on the worker's own parameters."""
+    more than one, a barrier starts each (timed steps start together)."""
     times, breakdowns, usage = [], [], []
     for i in range(steps):
         worker.zero_grad()
@@ -276,9 +292,8 @@ def step_loop(worker: ModelWorker, transport, batch: dict, steps: int, lr: float
         if steps > 1:
             transport.barrier()
         start = time.perf_counter()
-        result = worker.step(batch["inputs"], batch["targets"], transport, i == steps - 1)
-        if lr:
-            _sgd(worker, lr)
+        inputs, targets = batch["inputs"], batch["targets"]
+        result = worker.step(inputs, targets, transport, collect_grads=i == steps - 1)
         times.append(time.perf_counter() - start)
         after = thread_usage()
         breakdowns.append(result.breakdown)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,78 +23,18 @@ import torch
 from netpart.models.reference import activation
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import UnitGraph
-from netpart.partition.program import Instruction
+from netpart.partition.indices import worker_indices
+from netpart.partition.program import Instruction, Op, Part, Phase, halo_tag
 from netpart.partition.schedule import HaloSchedule
 from netpart.runtime.loss import OutputLoss
-from netpart.runtime.slices import LayerSlice, RowIndex, build_slice, rows
+from netpart.runtime.rows import RowIndex, rows
+from netpart.runtime.slices import LayerSlice, build_slice
+from netpart.runtime.state import Ledger, StepState, WorkerResult, book_key
 from netpart.runtime.transport import Handle, Transport
 
 __all__ = ["ModelWorker", "WorkerResult"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class WorkerResult:
-    """What one worker returns from a step: its loss (same on all), grads and byte counters."""
-
-    rank: int
-    loss: float
-    outputs: torch.Tensor  # [B, owned output units]
-    output_units: np.ndarray
-    grads: list[tuple[str, np.ndarray, torch.Tensor]]  # (reference name, flat index, values)
-    sent: dict[tuple[int, str], int] = field(default_factory=dict)  # (layer, phase) -> bytes
-    received: dict[tuple[int, str], int] = field(default_factory=dict)
-    step_times: list[float] = field(default_factory=list)  # seconds, when timed
-    compute_s: dict[tuple[int, str], float] = field(default_factory=dict)  # (layer, phase)
-    exchange_s: dict[tuple[int, str], float] = field(default_factory=dict)  # exposed
-    hidden_s: dict[tuple[int, str], float] = field(default_factory=dict)  # behind compute
-    breakdown: dict[str, float] = field(default_factory=dict)  # category -> seconds
-    accuracy: float | None = None  # cross-entropy: share of the batch whose target logit is max
-    stop: bool = False  # some worker of the replica asked to stop after this step
-
-
-BREAKDOWN = ("slice", "fill", "post", "wait", "loss")
-
-
-class _StepState:
-    """Everything one step's instructions read and write, and where its time went."""
-
-    def __init__(self, inputs, targets, transport: Transport, flag: float) -> None:
-        self.inputs, self.targets, self.transport, self.flag = inputs, targets, transport, flag
-        self.batch = inputs.shape[0]
-        self.outs: dict[int, torch.Tensor] = {}  # layer -> owned outputs [U, B]
-        self.leaves: dict[int, torch.Tensor] = {}  # layer -> its input (autograd leaf)
-        self.pieces: dict[int, list[torch.Tensor]] = {}  # layer -> interior outputs so far
-        # Producer chains: each part's activated outputs (its backward root), the early
-        # outputs in units order, and each layer's input while its parts are computed.
-        self.parts: dict[tuple[int, str], torch.Tensor] = {}
-        self.early_out: dict[int, torch.Tensor] = {}
-        self.late_out: dict[int, torch.Tensor] = {}
-        self.chain_inputs: dict[int, torch.Tensor] = {}
-        # Backward roots: the (outputs, gradient, parameters) a backward call starts from —
-        # a joined layer's root waits for the layer below (`pending`); a layer whose input
-        # gradient went first keeps its root for its weights (`roots`).
-        self.pending: tuple[torch.Tensor, torch.Tensor, list] | None = None
-        self.roots: dict[int, tuple[torch.Tensor, torch.Tensor, list]] = {}
-        self.grad: dict[int, torch.Tensor] = {}  # layer -> gradient of its owned outputs
-        self.back: dict[int, dict[int, torch.Tensor]] = {}  # layer -> owner -> halo gradient
-        self.posted: dict[tuple[int, str], list[Handle]] = {}
-        self.first_post: dict[tuple[int, str], float] = {}
-        self.sent: dict[tuple[int, str], int] = {}
-        self.received: dict[tuple[int, str], int] = {}
-        self.compute: dict[tuple[int, str], float] = {}
-        self.exchange: dict[tuple[int, str], float] = {}
-        self.hidden: dict[tuple[int, str], float] = {}
-        self.breakdown = dict.fromkeys(BREAKDOWN, 0.0)
-        self.loss = 0.0
-        self.accuracy: float | None = None
-        self.want_accuracy = True
-        self.stop = False
-
-
-def _add(book: dict, key, value) -> None:
-    book[key] = book.get(key, 0) + value
 
 
 class ModelWorker:
@@ -107,68 +46,45 @@ class ModelWorker:
         graph: UnitGraph,
         schedule: HaloSchedule,
         rank: int,
+        *,
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
     ) -> None:
         self.spec, self.schedule, self.rank, self.dtype = spec, schedule, rank, dtype
         self.program: tuple[Instruction, ...] = schedule.instructions(rank)
-        self.owned = [schedule.owned[i][rank] for i in range(len(spec.layers))]
-        none, layers = np.zeros(0, dtype=np.int64), range(len(spec.layers))
-        early = [
-            schedule.early[i][rank] if schedule.overlap and schedule.early else none for i in layers
-        ]
-        first = [  # a layer's first part: a chain's early units, or its interior
-            early[i] if len(early[i]) else schedule.interior[i][rank] if schedule.interior else None
-            for i in layers
-        ]
+        tables = worker_indices(schedule, rank)
+        self.owned = list(tables.owned)
         self.slices: list[LayerSlice] = [
-            build_slice(spec, i, self.owned[i], graph.layers[i], seed, dtype, first[i])
-            for i in layers
+            build_slice(spec, i, self.owned[i], graph.layers[i], seed, dtype, tables.first[i])
+            for i in range(len(spec.layers))
         ]
         # Producer chains: where the early units go (the next layer's buffer; their place in
         # the early outputs, in units order) and which of them each message sends.
-        self._early_t = {i: RowIndex(e) for i, e in enumerate(early) if len(e)}
-        self._late_t = {
-            i: RowIndex(np.setdiff1d(self.owned[i], e)) for i, e in enumerate(early) if len(e)
-        }
+        self._early_t = {i: RowIndex(e) for i, e in tables.early.items()}
+        self._late_t = {i: RowIndex(e) for i, e in tables.late.items()}
         self._orders = {  # a part's rows -> their units' order
             (i, part): torch.argsort(self.slices[i].positions[part])
             for i in self._early_t
             for part in ("first", "rest")
         }
-        chains = schedule.chains[rank] if schedule.overlap and schedule.chains else ()
-        self._feeds = {k for a, b in chains for k in range(a, b)}  # the layer above is chained
-        self._early_sends: dict[int, dict[int, RowIndex]] = {}
-        for i in self._early_t:
-            mine = schedule.sends[i + 1].items() if i + 1 < len(spec.layers) else ()
-            self._early_sends[i + 1] = {
-                d: RowIndex(np.searchsorted(early[i], u)) for (s, d), u in mine if s == rank
-            }
+        self._feeds = tables.feeds  # the layer above is chained
+        self._early_sends = {
+            i: {d: RowIndex(u) for d, u in peers.items()} for i, peers in tables.early_sends.items()
+        }
         # Per layer: what this worker sends (positions in its owned outputs) and receives
         # (units of the input buffer); contiguous ones move as views.
         self._owned_t = [RowIndex(u) for u in self.owned]
         self._buffers: dict[tuple, torch.Tensor] = {}
-        self.sends: list[dict[int, RowIndex]] = [{}]
-        self.recvs: list[dict[int, RowIndex]] = [{}]
-        for i in range(1, len(spec.layers)):
-            mine = self.owned[i - 1]
-            out: dict[int, RowIndex] = {}
-            into: dict[int, RowIndex] = {}
-            for (s, d), units in schedule.sends[i].items():
-                if s == rank:
-                    out[d] = RowIndex(np.searchsorted(mine, units))
-                if d == rank:
-                    into[s] = RowIndex(units)
-            self.sends.append(out)
-            self.recvs.append(into)
+        self.sends = [{d: RowIndex(u) for d, u in peers.items()} for peers in tables.sends]
+        self.recvs = [{s: RowIndex(u) for s, u in peers.items()} for peers in tables.recvs]
         self._params = [list(s.parameters()) for s in self.slices]
         self._output_loss = OutputLoss(spec, self.owned[-1], dtype)
         self._run = {
-            "compute": self._compute,
-            "send": self._send,
-            "recv": self._recv,
-            "wait": self._wait,
-            "loss": self._loss,
+            Op.COMPUTE: self._compute,
+            Op.SEND: self._send,
+            Op.RECV: self._recv,
+            Op.WAIT: self._wait,
+            Op.LOSS: self._loss,
         }
 
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -179,6 +95,7 @@ class ModelWorker:
         inputs: torch.Tensor,
         targets: torch.Tensor,
         transport: Transport,
+        *,
         collect_grads: bool = True,
         stop: bool = False,
         accuracy: bool = True,
@@ -192,23 +109,22 @@ class ModelWorker:
         workers get the batch accuracy for free from that collective; a lone worker computes
         it only with `accuracy`.
         """
-        st = _StepState(inputs, targets, transport, 1.0 if stop else 0.0)
-        st.want_accuracy = accuracy
+        st = StepState(inputs, targets, transport, 1.0 if stop else 0.0, want_accuracy=accuracy)
         for ins in self.program:
             self._run[ins.op](st, ins)
         last = len(self.spec.layers) - 1
         return WorkerResult(
             rank=self.rank,
             loss=st.loss,
-            outputs=st.outs[last].detach().T,
+            outputs=st.fwd.outs[last].detach().T,
             output_units=self.owned[-1],
             grads=self.collect_grads() if collect_grads else [],
-            sent=st.sent,
-            received=st.received,
-            compute_s=st.compute,
-            exchange_s=st.exchange,
-            hidden_s=st.hidden,
-            breakdown=st.breakdown,
+            sent=st.book.sent,
+            received=st.book.received,
+            compute_s=st.book.compute,
+            exchange_s=st.book.exchange,
+            hidden_s=st.book.hidden,
+            breakdown=st.book.breakdown,
             accuracy=st.accuracy,
             stop=st.stop,
         )
@@ -220,19 +136,19 @@ class ModelWorker:
         t0 = time.perf_counter()
         posted: dict[tuple[int, str], list[Handle]] = {}
         for ins in self.program:
-            key = (ins.layer, ins.phase)
-            if ins.op in ("send", "recv"):  # buffers of the message's size stand in for data
+            key = book_key(ins)
+            if ins.op in (Op.SEND, Op.RECV):  # buffers of the message's size stand in for data
                 buf = (
                     self._stand_in(ins.count, batch)
-                    if ins.op == "send"
+                    if ins.op == Op.SEND
                     else (self._halo(ins.layer, ins.phase, ins.peer, batch))
                 )
-                tag = 2 * ins.layer + (ins.phase == "backward")
-                post = transport.send if ins.op == "send" else transport.recv
+                tag = halo_tag(ins.layer, ins.phase)
+                post = transport.send if ins.op == Op.SEND else transport.recv
                 posted.setdefault(key, []).append(post(tag, ins.peer, buf))
-            elif ins.op == "wait":
+            elif ins.op == Op.WAIT:
                 transport.wait(posted.pop(key))
-            elif ins.op == "loss":
+            elif ins.op == Op.LOSS:
                 self._output_loss.exchange_only(batch, transport)
         return time.perf_counter() - t0
 
@@ -293,38 +209,38 @@ class ModelWorker:
                 p.grad = None
 
     # ---- instructions ----------------------------------------------------------------------
-    def _compute(self, st: _StepState, ins: Instruction) -> None:
+    def _compute(self, st: StepState, ins: Instruction) -> None:
         t0 = time.perf_counter()
-        if ins.phase == "forward":
+        if ins.phase == Phase.FORWARD:
             self._forward(st, ins.layer, ins.part)
         else:
             self._backward(st, ins.layer, ins.part)
-        _add(st.compute, (ins.layer, ins.phase), time.perf_counter() - t0)
+        Ledger.add(st.book.compute, book_key(ins), time.perf_counter() - t0)
 
-    def _forward(self, st: _StepState, layer: int, part: str) -> None:
+    def _forward(self, st: StepState, layer: int, part: str) -> None:
         sl, clock = self.slices[layer], time.perf_counter
-        if part in ("early", "late"):
+        if part in (Part.EARLY, Part.LATE):
             return self._forward_chain(st, layer, part)
         t0 = clock()
-        if part == "joined":
+        if part == Part.JOINED:
             x = self._joined_input(st, layer)
-        elif part != "boundary":
-            x = self._fill_input(st, layer, halo=part == "all")
+        elif part != Part.BOUNDARY:
+            x = self._fill_input(st, layer, halo=part == Part.ALL)
         else:
-            x = st.leaves[layer]
+            x = st.fwd.leaves[layer]
             with torch.no_grad():  # the halo, into the buffer the interior part already read
                 self._fill_halo(st, layer, self._input_buffer(st.batch, layer))
         t1 = clock()
-        if part in ("all", "joined"):
-            st.outs[layer] = sl.forward(x)  # not through nn.Module's __call__: no hooks here
-        elif part == "interior":
-            st.pieces[layer] = sl.compute(x, "first")
+        if part in (Part.ALL, Part.JOINED):
+            st.fwd.outs[layer] = sl.forward(x)  # not through nn.Module's __call__: no hooks here
+        elif part == Part.INTERIOR:
+            st.fwd.pieces[layer] = sl.compute(x, "first")
         else:
-            st.outs[layer] = sl.place(st.pieces.pop(layer) + sl.compute(x, "rest"), True, x)
-        st.breakdown["fill"] += t1 - t0
-        st.breakdown["slice"] += clock() - t1
+            st.fwd.outs[layer] = sl.place(st.fwd.pieces.pop(layer) + sl.compute(x, "rest"), True, x)
+        st.book.breakdown["fill"] += t1 - t0
+        st.book.breakdown["slice"] += clock() - t1
 
-    def _forward_chain(self, st: _StepState, layer: int, part: str) -> None:
+    def _forward_chain(self, st: StepState, layer: int, part: str) -> None:
         """A producer chain's early units (reading the early units below, or all of the
         layer below when it is complete), or its late units (the rest of the layer below
         written into the same buffer first). Each part keeps its own activated outputs as
@@ -334,36 +250,36 @@ class ModelWorker:
         t0 = clock()
         batch = st.batch
         below = layer - 1 in self._feeds  # the layer below is computed in parts too
-        if part == "early":
+        if part == Part.EARLY:
             if not below:
                 x = self._fill_input(st, layer, halo=False)
             else:  # the early units below, into a buffer read as a fresh leaf
                 buf = self._input_buffer(batch, layer)
-                self._early_t[layer - 1].put_(buf, st.early_out[layer - 1])
-                x = st.leaves[layer] = buf.detach().requires_grad_(True)
-            st.chain_inputs[layer] = x
+                self._early_t[layer - 1].put_(buf, st.fwd.early_out[layer - 1])
+                x = st.fwd.leaves[layer] = buf.detach().requires_grad_(True)
+            st.fwd.chain_inputs[layer] = x
         else:
-            x = st.chain_inputs.pop(layer)
+            x = st.fwd.chain_inputs.pop(layer)
             if below:  # the late units below, into the same buffer
                 with torch.no_grad():
                     buf = self._input_buffer(batch, layer)
-                    self._late_t[layer - 1].put_(buf, st.late_out.pop(layer - 1))
+                    self._late_t[layer - 1].put_(buf, st.fwd.late_out.pop(layer - 1))
         t1 = clock()
-        first = part == "early"
+        first = part == Part.EARLY
         pieces = sl.compute(x, "first" if first else "rest")
         out = activation(sl.activation, torch.cat([p.reshape(-1, batch) for p in pieces]))
-        st.parts[(layer, part)] = out
+        st.fwd.parts[(layer, part)] = out
         if first:
-            st.early_out[layer] = rows(out.detach(), self._orders[(layer, "first")])
+            st.fwd.early_out[layer] = rows(out.detach(), self._orders[(layer, "first")])
         elif layer in self._feeds:
-            st.late_out[layer] = rows(out.detach(), self._orders[(layer, "rest")])
+            st.fwd.late_out[layer] = rows(out.detach(), self._orders[(layer, "rest")])
         else:  # the chain's top: its outputs in units order, for the layer above
-            early = st.parts[(layer, "early")].detach()
-            st.outs[layer] = rows(torch.cat([early, out.detach()]), sl.order(True))
-        st.breakdown["fill"] += t1 - t0
-        st.breakdown["slice"] += clock() - t1
+            early = st.fwd.parts[(layer, Part.EARLY)].detach()
+            st.fwd.outs[layer] = rows(torch.cat([early, out.detach()]), sl.order(True))
+        st.book.breakdown["fill"] += t1 - t0
+        st.book.breakdown["slice"] += clock() - t1
 
-    def _fill_input(self, st: _StepState, layer: int, halo: bool) -> torch.Tensor:
+    def _fill_input(self, st: StepState, layer: int, halo: bool) -> torch.Tensor:
         """The layer's input buffer (reused across steps) with the owned units of the layer
         below (and, with `halo`, the halo): a fresh autograd leaf over it. A dense first
         layer reads the batch itself, transposed (a view: no copy)."""
@@ -375,18 +291,18 @@ class ModelWorker:
             buf[: flat.shape[0]] = flat
             return buf
         buf = self._input_buffer(st.batch, layer)
-        self._owned_t[layer - 1].put_(buf, st.outs[layer - 1].detach())
+        self._owned_t[layer - 1].put_(buf, st.fwd.outs[layer - 1].detach())
         if halo:
             self._fill_halo(st, layer, buf)
         x = buf.detach().requires_grad_(True)
-        st.leaves[layer] = x
+        st.fwd.leaves[layer] = x
         return x
 
-    def _joined_input(self, st: _StepState, layer: int) -> torch.Tensor:
+    def _joined_input(self, st: StepState, layer: int) -> torch.Tensor:
         """The layer's input as a function of the layer below's outputs (one autograd graph):
         no leaf, no copy into a buffer when this worker owns the whole layer below, else the
         owned rows written in place into a fresh alias of the reused buffer (no clone)."""
-        prev = st.outs[layer - 1]
+        prev = st.fwd.outs[layer - 1]
         buf = self._input_buffer(st.batch, layer)
         n = buf.shape[0] - 2
         if len(self.owned[layer - 1]) == n:  # every unit, in order
@@ -395,49 +311,49 @@ class ModelWorker:
             return torch.cat([prev, buf[n:]])
         return buf.detach().index_copy_(0, self._owned_t[layer - 1].index, prev)
 
-    def _fill_halo(self, st: _StepState, layer: int, buf: torch.Tensor) -> None:
+    def _fill_halo(self, st: StepState, layer: int, buf: torch.Tensor) -> None:
         """Copy received halo into the input buffer (contiguous ones were received there)."""
         for s, units in self.recvs[layer].items():
             if units.span is None:
-                units.put_(buf, self._halo(layer, "forward", s, st.batch))
+                units.put_(buf, self._halo(layer, Phase.FORWARD, s, st.batch))
 
-    def _backward(self, st: _StepState, layer: int, part: str) -> None:
+    def _backward(self, st: StepState, layer: int, part: str) -> None:
         clock = time.perf_counter
         t0 = clock()
-        if part in ("late", "early"):
+        if part in (Part.LATE, Part.EARLY):
             return self._backward_chain(st, layer, part)
-        if part == "through":  # joined to the layer below: its backward computes this one too
-            root = st.pending or (st.outs[layer], st.grad.get(layer), [])
-            st.pending = (root[0], root[1], root[2] + self._params[layer])
+        if part == Part.THROUGH:  # joined to the layer below: its backward computes this one too
+            root = st.bwd.pending or (st.fwd.outs[layer], st.bwd.grad.get(layer), [])
+            st.bwd.pending = (root[0], root[1], root[2] + self._params[layer])
             return
-        if part == "weights":
-            out, grad, params = st.roots.pop(layer)
+        if part == Part.WEIGHTS:
+            out, grad, params = st.bwd.roots.pop(layer)
             if out.requires_grad and params:
                 torch.autograd.backward(out, grad, inputs=params)
-            st.breakdown["slice"] += clock() - t0
+            st.book.breakdown["slice"] += clock() - t0
             return
-        out, grad, params = st.pending or (st.outs[layer], st.grad.get(layer), [])
+        out, grad, params = st.bwd.pending or (st.fwd.outs[layer], st.bwd.grad.get(layer), [])
         params = params + self._params[layer]
-        st.pending = None
-        leaf = st.leaves.get(layer)
+        st.bwd.pending = None
+        leaf = st.fwd.leaves.get(layer)
         live = out.requires_grad  # False for a parameter-free start, or no owned units
         gx = None
-        if part == "input" and live:
+        if part == Part.INPUT and live:
             (gx,) = torch.autograd.grad(out, leaf, grad, retain_graph=True)
-            st.roots[layer] = (out, grad, params)
+            st.bwd.roots[layer] = (out, grad, params)
         elif live:
             torch.autograd.backward(out, grad)
             gx = leaf.grad if leaf is not None else None
         t1 = clock()
-        st.breakdown["slice"] += t1 - t0
+        st.book.breakdown["slice"] += t1 - t0
         if layer == 0:
             return
         gx = gx if gx is not None else torch.zeros_like(leaf)
-        st.grad[layer - 1] = self._owned_t[layer - 1].take(gx)
-        st.back[layer] = {s: units.take(gx) for s, units in self.recvs[layer].items()}
-        st.breakdown["fill"] += clock() - t1
+        st.bwd.grad[layer - 1] = self._owned_t[layer - 1].take(gx)
+        st.bwd.back[layer] = {s: units.take(gx) for s, units in self.recvs[layer].items()}
+        st.book.breakdown["fill"] += clock() - t1
 
-    def _backward_chain(self, st: _StepState, layer: int, part: str) -> None:
+    def _backward_chain(self, st: StepState, layer: int, part: str) -> None:
         """One part of a producer chain's layer backward, from that part's own outputs: the
         late units' gradients are all this worker's (no peer reads them), the early units'
         are complete once the peers' have been added. The gradient of the layer below is
@@ -445,77 +361,77 @@ class ModelWorker:
         clock = time.perf_counter
         t0 = clock()
         sl = self.slices[layer]
-        grad = rows(st.grad[layer], sl.positions["first" if part == "early" else "rest"])
-        out = st.parts.pop((layer, part))
+        grad = rows(st.bwd.grad[layer], sl.positions["first" if part == Part.EARLY else "rest"])
+        out = st.fwd.parts.pop((layer, part))
         if out.requires_grad:  # not a parameter-free first layer
             torch.autograd.backward(out, grad)
         t1 = clock()
-        st.breakdown["slice"] += t1 - t0
+        st.book.breakdown["slice"] += t1 - t0
         if layer > 0:
-            st.grad[layer - 1] = self._owned_t[layer - 1].take(st.leaves[layer].grad)
-            st.back[layer] = {}
-        st.breakdown["fill"] += clock() - t1
+            st.bwd.grad[layer - 1] = self._owned_t[layer - 1].take(st.fwd.leaves[layer].grad)
+            st.bwd.back[layer] = {}
+        st.book.breakdown["fill"] += clock() - t1
 
-    def _send(self, st: _StepState, ins: Instruction) -> None:
+    def _send(self, st: StepState, ins: Instruction) -> None:
         t0 = time.perf_counter()
         below = ins.layer - 1
-        if ins.phase == "forward" and below not in st.outs:  # sent before the late units
-            payload = self._early_sends[ins.layer][ins.peer].take(st.early_out[below])
-        elif ins.phase == "forward":
-            payload = self.sends[ins.layer][ins.peer].take(st.outs[below].detach())
+        if ins.phase == Phase.FORWARD and below not in st.fwd.outs:  # sent before the late units
+            payload = self._early_sends[ins.layer][ins.peer].take(st.fwd.early_out[below])
+        elif ins.phase == Phase.FORWARD:
+            payload = self.sends[ins.layer][ins.peer].take(st.fwd.outs[below].detach())
         else:
-            payload = st.back[ins.layer][ins.peer]
-        st.breakdown["fill"] += time.perf_counter() - t0
-        self._post(st, ins, st.transport.send, payload, st.sent)
+            payload = st.bwd.back[ins.layer][ins.peer]
+        st.book.breakdown["fill"] += time.perf_counter() - t0
+        self._post(st, ins, st.transport.send, payload, st.book.sent)
 
-    def _recv(self, st: _StepState, ins: Instruction) -> None:
+    def _recv(self, st: StepState, ins: Instruction) -> None:
         buf = None
-        if ins.phase == "forward":  # a contiguous halo lands in the input buffer itself
+        if ins.phase == Phase.FORWARD:  # a contiguous halo lands in the input buffer itself
             buf = self.recvs[ins.layer][ins.peer].view_in(self._input_buffer(st.batch, ins.layer))
         if buf is None:
             buf = self._halo(ins.layer, ins.phase, ins.peer, st.batch)
-        self._post(st, ins, st.transport.recv, buf, st.received)
+        self._post(st, ins, st.transport.recv, buf, st.book.received)
 
-    def _post(self, st: _StepState, ins: Instruction, post, tensor, book) -> None:
+    def _post(self, st: StepState, ins: Instruction, post, tensor, book) -> None:
         """Post one message of (layer, phase); count its bytes and the time posting took."""
         t0 = time.perf_counter()
-        tag = 2 * ins.layer + (ins.phase == "backward")
-        key = (ins.layer, ins.phase)
-        st.first_post.setdefault(key, t0)
+        tag = halo_tag(ins.layer, ins.phase)
+        key = book_key(ins)
+        st.book.first_post.setdefault(key, t0)
         st.posted.setdefault(key, []).append(post(tag, ins.peer, tensor))
-        _add(book, key, tensor.numel() * tensor.element_size())
+        Ledger.add(book, key, tensor.numel() * tensor.element_size())
         spent = time.perf_counter() - t0
-        _add(st.exchange, key, spent)
-        st.breakdown["post"] += spent
+        Ledger.add(st.book.exchange, key, spent)
+        st.book.breakdown["post"] += spent
 
-    def _wait(self, st: _StepState, ins: Instruction) -> None:
-        key = (ins.layer, ins.phase)
+    def _wait(self, st: StepState, ins: Instruction) -> None:
+        key = book_key(ins)
         t0 = time.perf_counter()
         st.transport.wait(st.posted.pop(key))
         t1 = time.perf_counter()
-        if ins.phase == "backward":  # the gradients owed to this worker's units of layer - 1
-            grad = st.grad[ins.layer - 1]
+        if ins.phase == Phase.BACKWARD:  # the gradients owed to this worker's units of layer - 1
+            grad = st.bwd.grad[ins.layer - 1]
             for d, pos in self.sends[ins.layer].items():
-                pos.add_(grad, self._halo(ins.layer, "backward", d, st.batch))
-        st.breakdown["wait"] += t1 - t0
-        st.breakdown["fill"] += time.perf_counter() - t1
-        _add(st.exchange, key, t1 - t0)
-        st.hidden[key] = max(0.0, t1 - st.first_post[key] - st.exchange[key])
+                pos.add_(grad, self._halo(ins.layer, Phase.BACKWARD, d, st.batch))
+        st.book.breakdown["wait"] += t1 - t0
+        st.book.breakdown["fill"] += time.perf_counter() - t1
+        Ledger.add(st.book.exchange, key, t1 - t0)
+        st.book.hidden[key] = max(0.0, t1 - st.book.first_post[key] - st.book.exchange[key])
 
-    def _loss(self, st: _StepState, ins: Instruction) -> None:
+    def _loss(self, st: StepState, ins: Instruction) -> None:
         t0 = time.perf_counter()
-        out = st.outs[ins.layer]
+        out = st.fwd.outs[ins.layer]
         if st.transport.size == 1:  # the loss joins the graph: one backward call from it
             root, res = self._output_loss.alone(out, st.targets, st.flag, st.want_accuracy)
-            st.pending = (root, None, [])
+            st.bwd.pending = (root, None, [])
         else:
             grad, res = self._output_loss.shared(out, st.targets, st.transport, st.flag)
-            st.grad[ins.layer] = grad
+            st.bwd.grad[ins.layer] = grad
         st.loss, st.accuracy, st.stop = res.loss, res.accuracy, res.stop
         spent = time.perf_counter() - t0
         if st.transport.size > 1:  # a lone worker's loss is compute: it exchanges nothing
-            st.exchange[(ins.layer + 1, "loss")] = spent
-        st.breakdown["loss"] += spent
+            st.book.exchange[(ins.layer + 1, "loss")] = spent
+        st.book.breakdown["loss"] += spent
 
     # ---- buffers ---------------------------------------------------------------------------
     def _input_buffer(self, batch: int, layer: int) -> torch.Tensor:
@@ -539,6 +455,6 @@ class ModelWorker:
         key = (layer, phase, peer, batch)
         buf = self._buffers.get(key)
         if buf is None:
-            units = self.recvs[layer] if phase == "forward" else self.sends[layer]
+            units = self.recvs[layer] if phase == Phase.FORWARD else self.sends[layer]
             buf = self._buffers[key] = torch.empty(len(units[peer]), batch, dtype=self.dtype)
         return buf

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from netpart.errors import TrainError
+from netpart.files import write_atomic
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import build_unit_graph
 from netpart.partition.plans import PartitionPlan
@@ -35,16 +36,11 @@ from netpart.partition.shards import ShardLayout
 from netpart.processes.launcher import join_group, torchrun_attempt
 from netpart.processes.zygote import Preloaded
 from netpart.train.config import TrainConfig
-from netpart.train.process import (
-    PS_TIMEOUT,
-    Job,
-    job_placement,
-    log_as,
-    play_role,
-    stop_on_signals,
-)
+from netpart.train.placement import SHARD, WORKER
+from netpart.train.process import PS_TIMEOUT, job_placement, log_as, play_role, stop_on_signals
 from netpart.train.report import preload_plotting, restart_line
 from netpart.train.rundir import (
+    Job,
     TrainSummary,
     finish_run,
     prepare_run,
@@ -52,6 +48,7 @@ from netpart.train.rundir import (
     write_run,
 )
 from netpart.train.supervise import (
+    Attempt,
     exit_text,
     lost_updates,
     record_restart,
@@ -89,10 +86,11 @@ def train(
     summary = TrainSummary(run=run)
     t0 = time.monotonic()
     total = sum(config.steps - starts.get(r, 0) for r in range(config.replicas))
-    for attempt in range(config.restarts + 1):
-        progress = (total, on_progress, preloaded if attempt == 0 else None)  # one use
-        died = supervise(run, plan.workers, config, resume or attempt > 0, summary, progress,
-                         attempt)  # fmt: skip
+    for number in range(config.restarts + 1):
+        first = preloaded if number == 0 else None  # forks one attempt's processes
+        attempt = Attempt(number, resume=resume or number > 0, total=total,
+                          on_progress=on_progress, preloaded=first)  # fmt: skip
+        died = supervise(run, plan.workers, config, summary, attempt)
         if died is None:
             break
         starts = read_progress(run, config.shards, config.replicas, config.mode == "sync", True)
@@ -100,7 +98,7 @@ def train(
         record_restart(run, lost)
         log.warning("shard %d %s: restarting the job from the last checkpoints (%d of %d); "
                     "its lost steps per replica: %s", died.shard, exit_text(died.code),
-                    attempt + 1, config.restarts, lost["lost_steps"])  # fmt: skip
+                    number + 1, config.restarts, lost["lost_steps"])  # fmt: skip
         write_run(spec, plan, config, run, starts, resume=True)
     summary.wall_s = time.monotonic() - t0
     finish_run(spec, plan, config, run, layout, summary)
@@ -135,7 +133,7 @@ def train_under_torchrun(
     starts = read_progress(run, config.shards, config.replicas, sync, restarted) if resume else {}
     job = Job(spec, plan, config, run, resume, tuple(starts.items()))
     t0 = time.monotonic()
-    kind, a, b = placement.roles[rank]
+    role = placement.roles[rank]
     bar, on_step = _bar(config, starts.get(0, 0), rank, placement)
     try:
         server = play_role(job, rank, stop, placement, on_step=on_step)
@@ -143,10 +141,10 @@ def train_under_torchrun(
         if bar is not None:
             bar.close()
         sys.stderr.flush()
-    if kind == "worker" and b == 0 and config.mode != "sandblaster":
-        lines = (run / f"metrics_replica{a}.jsonl").read_text().splitlines()
+    if role.kind == WORKER and role.worker == 0 and config.mode != "sandblaster":
+        lines = (run / f"metrics_replica{role.replica}.jsonl").read_text().splitlines()
         last = json.loads(lines[-1]) if lines else {"step": 0, "loss": float("nan")}
-        echo(f"replica {a}: step {last['step']}, loss {last['loss']:.4g}")
+        echo(f"replica {role.replica}: step {last['step']}, loss {last['loss']:.4g}")
     elif rank == first_shard and server is not None:
         graph = build_unit_graph(spec, plan.granularity)
         layout = ShardLayout.build(graph, plan.node_map, plan.workers, config.shards)
@@ -157,7 +155,7 @@ def train_under_torchrun(
         for restart in summary.restarts:
             echo(restart_line(restart))
         echo(f"wrote {run}/model.pt; report: {run}/report.md")
-    elif kind == "shard" and server is None:  # not every shard finished: the job failed
+    elif role.kind == SHARD and server is None:  # not every shard finished: the job failed
         if rank == first_shard:
             log.error("a shard failed: %s", resume_hint(run, config))
         return 1
@@ -181,7 +179,7 @@ def _prepare_on_first_shard(spec, plan, config, run, how, mine: bool, placement)
                     if any(lost["lost_steps"].values()):
                         record_restart(run, lost)
             write_run(spec, plan, config, run, starts, resume)
-            (run / "placement.json").write_text(json.dumps(placement.to_dict(), indent=1))
+            write_atomic(run / "placement.json", json.dumps(placement.to_dict(), indent=1).encode())
         except Exception as exc:  # every rank must hear of it, or it would wait for ever
             status = str(exc).encode()[:4000] or type(exc).__name__.encode()
     message = torch.zeros(4096, dtype=torch.uint8)

@@ -20,47 +20,70 @@ from functools import cached_property
 
 from netpart.errors import PlacementError
 
-__all__ = ["POLICIES", "Placement", "PlacementError", "place"]
+__all__ = [
+    "COORDINATOR",
+    "POLICIES",
+    "SHARD",
+    "WORKER",
+    "Placement",
+    "PlacementError",
+    "Role",
+    "place",
+]
 
 POLICIES = ("pack", "spread", "ordered")
+WORKER, SHARD, COORDINATOR = "worker", "shard", "coordinator"
+
+
+@dataclass(frozen=True)
+class Role:
+    """What a rank plays: model worker `worker` of replica `replica`, parameter-server shard
+    `shard`, or Sandblaster's coordinator."""
+
+    kind: str  # WORKER | SHARD | COORDINATOR
+    replica: int = -1
+    worker: int = -1
+    shard: int = -1
+
+    def __str__(self) -> str:
+        """How logs name it: 'replica 1 worker 0', 'shard 2' or 'coordinator'."""
+        if self.kind == WORKER:
+            return f"replica {self.replica} worker {self.worker}"
+        return f"shard {self.shard}" if self.kind == SHARD else COORDINATOR
 
 
 @dataclass(frozen=True)
 class Placement:
-    """roles[rank] = ("worker", replica, worker), ("shard", shard, -1) or ("coordinator", 0,
-    -1); hosts[rank] its host."""
+    """roles[rank]: the `Role` rank plays; hosts[rank]: its host."""
 
     replicas: int
     workers: int
     shards: int
-    roles: tuple[tuple[str, int, int], ...]
+    roles: tuple[Role, ...]
     hosts: tuple[str, ...]
 
     def worker_rank(self, replica: int, worker: int) -> int:
-        return self._index[("worker", replica, worker)]
+        return self._index[Role(WORKER, replica=replica, worker=worker)]
 
     def shard_rank(self, shard: int) -> int:
-        return self._index[("shard", shard, -1)]
+        return self._index[Role(SHARD, shard=shard)]
 
     def coordinator_rank(self) -> int:
-        return self._index[("coordinator", 0, -1)]
+        return self._index[Role(COORDINATOR)]
 
     def replica_ranks(self, replica: int) -> list[int]:
         """Global ranks of replica `replica`'s workers, in worker order."""
         return [self.worker_rank(replica, w) for w in range(self.workers)]
 
     def name(self, rank: int) -> str:
-        """How logs name a rank: 'replica 1 worker 0' or 'shard 2'."""
-        kind, a, b = self.roles[rank]
-        if kind == "coordinator":
-            return "coordinator"
-        return f"replica {a} worker {b}" if kind == "worker" else f"shard {a}"
+        """How logs name a rank: 'replica 1 worker 0', 'shard 2' or 'coordinator'."""
+        return str(self.roles[rank])
 
     def hosts_of_replica(self, replica: int) -> set[str]:
         return {self.hosts[k] for k in self.replica_ranks(replica)}
 
     @cached_property
-    def _index(self) -> dict[tuple[str, int, int], int]:
+    def _index(self) -> dict[Role, int]:
         return {role: k for k, role in enumerate(self.roles)}
 
     def to_dict(self) -> dict:
@@ -92,20 +115,23 @@ def place(
         raise PlacementError(f"--placement {policy}: choose one of {', '.join(POLICIES)}")
     order = list(dict.fromkeys(hosts))  # hosts in order of their first rank
     free = {h: [k for k, x in enumerate(hosts) if x == h] for h in order}
-    roles: list[tuple[str, int, int] | None] = [None] * world
+    roles: list[Role | None] = [None] * world
 
-    def take(host: str, role: tuple[str, int, int]) -> None:
+    def take(host: str, role: Role) -> None:
         roles[free[host].pop(0)] = role
 
+    def worker(r: int, w: int) -> Role:
+        return Role(WORKER, replica=r, worker=w)
+
     if policy == "ordered" or len(order) == 1:
-        roles = [("worker", *divmod(k, workers)) for k in range(replicas * workers)]
-        roles += [("shard", s, -1) for s in range(shards)]
-        roles += [("coordinator", 0, -1)] * coordinators
+        roles = [worker(*divmod(k, workers)) for k in range(replicas * workers)]
+        roles += [Role(SHARD, shard=s) for s in range(shards)]
+        roles += [Role(COORDINATOR)] * coordinators
     elif policy == "spread":
         for r in range(replicas):
             for w in range(workers):
                 host = _with_room(order, free, start=w)
-                take(host, ("worker", r, w))
+                take(host, worker(r, w))
         _place_shards(order, free, shards, take)
     else:
         for r in range(replicas):
@@ -113,17 +139,17 @@ def place(
             if fits:  # the tightest fit keeps big holes for later replicas
                 host = min(fits, key=lambda h: len(free[h]))
                 for w in range(workers):
-                    take(host, ("worker", r, w))
+                    take(host, worker(r, w))
                 continue
             w = 0
             for host in sorted(order, key=lambda h: -len(free[h])):
                 while free[host] and w < workers:
-                    take(host, ("worker", r, w))
+                    take(host, worker(r, w))
                     w += 1
         _place_shards(order, free, shards, take)
     if coordinators and policy != "ordered" and len(order) > 1:
         last = max(k for h in order for k in free[h])
-        roles[last] = ("coordinator", 0, -1)
+        roles[last] = Role(COORDINATOR)
     return Placement(replicas, workers, shards, tuple(roles), tuple(hosts))  # type: ignore[arg-type]
 
 
@@ -139,5 +165,5 @@ def _place_shards(order, free, shards: int, take) -> None:
     i = 0
     for s in range(shards):
         host = _with_room(order, free, start=i)
-        take(host, ("shard", s, -1))
+        take(host, Role(SHARD, shard=s))
         i = order.index(host) + 1

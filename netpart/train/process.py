@@ -23,41 +23,28 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from netpart.models.spec import ModelSpec
-from netpart.partition.plans import PartitionPlan, load_plan
+from netpart.files import write_atomic
 from netpart.partition.schedule import NO_SPLITS, SPLIT_MIN_FLOPS, plan_schedule
 from netpart.partition.shards import ShardLayout
 from netpart.processes.launcher import join_group, yield_io_threads
 from netpart.ps.server import ShardServer
 from netpart.train.config import TrainConfig
-from netpart.train.placement import Placement, place
+from netpart.train.placement import COORDINATOR, WORKER, Placement, place
 from netpart.train.replica import ReplicaJob, run_worker
+from netpart.train.rundir import Job, read_job
 from netpart.train.sandblaster import run_coordinator, run_unit_worker
 from netpart.train.shard import serve_shard
 
-__all__ = ["PS_TIMEOUT", "Job", "job_placement", "log_as", "play_role", "stop_on_signals"]
+__all__ = ["PS_TIMEOUT", "job_placement", "log_as", "play_role", "stop_on_signals"]
 
 log = logging.getLogger(__name__)
 
 PS_TIMEOUT = 24 * 3600.0  # parameter-server pairs idle for long; deaths are seen at once
-
-
-@dataclass(frozen=True)
-class Job:
-    """What every process of a training job knows: the model, its plan, the config, the run."""
-
-    spec: ModelSpec
-    plan: PartitionPlan
-    config: TrainConfig
-    run: Path
-    resume: bool = False
-    starts: tuple[tuple[int, int], ...] = ()  # (replica, step it restarts after)
 
 
 def stop_on_signals() -> threading.Event:
@@ -115,48 +102,38 @@ def play_role(
     ]
     shard_ranks = [placement.shard_rank(s) for s in range(config.shards)]
     shard_group = dist.new_group(shard_ranks, timeout=halo_timeout)
-    kind, a, b = placement.roles[rank]
+    role = placement.roles[rank]
     yield_io_threads()  # the new groups' I/O threads
     # A replica whose workers share a host exchanges halos as memory copies on the cores that
     # compute: splitting layers to hide them costs what it saves. Across hosts it pays.
-    across = kind == "worker" and len(placement.hosts_of_replica(a)) > 1
+    across = role.kind == WORKER and len(placement.hosts_of_replica(role.replica)) > 1
     splits = SPLIT_MIN_FLOPS if across else NO_SPLITS
-    graph, schedule = plan_schedule(spec, plan, False, True, splits)  # the launcher validated
+    # the launcher validated it
+    graph, schedule = plan_schedule(spec, plan, validate=False, split_min_flops=splits)
     layout = ShardLayout.build(graph, plan.node_map, plan.workers, config.shards)
-    if kind == "coordinator":
+    if role.kind == COORDINATOR:
         stats = run_coordinator(config, placement, rank, job.run, stop)
-        (job.run / "coordinator.json").write_text(json.dumps(stats, indent=1))
+        write_atomic(job.run / "coordinator.json", json.dumps(stats, indent=1).encode())
         return None
-    if kind == "worker":
+    if role.kind == WORKER:
+        r = role.replica
         replica = ReplicaJob(
             spec=spec, graph=graph, schedule=schedule, layout=layout, config=config,
-            replica=a, worker=b, rank=rank, group=groups[a], placement=placement,
-            run=job.run, start=dict(job.starts).get(a, 0),
+            replica=r, worker=role.worker, rank=rank, group=groups[r], placement=placement,
+            run=job.run, start=dict(job.starts).get(r, 0),
         )  # fmt: skip
         if config.mode == "sandblaster":
             run_unit_worker(replica)
         else:
             run_worker(replica, stop, on_step)
         return None
-    server = serve_shard(job, layout, a, rank, stop, placement)
+    server = serve_shard(job, layout, role.shard, rank, stop, placement)
     try:  # after this, every shard's final checkpoint is on disk
         dist.barrier(group=shard_group)
     except RuntimeError as exc:
         log.warning("not every shard finished: %s", exc)
         return None
     return server
-
-
-def read_job(run: Path, resume: bool) -> Job:
-    """The job a run directory describes (written by the launcher, which validated it)."""
-    manifest = json.loads((run / "train.json").read_text())
-    config = TrainConfig.from_dict(manifest["config"])
-    spec = ModelSpec.from_json((run / "spec.json").read_text(), str(run / "spec.json"))
-    starts = json.loads((run / "start.json").read_text())
-    return Job(
-        spec, load_plan(run, spec), config, run, resume,
-        tuple(sorted((int(r), int(s)) for r, s in starts.items())),
-    )  # fmt: skip
 
 
 def main() -> int:

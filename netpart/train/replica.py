@@ -76,7 +76,7 @@ class ReplicaJob:
         """The worker's model slices, its transport and its client."""
         dtype = DTYPES[self.config.dtype]
         model = ModelWorker(
-            self.spec, self.graph, self.schedule, self.worker, self.config.seed, dtype
+            self.spec, self.graph, self.schedule, self.worker, seed=self.config.seed, dtype=dtype
         )
         tensors = model.param_tensors()
         if sum(t.numel() for t in tensors) != self.layout.worker_size(self.worker):
@@ -109,64 +109,90 @@ def run_worker(
     completes each request at once. With local steps (`TrainConfig.local_steps`) every step
     is also applied to the worker's own parameters (`Requests`).
     """
-    config, replica = job.config, job.replica
-    model, transport, client = job.build()
-    faults.point(job.rank, 0)
-    data = load_data(config.data, job.spec, config.seed, config.examples)
-    sync = config.mode == "sync"
-    warm = config.warm_start if (replica > 0 and not sync and job.start < config.warm_start) else 0
-    if warm:
-        log.info("waiting for replica 0's %d warm-start steps", warm)
-    first = client.complete(client.request(job.start, fetch=True, fetch_step=warm))
-    model.bind_values(first)
-    local = config.local_steps
-    buffers = client.push_buffers(1 if sync else IN_FLIGHT + 1)
-    # Local steps between pushes apply each step's own gradient: backward writes it apart.
-    apart = local and (config.n_push > 1 or config.push_norm > 0)
-    grads = GradBuffers(model, buffers, torch.zeros_like(buffers[0]) if apart else None)
-    requests = Requests(client, model, grads, config.lr if local else None, first)
-    metrics = _Metrics(job) if job.worker == 0 else None
+    loop = _StepLoop(job, on_step)
     t = job.start
-    clock = time.perf_counter
     try:
-        for t in range(job.start + 1, config.steps + 1):
+        for t in range(job.start + 1, job.config.steps + 1):
             faults.point(job.rank, t)
-            t0 = clock()
-            requests.settle(IN_FLIGHT)  # only what has arrived
-            t1 = clock()
-            x, y = data.batch(replica, config.replicas, t, config.batch, DTYPES[config.dtype])
-            t2 = clock()
-            # A signal reaches a replica's workers at different moments: the flag travels with
-            # the loss's collective, so they all stop after the same step.
-            result = model.step(
-                x, y, transport, collect_grads=False, stop=stop.is_set(), accuracy=job.worker == 0
-            )
-            t3 = clock()
-            if not math.isfinite(result.loss):  # never push it: it would poison every replica
-                raise RuntimeFailure(
-                    f"replica {replica}: the loss is {result.loss} at step {t}: training "
-                    "diverged; try a lower --lr"
-                )
-            requests.stepped()
-            pushed = sync or push_due(t, config.n_push, config.push_norm, grads.flat)
-            fetched = sync or t % config.n_fetch == 0
-            if pushed or fetched:
-                requests.post(t, pushed, fetched, wait=sync)
-            t4 = clock()
-            if metrics is not None:
-                times = (t1 - t0, t2 - t1, t3 - t2, t4 - t3)
-                line = metrics.line(t, result, client.staleness, times, pushed, client.received)
-                if on_step is not None:
-                    on_step(line)
-            if result.stop:
+            if loop.step(t, stop=stop.is_set()):
                 log.info("stopping after step %d", t)
                 break
-        if requests.unpushed:
-            client.request(t, grads.flat, ahead=requests.ahead)
-        client.close()
+        loop.finish(t)
     finally:
-        if metrics is not None:
-            metrics.close()
+        loop.close()
+
+
+class _StepLoop:
+    """One worker's training state: its model slices, transport, client, data, gradient
+    buffers, requests in flight and (worker 0) the replica's metrics."""
+
+    def __init__(self, job: ReplicaJob, on_step: Callable[[dict], None] | None) -> None:
+        config, replica = job.config, job.replica
+        self.job, self.on_step = job, on_step
+        self.model, self.transport, self.client = job.build()
+        faults.point(job.rank, 0)
+        self.data = load_data(config.data, job.spec, config.seed, config.examples)
+        self.sync = config.mode == "sync"
+        late = replica > 0 and not self.sync and job.start < config.warm_start
+        warm = config.warm_start if late else 0
+        if warm:
+            log.info("waiting for replica 0's %d warm-start steps", warm)
+        client = self.client
+        first = client.complete(client.request(job.start, fetch=True, fetch_step=warm))
+        self.model.bind_values(first)
+        local = config.local_steps
+        buffers = client.push_buffers(1 if self.sync else IN_FLIGHT + 1)
+        # Local steps between pushes apply each step's own gradient: backward writes it apart.
+        apart = local and (config.n_push > 1 or config.push_norm > 0)
+        scratch = torch.zeros_like(buffers[0]) if apart else None
+        self.grads = GradBuffers(self.model, buffers, scratch)
+        self.requests = Requests(client, self.model, self.grads, config.lr if local else None,
+                                 first)  # fmt: skip
+        self.metrics = _Metrics(job) if job.worker == 0 else None
+
+    def step(self, t: int, stop: bool) -> bool:
+        """Step `t`: settle what arrived, compute on the batch, push and fetch as due; True
+        when the replica agreed to stop after it."""
+        job, config, clock = self.job, self.job.config, time.perf_counter
+        t0 = clock()
+        self.requests.settle(IN_FLIGHT)  # only what has arrived
+        t1 = clock()
+        x, y = self.data.batch(job.replica, config.replicas, t, config.batch,
+                               DTYPES[config.dtype])  # fmt: skip
+        t2 = clock()
+        # A signal reaches a replica's workers at different moments: the flag travels with
+        # the loss's collective, so they all stop after the same step.
+        result = self.model.step(x, y, self.transport, collect_grads=False, stop=stop,
+                                 accuracy=job.worker == 0)  # fmt: skip
+        t3 = clock()
+        if not math.isfinite(result.loss):  # never push it: it would poison every replica
+            raise RuntimeFailure(
+                f"replica {job.replica}: the loss is {result.loss} at step {t}: training "
+                "diverged; try a lower --lr"
+            )
+        self.requests.stepped()
+        pushed = self.sync or push_due(t, config.n_push, config.push_norm, self.grads.flat)
+        fetched = self.sync or t % config.n_fetch == 0
+        if pushed or fetched:
+            self.requests.post(t, pushed, fetched, wait=self.sync)
+        t4 = clock()
+        if self.metrics is not None:
+            times = (t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+            client = self.client
+            line = self.metrics.line(t, result, client.staleness, times, pushed, client.received)
+            if self.on_step is not None:
+                self.on_step(line)
+        return result.stop
+
+    def finish(self, t: int) -> None:
+        """Push what is left after step `t`, and say goodbye to the shards."""
+        if self.requests.unpushed:
+            self.client.request(t, self.grads.flat, ahead=self.requests.ahead)
+        self.client.close()
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
 
 
 class Requests:

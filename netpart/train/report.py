@@ -239,37 +239,7 @@ def _markdown(run, lines, hist, summary, train, images) -> str:
             "",
         ]
     if lines:
-        wall = max(x["time"] for x in lines) - min(x["time"] for x in lines)
-        samples = sum(x.get("samples", 0) for x in lines)
-        out += [
-            "| replica | steps | loss (last 10%) | train accuracy (last 10%) | step ms |",
-            "|---|---|---|---|---|",
-        ]
-        for r, rows in reps.items():
-            tail = rows[-max(1, len(rows) // 10) :]
-            acc = [x["accuracy"] for x in tail if x.get("accuracy") is not None]
-            acc_s = f"{np.mean(acc):.3f}" if acc else "-"
-            step_ms = np.mean([x.get("step_s", np.nan) for x in rows]) * 1e3
-            out.append(
-                f"| {r} | {rows[-1]['step']} | {np.mean([x['loss'] for x in tail]):.4f} | "
-                f"{acc_s} | {step_ms:.1f} |"
-            )
-        halo = sum(x.get("halo_bytes", 0) for x in lines)
-        ps = sum(x.get("ps_bytes", 0) for x in lines)
-        out += [
-            "",
-            f"- Throughput: {samples:,} samples in {wall:.1f} s of metrics "
-            f"({samples / wall if wall > 0 else float('nan'):.0f} samples/s over all replicas).",
-            f"- Bytes moved: {halo / 1e6:.1f} MB halo exchange, {ps / 1e6:.1f} MB to and from "
-            "the parameter server.",
-        ]
-        parts = _breakdown(lines)
-        if parts:
-            total = sum(parts.values())
-            shares = ", ".join(
-                f"{PART_NAMES[p]} {v * 1e3:.1f} ms ({v / total:.0%})" for p, v in parts.items()
-            )
-            out.append(f"- Step time of worker 0, mean over replicas: {shares}.")
+        out += _metrics_lines(lines, reps)
     if hist:
         n = sum(hist.values())
         values = np.repeat(np.array(sorted(hist)), [hist[k] for k in sorted(hist)])
@@ -287,6 +257,43 @@ def _markdown(run, lines, hist, summary, train, images) -> str:
     out += [f"- {restart_line(x)}." for x in summary.get("restarts", [])]
     out += ["", *[f"![{name}]({name})" for name in images], ""]
     return "\n".join(out)
+
+
+def _metrics_lines(lines: list[dict], reps: dict) -> list[str]:
+    """Per replica its steps, loss, accuracy and step time; throughput, bytes and where
+    worker 0's step went."""
+    wall = max(x["time"] for x in lines) - min(x["time"] for x in lines)
+    samples = sum(x.get("samples", 0) for x in lines)
+    out = [
+        "| replica | steps | loss (last 10%) | train accuracy (last 10%) | step ms |",
+        "|---|---|---|---|---|",
+    ]
+    for r, rows in reps.items():
+        tail = rows[-max(1, len(rows) // 10) :]
+        acc = [x["accuracy"] for x in tail if x.get("accuracy") is not None]
+        acc_s = f"{np.mean(acc):.3f}" if acc else "-"
+        step_ms = np.mean([x.get("step_s", np.nan) for x in rows]) * 1e3
+        out.append(
+            f"| {r} | {rows[-1]['step']} | {np.mean([x['loss'] for x in tail]):.4f} | "
+            f"{acc_s} | {step_ms:.1f} |"
+        )
+    halo = sum(x.get("halo_bytes", 0) for x in lines)
+    ps = sum(x.get("ps_bytes", 0) for x in lines)
+    out += [
+        "",
+        f"- Throughput: {samples:,} samples in {wall:.1f} s of metrics "
+        f"({samples / wall if wall > 0 else float('nan'):.0f} samples/s over all replicas).",
+        f"- Bytes moved: {halo / 1e6:.1f} MB halo exchange, {ps / 1e6:.1f} MB to and from "
+        "the parameter server.",
+    ]
+    parts = _breakdown(lines)
+    if parts:
+        total = sum(parts.values())
+        shares = ", ".join(
+            f"{PART_NAMES[p]} {v * 1e3:.1f} ms ({v / total:.0%})" for p, v in parts.items()
+        )
+        out.append(f"- Step time of worker 0, mean over replicas: {shares}.")
+    return out
 
 
 def restart_line(restart: dict) -> str:

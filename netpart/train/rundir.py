@@ -16,7 +16,6 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -24,7 +23,8 @@ from netpart.data import load_data
 from netpart.errors import RuntimeFailure, TrainError, WorkerFailure
 from netpart.files import foreign_entries, write_atomic, write_files
 from netpart.models.spec import ModelSpec
-from netpart.partition.plans import PartitionPlan, plan_files
+from netpart.partition.graph import build_unit_graph
+from netpart.partition.plans import PartitionPlan, load_plan, plan_files
 from netpart.partition.schedule import plan_schedule
 from netpart.partition.shards import ShardLayout
 from netpart.ps.checkpoint import export_state_dict, load_shard, save_model, shard_path
@@ -32,14 +32,16 @@ from netpart.train.config import SCHEMA_VERSION, TrainConfig, layout_key
 from netpart.train.report import evaluate, read_metrics, write_report
 
 __all__ = [
+    "Job",
     "Progress",
     "TrainSummary",
     "checkpoint_meta",
     "finish_run",
     "model_from_shards",
     "prepare_run",
+    "read_job",
     "read_progress",
-    "read_run",
+    "run_model",
     "write_run",
 ]
 
@@ -83,16 +85,36 @@ def checkpoint_meta(spec: ModelSpec, plan: PartitionPlan, config: TrainConfig) -
     }
 
 
-def read_run(run: Path) -> tuple[dict[str, Any], ModelSpec, TrainConfig]:
-    """(train.json, spec, config) of a run directory; TrainError if it is not one."""
+@dataclass(frozen=True)
+class Job:
+    """What every process of a training job knows: the model, its plan, the config, the run
+    directory, and (resuming) the step each replica restarts after."""
+
+    spec: ModelSpec
+    plan: PartitionPlan
+    config: TrainConfig
+    run: Path
+    resume: bool = False
+    starts: tuple[tuple[int, int], ...] = ()  # (replica, step it restarts after)
+
+
+def read_job(run: Path, resume: bool = False) -> Job:
+    """The job a run directory holds (train.json, spec.json, the plan files and, once a job
+    started there, start.json): the one reader of a run directory; TrainError (one line)
+    if it is not one."""
     if not (run / "train.json").exists():
         raise TrainError(f"{run}: no train.json there; is it a netpart run directory?")
     try:
         manifest = json.loads((run / "train.json").read_text())
         spec = ModelSpec.from_json((run / "spec.json").read_text(), str(run / "spec.json"))
+        starts_file = run / "start.json"
+        starts = json.loads(starts_file.read_text()) if starts_file.exists() else {}
     except (OSError, ValueError) as exc:
         raise TrainError(f"{run}: unreadable run files ({exc})") from None
-    return manifest, spec, TrainConfig.from_dict(manifest.get("config"), str(run / "train.json"))
+    config = TrainConfig.from_dict(manifest.get("config"), str(run / "train.json"))
+    plan = load_plan(run, spec)
+    started = tuple(sorted((int(r), int(s)) for r, s in starts.items()))
+    return Job(spec, plan, config, run, resume, started)
 
 
 def read_progress(
@@ -114,6 +136,25 @@ def read_progress(
             mine = int(meta.get("clock", 0)) if sync else prog.get(r, 0)
             out[r] = mine if s == 0 else pick(out[r], mine)
     return out
+
+
+def run_model(run: Path, from_shards: bool = False) -> tuple[Job, dict[str, torch.Tensor]]:
+    """(the run's job, the reference `state_dict` it trained): its model.pt if there is one
+    (unless `from_shards`), else rebuilt from the shard checkpoints."""
+    job = read_job(run)
+    if not from_shards and (run / "model.pt").exists():
+        try:
+            return job, torch.load(run / "model.pt", weights_only=True)
+        except Exception as exc:  # a torn or foreign file: torch's message runs to many lines
+            raise TrainError(
+                f"{run / 'model.pt'}: not a model file netpart wrote ({type(exc).__name__} from "
+                f"torch.load); rebuild it from the shard checkpoints with `netpart export {run}`"
+            ) from None
+    spec, plan, config = job.spec, job.plan, job.config
+    layout = ShardLayout.build(
+        build_unit_graph(spec, plan.granularity), plan.node_map, plan.workers, config.shards
+    )
+    return job, model_from_shards(spec, plan, config, run, layout)
 
 
 def model_from_shards(
@@ -141,7 +182,7 @@ def prepare_run(
     graph, _ = plan_schedule(spec, plan)
     layout = ShardLayout.build(graph, plan.node_map, plan.workers, config.shards)
     if resume:
-        _, _, old = read_run(run)
+        old = read_job(run).config
         meta = checkpoint_meta(spec, plan, config)
         for s in range(config.shards):  # every checkpoint must load before anything is written
             load_shard(run, s, meta, int(layout.shard_sizes()[s]))

@@ -19,6 +19,7 @@ import json
 import logging
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,11 +27,13 @@ from netpart.errors import WorkerFailure
 from netpart.faults import RESTART_ENV
 from netpart.files import write_atomic
 from netpart.processes.launcher import Processes
+from netpart.processes.zygote import Preloaded
 from netpart.train.config import TrainConfig
 from netpart.train.rundir import Progress, TrainSummary
 
 __all__ = [
     "STOP_MARGIN",
+    "Attempt",
     "Died",
     "exit_text",
     "lost_updates",
@@ -97,83 +100,111 @@ def _stop_overdue(procs: Processes) -> bool:
     return procs.stopped_at is not None and time.monotonic() - procs.stopped_at > procs.grace
 
 
+@dataclass(frozen=True)
+class Attempt:
+    """One start of a job's processes: its number (0: the first), whether it resumes, the
+    steps all replicas will run, who hears of the progress (`on_progress(done, stats,
+    total)`), and the preloaded interpreter that forks its processes (the first only)."""
+
+    number: int = 0
+    resume: bool = False
+    total: int = 0
+    on_progress: Callable[[int, dict, int], None] | None = None
+    preloaded: Preloaded | None = None
+
+
 def supervise(
-    run: Path,
-    workers: int,
-    config: TrainConfig,
-    resume: bool,
-    summary: TrainSummary,
-    progress: tuple,
-    attempt: int = 0,
+    run: Path, workers: int, config: TrainConfig, summary: TrainSummary, attempt: Attempt
 ) -> Died | None:
     """Start the job's processes and apply the fault policy until they have all ended.
 
-    Returns the shard to restart when one died and `attempt` < `config.restarts`; raises
-    WorkerFailure when a shard or the coordinator failed otherwise, KeyboardInterrupt after
-    a second signal."""
-    total, on_progress, preloaded = progress
-    world, n_workers = config.world(workers), config.replicas * workers
-    logs = [run / "logs" / f"rank{r}.log" for r in range(world)]
-    args = ["--run", str(run), *(["--resume"] if resume else [])]
+    Returns the shard to restart when one died and the attempt's number < `config.restarts`;
+    raises WorkerFailure when a shard or the coordinator failed otherwise, KeyboardInterrupt
+    after a second signal."""
+    logs = [run / "logs" / f"rank{r}.log" for r in range(config.world(workers))]
+    args = ["--run", str(run), *(["--resume"] if attempt.resume else [])]
     read = Progress(run, config.replicas)
-    grace = config.timeout + STOP_MARGIN  # shards wait `timeout` for workers, then write
-    env = {RESTART_ENV: str(attempt)}
-    job = Processes("netpart.train.process", args, logs, grace, True, preloaded=preloaded, env=env)
-    failed: tuple[int, int] | None = None  # (shard, code) that failed first
-    user_stop = False
+    watch = _Watch(config, workers, summary)
+    job = Processes(
+        "netpart.train.process", args, logs,
+        grace=config.timeout + STOP_MARGIN,  # shards wait `timeout` for workers, then write
+        new_session=True, preloaded=attempt.preloaded,
+        env={RESTART_ENV: str(attempt.number)},
+    )  # fmt: skip
     with job as procs:
-        lost_at: dict[int, float] = {}
-        dead_since: dict[int, float] = {}  # worker rank -> when its exit was first seen
-        while procs.running():
-            now, codes = time.monotonic(), procs.codes()
-            failing = [s for s, c in enumerate(codes[n_workers:]) if c not in (None, 0)]
-            if failed is None and failing:
-                failed = (failing[0], codes[n_workers + failing[0]])
-                user_stop = procs.stopping.is_set()
-                procs.stop()
-            for k in (k for k, c in enumerate(codes[:n_workers]) if c not in (None, 0)):
-                dead_since.setdefault(k, now)
-            # A worker's death counts once a shard's exit had time to be seen too: workers die
-            # of a dead shard, and exits are reported in no particular order.
-            ready = {k // workers for k, t in dead_since.items() if now - t >= SETTLE}
-            if failed is None:  # after a shard failed, workers die of it: not replica losses
-                for r in _note_lost(procs, codes[:n_workers], workers, summary, ready):
-                    log.warning("replica %d lost (%s); training goes on", r, summary.lost[r])
-                    lost_at[r] = now
-            for r, since in lost_at.items():  # mates of a lost worker get `timeout` to notice
-                if now - since > config.timeout:
-                    procs.kill(list(range(r * workers, (r + 1) * workers)))
-            if procs.stopping.is_set() and all(c is not None for c in codes[n_workers:]):
-                break
-            if procs.forced.is_set() or _stop_overdue(procs):
-                break  # leaving the block kills what is left
-            if on_progress is not None:
-                on_progress(*read(), total)
+        while procs.running() and not watch.poll(procs):
+            if attempt.on_progress is not None:
+                attempt.on_progress(*read(), attempt.total)
             time.sleep(0.1)
-        if failed is not None:  # a failed job does not wait for the stragglers
-            procs.kill(list(range(world)))
-        if on_progress is not None:
-            on_progress(*read(), total)
+        if watch.failed is not None:  # a failed job does not wait for the stragglers
+            procs.kill(list(range(len(logs))))
+        if attempt.on_progress is not None:
+            attempt.on_progress(*read(), attempt.total)
     if procs.forced.is_set():
         raise KeyboardInterrupt(f"processes killed by a second signal; checkpoints are in {run}")
-    codes = procs.codes()[n_workers:]
-    if failed is None and any(c != 0 for c in codes):  # failed after the last poll
-        failed = next((s, c) for s, c in enumerate(codes) if c != 0)
-    if failed is None:  # replicas lost since the last poll
-        _note_lost(procs, procs.codes()[:n_workers], workers, summary, set(range(config.replicas)))
-    summary.stopped = procs.stopping.is_set() and (failed is None or user_stop)
-    if failed is None:
-        return None
-    s, code = failed
-    is_shard = s < config.shards
-    why = procs.last_error(n_workers + s) if code == REPORTED_ERROR else "no error in its log"
-    died = is_shard and code != REPORTED_ERROR and not user_stop
-    restartable = config.mode != "sandblaster" and (run / f"shard_{s}.pt").exists()
-    if died and restartable and attempt < config.restarts:
-        return Died(s, code, why)
-    who = f"shard {s}" if is_shard else "the coordinator"
-    left = " (no restart left)" if is_shard and code != REPORTED_ERROR else ""
-    raise WorkerFailure(f"{who} {exit_text(code)}{left}: {why}; {resume_hint(run, config)}")
+    return watch.verdict(procs, run, attempt.number)
+
+
+class _Watch:
+    """What the processes of one attempt did so far, and what it means (the fault policy)."""
+
+    def __init__(self, config: TrainConfig, workers: int, summary: TrainSummary) -> None:
+        self.config, self.workers, self.summary = config, workers, summary
+        self.n_workers = config.replicas * workers
+        self.failed: tuple[int, int] | None = None  # (shard, code) that failed first
+        self.user_stop = False
+        self.lost_at: dict[int, float] = {}
+        self.dead_since: dict[int, float] = {}  # worker rank -> when its exit was first seen
+
+    def poll(self, procs: Processes) -> bool:
+        """Look at every process once and act; True once waiting is over."""
+        now, codes = time.monotonic(), procs.codes()
+        n, workers = self.n_workers, self.workers
+        failing = [s for s, c in enumerate(codes[n:]) if c not in (None, 0)]
+        if self.failed is None and failing:
+            self.failed = (failing[0], codes[n + failing[0]])
+            self.user_stop = procs.stopping.is_set()
+            procs.stop()
+        for k in (k for k, c in enumerate(codes[:n]) if c not in (None, 0)):
+            self.dead_since.setdefault(k, now)
+        # A worker's death counts once a shard's exit had time to be seen too: workers die
+        # of a dead shard, and exits are reported in no particular order.
+        ready = {k // workers for k, t in self.dead_since.items() if now - t >= SETTLE}
+        if self.failed is None:  # after a shard failed, workers die of it: not replica losses
+            for r in _note_lost(procs, codes[:n], workers, self.summary, ready):
+                log.warning("replica %d lost (%s); training goes on", r, self.summary.lost[r])
+                self.lost_at[r] = now
+        for r, since in self.lost_at.items():  # mates of a lost worker get `timeout` to notice
+            if now - since > self.config.timeout:
+                procs.kill(list(range(r * workers, (r + 1) * workers)))
+        if procs.stopping.is_set() and all(c is not None for c in codes[n:]):
+            return True
+        return procs.forced.is_set() or _stop_overdue(procs)  # leaving kills what is left
+
+    def verdict(self, procs: Processes, run: Path, attempt: int) -> Died | None:
+        """After every process ended: None (done, or stopped), the shard to restart, or
+        WorkerFailure naming what failed."""
+        config, n = self.config, self.n_workers
+        codes = procs.codes()[n:]
+        failed = self.failed
+        if failed is None and any(c != 0 for c in codes):  # failed after the last poll
+            failed = next((s, c) for s, c in enumerate(codes) if c != 0)
+        if failed is None:  # replicas lost since the last poll
+            everyone = set(range(config.replicas))
+            _note_lost(procs, procs.codes()[:n], self.workers, self.summary, everyone)
+        self.summary.stopped = procs.stopping.is_set() and (failed is None or self.user_stop)
+        if failed is None:
+            return None
+        s, code = failed
+        is_shard = s < config.shards
+        why = procs.last_error(n + s) if code == REPORTED_ERROR else "no error in its log"
+        died = is_shard and code != REPORTED_ERROR and not self.user_stop
+        restartable = config.mode != "sandblaster" and (run / f"shard_{s}.pt").exists()
+        if died and restartable and attempt < config.restarts:
+            return Died(s, code, why)
+        who = f"shard {s}" if is_shard else "the coordinator"
+        left = " (no restart left)" if is_shard and code != REPORTED_ERROR else ""
+        raise WorkerFailure(f"{who} {exit_text(code)}{left}: {why}; {resume_hint(run, config)}")
 
 
 def lost_updates(run: Path, shard: int, starts: dict[int, int], sync: bool, why: str) -> dict:

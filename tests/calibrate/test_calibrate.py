@@ -358,7 +358,7 @@ def test_chain_shares_are_the_runtime_s_chains_and_err_low(spec, workers, method
     late share no larger than theirs (a block holding one early unit is early); their late
     work hides exchange, never adds to it."""
     p = plan(spec, workers, method, batch=4, granularity=Granularity(spatial_blocks=8))
-    graph, schedule = plan_schedule(spec, p, True, True, 0.0)
+    graph, schedule = plan_schedule(spec, p, split_min_flops=0.0)
     late, feeds = chain_shares(graph, p.node_map, workers)
     for layer, w in zip(*np.nonzero(feeds >= 0), strict=True):
         top = next(b + 1 for a, b in schedule.chains[w] if a <= layer <= b)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from netpart.errors import ScheduleError
 from netpart.models import ZOO
 from netpart.partition import Granularity, build_unit_graph, plan
-from netpart.partition.program import Instruction, check_program
+from netpart.partition.program import Instruction, check_program, parse_program, program_text
 from netpart.partition.schedule import build_schedule
 from tests.conftest import chain_specs, small_specs
 
@@ -50,6 +50,23 @@ def _broken(program, k, **change):
     return tuple(out)
 
 
+@given(chain_specs(), st.integers(1, 4), st.sampled_from(["metis", "random", "tiles"]))
+@settings(max_examples=30, deadline=None)
+def test_a_program_prints_as_text_and_parses_back(spec, workers, method):
+    """Every instruction of every worker's program is a token that parses back to it."""
+    sched = _schedule(spec, workers, method)
+    for w in range(workers):
+        program = sched.instructions(w)
+        text = program_text(program)
+        assert parse_program(text) == program and len(text.splitlines()) == len(program)
+        assert all(Instruction.from_str(str(i)) == i for i in program)
+    assert str(Instruction("compute", 3, part="interior")) == "C3F.interior"
+    assert str(Instruction("send", 2, "backward", peer=1, count=1920)) == "S2B>1*1920"
+    for bad in ("C3F", "S2F<1*3", "L3F", "X1F", "R2F<1", "W2F.all", "C3F.sideways"):
+        with pytest.raises(ScheduleError):
+            Instruction.from_str(bad)
+
+
 def test_a_program_out_of_order_is_refused():
     spec = ZOO["tiny-local"]
     sched = _schedule(spec, 2)
@@ -66,11 +83,13 @@ def test_a_program_out_of_order_is_refused():
         "ends before its backward pass": program[:-1],
         "the loss before the whole forward pass": (program[0], Instruction("loss", layers - 1)),
         "a part computed twice": program[:1] + program[:1] + program[1:],
-        "not an instruction of this model": _broken(program, 0, op="jump"),
+        "not an instruction of this model": _broken(program, 0, layer=layers),
     }
     for message, bad in cases.items():
         with pytest.raises(ScheduleError, match=message):
             check_program(bad, layers, 0)
+    with pytest.raises(ScheduleError, match="not an instruction of this model"):
+        _broken(program, 0, op="jump")  # the vocabulary is typed: refused as it is written
     check_program(program, layers, 0)  # the real one passes
 
 
@@ -149,7 +168,7 @@ def test_chains_split_conv_and_local_layers_by_whole_positions(spec, workers, me
     grain = Granularity(spatial_blocks=blocks, dense_blocks=4)
     p = plan(spec, workers, method, granularity=grain)
     graph = build_unit_graph(spec, p.granularity)
-    schedule = build_schedule(graph, p.node_map, workers, True, 0.0)
+    schedule = build_schedule(graph, p.node_map, workers, split_min_flops=0.0)
     for layer, per_worker in enumerate(schedule.early):
         if spec.layers[layer].kind not in ("conv", "local"):
             continue

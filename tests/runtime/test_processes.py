@@ -15,6 +15,7 @@ from netpart.models import ZOO, build_reference, load_spec
 from netpart.partition import plan
 from netpart.runtime import WorkerFailure, run_step
 from netpart.runtime.check import make_batch
+from netpart.runtime.step import StepOptions
 from tests.conftest import count_processes
 
 pytestmark = pytest.mark.timeout(180)
@@ -94,7 +95,7 @@ def test_run_step_matches_the_reference_and_the_plan():
     spec = ZOO["tiny-local"]
     p = plan(spec, 2, "tiles")
     x, y = make_batch(spec, 3, 5)
-    result = run_step(spec, p, x, y, timeout=60)
+    result = run_step(spec, p, x, y, StepOptions(timeout=60))
     model = build_reference(spec, 0, torch.float64)
     loss = model.loss(model(x), y)
     loss.backward()
@@ -114,7 +115,7 @@ def test_a_dead_or_stuck_worker_stops_everyone_within_the_timeout(monkeypatch, f
     timeout = 6.0
     start = time.monotonic()
     with pytest.raises(WorkerFailure) as err:
-        run_step(spec, p, x, y, timeout=timeout)
+        run_step(spec, p, x, y, StepOptions(timeout=timeout))
     elapsed = time.monotonic() - start
     kind, victim = fault.split(":")
     message = str(err.value)
@@ -198,12 +199,12 @@ LAUNCH_AND_HANG = """
 import os
 from netpart.models import ZOO
 from netpart.partition import plan
-from netpart.runtime import run_step
+from netpart.runtime import StepOptions, run_step
 from netpart.runtime.check import make_batch
 os.environ["NETPART_TEST_FAULT"] = "hang:1"
 spec = ZOO["tiny-local"]
 x, y = make_batch(spec, 2, 0)
-run_step(spec, plan(spec, 3), x, y, timeout=120)
+run_step(spec, plan(spec, 3), x, y, StepOptions(timeout=120))
 """
 
 

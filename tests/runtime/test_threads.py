@@ -110,7 +110,7 @@ def test_producer_chains_equal_the_reference(spec, workers, method, aligned, bat
     same step, exactly, and the plan's bytes."""
     grain = Granularity(spatial_blocks=blocks, dense_blocks=4, align_pools=aligned)
     p = plan(spec, workers, method, granularity=grain)
-    _, schedule = plan_schedule(spec, p, True, True, 0.0)
+    _, schedule = plan_schedule(spec, p, split_min_flops=0.0)
     assume(any(schedule.chains))
     x, y = make_batch(spec, batch, 3)
     result = run_step_threads(spec, p, x, y, split_min_flops=0.0)
@@ -185,13 +185,13 @@ def test_bound_gradients_are_the_collected_ones_in_layout_order():
     push sends), also for locally connected slices whose runs are separate leaves."""
     spec = ZOO["tiny-local"]
     p = plan(spec, 2, "tiles")
-    graph, schedule = plan_schedule(spec, p, True, True, 0.0)  # split every layer it can
+    graph, schedule = plan_schedule(spec, p, split_min_flops=0.0)  # split every layer it can
     x, y = make_batch(spec, 3, 2)
     transports = ThreadTransport.group(2)
     flats, collected = [None, None], [None, None]
 
     def work(rank):
-        worker = ModelWorker(spec, graph, schedule, rank, 0, torch.float64)
+        worker = ModelWorker(spec, graph, schedule, rank, seed=0, dtype=torch.float64)
         flat = torch.zeros(sum(t.numel() for t in worker.param_tensors()), dtype=torch.float64)
         worker.bind_grads(flat)
         for _ in range(2):  # gradients of two steps accumulate

@@ -1,0 +1,72 @@
+"""The index tables a worker's program reads and writes through, from its halo schedule.
+
+Pure numpy, built once per worker before any step (the runtime turns them into tensor
+indices): which units of each layer it owns; per layer and peer, which of its outputs below
+it sends (positions among its owned units) and which units it receives; and, where producer
+chains run, each chain layer's early and late units, which layers feed a chained layer, and
+which of the early units each message of the chain sends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from netpart.partition.schedule import HaloSchedule
+
+__all__ = ["WorkerIndices", "worker_indices"]
+
+
+@dataclass(frozen=True, eq=False)
+class WorkerIndices:
+    """Worker `rank`'s tables (every array sorted or in the order the schedule sends)."""
+
+    rank: int
+    owned: tuple[np.ndarray, ...]  # [layer] the units it computes
+    first: tuple[np.ndarray | None, ...]  # [layer] its first part: a chain's early units, or
+    # its interior (None: a bare schedule, never split)
+    early: dict[int, np.ndarray]  # chain layer -> its early units
+    late: dict[int, np.ndarray]  # chain layer -> the rest of its owned units
+    feeds: frozenset[int]  # layers whose layer above is computed in chain parts
+    sends: tuple[dict[int, np.ndarray], ...]  # [layer] peer -> positions in owned[layer - 1]
+    recvs: tuple[dict[int, np.ndarray], ...]  # [layer] peer -> units of layer - 1
+    early_sends: dict[int, dict[int, np.ndarray]]  # [layer] peer -> positions in early[layer-1]
+
+
+def worker_indices(schedule: HaloSchedule, rank: int) -> WorkerIndices:
+    """The tables of worker `rank` of `schedule` (pure)."""
+    layers = len(schedule.owned)
+    owned = tuple(schedule.owned[i][rank] for i in range(layers))
+    chained = schedule.overlap and bool(schedule.early)
+    early = {i: schedule.early[i][rank] for i in range(layers) if chained}
+    early = {i: e for i, e in early.items() if len(e)}
+    first = tuple(
+        early[i] if i in early else schedule.interior[i][rank] if schedule.interior else None
+        for i in range(layers)
+    )
+    chains = schedule.chains[rank] if schedule.overlap and schedule.chains else ()
+    sends: list[dict[int, np.ndarray]] = [{}]
+    recvs: list[dict[int, np.ndarray]] = [{}]
+    for i in range(1, layers):
+        mine = schedule.sends[i].items()
+        sends.append({d: np.searchsorted(owned[i - 1], u) for (s, d), u in mine if s == rank})
+        recvs.append({s: u for (s, d), u in mine if d == rank})
+    early_sends = {
+        i + 1: {
+            d: np.searchsorted(e, u) for (s, d), u in schedule.sends[i + 1].items() if s == rank
+        }
+        for i, e in early.items()
+        if i + 1 < layers
+    }
+    return WorkerIndices(
+        rank=rank,
+        owned=owned,
+        first=first,
+        early=early,
+        late={i: np.setdiff1d(owned[i], e) for i, e in early.items()},
+        feeds=frozenset(k for a, b in chains for k in range(a, b)),
+        sends=tuple(sends),
+        recvs=tuple(recvs),
+        early_sends=early_sends,
+    )

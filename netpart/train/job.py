@@ -1,0 +1,185 @@
+"""`netpart train`'s one entry point: what the user asked (`TrainRequest`), the job's rules
+that turn it into a `Job`, and the job run on this machine or as one of torchrun's processes.
+
+The rules, applied before anything is written or any process starts: a fresh job needs a
+model and a worker count; its data source is opened once (bad data fails before minutes of
+planning), its plan is read (`--plan`) or made, and a job that cannot fit this machine is
+refused. A resume reads the job from its run directory (`netpart.train.rundir.read_job`);
+flags given override the run's config, except those that decide where every parameter lives
+(`FIXED_ON_RESUME`), which must match it, and a Sandblaster run cannot be resumed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from netpart.errors import PlanError, TrainError
+from netpart.models import load_spec
+from netpart.partition.cost import NetworkModel
+from netpart.train.config import TrainConfig
+from netpart.train.rundir import Job, TrainSummary, read_job
+
+__all__ = [
+    "FIELDS",
+    "FIXED_ON_RESUME",
+    "TrainRequest",
+    "banner",
+    "make_job",
+    "train_here",
+    "train_torchrun",
+    "under_torchrun",
+]
+
+# The TrainConfig fields a command line may give.
+FIELDS = (
+    "replicas", "shards", "mode", "optimizer", "lr", "n_fetch", "n_push", "steps", "batch",
+    "warm_start", "checkpoint_every", "snapshot_every", "data", "seed", "dtype", "timeout",
+    "threads", "placement", "push_norm", "dc_lambda", "units", "history", "line_search",
+    "restarts", "local_update",
+)  # fmt: skip
+FIXED_ON_RESUME = ("shards", "optimizer", "dtype", "seed", "data")
+
+
+@dataclass(frozen=True)
+class TrainRequest:
+    """What `netpart train` was asked, before the rules: the model and worker count (None on
+    a resume), the config fields given (`FIELDS`), how to plan, where the run goes."""
+
+    model: str | None = None
+    workers: int | None = None
+    given: dict[str, Any] = field(default_factory=dict)
+    method: str = "auto"
+    plan: Path | None = None
+    network: NetworkModel | None = None  # what `auto` predicts with (--profile)
+    out: Path = Path("out/train")
+    resume: Path | None = None
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a config field."""
+    return "--ps-shards" if name == "shards" else "--" + name.replace("_", "-")
+
+
+def make_job(request: TrainRequest, *, local: bool = True) -> Job:
+    """The job `request` asks for (see the module docstring); `local`: every process on this
+    machine (refuse a process count it cannot hold before planning)."""
+    if request.resume is not None:
+        return _resumed(request)
+    if request.model is None or request.workers is None:
+        raise TrainError("--model and --workers are required (or --resume DIR)")
+    if request.workers < 1:
+        raise TrainError(f"--workers {request.workers}: must be an integer >= 1")
+    spec = load_spec(request.model)
+    config = TrainConfig.from_dict({"shards": request.workers, **request.given}, "command line")
+    from netpart.data import load_data
+
+    load_data(config.data, spec, config.seed, config.examples)  # bad data fails before planning
+    if request.plan is not None:
+        from netpart.partition.plans import load_plan
+
+        p = load_plan(request.plan, spec)
+        if p.workers != request.workers:
+            raise PlanError(
+                f"{request.plan}: the plan is for {p.workers} workers, not {request.workers}"
+            )
+        return Job(spec, p, config, request.out)
+    if local:  # thousands of processes are refused before minutes of planning
+        from netpart.train.fit import check_process_count
+
+        what = f"--workers {request.workers} x --replicas {config.replicas}"
+        check_process_count(config.world(request.workers), what)
+    from netpart.partition import plan
+
+    p = plan(spec, request.workers, request.method, seed=config.seed, batch=config.batch,
+             network=request.network)  # fmt: skip
+    return Job(spec, p, config, request.out)
+
+
+def _resumed(request: TrainRequest) -> Job:
+    """The job of the run directory `request.resume`, with the flags given over its config."""
+    run = request.resume
+    old = read_job(run, resume=True)
+    if old.config.mode == "sandblaster":
+        raise TrainError(
+            f"--resume {run}: a Sandblaster L-BFGS run cannot be resumed (its curvature "
+            "history and iteration count are not checkpointed); start a new --out"
+        )
+    if (
+        request.model is not None
+        and load_spec(request.model).fingerprint() != old.spec.fingerprint()
+    ):
+        raise TrainError(f"--resume {run}: the run trained {old.spec.name}, not {request.model}")
+    if request.workers is not None and request.workers != old.plan.workers:
+        raise TrainError(
+            f"--workers {request.workers}: the run in {run} has {old.plan.workers} workers per "
+            "replica; resume with the same layout or start a new --out"
+        )
+    for name in FIXED_ON_RESUME:
+        given = request.given.get(name)
+        if given is not None and given != getattr(old.config, name):
+            raise TrainError(
+                f"{flag(name)} {given}: the run in {run} has {getattr(old.config, name)}; "
+                "resume with the same value or start a new --out"
+            )
+    config = TrainConfig.from_dict({**old.config.to_dict(), **request.given})
+    return Job(old.spec, old.plan, config, run, resume=True)
+
+
+def banner(job: Job) -> str:
+    """One line: what is about to run, and where."""
+    c = job.config
+    return (
+        f"{job.spec.name}: {c.replicas} replica(s) x {job.plan.workers} worker(s) + {c.shards} "
+        f"shard(s) = {c.world(job.plan.workers)} processes, {c.mode}, {c.optimizer} lr {c.lr}; "
+        f"run directory {job.run}"
+    )
+
+
+def under_torchrun() -> bool:
+    """Whether this process is one of a torchrun job's."""
+    return os.environ.get("RANK") is not None and bool(os.environ.get("TORCHELASTIC_RUN_ID"))
+
+
+def train_here(
+    request: TrainRequest,
+    on_start: Callable[[str], None] | None = None,
+    on_progress: Callable[[int, dict, int], None] | None = None,
+) -> tuple[Job, TrainSummary]:
+    """Run the requested job on this machine: every process through the one launcher, forked
+    by an interpreter that imports torch while this one applies the rules and plans.
+    `on_start(banner)` once the job is validated and its processes start; `on_progress` as
+    `netpart.train.launch.train` calls it."""
+    from netpart.processes.zygote import Preloaded
+    from netpart.train.fit import check_fits
+    from netpart.train.launch import train
+
+    with Preloaded("netpart.train.process", new_session=True) as preloaded:
+        job = make_job(request)
+        if job.run.exists() and not job.run.is_dir():
+            raise TrainError(f"--out {job.run}: exists and is not a directory")
+        check_fits(job.spec, job.plan, job.config)  # before any process or any file
+        started = False
+
+        def progress(done: int, stats: dict, total: int) -> None:
+            nonlocal started
+            if not started and on_start is not None:
+                on_start(banner(job))
+            started = True
+            if on_progress is not None:
+                on_progress(done, stats, total)
+
+        summary = train(job.spec, job.plan, job.config, job.run, job.resume,
+                        on_progress=progress, preloaded=preloaded)  # fmt: skip
+    return job, summary
+
+
+def train_torchrun(request: TrainRequest, echo: Callable[[str], None]) -> int:
+    """Play this torchrun process's part of the requested job; its exit code."""
+    from netpart.train.launch import train_under_torchrun
+
+    job = make_job(request, local=False)
+    return train_under_torchrun(job.spec, job.plan, job.config, job.run, job.resume, echo)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ __all__ = [
 ]
 
 ENV = "NETPART_TEST_FAULT"
+log = logging.getLogger(__name__)
+
 RESTART_ENV = "NETPART_RESTART"  # set by the launcher: which restart of the job this is
 EXIT_CODE = 17
 ACTIONS = ("die", "hang", "slow", "enospc")
@@ -98,6 +101,7 @@ def point(rank: int, n: int) -> None:
             os._exit(EXIT_CODE)
     for f in _mine(rank, "hang"):
         if f.at == n:
+            log.warning("test fault: rank %d hangs at point %d", rank, n)  # tests wait for it
             time.sleep(3600)
     for f in _mine(rank, "slow"):
         time.sleep(f.at)

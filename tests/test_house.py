@@ -1,5 +1,7 @@
-"""The house rules, checked: imports run downward only, no private name crosses a module,
-the planning path loads no torch, and the test-only fault hook has one documented grammar."""
+"""The house rules, checked: imports run downward only (the bottom floor — errors, files,
+faults — imports no room), no private name crosses a module, no function is over 60 lines
+and no module over ~450, the planning path loads no torch, and the test-only fault hook has
+one documented grammar."""
 
 import ast
 import subprocess
@@ -44,13 +46,42 @@ def test_imports_run_downward_and_no_private_name_crosses_a_module():
         for module, names, line in _imports(path):
             parts = module.split(".")
             target = parts[1] if len(parts) > 1 else ""
-            allowed = {room} | BELOW.get(room, set(BELOW)) | {"errors", "files", "faults", ""}
+            allowed = {room} | BELOW.get(room, set(BELOW)) | {*FLOOR, ""}
             if room in BELOW and target in BELOW and target not in allowed:
                 problems.append(f"{path.relative_to(ROOT)}:{line}: {room} imports {module}")
             private = [n for n in names if n.startswith("_") and n != "__version__"]
             if private:
                 problems.append(f"{path.relative_to(ROOT)}:{line}: imports {private} from {module}")
     assert not problems, "\n".join(problems)
+
+
+FLOOR = ("errors", "files", "faults")  # modules every room may import; they import none
+LONGEST_FUNCTION, LONGEST_MODULE = 60, 460
+
+
+def test_the_bottom_floor_imports_no_room():
+    problems = []
+    for name in FLOOR:
+        path = ROOT / f"{name}.py"
+        for module, _, line in _imports(path):
+            target = module.split(".")[1] if "." in module else ""
+            if target not in FLOOR:
+                problems.append(f"{name}.py:{line}: the bottom floor imports {module}")
+    assert not problems, "\n".join(problems)
+
+
+def test_no_function_is_over_60_lines_and_no_module_over_450():
+    long = []
+    for path in sorted(ROOT.rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > LONGEST_MODULE:
+            long.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > LONGEST_FUNCTION:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines}")
+    assert not long, "\n".join(long)
 
 
 def test_the_planning_path_loads_neither_torch_nor_networkx():

@@ -149,6 +149,11 @@ class Instruction:
         peer, count = (int(m["peer"]), int(m["count"])) if m["way"] else (-1, 0)
         return cls(op, int(m["layer"]), phase, peer, count, m["part"] or Part.ALL)
 
+    @property
+    def tag(self) -> int:
+        """The transport tag of a message (`halo_tag` of its layer and phase)."""
+        return halo_tag(self.layer, self.phase)
+
     def describe(self) -> str:
         """The instruction in words (error messages)."""
         if self.op in (Op.SEND, Op.RECV):

@@ -102,6 +102,13 @@ class Ledger:
     def add(book: dict, at, value) -> None:
         book[at] = book.get(at, 0) + value
 
+    def figures(self) -> dict:
+        """The ledger as `WorkerResult`'s fields."""
+        return {
+            "sent": self.sent, "received": self.received, "compute_s": self.compute,
+            "exchange_s": self.exchange, "hidden_s": self.hidden, "breakdown": self.breakdown,
+        }  # fmt: skip
+
 
 @dataclass
 class StepState:

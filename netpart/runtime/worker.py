@@ -24,7 +24,7 @@ from netpart.models.reference import activation
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import UnitGraph
 from netpart.partition.indices import worker_indices
-from netpart.partition.program import Instruction, Op, Part, Phase, halo_tag
+from netpart.partition.program import Instruction, Op, Part, Phase
 from netpart.partition.schedule import HaloSchedule
 from netpart.runtime.loss import OutputLoss
 from netpart.runtime.rows import RowIndex, rows
@@ -119,12 +119,7 @@ class ModelWorker:
             outputs=st.fwd.outs[last].detach().T,
             output_units=self.owned[-1],
             grads=self.collect_grads() if collect_grads else [],
-            sent=st.book.sent,
-            received=st.book.received,
-            compute_s=st.book.compute,
-            exchange_s=st.book.exchange,
-            hidden_s=st.book.hidden,
-            breakdown=st.book.breakdown,
+            **st.book.figures(),
             accuracy=st.accuracy,
             stop=st.stop,
         )
@@ -137,15 +132,12 @@ class ModelWorker:
         posted: dict[tuple[int, str], list[Handle]] = {}
         for ins in self.program:
             key = book_key(ins)
-            if ins.op in (Op.SEND, Op.RECV):  # buffers of the message's size stand in for data
-                buf = (
-                    self._stand_in(ins.count, batch)
-                    if ins.op == Op.SEND
-                    else (self._halo(ins.layer, ins.phase, ins.peer, batch))
-                )
-                tag = halo_tag(ins.layer, ins.phase)
-                post = transport.send if ins.op == Op.SEND else transport.recv
-                posted.setdefault(key, []).append(post(tag, ins.peer, buf))
+            if ins.op == Op.SEND:  # buffers of the message's size stand in for data
+                buf = self._stand_in(ins.count, batch)
+                posted.setdefault(key, []).append(transport.send(ins.tag, ins.peer, buf))
+            elif ins.op == Op.RECV:
+                buf = self._halo(ins.layer, ins.phase, ins.peer, batch)
+                posted.setdefault(key, []).append(transport.recv(ins.tag, ins.peer, buf))
             elif ins.op == Op.WAIT:
                 transport.wait(posted.pop(key))
             elif ins.op == Op.LOSS:
@@ -395,10 +387,9 @@ class ModelWorker:
     def _post(self, st: StepState, ins: Instruction, post, tensor, book) -> None:
         """Post one message of (layer, phase); count its bytes and the time posting took."""
         t0 = time.perf_counter()
-        tag = halo_tag(ins.layer, ins.phase)
         key = book_key(ins)
         st.book.first_post.setdefault(key, t0)
-        st.posted.setdefault(key, []).append(post(tag, ins.peer, tensor))
+        st.posted.setdefault(key, []).append(post(ins.tag, ins.peer, tensor))
         Ledger.add(book, key, tensor.numel() * tensor.element_size())
         spent = time.perf_counter() - t0
         Ledger.add(st.book.exchange, key, spent)

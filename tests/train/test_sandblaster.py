@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -128,20 +129,39 @@ def sandblaster_cmd(run, *flags):
 
 
 def finish_after(proc, lines, sig, twice=False):
-    """Send `sig` once `lines` has 2 lines (and, if `twice`, 1 s later and again 1 s after
-    that); the process's output and the seconds it took to end after the first signal."""
+    """Send `sig` once `lines` has 2 lines (and, if `twice`, once the replicas reached their
+    hang, and again once the launcher said it is stopping); the process's output and the
+    seconds it took to end after the first signal."""
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(iter(proc.stderr.readline, b"")))
+    reader.start()
     try:
         wait_for_lines(lines, 2)
-        if twice:
-            time.sleep(1)  # the replicas reach their hang
+        logs = [lines.parent / "logs" / f"rank{k}.log" for k in (0, 1)]
+        if twice:  # the replicas reach their hang (they say so in their logs)
+            assert _until(lambda: all(b"hangs at point" in _read(x) for x in logs))
         t0 = time.monotonic()
         proc.send_signal(sig)
-        if twice:
-            time.sleep(1)
+        if twice:  # the launcher took the first signal: a second one is not merged into it
+            assert _until(lambda: any(b"stopping every process" in line for line in err))
             proc.send_signal(sig)
-        out = proc.communicate(timeout=60)
-        return out, time.monotonic() - t0
+        proc.wait(timeout=60)  # its output is a few lines: no pipe fills meanwhile
+        out = proc.stdout.read()
+        reader.join(timeout=60)
+        return (out, b"".join(err)), time.monotonic() - t0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _read(path) -> bytes:
+    return path.read_bytes() if path.exists() else b""
+
+
+def _until(condition, timeout: float = 60.0) -> bool:
+    """Whether `condition()` came true within `timeout` seconds (polled)."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()

@@ -40,7 +40,7 @@ from netpart.models import load_spec
 from netpart.partition import build_unit_graph, plan
 from netpart.partition.schedule import NO_SPLITS, plan_schedule
 from netpart.partition.shards import ShardLayout
-from netpart.processes.launcher import join_group
+from netpart.processes.launcher import join_group, reaped, wait_all
 from netpart.ps import (
     Downpour,
     Optimizer,
@@ -160,16 +160,8 @@ def shard_throughput(
                 h.command(peer(r, hosts[0].address, 29591), {**env, "GLOO_SOCKET_IFNAME": h.device})
                 for r, h in enumerate(hosts)
             ]
-        procs = [subprocess.Popen(c) for c in commands]
-        try:
-            for p in procs:
-                if p.wait(timeout=900) != 0:
-                    raise RuntimeError(f"a peer of (a) failed ({optimizer}, link {rate})")
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        with reaped([subprocess.Popen(c) for c in commands]) as procs:
+            wait_all(procs, 900, f"a peer of (a) ({optimizer}, link {rate})")
         return {"optimizer": optimizer, "link": rate or "loopback",
                 **json.loads(result.read_text())}  # fmt: skip
 
@@ -214,16 +206,8 @@ def _own_sgd(steps: int, batch: int, lr: float) -> list[float]:
         out = Path(tmp) / "times.json"
         argv = [sys.executable, __file__, "--own-sgd", tmp, "--steps", str(steps),
                 "--batches", str(batch), "--lr", str(lr)]  # fmt: skip
-        procs = [subprocess.Popen([*argv, "--peer", str(r)]) for r in (0, 1)]
-        try:
-            for proc in procs:
-                if proc.wait(timeout=600) != 0:
-                    raise RuntimeError("a worker of the own-SGD baseline failed")
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+        with reaped([subprocess.Popen([*argv, "--peer", str(r)]) for r in (0, 1)]) as procs:
+            wait_all(procs, 600, "a worker of the own-SGD baseline")
         return json.loads(out.read_text())
 
 

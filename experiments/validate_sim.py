@@ -48,6 +48,7 @@ from netpart.files import write_atomic  # noqa: E402
 from netpart.models import load_spec  # noqa: E402
 from netpart.partition import NetworkModel, plan  # noqa: E402
 from netpart.partition.figures import reevaluate  # noqa: E402
+from netpart.processes.launcher import reaped, wait_all  # noqa: E402
 from netpart.runtime.step import timed_steps  # noqa: E402
 
 RESULTS = ROOT / "experiments" / "results"
@@ -178,8 +179,8 @@ def _calibrate_torchrun(hosts, groups, models: str, share: float, out: Path) -> 
     rendezvous on machine 0), as across real machines (`netpart.calibrate.hosts`)."""
     from netpart.testbed import cgroups
 
-    torchrun, port, procs = str(Path(sys.executable).with_name("torchrun")), free_port(), []
-    try:
+    torchrun, port = str(Path(sys.executable).with_name("torchrun")), free_port()
+    with reaped([]) as procs:
         for rank, host in enumerate(hosts):
             argv = [torchrun, "--nnodes", str(len(hosts)), "--nproc-per-node", "1",
                     "--node-rank", str(rank), "--master-addr", hosts[0].address,
@@ -190,14 +191,7 @@ def _calibrate_torchrun(hosts, groups, models: str, share: float, out: Path) -> 
             env = {"PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": host.device,
                    "TORCH_CPP_LOG_LEVEL": "ERROR"}  # fmt: skip
             procs.append(subprocess.Popen(cgroups.command(groups[rank], host.command(argv, env))))
-        for proc in procs:
-            if proc.wait(timeout=3 * TIMEOUT) != 0:
-                raise RuntimeError("`netpart calibrate` under torchrun failed on a machine")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        wait_all(procs, 3 * TIMEOUT, "`netpart calibrate` under torchrun on a machine")
 
 
 def _row(run: int, model: str, n: int, measured: float, m) -> dict:

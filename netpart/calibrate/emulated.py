@@ -27,6 +27,7 @@ from netpart.calibrate.trace import SliceTimes, measure_slices
 from netpart.files import write_files
 from netpart.models.spec import ModelSpec
 from netpart.partition.plans import PartitionPlan, load_plan, plan_files
+from netpart.processes.launcher import reaped, wait_all
 from netpart.runtime.check import make_batch
 from netpart.runtime.result import load_worker_result
 from netpart.runtime.step import StepOptions, link_job, link_result, step_job
@@ -114,22 +115,14 @@ class EmulatedRunner:
     def _launch(self, job: Path, n: int, what: str) -> None:
         """`python -m netpart.runtime.step --job JOB` on machines 0..n-1, to the end."""
         port, master = free_port(), self.hosts[0].address  # rank 0 hosts the store
-        procs = []
-        try:
+        with reaped([]) as procs:
             for rank in range(n):
                 device = self.hosts[rank].device
                 env = self._env(RANK=str(rank), WORLD_SIZE=str(n), MASTER_ADDR=master,
                                 MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=device)  # fmt: skip
                 argv = [sys.executable, "-m", "netpart.runtime.step", "--job", str(job)]
                 procs.append(subprocess.Popen(self._argv(rank, argv, env)))
-            for proc in procs:
-                if proc.wait(timeout=TIMEOUT) != 0:
-                    raise RuntimeError(f"a worker of {what} failed")
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+            wait_all(procs, TIMEOUT, f"a worker of {what}")
 
 
 def _slices_job(folder: Path) -> None:

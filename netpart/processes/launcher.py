@@ -20,6 +20,7 @@ input (found before anything starts), 130 stopped by a signal.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import logging
@@ -43,7 +44,9 @@ __all__ = [
     "join_group",
     "keep_freed_memory",
     "last_error",
+    "reaped",
     "torchrun_attempt",
+    "wait_all",
     "yield_io_threads",
 ]
 
@@ -176,6 +179,27 @@ class Processes:
             signal.signal(sig, handler)
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def reaped(procs: list[subprocess.Popen]):
+    """A block after which none of `procs` (the list may grow inside it) still runs: those
+    left, however the block ends, are killed and reaped."""
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float, what: str) -> None:
+    """Wait for every process; RuntimeError naming `what` when one fails (or TimeoutExpired
+    when one outlives `timeout`). Use inside `reaped`."""
+    for p in procs:
+        if p.wait(timeout=timeout) != 0:
+            raise RuntimeError(f"{what} failed (exit code {p.returncode})")
 
 
 def last_error(path: Path) -> str:

@@ -10,18 +10,9 @@ from netpart.partition import build_unit_graph, plan
 from netpart.partition.shards import ShardLayout
 from netpart.ps import protocol
 from netpart.ps.client import ShardClient
+from tests.ps.fakes import Done
 
 K = protocol.Kind
-
-
-class _Work:
-    def __init__(self, then=None):
-        self.then = then
-
-    def wait(self):
-        if self.then is not None:
-            self.then()
-            self.then = None
 
 
 class _Shards:
@@ -37,11 +28,11 @@ class _Shards:
             message = self.replies[src].pop(0)
             tensors[0].view(-1)[: message.numel()].copy_(message.view(-1))
 
-        return _Work(land)
+        return Done(land)
 
     def send(self, tensors, dst, tag):
         self.sent.append((dst, tag, tensors[0]))
-        return _Work()
+        return Done()
 
 
 def _layout(shards):

@@ -21,6 +21,7 @@ from netpart.ps.lbfgs import ShardVectors
 from netpart.ps.rules import DelayCompensation, Optimizer, make_rule
 from netpart.ps.server import ShardServer, ShardSetup, ShardState
 from netpart.train.shard import initial_values
+from tests.ps.fakes import Done
 
 
 def _layout(spec, workers, method, shards):
@@ -75,15 +76,6 @@ def test_push_chunks_fold_into_exactly_the_segments(lengths, chunk):
     assert landed == want
 
 
-class _Done:
-    def __init__(self, then=None):
-        self.then = then
-
-    def wait(self):
-        if self.then is not None:
-            self.then()
-
-
 class _Scripted:
     """A process group whose peers hand the shard `messages` (per source rank), then are
     gone: a receive posted after them fails as gloo's does once a peer closed its connection.
@@ -97,11 +89,11 @@ class _Scripted:
         if not self.messages.get(src):
             raise RuntimeError("Connection closed by peer [127.0.0.1]:1")
         message = self.messages[src].pop(0)
-        return _Done(lambda: tensors[0][: message.numel()].copy_(message))
+        return Done(lambda: tensors[0][: message.numel()].copy_(message))
 
     def send(self, tensors, dst, tag):
         self.sent.append((dst, tensors[0].clone()))
-        return _Done()
+        return Done()
 
 
 def _server(mode, replicas=2, dc_lambda=0.0, lr=1.0, group=None):

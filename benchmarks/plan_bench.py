@@ -1,20 +1,27 @@
-"""Planner benchmark: wall time and peak memory of `netpart.partition.plan`, and plan quality.
+"""Planner benchmark: wall time and peak memory of planning, and plan quality.
 
-Each case runs the default method, `auto`, in a fresh subprocess (so its peak RSS is its own)
-and reports every candidate auto weighed: volume / lower bound, max layer imbalance and
-predicted step of METIS on the unit graph, METIS on the layer-aligned graph, tiles (with its
-default bands and two more), and the plan auto kept, on the image models at 16, 64 and 128
-workers; on speech at 8 workers, auto's predicted step against stripe's. Prints the tables and
-the acceptance checks, writes JSON.
+Every case runs the default method, `auto`, in a fresh subprocess (so its peak RSS is its
+own): the seconds `netpart.partition.plan` took, the seconds the whole process took (imports
+included) and its peak RSS; for the acceptance case also `netpart plan ... --no-figures`, the
+command a user runs. Cases: image-80m, image-330m and image-1.7b at 16, 64, 128 and 512
+workers, speech at 8 to 128. For the image models at 16, 64 and 128 every candidate auto
+weighed (volume / bound, imbalance, predicted step); for speech at 8 auto against stripe.
+Each plan's digest (its node map and the winner's metrics) is recorded; with `--baseline DIR`
+the same plans are made by the netpart of another checkout, and the digests compared (its
+times are reported beside ours, not judged).
 
     python benchmarks/plan_bench.py --out benchmarks/results/plan_bench.json
+    python benchmarks/plan_bench.py --baseline /tmp/old --out ...   # digests against it
     python benchmarks/plan_bench.py --quick      # smaller set, for a smoke run
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
+import os
 import platform
 import resource
 import subprocess
@@ -22,9 +29,12 @@ import sys
 import time
 from pathlib import Path
 
-TIMED = [("image-1.7b", 128), ("image-1.7b", 81), ("speech", 8)]
-QUALITY_WORKERS = [16, 64, 128]
 IMAGE_MODELS = ["image-80m", "image-330m", "image-1.7b"]
+IMAGE_WORKERS = [16, 64, 128, 512]
+QUALITY_WORKERS = [16, 64, 128]
+SPEECH_WORKERS = [8, 16, 32, 64, 128]
+ACCEPT = ("image-1.7b", 128, 15.0, 2.5)  # model, workers, seconds, GiB
+LARGE = ("image-1.7b", 512, 60.0, 8.0)
 
 
 def _figures(m) -> dict:
@@ -37,7 +47,7 @@ def _figures(m) -> dict:
     }
 
 
-def _child(model: str, workers: int, method: str) -> None:
+def _child(model: str, workers: int, method: str, started: float) -> None:
     """Run one plan in this process and print its figures as JSON (used via subprocess)."""
     from netpart.models import load_spec
     from netpart.partition import plan
@@ -46,122 +56,158 @@ def _child(model: str, workers: int, method: str) -> None:
     start = time.perf_counter()
     p = plan(spec, workers, method)
     wall = time.perf_counter() - start
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    metrics = json.dumps(dataclasses.asdict(p.metrics), sort_keys=True)
+    digest = hashlib.sha256(p.node_map.astype("int64").tobytes() + metrics.encode())
     out = {
-        "model": model,
-        "workers": workers,
-        "method": method,
-        "chosen": p.method,
-        "options": p.method_options,
-        "wall_s": wall,
-        "peak_rss_gib": peak_kib / 2**20,
-        "blocks": len(p.node_map),
-        **_figures(p.metrics),
+        "model": model, "workers": workers, "method": method, "chosen": p.method,
+        "options": p.method_options, "plan_s": wall, "process_s": time.time() - started,
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "blocks": len(p.node_map), "digest": digest.hexdigest()[:16], **_figures(p.metrics),
         "candidates": [
-            {"method": c.method, "options": c.options, **_figures(c.metrics)} for c in p.candidates
+            {"method": c.method, "options": c.options, "skipped": getattr(c, "skipped", ""),
+             **_figures(c.metrics)}
+            for c in p.candidates
         ],
-    }
+    }  # fmt: skip
     print(json.dumps(out))
 
 
-def _run(model: str, workers: int, method: str = "auto") -> dict:
-    cmd = [sys.executable, __file__, "--child", model, str(workers), method]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
+def _run(model: str, workers: int, method: str = "auto", tree: Path | None = None) -> dict:
+    """One case in a fresh process; `tree`: plan with the netpart of that checkout."""
+    env, cwd = dict(os.environ), None
+    if tree is not None:  # `python FILE` imports from the file's folder first: set both
+        env["PYTHONPATH"], cwd = str(tree), tree
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", model, str(workers),
+           method, str(time.time())]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False,
+                         env=env, cwd=cwd)  # fmt: skip
     if res.returncode != 0:
-        raise SystemExit(f"case {model} x {workers} ({method}) failed:\n{res.stderr}")
+        raise SystemExit(f"case {model} x {workers} ({method}) failed:\n{res.stderr[-2000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+PEAK = (
+    "import resource, sys; from netpart.cli import main; code = main(sys.argv[1:]); "
+    "print('peak', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); "
+    "sys.exit(code)"
+)
+
+
+def _command(model: str, workers: int) -> dict:
+    """`netpart plan --model M --workers N --no-figures` as a user runs it (its entry point,
+    `netpart.cli.main`, in a fresh process): wall and peak RSS."""
+    argv = ["plan", "--model", model, "--workers", str(workers), "--no-figures"]
+    start = time.perf_counter()
+    res = subprocess.run([sys.executable, "-c", PEAK, *argv], capture_output=True, text=True,
+                         timeout=3600)  # fmt: skip
+    wall = time.perf_counter() - start
+    if res.returncode != 0:
+        raise SystemExit(f"netpart plan {model} x {workers} failed:\n{res.stderr[-2000:]}")
+    peak = next(int(x.split()[1]) for x in res.stderr.splitlines() if x.startswith("peak "))
+    return {"model": model, "workers": workers, "wall_s": wall, "peak_rss_gib": peak / 2**20,
+            "first_line": res.stdout.splitlines()[0]}  # fmt: skip
 
 
 def _name(c: dict) -> str:
     return c["method"] + "".join(f" {k}={v}" for k, v in c["options"].items())
 
 
-def _checks(quality: list[dict], timed: list[dict], speech: dict, stripe: dict) -> list[str]:
-    """The issue's acceptance figures, one line each, with ok / MISSED."""
+def _quality_lines(r: dict) -> list[str]:
     lines = []
-    for r in quality:
-        aligned = next(c for c in r["candidates"] if c["method"] == "metis-aligned")
-        ok_a = aligned["volume_ratio"] <= 1.25 and aligned["max_layer_imbalance"] <= 1.05
-        ok = r["volume_ratio"] <= 1.10 and r["max_layer_imbalance"] <= 1.05
+    for c in r["candidates"]:
+        mark = "*" if (c["method"], c["options"]) == (r["chosen"], r["options"]) else " "
+        step = ("> " if c.get("skipped") else "") + f"{c['predicted_step_s'] * 1e3:.1f}"
         lines.append(
-            f"{r['model']} x {r['workers']}: metis-aligned {aligned['volume_ratio']:.3f} / "
-            f"{aligned['max_layer_imbalance']:.3f} {'ok' if ok_a else 'MISSED'} (<= 1.25, 1.05); "
-            f"auto ({_name({'method': r['chosen'], 'options': r['options']})}) "
-            f"{r['volume_ratio']:.3f} / {r['max_layer_imbalance']:.3f} "
-            f"{'ok' if ok else 'MISSED'} (<= 1.10, 1.05)"
+            f"{r['model']:<12} {r['workers']:>4} {mark}{_name(c):<19} {c['volume_ratio']:>10.3f} "
+            f"{c['max_layer_imbalance']:>10.3f} {step:>9}"
         )
+    return lines
+
+
+def _checks(timed: list[dict], commands: list[dict], speech: dict, stripe: dict) -> list[str]:
+    """The acceptance figures, one line each, with ok / MISSED."""
+    lines = []
+    for cmd in commands:
+        for model, workers, seconds, gib in (ACCEPT, LARGE):
+            if (cmd["model"], cmd["workers"]) == (model, workers):
+                ok = cmd["wall_s"] <= seconds and cmd["peak_rss_gib"] <= gib
+                lines.append(
+                    f"netpart plan --model {model} --workers {workers} --no-figures: "
+                    f"{cmd['wall_s']:.1f} s, {cmd['peak_rss_gib']:.2f} GiB "
+                    f"{'ok' if ok else 'MISSED'} (<= {seconds:g} s, {gib:g} GiB)"
+                )
     ok = speech["predicted_step_s"] <= stripe["predicted_step_s"]
     lines.append(
         f"speech x 8: auto ({speech['chosen']}) step {speech['predicted_step_s'] * 1e3:.2f} ms vs "
         f"stripe {stripe['predicted_step_s'] * 1e3:.2f} ms {'ok' if ok else 'MISSED'}"
     )
+    skipped = sum(bool(c.get("skipped")) for r in timed for c in r["candidates"])
+    lines.append(f"candidates skipped by the screen: {skipped}")
+    return lines
+
+
+def _compare(timed: list[dict], baseline: Path) -> list[str]:
+    """Each quality point and speech x 8 planned by the baseline checkout too: the digests."""
+    lines = []
     for r in timed:
-        if (r["model"], r["workers"]) == ("image-1.7b", 128):
-            ok = r["wall_s"] <= 30 and r["peak_rss_gib"] <= 4
-            lines.append(
-                f"image-1.7b x 128 auto: {r['wall_s']:.1f} s, {r['peak_rss_gib']:.2f} GiB "
-                f"{'ok' if ok else 'MISSED'} (<= 30 s, 4 GiB)"
-            )
+        if r["workers"] not in QUALITY_WORKERS and r["model"] != "speech":
+            continue
+        if r["model"] == "speech" and r["workers"] != 8:
+            continue
+        old = _run(r["model"], r["workers"], tree=baseline)
+        same = old["digest"] == r["digest"]
+        lines.append(
+            f"{r['model']} x {r['workers']}: winner {r['chosen']} {r['digest']} vs baseline "
+            f"{old['chosen']} {old['digest']}: {'same' if same else 'DIFFERENT'}; plan "
+            f"{r['plan_s']:.1f} s vs {old['plan_s']:.1f} s, {r['peak_rss_gib']:.2f} vs "
+            f"{old['peak_rss_gib']:.2f} GiB"
+        )
     return lines
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None, help="write results as JSON here")
-    ap.add_argument("--quick", action="store_true", help="only image-80m and speech, 16 workers")
-    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true", help="only image-80m x 16 and speech x 8")
+    ap.add_argument("--baseline", type=Path, default=None, help="a checkout to compare with")
+    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        _child(args.child[0], int(args.child[1]), args.child[2])
+        _child(args.child[0], int(args.child[1]), args.child[2], float(args.child[3]))
         return 0
-
-    timed_cases = [("speech", 8)] if args.quick else TIMED
-    models = ["image-80m"] if args.quick else IMAGE_MODELS
-    workers_list = [16] if args.quick else QUALITY_WORKERS
-
+    cases = [(m, n) for m in IMAGE_MODELS for n in IMAGE_WORKERS]
+    cases += [("speech", n) for n in SPEECH_WORKERS]
+    if args.quick:
+        cases = [("image-80m", 16), ("speech", 8)]
     timed = []
-    print(f"{'case':<24} {'wall s':>8} {'peak GiB':>9} {'blocks':>8}")
-    for model, workers in timed_cases:
+    print(f"{'case':<20} {'plan s':>8} {'process s':>10} {'peak GiB':>9} {'blocks':>8}  chosen")
+    for model, workers in cases:
         r = _run(model, workers)
         timed.append(r)
-        print(
-            f"{model + ' x ' + str(workers):<24} {r['wall_s']:>8.2f} {r['peak_rss_gib']:>9.2f} "
-            f"{r['blocks']:>8}"
-        )
-
-    quality = []
-    print(
-        f"\n{'model':<12} {'P':>4} {'candidate':<20} {'vol/bound':>10} {'imbalance':>10} "
-        f"{'step ms':>8}"
-    )
-    for model in models:
-        for workers in workers_list:
-            r = next((t for t in timed if (t["model"], t["workers"]) == (model, workers)), None)
-            r = r or _run(model, workers)
-            quality.append(r)
-            for c in r["candidates"]:
-                mark = "*" if (c["method"], c["options"]) == (r["chosen"], r["options"]) else " "
-                print(
-                    f"{model:<12} {workers:>4} {mark}{_name(c):<19} {c['volume_ratio']:>10.3f} "
-                    f"{c['max_layer_imbalance']:>10.3f} {c['predicted_step_s'] * 1e3:>8.1f}"
-                )
-            print(f"{'':<12} {'':>4}  auto wall {r['wall_s']:.2f} s")
-
-    speech = next((r for r in timed if r["model"] == "speech"), None) or _run("speech", 8)
+        print(f"{model + ' x ' + str(workers):<20} {r['plan_s']:>8.2f} {r['process_s']:>10.2f} "
+              f"{r['peak_rss_gib']:>9.2f} {r['blocks']:>8}  {r['chosen']}")  # fmt: skip
+    commands = [] if args.quick else [_command(*ACCEPT[:2]), _command(*LARGE[:2])]
+    for c in commands:
+        print(f"netpart plan {c['model']} x {c['workers']}: {c['wall_s']:.1f} s, "
+              f"{c['peak_rss_gib']:.2f} GiB")  # fmt: skip
+    print(f"\n{'model':<12} {'P':>4} {'candidate':<20} {'vol/bound':>10} {'imbalance':>10} "
+          f"{'step ms':>9}")  # fmt: skip
+    quality = [r for r in timed if r["model"] in IMAGE_MODELS and r["workers"] in QUALITY_WORKERS]
+    for r in quality:
+        print("\n".join(_quality_lines(r)))
+    speech = next(r for r in timed if (r["model"], r["workers"]) == ("speech", 8))
     stripe = _run("speech", 8, "stripe")
-    checks = _checks(quality, timed, speech, stripe)
+    checks = _checks(timed, commands, speech, stripe)
+    if args.baseline is not None:
+        checks += _compare(timed, args.baseline)
     print("\nacceptance:")
     for line in checks:
         print("  " + line)
-
     result = {
-        "machine": {"python": platform.python_version(), "platform": platform.platform()},
-        "timed": timed,
-        "quality": quality,
-        "speech_auto": speech,
-        "speech_stripe": stripe,
-        "acceptance": checks,
-    }
+        "machine": {"python": platform.python_version(), "platform": platform.platform(),
+                    "load": os.getloadavg()},
+        "timed": timed, "commands": commands, "speech_stripe": stripe, "acceptance": checks,
+    }  # fmt: skip
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))

@@ -21,7 +21,7 @@ import torch
 from netpart.models.spec import ModelSpec
 from netpart.partition.plans import PartitionPlan
 from netpart.partition.schedule import plan_schedule
-from netpart.processes.launcher import keep_freed_memory
+from netpart.processes.memory import keep_freed_memory
 from netpart.runtime.slices import build_slice
 
 __all__ = ["SliceTimes", "measure_slices"]

@@ -187,19 +187,14 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from netpart.files import foreign_entries, write_files
+    from netpart.processes.memory import keep_freed_memory
+
+    keep_freed_memory()  # planning builds and drops arrays of hundreds of MB, again and again
+    from netpart.files import write_files
     from netpart.models import load_spec
     from netpart.partition import Granularity, build_unit_graph
     from netpart.partition.plans import plan_files
-    from netpart.partition.report import (
-        auto_table,
-        compare_table,
-        figures,
-        layer_table,
-        report_markdown,
-        shard_table,
-        summary_line,
-    )
+    from netpart.partition.report import figures, report_markdown
     from netpart.partition.shards import ShardLayout
 
     spec = load_spec(args.model)
@@ -209,13 +204,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.sweep is not None:
         return _sweep(spec, args, network)
     options = _metis_choices(args)
-    if args.out is not None and args.out.exists() and not args.out.is_dir():
-        raise PlanError(f"--out {args.out}: exists and is not a directory")
-    if args.out is not None and (found := foreign_entries(args.out, "plan.json", ("train.json",))):
-        raise PlanError(
-            f"--out {args.out}: not empty and not a plan directory (holds {', '.join(found)}); "
-            "choose a new or empty directory"
-        )
+    _check_out(args.out)
     granularity = Granularity.for_workers(args.workers, args.blocks_per_worker)
     common = {"seed": args.seed, "batch": args.batch, "network": network}
     plans = _make_plans(spec, args, options, {**common, "granularity": granularity})
@@ -225,6 +214,42 @@ def cmd_plan(args: argparse.Namespace) -> int:
     shards = ShardLayout.build(
         graph, main_plan.node_map, args.workers, args.ps_shards or args.workers
     )
+    _show(main_plan, shards, comparison)
+    if args.out is None:
+        return 0
+    files = plan_files(main_plan)
+    figs = {} if args.no_figures else figures(graph, main_plan, comparison)
+    report = report_markdown(spec, main_plan, comparison, list(figs), shards)
+    files["report.md"] = report.encode()
+    files.update(figs)
+    write_files(args.out, files)
+    echo(f"wrote {', '.join(files)} to {args.out}")
+    return 0
+
+
+def _check_out(out: Path | None) -> None:
+    """`--out` must be new, empty, or a plan directory (checked before any planning)."""
+    from netpart.files import foreign_entries
+
+    if out is not None and out.exists() and not out.is_dir():
+        raise PlanError(f"--out {out}: exists and is not a directory")
+    if out is not None and (found := foreign_entries(out, "plan.json", ("train.json",))):
+        raise PlanError(
+            f"--out {out}: not empty and not a plan directory (holds {', '.join(found)}); "
+            "choose a new or empty directory"
+        )
+
+
+def _show(main_plan, shards, comparison: list) -> None:
+    """The plan on the terminal: summary, candidates, layers, shards, comparison."""
+    from netpart.partition.report import (
+        auto_table,
+        compare_table,
+        layer_table,
+        shard_table,
+        summary_line,
+    )
+
     echo(summary_line(main_plan))
     if main_plan.candidates:
         echo(auto_table(main_plan))
@@ -236,16 +261,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if comparison:
         echo()
         echo(compare_table(comparison))
-    if args.out is None:
-        return 0
-    files = plan_files(main_plan)
-    figs = {} if args.no_figures else figures(graph, main_plan, comparison)
-    report = report_markdown(spec, main_plan, comparison, list(figs), shards)
-    files["report.md"] = report.encode()
-    files.update(figs)
-    write_files(args.out, files)
-    echo(f"wrote {', '.join(files)} to {args.out}")
-    return 0
 
 
 def _sweep(spec, args: argparse.Namespace, network) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from netpart.partition.graph import UnitGraph, aligned_pool
+from netpart.partition.graph import UnitGraph, aligned_pool, narrow
 from netpart.partition.volume import layer_traffic
 
 __all__ = ["follow_pools", "quantile_cut", "rebalance"]
@@ -26,14 +26,22 @@ def quantile_cut(weights: np.ndarray, shares: np.ndarray) -> np.ndarray:
     return np.minimum(np.searchsorted(np.cumsum(shares), mid, side="right"), len(shares) - 1)
 
 
-def _connection(graph: UnitGraph, cand: np.ndarray, node_map: np.ndarray, workers: int):
-    """[len(cand), workers]: edge weight from each candidate to the blocks each worker owns."""
-    deg = graph.xadj[cand + 1] - graph.xadj[cand]
-    owner = np.repeat(np.arange(len(cand)), deg)
-    offset = np.arange(deg.sum()) - np.repeat(np.cumsum(deg) - deg, deg) + graph.xadj[cand][owner]
-    key = owner * workers + node_map[graph.adjncy[offset]]
-    conn = np.bincount(key, weights=graph.adjwgt[offset], minlength=len(cand) * workers)
-    return conn.reshape(len(cand), workers)
+def _connection(graph: UnitGraph, layer: int, node_map: np.ndarray, workers: int) -> np.ndarray:
+    """[blocks of `layer`, workers]: the edge weight from each block of the layer to the
+    blocks each worker owns — its sources (the layer below) and its readers (the layer
+    above), from the read edges of the two reader layers (no adjacency needed)."""
+    reader, read, units = graph.reads
+    cuts, lb = graph.read_cuts, graph.layers[layer]
+    conn = np.zeros(lb.count * workers)
+    sides = [(cuts[layer], cuts[layer + 1], reader, read)]  # the layer reads its sources
+    if layer + 1 < len(graph.layers):
+        sides.append((cuts[layer + 1], cuts[layer + 2], read, reader))  # it is read above
+    small = narrow(node_map)
+    wide = np.int32 if lb.count * workers < 2**31 else np.int64
+    for a, b, mine, other in sides:
+        key = (mine[a:b].astype(wide) - lb.first) * workers + small[other[a:b]]
+        conn += np.bincount(key, weights=units[a:b], minlength=lb.count * workers)
+    return conn.reshape(lb.count, workers)
 
 
 def rebalance(
@@ -59,6 +67,7 @@ def rebalance(
         w = graph.flops[ids].astype(np.float64)
         fair = w.sum() * share
         loads = np.bincount(node_map[ids], weights=w, minlength=workers)
+        conn = None  # the layer's blocks' edge weight to each worker: moves here leave it be
         for _ in range(lb.count):
             rel = loads / fair
             src = int(rel.argmax())
@@ -66,8 +75,9 @@ def rebalance(
                 break
             mine = np.nonzero(node_map[ids] == src)[0]
             after = (loads[None, :] + w[mine, None]) / fair[None, :]  # receiver's load after
-            gain = _connection(graph, ids[mine], node_map, workers)
-            gain -= gain[:, src : src + 1]
+            if conn is None:
+                conn = _connection(graph, lb.index, node_map, workers)
+            gain = conn[mine] - conn[mine, src : src + 1]
             helps = after < rel[src]
             helps[:, src] = False
             within = helps & (after <= 1.0 + imbalance)
@@ -88,9 +98,9 @@ def follow_pools(
     """Give each block of a pool's input the owner of the pool block that reads it, so the pool
     exchanges nothing; blocks no pool window reads go to the least loaded workers. Kept for a
     layer only where it lowers the total volume (a followed layer may read more itself) and
-    leaves it no worse balanced than it was or than the pool is."""
+    leaves it no worse balanced than it was or than the pool is. (Following layer i changes
+    the traffic of layers i and i + 1 only: those two are counted.)"""
     spec = graph.spec
-    volume = None  # of node_map, counted once a pool is found
     for lb in reversed(graph.layers[:-1]):
         i = lb.index
         if not (spec.layers[i].is_spatial and aligned_pool(spec, i + 1)):
@@ -118,9 +128,8 @@ def follow_pools(
         balanced = loads.max() / fair <= worst
         if not balanced:
             continue
-        if volume is None:
-            volume = int(layer_traffic(graph, node_map, workers).sum())
-        candidate = int(layer_traffic(graph, followed, workers).sum())
-        if candidate < volume:
-            node_map, volume = followed, candidate
+        touched = [i, i + 1]
+        before = int(layer_traffic(graph, node_map, workers, touched).sum())
+        if int(layer_traffic(graph, followed, workers, touched).sum()) < before:
+            node_map = followed
     return node_map

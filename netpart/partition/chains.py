@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from netpart.models.spec import ModelSpec
-from netpart.partition.graph import read_window
+from netpart.partition.reads import read_window
 
 __all__ = ["producer_chains", "units_read"]
 

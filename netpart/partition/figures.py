@@ -8,17 +8,28 @@ work a worker can do while its halo travels, which the step-time model hides it 
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from netpart.models.spec import ModelSpec
 from netpart.partition.cost import NetworkModel, step_times
-from netpart.partition.graph import BYTES_PER_VALUE, UnitGraph, build_unit_graph, read_window
+from netpart.partition.graph import BYTES_PER_VALUE, UnitGraph, build_unit_graph, narrow
 from netpart.partition.plans import LayerFigures, PartitionPlan, PlanMetrics, WorkerFigures
+from netpart.partition.reads import read_window
 from netpart.partition.volume import layer_lower_bounds, layer_traffic, workers_per_layer
 
-__all__ = ["chain_shares", "evaluate", "input_values", "interior_shares", "reevaluate"]
+__all__ = [
+    "Crossing",
+    "chain_shares",
+    "evaluate",
+    "input_values",
+    "interior_shares",
+    "per_layer_worker",
+    "reevaluate",
+    "screen",
+    "step_floor",
+]
 
 
 def evaluate(
@@ -32,24 +43,19 @@ def evaluate(
     """All figures of an assignment: exact traffic, bound, balance, predicted step time."""
     spec, nlayers = graph.spec, len(graph.layers)
     traffic = layer_traffic(graph, node_map, workers)  # [L, P, P]
-    flops = np.zeros((nlayers, workers), dtype=np.int64)
-    np.add.at(flops, (graph.layer_of, node_map), graph.flops)
-    share = np.full(workers, 1.0 / workers)
-    if capacities is not None:
-        share = np.asarray(capacities, dtype=np.float64) / np.sum(capacities)
+    flops = per_layer_worker(graph, node_map, workers, graph.flops).astype(np.int64)
+    share = _shares(workers, capacities)
     spread = workers_per_layer(graph, workers)
     speed = share * workers  # relative speed of each worker (1.0 on equal machines)
-    # Imbalance: worst load relative to a fair share of the q_l workers a layer can use.
     used = flops > 0
-    fair = flops.sum(axis=1, keepdims=True) * share[None, :] * workers / spread[:, None]
-    imbalance = (flops / fair).max(axis=1)
+    imbalance = _imbalance(graph, flops, share)
     kinds = [layer.kind for layer in spec.layers]
     values = input_values(graph, node_map, workers, traffic)
-    u, v, w = graph.edge_list()
+    crossing = Crossing.of(graph, node_map)
     interior = chains = None
     if network.overlap:
-        interior = interior_shares(graph, node_map, workers, (u, v))
-        chains = chain_shares(graph, node_map, workers, (u, v))
+        interior = interior_shares(graph, node_map, workers, crossing)
+        chains = chain_shares(graph, node_map, workers, crossing)
     keys = spec.layer_keys()
     args = (flops / speed[None, :], traffic, batch, network, kinds, values, interior, chains)
     compute, exchange, path = step_times(*args, keys)  # path <= compute.sum() + exchange.sum()
@@ -57,7 +63,7 @@ def evaluate(
     lower = layer_lower_bounds(spec, used.sum(axis=1))
     per_layer_volume = traffic.sum(axis=(1, 2))
 
-    edge_cut = int(w[node_map[u] != node_map[v]].sum())
+    edge_cut = int(graph.reads[2][crossing.cross].sum())
     metrics = PlanMetrics(
         edge_cut=edge_cut,
         volume=int(per_layer_volume.sum()),
@@ -74,6 +80,65 @@ def evaluate(
         for i in range(nlayers)
     )
     return metrics, layers, _worker_figures(graph, node_map, traffic, flops)
+
+
+def step_floor(
+    graph: UnitGraph,
+    node_map: np.ndarray,
+    workers: int,
+    batch: int,
+    network: NetworkModel,
+    capacities: list[float] | None = None,
+) -> float:
+    """A lower bound on an assignment's predicted step that costs little: the step with no
+    halo at all (compute along each worker's own timeline, and the fixed costs). An exchange
+    only adds to a step, and it is what costs most to evaluate (`evaluate`)."""
+    spec = graph.spec
+    flops = per_layer_worker(graph, node_map, workers, graph.flops)
+    speed = _shares(workers, capacities) * workers
+    none = np.zeros((len(graph.layers), workers, workers))
+    kinds = [layer.kind for layer in spec.layers]
+    values = input_values(graph, node_map, workers, none)
+    args = (flops / speed[None, :], none, batch, network, kinds, values)
+    _, _, path = step_times(*args, keys=spec.layer_keys())
+    return float(path + network.fixed_s(workers))
+
+
+def screen(
+    graph: UnitGraph,
+    node_map: np.ndarray,
+    workers: int,
+    capacities: list[float] | None,
+    floor: float,
+) -> PlanMetrics:
+    """The figures of a skipped assignment: exact volume, bound, balance and edge cut, and
+    `floor` (`step_floor`) for its step."""
+    flops = per_layer_worker(graph, node_map, workers, graph.flops)
+    traffic = layer_traffic(graph, node_map, workers)
+    used = (flops > 0).sum(axis=1)
+    share = _shares(workers, capacities)
+    edge_cut = int(graph.reads[2][node_map[graph.reads[0]] != node_map[graph.reads[1]]].sum())
+    return PlanMetrics(
+        edge_cut=edge_cut, volume=int(traffic.sum()),
+        lower_bound=int(layer_lower_bounds(graph.spec, used).sum()),
+        max_layer_imbalance=float(_imbalance(graph, flops, share).max()),
+        predicted_step_s=floor, compute_s=floor, exchange_s=0.0,
+    )  # fmt: skip
+
+
+def _shares(workers: int, capacities: list[float] | None) -> np.ndarray:
+    """Each worker's share of the work (equal, or by its relative capacity)."""
+    if capacities is None:
+        return np.full(workers, 1.0 / workers)
+    return np.asarray(capacities, dtype=np.float64) / np.sum(capacities)
+
+
+def _imbalance(graph: UnitGraph, flops: np.ndarray, share: np.ndarray) -> np.ndarray:
+    """[L]: each layer's worst load relative to a fair share of the workers it can use."""
+    workers = len(share)
+    spread = workers_per_layer(graph, workers)
+    fair = flops.sum(axis=1, keepdims=True) * share[None, :] * workers / spread[:, None]
+    return (flops / fair).max(axis=1)
 
 
 def _layer_figures(graph, i, spread, used, volume, lower, imbalance, times) -> LayerFigures:
@@ -142,9 +207,8 @@ def input_values(
     scatters its gradient back into): local and conv a window of every input channel per
     owned position and channel group, pool a window per unit, dense the whole input, lcn its
     input buffer (its own units of the layer below and the halo it receives)."""
-    spec, layers = graph.spec, len(graph.layers)
-    owned = np.zeros((layers, workers), dtype=np.float64)
-    np.add.at(owned, (graph.layer_of, node_map), graph.units)
+    spec = graph.spec
+    owned = per_layer_worker(graph, node_map, workers, graph.units)
     out = traffic.sum(axis=1).astype(np.float64)  # halo received, per layer and worker
     out[1:] += owned[:-1]
     for lb in graph.layers:
@@ -164,68 +228,96 @@ def input_values(
     return out
 
 
+def per_layer_worker(graph: UnitGraph, node_map: np.ndarray, workers: int, values) -> np.ndarray:
+    """[L, P]: `values` (one per block) summed by (layer, owner); float64 (integer values
+    sum exactly)."""
+    at = graph.layer_of * workers + node_map
+    sums = np.bincount(at, weights=values, minlength=len(graph.layers) * workers)
+    return sums.reshape(len(graph.layers), workers)
+
+
+@dataclass(frozen=True, eq=False)
+class Crossing:
+    """Which read edges of a graph cross workers under a node map: each edge's reader's
+    owner and read block's owner, whether they differ, and where each reader layer's edges
+    begin (`cuts`, one more than the layers). Computed once per evaluation."""
+
+    reader_owner: np.ndarray
+    read_owner: np.ndarray
+    cross: np.ndarray
+    cuts: np.ndarray
+
+    @classmethod
+    def of(cls, graph: UnitGraph, node_map: np.ndarray) -> Crossing:
+        reader, read, _ = graph.reads
+        small = narrow(node_map)
+        owners = small[reader], small[read]
+        return cls(owners[0], owners[1], owners[0] != owners[1], graph.read_cuts)
+
+
 def interior_shares(
-    graph: UnitGraph, node_map: np.ndarray, workers: int, edges: tuple | None = None
+    graph: UnitGraph, node_map: np.ndarray, workers: int, crossing: Crossing | None = None
 ) -> np.ndarray:
     """[L, P]: the share of worker w's units of layer l in blocks that read no block of
     another worker (what it can compute while its halo travels; blocks, not units: a block
-    with one boundary unit counts as boundary, so this errs low). `edges`: the graph's (u, v)
-    edge list, where the caller has it."""
-    u, v = edges if edges is not None else graph.edge_list()[:2]
-    reader = np.where(graph.layer_of[u] > graph.layer_of[v], u, v)
+    with one boundary unit counts as boundary, so this errs low)."""
+    crossing = crossing or Crossing.of(graph, node_map)
     boundary = np.zeros(graph.num_vertices, dtype=bool)
-    boundary[reader[node_map[u] != node_map[v]]] = True
-    shape = (len(graph.layers), workers)
-    total, inner = np.zeros(shape), np.zeros(shape)
-    np.add.at(total, (graph.layer_of, node_map), graph.units)
-    keep = ~boundary
-    np.add.at(inner, (graph.layer_of[keep], node_map[keep]), graph.units[keep])
-    return np.divide(inner, total, out=np.zeros(shape), where=total > 0)
+    boundary[graph.reads[0][crossing.cross]] = True
+    total = per_layer_worker(graph, node_map, workers, graph.units)
+    inner = per_layer_worker(graph, node_map, workers, np.where(boundary, 0, graph.units))
+    return np.divide(inner, total, out=np.zeros_like(total), where=total > 0)
 
 
 def chain_shares(
-    graph: UnitGraph, node_map: np.ndarray, workers: int, edges: tuple | None = None
+    graph: UnitGraph, node_map: np.ndarray, workers: int, crossing: Crossing | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """(late [L, P], feeds [L, P]): for each layer of a worker's producer chain
     (`netpart.partition.chains`, here on blocks), the share of its units computed after the
     halo above is posted, and the layer whose exchange that work hides (-1 outside chains).
-    A block with one early unit counts as early, so this errs low, as `interior_shares`."""
-    u, v = edges if edges is not None else graph.edge_list()[:2]
-    lo, hi = (
-        np.where(graph.layer_of[u] < graph.layer_of[v], u, v),
-        np.where(graph.layer_of[u] < graph.layer_of[v], v, u),
-    )  # (read, reader)
-    cross = node_map[lo] != node_map[hi]
-    layers = len(graph.layers)
-    shape = (layers, workers)
-    total = np.zeros(shape)
-    np.add.at(total, (graph.layer_of, node_map), graph.units)
+    A block with one early unit counts as early, so this errs low, as `interior_shares`.
+
+    Every worker at once: a chain's wanted blocks are its worker's own, so one mask over the
+    blocks holds every worker's; the read edges come grouped by their reader's layer, and a
+    chain walks down one layer at a time (tops highest first: a layer feeds one top)."""
+    c = crossing or Crossing.of(graph, node_map)
+    hi, lo, _ = graph.reads  # (reader, read)
+    cross, cuts = c.cross, c.cuts
+    shape = (len(graph.layers), workers)
+    total = per_layer_worker(graph, node_map, workers, graph.units)
     receives, sends = np.zeros(shape, dtype=bool), np.zeros(shape, dtype=bool)
-    receives[graph.layer_of[hi[cross]], node_map[hi[cross]]] = True
-    sends[graph.layer_of[hi[cross]], node_map[lo[cross]]] = True
-    late, feeds = np.zeros(shape), np.full(shape, -1, dtype=np.int64)
+    for layer in range(1, len(graph.layers)):  # a layer's edges: one slice, no gathers
+        at = slice(cuts[layer], cuts[layer + 1])
+        out = cross[at]
+        receives[layer] = np.bincount(c.reader_owner[at][out], minlength=workers) > 0
+        sends[layer] = np.bincount(c.read_owner[at][out], minlength=workers) > 0
     dense = np.array([layer.kind == "dense" for layer in graph.spec.layers])
-    for w in range(workers):
-        mine = node_map[lo] == w  # edges reading this worker's blocks: all a chain follows
-        lo_w, hi_w, out_w = lo[mine], hi[mine], cross[mine]
-        for top in np.flatnonzero(sends[:, w])[::-1]:
+    late, feeds = np.zeros(shape), np.full(shape, -1, dtype=np.int64)
+    for top in np.flatnonzero(sends.any(axis=1))[::-1]:
+        at = slice(cuts[top], cuts[top + 1])  # edges whose reader is in `top`
+        want = np.zeros(graph.num_vertices, dtype=bool)
+        want[lo[at][cross[at]]] = True  # what each sender sends at `top`
+        alive, member = sends[top].copy(), np.zeros(shape, dtype=bool)
+        layer = top - 1
+        while layer >= 0 and not dense[layer]:
+            ids = np.flatnonzero(want)
+            early = np.bincount(node_map[ids], weights=graph.units[ids], minlength=workers)
+            has = np.bincount(node_map[ids], minlength=workers) > 0
+            alive &= has & ~receives[layer] & (early < total[layer]) & (feeds[layer] < 0)
+            if not alive.any():
+                break
+            member[layer] = alive
+            late[layer, alive] = 1.0 - early[alive] / total[layer, alive]
+            alive &= ~sends[layer]  # a chain ends at a layer that sends itself
+            if layer == 0 or not alive.any():
+                break
+            at = slice(cuts[layer], cuts[layer + 1])  # edges whose reader is in `layer`
+            readers = hi[at]
+            step = ~cross[at] & want[readers] & alive[c.reader_owner[at]]
             want = np.zeros(graph.num_vertices, dtype=bool)
-            want[lo_w[out_w & (graph.layer_of[hi_w] == top)]] = True
-            chain = []
-            layer = top - 1
-            while layer >= 0 and want.any() and not dense[layer] and not receives[layer, w]:
-                early = float(graph.units[want].sum())
-                if early >= total[layer, w] or feeds[layer, w] >= 0:
-                    break
-                chain.append((layer, 1.0 - early / total[layer, w]))
-                if layer == 0 or sends[layer, w]:
-                    break
-                step = want[hi_w]
-                want = np.zeros_like(want)
-                want[lo_w[step]] = True
-                layer -= 1
-            for layer, share in chain:
-                late[layer, w], feeds[layer, w] = share, top
+            want[lo[at][step]] = True
+            layer -= 1
+        feeds[member] = top
     return late, feeds
 
 

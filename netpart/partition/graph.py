@@ -11,12 +11,15 @@ input pixels it needs from its batch, so layer 0 has no in-edges.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
 from netpart.models.spec import ModelSpec, Shape
+from netpart.partition.reads import read_edges, symmetric_csr
 
 __all__ = [
     "Granularity",
@@ -25,8 +28,8 @@ __all__ = [
     "aligned_pool",
     "build_unit_graph",
     "flops_per_unit",
+    "narrow",
     "owned_units",
-    "read_window",
 ]
 
 BYTES_PER_VALUE = 4  # activations travel as float32
@@ -135,10 +138,12 @@ class LayerBlocks:
 
 @dataclass(frozen=True, eq=False)
 class UnitGraph:
-    """Blocks of units with FLOPs, sizes and symmetric CSR adjacency (`xadj`, `adjncy`, `adjwgt`).
+    """Blocks of units with FLOPs, sizes, read edges and symmetric CSR adjacency (`xadj`,
+    `adjncy`, `adjwgt`: built from the read edges on first use).
 
     Invariants: every unit of every layer lies in exactly one block; the adjacency is symmetric
-    with equal weights both ways; `box[v] = (c0, c1, y0, y1, x0, x1)` is block v's unit range.
+    with equal weights both ways and each row ascending; `box[v] = (c0, c1, y0, y1, x0, x1)`
+    is block v's unit range. The arrays are read-only.
     """
 
     spec: ModelSpec
@@ -148,9 +153,9 @@ class UnitGraph:
     box: np.ndarray
     flops: np.ndarray
     units: np.ndarray
-    xadj: np.ndarray
-    adjncy: np.ndarray
-    adjwgt: np.ndarray
+    # Every edge once as (reader, source, units read), readers ascending and each reader's
+    # sources ascending (so grouped by the readers' layer).
+    reads: tuple[np.ndarray, np.ndarray, np.ndarray]
 
     @property
     def num_vertices(self) -> int:
@@ -158,10 +163,41 @@ class UnitGraph:
 
     @property
     def num_edges(self) -> int:
-        return len(self.adjncy) // 2
+        return len(self.reads[0])
+
+    @property
+    def xadj(self) -> np.ndarray:
+        return self._csr[0]
+
+    @property
+    def adjncy(self) -> np.ndarray:
+        return self._csr[1]
+
+    @property
+    def adjwgt(self) -> np.ndarray:
+        return self._csr[2]
+
+    @cached_property
+    def _csr(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The CSR arrays, built on first use (METIS and the balance repair need them; the
+        figures of a plan read `reads`)."""
+        arrays = symmetric_csr(*self.reads, self.layers)
+        for array in arrays:
+            array.flags.writeable = False
+        return arrays
+
+    @cached_property
+    def read_cuts(self) -> np.ndarray:
+        """[L + 1]: where each reader layer's edges begin in `reads` (layer 0 reads none)."""
+        firsts = [lb.first for lb in self.layers] + [self.num_vertices]
+        return np.searchsorted(self.reads[0], np.asarray(firsts, dtype=self.reads[0].dtype))
 
     def edge_list(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(u, v, w) for each undirected edge once, u < v."""
+        """(u, v, w) for each undirected edge once, u < v (computed once per graph)."""
+        return self._edges
+
+    @cached_property
+    def _edges(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         src = np.repeat(np.arange(self.num_vertices), np.diff(self.xadj))
         keep = src < self.adjncy
         return src[keep], self.adjncy[keep], self.adjwgt[keep]
@@ -206,14 +242,6 @@ class UnitGraph:
         w = np.zeros((self.num_vertices, len(self.layers)), dtype=np.int64)
         w[np.arange(self.num_vertices), self.layer_of] = self.flops
         return w
-
-
-def read_window(spec: ModelSpec, index: int) -> tuple[int, int, int]:
-    """(kernel, stride, padding) through which spatial layer `index` reads its input."""
-    layer = spec.layers[index]
-    if layer.kind == "lcn":
-        return layer.kernel, 1, layer.kernel // 2
-    return layer.kernel, layer.stride, layer.padding
 
 
 def flops_per_unit(spec: ModelSpec, index: int) -> int:
@@ -299,100 +327,49 @@ def _boxes(lb: LayerBlocks) -> np.ndarray:
     )
 
 
-def needed_boxes(spec: ModelSpec, index: int, boxes: np.ndarray) -> np.ndarray:
-    """For reader blocks of layer `index` (boxes [B, 6]), the input-unit box each one reads."""
-    src = spec.input_shape(index)
-    layer = spec.layers[index]
-    n = len(boxes)
-    if not layer.is_spatial:
-        full = np.array([0, src.channels, 0, src.height, 0, src.width], dtype=np.int64)
-        return np.broadcast_to(full, (n, 6)).copy()
-    k, s, p = read_window(spec, index)
-    need = np.empty((n, 6), dtype=np.int64)
-    if layer.kind == "pool":
-        need[:, 0:2] = boxes[:, 0:2]
-    else:
-        need[:, 0], need[:, 1] = 0, src.channels
-    need[:, 2] = np.clip(boxes[:, 2] * s - p, 0, src.height)
-    need[:, 3] = np.clip((boxes[:, 3] - 1) * s - p + k, 0, src.height)
-    need[:, 4] = np.clip(boxes[:, 4] * s - p, 0, src.width)
-    need[:, 5] = np.clip((boxes[:, 5] - 1) * s - p + k, 0, src.width)
-    return need
-
-
-def _range_of(bounds: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Indices [a, b) of the bands of `bounds` that intersect [lo, hi) (empty if lo >= hi)."""
-    a = np.searchsorted(bounds, lo, side="right") - 1
-    b = np.searchsorted(bounds, hi, side="left")
-    return a, np.maximum(b, a)
-
-
-def _expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For groups of sizes `counts`: (group index, offset within group) of every element."""
-    owner = np.repeat(np.arange(len(counts)), counts)
-    starts = np.cumsum(counts) - counts
-    return owner, np.arange(counts.sum()) - starts[owner]
-
-
-def _read_edges(
-    spec: ModelSpec, reader: LayerBlocks, source: LayerBlocks, boxes: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(reader id, source id, units read) for every block pair where the reader reads the source."""
-    rb = boxes[reader.first : reader.first + reader.count]
-    need = needed_boxes(spec, reader.index, rb)
-    c_a, c_b = _range_of(source.cbounds, need[:, 0], need[:, 1])
-    y_a, y_b = _range_of(source.ybounds, need[:, 2], need[:, 3])
-    x_a, x_b = _range_of(source.xbounds, need[:, 4], need[:, 5])
-    dc, dy, dx = c_b - c_a, y_b - y_a, x_b - x_a
-    r, off = _expand(dc * dy * dx)
-    oc, rem = np.divmod(off, (dy * dx)[r])
-    oy, ox = np.divmod(rem, dx[r])
-    gc, gy, gx = c_a[r] + oc, y_a[r] + oy, x_a[r] + ox
-    sid = source.first + (gc * source.ny + gy) * source.nx + gx
-    sb = boxes[sid]
-    nr = need[r]
-    overlap = np.ones(len(r), dtype=np.int64)
-    for lo, hi in ((0, 1), (2, 3), (4, 5)):
-        overlap *= np.minimum(nr[:, hi], sb[:, hi]) - np.maximum(nr[:, lo], sb[:, lo])
-    return reader.first + r, sid, overlap
-
-
 def build_unit_graph(spec: ModelSpec, granularity: Granularity | None = None) -> UnitGraph:
-    """Blocks, FLOPs, sizes and symmetric CSR adjacency for `spec` (vectorised numpy)."""
-    granularity = granularity or Granularity()
+    """Blocks, FLOPs, sizes and symmetric CSR adjacency for `spec` (vectorised numpy).
+
+    The last graph built is kept (a plan's candidates of one granularity, and the command
+    that reports the plan, share it): graphs are immutable (their arrays are read-only)."""
+    return _build(spec, granularity or Granularity())
+
+
+@functools.lru_cache(maxsize=1)
+def _build(spec: ModelSpec, granularity: Granularity) -> UnitGraph:
     layers = _layer_blocks(spec, granularity)
     box = np.concatenate([_boxes(lb) for lb in layers])
     layer_of = np.concatenate([np.full(lb.count, lb.index, dtype=np.int64) for lb in layers])
     units = (box[:, 1] - box[:, 0]) * (box[:, 3] - box[:, 2]) * (box[:, 5] - box[:, 4])
     per_unit = np.array([flops_per_unit(spec, i) for i in range(len(layers))], dtype=np.int64)
     flops = units * per_unit[layer_of]
+    parts = [list(read_edges(spec, layers[i], layers[i - 1], box)) for i in range(1, len(layers))]
+    rd, sr, wt = (_joined(parts, k) for k in range(3))
+    graph = UnitGraph(
+        spec=spec, granularity=granularity, layers=layers, layer_of=layer_of, box=box,
+        flops=flops, units=units, reads=(rd, sr, wt),
+    )  # fmt: skip
+    for array in (layer_of, box, flops, units, rd, sr, wt):
+        array.flags.writeable = False
+    return graph
 
-    parts = [_read_edges(spec, layers[i], layers[i - 1], box) for i in range(1, len(layers))]
-    if parts:
-        rd = np.concatenate([p[0] for p in parts])
-        sr = np.concatenate([p[1] for p in parts])
-        wt = np.concatenate([p[2] for p in parts])
-    else:
-        rd = sr = wt = np.zeros(0, dtype=np.int64)
-    u = np.concatenate([rd, sr])
-    v = np.concatenate([sr, rd])
-    w = np.concatenate([wt, wt])
-    order = np.lexsort((v, u))
-    u, v, w = u[order], v[order], w[order]
-    xadj = np.zeros(len(layer_of) + 1, dtype=np.int64)
-    np.cumsum(np.bincount(u, minlength=len(layer_of)), out=xadj[1:])
-    return UnitGraph(
-        spec=spec,
-        granularity=granularity,
-        layers=layers,
-        layer_of=layer_of,
-        box=box,
-        flops=flops,
-        units=units,
-        xadj=xadj,
-        adjncy=v.astype(np.int64),
-        adjwgt=w.astype(np.int64),
-    )
+
+def narrow(node_map: np.ndarray) -> np.ndarray:
+    """The node map in int16 (int32 past 32767 workers): gathered over every edge of a
+    large graph, the narrow copy moves a quarter of the bytes."""
+    small = np.int16 if len(node_map) == 0 or node_map.max() < 2**15 else np.int32
+    return node_map.astype(small)
+
+
+def _joined(parts: list[list[np.ndarray]], k: int) -> np.ndarray:
+    """The k-th arrays of `parts` end to end; each part is let go once copied (the edges of
+    a large graph are hundreds of MB an array)."""
+    if not parts:
+        return np.zeros(0, dtype=np.int32)
+    out = np.concatenate([p[k] for p in parts])
+    for p in parts:
+        p[k] = None
+    return out
 
 
 def owned_units(graph: UnitGraph, node_map: np.ndarray, workers: int) -> tuple:

@@ -77,6 +77,7 @@ def _metis(
         seed=seed,
         ncuts=ncuts,
         niter=niter,
+        symmetric=True,  # a UnitGraph's adjacency: both directions of every read edge
     ).parts
     share = None if capacities is None else np.asarray(capacities, float) / np.sum(capacities)
     return rebalance(graph, parts, workers, imbalance, share)

@@ -11,15 +11,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from netpart.errors import PlanError
 from netpart.models.spec import ModelSpec
 from netpart.partition.cost import NetworkModel
-from netpart.partition.figures import evaluate
-from netpart.partition.graph import Granularity, UnitGraph, build_unit_graph
+from netpart.partition.figures import evaluate, screen, step_floor
+from netpart.partition.graph import Granularity, build_unit_graph
 from netpart.partition.methods import ALIGNED, METHOD_OPTIONS, METHODS, assign, default_bands
 from netpart.partition.plans import Candidate, PartitionPlan
 
-__all__ = ["AUTO", "AUTO_RULE", "TIE", "auto_candidates", "choose", "plan"]
+__all__ = ["AUTO", "AUTO_RULE", "TIE", "Planner", "auto_candidates", "choose", "plan"]
 
 TIE = 0.02  # predicted steps this close count as equal: the model is not finer than that
 AUTO_RULE = (
@@ -56,7 +58,7 @@ def plan(
     network = network or NetworkModel()
     granularity = granularity or Granularity.for_workers(workers)
     phase = on_phase or (lambda _name: None)
-    run = _Runner(spec, workers, seed, batch, network, granularity, phase)
+    run = Planner(spec, workers, seed, batch, network, granularity, phase)
     if method != AUTO:
         if method not in METHODS:
             raise PlanError(f"unknown method {method!r}; use one of auto, {', '.join(METHODS)}")
@@ -67,14 +69,17 @@ def plan(
             f"unknown option {unknown[0]!r} for method 'auto'; allowed: imbalance, capacities "
             "(choose a --method to tune one partitioner)"
         )
-    plans = [
-        run(
-            name,
-            {**{k: v for k, v in options.items() if k in METHOD_OPTIONS.get(name, ())}, **extra},
-        )
-        for name, extra in auto_candidates(spec, workers)
-    ]
-    candidates = tuple(Candidate(p.method, p.method_options, p.metrics) for p in plans)
+    plans, best = [], np.inf
+    for name, extra in auto_candidates(spec, workers):
+        mine = {k: v for k, v in options.items() if k in METHOD_OPTIONS.get(name, ())}
+        got = run(name, {**mine, **extra}, beat=best * (1 + TIE))
+        plans.append(got)
+        if isinstance(got, PartitionPlan):
+            best = min(best, got.metrics.predicted_step_s)
+    candidates = tuple(
+        Candidate(p.method, p.method_options, p.metrics) if isinstance(p, PartitionPlan) else p
+        for p in plans
+    )
     return replace(plans[choose(candidates)], candidates=candidates, rule=AUTO_RULE)
 
 
@@ -97,19 +102,20 @@ def auto_candidates(spec: ModelSpec, workers: int) -> list[tuple[str, dict[str, 
 
 def choose(candidates: tuple[Candidate, ...]) -> int:
     """Index of the candidate AUTO_RULE picks: among those whose predicted step is within TIE
-    of the fastest, the one with the lowest volume (then the faster, then the first)."""
-    fastest = min(c.metrics.predicted_step_s for c in candidates)
-    tied = [
-        i for i, c in enumerate(candidates) if c.metrics.predicted_step_s <= fastest * (1 + TIE)
-    ]
+    of the fastest, the one with the lowest volume (then the faster, then the first). A
+    skipped candidate (its step a lower bound, out of the tie) is never picked."""
+    weighed = [i for i, c in enumerate(candidates) if not c.skipped]
+    fastest = min(candidates[i].metrics.predicted_step_s for i in weighed)
+    tied = [i for i in weighed if candidates[i].metrics.predicted_step_s <= fastest * (1 + TIE)]
     return min(
         tied, key=lambda i: (candidates[i].metrics.volume, candidates[i].metrics.predicted_step_s)
     )
 
 
 @dataclass
-class _Runner:
-    """Plans one method at a time, reusing the last graph where the granularity is the same."""
+class Planner:
+    """Plans one method at a time. The graph of a granularity is built once: candidates of
+    one granularity come in a row, and `build_unit_graph` keeps the last graph it built."""
 
     spec: ModelSpec
     workers: int
@@ -118,21 +124,31 @@ class _Runner:
     network: NetworkModel
     granularity: Granularity
     phase: Callable[[str], None]
-    graph: UnitGraph | None = None  # the last one built: candidates in a row share it
 
-    def __call__(self, method: str, options: dict[str, Any]) -> PartitionPlan:
+    def __call__(
+        self, method: str, options: dict[str, Any], beat: float = np.inf
+    ) -> PartitionPlan | Candidate:
+        """The plan of `method`; a skipped `Candidate` instead, with its cheap figures, when
+        a lower bound on its step is above `beat` (it cannot win: the rest is not worth its
+        cost)."""
         granularity = self.granularity
         if method in ALIGNED:  # their cuts follow the pools: the graph must be cut there
             granularity = replace(granularity, align_pools=True)
         self.phase(f"{method}: graph")
-        if self.graph is None or self.graph.granularity != granularity:
-            self.graph = build_unit_graph(self.spec, granularity)
-        graph = self.graph
+        graph = build_unit_graph(self.spec, granularity)
         self.phase(f"{method}: partition")
         node_map = assign(graph, self.workers, method, self.seed, options)
         self.phase(f"{method}: metrics")
+        caps = options.get("capacities")
+        if np.isfinite(beat):
+            floor = step_floor(graph, node_map, self.workers, self.batch, self.network, caps)
+            if floor > beat:
+                why = (f"its compute alone, {floor * 1e3:.2f} ms a step, is more than the tie "
+                       f"with the best so far allows ({beat * 1e3:.2f} ms)")  # fmt: skip
+                cheap = screen(graph, node_map, self.workers, caps, floor)
+                return Candidate(method, options, cheap, skipped=why)
         metrics, layers, per_worker = evaluate(
-            graph, node_map, self.workers, self.batch, self.network, options.get("capacities")
+            graph, node_map, self.workers, self.batch, self.network, caps
         )
         return PartitionPlan(
             model=self.spec.name,

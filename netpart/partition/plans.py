@@ -24,8 +24,11 @@ block ids as in `UnitGraph`, i.e. contiguous per layer in (channel group, row, c
     per_worker          per worker: flops (forward+backward per example, per layer), params,
                         halo_in_bytes / halo_out_bytes (forward, per example), neighbours
     auto                (only when `--method auto` chose the plan) {rule, candidates: [{method,
-                        options, metrics}]}: every plan weighed; `method` and `options` above
-                        are the winner's, so the plan re-runs with an explicit --method
+                        options, metrics, skipped}]}: every plan weighed; `skipped` (present
+                        only then) says why a candidate's exchange was not modelled — a lower
+                        bound on its step (its predicted_step_s there) put it out of the tie
+                        with the best so far; `method` and `options` above are the winner's, so
+                        the plan re-runs with an explicit --method
 """
 
 from __future__ import annotations
@@ -77,18 +80,25 @@ class PlanMetrics:
 
 @dataclass(frozen=True)
 class Candidate:
-    """A plan `auto` weighed: its method, the options it ran with, and its figures."""
+    """A plan `auto` weighed: its method, the options it ran with, and its figures. A
+    candidate `skipped` (why, in words) was partitioned but its exchange was not modelled:
+    its step could not come within the tie of the best so far. Its volume, bound, balance
+    and edge cut are exact; its predicted and compute seconds are a lower bound on its step
+    (compute alone) and its exchange seconds 0."""
 
     method: str
     options: dict[str, Any]
     metrics: PlanMetrics
+    skipped: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"method": self.method, "options": self.options, "metrics": asdict(self.metrics)}
+        out = {"method": self.method, "options": self.options, "metrics": asdict(self.metrics)}
+        return {**out, "skipped": self.skipped} if self.skipped else out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Candidate:
-        return cls(d["method"], dict(d["options"]), PlanMetrics(**d["metrics"]))
+        metrics = PlanMetrics(**d["metrics"])
+        return cls(d["method"], dict(d["options"]), metrics, str(d.get("skipped", "")))
 
 
 @dataclass(frozen=True)

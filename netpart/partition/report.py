@@ -124,16 +124,19 @@ def auto_table(plan: PartitionPlan) -> str:
                 + "".join(f" {k}={v}" for k, v in c.options.items()),
                 _fmt_ratio(m.volume_ratio),
                 f"{m.max_layer_imbalance:.3f}",
-                f"{m.predicted_step_s * 1e3:.2f}",
+                f"> {m.predicted_step_s * 1e3:.2f}"
+                if c.skipped
+                else f"{m.predicted_step_s * 1e3:.2f}",
             ]
         )
     table = _table(["candidate", "vol/bound", "max imbalance", "step ms"], rows)
-    return f"{table}\n{auto_reason(plan)}"
+    notes = [f"{c.method}: not evaluated, {c.skipped}" for c in plan.candidates if c.skipped]
+    return "\n".join([table, *notes, auto_reason(plan)])
 
 
 def auto_reason(plan: PartitionPlan) -> str:
     """Why `auto` kept this plan, in one sentence."""
-    steps = sorted(c.metrics.predicted_step_s for c in plan.candidates)
+    steps = sorted(c.metrics.predicted_step_s for c in plan.candidates if not c.skipped)
     mine = plan.metrics.predicted_step_s
     if mine == steps[0]:
         runner_up = steps[1] if len(steps) > 1 else mine

@@ -31,10 +31,10 @@ from netpart.partition.graph import (
     UnitGraph,
     build_unit_graph,
     owned_units,
-    read_window,
 )
 from netpart.partition.plans import PartitionPlan
 from netpart.partition.program import Instruction, check_program
+from netpart.partition.reads import read_window
 from netpart.partition.volume import coverage
 
 __all__ = [

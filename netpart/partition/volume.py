@@ -19,16 +19,21 @@ import functools
 import numpy as np
 
 from netpart.models.spec import ModelSpec
-from netpart.partition.graph import LayerBlocks, UnitGraph, needed_boxes, read_window
+from netpart.partition.graph import LayerBlocks, UnitGraph
+from netpart.partition.reads import needed_boxes, read_window
 
 __all__ = ["coverage", "layer_lower_bounds", "layer_traffic", "workers_per_layer"]
 
 
-def layer_traffic(graph: UnitGraph, node_map: np.ndarray, workers: int) -> np.ndarray:
-    """T[l, s, d]: units of layer l-1 sent from worker s to worker d for layer l (T[0] = 0)."""
+def layer_traffic(
+    graph: UnitGraph, node_map: np.ndarray, workers: int, readers: list[int] | None = None
+) -> np.ndarray:
+    """T[l, s, d]: units of layer l-1 sent from worker s to worker d for layer l (T[0] = 0);
+    with `readers`, only those layers' (the others stay 0)."""
     spec = graph.spec
     out = np.zeros((len(graph.layers), workers, workers), dtype=np.int64)
-    for reader in graph.layers[1:]:
+    chosen = range(1, len(graph.layers)) if readers is None else [i for i in readers if i > 0]
+    for reader in (graph.layers[i] for i in chosen if i < len(graph.layers)):
         source = graph.layers[reader.index - 1]
         if spec.layers[reader.index].is_spatial:
             t = _spatial_traffic(graph, reader.index, node_map, workers)

@@ -21,7 +21,6 @@ input (found before anything starts), 130 stopped by a signal.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime
 import logging
 import os
@@ -36,6 +35,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from netpart.processes.memory import keep_freed_memory
 from netpart.processes.zygote import Forked, Preloaded, die_with_parent
 
 __all__ = [
@@ -53,7 +53,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 STORE_ENV = "NETPART_STORE"
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
 
 class Processes:
@@ -256,24 +255,6 @@ def _env_store(world: int, timeout: datetime.timedelta) -> dist.Store:
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
         is_master=not agent and rank == 0, timeout=timeout,
     )  # fmt: skip
-
-
-def keep_freed_memory() -> bool:
-    """Tell glibc's malloc to keep freed memory for reuse instead of returning it to the
-    kernel (an mmap threshold of 1 GiB, no trimming); returns whether glibc took it.
-
-    Why: a step frees and allocates the same large tensors every time. By default glibc
-    serves each from fresh mmap'd pages and unmaps them on free, so every step faults them
-    in again, zeroed by the kernel: 23,000 faults (~90 MB) a step on bench-local, a fifth
-    of its step time (docs/runtime.md). The process keeps its peak memory instead.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mmap_ok = libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(1 << 30))
-        trim_ok = libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(2**31 - 1))
-    except (OSError, AttributeError):  # not glibc
-        return False
-    return bool(mmap_ok and trim_ok)
 
 
 def yield_io_threads() -> int:

@@ -19,7 +19,8 @@ from torch import nn
 
 from netpart.models.reference import L2_POOL_EPS, activation
 from netpart.models.spec import ModelSpec
-from netpart.partition.graph import LayerBlocks, read_window
+from netpart.partition.graph import LayerBlocks
+from netpart.partition.reads import read_window
 from netpart.partition.shards import (
     ParamPiece,
     channel_groups,

@@ -5,9 +5,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from netpart.models import ZOO
-from netpart.partition import Granularity, plan
-from netpart.partition.planner import TIE, auto_candidates, choose
+from netpart.partition import Granularity, NetworkModel, build_unit_graph, plan
+from netpart.partition.figures import reevaluate, screen, step_floor
+from netpart.partition.planner import AUTO_RULE, TIE, Planner, auto_candidates, choose
 from netpart.partition.plans import Candidate, PartitionPlan, PlanMetrics
+from netpart.partition.report import auto_table
 from tests.conftest import small_specs
 
 
@@ -60,3 +62,36 @@ def test_a_plan_without_candidates_loads_as_before():
     d = p.to_dict()
     assert "auto" not in d and p.candidates == ()
     assert dataclasses.replace(p, candidates=()) == p
+
+
+@given(small_specs(), st.integers(2, 6), st.sampled_from(["metis", "tiles", "stripe", "random"]))
+@settings(max_examples=60, deadline=None)
+def test_the_screen_never_exceeds_the_evaluated_step(spec, workers, method):
+    """A candidate is skipped by a lower bound on its step: it must be one, on any plan (its
+    other figures are the evaluation's own)."""
+    grain = Granularity(spatial_blocks=16, dense_blocks=4)
+    p = plan(spec, workers, method, granularity=grain)
+    graph = build_unit_graph(spec, p.granularity)
+    for network in (NetworkModel(), NetworkModel(overlap=False)):
+        full = reevaluate(spec, p, p.batch, network).metrics
+        floor = step_floor(graph, p.node_map, workers, p.batch, network)
+        assert floor <= full.predicted_step_s * (1 + 1e-12)
+        cheap = screen(graph, p.node_map, workers, None, floor)
+        same = ("edge_cut", "volume", "lower_bound", "max_layer_imbalance")
+        assert all(getattr(cheap, k) == getattr(full, k) for k in same)
+
+
+def test_a_candidate_that_cannot_win_is_skipped_and_recorded():
+    """With a step to beat below its lower bound, a candidate is screened out: recorded with
+    why, its figures exact but its step a bound, never chosen, and the plan file round trips."""
+    spec = ZOO["tiny-local"]
+    runner = Planner(spec, 2, 0, 32, NetworkModel(), Granularity.for_workers(2), lambda _: None)
+    evaluated = runner("tiles", {})
+    skipped = runner("metis", {}, beat=1e-9)
+    assert skipped.skipped.startswith("its compute alone") and skipped.metrics.exchange_s == 0
+    candidates = (Candidate("tiles", {}, evaluated.metrics), skipped)
+    assert choose(candidates) == 0 and choose(candidates[::-1]) == 1
+    p = dataclasses.replace(evaluated, candidates=candidates, rule=AUTO_RULE)
+    back = PartitionPlan.from_json(p.to_json(), p.node_map)
+    assert back == p and back.candidates[1].skipped == skipped.skipped
+    assert "not evaluated" in auto_table(p)

@@ -80,3 +80,22 @@ def test_bad_options_are_rejected():
         part_graph(xadj, adjncy, w, 2, tpwgts=np.array([1.0]))
     with pytest.raises(MetisError, match="edge cut only"):
         part_graph(xadj, adjncy, w, 2, algorithm="recursive", objective="vol")
+
+
+def test_a_sorted_graph_with_unequal_weights_or_a_missing_reverse_is_refused():
+    """Rows ascending take the one-sort check: it still sees a weight that differs between
+    the two directions of an edge, and an edge without its reverse."""
+    xadj, adjncy = _two_layer_chain()
+    src = np.repeat(np.arange(16), np.diff(xadj))
+    adjncy = adjncy[np.lexsort((adjncy, src))]  # each row ascending
+    w = np.ones((16, 1), dtype=np.int64)
+    assert np.all(np.diff(src * 16 + adjncy) > 0)  # the fast path's precondition
+    weights = np.ones(len(adjncy), dtype=np.int64)
+    part_graph(xadj, adjncy, w, 2, adjwgt=weights)  # symmetric: accepted
+    weights[0] = 2
+    with pytest.raises(MetisError, match=r"symmetric|weights differ"):
+        part_graph(xadj, adjncy, w, 2, adjwgt=weights)
+    shifted = adjncy.copy()
+    shifted[0] = (adjncy[0] + 2) % 16 or 1  # u->v' without v'->u
+    with pytest.raises(MetisError, match=r"symmetric|self loops"):
+        part_graph(xadj, shifted, w, 2)

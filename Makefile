@@ -20,7 +20,7 @@ demo: $(BIN)/netpart
 	$(BIN)/netpart plan --model image-80m --workers 16 --compare --out $(DEMO_OUT)/plan
 	rm -rf $(DEMO_OUT)/train
 	$(BIN)/netpart train --model tiny-local --workers 2 --replicas 2 --ps-shards 2 \
-		--data digits --steps 300 --out $(DEMO_OUT)/train
+		--data digits --steps 300 --eval-every 50 --out $(DEMO_OUT)/train
 	@echo "plan report:     $(DEMO_OUT)/plan/report.md"
 	@echo "training report: $(DEMO_OUT)/train/report.md"
 

@@ -38,11 +38,8 @@ sys.path.insert(0, str(ROOT))  # experiments/ helpers
 
 from experiments._common import write_csv  # noqa: E402
 from netpart.calibrate.emulated import TIMEOUT, EmulatedRunner, free_port  # noqa: E402
-from netpart.calibrate.measure import (  # noqa: E402
-    CALIBRATION_MODELS,
-    calibrate,
-    profile_json,
-)
+from netpart.calibrate.measure import CALIBRATION_MODELS, calibrate  # noqa: E402
+from netpart.calibrate.profile import profile_json  # noqa: E402
 from netpart.calibrate.speed import SpeedProbe  # noqa: E402
 from netpart.files import write_atomic  # noqa: E402
 from netpart.models import load_spec  # noqa: E402

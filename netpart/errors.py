@@ -19,6 +19,7 @@ __all__ = [
     "EXIT_FAILURE",
     "EXIT_INPUT",
     "EXIT_INTERRUPTED",
+    "CalibrationError",
     "DataError",
     "MetisError",
     "NetpartError",
@@ -77,6 +78,10 @@ class TrainError(NetpartError):
 
 class RuntimeFailure(Exception):
     """A run that failed while running (a worker died, a peer timed out): exit code 1."""
+
+
+class CalibrationError(RuntimeFailure):
+    """A calibration that cannot be trusted: the machine was busy while it measured."""
 
 
 class PeerError(RuntimeFailure):

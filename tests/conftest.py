@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from pathlib import Path
 
@@ -153,12 +154,23 @@ def brute_force_volume(graph: UnitGraph, node_map: np.ndarray) -> list[int]:
     return out
 
 
+# Every process this test session starts inherits this variable (through the zygote and a
+# new session, and after its parent died): the leak checks count only those, never another
+# netpart job on the same machine.
+SESSION = f"NETPART_TEST_SESSION={os.getpid()}-{time.time_ns()}"
+os.environ["NETPART_TEST_SESSION"] = SESSION.split("=", 1)[1]
+
+
 def count_processes(marker: bytes) -> int:
-    """Processes whose command line contains `marker` (read from /proc)."""
+    """This test session's processes whose command line contains `marker` (read from
+    /proc: the command line, and the environment they inherited from this session)."""
     count = 0
+    mine = SESSION.encode() + b"\0"
     for proc in Path("/proc").iterdir():
         try:
-            if marker in (proc / "cmdline").read_bytes():
+            if marker in (proc / "cmdline").read_bytes() and mine in (
+                (proc / "environ").read_bytes() + b"\0"
+            ):
                 count += 1
         except OSError:
             continue

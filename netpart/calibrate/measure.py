@@ -34,18 +34,18 @@ probe is the profile's `probe_s`, against which `netpart run` says how fast the 
 
 The fitting itself is `netpart.calibrate.fitting` (pure).
 
-The result is a `NetworkModel` whose `profile` names the file; `profile_json` adds every
-measurement it was fitted to, so a profile can be checked by hand.
+The result is a `NetworkModel` whose `profile` names the file; `netpart.calibrate.profile`
+writes it with every measurement it was fitted to, so a profile can be checked by hand.
+Between the measurements the machine's load is sampled, each case's runs spread recorded and,
+last, the model's predictions set against measured steps of the calibration models and of
+one model it was not fitted on (`check_model`); `netpart.calibrate.trust` judges them.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import platform
-import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Protocol
 
 import numpy as np
@@ -54,6 +54,7 @@ import torch
 from netpart.calibrate.fitting import Crowd, Plans, fit, kind_cost, layer_costs
 from netpart.calibrate.speed import SpeedProbe, probe_once
 from netpart.calibrate.trace import SliceTimes, measure_slices
+from netpart.calibrate.trust import LoadSample, sample
 from netpart.models import load_spec
 from netpart.models.spec import ModelSpec
 from netpart.partition import build_unit_graph, plan
@@ -74,6 +75,7 @@ from netpart.runtime.step import (
 
 __all__ = [
     "CALIBRATION_MODELS",
+    "CHECK_MODEL",
     "PROBE_SWING",
     "SCHEMA_VERSION",
     "SLICE_MODELS",
@@ -84,8 +86,7 @@ __all__ = [
     "fit",
     "kind_cost",
     "layer_costs",
-    "profile_json",
-    "profile_lines",
+    "run_spreads",
     "step_cpu_s",
 ]
 
@@ -99,6 +100,8 @@ PROBE_BEFORE = 5  # speed probe samples before a run whose worker this process i
 # The probe's 90th over its 10th percentile across the runs above which `netpart calibrate`
 # warns that the machine's speed moved while it was calibrated.
 PROBE_SWING = 1.25
+LOAD_SAMPLE_S = 0.5  # seconds the machine's load is sampled between measurements
+CHECK_MODEL = "speech"  # stepped only to check the fitted model (its slices are timed)
 CALIBRATION_MODELS = ("tiny-mlp", "digits-mlp", "tiny-local", "bench-local", "bench-local-wide")
 # Models whose slices only are timed: they carry the kinds' tables to the sizes larger models
 # use (speech's dense slices of 0.1-4 GFLOP a batch run at 2-3x the FLOP rate of the MLPs' 1-13
@@ -254,7 +257,8 @@ def crowd_counts(machines: int) -> list[int]:
     return sorted({n for n in (3, 4, 6, 8, top) if 2 < n <= top})
 
 
-def _runs(plans: Plans, wide: dict, batch: int, steps: int, repeats: int, runner, base, say):
+def _runs(plans: Plans, wide: dict, batch: int, steps: int, repeats: int, runner, base, say,
+          load: list[LoadSample]):  # fmt: skip
     """Each model's steps on 1 and 2 processes (and 2 exchanging only; and on each count of
     `wide`: {workers: each model's plan}), with their figures, and the speed probe of
     every run (`netpart.calibrate.speed`: the machine as it was calibrated). The runs go
@@ -282,7 +286,9 @@ def _runs(plans: Plans, wide: dict, batch: int, steps: int, repeats: int, runner
             for key, (p, exchange_only, count) in case.items():
                 runs_of[key].append(_probed_step(runner, spec, p, batch, count, exchange_only))
         counts = "/".join(str(n) for n in (1, 2, *wide))
-        say(f"runtime: round {r + 1} of {repeats}: stepped every model on {counts} processes")
+        load.append(sample(LOAD_SAMPLE_S))  # the machine while calibration runs nothing
+        say(f"runtime: round {r + 1} of {repeats}: stepped every model on {counts} processes "
+            f"({load[-1].describe()})")  # fmt: skip
     probes = [q for runs_of in done for v in runs_of.values() for *_, q in v]
     runs = []
     for (spec, one, two), runs_of in zip(plans, done, strict=True):
@@ -326,10 +332,14 @@ def calibrate(
     runner: Runner | None = None,
     repeats: int = 5,
     slice_models: tuple[str, ...] = SLICE_MODELS,
+    check_model: str | None = CHECK_MODEL,
 ) -> tuple[NetworkModel, dict]:
     """The calibrated model of the machines `runner` runs on (this one by default), and
-    every measurement it was fitted to (`slice_models`: their slices only)."""
+    every measurement it was fitted to (`slice_models`: their slices only), the machine's
+    load between measurements, each case's runs' spread, and the model's predictions
+    against measured steps (`check_model`: also one model it was not fitted on)."""
     runner = runner or LocalRunner()
+    load = [sample(LOAD_SAMPLE_S)]
     specs = [load_spec(m) for m in models]
     extra = [load_spec(m) for m in slice_models if m not in models]
     points, per_layer = _compute_points(specs + extra, batch, runner, say)
@@ -351,7 +361,7 @@ def calibrate(
     plans = [(s, plan(s, 1, "metis", batch=batch), plan(s, 2, "metis", batch=batch)) for s in specs]
     wide = {n: [plan(s, n, "metis", batch=batch) for s in specs]
             for n in crowd_counts(runner.machines)}  # fmt: skip
-    runs, probes = _runs(plans, wide, batch, steps, repeats, runner, base, say)
+    runs, probes = _runs(plans, wide, batch, steps, repeats, runner, base, say, load)
     probe = float(np.median(probes))
     crowd: Crowd = [
         (n, [(s, p, r["crowd"][str(n)]["step_s"]) for s, p, r in zip(specs, ps, runs, strict=True)])
@@ -360,11 +370,48 @@ def calibrate(
     model = replace(fit(base, plans, runs, batch, link, crowd), probe_s=probe)
     slices = {k: [[float(x) for x in pt] for pt in v] for k, v in sorted(points.items())}
     spread = [float(np.percentile(probes, q) / probe) for q in (10, 90)]
+    check = _check(plans, runs, model, batch, (runner, steps, repeats), check_model)
     details = {"batch": batch, "repeats": repeats, "share": runner.share,
                "machines": runner.machines, "overlap": runner.overlap, "slices": slices,
                "link": link, "runs": runs, "anchored": _anchors(specs, base, model),
-               "probe_spread": spread}  # fmt: skip
+               "probe_spread": spread, "load": [asdict(x) for x in load],
+               "run_spreads": run_spreads(runs), "check": check}  # fmt: skip
     return model, details
+
+
+def run_spreads(runs: list[dict]) -> list[float]:
+    """Each step case's slowest run over its fastest (one, two, exchange, crowd)."""
+    out = []
+    for r in runs:
+        cases = [r["one"]["runs_s"], r["two"]["runs_s"], r["two"]["exchange_runs_s"]]
+        cases += [c["runs_s"] for c in r["crowd"].values()]
+        out += [max(c) / min(c) for c in cases if c and min(c) > 0]
+    return out
+
+
+def _check(plans: Plans, runs: list[dict], model: NetworkModel, batch: int, how,
+           check_model: str | None) -> list[dict]:  # fmt: skip
+    """Predicted against measured steps: the calibration models' (their runs) and, on 1 and
+    2 processes, `check_model`'s, which the model was not fitted on (its median of
+    `repeats` runs)."""
+    rows = []
+    for (spec, one, two), r in zip(plans, runs, strict=True):
+        for p, case in ((one, r["one"]), (two, r["two"])):
+            predicted = reevaluate(spec, p, batch, model).metrics.predicted_step_s
+            rows.append({"model": spec.name, "workers": p.workers, "fitted": True,
+                         "predicted_s": predicted, "measured_s": case["step_s"]})  # fmt: skip
+    if check_model is None:
+        return rows
+    runner, steps, repeats = how
+    spec = load_spec(check_model)
+    for workers in (1, 2):
+        p = plan(spec, workers, "metis", batch=batch)
+        predicted = reevaluate(spec, p, batch, model).metrics.predicted_step_s
+        count = timed_steps(predicted, steps, CALIBRATION_S)[0]
+        measured = float(np.median([runner.step(spec, p, batch, count)[0] for _ in range(repeats)]))
+        rows.append({"model": spec.name, "workers": workers, "fitted": False,
+                     "predicted_s": predicted, "measured_s": measured})  # fmt: skip
+    return rows
 
 
 def _anchors(specs: list[ModelSpec], base: NetworkModel, model: NetworkModel) -> dict:
@@ -377,59 +424,3 @@ def _anchors(specs: list[ModelSpec], base: NetworkModel, model: NetworkModel) ->
         if ratios:
             out[spec.name] = float(np.median(ratios))
     return out
-
-
-def profile_lines(model: NetworkModel, details: dict) -> list[str]:
-    """What a calibration fitted, in a few lines for the console (with a warning where the
-    machine's speed moved while it was measured)."""
-    out = []
-    for kind, cost in model.kinds.items():
-        (f0, t0), (f1, t1) = cost.points[0], cost.points[-1]
-        per_value = f", +{cost.per_value * 1e9:.2f} ns per input value" if cost.per_value else ""
-        out.append(
-            f"{kind:<6} {len(cost.points):3d} slices: {t0 * 1e6:8.1f} µs at {f0 / 1e6:9.3f} MFLOP "
-            f"... {t1 * 1e3:8.2f} ms at {f1 / 1e9:7.2f} GFLOP ({f1 / t1 / 1e9:.1f} GFLOP/s)"
-            f"{per_value}"
-        )
-    fitted, gather = model.collective_s * 1e3, model.gather_s(2) * 1e3
-    out.append(
-        f"exchange: {model.latency_s * 1e6:.0f} µs a phase in a step, "
-        f"{model.bandwidth_bps / 1e9:.2f} Gbit/s (tables for "
-        f"{'/'.join(str(k) for k in sorted(model.link))} peers); per step "
-        f"{model.step_fixed_s * 1e3:.2f} ms; with N = 2 +{gather:.2f} ms (the loss's collective, "
-        f"measured) +{fitted:.2f} ms (fitted) and compute x{1 + model.parallel_slowdown:.2f}"
-    )
-    if details.get("anchored"):
-        out.append(
-            "layer tables scaled to each model's one-process step (its slices timed alone: "
-            "x1.00): " + ", ".join(f"{m} x{f:.2f}" for m, f in details["anchored"].items())
-        )
-    low, high = details["probe_spread"]
-    out.append(f"speed probe over the runs: 10th-90th percentile {low:.2f}-{high:.2f}x its median")
-    if high / low > PROBE_SWING:
-        out.append(
-            f"warning: the machine's speed moved {high / low:.2f}x while it was calibrated; "
-            "predictions from this profile may be off by as much: calibrate again when it is "
-            "quiet (nothing else running)"
-        )
-    for n, slowdown, seconds in model.crowd:
-        out.append(
-            f"with N = {n:g}: compute x{1 + model.parallel_slowdown + slowdown:.2f}, "
-            f"{seconds * 1e3:+.2f} ms a step beyond N = 2's terms (steps measured at {n:g})"
-        )
-    return out
-
-
-def profile_json(model: NetworkModel, details: dict) -> str:
-    """The profile file: the model (what `--profile` reads) and what it was fitted to."""
-    return json.dumps(
-        {
-            "schema_version": SCHEMA_VERSION,
-            "host": platform.node(),
-            "torch": torch.__version__,
-            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "model": model.to_dict(),
-            "measurements": details,
-        },
-        indent=1,
-    )

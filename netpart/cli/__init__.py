@@ -8,7 +8,6 @@ line and exit code 1; a stop by SIGINT/SIGTERM in exit code 130.
 
 from __future__ import annotations
 
-import argparse
 import errno
 import logging
 import os
@@ -16,13 +15,14 @@ import sys
 
 from netpart import __version__
 from netpart.cli import plan, run, train
+from netpart.cli.parser import Parser
 from netpart.errors import EXIT_FAILURE, EXIT_INPUT, EXIT_INTERRUPTED, NetpartError, RuntimeFailure
 
 __all__ = ["build_parser", "main"]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> Parser:
+    parser = Parser(
         prog="netpart",
         description=(
             "Partition neural networks DistBelief-style: a network is a graph of unit blocks, "
@@ -30,10 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--version", action="version", version=f"netpart {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log netpart's debug messages")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for group in (plan, run, train):
         group.register(sub)
+    parser.commands = dict(sub.choices)
     return parser
 
 
@@ -43,11 +44,10 @@ _PATH_ERRORS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EIS
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    args = parser.parse(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.verbose:  # netpart's own debug messages, not every library's (PIL, matplotlib)
+        logging.getLogger("netpart").setLevel(logging.DEBUG)
     try:
         return args.func(args)
     except NetpartError as exc:

@@ -55,9 +55,9 @@ def add_launch_args(parser: argparse.ArgumentParser, batch: int, stats_help: str
     """The options `run` and `check` share: what to run, how to split it, where to report."""
     from netpart.partition.methods import METHODS
 
-    parser.add_argument("--model", required=True, help="zoo name or .toml/.json")
+    parser.add_argument("--model", required=True, help="zoo name or .toml/.json (required)")
     parser.add_argument(
-        "--workers", required=True, type=positive_int, help="model worker processes"
+        "--workers", required=True, type=positive_int, help="model worker processes (required)"
     )
     parser.add_argument(
         "--method",
@@ -65,7 +65,9 @@ def add_launch_args(parser: argparse.ArgumentParser, batch: int, stats_help: str
         choices=["auto", *METHODS],
         help="partitioner (default auto: the lowest predicted step; see `netpart plan --help`)",
     )
-    parser.add_argument("--plan", type=Path, default=None, help="use this plan directory instead")
+    parser.add_argument(
+        "--plan", type=Path, default=None, help="use this plan directory (default: plan afresh)"
+    )
     parser.add_argument(
         "--batch", type=positive_int, default=batch, help=f"examples per step (default {batch})"
     )
@@ -76,7 +78,9 @@ def add_launch_args(parser: argparse.ArgumentParser, batch: int, stats_help: str
         default=60.0,
         help="seconds a worker waits for a peer before giving up (default 60)",
     )
-    parser.add_argument("--stats", type=Path, default=None, help=stats_help)
+    parser.add_argument(
+        "--stats", type=Path, default=None, metavar="FILE", help=stats_help + " (default: none)"
+    )
 
 
 def plan_for_run(args: argparse.Namespace):
@@ -121,8 +125,8 @@ def add_profile_arg(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         metavar="FILE",
-        help="predict with this machine profile (written by `netpart calibrate`) instead of "
-        "the default network model",
+        help="predict with this machine profile (written by `netpart calibrate`) (default: the "
+        "built-in network model, see --net)",
     )
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from netpart.cli.common import add_profile_arg, capacities, echo, load_network, positive_int
 from netpart.errors import PlanError
+from netpart.processes.memory import available_memory
 
 __all__ = ["register"]
 
@@ -31,9 +32,12 @@ examples:
 
 def register(sub) -> None:
     """Add `models`, `plan`, `inspect` and `graph` to the subcommands."""
-    sub.add_parser("models", help="list the zoo models with their parameter counts").set_defaults(
-        func=cmd_models
-    )
+    sub.add_parser(
+        "models",
+        help="list the zoo models with their parameter counts",
+        description="List the models built into netpart (the zoo): name, parameters, input "
+        "and layers. Any of them is a --model; so is a .toml or .json spec of your own.",
+    ).set_defaults(func=cmd_models)
     _plan_parser(sub)
     i = sub.add_parser(
         "inspect",
@@ -53,8 +57,14 @@ def register(sub) -> None:
     )
     g.add_argument("--model", required=True, help="zoo name or .toml/.json")
     g.add_argument("--workers", type=positive_int, default=1, help="granularity as for N workers")
-    g.add_argument("--format", choices=["metis", "graphml"], default="metis")
-    g.add_argument("--out", type=Path, required=True, help="output file")
+    g.add_argument(
+        "--format",
+        choices=["metis", "graphml"],
+        default="metis",
+        help="metis: METIS .graph text, one vertex weight per layer; graphml: networkx "
+        "GraphML with each block's layer, FLOPs, units and box (up to 20,000 blocks)",
+    )
+    g.add_argument("--out", type=Path, required=True, metavar="FILE", help="file to write")
     g.set_defaults(func=cmd_graph)
 
 
@@ -69,10 +79,11 @@ def _plan_parser(sub) -> None:
             "traffic, the lower bound and the predicted step time."
         ),
         epilog=EPILOG_PLAN,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", required=True, help="zoo name (see `netpart models`) or .toml/.json")
-    p.add_argument("--workers", type=positive_int, default=None, help="number of model workers")
+    p.add_argument(
+        "--workers", type=positive_int, default=None, help="number of model workers (or --sweep)"
+    )
     _sweep_options(p)
     p.add_argument(
         "--method",
@@ -103,8 +114,14 @@ def _plan_parser(sub) -> None:
         default=None,
         help="parameter-server shards to lay the parameters out over (default: workers)",
     )
-    p.add_argument("--out", type=Path, default=None, help="directory for plan files and report")
-    p.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="directory for plan files, report and figures (default: print only, write nothing)",
+    )
+    p.add_argument("--no-figures", action="store_true", help="with --out: skip the PNG figures")
     p.set_defaults(func=cmd_plan)
 
 
@@ -119,9 +136,7 @@ def _sweep_options(p: argparse.ArgumentParser) -> None:
         "(the last count whose doubling still made the step --gain times faster) and the "
         "fastest count; with --out also sweep.json and sweep.png",
     )
-    p.add_argument(
-        "--gain", type=float, default=1.25, help="--sweep: the gain a doubling must buy (1.25)"
-    )
+    p.add_argument("--gain", type=float, default=1.25, help="--sweep: the gain a doubling must buy")
 
 
 def _network_options(p: argparse.ArgumentParser) -> None:
@@ -151,7 +166,7 @@ def _metis_options(p: argparse.ArgumentParser) -> None:
         type=capacities,
         default=None,
         help="auto, metis, metis-aligned, tiles: relative speed of each worker for unequal "
-        "machines, e.g. 1,1,2,2",
+        "machines, e.g. 1,1,2,2 (default: all equal)",
     )
     p.add_argument(
         "--bands",
@@ -193,8 +208,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from netpart.files import write_files
     from netpart.models import load_spec
     from netpart.partition import Granularity, build_unit_graph
+    from netpart.partition.pictures import figures
     from netpart.partition.plans import plan_files
-    from netpart.partition.report import figures, report_markdown
+    from netpart.partition.report import report_markdown
     from netpart.partition.shards import ShardLayout
 
     spec = load_spec(args.model)
@@ -271,7 +287,8 @@ def _sweep(spec, args: argparse.Namespace, network) -> int:
 
     from netpart.files import foreign_entries, write_files
     from netpart.partition import Granularity, plan
-    from netpart.partition.report import sweep_png, sweep_table
+    from netpart.partition.pictures import sweep_png
+    from netpart.partition.report import sweep_table
     from netpart.partition.sweep import SweepResult, knee, parse_counts
 
     try:
@@ -286,7 +303,7 @@ def _sweep(spec, args: argparse.Namespace, network) -> int:
     for n in tqdm(counts, desc="sweep", disable=not sys.stderr.isatty(), leave=False):
         granularity = Granularity.for_workers(n, args.blocks_per_worker)
         p = plan(spec, n, args.method, seed=args.seed, batch=args.batch, network=network,
-                 granularity=granularity)  # fmt: skip
+                 granularity=granularity, memory=available_memory())  # fmt: skip
         steps.append(p.metrics.predicted_step_s)
     k, peak = knee(counts, steps, args.gain)
     sweep = SweepResult(spec.name, tuple(counts), tuple(steps), args.gain, k, peak,
@@ -298,7 +315,8 @@ def _sweep(spec, args: argparse.Namespace, network) -> int:
         if k == counts[-1]
         else f"no doubling beyond it makes the step {args.gain:g}x faster"
     )
-    echo(f"book {k} workers: {why}; the fastest predicted step is at {peak}")  # fmt: skip
+    workers = f"{k} worker{'s' if k != 1 else ''}"
+    echo(f"book {workers}: {why}; the fastest predicted step is at {peak}")
     if args.out is not None:
         files = {"sweep.json": json.dumps(sweep.to_dict(), indent=1).encode()}
         files["sweep.png"] = sweep_png(sweep)
@@ -358,7 +376,8 @@ def _make_plans(spec, args: argparse.Namespace, options: dict, common: dict) -> 
                 bar.set_postfix_str(name)
                 bar.update(1)
 
-            plans.append(plan(spec, args.workers, method, on_phase=phase, **common, **opts))
+            plans.append(plan(spec, args.workers, method, on_phase=phase,
+                              memory=available_memory(), **common, **opts))  # fmt: skip
     return plans
 
 

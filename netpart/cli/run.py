@@ -17,8 +17,11 @@ from netpart.cli.common import (
     positive_int,
 )
 from netpart.files import write_atomic
+from netpart.processes.memory import available_memory
 
 __all__ = ["register"]
+
+QUIET_TRIES = 3  # samples of 2 s before a calibration starts, waiting for a busy machine
 
 
 def register(sub) -> None:
@@ -136,20 +139,41 @@ def _calibrate_parser(sub) -> None:
         help="each process's share of a core where a cpu quota (a container's cgroup) holds it "
         "below one: a slice then takes at least its CPU time / share (default 1)",
     )
+    _trust_args(k)
     k.set_defaults(func=cmd_calibrate)
+
+
+def _trust_args(k: argparse.ArgumentParser) -> None:
+    """What a calibration is checked on, and whether a busy machine's is kept."""
+    from netpart.calibrate.measure import CHECK_MODEL
+
+    k.add_argument(
+        "--check-model",
+        default=CHECK_MODEL,
+        help="a zoo model the fit is checked on, not fitted on: its steps on 1 and 2 "
+        "processes against the prediction ('' for none)",
+    )
+    k.add_argument(
+        "--force",
+        action="store_true",
+        help="keep a calibration of a busy machine (refused otherwise: other processes' "
+        "load, a hypervisor's steal, repeated runs far apart, implausible fitted terms); the "
+        "profile and every prediction made with it say so",
+    )
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     import torch.distributed
 
-    from netpart.calibrate.measure import LocalRunner, calibrate, profile_json, profile_lines
+    from netpart.calibrate.measure import LocalRunner
+    from netpart.calibrate.profile import check_lines, profile_json, profile_lines
     from netpart.errors import PlanError
     from netpart.models import load_spec
     from netpart.runtime.check import under_torchrun
 
     models = tuple(m.strip() for m in args.models.split(",") if m.strip())
     extra = tuple(m.strip() for m in args.slice_models.split(",") if m.strip())
-    for m in models + extra:
+    for m in models + extra + ((args.check_model,) if args.check_model else ()):
         load_spec(m)  # an unknown model is refused before a minute of measuring
     if args.timeout <= 0:
         raise PlanError(f"--timeout must be positive, got {args.timeout}")
@@ -170,10 +194,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             runner.follow()
             return 0
     try:
-        model, details = calibrate(
-            models, args.batch, args.steps, say=echo, repeats=args.repeats, slice_models=extra,
-            runner=runner,
-        )  # fmt: skip
+        model, details = _trusted_calibration(args, models, extra, runner)
     except BaseException:
         if torch.distributed.is_initialized():  # the followers see the group close and stop
             torch.distributed.destroy_process_group()
@@ -181,10 +202,52 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if torch.distributed.is_initialized():
         runner.close()
     write_atomic(args.out, profile_json(model, details).encode())
-    for line in profile_lines(model, details):
+    for line in profile_lines(model, details) + check_lines(details):
         echo(line)
+    if model.caveat:
+        echo(f"warning: kept with --force: {model.caveat}")
     echo(f"wrote {args.out}; use it with `netpart plan|run|train --profile {args.out}`")
     return 0
+
+
+def _trusted_calibration(args, models, extra, runner):
+    """Calibrate when the machine is quiet; judge the result (`netpart.calibrate.trust`);
+    repeat an untrusted one once, then refuse it, or keep it marked with --force."""
+    from dataclasses import replace
+
+    from netpart.calibrate.measure import calibrate, run_spreads
+    from netpart.calibrate.trust import LoadSample, sample, verdict
+    from netpart.errors import CalibrationError
+
+    for _ in range(QUIET_TRIES):  # before minutes of measuring: is anyone else busy?
+        if not (now := sample(2.0)).busy():
+            break
+        echo(f"the machine is busy ({now.describe()}); waiting for it to quiet down")
+    else:
+        if not args.force:
+            raise CalibrationError(
+                f"the machine stayed busy ({now.describe()}): a calibration now would fit "
+                "that load; calibrate when it is quiet, or keep one anyway with --force"
+            )
+    for attempt in range(2):
+        model, details = calibrate(
+            models, args.batch, args.steps, say=echo, repeats=args.repeats, slice_models=extra,
+            runner=runner, check_model=args.check_model or None,
+        )  # fmt: skip
+        load = [LoadSample(**x) for x in details["load"]]
+        judged = verdict(load, run_spreads(details["runs"]), model)
+        details["verdict"] = list(judged.reasons)
+        if judged.trusted:
+            return model, details
+        echo("this calibration cannot be trusted: " + "; ".join(judged.reasons))
+        if attempt == 0:
+            echo("calibrating again")
+    if not args.force:
+        raise CalibrationError(
+            f"calibrated twice on a busy machine ({judged.reasons[0]}); calibrate when it is "
+            "quiet, or keep the profile anyway with --force (it is then marked as such)"
+        )
+    return replace(model, caveat=judged.caveat()), details
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -250,9 +313,8 @@ def _run_plan(args: argparse.Namespace):
 
     spec, p = plan_for_run(args)
     network = replace(load_network(args.profile), overlap=args.split)
-    p = p or plan(
-        spec, args.workers, args.method, seed=args.seed, batch=args.batch, network=network
-    )
+    p = p or plan(spec, args.workers, args.method, seed=args.seed, batch=args.batch,
+                  network=network, memory=available_memory())  # fmt: skip
     if p.network != network or p.batch != args.batch:  # the prediction for this run
         p = reevaluate(spec, p, args.batch, network)
     return spec, p, network
@@ -320,7 +382,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     spec, p = plan_for_run(args)
     require_memory(spec, args.batch)
-    p = p or plan(spec, args.workers, args.method, seed=args.seed)
+    p = p or plan(spec, args.workers, args.method, seed=args.seed, memory=available_memory())
     if args.show_schedule and os.environ.get("RANK", "0") == "0":
         _show_schedule(spec, p)
     if under_torchrun():

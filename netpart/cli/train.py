@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
-from netpart.cli.common import add_profile_arg, echo, load_network
+from netpart.cli.common import add_profile_arg, echo, load_network, positive_int
 
 __all__ = ["register"]
 
@@ -65,10 +66,14 @@ def _train_parser(sub) -> None:
         "that dies is dropped and training goes on; SIGINT/SIGTERM stop at a step boundary "
         "with a final checkpoint.",
         epilog=EPILOG_TRAIN,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     t.add_argument("--model", default=None, help="zoo name or .toml/.json (default on --resume)")
-    t.add_argument("--workers", type=int, default=None, help="model workers per replica (N)")
+    t.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="model workers per replica (N; required for a new run)",
+    )
     _config_flags(t)
     t.add_argument(
         "--method",
@@ -76,10 +81,28 @@ def _train_parser(sub) -> None:
         choices=["auto", *METHODS],
         help="partitioner (default auto: the lowest predicted step; see `netpart plan --help`)",
     )
-    t.add_argument("--plan", type=Path, default=None, help="use this plan directory")
+    t.add_argument(
+        "--plan", type=Path, default=None, help="use this plan directory (default: plan afresh)"
+    )
     add_profile_arg(t)
-    t.add_argument("--out", type=Path, default=Path("out/train"), help="run directory")
-    t.add_argument("--resume", type=Path, default=None, metavar="DIR", help="continue this run")
+    t.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="run directory of a new run (default: out/train); a resume continues in its own",
+    )
+    t.add_argument(
+        "--progress-every",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="off a terminal (CI, nohup, > log): a progress line on stdout this often",
+    )
+    t.add_argument(
+        "--resume", type=Path, default=None, metavar="DIR",
+        help="continue this run (in DIR) up to --steps; --out is refused",
+    )  # fmt: skip
     t.set_defaults(func=cmd_train)
 
 
@@ -92,7 +115,7 @@ def _config_flags(t: argparse.ArgumentParser) -> None:
     flag("shards", int, "parameter-server shards (S; default: N)", name="--ps-shards")
     flag("mode", str, "downpour | sync | sandblaster (batch L-BFGS with a coordinator)")
     flag("optimizer", str, "adagrad | sgd | lbfgs (with --mode sandblaster)")
-    flag("lr", float, "learning rate")
+    flag("lr", float, "learning rate (default: 0.01 for adagrad, 0.05 for sgd, 1 for lbfgs)")
     flag("n_fetch", int, "downpour: fetch parameters every K steps")
     flag("n_push", int, "downpour: push gradients every K steps")
     flag("push_norm", float, "downpour: push sooner once the gradient's L2 norm reaches this")
@@ -104,6 +127,11 @@ def _config_flags(t: argparse.ArgumentParser) -> None:
         "parameters (the paper's client), and fetched values get its pushes they do not "
         "reflect yet; with one replica that is exactly single-process SGD (auto: on for sgd)",
     )
+    _job_flags(flag)
+
+
+def _job_flags(flag) -> None:
+    """The TrainConfig fields of Sandblaster, the job's length, data and processes."""
     flag("units", int, "sandblaster: work units per batch", "--units", "--units-per-batch")
     flag("history", int, "sandblaster: L-BFGS curvature pairs kept in the shards")
     flag("line_search", str, "sandblaster: armijo | none (torch.optim.LBFGS's fixed step)")
@@ -118,6 +146,25 @@ def _config_flags(t: argparse.ArgumentParser) -> None:
         "synthetic; shapes (procedural images at the model's resolution); digits (sklearn's "
         "bundled digits); a .npz with x, y [x_test, y_test]; or a folder of class subfolders "
         "of images (20%% held out where no test set is given)",
+    )
+    flag(
+        "data_layout",
+        str,
+        "nchw | nhwc: how an image model's .npz x is laid out (nhwc: channels last, "
+        "transposed to channels first)",
+        "--layout",
+    )
+    flag(
+        "eval_every",
+        int,
+        "replica 0 evaluates on held-out examples every K steps and at the last one "
+        "(eval.jsonl, the held-out curve in curves.png; 0: once, after training)",
+    )
+    flag(
+        "log",
+        str,
+        "loggers besides the run's JSON lines, comma-separated: csv (metrics.csv, eval.csv), "
+        "tensorboard (RUN/tensorboard; needs the tensorboard package)",
     )
     flag("seed", int, "weights, data and partitioner seed")
     flag("dtype", str, "float32 | float64")
@@ -140,12 +187,12 @@ def _run_parsers(sub) -> None:
         help="evaluate a run's model on held-out data",
         description="Load the model of a training run (its model.pt, or the shard checkpoints) "
         "into the single-process reference module and report loss and accuracy on the "
-        "held-out part of --data (never trained on: a fixed 20%% of digits, .npz and folders, "
+        "held-out part of --data (never trained on: a fixed 20% of digits, .npz and folders, "
         "the npz's x_test/y_test when given, 1,000 extra examples of synthetic and shapes).",
     )
-    v.add_argument("--checkpoint", type=Path, required=True, metavar="RUN", help="run directory")
-    v.add_argument("--data", default=None, help="default: the data the run trained on")
-    v.add_argument("--batch", type=int, default=256, help="examples per forward pass")
+    v.add_argument("run", type=Path, help="run directory of `netpart train`")
+    v.add_argument("--data", default=None, help="(default: the data the run trained on)")
+    v.add_argument("--batch", type=positive_int, default=256, help="examples per forward pass")
     v.set_defaults(func=cmd_eval)
 
     rp = sub.add_parser(
@@ -161,12 +208,29 @@ def _run_parsers(sub) -> None:
 
     e = sub.add_parser(
         "export",
-        help="write a run's parameters as the reference module's state_dict",
-        description="Read the shard checkpoints of RUN and write the single-process reference "
-        "module's state_dict (load it with torch.load(weights_only=True)).",
+        help="write a run's model for plain PyTorch (torch.export program or state_dict)",
+        description="Read the shard checkpoints of RUN and write the trained model. "
+        "--format program (the default) writes a torch.export program that plain PyTorch "
+        "loads and runs without netpart:\n\n"
+        "    model = torch.export.load('RUN/model.pt2').module()\n"
+        "    logits = model(x)   # x: [batch, C, H, W] (or [batch, features]), float32\n\n"
+        "--format state_dict writes the single-process reference module's state_dict "
+        "(torch.load(weights_only=True); netpart.models.build_reference builds the module).",
     )
     e.add_argument("run", type=Path, help="run directory of `netpart train`")
-    e.add_argument("--output", type=Path, default=None, help="default: RUN/model.pt")
+    e.add_argument(
+        "--format",
+        choices=["program", "state_dict"],
+        default="program",
+        help="program: a torch.export program (.pt2); state_dict: the reference module's",
+    )
+    e.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="file to write (default: RUN/model.pt2, or RUN/model.pt for state_dict)",
+    )
     e.set_defaults(func=cmd_export)
 
 
@@ -175,7 +239,7 @@ def _config_flag(parser, defaults):
 
     def add(field: str, kind, text: str, name: str | None = None, *aliases: str) -> None:
         default = getattr(defaults, field)
-        extra = "" if field == "shards" else f" (default {default})"
+        extra = "" if field == "shards" or default is None else f" (default {default})"
         parser.add_argument(
             name or "--" + field.replace("_", "-"), *aliases, dest=field, type=kind,
             default=None, help=text + extra,
@@ -209,13 +273,16 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from netpart.train.launch import postfix
 
-    with tqdm(total=0, desc="train", unit="step", disable=None) as bar:
+    lines = None if sys.stdout.isatty() else ProgressLines(args.progress_every)
+    with tqdm(total=0, desc="train", unit="step", disable=not sys.stderr.isatty()) as bar:
 
         def progress(done: int, stats: dict, total: int) -> None:
             bar.total, bar.n = total, done
             if stats:
                 bar.set_postfix_str(postfix(stats), refresh=False)
             bar.refresh()
+            if lines is not None:
+                lines(done, stats, total)
 
         job, summary = train_here(request, on_start=tqdm.write, on_progress=progress)
     for line in summary_lines(summary, job.config.data):
@@ -223,6 +290,28 @@ def cmd_train(args: argparse.Namespace) -> int:
     echo(f"wrote {job.run}/model.pt and shard checkpoints ({summary.wall_s:.1f} s); "
          f"report: {job.run}/report.md")  # fmt: skip
     return 130 if summary.stopped else 0
+
+
+class ProgressLines:
+    """Progress where no bar can be drawn (CI, nohup, `> log`): one line on stdout every
+    `every` seconds, and at the last step: step, loss, samples/s, ETA."""
+
+    def __init__(self, every: float, clock=time.monotonic) -> None:
+        self.every, self.clock = every, clock
+        self.start = self.last = clock()
+        self.ended = False
+
+    def __call__(self, done: int, stats: dict, total: int) -> None:
+        from netpart.train.launch import postfix
+
+        now = self.clock()
+        final = done >= total and not self.ended
+        if not stats or (now - self.last < self.every and not final):
+            return
+        self.last, self.ended = now, done >= total
+        eta = (now - self.start) / done * (total - done) if done else float("nan")
+        echo(f"steps {done}/{total} (all replicas): {postfix(stats)}, ETA {eta:.0f} s")
+        sys.stdout.flush()
 
 
 def summary_lines(summary, data: str) -> list[str]:
@@ -245,13 +334,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from netpart.train.report import evaluate
     from netpart.train.rundir import run_model
 
-    run = args.checkpoint
+    run = args.run
     job, state = run_model(run)
     spec, config = job.spec, job.config
     source = args.data or config.data
-    data = load_data(source, spec, config.seed, config.examples)
+    data = load_data(source, spec, config.seed, config.examples, config.data_layout)
     x, y = data.held_out_set()
-    result = evaluate(spec, state, x, y, seed=config.seed, batch=max(1, args.batch))
+    result = evaluate(spec, state, x, y, seed=config.seed, batch=args.batch)
     accuracy = f", accuracy {result['accuracy']:.4f}" if "accuracy" in result else ""
     echo(f"{spec.name} from {run} on {source} (held-out, {len(x)} examples): "
          f"loss {result['loss']:.4f}{accuracy}")  # fmt: skip
@@ -269,11 +358,31 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    import io
+
+    import torch
+
+    from netpart.files import write_atomic
+    from netpart.models.reference import exported_program
     from netpart.ps.checkpoint import save_model
     from netpart.train.rundir import run_model
 
     job, state = run_model(args.run, from_shards=True)
-    out = args.output or args.run / "model.pt"
-    save_model(out, state)
-    echo(f"wrote {out}: {job.spec.name}, {sum(v.numel() for v in state.values()):,} parameters")
+    config = job.config
+    count = f"{sum(v.numel() for v in state.values()):,} parameters"
+    if args.format == "state_dict":
+        out = args.out or args.run / "model.pt"
+        save_model(out, state)
+        echo(f"wrote {out}: {job.spec.name}'s reference state_dict, {count}")
+        return 0
+    out = args.out or args.run / "model.pt2"
+    buf = io.BytesIO()
+    from netpart.data import load_data
+
+    data = load_data(config.data, job.spec, config.seed, config.examples, config.data_layout)
+    torch.export.save(exported_program(job.spec, state, data.standardised), buf)
+    write_atomic(out, buf.getvalue())
+    takes = "pixels in [0, 1], standardised inside" if data.standardised else "inputs as trained"
+    echo(f"wrote {out}: {job.spec.name}, {count}, takes {takes}; load it with "
+         f"torch.export.load({str(out)!r}).module()")  # fmt: skip
     return 0

@@ -86,7 +86,8 @@ def _shape(name: str, u: np.ndarray, v: np.ndarray, f: np.ndarray) -> np.ndarray
 def load_image_folder(
     root: Path, channels: int, height: int, width: int, classes: int
 ) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """(x [n, channels * height * width] standardised, y [n], class names) of a folder.
+    """(x [n, channels * height * width] standardised, y [n], class names, (mean, std) it
+    was standardised by: of the pixels in [0, 1]) of a folder.
 
     Raises an error naming the folder or file for a missing or empty folder, a class folder
     without images, more classes than the model has outputs, or an unreadable image.
@@ -125,6 +126,7 @@ def load_image_folder(
             xs.append(np.repeat(a, channels, axis=0) if a.shape[0] != channels else a)
             ys.append(label)
     x = np.stack(xs).reshape(len(xs), -1)
-    x = (x - x.mean()) / (x.std() + 1e-8)
+    mean, std = float(x.mean()), float(x.std()) + 1e-8
+    x = (x - mean) / std
     log.info("%s: %d images in %d classes", root, len(xs), len(names))
-    return x.astype(np.float32), np.asarray(ys, dtype=np.int64), names
+    return x.astype(np.float32), np.asarray(ys, dtype=np.int64), names, (mean, std)

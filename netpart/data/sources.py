@@ -12,13 +12,17 @@ Sources (`--data`):
               (netpart.data.images); pure in (seed, i); 1,000 held out
   digits      scikit-learn's bundled 1,797 handwritten 8x8 digits (offline), resized to the
               model's input and standardised
-  FILE.npz    arrays `x` [n, ...] and `y` [n] (and optionally `x_test`, `y_test`)
+  FILE.npz    arrays `x` and `y` [n] (and optionally `x_test`, `y_test`); for an image model
+              x is [n, C, H, W] (channels first, as PyTorch), [n, H, W] for one channel, or
+              [n, C*H*W] read in that order; channels-last [n, H, W, C] is refused unless
+              the layout says so (`--layout nhwc`: transposed to channels first)
   DIR         one subfolder of images per class (Pillow)
 Where no test arrays are given, a fixed 20% (a permutation seeded 12345, not --seed) is held out.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,6 +56,8 @@ class Dataset:
     held_out: tuple[np.ndarray, np.ndarray] | None = None  # (x, y) never trained on
     noise: float = 1.0
     render: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None  # ids -> x, y
+    # Image folders: (mean, std) the pixels in [0, 1] were standardised by
+    standardised: tuple[float, float] | None = None
     _cache: dict = field(default_factory=dict, repr=False)  # class -> prototype
 
     def held_out_set(self) -> tuple[np.ndarray, np.ndarray]:
@@ -168,8 +174,14 @@ class Dataset:
         return torch.from_numpy(x).to(dtype), torch.from_numpy(targets).to(dtype)
 
 
-def load_data(source: str, spec: ModelSpec, seed: int = 0, examples: int = 60000) -> Dataset:
-    """The dataset `source` names (see the module docstring), checked against the spec.
+LAYOUTS = ("nchw", "nhwc")
+
+
+def load_data(
+    source: str, spec: ModelSpec, seed: int = 0, examples: int = 60000, layout: str = "nchw"
+) -> Dataset:
+    """The dataset `source` names (see the module docstring), checked against the spec;
+    `layout`: how an image model's .npz arrays are laid out (nchw, or nhwc to transpose).
 
     Raises DataError (one line naming the file) for data that cannot be read or does not fit.
     """
@@ -195,11 +207,45 @@ def load_data(source: str, spec: ModelSpec, seed: int = 0, examples: int = 60000
     missing = sorted({"x", "y"} - set(arrays))
     if missing:
         raise DataError(f"{path}: no array {missing[0]!r}; save x [n, ...] and y [n]")
-    x, y = _checked(path, "x", "y", arrays["x"], arrays["y"], spec)
+    x, y = _checked(
+        path, "x", "y", _laid_out(path, "x", arrays["x"], spec, layout), arrays["y"], spec
+    )
     if "x_test" in arrays and "y_test" in arrays:
-        test = _checked(path, "x_test", "y_test", arrays["x_test"], arrays["y_test"], spec)
+        x_test = _laid_out(path, "x_test", arrays["x_test"], spec, layout)
+        test = _checked(path, "x_test", "y_test", x_test, arrays["y_test"], spec)
         return Dataset(spec, len(x), seed, str(path), x=x, y=y, held_out=test)
     return _split(spec, seed, str(path), x, y)
+
+
+def _laid_out(path: Path, name: str, x: np.ndarray, spec: ModelSpec, layout: str) -> np.ndarray:
+    """An image model's x as channels first: refused if it is channels-last and the layout
+    does not say so, transposed if it says nhwc (the rule in the module docstring)."""
+    if layout not in LAYOUTS:
+        raise DataError(f"--layout {layout}: choose nchw or nhwc")
+    i = spec.input
+    one_channel = x.ndim == 3 and i.channels == 1 and x.shape[1:] == (i.height, i.width)
+    if i.flat or x.ndim <= 2 or one_channel:
+        if layout == "nhwc" and not i.flat:
+            raise DataError(f"{path}: --layout nhwc needs {name} [n, H, W, C]; it is {x.shape}")
+        return x
+    chw, hwc = (i.channels, i.height, i.width), (i.height, i.width, i.channels)
+    if layout == "nhwc":
+        if x.shape[1:] != hwc:
+            raise DataError(f"{path}: --layout nhwc needs {name} [n, {i.height}, {i.width}, "
+                            f"{i.channels}]; it is {x.shape}")  # fmt: skip
+        return x.transpose(0, 3, 1, 2)
+    if x.shape[1:] == hwc and hwc != chw:
+        raise DataError(
+            f"{path}: {name} is {x.shape}, channels last; {spec.name} reads [n, {i.channels}, "
+            f"{i.height}, {i.width}] (channels first): save x.transpose(0, 3, 1, 2), or pass "
+            "--layout nhwc"
+        )
+    if x.shape[1:] != chw:
+        raise DataError(
+            f"{path}: {name} is {x.shape}; {spec.name} reads [n, {i.channels}, {i.height}, "
+            f"{i.width}] (or [n, {i.channels * i.height * i.width}] in that order)"
+        )
+    return x
 
 
 def _checked(path, xname, yname, x, y, spec) -> tuple[np.ndarray, np.ndarray]:
@@ -270,8 +316,8 @@ def _shapes(spec: ModelSpec, seed: int, examples: int) -> Dataset:
 def _folder(spec: ModelSpec, seed: int, root: Path) -> Dataset:
     c, h, w = _image_input(spec, str(root))
     classes = _classes(spec, str(root), 1)
-    x, y, _ = load_image_folder(root, c, h, w, classes)
-    return _split(spec, seed, str(root), x, y)
+    x, y, _, standard = load_image_folder(root, c, h, w, classes)
+    return dataclasses.replace(_split(spec, seed, str(root), x, y), standardised=standard)
 
 
 def _digits(spec: ModelSpec, seed: int) -> Dataset:

@@ -24,6 +24,7 @@ __all__ = [
     "ReferenceModel",
     "activation",
     "build_reference",
+    "exported_program",
 ]
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # the one table of them
@@ -157,3 +158,33 @@ def build_reference(
         mod.weight.copy_(values.reshape(mod.weight.shape))
         mod.bias.zero_()
     return model
+
+
+class _Standardised(nn.Module):
+    """The model after (x - mean) / std: an image folder's model takes pixels in [0, 1]."""
+
+    def __init__(self, model: nn.Module, mean: float, std: float) -> None:
+        super().__init__()
+        self.model, self.mean, self.std = model, mean, std
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model((x - self.mean) / self.std)
+
+
+def exported_program(
+    spec: ModelSpec, state: dict[str, torch.Tensor], standardised: tuple[float, float] | None
+):
+    """The reference module with `state` loaded, as a `torch.export` program whose batch
+    size is free: plain PyTorch loads it with `torch.export.load(path).module()` and calls
+    it on float32 inputs [batch, C, H, W] (or [batch, features]) for the logits. With
+    `standardised` (mean, std: an image folder's), it takes the images' pixels in [0, 1] and
+    standardises them as training did."""
+    model: nn.Module = ReferenceModel(spec)
+    model.load_state_dict(state)
+    model = model.float().eval()
+    if standardised is not None:
+        model = _Standardised(model, *standardised)
+    i = spec.input
+    example = torch.zeros((2, i.channels) if i.flat else (2, i.channels, i.height, i.width))
+    batch = torch.export.Dim("batch", min=1)
+    return torch.export.export(model, (example,), dynamic_shapes=({0: batch},))

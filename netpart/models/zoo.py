@@ -12,6 +12,7 @@ nets, 10M and 32M parameters, on 3x48x48 input, for the runtime and calibration 
 
 from __future__ import annotations
 
+import difflib
 import sys
 from pathlib import Path
 from typing import Any
@@ -114,8 +115,11 @@ def load_spec(name_or_path: str | Path) -> ModelSpec:
     if not path.exists():
         if path.suffix in (".toml", ".json"):
             raise SpecError(f"{key}: no such file")
+        close = difflib.get_close_matches(key, list(ZOO), n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
         raise SpecError(
-            f"unknown model {key!r}: not a zoo model ({', '.join(ZOO)}) nor a .toml/.json file"
+            f"unknown model {key!r}: {hint}not a zoo model ({', '.join(ZOO)}) nor a .toml/.json "
+            "file"
         )
     try:
         text = path.read_text(encoding="utf-8")

@@ -109,6 +109,7 @@ class NetworkModel:
     # (corrections: either may be negative)
     crowd: tuple[tuple[float, float, float], ...] = ()
     profile: str = ""  # the profile these figures came from ("": defaults or --net)
+    caveat: str = ""  # why the profile may not be trusted (`netpart calibrate --force`)
 
     def __hash__(self) -> int:
         return hash(json.dumps(self.to_dict(), sort_keys=True))
@@ -131,6 +132,7 @@ class NetworkModel:
         kinds = {k: KindCost.from_dict(v) for k, v in data.pop("kinds", {}).items()}
         layers = {str(k): LayerCost.from_dict(v) for k, v in data.pop("layers", {}).items()}
         profile = str(data.pop("profile", ""))
+        caveat = str(data.pop("caveat", ""))
         raw = data.pop("link", {})
         if not isinstance(raw, dict):
             raise ValueError("link is {peers: [[bytes, seconds], ...]}")
@@ -147,7 +149,7 @@ class NetworkModel:
         floats = {k: float(v) for k, v in data.items()}
         return cls(
             **floats, kinds=kinds, layers=layers, overlap=overlap, link=link, gather=gather,
-            crowd=crowd, profile=profile,
+            crowd=crowd, profile=profile, caveat=caveat,
         )  # fmt: skip
 
     @classmethod
@@ -198,9 +200,10 @@ class NetworkModel:
                 link += f", {len(self.layers)} layers' own slice tables"
             if self.slice_scale != 1.0:  # fitted, or --net speed=
                 link += f", slice times x{self.slice_scale:.3g}"
+            caveat = f"; WARNING: {self.caveat}" if self.caveat else ""
             return (
                 f"calibrated profile {self.profile}: {self.bandwidth_bps / 1e9:.3g} Gbit/s, "
-                f"{self.latency_s * 1e6:.3g} µs{link}"
+                f"{self.latency_s * 1e6:.3g} µs{link}{caveat}"
             )
         return (
             f"defaults/--net: {self.bandwidth_bps / 1e9:g} Gbit/s, "

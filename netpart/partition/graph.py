@@ -19,15 +19,17 @@ from functools import cached_property
 import numpy as np
 
 from netpart.models.spec import ModelSpec, Shape
-from netpart.partition.reads import read_edges, symmetric_csr
+from netpart.partition.reads import edge_count, read_edges, symmetric_csr
 
 __all__ = [
     "Granularity",
+    "GraphSize",
     "LayerBlocks",
     "UnitGraph",
     "aligned_pool",
     "build_unit_graph",
     "flops_per_unit",
+    "graph_size",
     "narrow",
     "owned_units",
 ]
@@ -333,6 +335,27 @@ def build_unit_graph(spec: ModelSpec, granularity: Granularity | None = None) ->
     The last graph built is kept (a plan's candidates of one granularity, and the command
     that reports the plan, share it): graphs are immutable (their arrays are read-only)."""
     return _build(spec, granularity or Granularity())
+
+
+@dataclass(frozen=True)
+class GraphSize:
+    """What a graph will hold, known before it is built: its blocks, the blocks of its
+    widest layer (the most workers that can each own a part of one layer) and that layer's
+    name, and its read edges (counted per reader block)."""
+
+    blocks: int
+    widest: int
+    widest_layer: str
+    edges: int
+
+
+def graph_size(spec: ModelSpec, granularity: Granularity) -> GraphSize:
+    """The `GraphSize` of the graph `build_unit_graph` would build, without building it."""
+    layers = _layer_blocks(spec, granularity)
+    box = np.concatenate([_boxes(lb) for lb in layers])
+    edges = sum(edge_count(spec, layers[i], layers[i - 1], box) for i in range(1, len(layers)))
+    wide = max(layers, key=lambda lb: lb.count)
+    return GraphSize(len(box), wide.count, spec.layer_name(wide.index), edges)
 
 
 @functools.lru_cache(maxsize=1)

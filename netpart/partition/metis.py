@@ -8,8 +8,13 @@ asymmetric adjacency, self loops, wrong-length arrays and non-positive weights.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -175,13 +180,41 @@ def part_graph(
     fn = _LIB.METIS_PartGraphKway if algorithm == "kway" else _LIB.METIS_PartGraphRecursive
     arrays = (nvtxs, ncon_a, xadj, adjncy, vwgt.ravel(), _arr(vsize, _IDX), _arr(adjwgt, _IDX),
               nparts_a, tp, ub, opts, objval, part)  # fmt: skip
-    status = fn(*(None if a is None else a.ctypes.data_as(ctypes.c_void_p) for a in arrays))
+    with _quiet():
+        status = fn(*(None if a is None else a.ctypes.data_as(ctypes.c_void_p) for a in arrays))
     if status != 1:
         raise MetisError(f"METIS ({algorithm}) failed: {_STATUS.get(status, status)}")
     if part.min() < 0 or part.max() >= nparts:
         raise MetisError("METIS returned part ids outside 0..nparts-1")
     log.debug("METIS %s %d parts, %d constraints: objval %d", algorithm, nparts, ncon, objval[0])
     return MetisResult(part.astype(np.int64), int(objval[0]))
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """METIS prints to the C stdout ("***Cannot bisect a graph with 0 vertices!", its
+    timers): while it runs, file descriptors 1 and 2 point at a temporary file, whose text
+    goes to the debug log afterwards."""
+    libc = ctypes.CDLL(None)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            stream.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with tempfile.TemporaryFile() as sink:
+        try:
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            yield
+        finally:
+            libc.fflush(None)  # what METIS left in C's buffers goes to the file, not the user
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+        sink.seek(0)
+        text = sink.read().decode(errors="replace").strip()
+    if text:
+        log.debug("METIS said: %s", text)
 
 
 def _arr(a: np.ndarray | None, dtype: type) -> np.ndarray | None:

@@ -17,11 +17,13 @@ from netpart.errors import PlanError
 from netpart.models.spec import ModelSpec
 from netpart.partition.cost import NetworkModel
 from netpart.partition.figures import evaluate, screen, step_floor
-from netpart.partition.graph import Granularity, build_unit_graph
+from netpart.partition.graph import Granularity, build_unit_graph, graph_size
 from netpart.partition.methods import ALIGNED, METHOD_OPTIONS, METHODS, assign, default_bands
 from netpart.partition.plans import Candidate, PartitionPlan
 
-__all__ = ["AUTO", "AUTO_RULE", "TIE", "Planner", "auto_candidates", "choose", "plan"]
+__all__ = [
+    "AUTO", "AUTO_RULE", "TIE", "Planner", "auto_candidates", "check_size", "choose", "plan",
+]  # fmt: skip
 
 TIE = 0.02  # predicted steps this close count as equal: the model is not finer than that
 AUTO_RULE = (
@@ -40,6 +42,7 @@ def plan(
     network: NetworkModel | None = None,
     granularity: Granularity | None = None,
     on_phase: Callable[[str], None] | None = None,
+    memory: int | None = None,
     **options: Any,
 ) -> PartitionPlan:
     """Partition `spec` over `workers` with `method` and measure the result.
@@ -49,7 +52,10 @@ def plan(
     `metis`: imbalance (0.03), capacities (per-worker relative speeds), algorithm, objective
     ("vol" | "cut"), ncuts, niter; `auto` passes imbalance and capacities to the candidates
     that take them. `tiles` and `metis-aligned` plan on a graph with `align_pools` (pools'
-    inputs follow the pools). Raises PlanError for bad input.
+    inputs follow the pools). Raises PlanError for bad input. `memory`: the bytes the caller
+    can spare (the command line gives it); then more workers than the widest layer has
+    blocks, or a plan that would not fit, are refused before any graph is built (a library
+    caller may plan idle workers, as the tests do).
     """
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise PlanError(f"workers must be an integer >= 1, got {workers!r}")
@@ -57,6 +63,8 @@ def plan(
         raise PlanError(f"batch must be an integer >= 1, got {batch!r}")
     network = network or NetworkModel()
     granularity = granularity or Granularity.for_workers(workers)
+    if memory is not None:
+        check_size(spec, workers, granularity, memory)
     phase = on_phase or (lambda _name: None)
     run = Planner(spec, workers, seed, batch, network, granularity, phase)
     if method != AUTO:
@@ -84,6 +92,30 @@ def plan(
 
 
 AUTO = "auto"
+# Peak bytes of a plan per read edge of its graph, and per (layer, worker, worker) entry of
+# its traffic tables: benchmarks/results/plan_bench.json, image-1.7b on 512 workers.
+BYTES_PER_EDGE, BYTES_PER_PAIR = 110, 64
+
+
+def check_size(spec: ModelSpec, workers: int, granularity: Granularity, memory: int) -> None:
+    """Raise PlanError, before any graph is built, for more workers than the widest layer
+    has blocks (a worker would own nothing anywhere) or a plan that needs more than
+    `memory` bytes (estimated from the graph's edges and the worker pairs)."""
+    size = graph_size(spec, granularity)
+    if workers > size.widest:
+        raise PlanError(
+            f"{workers} workers for {spec.name}: its widest layer, {size.widest_layer}, is cut "
+            f"into at most {size.widest} blocks, so at most {size.widest} workers can each own "
+            "a part; plan fewer workers"
+        )
+    need = size.edges * BYTES_PER_EDGE + len(spec.layers) * workers**2 * BYTES_PER_PAIR
+    if need > memory:
+        raise PlanError(
+            f"planning {spec.name} on {workers} workers needs about {need / 2**30:.1f} GiB "
+            f"({size.edges:,} read edges between {size.blocks:,} blocks) and this machine "
+            f"has {memory / 2**30:.1f} GiB available; plan fewer workers or lower "
+            "--blocks-per-worker"
+        )
 
 
 def auto_candidates(spec: ModelSpec, workers: int) -> list[tuple[str, dict[str, Any]]]:

@@ -19,7 +19,7 @@ from netpart.models.spec import ModelSpec
 if TYPE_CHECKING:
     from netpart.partition.graph import LayerBlocks
 
-__all__ = ["needed_boxes", "read_edges", "read_window", "symmetric_csr"]
+__all__ = ["edge_count", "needed_boxes", "read_edges", "read_window", "symmetric_csr"]
 
 
 def read_window(spec: ModelSpec, index: int) -> tuple[int, int, int]:
@@ -60,13 +60,7 @@ def read_edges(
     pairs are grown one dimension at a time, each partial pair repeated once per band of
     the next dimension it reads (no division: these arrays are the size of the edges)."""
     rb = boxes[reader.first : reader.first + reader.count]
-    need = needed_boxes(spec, reader.index, rb)
-    dims = []
-    for col, bounds in ((0, source.cbounds), (2, source.ybounds), (4, source.xbounds)):
-        first, end = _range_of(bounds, need[:, col], need[:, col + 1])
-        count = end - first
-        inside, at = _band_overlaps(bounds, need[:, col], need[:, col + 1], first, count)
-        dims.append((len(bounds) - 1, first, count, inside, at))
+    dims = _windows(spec, reader, source, rb)
     total = int((dims[0][2] * dims[1][2] * dims[2][2]).sum())
     ids = _small(max(source.first + source.count, reader.first + reader.count, total))
     biggest = max(int(d[3].max(initial=0)) for d in dims)
@@ -82,6 +76,28 @@ def read_edges(
         units = np.repeat(units, per) * inside.astype(weights)[band]
         parent = np.repeat(parent, per)
     return parent + reader.first, sid + source.first, units
+
+
+def edge_count(spec: ModelSpec, reader: LayerBlocks, source: LayerBlocks, boxes: np.ndarray) -> int:
+    """How many read edges `read_edges` would give (computed per reader block, not per edge:
+    cheap enough to decide whether a graph fits in memory before building it)."""
+    rb = boxes[reader.first : reader.first + reader.count]
+    counts = [d[2] for d in _windows(spec, reader, source, rb)]
+    return int((counts[0] * counts[1] * counts[2]).sum())
+
+
+def _windows(spec: ModelSpec, reader: LayerBlocks, source: LayerBlocks, rb: np.ndarray) -> list:
+    """Per dimension (channels, rows, columns) of the source: its band count, and for each
+    reader block the first band it reads, how many, their overlaps with its window (flat)
+    and where each reader's overlaps start."""
+    need = needed_boxes(spec, reader.index, rb)
+    dims = []
+    for col, bounds in ((0, source.cbounds), (2, source.ybounds), (4, source.xbounds)):
+        first, end = _range_of(bounds, need[:, col], need[:, col + 1])
+        count = end - first
+        inside, at = _band_overlaps(bounds, need[:, col], need[:, col + 1], first, count)
+        dims.append((len(bounds) - 1, first, count, inside, at))
+    return dims
 
 
 def symmetric_csr(

@@ -1,36 +1,28 @@
-"""Plan reports: console tables, `report.md`, and PNG figures, returned as text and bytes.
-
-Nothing here writes files; the CLI decides where the bytes go.
+"""Plan reports: console tables and `report.md`, returned as text (the PNG figures are
+`netpart.partition.pictures`). Nothing here writes files; the CLI decides where text goes.
 """
 
 from __future__ import annotations
 
-import io
 from collections.abc import Sequence
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import numpy as np
 
 from netpart.models.spec import ModelSpec
-from netpart.partition.graph import BYTES_PER_VALUE, UnitGraph
+from netpart.partition.graph import BYTES_PER_VALUE
 from netpart.partition.planner import TIE
 from netpart.partition.plans import PartitionPlan
 from netpart.partition.shards import ShardLayout
-from netpart.partition.volume import layer_traffic
 
 __all__ = [
     "auto_reason",
     "auto_table",
     "compare_table",
-    "figures",
     "layer_table",
+    "method_label",
     "report_markdown",
     "shard_table",
     "summary_line",
-    "sweep_png",
     "sweep_table",
 ]
 
@@ -87,10 +79,18 @@ def layer_table(plan: PartitionPlan) -> str:
             ]
         )
     headers = ["layer", "shape", "blocks", "volume", "bound", "vol/bound", "imbalance"]
-    return _table([*headers, "compute ms", "exchange ms"], rows)
+    table = _table([*headers, "compute ms", "exposed exchange ms"], rows)
+    return table + "\n\n" + EXPOSED_NOTE
 
 
-def _label(p: PartitionPlan) -> str:
+EXPOSED_NOTE = (
+    "(volume: values per example a layer receives; exposed exchange: the part of its halo's "
+    "time the step waits for, the rest travelling while interior units compute, so a layer "
+    "that moves values can show 0.00)"
+)
+
+
+def method_label(p: PartitionPlan) -> str:
     extra = "".join(f" {k}={v}" for k, v in p.method_options.items() if k == "bands")
     return f"auto: {p.method}{extra}" if p.candidates else f"{p.method}{extra}"
 
@@ -98,7 +98,7 @@ def _label(p: PartitionPlan) -> str:
 def compare_table(plans: Sequence[PartitionPlan]) -> str:
     rows = [
         [
-            _label(p),
+            method_label(p),
             f"{p.metrics.volume:,}",
             _fmt_ratio(p.metrics.volume_ratio),
             f"{p.metrics.max_layer_imbalance:.3f}",
@@ -261,97 +261,6 @@ def shard_table(layout: ShardLayout) -> str:
     return _table(["shard", "values", "bytes", "vs mean", "workers"], rows)
 
 
-def _png(fig: plt.Figure) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return buf.getvalue()
-
-
-def _cmap(workers: int) -> str:
-    return "tab20" if workers <= 20 else "nipy_spectral"
-
-
-def figures(
-    graph: UnitGraph, plan: PartitionPlan, comparison: Sequence[PartitionPlan] = ()
-) -> dict[str, bytes]:
-    """PNG bytes: partition maps (image models), load per worker per layer, halo heatmap."""
-    spec, workers = graph.spec, plan.workers
-    out: dict[str, bytes] = {}
-    spatial = [lb for lb in graph.layers if spec.layers[lb.index].is_spatial]
-    if spatial:
-        cols = min(5, len(spatial))
-        rows = -(-len(spatial) // cols)
-        fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.2 * rows), squeeze=False)
-        for ax in axes.ravel()[len(spatial) :]:
-            ax.axis("off")
-        for ax, lb in zip(axes.ravel(), spatial, strict=False):
-            owners = lb.owner_grid(plan.node_map)
-            ax.imshow(
-                owners[0],
-                cmap=_cmap(workers),
-                vmin=0,
-                vmax=max(workers - 1, 1),
-                interpolation="nearest",
-            )
-            extra = f", channel group 1 of {lb.nc}" if lb.nc > 1 else ""
-            ax.set_title(f"{spec.layer_name(lb.index)} {lb.shape}{extra}", fontsize=8)
-            ax.set_xticks([])
-            ax.set_yticks([])
-        fig.suptitle(f"{plan.model}: owner of each unit ({workers} workers, {plan.method})")
-        out["partition_map.png"] = _png(fig)
-
-    flops = np.array([w.flops for w in plan.per_worker], dtype=np.float64).T  # [L, P]
-    spread = np.array([ly.spread for ly in plan.layers], dtype=np.float64)
-    rel = flops / (flops.sum(axis=1, keepdims=True) / spread[:, None])
-    fig, ax = plt.subplots(figsize=(max(6, 0.12 * workers + 4), 0.4 * len(plan.layers) + 2))
-    im = ax.imshow(rel, aspect="auto", cmap="viridis", interpolation="nearest")
-    ax.set_yticks(range(len(plan.layers)), [ly.name for ly in plan.layers])
-    ax.set_xlabel("worker")
-    ax.set_title("load per worker per layer (1.0 = fair share of the layer)")
-    fig.colorbar(im, ax=ax)
-    out["load.png"] = _png(fig)
-
-    traffic = layer_traffic(graph, plan.node_map, workers).sum(axis=0) * BYTES_PER_VALUE
-    fig, ax = plt.subplots(figsize=(6, 5))
-    im = ax.imshow(traffic, cmap="magma", interpolation="nearest")
-    ax.set_xlabel("receiving worker")
-    ax.set_ylabel("sending worker")
-    ax.set_title("halo traffic, bytes per example (forward)")
-    fig.colorbar(im, ax=ax)
-    out["halo_traffic.png"] = _png(fig)
-
-    if comparison:
-        out["compare.png"] = _compare_png(plan, comparison)
-    return out
-
-
-def _compare_png(plan: PartitionPlan, comparison: Sequence[PartitionPlan]) -> bytes:
-    """Volume / bound on a log scale (an undefined ratio, traffic over a bound of 0, is marked
-    rather than drawn) and predicted step per method."""
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.2))
-    names = [_label(p) for p in comparison]
-    ratio = np.array([p.metrics.volume_ratio for p in comparison])
-    finite = np.isfinite(ratio)
-    x = np.arange(len(comparison))
-    a1.bar(x[finite], ratio[finite], color="tab:blue")
-    a1.set_yscale("log")
-    a1.axhline(1.0, color="k", lw=0.8, ls="--")
-    top = ratio[finite].max() if finite.any() else 1.0
-    for i in x[~finite]:
-        a1.text(i, 1.0, "undefined\n(bound 0)", ha="center", va="bottom", fontsize=7, color="red")
-    a1.set_ylim(0.9, max(2.0, top * 1.5))
-    a1.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
-    a1.set_ylabel("volume / lower bound (log)")
-    a2.bar(x, [p.metrics.predicted_step_s * 1e3 for p in comparison], color="tab:orange")
-    a2.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
-    a2.set_yscale("log")
-    a2.set_ylabel("predicted step (ms, log)")
-    fig.suptitle(f"{plan.model} on {plan.workers} workers: methods compared")
-    fig.tight_layout()
-    return _png(fig)
-
-
 def sweep_table(sweep) -> str:
     """Predicted step and speedup per worker count, the knee and the peak marked."""
     rows = []
@@ -360,19 +269,3 @@ def sweep_table(sweep) -> str:
         mark += " <- fastest" if n == sweep.peak else ""
         rows.append([str(n), f"{step * 1e3:.2f}", f"{speed:.2f}", mark.strip()])
     return _table(["workers", "step ms", "speedup", ""], rows)
-
-
-def sweep_png(sweep) -> bytes:
-    """Speedup against workers (log 2), the knee and the fastest count marked."""
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    ax.plot(sweep.counts, sweep.speedups, "o-", color="tab:blue", label="predicted speedup")
-    ax.axvline(sweep.knee, color="tab:green", ls="--", label=f"knee: {sweep.knee} workers")
-    if sweep.peak != sweep.knee:
-        ax.axvline(sweep.peak, color="tab:red", ls=":", label=f"fastest: {sweep.peak}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("model workers")
-    ax.set_ylabel(f"speedup over {sweep.counts[0]} worker(s)")
-    ax.set_title(f"{sweep.model}: a doubling must gain {sweep.gain:g}x", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return _png(fig)

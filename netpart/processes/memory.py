@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import ctypes
+import os
 
-__all__ = ["keep_freed_memory"]
+__all__ = ["available_memory", "keep_freed_memory"]
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
@@ -26,3 +27,19 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):  # not glibc
         return False
     return bool(mmap_ok and trim_ok)
+
+
+def available_memory() -> int:
+    """Bytes the kernel says a new process can use without swapping (MemAvailable), else
+    the machine's physical memory, else a bound no plan reaches."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError, AttributeError):
+        return 2**62

@@ -124,6 +124,15 @@ class ModelWorker:
             stop=st.stop,
         )
 
+    def evaluate(self, inputs, targets, transport: Transport) -> tuple[float, float | None]:
+        """(loss, accuracy) of a batch with no backward pass (held-out data): the forward
+        instructions and the loss; every worker of the replica runs the same messages."""
+        st = StepState(inputs, targets, transport, 0.0, want_accuracy=True)
+        for ins in self.program:
+            if ins.phase == Phase.FORWARD:  # the loss is a forward instruction
+                self._run[ins.op](st, ins)
+        return st.loss, st.accuracy
+
     def exchange_only(self, batch: int, transport: Transport) -> float:
         """Run only this program's messages (same peers, sizes and order; the loss's one
         all-gather included) with no compute between them: what the bytes alone cost.

@@ -26,11 +26,15 @@ from netpart.train.placement import POLICIES
 
 MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: a longer wait is no longer a timeout
 
-__all__ = ["MODES", "SCHEMA_VERSION", "TrainConfig", "TrainError", "layout_key"]
+__all__ = ["DEFAULT_LR", "MODES", "SCHEMA_VERSION", "TrainConfig", "TrainError", "layout_key"]
 
 SCHEMA_VERSION = 1
 MODES = ("downpour", "sync", "sandblaster")
 LOCAL_UPDATE = ("auto", "on", "off")
+# Adagrad's is torch.optim.Adagrad's: Adagrad's first steps move every weight by about lr
+# at once, and larger rates made image models' losses spike by orders of magnitude before
+# they recovered (docs/training.md). L-BFGS's is torch.optim.LBFGS's.
+DEFAULT_LR = {"adagrad": 0.01, "sgd": 0.05, "lbfgs": 1.0}
 
 
 @dataclass(frozen=True)
@@ -39,7 +43,7 @@ class TrainConfig:
     shards: int = 1
     mode: str = "downpour"  # downpour | sync | sandblaster
     optimizer: str = "adagrad"  # sgd | adagrad
-    lr: float = 0.05
+    lr: float | None = None  # None: DEFAULT_LR of the optimizer
     n_fetch: int = 1
     n_push: int = 1
     steps: int = 100
@@ -49,6 +53,7 @@ class TrainConfig:
     snapshot_every: int = 0  # shard updates between kept snapshots (0: none), for curves
     seed: int = 0
     data: str = "synthetic"
+    data_layout: str = "nchw"  # an image model's .npz arrays: nchw, or nhwc (transposed)
     examples: int = 60000  # synthetic dataset size
     dtype: str = "float32"
     timeout: float = 60.0  # seconds a replica waits for a peer in the halo exchange
@@ -61,14 +66,18 @@ class TrainConfig:
     push_norm: float = 0.0  # downpour: also push once the gradient's L2 norm reaches this
     local_update: str = "auto"  # downpour: each step also applied by the replica (see below)
     restarts: int = 3  # times a shard that dies is restarted from its last checkpoint
+    eval_every: int = 0  # replica 0 evaluates on held-out data every K steps (0: at the end only)
+    log: str = ""  # comma-separated loggers besides the run's JSON lines: csv, tensorboard
 
     def __post_init__(self) -> None:
+        if self.lr is None and self.optimizer in DEFAULT_LR:
+            object.__setattr__(self, "lr", DEFAULT_LR[self.optimizer])
         for name in (
             "replicas", "shards", "n_fetch", "n_push", "batch", "checkpoint_every", "units",
             "history",
         ):  # fmt: skip
             _at_least(name, getattr(self, name), 1)
-        for name in ("steps", "warm_start", "snapshot_every", "restarts"):
+        for name in ("steps", "warm_start", "snapshot_every", "restarts", "eval_every"):
             _at_least(name, getattr(self, name), 0)
         _at_least("threads", self.threads, 1)
         if self.mode not in MODES:
@@ -105,8 +114,16 @@ class TrainConfig:
             raise TrainError(
                 "--mode sandblaster goes with --optimizer lbfgs, and lbfgs only with sandblaster"
             )
+        for name in self.loggers:
+            if name not in ("csv", "tensorboard"):
+                raise TrainError(f"--log {name}: choose from csv, tensorboard (comma-separated)")
+        if self.data_layout not in ("nchw", "nhwc"):
+            raise TrainError(f"--layout {self.data_layout}: choose nchw or nhwc")
         if self.line_search not in ("armijo", "none"):
             raise TrainError(f"--line-search {self.line_search}: choose armijo or none")
+        if self.mode == "sandblaster" and self.eval_every:
+            raise TrainError("--eval-every applies to downpour and sync (sandblaster.jsonl "
+                             "has every L-BFGS evaluation's loss)")  # fmt: skip
         if self.mode == "sandblaster" and self.units > self.batch:
             raise TrainError(f"--units {self.units}: at most --batch {self.batch} units")
         if not 0 < self.timeout <= MAX_TIMEOUT:
@@ -123,6 +140,11 @@ class TrainConfig:
         reflect yet: with --local-update auto (the default) wherever the shards' rule is SGD
         and no delay compensation reads the versions served."""
         return self.local_update != "off" and self._local_defined
+
+    @property
+    def loggers(self) -> tuple[str, ...]:
+        """The loggers `log` names (`netpart.train.loggers`)."""
+        return tuple(x.strip() for x in self.log.split(",") if x.strip())
 
     @property
     def optim(self) -> Optimizer:

@@ -20,10 +20,13 @@ from typing import Any
 from netpart.errors import PlanError, TrainError
 from netpart.models import load_spec
 from netpart.partition.cost import NetworkModel
+from netpart.processes.memory import available_memory
 from netpart.train.config import TrainConfig
-from netpart.train.rundir import Job, TrainSummary, read_job
+from netpart.train.loggers import check_loggers
+from netpart.train.rundir import Job, TrainSummary, read_job, read_progress
 
 __all__ = [
+    "DEFAULT_OUT",
     "FIELDS",
     "FIXED_ON_RESUME",
     "TrainRequest",
@@ -39,9 +42,10 @@ FIELDS = (
     "replicas", "shards", "mode", "optimizer", "lr", "n_fetch", "n_push", "steps", "batch",
     "warm_start", "checkpoint_every", "snapshot_every", "data", "seed", "dtype", "timeout",
     "threads", "placement", "push_norm", "dc_lambda", "units", "history", "line_search",
-    "restarts", "local_update",
+    "restarts", "local_update", "data_layout", "eval_every", "log",
 )  # fmt: skip
-FIXED_ON_RESUME = ("shards", "optimizer", "dtype", "seed", "data")
+FIXED_ON_RESUME = ("shards", "optimizer", "dtype", "seed", "data", "data_layout")
+DEFAULT_OUT = Path("out/train")
 
 
 @dataclass(frozen=True)
@@ -55,13 +59,14 @@ class TrainRequest:
     method: str = "auto"
     plan: Path | None = None
     network: NetworkModel | None = None  # what `auto` predicts with (--profile)
-    out: Path = Path("out/train")
+    out: Path | None = None  # a new run's directory (default DEFAULT_OUT); not on a resume
     resume: Path | None = None
 
 
 def flag(name: str) -> str:
     """The command-line flag of a config field."""
-    return "--ps-shards" if name == "shards" else "--" + name.replace("_", "-")
+    special = {"shards": "--ps-shards", "data_layout": "--layout"}
+    return special.get(name, "--" + name.replace("_", "-"))
 
 
 def make_job(request: TrainRequest, *, local: bool = True) -> Job:
@@ -75,9 +80,12 @@ def make_job(request: TrainRequest, *, local: bool = True) -> Job:
         raise TrainError(f"--workers {request.workers}: must be an integer >= 1")
     spec = load_spec(request.model)
     config = TrainConfig.from_dict({"shards": request.workers, **request.given}, "command line")
+    check_loggers(config.loggers)  # a missing package fails before planning
     from netpart.data import load_data
 
-    load_data(config.data, spec, config.seed, config.examples)  # bad data fails before planning
+    load_data(
+        config.data, spec, config.seed, config.examples, config.data_layout
+    )  # bad data fails before planning
     if request.plan is not None:
         from netpart.partition.plans import load_plan
 
@@ -86,7 +94,7 @@ def make_job(request: TrainRequest, *, local: bool = True) -> Job:
             raise PlanError(
                 f"{request.plan}: the plan is for {p.workers} workers, not {request.workers}"
             )
-        return Job(spec, p, config, request.out)
+        return Job(spec, p, config, request.out or DEFAULT_OUT)
     if local:  # thousands of processes are refused before minutes of planning
         from netpart.train.fit import check_process_count
 
@@ -95,13 +103,18 @@ def make_job(request: TrainRequest, *, local: bool = True) -> Job:
     from netpart.partition import plan
 
     p = plan(spec, request.workers, request.method, seed=config.seed, batch=config.batch,
-             network=request.network)  # fmt: skip
-    return Job(spec, p, config, request.out)
+             network=request.network, memory=available_memory())  # fmt: skip
+    return Job(spec, p, config, request.out or DEFAULT_OUT)
 
 
 def _resumed(request: TrainRequest) -> Job:
     """The job of the run directory `request.resume`, with the flags given over its config."""
     run = request.resume
+    if request.out is not None and request.out.resolve() != run.resolve():
+        raise TrainError(
+            f"--out {request.out}: a resume continues in its own run directory ({run}); drop "
+            "--out (to continue a copy, copy the directory first and resume the copy)"
+        )
     old = read_job(run, resume=True)
     if old.config.mode == "sandblaster":
         raise TrainError(
@@ -126,6 +139,14 @@ def _resumed(request: TrainRequest) -> Job:
                 "resume with the same value or start a new --out"
             )
     config = TrainConfig.from_dict({**old.config.to_dict(), **request.given})
+    check_loggers(config.loggers)
+    sync = old.config.mode == "sync"
+    reached = min(read_progress(run, old.config.shards, old.config.replicas, sync=sync).values())
+    if config.steps <= reached:
+        raise TrainError(
+            f"--steps {config.steps}: the run in {run} is at step {reached} already; give "
+            f"--steps above {reached} to train it further"
+        )
     return Job(old.spec, old.plan, config, run, resume=True)
 
 

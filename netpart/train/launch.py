@@ -36,6 +36,7 @@ from netpart.partition.shards import ShardLayout
 from netpart.processes.launcher import join_group, torchrun_attempt
 from netpart.processes.zygote import Preloaded
 from netpart.train.config import TrainConfig
+from netpart.train.loggers import MetricLoggers
 from netpart.train.placement import SHARD, WORKER
 from netpart.train.process import PS_TIMEOUT, job_placement, log_as, play_role, stop_on_signals
 from netpart.train.report import preload_plotting, restart_line
@@ -86,10 +87,26 @@ def train(
     summary = TrainSummary(run=run)
     t0 = time.monotonic()
     total = sum(config.steps - starts.get(r, 0) for r in range(config.replicas))
+    loggers = MetricLoggers(run, config.loggers) if config.loggers else None
+    try:
+        _attempts(spec, plan, config, run, (resume, total, starts), summary, on_progress,
+                  preloaded, loggers)  # fmt: skip
+    finally:
+        if loggers is not None:
+            loggers.close()
+    summary.wall_s = time.monotonic() - t0
+    finish_run(spec, plan, config, run, layout, summary)
+    return summary
+
+
+def _attempts(spec, plan, config, run, how, summary, on_progress, preloaded, loggers) -> None:
+    """Start the job's processes, and again from the checkpoints after a shard died (up to
+    `config.restarts` times); `how`: (resume, total steps, each replica's start)."""
+    resume, total, starts = how
     for number in range(config.restarts + 1):
         first = preloaded if number == 0 else None  # forks one attempt's processes
         attempt = Attempt(number, resume=resume or number > 0, total=total,
-                          on_progress=on_progress, preloaded=first)  # fmt: skip
+                          on_progress=on_progress, preloaded=first, loggers=loggers)  # fmt: skip
         died = supervise(run, plan.workers, config, summary, attempt)
         if died is None:
             break
@@ -100,9 +117,6 @@ def train(
                     "its lost steps per replica: %s", died.shard, exit_text(died.code),
                     number + 1, config.restarts, lost["lost_steps"])  # fmt: skip
         write_run(spec, plan, config, run, starts, resume=True)
-    summary.wall_s = time.monotonic() - t0
-    finish_run(spec, plan, config, run, layout, summary)
-    return summary
 
 
 def train_under_torchrun(
@@ -150,6 +164,10 @@ def train_under_torchrun(
         layout = ShardLayout.build(graph, plan.node_map, plan.workers, config.shards)
         summary = TrainSummary(run=run, stopped=stop.is_set(), wall_s=time.monotonic() - t0)
         finish_run(spec, plan, config, run, layout, summary)
+        if config.loggers:  # no launcher followed the lines: write them now
+            loggers = MetricLoggers(run, config.loggers)
+            loggers.replay()
+            loggers.close()
         if summary.held_out:
             echo(held_out_line(summary.held_out, config.data))
         for restart in summary.restarts:
@@ -220,7 +238,7 @@ def _bar(config: TrainConfig, start: int, rank: int, placement):
 def postfix(stats: dict) -> str:
     """A progress bar's figures: loss, samples/s, ms/step, MB moved."""
     return (
-        f"loss {stats['loss']:.3f}, {stats['samples_s']:.0f} samples/s, "
+        f"loss {stats['loss']:.4g}, {stats['samples_s']:.0f} samples/s, "
         f"{stats['step_ms']:.0f} ms/step, {stats['mb']:.0f} MB"
     )
 

@@ -6,7 +6,8 @@ accumulated gradients every `n_push` steps (sooner with `push_norm`) and queues 
 become views of the fetched values where they landed (no copy). Backward accumulates
 straight into the buffer a push sends. In sync mode it pushes every step and waits for the
 fetch.
-Worker 0 of each replica writes the replica's metrics, one line per step.
+Worker 0 of each replica writes the replica's metrics, one line per step; with
+`--eval-every`, replica 0 also evaluates on held-out data (`netpart.train.heldout`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from netpart.ps.client import ShardClient, Ticket
 from netpart.runtime.transport import GlooTransport
 from netpart.runtime.worker import ModelWorker
 from netpart.train.config import TrainConfig
+from netpart.train.heldout import HeldOut
 from netpart.train.placement import Placement
 
 __all__ = [
@@ -131,7 +133,9 @@ class _StepLoop:
         self.job, self.on_step = job, on_step
         self.model, self.transport, self.client = job.build()
         faults.point(job.rank, 0)
-        self.data = load_data(config.data, job.spec, config.seed, config.examples)
+        self.data = load_data(
+            config.data, job.spec, config.seed, config.examples, config.data_layout
+        )
         self.sync = config.mode == "sync"
         late = replica > 0 and not self.sync and job.start < config.warm_start
         warm = config.warm_start if late else 0
@@ -149,6 +153,10 @@ class _StepLoop:
         self.requests = Requests(client, self.model, self.grads, config.lr if local else None,
                                  first)  # fmt: skip
         self.metrics = _Metrics(job) if job.worker == 0 else None
+        self.held_out = None
+        if replica == 0 and config.eval_every > 0:
+            path = job.run / "eval.jsonl" if job.worker == 0 else None
+            self.held_out = HeldOut(job.spec, self.data, config.batch, DTYPES[config.dtype], path)
 
     def step(self, t: int, stop: bool) -> bool:
         """Step `t`: settle what arrived, compute on the batch, push and fetch as due; True
@@ -182,6 +190,10 @@ class _StepLoop:
             line = self.metrics.line(t, result, client.staleness, times, pushed, client.received)
             if self.on_step is not None:
                 self.on_step(line)
+        if self.held_out is not None and (
+            t % config.eval_every == 0 or t == config.steps or result.stop
+        ):
+            self.held_out(t, self.model, self.transport)
         return result.stop
 
     def finish(self, t: int) -> None:

@@ -167,29 +167,7 @@ def _plots(run: Path, lines: list[dict], hist, mode: str) -> list[str]:
     written = []
     reps = _by_replica(lines)
     if reps:
-        t0 = min(x["time"] for x in lines)
-        has_acc = any(x.get("accuracy") is not None for x in lines)
-        fig, axes = plt.subplots(
-            1, 2 if has_acc else 1, figsize=(11 if has_acc else 6, 4), layout="constrained"
-        )
-        axes = np.atleast_1d(axes)
-        for r, rows in reps.items():
-            t = np.array([x["time"] - t0 for x in rows])
-            loss = np.array([x["loss"] for x in rows], dtype=float)
-            (ln,) = axes[0].plot(t, _smooth(loss, 20), label=f"replica {r}")
-            axes[0].plot(t, loss, color=ln.get_color(), alpha=0.2, linewidth=0.8)
-            if has_acc:
-                acc = np.array([x.get("accuracy") or 0.0 for x in rows], dtype=float)
-                axes[1].plot(t, _smooth(acc, 20), color=ln.get_color(), label=f"replica {r}")
-        axes[0].set(xlabel="wall time (s)", ylabel="training loss (batch; line: mean of 20)")
-        if has_acc:
-            axes[1].set(xlabel="wall time (s)", ylabel="training accuracy (mean of 20 steps)")
-            axes[1].set_ylim(0, 1)
-        for ax in axes:
-            ax.grid(alpha=0.3)
-            ax.legend()
-        fig.suptitle(f"{run.name}: loss and accuracy per replica")
-        written.append(_save(fig, run / "curves.png"))
+        written.append(_curves(plt, run, lines, reps))
         parts = {r: _breakdown(rows) for r, rows in reps.items()}
         if all(parts.values()):
             fig, ax = plt.subplots(figsize=(7, 1.6 + 0.5 * len(parts)), layout="constrained")
@@ -214,6 +192,65 @@ def _plots(run: Path, lines: list[dict], hist, mode: str) -> list[str]:
         ax.grid(alpha=0.3, axis="y")
         written.append(_save(fig, run / "staleness.png"))
     return written
+
+
+def _curves(plt, run: Path, lines: list[dict], reps: dict) -> str:
+    """curves.png: training loss (log scale) and accuracy per replica, and the held-out
+    figures of eval.jsonl, against the samples trained on (all replicas), wall time above."""
+    order = np.argsort([x["time"] for x in lines], kind="stable")
+    times = np.array([lines[i]["time"] for i in order])
+    seen = np.cumsum([lines[i].get("samples", 0) for i in order])
+    t0 = times[0]
+
+    def samples_at(t):
+        return np.interp(t, times, seen)
+
+    held = [json.loads(x) for x in _text(run / "eval.jsonl").splitlines() if x.strip()]
+    has_acc = any(x.get("accuracy") is not None for x in lines)
+    fig, axes = plt.subplots(
+        1, 2 if has_acc else 1, figsize=(11 if has_acc else 6, 4), layout="constrained"
+    )
+    axes = np.atleast_1d(axes)
+    for r, rows in reps.items():
+        x = samples_at(np.array([row["time"] for row in rows]))
+        loss = np.array([row["loss"] for row in rows], dtype=float)
+        (ln,) = axes[0].plot(x, _smooth(loss, 20), label=f"replica {r} (mean of 20 steps)")
+        axes[0].plot(x, loss, color=ln.get_color(), alpha=0.2, linewidth=0.8)
+        if has_acc:
+            acc = np.array([row.get("accuracy") or 0.0 for row in rows], dtype=float)
+            axes[1].plot(x, _smooth(acc, 20), color=ln.get_color(), label=f"replica {r}")
+    if held:
+        x = samples_at(np.array([h["time"] for h in held]))
+        label = f"held-out ({held[-1]['examples']} examples)"
+        axes[0].plot(x, [h["loss"] for h in held], "ko-", markersize=3, label=label)
+        if has_acc and "accuracy" in held[0]:
+            axes[1].plot(x, [h["accuracy"] for h in held], "ko-", markersize=3, label=label)
+    positive = all(row["loss"] > 0 for row in lines)
+    axes[0].set_yscale("log" if positive else "symlog")
+    axes[0].set(xlabel="samples trained on (all replicas)", ylabel="loss")
+    if has_acc:
+        axes[1].set(xlabel="samples trained on (all replicas)", ylabel="accuracy")
+        axes[1].set_ylim(0, 1)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+        if len(times) > 1 and seen[-1] > seen[0]:  # wall time on the top axis
+            top = ax.secondary_xaxis("top", functions=_time_axis(seen, times - t0))
+            top.set_xlabel("wall time (s)")
+    fig.suptitle(f"{run.name}: loss and accuracy per replica")
+    return _save(fig, run / "curves.png")
+
+
+def _time_axis(seen: np.ndarray, elapsed: np.ndarray) -> tuple:
+    """Samples -> seconds and back, for a secondary axis (both ascend together)."""
+    return (lambda s: np.interp(s, seen, elapsed), lambda t: np.interp(t, elapsed, seen))
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 def _save(fig, path: Path) -> str:

@@ -240,7 +240,7 @@ def finish_run(spec, plan, config, run: Path, layout, summary: TrainSummary) -> 
             + "; ".join(f"replica {r}: {why}" for r, why in sorted(summary.lost.items()))
         )
     state = model_from_shards(spec, plan, config, run, layout)
-    data = load_data(config.data, spec, config.seed, config.examples)
+    data = load_data(config.data, spec, config.seed, config.examples, config.data_layout)
     held_out = evaluate(spec, state, *data.held_out_set(), seed=config.seed)
     finite = all(bool(torch.isfinite(t).all()) for t in state.values())
     if not (finite and math.isfinite(held_out["loss"])):
@@ -259,10 +259,14 @@ class Progress:
     what the metrics files gained since the last call (a resumed run's earlier lines are
     neither counted nor read again)."""
 
-    def __init__(self, run: Path, replicas: int) -> None:
+    def __init__(self, run: Path, replicas: int, loggers=None) -> None:
+        """`loggers` (`netpart.train.loggers.MetricLoggers`) hears of every new line, the
+        held-out evaluations' (eval.jsonl) included."""
         self.paths = [run / f"metrics_replica{r}.jsonl" for r in range(replicas)]
+        self.paths.append(run / "eval.jsonl")  # the last: evaluations, not steps
         self.offsets = [p.stat().st_size if p.exists() else 0 for p in self.paths]
-        self.partial = [b""] * replicas
+        self.partial = [b""] * len(self.paths)
+        self.loggers = loggers
         self.steps = self.samples = self.bytes = 0
         self.loss: dict[int, float] = {}
         self.step_s: dict[int, float] = {}
@@ -280,6 +284,12 @@ class Progress:
             *complete, self.partial[i] = (self.partial[i] + new).split(b"\n")
             for raw in filter(bytes.strip, complete):
                 line = json.loads(raw)
+                if i == len(self.paths) - 1:
+                    if self.loggers is not None:
+                        self.loggers.eval_line(line)
+                    continue
+                if self.loggers is not None:
+                    self.loggers.train_line(line)
                 self.steps += 1
                 self.samples += line.get("samples", 0)
                 self.bytes += line.get("halo_bytes", 0) + line.get("ps_bytes", 0)

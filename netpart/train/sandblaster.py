@@ -221,7 +221,7 @@ def run_unit_worker(job: ReplicaJob) -> None:
     config, replica, worker, rank = job.config, job.replica, job.worker, job.rank
     model, transport, client = job.build()
     load = model.bind_values  # the parameters become views of the fetched values
-    data = load_data(config.data, job.spec, config.seed, config.examples)
+    data = load_data(config.data, job.spec, config.seed, config.examples, config.data_layout)
     ids = data.indices(0, 1, 1, config.batch)  # the batch every evaluation works on
     bounds = _bounds(config.batch, config.units)
     coordinator = job.placement.coordinator_rank()

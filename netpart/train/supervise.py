@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from netpart.errors import WorkerFailure
 from netpart.faults import RESTART_ENV
@@ -111,6 +112,7 @@ class Attempt:
     total: int = 0
     on_progress: Callable[[int, dict, int], None] | None = None
     preloaded: Preloaded | None = None
+    loggers: Any = None  # netpart.train.loggers.MetricLoggers, fed every new metrics line
 
 
 def supervise(
@@ -123,7 +125,7 @@ def supervise(
     after a second signal."""
     logs = [run / "logs" / f"rank{r}.log" for r in range(config.world(workers))]
     args = ["--run", str(run), *(["--resume"] if attempt.resume else [])]
-    read = Progress(run, config.replicas)
+    read = Progress(run, config.replicas, attempt.loggers)
     watch = _Watch(config, workers, summary)
     job = Processes(
         "netpart.train.process", args, logs,

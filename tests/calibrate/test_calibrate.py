@@ -473,7 +473,8 @@ def test_plan_sweep_prints_the_knee_and_writes_its_files(tmp_path, capsys):
     assert main([*args, "--out", str(out)]) == 0
     text = capsys.readouterr().out
     saved = json.loads((out / "sweep.json").read_text())
-    assert saved["counts"] == [1, 2, 4] and f"book {saved['knee']} workers" in text
+    knee = saved["knee"]
+    assert saved["counts"] == [1, 2, 4] and f"book {knee} worker{'s' * (knee != 1)}:" in text
     assert (out / "sweep.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["plan", "--model", "tiny-local", "--sweep", "1-4", "--workers", "2"]) == 2
     assert main([*args[:4], "0,2"]) == 2

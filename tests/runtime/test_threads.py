@@ -228,3 +228,43 @@ def test_a_chain_through_a_channel_wise_reader_equals_the_reference():
     x, y = make_batch(spec, 3, 7)
     result = run_step_threads(spec, p, x, y, overlap=True, split_min_flops=0.0)
     assert_equal_to_reference(spec, result, x, y)
+
+
+@given(small_specs(), st.integers(1, 4), st.sampled_from(["metis", "tiles", "stripe"]),
+       st.integers(1, 3), st.integers(0, 1000))  # fmt: skip
+@settings(max_examples=30, deadline=None)
+def test_a_forward_only_evaluation_equals_the_reference_and_leaves_no_gradient(
+    spec, workers, method, batch, seed
+):
+    """Held-out evaluation during training: the replica's workers run only the forward
+    instructions and the loss; loss and accuracy are the reference's, no parameter gets a
+    gradient, and a training step after it is still the reference's."""
+    p = plan(spec, workers, method, granularity=Granularity(spatial_blocks=8, dense_blocks=4))
+    graph, schedule = plan_schedule(spec, p)
+    x, y = make_batch(spec, batch, seed)
+    transports = ThreadTransport.group(workers)
+    got: list = [None] * workers
+    errors: list = []
+
+    def work(rank: int) -> None:
+        try:
+            worker = ModelWorker(spec, graph, schedule, rank, dtype=torch.float64)
+            got[rank] = worker.evaluate(x, y, transports[rank])
+            assert all(q.grad is None or not q.grad.any() for q in worker.parameters())
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+            transports[rank].fail()
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    loss, out, _ = reference_step(spec, x, y)
+    for rank_loss, accuracy in got:
+        assert abs(rank_loss - loss) <= 1e-9 * max(1.0, abs(loss))
+        if spec.loss == "cross_entropy":
+            flat = out.reshape(out.shape[0], -1)
+            want = (flat.gather(1, y[:, None])[:, 0] >= flat.max(1).values).double().mean()
+            assert accuracy == pytest.approx(float(want), abs=1e-12)

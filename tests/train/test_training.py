@@ -286,7 +286,7 @@ def test_bad_resume_input_exits_2_and_overwrites_nothing(sync_run, tmp_path, cap
     garbage = tmp_path / "garbage"  # a model.pt that is not one: one line, not torch's hint
     shutil.copytree(straight, garbage)
     (garbage / "model.pt").write_bytes(bytes(range(256)) * 2)
-    assert main(["eval", "--checkpoint", str(garbage)]) == 2
+    assert main(["eval", str(garbage)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not a model file netpart wrote" in err[0], err
     good = (run / "shard_0.pt").read_bytes()
@@ -320,8 +320,9 @@ def test_torchrun_runs_the_same_job_and_export_loads_back(tmp_path):
     assert "replica 0: step 12" in out.stdout and "replica 1: step 12" in out.stdout
     assert "held-out synthetic (1000 examples)" in out.stdout and (run / "report.md").exists()
     assert "[shard 0 (rank 4)]" in out.stderr  # logs name role and rank
-    assert main(["export", str(run), "--output", str(tmp_path / "m.pt")]) == 0
-    assert main(["eval", "--checkpoint", str(run), "--data", "digits"]) == 0  # from the shards
+    m = tmp_path / "m.pt"
+    assert main(["export", str(run), "--format", "state_dict", "--out", str(m)]) == 0
+    assert main(["eval", str(run), "--data", "digits"]) == 0  # from the shards
     state = torch.load(tmp_path / "m.pt", weights_only=True)
     model = build_reference(SPEC, 0)
     model.load_state_dict(state)  # same names and shapes as the reference module
@@ -434,12 +435,12 @@ def test_eval_reports_held_out_digits_accuracy(tmp_path, capsys):
     assert json.loads((snaps[0] / "shard_1.json").read_text())["updates"] == 80
     final = torch.load(run / "model.pt", weights_only=True)
     assert not torch.equal(first["layers.0.weight"], final["layers.0.weight"])
-    assert main(["eval", "--checkpoint", str(run)]) == 0
+    assert main(["eval", str(run)]) == 0
     out = capsys.readouterr().out
     assert "digits (held-out, 359 examples)" in out
     accuracy = float(out.rsplit("accuracy ", 1)[1])
     assert accuracy > 0.9  # measured 0.98 after 300 steps; 120 steps suffice for 0.9
-    assert main(["eval", "--checkpoint", str(tmp_path / "none")]) == 2
+    assert main(["eval", str(tmp_path / "none")]) == 2
     # The run directory's report: every step of every replica, in time order, and the plots.
     for name in ("curves.png", "step_time.png", "staleness.png", "report.md", "metrics.jsonl"):
         (run / name).unlink()
@@ -544,3 +545,19 @@ def test_a_full_disk_stops_the_job_in_one_line_with_the_last_checkpoint_intact(s
     for s in (0, 1):  # ... that still loads: each shard's file is whole
         with zipfile.ZipFile(run / f"shard_{s}.pt") as zf:
             assert zf.testzip() is None
+
+
+def test_tensorboard_logs_hold_the_run_s_curves(tmp_path):
+    """`--log tensorboard` (where the package is installed; CI has it not): the launcher
+    writes every replica's steps and the held-out evaluations as they arrive."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    argv = ["train", "--model", "tiny-local", "--workers", "2", "--replicas", "1", "--steps", "20",
+            "--eval-every", "10", "--log", "tensorboard", "--out", str(run)]  # fmt: skip
+    assert main(argv) == 0
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert [s.step for s in events.Scalars("held_out/loss")] == [10, 20]
+    assert len(events.Scalars("train/loss/replica0")) == 20

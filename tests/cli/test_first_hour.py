@@ -1,0 +1,132 @@
+"""A newcomer's first hour: what they type works as a PyTorch user expects, or says in one
+line what to do instead (exit 2, nothing written)."""
+
+import numpy as np
+import pytest
+
+from netpart.cli import main
+from netpart.errors import PlanError
+from netpart.models import ZOO
+from netpart.partition import plan
+from netpart.partition.graph import Granularity, graph_size
+from netpart.partition.planner import check_size
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def usage_error(capsys, *argv) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(list(argv))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err  # one line, no usage block
+    return err
+
+
+def test_more_workers_than_the_widest_layer_has_blocks_is_one_line_before_metis(capsys):
+    code, out, err = run(capsys, "plan", "--model", "tiny-local", "--workers", "100000")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "at most 1568 workers" in err and "0:local" in err
+
+
+def test_a_plan_that_would_not_fit_in_memory_is_refused_before_the_graph_is_built():
+    spec = ZOO["image-1.7b"]
+    size = graph_size(spec, Granularity.for_workers(512))
+    assert size.edges == 82_031_717 and size.blocks == 94_719  # counted, not built
+    with pytest.raises(PlanError, match=r"needs about .* GiB .* available"):
+        check_size(spec, 512, Granularity.for_workers(512), memory=2**30)
+
+
+def test_metis_never_prints(capfd):
+    """METIS writes to C's stdout; none of it reaches the user (it goes to the debug log)."""
+    plan(ZOO["tiny-local"], 64, "metis")
+    plan(ZOO["tiny-mlp"], 200, "metis")  # more parts than vertices: METIS complains
+    out, err = capfd.readouterr()
+    assert "***" not in out + err and out == "" and err == ""
+
+
+@pytest.mark.parametrize(
+    ("argv", "expect"),
+    [
+        (["tran"], "did you mean 'train'?"),
+        (["train", "--model", "tiny-local", "--wokers", "2"], "did you mean '--workers'?"),
+        (["plan", "--model", "tiny-local", "--worker", "2"], "unrecognized arguments: --worker"),
+        (["plan", "--model", "tiny-local", "--workers", "0"], "must be >= 1"),
+        (["plan", "--model", "tiny-local", "--workers", "2", "--method", "metsi"], "'metis'?"),
+    ],
+)
+def test_argument_errors_are_one_line_from_the_subcommand_with_a_suggestion(capsys, argv, expect):
+    err = usage_error(capsys, *argv)
+    assert expect in err and "see `netpart" in err
+    if len(argv) > 1:
+        assert err.startswith(f"netpart {argv[0]}: error:")
+
+
+def test_a_misspelt_model_gets_a_did_you_mean(capsys):
+    code, _, err = run(capsys, "plan", "--model", "tiny-locl", "--workers", "2")
+    assert code == 2 and "did you mean 'tiny-local'?" in err
+
+
+def test_every_option_s_default_is_in_the_help(capsys):
+    for command in ("plan", "run", "train", "eval", "export", "graph", "calibrate"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = capsys.readouterr().out
+        assert "%%" not in text
+        if command == "plan":
+            assert "print only, write nothing" in text  # --out
+        if command == "train":
+            assert "out/train" in text and "(default 0)" in text  # --out, --seed
+        if command == "graph":
+            assert "GraphML" in text
+
+
+def test_verbose_is_netpart_s_debug_log_only(capsys):
+    import logging
+
+    assert main(["-v", "models"]) == 0
+    assert logging.getLogger("netpart").level == logging.DEBUG
+    assert logging.getLogger().level == logging.WARNING  # PIL, matplotlib stay quiet
+    logging.getLogger("netpart").setLevel(logging.NOTSET)
+
+
+def test_channels_last_arrays_are_refused_or_transposed_as_asked(tmp_path):
+    from netpart.data import DataError, load_data
+
+    spec = ZOO["bench-local"]  # 3 x 48 x 48
+    rng = np.random.default_rng(0)
+    nchw = rng.standard_normal((10, 3, 48, 48)).astype(np.float32)
+    y = rng.integers(0, 10, 10)
+    np.savez(tmp_path / "nhwc.npz", x=nchw.transpose(0, 2, 3, 1), y=y)
+    np.savez(tmp_path / "nchw.npz", x=nchw, y=y)
+    with pytest.raises(DataError, match=r"channels last.*--layout nhwc"):
+        load_data(str(tmp_path / "nhwc.npz"), spec)
+    moved = load_data(str(tmp_path / "nhwc.npz"), spec, layout="nhwc")
+    plain = load_data(str(tmp_path / "nchw.npz"), spec)
+    assert np.array_equal(moved.x, plain.x) and np.array_equal(moved.held_out[0], plain.held_out[0])
+    with pytest.raises(DataError, match="--layout nhwc needs"):
+        load_data(str(tmp_path / "nchw.npz"), spec, layout="nhwc")
+
+
+def test_tensorboard_without_its_package_is_one_line_before_anything_runs(
+    tmp_path, capsys, monkeypatch
+):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "tensorboard" else real(name, *a),
+    )
+    out = tmp_path / "run"
+    argv = ["train", "--model", "tiny-local", "--workers", "2", "--log", "csv,tensorboard"]
+    code, _, err = run(capsys, *argv, "--out", str(out))
+    assert code == 2 and "pip install tensorboard" in err and err.count("\n") == 1
+    assert not out.exists()
+    code, _, err = run(capsys, *argv[:-1], "csv,wandb", "--out", str(out))
+    assert code == 2 and "--log wandb: choose from csv, tensorboard" in err

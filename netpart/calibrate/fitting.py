@@ -176,9 +176,9 @@ def fit(
 def anchored(model: NetworkModel, plans: Plans, one_s: list[float], batch: int) -> NetworkModel:
     """`model` with each calibration model's own layer tables scaled so that its one-process
     step is predicted as measured (`one_s`; the prediction is linear in the tables). The
-    step, the median of runs spread over the calibration, moves by 1-2% from one calibration
-    to the next; its slices, timed alone, sum to 0.8-0.95 of it and move by 15% (bench-local
-    on this host: 66-76 ms against steps of 79-81). A layer of several calibration models
+    step, the median of runs spread over the calibration, moves little from one calibration
+    to the next; its slices, timed alone, sum to less than it and move far more
+    (docs/planning.md). A layer of several calibration models
     takes the geometric mean of their factors, each held to [ANCHOR_LOW, ANCHOR_HIGH];
     layers of other models, and kinds' tables, are left as they are."""
     factors: dict[str, list[float]] = {}

@@ -104,8 +104,8 @@ LOAD_SAMPLE_S = 0.5  # seconds the machine's load is sampled between measurement
 CHECK_MODEL = "speech"  # stepped only to check the fitted model (its slices are timed)
 CALIBRATION_MODELS = ("tiny-mlp", "digits-mlp", "tiny-local", "bench-local", "bench-local-wide")
 # Models whose slices only are timed: they carry the kinds' tables to the sizes larger models
-# use (speech's dense slices of 0.1-4 GFLOP a batch run at 2-3x the FLOP rate of the MLPs' 1-13
-# MFLOP ones, which a table extrapolates from otherwise).
+# use (large dense slices run at a higher FLOP rate than the MLPs' small ones, which a table
+# would extrapolate from otherwise).
 SLICE_MODELS = ("speech",)
 Progress = Callable[[str], None]
 

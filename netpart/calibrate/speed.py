@@ -1,9 +1,9 @@
 """How fast this machine runs now: a probe sampled while a measurement runs.
 
-A shared machine does not keep one speed. Here (a 2-vCPU virtual machine) it moves between a
-fast and a slow state for spells of seconds to minutes while the kernel reports no steal: in
-the slow one a small MLP's forward and backward on one thread takes 1.5-1.7x its CPU time in
-the fast one, a 256x256 matmul 1.25x, and a millisecond model's step up to 2x. `SpeedProbe`
+A shared machine does not keep one speed: a virtual machine can move between a fast and a
+slow state for spells of seconds to minutes while the kernel reports no steal, and small
+kernels slow down most (docs/planning.md, "the speed probe", has what was measured).
+`SpeedProbe`
 samples, in a thread of the calling process, the CPU time of a fixed small forward and
 backward (`probe_once`: many small kernels, as a partitioned step's slices are) every `every`
 seconds. A run's probe is its median sample; against a profile's `probe_s` (the median of its
@@ -11,9 +11,9 @@ calibration runs' probes) it says how much slower or faster the machine ran than
 was calibrated, which a prediction cannot know.
 
 CPU time, not wall time: a probe descheduled by the workers it shares cores with, or held by
-a cpu quota, reads the same. A sample costs ~2 ms of one core; at the default period that is
-~2% of one core taken from the measurement. The probe runs on a core the measured processes
-leave free: it sees the machine's state, not what the workers' own cores go through.
+a cpu quota, reads the same. A sample is kept small (PROBE_REPEATS passes of a small MLP), so
+the probe takes little of a core from the measurement. It runs on a core the measured
+processes leave free: it sees the machine's state, not what the workers' own cores go through.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 __all__ = ["PROBE_REPEATS", "SLOW_SPELL", "SpeedProbe", "probe_once"]
 
 PROBE_BATCH, PROBE_WIDTH = 32, 128  # a 64-128-10 MLP at batch 32
-PROBE_REPEATS = 8  # forward and backward passes a sample times: ~2 ms of one core here
+PROBE_REPEATS = 8  # forward and backward passes a sample times
 SLOW_SPELL = 1.1  # a probe this many times the calibration's: the machine ran slower
 
 

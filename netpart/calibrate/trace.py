@@ -97,8 +97,8 @@ def _time_slice(layer_slice, x: torch.Tensor, share: float = 1.0) -> tuple[float
     allocates and first-touches the gradients); for slices under REPEAT_BELOW_S, of at least
     three runs that take TIMED_LEAST_S in all (at most MOST_RUNS). Each run counts at least
     its CPU time / `share`: under a cpu quota the best wall time of a short run is one that
-    found the period's quota unspent (a matmul at 0.45 of a core: 5.2 ms at best, its 3.9 ms
-    of CPU / 0.45 = 8.6 ms), and in a step every slice pays its share of the throttling."""
+    found the period's quota unspent (a run at a whole core's speed), and in a step every
+    slice pays its share of the throttling."""
     runs: list[tuple[float, float]] = []
     while len(runs) <= MOST_RUNS:
         x.grad = None

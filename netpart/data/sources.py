@@ -81,7 +81,7 @@ class Dataset:
             epochs, at = np.divmod(pos, count)
             k = np.empty(batch, dtype=np.int64)
             # A batch can span several epochs of few examples (not np.unique: its first call
-            # imports numpy.ma, 10 ms in the middle of a run).
+            # imports numpy.ma, a stall in the middle of a run).
             for e in range(int(epochs[0]), int(epochs[-1]) + 1):
                 sel = epochs == e
                 k[sel] = self._order(replica, count, int(e))[at[sel]]
@@ -115,8 +115,8 @@ class Dataset:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs [B, features], targets) of one step of one replica: the examples
         `indices` names. In-memory arrays up to EPOCH_COPY_BYTES are gathered once per epoch
-        in the replica's order, and a batch inside one epoch is copied from a slice of them:
-        in a busy step loop a gather of 32 random digits rows cost 26 µs, 5x its cost alone."""
+        in the replica's order, and a batch inside one epoch is copied from a slice of them
+        (a gather of random rows in a busy step loop costs several times a copy)."""
         count, epoch, within = self._place(replica, replicas, step, batch)
         in_memory = self.x is not None and self.y is not None
         if in_memory and self.x.nbytes <= EPOCH_COPY_BYTES and within + batch <= count:

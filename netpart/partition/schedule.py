@@ -107,8 +107,7 @@ class HaloSchedule:
     def messages(self, worker: int, layer: int, phase: str) -> list[Instruction]:
         """This worker's receives, then sends, of one (layer, phase), in peer order: a
         receive posted first is ready when the peer's data arrives (gloo otherwise waits for
-        the receiver's notice behind the bulk data queued on the link: bench-local's exchange
-        took 1.65x as long on emulated 100 Mbit/s links, docs/runtime.md)."""
+        the receiver's notice behind the bulk data queued on the link; docs/runtime.md)."""
         out, ins = [], []
         for (s, d), units in sorted(self.sends[layer].items()):
             src, dst = (s, d) if phase == "forward" else (d, s)

@@ -264,9 +264,9 @@ def yield_io_threads() -> int:
 
     Why: gloo's I/O thread handles a pair's events only if `trylock` on the pair succeeds,
     and epoll is level-triggered. When it preempts a compute thread that holds that lock
-    (posting a send), it spins on epoll_wait until the scheduler tick — 4 ms here — while the
-    lock holder waits for the CPU. On a machine with as many busy processes as cores that
-    turned a 0.13 ms exchange into 4 ms in the tail (docs/runtime.md).
+    (posting a send), it spins on epoll_wait until the scheduler tick while the lock holder
+    waits for the CPU: on a machine with as many busy processes as cores, an exchange's tail
+    becomes a scheduler tick long (docs/runtime.md).
     """
     policy = os.SCHED_BATCH
     changed = 0

@@ -242,4 +242,4 @@ def main() -> int:
 if __name__ == "__main__":
     main()
     sys.stdout.flush()
-    os._exit(0)  # tearing down torch's modules takes 0.6 s and helps nobody
+    os._exit(0)  # tearing down torch's modules is slow and helps nobody

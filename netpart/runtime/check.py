@@ -21,6 +21,7 @@ from netpart.models.spec import ModelSpec
 from netpart.partition.plans import PartitionPlan
 from netpart.partition.schedule import plan_schedule
 from netpart.processes.launcher import join_group
+from netpart.processes.memory import available_memory
 from netpart.runtime.result import StepResult, assemble
 from netpart.runtime.step import StepOptions, run_step
 from netpart.runtime.transport import GlooTransport
@@ -74,19 +75,12 @@ def estimate_check_bytes(spec: ModelSpec, batch: int) -> int:
 
 def require_memory(spec: ModelSpec, batch: int) -> None:
     """Raise PlanError when a float64 check of `spec` cannot fit in the available memory."""
-    need, have = estimate_check_bytes(spec, batch), _available_bytes()
+    need, have = estimate_check_bytes(spec, batch), available_memory()
     if need > have:
         raise PlanError(
             f"checking {spec.name} needs about {need / 2**30:.1f} GiB in float64 but "
             f"{have / 2**30:.1f} GiB are available; check a smaller model or batch"
         )
-
-
-def _available_bytes() -> int:
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):  # pragma: no cover - non-POSIX
-        return 1 << 62
 
 
 def _diff(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> Difference:

@@ -17,7 +17,7 @@ __all__ = ["RowIndex", "rows"]
 def rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x[index] for a (possibly 2-D) row index: index_select on the flat index, then a view.
 
-    Several times faster than advanced indexing here, forward and backward (index_add).
+    Faster than advanced indexing, forward and backward (index_add).
     """
     return torch.index_select(x, 0, index.reshape(-1)).view(*index.shape, *x.shape[1:])
 

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from netpart.errors import TrainError
 from netpart.models.spec import ModelSpec
 from netpart.partition.plans import PartitionPlan
+from netpart.processes.memory import available_memory
 from netpart.train.config import TrainConfig
 
-__all__ = ["BASE_BYTES", "Estimate", "available_bytes", "check_fits", "check_process_count"]
+__all__ = ["BASE_BYTES", "Estimate", "check_fits", "check_process_count"]
 
-BASE_BYTES = 80 * 2**20  # one process with torch imported (measured here: 80-90 MB resident)
+BASE_BYTES = 80 * 2**20  # one process with torch imported, resident (rounded down)
 _GIB = 2**30
 
 
@@ -38,18 +39,6 @@ class Estimate:
         return self.processes * BASE_BYTES + self.workers_bytes + self.shards_bytes
 
 
-def available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (None where it cannot be read)."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def estimate(spec: ModelSpec, plan: PartitionPlan, config: TrainConfig) -> Estimate:
     """The job's memory on one machine (every process local)."""
     value = 8 if config.dtype == "float64" else 4
@@ -64,8 +53,8 @@ def estimate(spec: ModelSpec, plan: PartitionPlan, config: TrainConfig) -> Estim
 
 def check_process_count(processes: int, what: str) -> None:
     """Refuse, before planning, a job whose processes alone cannot fit in memory."""
-    free = available_bytes()
-    if free is not None and processes * BASE_BYTES > free:
+    free = available_memory()
+    if processes * BASE_BYTES > free:
         raise TrainError(
             f"{what}: {processes:,} processes need at least {processes * BASE_BYTES / _GIB:.1f} "
             f"GiB (about {BASE_BYTES // 2**20} MB each with torch loaded), this machine has "
@@ -80,8 +69,8 @@ def check_process_count(processes: int, what: str) -> None:
 def check_fits(spec: ModelSpec, plan: PartitionPlan, config: TrainConfig) -> Estimate:
     """Refuse (TrainError, one line with the figures) a job that would not fit in memory."""
     est = estimate(spec, plan, config)
-    free = available_bytes()
-    if free is not None and est.total > free:
+    free = available_memory()
+    if est.total > free:
         raise TrainError(
             f"the job needs about {est.total / _GIB:.1f} GiB on this machine ({est.processes} "
             f"processes: workers {est.workers_bytes / _GIB:.1f} GiB, shards "

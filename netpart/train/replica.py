@@ -89,7 +89,7 @@ class ReplicaJob:
         # the moment they arrive. With local steps the parameters already hold this worker's
         # updates, so a fetch can wait to be completed until its slot is needed (two steps
         # on): requests are posted from the step loop, and no courier threads compete with it
-        # for the GIL and the cores (digits-mlp, one replica: 15% more samples/s).
+        # for the GIL and the cores.
         background = self.config.mode == "downpour" and not self.config.local_steps
         client = ShardClient(
             self.layout, worker=self.worker, replica=self.replica, rank=self.rank,
@@ -294,8 +294,8 @@ class _Metrics:
         self.received = 0  # the client's count of values received at the last line
         path = job.run / f"metrics_replica{job.replica}.jsonl"
         # Lines are appended in one write call every FLUSH_S seconds (and at the end): a line
-        # is on disk within FLUSH_S of its step. A write per line cost 3-5% of a small
-        # model's samples/s, and a writer thread more (it contends for the GIL).
+        # is on disk within FLUSH_S of its step. A write per line slows a small model's
+        # step loop, and a writer thread more (it contends for the GIL; docs/training.md).
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._lines: list[str] = []
         self._flushed = time.monotonic()

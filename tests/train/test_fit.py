@@ -25,15 +25,15 @@ def test_a_job_that_cannot_fit_is_refused_with_its_figures(monkeypatch):
     p = plan(spec, 2, "metis")
     config = TrainConfig(replicas=2, shards=2)
     need = fit.estimate(spec, p, config).total
-    monkeypatch.setattr(fit, "available_bytes", lambda: need + 1)
+    monkeypatch.setattr(fit, "available_memory", lambda: need + 1)
     fit.check_fits(spec, p, config)
-    monkeypatch.setattr(fit, "available_bytes", lambda: need - 1)
+    monkeypatch.setattr(fit, "available_memory", lambda: need - 1)
     with pytest.raises(TrainError, match=r"needs about .* GiB on this machine \(6 processes"):
         fit.check_fits(spec, p, config)
 
 
 def test_thousands_of_processes_are_refused_before_planning(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(fit, "available_bytes", lambda: 8 * 2**30)
+    monkeypatch.setattr(fit, "available_memory", lambda: 8 * 2**30)
     out = tmp_path / "run"
     argv = ["train", "--model", "tiny-local", "--workers", "1000", "--out", str(out)]
     assert main(argv) == 2

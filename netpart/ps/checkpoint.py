@@ -26,7 +26,9 @@ from netpart.models.spec import ModelSpec
 from netpart.partition.shards import ShardLayout, piece_index
 from netpart.ps.server import ShardState
 
-__all__ = ["export_state_dict", "load_shard", "save_model", "save_shard", "shard_path"]
+__all__ = [
+    "export_state_dict", "load_shard", "save_model", "save_shard", "shard_meta", "shard_path",
+]  # fmt: skip
 
 
 def shard_path(run: Path, shard: int) -> Path:
@@ -49,6 +51,22 @@ def save_shard(run: Path, shard: int, state: ShardState, meta: dict[str, Any]) -
     torch.save(payload, buf)
     write_atomic(shard_path(run, shard), buf.getvalue())
     write_atomic(run / f"shard_{shard}.json", json.dumps(meta, indent=1).encode())
+
+
+def shard_meta(run: Path, shard: int) -> dict[str, Any]:
+    """The metadata inside shard `shard`'s checkpoint (its progress, clock, updates, lost
+    replicas): the authority on where the shard stands, read without loading its values (a
+    memory map). The `.json` sidecar repeats it for people; a missing or stale sidecar (a
+    crash between the two renames) changes nothing. TrainError (one line) if unreadable."""
+    path = shard_path(run, shard)
+    if not path.exists():
+        raise TrainError(f"{path}: missing; this run has no checkpoint for shard {shard}")
+    try:
+        meta = json.loads(torch.load(path, weights_only=True, mmap=True)["meta"])
+        int(meta["clock"]), int(meta["updates"]), dict(meta["progress"])
+    except Exception as exc:  # a torn or foreign file: zip, pickle and key errors alike
+        raise TrainError(f"{path}: not a readable netpart checkpoint ({_short(exc)})") from None
+    return meta
 
 
 def load_shard(run: Path, shard: int, expect: dict[str, Any], size: int) -> ShardState:

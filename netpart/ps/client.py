@@ -34,6 +34,7 @@ from netpart.errors import PeerError, ProtocolError, transport_reason
 from netpart.partition.shards import Segment, ShardLayout
 from netpart.ps.protocol import (
     CHUNK,
+    DIVERGED,
     HEADER_BYTES,
     HEADER_LEN,
     TAG_HEADER,
@@ -389,8 +390,9 @@ class ShardClient:
         ticket.current = tuple(current)
         return None if len(current) == len(self.routes) else values
 
-    def close(self) -> None:
-        """Complete what is in flight, then say goodbye to every shard."""
+    def close(self, diverged_at: int = 0) -> None:
+        """Complete what is in flight, then say goodbye to every shard (`diverged_at`: the
+        step whose loss was not finite; the shards then keep their last checkpoint)."""
         for slot in self._slots:
             if slot.ticket is not None:
                 self._wait(slot.ticket)
@@ -398,7 +400,8 @@ class ShardClient:
             self._courier.close()
         with self._naming("say goodbye to"):
             for s in self.routes:
-                bye = header(Kind.BYE, self.rank, s, 0, 0, self.replica)
+                extra = DIVERGED if diverged_at > 0 else -1
+                bye = header(Kind.BYE, self.rank, s, diverged_at, 0, self.replica, extra)
                 self.group.send([bye], self.shard_ranks[s], TAG_HEADER).wait()
 
     @contextlib.contextmanager

@@ -5,7 +5,9 @@ nothing is pickled. A header is int64 `[kind, sender, shard, step, length, repli
 Payload lengths both sides know from the `ShardLayout` (worker w's message to shard s carries
 exactly the segments of w's flat parameter vector that s holds). `extra`: of a push, the shard
 version its gradient was computed on (Sandblaster: the evaluation); of a PARAMS reply, the
-staleness of that peer's last applied push (-1: none yet). The `step` of a FETCH: answer once
+staleness of that peer's last applied push (-1: none yet); of a BYE, DIVERGED when the
+worker leaves because its loss was not finite (its `step`: that step), and the shards then
+keep their last checkpoint. The `step` of a FETCH: answer once
 that step is applied (0: at once); a PUSH_FETCH's answer waits as its mode says (sync: for the
 step pushed; otherwise not at all).
 
@@ -50,6 +52,7 @@ from netpart.partition.shards import Segment
 
 __all__ = [
     "CHUNK",
+    "DIVERGED",
     "HEADER_BYTES",
     "HEADER_LEN",
     "TAG_CHUNK",
@@ -80,6 +83,7 @@ VALUES_AT = 64  # where values start in a [header | values] message: a cache lin
 TAG_HEADER, TAG_PAYLOAD, TAG_UNIT, TAG_DONE, TAG_DONE_VALUE = 1, 2, 3, 4, 5
 TAG_CHUNK = 16
 CHUNK = 1 << 18  # values per push chunk
+DIVERGED = 1  # a BYE's `extra`: the worker's loss was not finite
 
 
 class Kind(IntEnum):

@@ -35,6 +35,7 @@ from netpart.partition.shards import Segment, ShardLayout
 from netpart.ps.modes import Mode, Push, Response
 from netpart.ps.protocol import (
     CHUNK,
+    DIVERGED,
     TAG_HEADER,
     TAG_PAYLOAD,
     Kind,
@@ -154,6 +155,7 @@ class ShardServer:
         self.staleness: collections.Counter[int] = collections.Counter()
         self.last_staleness: dict[tuple[int, int], int] = {}
         self.fatal: str | None = None  # why this shard cannot go on (a checkpoint not written)
+        self.diverged: tuple[int, int] | None = None  # (replica, step) whose loss was not finite
         self.commands_done = not mode.commands
         self.view = _View(self)
 
@@ -286,7 +288,7 @@ class ShardServer:
         elif kind in (Kind.PUSH_FETCH, Kind.PUSH_FETCH_LOCAL):
             self._reply(link, self.waits_for(kind, step))
         elif kind == Kind.BYE:
-            self._goodbye(link.replica, link.worker)
+            self._goodbye(link.replica, link.worker, diverged_at=step if extra == DIVERGED else 0)
             return True
         elif kind != Kind.PUSH:
             raise ProtocolError(f"shard {self.shard}: unknown message kind {kind}")
@@ -368,8 +370,10 @@ class ShardServer:
         if link.reply is None:
             self.group.send([head[:0]], link.src, TAG_PAYLOAD).wait()
 
-    def _goodbye(self, replica: int, worker: int) -> None:
+    def _goodbye(self, replica: int, worker: int, diverged_at: int = 0) -> None:
         with self.cond:
+            if diverged_at and self.diverged is None:  # its loss was not finite: no push
+                self.diverged = (replica, diverged_at)
             self.done[(replica, worker)] = None
             self._apply(self.mode.settle(self.view))  # sync: stop waiting for it
             self.cond.notify_all()

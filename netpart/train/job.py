@@ -22,6 +22,7 @@ from netpart.models import load_spec
 from netpart.partition.cost import NetworkModel
 from netpart.processes.memory import available_memory
 from netpart.train.config import TrainConfig
+from netpart.train.lock import RunLock
 from netpart.train.loggers import check_loggers
 from netpart.train.rundir import Job, TrainSummary, read_job, read_progress
 
@@ -44,7 +45,7 @@ FIELDS = (
     "threads", "placement", "push_norm", "dc_lambda", "units", "history", "line_search",
     "restarts", "local_update", "data_layout", "eval_every", "log",
 )  # fmt: skip
-FIXED_ON_RESUME = ("shards", "optimizer", "dtype", "seed", "data", "data_layout")
+FIXED_ON_RESUME = ("mode", "shards", "optimizer", "dtype", "seed", "data", "data_layout")
 DEFAULT_OUT = Path("out/train")
 
 
@@ -116,6 +117,11 @@ def _resumed(request: TrainRequest) -> Job:
             "--out (to continue a copy, copy the directory first and resume the copy)"
         )
     old = read_job(run, resume=True)
+    if not any(run.glob("shard_*.pt")):
+        raise TrainError(
+            f"--resume {run}: the run has no checkpoint (its job ended before the first); "
+            f"start it again without --resume, with --out {run} (the directory is reused)"
+        )
     if old.config.mode == "sandblaster":
         raise TrainError(
             f"--resume {run}: a Sandblaster L-BFGS run cannot be resumed (its curvature "
@@ -193,8 +199,9 @@ def train_here(
             if on_progress is not None:
                 on_progress(done, stats, total)
 
-        summary = train(job.spec, job.plan, job.config, job.run, job.resume,
-                        on_progress=progress, preloaded=preloaded)  # fmt: skip
+        with RunLock(job.run):  # one job in a run directory at a time
+            summary = train(job.spec, job.plan, job.config, job.run, job.resume,
+                            on_progress=progress, preloaded=preloaded)  # fmt: skip
     return job, summary
 
 

@@ -36,6 +36,7 @@ from netpart.partition.shards import ShardLayout
 from netpart.processes.launcher import join_group, torchrun_attempt
 from netpart.processes.zygote import Preloaded
 from netpart.train.config import TrainConfig
+from netpart.train.lock import RunLock
 from netpart.train.loggers import MetricLoggers
 from netpart.train.placement import SHARD, WORKER
 from netpart.train.process import PS_TIMEOUT, job_placement, log_as, play_role, stop_on_signals
@@ -62,6 +63,7 @@ __all__ = ["TrainSummary", "train", "train_under_torchrun"]
 log = logging.getLogger(__name__)
 
 Echo = Callable[[str], None]
+_HELD: list[RunLock] = []  # under torchrun, the first shard's lock on the run directory
 
 
 def train(
@@ -140,7 +142,7 @@ def train_under_torchrun(
     # torchrun restarted the job (--max-restarts) after a process failed: go on from the
     # checkpoints, at the furthest step the shards recorded (as the local launcher does).
     restarted = torchrun_attempt() > 0
-    resume = resume or (restarted and (run / "train.json").exists())
+    resume = resume or (restarted and any(run.glob("shard_*.pt")))
     mine = rank == first_shard
     _prepare_on_first_shard(spec, plan, config, run, (resume, restarted), mine, placement)
     sync = config.mode == "sync"
@@ -188,7 +190,7 @@ def _prepare_on_first_shard(spec, plan, config, run, how, mine: bool, placement)
     status = b""
     if mine:
         try:
-            run.mkdir(parents=True, exist_ok=True)
+            _HELD.append(RunLock(run).__enter__())  # held until this process ends
             _, starts = prepare_run(spec, plan, config, run, resume, newest=restarted)
             if restarted:  # what each shard restored from an older checkpoint lost
                 sync = config.mode == "sync"

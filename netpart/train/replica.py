@@ -13,6 +13,7 @@ Worker 0 of each replica writes the replica's metrics, one line per step; with
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import math
@@ -174,9 +175,10 @@ class _StepLoop:
                                  accuracy=job.worker == 0)  # fmt: skip
         t3 = clock()
         if not math.isfinite(result.loss):  # never push it: it would poison every replica
+            with contextlib.suppress(Exception):  # the shards keep their last checkpoint
+                self.client.close(diverged_at=t)
             raise RuntimeFailure(
-                f"replica {job.replica}: the loss is {result.loss} at step {t}: training "
-                "diverged; try a lower --lr"
+                f"replica {job.replica}: the loss is {result.loss} at step {t}: training diverged"
             )
         self.requests.stepped()
         pushed = self.sync or push_due(t, config.n_push, config.push_norm, self.grads.flat)

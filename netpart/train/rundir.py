@@ -20,14 +20,20 @@ from pathlib import Path
 import torch
 
 from netpart.data import load_data
-from netpart.errors import RuntimeFailure, TrainError, WorkerFailure
+from netpart.errors import DataError, RuntimeFailure, TrainError, WorkerFailure
 from netpart.files import foreign_entries, write_atomic, write_files
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import build_unit_graph
 from netpart.partition.plans import PartitionPlan, load_plan, plan_files
 from netpart.partition.schedule import plan_schedule
 from netpart.partition.shards import ShardLayout
-from netpart.ps.checkpoint import export_state_dict, load_shard, save_model, shard_path
+from netpart.ps.checkpoint import (
+    export_state_dict,
+    load_shard,
+    save_model,
+    shard_meta,
+    shard_path,
+)
 from netpart.train.config import SCHEMA_VERSION, TrainConfig, layout_key
 from netpart.train.report import evaluate, read_metrics, write_report
 
@@ -123,14 +129,13 @@ def read_progress(
     """Per replica, the step a resumed replica restarts after: the last step every shard has
     from it (downpour), or the last step every shard applied (sync: replicas move together,
     and one added on resume joins them there). `newest`: the furthest any shard recorded
-    (a restart after a shard died: its updates since its checkpoint are lost, not redone)."""
+    (a restart after a shard died: its updates since its checkpoint are lost, not redone).
+    Read from the checkpoints themselves (`shard_meta`); TrainError if one is missing or
+    unreadable (a run is never read as being at step 0)."""
     out = {r: 0 for r in range(replicas)}
     pick = max if newest else min
     for s in range(shards):
-        try:
-            meta = json.loads((run / f"shard_{s}.json").read_text())
-        except (OSError, ValueError):
-            return {r: 0 for r in range(replicas)}
+        meta = shard_meta(run, s)
         prog = {int(r): int(v) for r, v in meta.get("progress", {}).items()}
         for r in out:
             mine = int(meta.get("clock", 0)) if sync else prog.get(r, 0)
@@ -191,7 +196,7 @@ def prepare_run(
         sync = config.mode == "sync"
         starts = read_progress(run, config.shards, config.replicas, sync, newest)
     else:
-        if shard_path(run, 0).exists() or (run / "train.json").exists():
+        if any(run.glob("shard_*.pt")):
             raise TrainError(
                 f"--out {run}: already holds a training run; continue it with --resume {run} "
                 "or choose another --out directory"
@@ -201,8 +206,23 @@ def prepare_run(
                 f"--out {run}: not empty and not a training run (holds {', '.join(found)}); "
                 "choose a new or empty directory"
             )
+        if (run / "train.json").exists():  # a job that ended before its first checkpoint
+            log.warning("%s: its run never wrote a checkpoint; starting it afresh", run)
+            for name in RUN_OUTPUTS:
+                for path in run.glob(name):
+                    path.unlink(missing_ok=True)
         starts = dict.fromkeys(range(config.replicas), 0)
     return layout, starts
+
+
+# What a job writes into its run directory (besides the logs), removed when a run that never
+# wrote a checkpoint is started afresh.
+RUN_OUTPUTS = (
+    "train.json", "spec.json", "plan.json", "node_map.npy", "start.json", "placement.json",
+    "metrics_replica*.jsonl", "metrics.jsonl", "eval.jsonl", "restarts.json", "summary.json",
+    "shard_*.json", "coordinator.json", "sandblaster.jsonl", "metrics.csv", "eval.csv",
+    "diverged_*.json",
+)  # fmt: skip
 
 
 def write_run(spec, plan, config, run: Path, starts: dict[int, int], resume: bool) -> None:
@@ -218,21 +238,47 @@ def write_run(spec, plan, config, run: Path, starts: dict[int, int], resume: boo
     files["train.json"] = json.dumps(manifest, indent=1).encode()
     files["start.json"] = json.dumps({str(r): s for r, s in starts.items()}).encode()
     write_files(run, files)
+    for note in run.glob("diverged_*.json"):  # a new job: it has not diverged
+        note.unlink()
     if not resume:
         for r in range(config.replicas):
             (run / f"metrics_replica{r}.jsonl").unlink(missing_ok=True)
 
 
+def _check_diverged(run: Path, config: TrainConfig) -> None:
+    """RuntimeFailure naming where the run can go on from, if training diverged (a shard
+    then kept its last checkpoint and wrote `diverged_<s>.json`)."""
+    notes = sorted(run.glob("diverged_*.json"))
+    if not notes:
+        return
+    note = json.loads(notes[0].read_text())
+    what = (f"replica {note['replica']}'s loss was not finite at step {note['step']}"
+            if note["replica"] >= 0 else "a shard's values were not finite")  # fmt: skip
+    if not all(shard_path(run, s).exists() for s in range(config.shards)):
+        raise RuntimeFailure(
+            f"training diverged: {what}, before the first checkpoint; start again with a "
+            f"lower --lr than {config.lr:g} (--out {run} is reused)"
+        )
+    steps = read_progress(run, config.shards, config.replicas, config.mode == "sync")
+    at = ", ".join(f"replica {r} at step {s}" for r, s in steps.items())
+    raise RuntimeFailure(
+        f"training diverged: {what}; the checkpoints in {run} keep the last state before it "
+        f"({at}): resume from there with a lower --lr than {config.lr:g} (--resume {run})"
+    )
+
+
 def finish_run(spec, plan, config, run: Path, layout, summary: TrainSummary) -> None:
     """After the job: model.pt from the shards, held-out figures, summary.json, the report."""
+    _check_diverged(run, config)
     for line in read_metrics(run):  # time order: the last line of a replica wins
         summary.steps[line["replica"]] = line["step"]
         summary.final_loss[line["replica"]] = line["loss"]
     restarts = run / "restarts.json"  # shards restarted from a checkpoint, what each lost
     summary.restarts = json.loads(restarts.read_text()) if restarts.exists() else []
     for s in range(config.shards):  # replicas a shard dropped (under torchrun: the only record)
-        meta = json.loads(shard_path(run, s).with_suffix(".json").read_text())
-        for r, why in meta.get("lost", {}).items():
+        if not shard_path(run, s).exists():  # the job ended before its first checkpoint
+            continue
+        for r, why in shard_meta(run, s).get("lost", {}).items():
             summary.lost.setdefault(int(r), why)
     if len(summary.lost) == config.replicas:  # what the launcher and the shards saw
         raise WorkerFailure(
@@ -240,16 +286,20 @@ def finish_run(spec, plan, config, run: Path, layout, summary: TrainSummary) -> 
             + "; ".join(f"replica {r}: {why}" for r, why in sorted(summary.lost.items()))
         )
     state = model_from_shards(spec, plan, config, run, layout)
-    data = load_data(config.data, spec, config.seed, config.examples, config.data_layout)
-    held_out = evaluate(spec, state, *data.held_out_set(), seed=config.seed)
-    finite = all(bool(torch.isfinite(t).all()) for t in state.values())
-    if not (finite and math.isfinite(held_out["loss"])):
+    if not all(bool(torch.isfinite(t).all()) for t in state.values()):
         raise RuntimeFailure(
-            f"the trained model's held-out loss is {held_out['loss']}: training diverged; try "
-            f"a lower --lr (model.pt and summary.json were not written to {run})"
+            f"the trained parameters are not finite: training diverged; try a lower --lr "
+            f"(model.pt and summary.json were not written to {run})"
         )
-    summary.held_out = held_out
-    save_model(run / "model.pt", state)
+    save_model(run / "model.pt", state)  # the result first: nothing after it can lose it
+    write_atomic(run / "summary.json", json.dumps(summary.to_dict(), indent=1).encode())
+    try:
+        data = load_data(config.data, spec, config.seed, config.examples, config.data_layout)
+        summary.held_out = evaluate(spec, state, *data.held_out_set(), seed=config.seed)
+    except (DataError, OSError) as exc:  # the data went away during the run
+        log.warning("no held-out evaluation: %s", exc)
+    if summary.held_out and not math.isfinite(summary.held_out["loss"]):
+        log.warning("the model's held-out loss is %s: training diverged", summary.held_out["loss"])
     write_atomic(run / "summary.json", json.dumps(summary.to_dict(), indent=1).encode())
     write_report(run)
 

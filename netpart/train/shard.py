@@ -10,6 +10,7 @@ and lost replicas.
 from __future__ import annotations
 
 import io
+import json
 import logging
 import threading
 import time
@@ -19,6 +20,7 @@ import torch
 
 from netpart import faults
 from netpart.errors import RuntimeFailure, write_reason
+from netpart.files import write_atomic
 from netpart.models.reference import DTYPES
 from netpart.models.spec import ModelSpec
 from netpart.partition.shards import ShardLayout, piece_initial
@@ -117,6 +119,8 @@ class Checkpoints:
         self.every, self.snapshot_every = config.checkpoint_every, config.snapshot_every
         self.seen = server.state.updates
         self.writes = 0
+        self.kept = server.state.updates  # the updates the last checkpoint on disk holds
+        self.froze = False
         self.error: str | None = None
         self._closing = threading.Event()
         torch.save({"values": torch.zeros(1)}, io.BytesIO())  # its first call imports
@@ -152,15 +156,35 @@ class Checkpoints:
             self._write(self.run, self.server.snapshot(), self.meta)
 
     def _write(self, where: Path, state: ShardState, meta: dict) -> None:
-        if self.error is not None:
+        if self.error is not None or self._diverged(state):
             return
         self.writes += 1
         try:
             faults.write_fails(self.rank, self.writes)
             save_shard(where, self.server.shard, state, meta)
+            if where == self.run:
+                self.kept = state.updates
         except OSError as exc:  # disk full, read-only: this shard cannot go on
             self.error = write_reason(exc)
             self.server.fail(self.error)
+
+    def _diverged(self, state: ShardState) -> bool:
+        """Whether training diverged (a replica's loss was not finite, or these values are
+        not): then no checkpoint replaces the last good one, and `diverged.json` says where
+        it stands."""
+        server = self.server
+        if server.diverged is None and not bool(torch.isfinite(state.values).all()):
+            server.diverged = (-1, 0)  # the values themselves: no replica saw it first
+        if server.diverged is None:
+            return False
+        if not self.froze:
+            self.froze = True
+            replica, step = server.diverged
+            note = {"replica": replica, "step": step, "shard": server.shard,
+                    "kept_updates": self.kept}  # fmt: skip
+            log.warning("training diverged (%s); the last checkpoint stays", note)
+            write_atomic(self.run / f"diverged_{server.shard}.json", json.dumps(note).encode())
+        return True
 
     def close(self, final: dict) -> str | None:
         """Stop watching, write what fell due and the final checkpoint (with `final`'s

@@ -29,6 +29,7 @@ from netpart.faults import RESTART_ENV
 from netpart.files import write_atomic
 from netpart.processes.launcher import Processes
 from netpart.processes.zygote import Preloaded
+from netpart.ps.checkpoint import shard_meta
 from netpart.train.config import TrainConfig
 from netpart.train.rundir import Progress, TrainSummary
 
@@ -212,7 +213,7 @@ class _Watch:
 def lost_updates(run: Path, shard: int, starts: dict[int, int], sync: bool, why: str) -> dict:
     """What restarting `shard` from its checkpoint loses: per replica, the steps whose pushes
     to it were applied after the checkpoint (sync: the steps it missed)."""
-    meta = json.loads((run / f"shard_{shard}.json").read_text())
+    meta = shard_meta(run, shard)
     had = {int(r): int(v) for r, v in meta.get("progress", {}).items()}
     clock = int(meta.get("clock", 0))
     steps = {r: max(0, s - (clock if sync else had.get(r, 0))) for r, s in starts.items()}

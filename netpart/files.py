@@ -25,11 +25,20 @@ def foreign_entries(out_dir: Path, marker: str, forbidden: tuple[str, ...] = ())
     return names[:5]
 
 
+_UMASK = os.umask(0)  # read once: os.umask can only be read by setting it
+os.umask(_UMASK)
+
+
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a temp file in the same directory and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    """Write `data` to `path` through a temp file in the same directory and a rename (the
+    file gets the permissions the umask gives a new file, as `open` would)."""
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:  # name the file asked for, not the temporary one
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
+    try:
+        os.fchmod(fd, 0o666 & ~_UMASK)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from netpart import faults
 from netpart.calibrate.measure import LocalRunner, step_cpu_s
-from netpart.errors import PeerError, transport_reason
+from netpart.errors import NetpartError, PeerError, ProtocolError, transport_reason
 from netpart.models.spec import ModelSpec
 from netpart.partition.plans import PartitionPlan
 from netpart.partition.schedule import SPLIT_MIN_FLOPS, plan_schedule
@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 COMMAND_WAIT_S = 1800.0  # a follower waits this long at most for rank 0's next command
 OPS = ("plan", "link", "step", "done")
+MAX_COMMAND = 1 << 30  # bytes: a plan command holds a node map, never more than this
 
 
 class _Commands:
@@ -56,10 +57,19 @@ class _Commands:
 
     def receive(self) -> dict:
         size = self._broadcast(torch.zeros(1, dtype=torch.int64))
+        if not 0 <= int(size[0]) <= MAX_COMMAND:
+            raise ProtocolError(f"calibration rank {self.rank}: rank 0 announced a command of "
+                                f"{int(size[0])} bytes")  # fmt: skip
         data = self._broadcast(torch.empty(int(size[0]), dtype=torch.uint8))
-        doc = json.loads(data.numpy().tobytes().decode())
+        try:
+            doc = json.loads(data.numpy().tobytes().decode())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ProtocolError(
+                f"calibration rank {self.rank}: rank 0 sent a malformed command ({exc})"
+            ) from None
         if not isinstance(doc, dict) or doc.get("op") not in OPS:
-            raise ValueError(f"not a calibration command from rank 0: {str(doc)[:80]}")
+            raise ProtocolError(f"calibration rank {self.rank}: not a calibration command from "
+                                f"rank 0: {str(doc)[:80]}")  # fmt: skip
         return doc
 
     def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -129,17 +139,26 @@ class HostsRunner:
                 faults.point(self.rank, n)
                 if (cmd := self._commands.receive())["op"] == "done":
                     break
-                if cmd["op"] == "plan":
-                    spec = ModelSpec.from_json(cmd["spec"], "rank 0's command")
-                    node_map = np.array(cmd["node_map"], dtype=np.int64)
-                    p = PartitionPlan.from_json(cmd["plan"], node_map, "rank 0's command")
-                    self._plans[cmd["key"]] = (spec, p)
-                elif cmd["op"] == "link":
-                    self._link(cmd)
-                else:
-                    self._step(cmd)
+                try:
+                    self._obey(cmd)
+                except (KeyError, TypeError, ValueError, NetpartError) as exc:
+                    raise ProtocolError(
+                        f"calibration rank {self.rank}: rank 0's {cmd['op']} "
+                        f"command does not hold what it must ({exc!r})"
+                    ) from None
         finally:
             dist.destroy_process_group()
+
+    def _obey(self, cmd: dict) -> None:
+        if cmd["op"] == "plan":
+            spec = ModelSpec.from_json(cmd["spec"], "rank 0's command")
+            node_map = np.array(cmd["node_map"], dtype=np.int64)
+            p = PartitionPlan.from_json(cmd["plan"], node_map, "rank 0's command")
+            self._plans[cmd["key"]] = (spec, p)
+        elif cmd["op"] == "link":
+            self._link(cmd)
+        else:
+            self._step(cmd)
 
     # what every rank a command names runs
     def _link(self, cmd: dict) -> tuple[np.ndarray, float]:

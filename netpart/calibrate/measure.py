@@ -51,6 +51,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from netpart.calibrate import CALIBRATION_MODELS, CHECK_MODEL, SLICE_MODELS
 from netpart.calibrate.fitting import Crowd, Plans, fit, kind_cost, layer_costs
 from netpart.calibrate.speed import SpeedProbe, probe_once
 from netpart.calibrate.trace import SliceTimes, measure_slices
@@ -101,12 +102,6 @@ PROBE_BEFORE = 5  # speed probe samples before a run whose worker this process i
 # warns that the machine's speed moved while it was calibrated.
 PROBE_SWING = 1.25
 LOAD_SAMPLE_S = 0.5  # seconds the machine's load is sampled between measurements
-CHECK_MODEL = "speech"  # stepped only to check the fitted model (its slices are timed)
-CALIBRATION_MODELS = ("tiny-mlp", "digits-mlp", "tiny-local", "bench-local", "bench-local-wide")
-# Models whose slices only are timed: they carry the kinds' tables to the sizes larger models
-# use (large dense slices run at a higher FLOP rate than the MLPs' small ones, which a table
-# would extrapolate from otherwise).
-SLICE_MODELS = ("speech",)
 Progress = Callable[[str], None]
 
 

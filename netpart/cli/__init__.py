@@ -8,15 +8,33 @@ line and exit code 1; a stop by SIGINT/SIGTERM in exit code 130.
 
 from __future__ import annotations
 
-import errno
-import logging
 import os
+import signal
 import sys
+import threading
 
-from netpart import __version__
-from netpart.cli import plan, run, train
-from netpart.cli.parser import Parser
-from netpart.errors import EXIT_FAILURE, EXIT_INPUT, EXIT_INTERRUPTED, NetpartError, RuntimeFailure
+
+def _interrupted_while_loading(signum, frame) -> None:  # pragma: no cover - timing
+    sys.stderr.write("netpart: interrupted\n")
+    os._exit(130)
+
+
+# Ctrl-C while the command's modules load (before `main` can catch it): one line, exit 130.
+signal.signal(signal.SIGINT, _interrupted_while_loading)
+
+import errno  # noqa: E402
+import logging  # noqa: E402
+
+from netpart import __version__  # noqa: E402
+from netpart.cli import plan, run, train  # noqa: E402
+from netpart.cli.parser import Parser  # noqa: E402
+from netpart.errors import (  # noqa: E402
+    EXIT_FAILURE,
+    EXIT_INPUT,
+    EXIT_INTERRUPTED,
+    NetpartError,
+    RuntimeFailure,
+)
 
 __all__ = ["build_parser", "main"]
 
@@ -39,15 +57,23 @@ def build_parser() -> Parser:
 
 
 # errno values that name a path the user gave (exit 2); any other OSError is a failure (exit 1)
-_PATH_ERRORS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR, errno.ENOENT}
+_PATH_ERRORS = {
+    errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR, errno.ENOENT,
+    errno.ENAMETOOLONG, errno.ELOOP,
+}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
+    for name in ("stdout", "stderr"):  # started with it closed (`>&-`): write nowhere
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, "w"))  # noqa: SIM115 - the process's own
     parser = build_parser()
     args = parser.parse(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.verbose:  # netpart's own debug messages, not every library's (PIL, matplotlib)
         logging.getLogger("netpart").setLevel(logging.DEBUG)
+    if threading.current_thread() is threading.main_thread():  # loaded: Ctrl-C is caught below
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return args.func(args)
     except NetpartError as exc:
@@ -67,3 +93,19 @@ def main(argv: list[str] | None = None) -> int:
         bad_path = exc.errno in _PATH_ERRORS
         print(f"netpart: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return EXIT_INPUT if bad_path else EXIT_FAILURE
+    except Exception as exc:
+        if not _caused_by_interrupt(exc):  # a bug: its traceback is what a report needs
+            raise
+        print("netpart: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _caused_by_interrupt(exc: BaseException) -> bool:
+    """Ctrl-C while a module loads can surface wrapped (Python turns an exception raised
+    in a class body's `__set_name__` into a RuntimeError caused by it)."""
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False

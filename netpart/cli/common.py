@@ -7,6 +7,7 @@ goes through `echo` (stdout), errors are raised and turned into one line by `net
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -16,17 +17,73 @@ __all__ = [
     "add_launch_args",
     "add_profile_arg",
     "capacities",
+    "check_writable",
     "echo",
     "load_network",
     "per_worker_stats",
     "plan_for_run",
     "positive_int",
+    "seed_int",
+    "timeout_s",
 ]
 
 
 def echo(text: str = "") -> None:
     """One line of the command's output on stdout."""
     sys.stdout.write(f"{text}\n")
+
+
+def check_writable(path: Path, flag: str) -> None:
+    """PlanError (one line) before any work if `path` (a directory or file to be written)
+    cannot be created where it is asked for: a read-only file system, no permission, a name
+    the file system refuses, or a name that is not valid text (reports are written in it)."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        raise PlanError(f"{flag} {path!s}: not a valid UTF-8 path; choose another") from None
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        probe = probe.parent
+    if not os.access(probe, os.W_OK | os.X_OK):
+        why = "read-only file system" if _read_only(probe) else "permission denied"
+        raise PlanError(f"{flag} {path}: cannot write there ({why}); choose another place")
+    try:
+        name_max = os.pathconf(probe, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return
+    if any(len(part.encode()) > name_max for part in path.parts):
+        raise PlanError(f"{flag} {path}: a name in it is too long for the file system")
+
+
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def seed_int(text: str) -> int:
+    """A seed: an integer from 0 to 2**63 - 1 (they key 64-bit random streams)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"give an integer from 0 to {2**63 - 1}, got {value}")
+    return value
+
+
+def timeout_s(text: str) -> float:
+    """A timeout in seconds: a number from 0.1 s to a week."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0.1 <= value <= 7 * 24 * 3600.0:
+        raise argparse.ArgumentTypeError(f"give 0.1 s to a week (604800 s), got {text}")
+    return value
 
 
 def positive_int(text: str) -> int:
@@ -71,10 +128,12 @@ def add_launch_args(parser: argparse.ArgumentParser, batch: int, stats_help: str
     parser.add_argument(
         "--batch", type=positive_int, default=batch, help=f"examples per step (default {batch})"
     )
-    parser.add_argument("--seed", type=int, default=0, help="weights, batch and partitioner seed")
+    parser.add_argument(
+        "--seed", type=seed_int, default=0, help="weights, batch and partitioner seed"
+    )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=timeout_s,
         default=60.0,
         help="seconds a worker waits for a peer before giving up (default 60)",
     )
@@ -87,10 +146,10 @@ def plan_for_run(args: argparse.Namespace):
     """The spec and plan `run` and `check` use: --plan (checked), or None to plan afresh."""
     from netpart.models import load_spec
     from netpart.partition.plans import load_plan
+    from netpart.train.fit import check_process_count
 
     spec = load_spec(args.model)
-    if args.timeout <= 0:
-        raise PlanError(f"--timeout must be positive, got {args.timeout}")
+    check_process_count(args.workers, f"--workers {args.workers}")  # before any planning
     if args.plan is None:
         return spec, None
     p = load_plan(args.plan, spec)
@@ -138,8 +197,12 @@ def load_network(profile: Path | None, net: str = ""):
     if profile is None:
         return NetworkModel.parse(net) if net else NetworkModel()
     try:
-        text = profile.read_text()
+        text = profile.read_text(encoding="utf-8")
     except OSError as exc:
         raise PlanError(f"--profile {profile}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise PlanError(
+            f"--profile {profile}: not a text file; give a profile `netpart calibrate` wrote"
+        ) from None
     model = NetworkModel.from_profile(text, str(profile))
     return NetworkModel.parse(net, base=model) if net else model  # --net: the cluster's links

@@ -6,7 +6,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from netpart.cli.common import add_profile_arg, capacities, echo, load_network, positive_int
+from netpart.cli.common import (
+    add_profile_arg,
+    capacities,
+    check_writable,
+    echo,
+    load_network,
+    positive_int,
+    seed_int,
+)
 from netpart.errors import PlanError
 from netpart.processes.memory import available_memory
 
@@ -96,7 +104,7 @@ def _plan_parser(sub) -> None:
     p.add_argument(
         "--batch", type=positive_int, default=32, help="batch size for step time (default 32)"
     )
-    p.add_argument("--seed", type=int, default=0, help="partitioner seed (default 0)")
+    p.add_argument("--seed", type=seed_int, default=0, help="partitioner seed (default 0)")
     _metis_options(p)
     p.add_argument(
         "--blocks-per-worker",
@@ -244,9 +252,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _check_out(out: Path | None) -> None:
-    """`--out` must be new, empty, or a plan directory (checked before any planning)."""
+    """`--out` must be new, empty, or a plan directory, and writable (checked before any
+    planning)."""
     from netpart.files import foreign_entries
 
+    if out is not None:
+        check_writable(out, "--out")
     if out is not None and out.exists() and not out.is_dir():
         raise PlanError(f"--out {out}: exists and is not a directory")
     if out is not None and (found := foreign_entries(out, "plan.json", ("train.json",))):
@@ -279,6 +290,25 @@ def _show(main_plan, shards, comparison: list) -> None:
         echo(compare_table(comparison))
 
 
+def _within_model(spec, counts: list[int], blocks_per_worker: int) -> list[int]:
+    """The counts the model can spread over (each worker owning part of its widest layer);
+    the rest are dropped with a note, PlanError if none is left."""
+    from netpart.partition import Granularity
+    from netpart.partition.graph import graph_size
+
+    def widest(n: int):
+        return graph_size(spec, Granularity.for_workers(n, blocks_per_worker))
+
+    kept = [n for n in counts if n <= widest(n).widest]
+    if not kept:
+        raise PlanError(f"--sweep: {spec.name} cannot spread over {counts[0]} workers or more")
+    if len(kept) < len(counts):
+        size = widest(counts[len(kept)])
+        echo(f"counts above {kept[-1]} skipped: {spec.name}'s widest layer, "
+             f"{size.widest_layer}, has at most {size.widest} blocks")  # fmt: skip
+    return kept
+
+
 def _sweep(spec, args: argparse.Namespace, network) -> int:
     """`plan --sweep`: one plan per worker count, its predicted step, the knee."""
     import json
@@ -299,6 +329,9 @@ def _sweep(spec, args: argparse.Namespace, network) -> int:
         raise PlanError(f"--gain {args.gain}: must be > 1 (a doubling that buys nothing)")
     if args.out is not None and (found := foreign_entries(args.out, "sweep.json")):
         raise PlanError(f"--out {args.out}: not empty (holds {', '.join(found)})")
+    if args.out is not None:
+        check_writable(args.out, "--out")
+    counts = _within_model(spec, counts, args.blocks_per_worker)
     steps = []
     for n in tqdm(counts, desc="sweep", disable=not sys.stderr.isatty(), leave=False):
         granularity = Granularity.for_workers(n, args.blocks_per_worker)

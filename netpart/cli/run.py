@@ -10,11 +10,13 @@ from pathlib import Path
 from netpart.cli.common import (
     add_launch_args,
     add_profile_arg,
+    check_writable,
     echo,
     load_network,
     per_worker_stats,
     plan_for_run,
     positive_int,
+    timeout_s,
 )
 from netpart.files import write_atomic
 from netpart.processes.memory import available_memory
@@ -84,7 +86,7 @@ def register(sub) -> None:
 
 
 def _calibrate_parser(sub) -> None:
-    from netpart.calibrate.measure import CALIBRATION_MODELS, SLICE_MODELS
+    from netpart.calibrate import CALIBRATION_MODELS, SLICE_MODELS
 
     k = sub.add_parser(
         "calibrate",
@@ -128,7 +130,7 @@ def _calibrate_parser(sub) -> None:
     )
     k.add_argument(
         "--timeout",
-        type=float,
+        type=timeout_s,
         default=120.0,
         help="under torchrun: seconds a host waits for a peer's message (default 120)",
     )
@@ -145,7 +147,7 @@ def _calibrate_parser(sub) -> None:
 
 def _trust_args(k: argparse.ArgumentParser) -> None:
     """What a calibration is checked on, and whether a busy machine's is kept."""
-    from netpart.calibrate.measure import CHECK_MODEL
+    from netpart.calibrate import CHECK_MODEL
 
     k.add_argument(
         "--check-model",
@@ -169,14 +171,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from netpart.calibrate.profile import check_lines, profile_json, profile_lines
     from netpart.errors import PlanError
     from netpart.models import load_spec
-    from netpart.runtime.check import under_torchrun
+    from netpart.runtime.check import require_memory, under_torchrun
 
     models = tuple(m.strip() for m in args.models.split(",") if m.strip())
     extra = tuple(m.strip() for m in args.slice_models.split(",") if m.strip())
+    if not models:
+        raise PlanError(f"--models {args.models!r}: name at least one zoo model to calibrate on")
     for m in models + extra + ((args.check_model,) if args.check_model else ()):
-        load_spec(m)  # an unknown model is refused before a minute of measuring
-    if args.timeout <= 0:
-        raise PlanError(f"--timeout must be positive, got {args.timeout}")
+        require_memory(load_spec(m), args.batch)  # refused before a minute of measuring
+    check_writable(args.out, "--out")
     if not 0 < args.share <= 1:
         raise PlanError(f"--share is a fraction of one core (0 < share <= 1), got {args.share}")
     runner = LocalRunner(args.share)

@@ -8,7 +8,15 @@ import sys
 import time
 from pathlib import Path
 
-from netpart.cli.common import add_profile_arg, echo, load_network, positive_int
+from netpart.cli.common import (
+    add_profile_arg,
+    check_writable,
+    echo,
+    load_network,
+    positive_int,
+    seed_int,
+    timeout_s,
+)
 
 __all__ = ["register"]
 
@@ -166,9 +174,9 @@ def _job_flags(flag) -> None:
         "loggers besides the run's JSON lines, comma-separated: csv (metrics.csv, eval.csv), "
         "tensorboard (RUN/tensorboard; needs the tensorboard package)",
     )
-    flag("seed", int, "weights, data and partitioner seed")
+    flag("seed", seed_int, "weights, data and partitioner seed")
     flag("dtype", str, "float32 | float64")
-    flag("timeout", float, "seconds a worker waits for a peer before giving up")
+    flag("timeout", timeout_s, "seconds a worker waits for a peer before giving up")
     flag(
         "restarts",
         int,
@@ -261,8 +269,10 @@ def _request(args: argparse.Namespace):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from netpart.train.job import train_here, train_torchrun, under_torchrun
+    from netpart.train.job import DEFAULT_OUT, train_here, train_torchrun, under_torchrun
 
+    if args.resume is None:
+        check_writable(args.out or DEFAULT_OUT, "--out")
     request = _request(args)
     if under_torchrun():
         code = train_torchrun(request, echo)
@@ -376,6 +386,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         echo(f"wrote {out}: {job.spec.name}'s reference state_dict, {count}")
         return 0
     out = args.out or args.run / "model.pt2"
+    check_writable(out, "--out")
     buf = io.BytesIO()
     from netpart.data import load_data
 

@@ -8,7 +8,8 @@ directory: the rendezvous opens no network listener. Output goes to one log file
 The processes are forked by one preloaded interpreter (`netpart.processes.zygote`): torch is
 imported once per job, not once per process (`fork=False`: one `python -m MODULE` each).
 
-One signal scheme for every job. SIGINT or SIGTERM to the launcher is passed on once to every
+One signal scheme for every job. SIGINT, SIGTERM or SIGHUP (a terminal closed) to the launcher
+is passed on once to every
 process as SIGTERM — a training process stops at its next step boundary, a `run`/`check`
 worker simply ends — and `stopping` is set; a second signal sets `forced` (the caller stops
 waiting). When the launcher leaves the `Processes` block, live processes get what is left of
@@ -28,13 +29,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import torch.distributed as dist
 
+from netpart.processes.liveness import is_stopped, joined, mark_joined, private_tmpdir
 from netpart.processes.memory import keep_freed_memory
 from netpart.processes.zygote import Forked, Preloaded, die_with_parent
 
@@ -77,16 +78,18 @@ class Processes:
         self.fork, self.preloaded = fork, preloaded
         self.procs: list[subprocess.Popen | Forked] = []
         self.stopping = threading.Event()
+        self.signalled = threading.Event()  # a signal came (the user's stop, not the caller's)
         self.forced = threading.Event()  # a second signal: stop waiting, kill what is left
         self.stopped_at: float | None = None
         self._previous: dict[int, object] = {}
         self._tmp: str | None = None
         self._zygote: Preloaded | None = None
+        self._started = False
 
     def __enter__(self) -> Processes:
-        self._tmp = tempfile.mkdtemp(prefix="netpart-store-")
+        self._tmp = private_tmpdir("store")
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 self._previous[sig] = signal.signal(sig, self._on_signal)
         try:
             for log_path in self.logs:
@@ -94,7 +97,7 @@ class Processes:
             if self.fork:
                 self._zygote = self.preloaded or Preloaded(self.module, self.new_session)
                 ranks = [(self.rank_env(k), self.logs[k]) for k in range(self.world)]
-                self.procs = list(self._zygote.fork(self.args, ranks))
+                self.procs = list(self._zygote.fork(self.args, ranks, self.stopping.is_set))
             else:
                 self.procs = [self._spawn(rank) for rank in range(self.world)]
         except BaseException:
@@ -104,6 +107,13 @@ class Processes:
             self.stopping.clear()
             self.stop()
         return self
+
+    def started(self) -> bool:
+        """Whether every process has joined the job's process group (until then a process
+        that dies leaves the others waiting in the rendezvous: the job cannot start)."""
+        if not self._started and self._tmp is not None:
+            self._started = joined(str(Path(self._tmp) / "store"), self.world) == self.world
+        return self._started
 
     def rank_env(self, rank: int) -> dict[str, str]:
         """The variables that make a process rank `rank` of this job."""
@@ -127,7 +137,9 @@ class Processes:
             )
 
     def _on_signal(self, signum, frame) -> None:
-        if self.stopping.is_set():
+        first = not self.signalled.is_set()
+        self.signalled.set()
+        if not first and self.stopping.is_set():
             log.warning("signal %d again: killing every process", signum)
             self.forced.set()
             return
@@ -150,6 +162,15 @@ class Processes:
 
     def running(self) -> int:
         return self.codes().count(None)
+
+    def zygote_gone(self) -> bool:
+        """Whether the preloaded interpreter that forked the processes died (they die with it)."""
+        return self._zygote is not None and self._zygote.gone
+
+    def stopped_ranks(self) -> list[int]:
+        """The ranks whose process is stopped (SIGSTOP): alive, holding its connections,
+        answering nothing."""
+        return [k for k, p in enumerate(self.procs) if p.poll() is None and is_stopped(p.pid)]
 
     def kill(self, ranks: list[int]) -> None:
         """Kill (SIGKILL) and reap the given ranks that still run."""
@@ -228,6 +249,7 @@ def join_group(timeout: float, store_timeout: float | None = None) -> tuple[int,
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world, timeout=pg_timeout
         )
+        mark_joined(path, rank)
     elif attempt := torchrun_attempt():
         # torchrun restarted the job: its agent's store still holds the first attempt's
         # addresses under the keys init_process_group uses (pytorch/pytorch#135712).

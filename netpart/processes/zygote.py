@@ -23,6 +23,7 @@ import ctypes
 import importlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -31,9 +32,13 @@ import time
 import traceback
 from pathlib import Path
 
+from netpart.errors import RuntimeFailure
+from netpart.processes.liveness import is_stopped
+
 __all__ = ["PRELOAD", "Forked", "Preloaded", "die_with_parent", "main"]
 
 _PR_SET_PDEATHSIG = 1
+FORK_TIMEOUT = 300.0  # s for the zygote to import torch and fork: a slow, busy machine
 # Imported besides the job's module: autograd's first backward imports sympy through it.
 PRELOAD = ("torch.fx.experimental.symbolic_shapes",)
 
@@ -64,9 +69,14 @@ class Preloaded:
         self.children: list[Forked] = []
         self._pending = b""
         self._ordered = False
+        self.gone = False  # it died (not the end of a job: it ends once its children have)
 
-    def fork(self, args: list[str], ranks: list[tuple[dict[str, str], Path]]) -> list[Forked]:
-        """Fork one process per (variables, log path); their handles, in rank order."""
+    def fork(
+        self, args: list[str], ranks: list[tuple[dict[str, str], Path]], interrupted=None
+    ) -> list[Forked]:
+        """Fork one process per (variables, log path); their handles, in rank order.
+        RuntimeFailure (one line) if the zygote is stopped or does not answer within
+        FORK_TIMEOUT; KeyboardInterrupt once `interrupted()` says so (a signal came)."""
         if self._ordered:
             raise RuntimeError("a preloaded interpreter runs one job")
         self._ordered = True
@@ -80,20 +90,43 @@ class Preloaded:
             self.proc.stdin.close()
         except BrokenPipeError:
             pass  # it died: the answer below is empty
-        # Raw reads only: a buffered readline could swallow exit lines sent right after it.
-        fd, answer = self.proc.stdout.fileno(), b""
-        while b"\n" not in answer and (chunk := os.read(fd, 65536)):
-            answer += chunk
-        line, _, self._pending = answer.partition(b"\n")
+        line, _, self._pending = self._answer(interrupted).partition(b"\n")
         first = line.split()
         if not first or first[0] != b"pids":
             self.proc.kill()
             self.proc.wait()
-            raise RuntimeError(f"the process launcher failed: {self._error()}")
+            raise RuntimeFailure(
+                f"the preloaded interpreter that forks the job's processes (pid {self.proc.pid}) "
+                f"ended before forking them ({self._error()}); nothing was started"
+            )
         os.set_blocking(self.proc.stdout.fileno(), False)
         self.children = [Forked(int(pid), self) for pid in first[1:]]
         self._read(b"")  # exit lines that came with the pids
         return self.children
+
+    def _answer(self, interrupted) -> bytes:
+        """The zygote's first answer line (raw reads only: a buffered readline could swallow
+        exit lines sent right after it), waited for in short slices: a stopped or silent
+        zygote, or a signal to the launcher, ends the wait."""
+        fd, answer, deadline = self.proc.stdout.fileno(), b"", time.monotonic() + FORK_TIMEOUT
+        while b"\n" not in answer:
+            if interrupted is not None and interrupted():
+                self.proc.kill()
+                raise KeyboardInterrupt("stopped while the job's processes were starting")
+            if is_stopped(self.proc.pid) or time.monotonic() > deadline:
+                state = "is stopped (SIGSTOP)" if is_stopped(self.proc.pid) else "did not answer"
+                self.proc.kill()
+                raise RuntimeFailure(
+                    f"the preloaded interpreter that forks the job's processes (pid "
+                    f"{self.proc.pid}) {state}; nothing was started"
+                )
+            if not select.select([fd], [], [], 0.2)[0]:
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            answer += chunk
+        return answer
 
     def _error(self) -> str:
         self.errors.seek(0)
@@ -109,6 +142,7 @@ class Preloaded:
         except BlockingIOError:
             return True
         if not chunk:  # gone: its children died with it (PR_SET_PDEATHSIG)
+            self.gone = self.proc.wait() != 0
             for child in self.children:
                 self.codes.setdefault(child.pid, -signal.SIGKILL)
             self.proc.wait()

@@ -19,6 +19,8 @@ import argparse
 import json
 import logging
 import os
+import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -36,6 +38,7 @@ from netpart.models.spec import ModelSpec
 from netpart.partition.plans import PartitionPlan, load_plan, plan_files
 from netpart.partition.schedule import NO_SPLITS, SPLIT_MIN_FLOPS, plan_schedule
 from netpart.processes.launcher import Processes, join_group
+from netpart.processes.liveness import private_tmpdir
 from netpart.runtime.breakdown import thread_usage
 from netpart.runtime.result import StepResult, assemble, load_worker_result, save_worker_result
 from netpart.runtime.state import WorkerResult
@@ -128,13 +131,15 @@ def run_step(
     """One forward/backward step of `spec` partitioned by `plan`, in `plan.workers` processes
     on this machine, as `options` say; the workers' results assembled in reference terms."""
     plan_schedule(spec, plan)  # refuse a foreign or corrupted plan before any process starts
-    with tempfile.TemporaryDirectory(prefix="netpart-job-") as tmp:
-        job = Path(tmp)
+    job = Path(private_tmpdir("job"))  # named by this launcher: swept if it is killed
+    try:
         step_job(job, spec, plan, (inputs, targets), options)
         logs = [job / f"worker_{r}.log" for r in range(plan.workers)]
         with Processes("netpart.runtime.step", ["--job", str(job)], logs) as procs:
             _watch(procs, options.timeout)
         loaded = [load_worker_result(job / f"result_{r}.pt") for r in range(plan.workers)]
+    finally:
+        shutil.rmtree(job, ignore_errors=True)
     result = assemble(spec, [r for r, _, _ in loaded], inputs.shape[0], DTYPES[options.dtype])
     result.breakdowns = [p for _, p, _ in loaded]
     result.threads = [t for _, _, t in loaded]
@@ -223,33 +228,41 @@ def link_loop(transport, sizes, repeats: int) -> tuple[list[float], float]:
 
 
 def _watch(procs: Processes, timeout: float) -> None:
-    """Until every worker has ended: once one fails, the others get `timeout` to notice."""
+    """Until every worker has ended: once one fails, the others get `timeout` to notice (none
+    during start-up: the others wait in the rendezvous for it); a worker stopped for longer
+    than `timeout` fails the job."""
     first_failure: float | None = None
+    stopped: dict[int, float] = {}
     while procs.running():
         if procs.stopping.is_set():
             raise KeyboardInterrupt
-        codes = procs.codes()
+        now, codes = time.monotonic(), procs.codes()
         if first_failure is None and any(c not in (None, 0) for c in codes):
-            first_failure = time.monotonic()
-        if first_failure is not None and time.monotonic() - first_failure > timeout:
+            first_failure = now
+        if first_failure is not None and (now - first_failure > timeout or not procs.started()):
             break
+        for r in procs.stopped_ranks():
+            if now - stopped.setdefault(r, now) > timeout:
+                procs.kill(list(range(procs.world)))
+                raise WorkerFailure(f"worker {r} was stopped (SIGSTOP) for over {timeout:g} s")
+        stopped = {r: t for r, t in stopped.items() if r in procs.stopped_ranks()}
         time.sleep(0.05)
+    dead = procs.codes()  # before the kill: who died of itself
     procs.kill(list(range(procs.world)))
     failed = [(r, c) for r, c in enumerate(procs.codes()) if c not in (0, None)]
     if failed:
         # Causes first: survivors' errors only name the peer they lost.
         failed.sort(key=lambda rc: (rc[1] != -9 and PEER_LOST in procs.last_error(rc[0]), rc[0]))
-        raise WorkerFailure(
-            "; ".join(
-                f"worker {r} "
-                + (
-                    "was killed after the timeout"
-                    if code == -9
-                    else f"exited with code {code}: {procs.last_error(r)}"
-                )
-                for r, code in failed
-            )
-        )
+        raise WorkerFailure("; ".join(_failure(procs, r, c, dead[r]) for r, c in failed))
+
+
+def _failure(procs: Processes, rank: int, code: int, before: int | None) -> str:
+    """A failed worker in words: killed by us after the timeout, by a signal, or its error."""
+    if before is None:
+        return f"worker {rank} was killed after the timeout"
+    if code < 0:
+        return f"worker {rank} was killed by {signal.Signals(-code).name}"
+    return f"worker {rank} exited with code {code}: {procs.last_error(rank)}"
 
 
 def _worker(job: Path) -> int:

@@ -25,8 +25,13 @@ from netpart.ps.optimizer import OPTIMIZERS, Optimizer
 from netpart.train.placement import POLICIES
 
 MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: a longer wait is no longer a timeout
+MIN_TIMEOUT = 0.1  # s: shorter, a healthy peer's message is late
+MAX_SEED = 2**63 - 1  # seeds key Philox streams as unsigned 64-bit integers
 
-__all__ = ["DEFAULT_LR", "MODES", "SCHEMA_VERSION", "TrainConfig", "TrainError", "layout_key"]
+__all__ = [
+    "DEFAULT_LR", "MAX_SEED", "MAX_TIMEOUT", "MIN_TIMEOUT", "MODES", "SCHEMA_VERSION",
+    "TrainConfig", "TrainError", "layout_key",
+]  # fmt: skip
 
 SCHEMA_VERSION = 1
 MODES = ("downpour", "sync", "sandblaster")
@@ -126,8 +131,16 @@ class TrainConfig:
                              "has every L-BFGS evaluation's loss)")  # fmt: skip
         if self.mode == "sandblaster" and self.units > self.batch:
             raise TrainError(f"--units {self.units}: at most --batch {self.batch} units")
-        if not 0 < self.timeout <= MAX_TIMEOUT:
-            raise TrainError(f"--timeout {self.timeout}: must be > 0 and <= {MAX_TIMEOUT} seconds")
+        if not MIN_TIMEOUT <= self.timeout <= MAX_TIMEOUT:
+            raise TrainError(
+                f"--timeout {self.timeout}: give {MIN_TIMEOUT:g} to {MAX_TIMEOUT:g} seconds"
+            )
+        if (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not (0 <= self.seed <= MAX_SEED)
+        ):
+            raise TrainError(f"--seed {self.seed}: give an integer from 0 to {MAX_SEED}")
 
     @property
     def _local_defined(self) -> bool:

@@ -49,14 +49,8 @@ from netpart.train.rundir import (
     read_progress,
     write_run,
 )
-from netpart.train.supervise import (
-    Attempt,
-    exit_text,
-    lost_updates,
-    record_restart,
-    resume_hint,
-    supervise,
-)
+from netpart.train.supervise import Attempt, lost_updates, record_restart, supervise
+from netpart.train.watch import exit_text, resume_hint
 
 __all__ = ["TrainSummary", "train", "train_under_torchrun"]
 

@@ -45,18 +45,20 @@ __all__ = ["PS_TIMEOUT", "job_placement", "log_as", "play_role", "stop_on_signal
 log = logging.getLogger(__name__)
 
 PS_TIMEOUT = 24 * 3600.0  # parameter-server pairs idle for long; deaths are seen at once
+STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def stop_on_signals() -> threading.Event:
-    """An event set by SIGTERM or SIGINT (the process then finishes its step and exits)."""
+    """An event set by SIGTERM, SIGINT or SIGHUP (the process then finishes its step and
+    exits)."""
     stop = threading.Event()
 
     def handler(signum, frame):
         logging.getLogger("netpart.train").info("signal %d: stopping after this step", signum)
         stop.set()
 
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
+    for sig in STOPS:
+        signal.signal(sig, handler)
     return stop
 
 
@@ -143,12 +145,14 @@ def main() -> int:
     args = ap.parse_args()
     rank = int(os.environ["RANK"])
     log_as(f"rank {rank}")
-    stop = stop_on_signals()
+    for sig in STOPS:  # while starting, a stop ends the process at once: nothing to save yet
+        signal.signal(sig, signal.SIG_DFL)
     try:
         job = read_job(args.run, args.resume)
         torch.set_num_threads(job.config.threads)
         join_group(PS_TIMEOUT, store_timeout=max(60.0, job.config.timeout))
         placement = job_placement(job.config, job.plan.workers)
+        stop = stop_on_signals()  # from here a stop is graceful: the step ends, shards write
         log_as(f"{placement.name(rank)} (rank {rank})")
         play_role(job, rank, stop, placement)
     except Exception as exc:  # one line for the launcher, which reports the last error line

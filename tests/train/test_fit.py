@@ -40,3 +40,44 @@ def test_thousands_of_processes_are_refused_before_planning(tmp_path, capsys, mo
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "3,000 processes need at least" in err[0], err
     assert not out.exists()  # nothing written, nothing started
+
+
+@pytest.mark.timeout(180)
+def test_the_estimate_is_within_1_5x_of_a_real_job_s_peak(tmp_path):
+    """A job's processes measured from outside (their proportional set sizes, sampled while
+    it runs) against the estimate `netpart train` checks: neither above 1.5x the other
+    (benchmarks/memory_bench.py measures more models and batches)."""
+    import os
+    import subprocess
+    import sys
+    import threading
+    import time
+    import uuid
+
+    from netpart.processes.liveness import job_pss
+
+    marker = uuid.uuid4().hex
+    argv = [sys.executable, "-m", "netpart", "train", "--model", "tiny-local", "--workers", "2",
+            "--replicas", "2", "--ps-shards", "2", "--steps", "6", "--batch", "512",
+            "--out", str(tmp_path / "run")]  # fmt: skip
+    proc = subprocess.Popen(argv, env={**os.environ, "NETPART_FIT_TEST": marker},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    peak = [0]
+
+    def sample() -> None:
+        while proc.poll() is None:
+            peak[0] = max(peak[0], job_pss(f"NETPART_FIT_TEST={marker}".encode()))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=sample)
+    watcher.start()
+    try:
+        _, err = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        watcher.join()
+    assert proc.returncode == 0, err.decode()[-500:]
+    spec = load_spec("tiny-local")
+    est = fit.estimate(spec, plan(spec, 2), TrainConfig(replicas=2, shards=2, batch=512))
+    assert peak[0] / 1.5 <= est.total <= peak[0] * 1.5, (est.total, peak[0])

@@ -1,0 +1,99 @@
+"""Memory of a training job against the estimate `netpart train` checks before it starts.
+
+For each (model, batch) case, `netpart train` runs a few steps on this machine while the
+benchmark samples the memory of the job's processes (the children of its preloaded
+interpreter: their proportional set sizes, `netpart.processes.liveness.job_pss`) every
+20 ms; the peak of their sum is set against
+`netpart.train.fit.estimate` for the same job. The estimate must not be low by more than
+1.5x (a job it passes must fit), and is reported with its parts.
+
+    python benchmarks/memory_bench.py --out benchmarks/results/memory_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+CASES = [
+    ("digits-mlp", 32), ("digits-mlp", 2000), ("tiny-local", 32), ("tiny-local", 512),
+    ("tiny-local", 4000), ("bench-local", 32), ("bench-local", 256), ("bench-local", 1024),
+]  # fmt: skip
+WORKERS, REPLICAS, STEPS = 2, 2, 6
+
+
+def measure(model: str, batch: int) -> dict:
+    from netpart.processes.liveness import job_pss
+
+    marker = f"NETPART_MEMORY_BENCH={uuid.uuid4().hex}"
+    env = {**os.environ, marker.split("=")[0]: marker.split("=")[1]}
+    with tempfile.TemporaryDirectory() as tmp:
+        argv = [sys.executable, "-m", "netpart", "train", "--model", model, "--workers",
+                str(WORKERS), "--replicas", str(REPLICAS), "--ps-shards", str(WORKERS),
+                "--steps", str(STEPS), "--batch", str(batch), "--checkpoint-every", "1000",
+                "--out", str(Path(tmp) / "run")]  # fmt: skip
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        peak = [0]
+
+        def sample() -> None:
+            while proc.poll() is None:
+                peak[0] = max(peak[0], job_pss(marker.encode()))
+                time.sleep(0.02)
+
+        watcher = threading.Thread(target=sample)
+        watcher.start()
+        _, err = proc.communicate(timeout=1800)
+        watcher.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"{model} batch {batch} failed: {err.decode()[-500:]}")
+    return {"model": model, "batch": batch, "peak_bytes": peak[0], **_estimate(model, batch)}
+
+
+def _estimate(model: str, batch: int) -> dict:
+    from netpart.models import load_spec
+    from netpart.partition import plan
+    from netpart.train.config import TrainConfig
+    from netpart.train.fit import BASE_BYTES, estimate
+
+    spec = load_spec(model)
+    config = TrainConfig(replicas=REPLICAS, shards=WORKERS, batch=batch, steps=STEPS)
+    est = estimate(spec, plan(spec, WORKERS, seed=0, batch=batch), config)
+    workers = REPLICAS * WORKERS
+    return {"estimate_bytes": est.total, "workers_bytes": est.workers_bytes,
+            "shards_bytes": est.shards_bytes,
+            "worker_processes_estimate": workers * BASE_BYTES + est.workers_bytes}  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--quick", action="store_true", help="two small cases only")
+    args = ap.parse_args()
+    rows = []
+    print(f"{'case':<22} {'peak GiB':>9} {'estimate GiB':>13} {'estimate/peak':>14}")
+    for model, batch in CASES[:2] if args.quick else CASES:
+        r = measure(model, batch)
+        r["ratio"] = r["estimate_bytes"] / r["peak_bytes"]
+        rows.append(r)
+        print(f"{model + ' b' + str(batch):<22} {r['peak_bytes'] / 2**30:>9.2f} "
+              f"{r['estimate_bytes'] / 2**30:>13.2f} {r['ratio']:>14.2f}")  # fmt: skip
+    low = min(r["ratio"] for r in rows)
+    print(f"lowest estimate/peak: {low:.2f} (must be >= {1 / 1.5:.2f}: the estimate at most "
+          "1.5x low)")  # fmt: skip
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"workers": WORKERS, "replicas": REPLICAS,
+                                        "rows": rows}, indent=1))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

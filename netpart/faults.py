@@ -12,7 +12,9 @@ Grammar: comma-separated entries `ACTION:RANK[@N]`
     enospc:4@2     rank 4's checkpoint write number 2 fails with "No space left on device"
 
 What a point is depends on the role: a model worker of `run`/`check` reaches point 0 once it
-is built; a training worker reaches point t before step t (point 0 before the first); a
+is built; every training process reaches point -1 before it joins the job's group and -2
+once it has, before its first exchange (start-up); a
+training worker reaches point t before step t (point 0 before the first); a
 parameter-server shard reaches point n after its n-th update; a Sandblaster worker reaches a
 point before each work unit; a host following `netpart calibrate` under torchrun reaches
 point n before its n-th command from rank 0. `enospc` counts checkpoint writes instead (the

@@ -178,7 +178,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if not models:
         raise PlanError(f"--models {args.models!r}: name at least one zoo model to calibrate on")
     for m in models + extra + ((args.check_model,) if args.check_model else ()):
-        require_memory(load_spec(m), args.batch)  # refused before a minute of measuring
+        require_memory(load_spec(m), args.batch, "calibrating on")  # before minutes of work
     check_writable(args.out, "--out")
     if not 0 < args.share <= 1:
         raise PlanError(f"--share is a fraction of one core (0 < share <= 1), got {args.share}")

@@ -45,6 +45,7 @@ __all__ = [
     "join_group",
     "keep_freed_memory",
     "last_error",
+    "mark_started",
     "reaped",
     "torchrun_attempt",
     "wait_all",
@@ -107,6 +108,18 @@ class Processes:
             self.stopping.clear()
             self.stop()
         return self
+
+    def unjoined(self) -> list[int]:
+        """The ranks holding up the job's start: those that have not reached the rendezvous,
+        or, if every one has, those that have not come out of it."""
+        if self._tmp is None or self._started:
+            return []
+        store = Path(self._tmp) / "store"
+        for stage in ("arrived", "joined"):
+            missing = [k for k in range(self.world) if not Path(f"{store}.{stage}{k}").exists()]
+            if missing:
+                return missing
+        return []
 
     def started(self) -> bool:
         """Whether every process has joined the job's process group (until then a process
@@ -232,24 +245,30 @@ def last_error(path: Path) -> str:
     return (errors or lines or ["no output"])[-1].strip()
 
 
-def join_group(timeout: float, store_timeout: float | None = None) -> tuple[int, int]:
+def join_group(
+    timeout: float, store_timeout: float | None = None, *, started: bool = True
+) -> tuple[int, int]:
     """Join the job's default gloo process group; returns (rank, world).
 
     Started by `Processes`: through its file store. Started by torchrun (or any env://
     launcher): through MASTER_ADDR/MASTER_PORT. `timeout` bounds every collective and
     point-to-point operation of the group; `store_timeout` the rendezvous (default: timeout).
+    `started=False`: the process has more start-up exchanges to make and calls `mark_started`
+    after them (until then its launcher holds it to the start-up deadline).
     """
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     keep_freed_memory()
     pg_timeout = datetime.timedelta(seconds=timeout)
     path = os.environ.get(STORE_ENV)
     if path:
+        mark_joined(path, rank, "arrived")
         store = dist.FileStore(path, world)
         store.set_timeout(datetime.timedelta(seconds=store_timeout or timeout))
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world, timeout=pg_timeout
         )
-        mark_joined(path, rank)
+        if started:
+            mark_joined(path, rank)
     elif attempt := torchrun_attempt():
         # torchrun restarted the job: its agent's store still holds the first attempt's
         # addresses under the keys init_process_group uses (pytorch/pytorch#135712).
@@ -261,6 +280,13 @@ def join_group(timeout: float, store_timeout: float | None = None) -> tuple[int,
         dist.init_process_group("gloo", timeout=pg_timeout)
     yield_io_threads()
     return rank, world
+
+
+def mark_started() -> None:
+    """Tell the local launcher that this process has finished starting (see `join_group`)."""
+    path = os.environ.get(STORE_ENV)
+    if path:
+        mark_joined(path, int(os.environ["RANK"]))
 
 
 def torchrun_attempt() -> int:

@@ -82,9 +82,10 @@ def job_pss(marker: bytes) -> int:
     return sum(pss(pid) for pid, ppid in parents.items() if ppid in zygotes)
 
 
-def mark_joined(store: str, rank: int) -> None:
-    """Leave this process's joined-marker beside the job's file store `store`."""
-    Path(f"{store}.joined{rank}").touch()
+def mark_joined(store: str, rank: int, stage: str = "joined") -> None:
+    """Leave this process's marker of `stage` (arrived at the rendezvous, or joined the
+    group) beside the job's file store `store`."""
+    Path(f"{store}.{stage}{rank}").touch()
 
 
 def joined(store: str, world: int) -> int:

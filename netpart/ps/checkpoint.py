@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,8 @@ from netpart.partition.shards import ShardLayout, piece_index
 from netpart.ps.server import ShardState
 
 __all__ = [
-    "export_state_dict", "load_shard", "save_model", "save_shard", "shard_meta", "shard_path",
+    "export_state_dict", "keep_previous", "load_shard", "restore_previous", "save_model",
+    "save_shard", "shard_meta", "shard_path",
 ]  # fmt: skip
 
 
@@ -51,6 +53,32 @@ def save_shard(run: Path, shard: int, state: ShardState, meta: dict[str, Any]) -
     torch.save(payload, buf)
     write_atomic(shard_path(run, shard), buf.getvalue())
     write_atomic(run / f"shard_{shard}.json", json.dumps(meta, indent=1).encode())
+
+
+def keep_previous(run: Path, shard: int) -> None:
+    """Before a new checkpoint replaces shard `shard`'s: keep the current one (and its
+    sidecar) as `shard_<s>.prev.pt` (a hard link: no copy; the current stays in place until
+    the new one's rename)."""
+    for suffix in (".pt", ".json"):
+        current = run / f"shard_{shard}{suffix}"
+        if current.exists():
+            tmp = run / f".shard_{shard}.prev{suffix}.tmp"
+            tmp.unlink(missing_ok=True)
+            os.link(current, tmp)
+            os.replace(tmp, run / f"shard_{shard}.prev{suffix}")
+
+
+def restore_previous(run: Path, shard: int) -> bool:
+    """Put shard `shard`'s previous checkpoint back in place of the current one (whose state
+    may be a diverged one); False if there is none."""
+    previous = run / f"shard_{shard}.prev.pt"
+    if not previous.exists():
+        return False
+    for suffix in (".json", ".pt"):  # the .pt last: it is what a resume reads
+        kept = run / f"shard_{shard}.prev{suffix}"
+        if kept.exists():
+            os.replace(kept, run / f"shard_{shard}{suffix}")
+    return True
 
 
 def shard_meta(run: Path, shard: int) -> dict[str, Any]:

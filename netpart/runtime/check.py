@@ -73,13 +73,14 @@ def estimate_check_bytes(spec: ModelSpec, batch: int) -> int:
     return 8 * (2 * 2 * spec.num_params + 4 * batch * acts)
 
 
-def require_memory(spec: ModelSpec, batch: int) -> None:
-    """Raise PlanError when a float64 check of `spec` cannot fit in the available memory."""
+def require_memory(spec: ModelSpec, batch: int, doing: str = "checking") -> None:
+    """Raise PlanError when a float64 check of `spec` (or `doing` what needs as much)
+    cannot fit in the available memory."""
     need, have = estimate_check_bytes(spec, batch), available_memory()
     if need > have:
         raise PlanError(
-            f"checking {spec.name} needs about {need / 2**30:.1f} GiB in float64 but "
-            f"{have / 2**30:.1f} GiB are available; check a smaller model or batch"
+            f"{doing} {spec.name} needs about {need / 2**30:.1f} GiB but {have / 2**30:.1f} "
+            "GiB are available; choose a smaller model or batch"
         )
 
 

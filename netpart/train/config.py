@@ -26,6 +26,7 @@ from netpart.train.placement import POLICIES
 
 MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: a longer wait is no longer a timeout
 MIN_TIMEOUT = 0.1  # s: shorter, a healthy peer's message is late
+START_MIN_S = 10.0  # s the start-up deadline is at least (--timeout above it: that)
 MAX_SEED = 2**63 - 1  # seeds key Philox streams as unsigned 64-bit integers
 
 __all__ = [
@@ -103,6 +104,11 @@ class TrainConfig:
             if not getattr(self, name) >= 0:
                 flag = "--" + name.replace("_", "-")
                 raise TrainError(f"{flag} {getattr(self, name)}: must be >= 0")
+        self._check_modes()
+
+    def _check_modes(self) -> None:
+        """The checks of options that only some modes take, and of the job's surroundings
+        (loggers, data layout, timeout, seed)."""
         if self.mode == "sync" and (self.dc_lambda or self.push_norm):
             raise TrainError(
                 "--dc-lambda and --push-norm apply to --mode downpour (sync pushes every step, "
@@ -141,6 +147,12 @@ class TrainConfig:
             or not (0 <= self.seed <= MAX_SEED)
         ):
             raise TrainError(f"--seed {self.seed}: give an integer from 0 to {MAX_SEED}")
+
+    @property
+    def start_timeout(self) -> float:
+        """Seconds every process of a job has to start (join the group and learn its role;
+        healthy ones take about one): --timeout, at least START_MIN_S."""
+        return max(START_MIN_S, self.timeout)
 
     @property
     def _local_defined(self) -> bool:

@@ -28,10 +28,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from netpart import faults
+from netpart.errors import RuntimeFailure
 from netpart.files import write_atomic
 from netpart.partition.schedule import NO_SPLITS, SPLIT_MIN_FLOPS, plan_schedule
 from netpart.partition.shards import ShardLayout
-from netpart.processes.launcher import join_group, yield_io_threads
+from netpart.processes.launcher import join_group, mark_started, yield_io_threads
 from netpart.ps.server import ShardServer
 from netpart.train.config import TrainConfig
 from netpart.train.placement import COORDINATOR, WORKER, Placement, place
@@ -72,11 +74,26 @@ def log_as(who: str) -> None:
 def job_placement(config: TrainConfig, workers: int, node: str | None = None) -> Placement:
     """The placement of this job: the node id of every rank (torchrun's GROUP_RANK; 0 when
     spawned locally) is gathered over the default group as a number, then placed by
-    `config.placement`."""
+    `config.placement`.
+
+    The gather is the group's first exchange and waits at most twice the start-up deadline
+    (the default group's own timeout is a day, for the shards): a connection that is not the
+    job's can take a peer's place in gloo's rendezvous, and the job must not wait for ever.
+    """
     world = config.world(workers)
     mine = int(node if node is not None else os.environ.get("GROUP_RANK", "0"))
     nodes = torch.zeros(world, dtype=torch.int64)
-    dist.all_gather(list(nodes.unbind(0)), torch.tensor(mine, dtype=torch.int64))
+    gather = dist.all_gather(
+        list(nodes.unbind(0)), torch.tensor(mine, dtype=torch.int64), async_op=True
+    )
+    limit = 2 * config.start_timeout
+    try:
+        gather.wait(timeout=datetime.timedelta(seconds=limit))
+    except RuntimeError as exc:
+        raise RuntimeFailure(
+            f"the job's start-up exchange did not complete within {limit:g} s ({exc}): a "
+            "process is stuck or a connection that is not the job's reached its listeners"
+        ) from None
     hosts = [f"node{k}" for k in nodes.tolist()]
     return place(
         hosts, config.replicas, workers, config.shards, config.placement, config.coordinators
@@ -150,8 +167,12 @@ def main() -> int:
     try:
         job = read_job(args.run, args.resume)
         torch.set_num_threads(job.config.threads)
-        join_group(PS_TIMEOUT, store_timeout=max(60.0, job.config.timeout))
+        faults.point(rank, -1)
+        # the launcher holds start-up to its deadline until the placement is known
+        join_group(PS_TIMEOUT, started=False)
+        faults.point(rank, -2)
         placement = job_placement(job.config, job.plan.workers)
+        mark_started()
         stop = stop_on_signals()  # from here a stop is graceful: the step ends, shards write
         log_as(f"{placement.name(rank)} (rank {rank})")
         play_role(job, rank, stop, placement)

@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 
 FLUSH_S = 0.2  # seconds between appends of the metrics lines
 IN_FLIGHT = 2  # Downpour requests a worker keeps in flight (each holds a gradient buffer)
+LOSS_BLOWUP = 1e6  # a loss this many times the job's first (or 1) has diverged
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,7 @@ class _StepLoop:
         self.requests = Requests(client, self.model, self.grads, config.lr if local else None,
                                  first)  # fmt: skip
         self.metrics = _Metrics(job) if job.worker == 0 else None
+        self.first_loss = 0.0  # this job's first step's: a loss far above it has diverged
         self.held_out = None
         if replica == 0 and config.eval_every > 0:
             path = job.run / "eval.jsonl" if job.worker == 0 else None
@@ -174,11 +176,15 @@ class _StepLoop:
         result = self.model.step(x, y, self.transport, collect_grads=False, stop=stop,
                                  accuracy=job.worker == 0)  # fmt: skip
         t3 = clock()
-        if not math.isfinite(result.loss):  # never push it: it would poison every replica
-            with contextlib.suppress(Exception):  # the shards keep their last checkpoint
+        self.first_loss = self.first_loss or result.loss
+        blown = result.loss > LOSS_BLOWUP * max(self.first_loss, 1.0)
+        if not math.isfinite(result.loss) or blown:  # never push it: it would poison all
+            with contextlib.suppress(Exception):  # the shards keep a checkpoint from before
                 self.client.close(diverged_at=t)
+            first = f" (its first was {self.first_loss:.4g})" if blown else ""
             raise RuntimeFailure(
-                f"replica {job.replica}: the loss is {result.loss} at step {t}: training diverged"
+                f"replica {job.replica}: the loss is {result.loss:.4g} at step {t}{first}: "
+                "training diverged"
             )
         self.requests.stepped()
         pushed = self.sync or push_due(t, config.n_push, config.push_norm, self.grads.flat)

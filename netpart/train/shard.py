@@ -24,7 +24,7 @@ from netpart.files import write_atomic
 from netpart.models.reference import DTYPES
 from netpart.models.spec import ModelSpec
 from netpart.partition.shards import ShardLayout, piece_initial
-from netpart.ps.checkpoint import load_shard, save_shard
+from netpart.ps.checkpoint import keep_previous, load_shard, restore_previous, save_shard
 from netpart.ps.lbfgs import ShardVectors
 from netpart.ps.modes import Downpour, Mode, Sandblaster, Sync
 from netpart.ps.rules import DelayCompensation, UpdateRule, make_rule
@@ -119,7 +119,7 @@ class Checkpoints:
         self.every, self.snapshot_every = config.checkpoint_every, config.snapshot_every
         self.seen = server.state.updates
         self.writes = 0
-        self.kept = server.state.updates  # the updates the last checkpoint on disk holds
+        self.wrote = False  # whether this job wrote the current checkpoint
         self.froze = False
         self.error: str | None = None
         self._closing = threading.Event()
@@ -161,9 +161,11 @@ class Checkpoints:
         self.writes += 1
         try:
             faults.write_fails(self.rank, self.writes)
+            if where == self.run:
+                keep_previous(self.run, self.server.shard)
             save_shard(where, self.server.shard, state, meta)
             if where == self.run:
-                self.kept = state.updates
+                self.wrote = True
         except OSError as exc:  # disk full, read-only: this shard cannot go on
             self.error = write_reason(exc)
             self.server.fail(self.error)
@@ -179,10 +181,13 @@ class Checkpoints:
             return False
         if not self.froze:
             self.froze = True
+            # The newest checkpoint this job wrote may already hold a diverged state (the
+            # loss shows it only steps later): the one before it is put back.
+            if self.wrote:
+                restore_previous(self.run, server.shard)
             replica, step = server.diverged
-            note = {"replica": replica, "step": step, "shard": server.shard,
-                    "kept_updates": self.kept}  # fmt: skip
-            log.warning("training diverged (%s); the last checkpoint stays", note)
+            note = {"replica": replica, "step": step, "shard": server.shard}
+            log.warning("training diverged (%s); the checkpoint before it stays", note)
             write_atomic(self.run / f"diverged_{server.shard}.json", json.dumps(note).encode())
         return True
 

@@ -3,7 +3,9 @@ verdict once they have ended. `netpart.train.supervise` starts the processes and
 
 - **Start-up**: until every process has joined the job's process group the others wait in
   the rendezvous for the missing one, so a process that ends then (killed, crashed, or a
-  shard's stop) ends the job at once, in one line naming it.
+  shard's stop) ends the job at once, in one line naming it; and the job ends, naming them,
+  if processes have not finished starting (joined, and learnt the placement) by
+  `config.start_timeout`.
 - **A worker** that fails takes only its replica down (its mates get `timeout` to notice,
   then are killed) and training goes on; once every worker has ended, the shards are told to
   stop (they write their final checkpoints) instead of waiting for peers that are gone.
@@ -74,6 +76,9 @@ class Watch:
         self.n_workers = config.replicas * workers
         self.failed: tuple[int, int] | None = None  # (shard, code) that failed first
         self.startup: tuple[int, int] | None = None  # (rank, code) that ended while starting
+        self.unjoined: list[int] = []  # ranks still running that had not joined then
+        self.late: list[int] = []  # ranks that had not joined by the start-up deadline
+        self.first_poll = 0.0
         self.frozen: tuple[int, float] | None = None  # (rank, seconds) stopped too long
         self.user_stop = False
         self.lost_at: dict[int, float] = {}
@@ -118,25 +123,44 @@ class Watch:
         return procs.forced.is_set() or _stop_overdue(procs)  # leaving kills what is left
 
     def _starting(self, procs: Processes, codes: list) -> bool:
-        """A process that ended before every one had joined: the job cannot start."""
-        if procs.started() or self.startup is not None:
-            return self.startup is not None
+        """A process that ended before every one had joined, or one that has not joined by
+        the start-up deadline: the job cannot start."""
+        if procs.started() or self.startup is not None or self.late:
+            return self.startup is not None or bool(self.late)
+        now = time.monotonic()
+        self.first_poll = self.first_poll or now
         ended = [(k, c) for k, c in enumerate(codes) if c is not None]
+        if not ended and now - self.first_poll > self.config.start_timeout:
+            self.late = procs.unjoined()
+            procs.kill(list(range(len(codes))))
+            return True
         if not ended:
             return False
         self.startup = min(ended, key=lambda kc: (kc[1] == REPORTED_ERROR, kc[0]))
+        self.unjoined = [k for k in procs.unjoined() if codes[k] is None]
         procs.kill(list(range(len(codes))))
         return True
 
     def _frozen(self, procs: Processes, now: float) -> bool:
-        """A process stopped (SIGSTOP) for longer than `timeout`: the job cannot go on."""
+        """A process stopped (SIGSTOP) for longer than `timeout`: a worker is killed (its
+        replica is lost, training goes on); for a shard or the coordinator the job cannot go
+        on (True)."""
         stopped = set(procs.stopped_ranks())
         self.stopped_since = {k: self.stopped_since.get(k, now) for k in stopped}
-        for k, since in self.stopped_since.items():
-            if now - since > self.config.timeout:
-                self.frozen = (k, now - since)
-                procs.kill(list(range(procs.world)))
-                return True
+        for k, since in list(self.stopped_since.items()):
+            if now - since <= self.config.timeout:
+                continue
+            if k < self.n_workers:
+                r = k // self.workers
+                why = f"{self.name(k)} was stopped (SIGSTOP) past --timeout"
+                self.summary.lost.setdefault(r, why)
+                self.lost_at.setdefault(r, now)
+                procs.kill([k])
+                del self.stopped_since[k]
+                continue
+            self.frozen = (k, now - since)
+            procs.kill(list(range(procs.world)))
+            return True
         return False
 
     def _note_lost(self, procs: Processes, codes: list, ready: set[int], now: float) -> None:
@@ -172,9 +196,20 @@ class Watch:
         if self.startup is not None:
             k, code = self.startup
             why = f": {procs.last_error(k)}" if code == REPORTED_ERROR else ""
+            missing = [r for r in self.unjoined if r != k]
+            if missing and code == REPORTED_ERROR:  # it gave up waiting for them
+                why += f" ({', '.join(self.name(r) for r in missing)} never joined)"
             raise WorkerFailure(f"{self.name(k)} {exit_text(code)} while the job was starting"
                                 f"{why}; nothing was trained in this attempt; "
                                 f"{resume_hint(run, config)}")  # fmt: skip
+        if self.late:
+            who = ", ".join(self.name(k) for k in self.late) + " had not"
+            if len(self.late) == len(procs.procs) > 1:
+                who = f"none of the job's {len(self.late)} processes had"
+            hint = resume_hint(run, config)
+            raise WorkerFailure(f"{who} finished starting {config.start_timeout:g} s after "
+                                "the job started (stopped, or stuck in a start-up exchange); "
+                                f"nothing was trained in this attempt; {hint}")  # fmt: skip
         if self.frozen is not None:
             k, seconds = self.frozen
             raise WorkerFailure(f"{self.name(k)} was stopped (SIGSTOP) for {seconds:.0f} s, "

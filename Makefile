@@ -29,14 +29,11 @@ test: $(BIN)/netpart
 	$(BIN)/ruff format --check netpart tests benchmarks experiments
 	$(BIN)/python -m pytest
 
-# Regenerates every CSV/JSON/PNG in experiments/results (about 30 minutes here; the scaling
-# slice timings are cached in experiments/results/traces, FRESH=--fresh measures them again;
-# validate_sim needs root for its emulated machines and writes the profile the calibrated
-# Figure 3 uses).
+# Regenerates every CSV/JSON/PNG in experiments/results (validate_sim needs root for its
+# emulated machines; Figure 3 is drawn for experiments/machines/paper-2012.toml).
 experiments: $(BIN)/netpart
-	$(BIN)/python experiments/scaling.py $(FRESH)
+	$(BIN)/python experiments/scaling.py
 	$(BIN)/python experiments/validate_sim.py
-	$(BIN)/python experiments/scaling.py --profile experiments/results/emulated_profile.json
 	$(BIN)/python experiments/convergence.py
 	$(BIN)/python experiments/ddp_baseline.py
 

@@ -1,241 +1,207 @@
-"""Figure 3 of the paper: speedup of one training step against the number of model workers.
+"""Figure 3 of the paper: speedup of one training step against the number of model workers,
+predicted for a machine described by its figures (`experiments/machines/*.toml`).
 
-For each model and N, plan with METIS (and baselines for contrast), execute every worker's
-slice of every layer alone on one thread to measure its compute time (`netpart.calibrate.trace`),
-and put the measurements on the plan's lockstep critical path with the halo bytes over a
-network model (`netpart.partition.simulate`). Speedup = simulated step at N=1 / at N.
+For each model and worker count, plan (auto, seed 0) and predict the step on the machine;
+speedup = predicted step at 1 worker / at N. The band re-predicts the same plans on the machine
+with its compute rate x/÷ 2. Nothing is measured on this host: the same machine file draws the
+same curves anywhere, any day.
 
-    python experiments/scaling.py                      # all models, ~10 min here
-    python experiments/scaling.py --models speech,image-80m --workers 1,2,4,8
+    python experiments/scaling.py                      # paper-2012, all models, ~3 min here
+    python experiments/scaling.py --machine experiments/machines/this-host.toml
+    python experiments/scaling.py --fit speech@8=2.2 --machine BASE.toml --write-machine OUT.toml
 
-Slice timings are cached in experiments/results/traces/ (one .npz per model, method, N,
-batch, holding a digest of the plan it timed: a plan that has changed since is timed again);
---fresh measures again. Writes experiments/results/scaling.csv, scaling.json,
-scaling.png and scaling.md.
+`--fit MODEL@N=S` finds the compute rate (every kind scaled alike) at which MODEL's predicted
+speedup at N workers is S, writes the machine with it, and draws with it. Writes
+results/figure3.json, figure3.csv, figure3.png and figure3.md (the paper against netpart).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
+import math
+import re
 import sys
-import time
-from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
-from tqdm import tqdm
-
-from netpart.calibrate.trace import SliceTimes, measure_slices
 from netpart.files import write_atomic
 from netpart.models import load_spec
 from netpart.partition import plan
-from netpart.partition.cost import NetworkModel
 from netpart.partition.figures import reevaluate
-from netpart.partition.schedule import plan_schedule
-from netpart.partition.simulate import simulate_step
+from netpart.partition.machine import Machine, machine_toml, read_machine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # experiments._common
 from experiments._common import save_figure, write_csv
 
-RESULTS = Path(__file__).resolve().parent / "results"
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+PAPER_MACHINE = HERE / "machines" / "paper-2012.toml"
 MODELS = ("speech", "image-80m", "image-330m", "image-1.7b")
 WORKERS = (1, 2, 4, 8, 16, 32, 64, 81, 128)
-CONTRAST = {"speech": ("stripe",), "image-80m": ("tiles", "stripe")}
-NETWORKS = {
-    "1 Gbit/s": NetworkModel(bandwidth_bps=1e9, latency_s=50e-6),
-    "10 Gbit/s": NetworkModel(bandwidth_bps=10e9, latency_s=20e-6),
-    "1 Gbit/s, 8-core workers": NetworkModel(bandwidth_bps=1e9, latency_s=50e-6),
-}
-# Scenario: machines like the paper's, each worker 8x faster than one measured core (ideal
-# multi-threading: an assumption, not a measurement).
-COMPUTE_SCALE = {"1 Gbit/s, 8-core workers": 1 / 8}
-PAPER = {"speech": (8, 2.2, "speech: 2.2x at 8 machines"),
-         "image-1.7b": (81, 12.0, "1.7B image model: >12x at 81")}  # fmt: skip
+BAND = 2.0  # the band: the compute rate x/÷ this
+# The paper's numbers for Figure 3, as its text states them (section 5); the figure's other
+# points are drawn, not printed.
+PAPER = (
+    {"model": "speech", "workers": 8, "speedup": 2.2, "claim": "2.2x at 8 machines (its peak)"},
+    {"model": "image-1.7b", "workers": 81, "speedup": 12.0, "claim": "more than 12x at 81"},
+)
 
 
-def plan_digest(p) -> str:
-    """What the slice timings depend on: the node map and the graph it indexes."""
-    h = hashlib.sha256(p.node_map.astype(np.int64).tobytes())
-    h.update(json.dumps(p.granularity.to_dict(), sort_keys=True).encode())
-    return h.hexdigest()
-
-
-def traced(spec, method: str, workers: int, batch: int, cache: Path, fresh: bool, bar):
-    """(plan, slice times), the times from the cache unless `fresh` or the plan changed."""
-    p = plan(spec, workers, method, seed=0, batch=batch)
-    path = cache / f"{spec.name}_{method}_{workers}_b{batch}.npz"
-    digest = plan_digest(p)
-    if path.exists() and not fresh:
-        with np.load(path) as f:
-            if "plan_digest" in f and str(f["plan_digest"]) == digest:
-                return p, SliceTimes.from_arrays(f)
-
-    def progress(done: int, total: int) -> None:
-        if done % max(1, total // 10) == 0:
-            bar.set_postfix_str(f"{spec.name} {method} N={workers}: slice {done}/{total}")
-
-    times = measure_slices(spec, p, batch, on_slice=progress)
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.npz")
-    np.savez(tmp, **times.to_arrays(), plan_digest=np.array(digest))
-    tmp.replace(path)
-    return p, times
-
-
-def calibrated(profile: NetworkModel, net_name: str, net: NetworkModel) -> NetworkModel:
-    """The profile's machines (slice tables, fixed costs) on the scenario's links (the
-    measured link, collective and crowd tables dropped: the emulated machines' shared host is
-    not the cluster's), every worker on a machine of its own (halo hidden behind interior
-    compute)."""
-    scenario = replace(profile, bandwidth_bps=net.bandwidth_bps, latency_s=net.latency_s,
-                       link={}, gather=(), crowd=(), overlap=True)  # fmt: skip
-    return scenario.faster(1 / COMPUTE_SCALE.get(net_name, 1.0))  # as `--net speed=`
-
-
-def modelled(spec, method: str, n: int, batch: int, profile: NetworkModel) -> list[dict]:
-    """The rows of one plan predicted by the calibrated step-time model (no slice timings)."""
-    p = plan(spec, n, method, seed=0, batch=batch)
+def curves(machine: Machine, models, counts, batch: int = 32, band: float = BAND) -> list[dict]:
+    """One row per model and worker count: the predicted step on `machine`, its speedup over
+    1 worker, and the speedups with the compute rate x/÷ `band` (the same plans)."""
+    nets = {"": machine.to_network(), "slow": machine.faster(1 / band).to_network(),
+            "fast": machine.faster(band).to_network()}  # fmt: skip
     rows = []
-    for net_name, net in NETWORKS.items():
-        m = reevaluate(spec, p, batch, calibrated(profile, net_name, net)).metrics
-        rows.append({
-            "model": spec.name, "method": method, "workers": n, "network": net_name,
-            "step_s": m.predicted_step_s, "compute_s": m.compute_s,
-            "exchange_s": m.exchange_s, "halo_mb": 2 * m.volume * batch * 4 / 1e6,
-            "imbalance": m.max_layer_imbalance, "seconds": 0.0,
-        })  # fmt: skip
+    for model in models:
+        spec = load_spec(model)
+        one: dict[str, float] = {}
+        for n in sorted(counts):
+            p = plan(spec, n, seed=0, batch=batch, network=nets[""])
+            steps = {k: reevaluate(spec, p, batch, net).metrics.predicted_step_s
+                     for k, net in nets.items()}  # fmt: skip
+            if n == 1:
+                one = steps
+            rows.append({
+                "model": model, "workers": n, "method": p.method, "step_s": steps[""],
+                "speedup": one[""] / steps[""],
+                "band_low": min(one[k] / steps[k] for k in nets),
+                "band_high": max(one[k] / steps[k] for k in nets),
+                "halo_mb": 2 * p.metrics.volume * batch * 4 / 1e6,
+            })  # fmt: skip
     return rows
 
 
-def run(models, workers, batch: int, out: Path, fresh: bool, profile=None) -> list[dict]:
-    jobs = [(m, meth, n) for m in models for meth in ("metis", *CONTRAST.get(m, ()))
-            for n in workers]  # fmt: skip
-    rows = []
-    with tqdm(jobs, desc="scaling", unit="plan") as bar:
-        for model, method, n in bar:
-            spec = load_spec(model)
-            if profile is not None:
-                rows += modelled(spec, method, n, batch, profile)
-                continue
-            t0 = time.perf_counter()
-            p, times = traced(spec, method, n, batch, out / "traces", fresh, bar)
-            _, schedule = plan_schedule(spec, p, validate=False)
-            traffic = schedule.traffic()
-            for net_name, net in NETWORKS.items():
-                scale = COMPUTE_SCALE.get(net_name, 1.0)
-                fwd, bwd = times.forward * scale, times.backward * scale
-                sim = simulate_step(fwd, bwd, traffic, batch, net)
-                rows.append({
-                    "model": model, "method": method, "workers": n, "network": net_name,
-                    "step_s": sim.step_s, "compute_s": sim.compute_s,
-                    "exchange_s": sim.exchange_s + sim.loss_s,
-                    "halo_mb": 2 * float(traffic.sum()) * batch * 4 / 1e6,
-                    "imbalance": float(_imbalance(times)), "seconds": time.perf_counter() - t0,
-                })  # fmt: skip
-    base = {(r["model"], r["method"], r["network"]): r["step_s"] for r in rows if r["workers"] == 1}
-    for r in rows:
-        one = base.get((r["model"], "metis", r["network"]))
-        r["speedup"] = one / r["step_s"] if one else float("nan")
-    return rows
+def speedup_at(machine: Machine, model: str, n: int, batch: int) -> float:
+    spec = load_spec(model)
+    net = machine.to_network()
+    one = plan(spec, 1, seed=0, batch=batch, network=net).metrics.predicted_step_s
+    return one / plan(spec, n, seed=0, batch=batch, network=net).metrics.predicted_step_s
 
 
-def _imbalance(times: SliceTimes) -> float:
-    """Measured: sum over layers of the slowest slice over sum of the mean slice."""
-    t = times.forward + times.backward
-    return t.max(axis=1).sum() / max(t.mean(axis=1).sum(), 1e-12)
+def fit_rate(machine: Machine, model: str, n: int, target: float, batch: int) -> Machine:
+    """`machine` with the compute rate (every kind alike) at which `model`'s speedup at `n`
+    workers is `target`: bisection on the rate's logarithm (a faster machine computes less
+    per byte it sends, so its speedup is lower)."""
+    lo, hi = math.log(1 / 256), math.log(256)
+    if not speedup_at(machine.faster(math.exp(hi)), model, n, batch) <= target:
+        raise SystemExit(f"--fit: {model} is faster than {target}x at {n} on any rate tried")
+    if not speedup_at(machine.faster(math.exp(lo)), model, n, batch) >= target:
+        raise SystemExit(f"--fit: {model} cannot reach {target}x at {n} on this machine")
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if speedup_at(machine.faster(math.exp(mid)), model, n, batch) > target:
+            lo = mid
+        else:
+            hi = mid
+    return machine.faster(math.exp((lo + hi) / 2))
 
 
-def plot(rows: list[dict], path: Path, how: str) -> None:
+def table(rows: list[dict]) -> str:
+    """The paper's stated points against netpart's, and each model's peak."""
+    at = {(r["model"], r["workers"]): r for r in rows}
+    lines = ["| model | paper | netpart at that count | band (rate x/÷ 2) |", "|---|---|---|---|"]
+    for p in PAPER:
+        r = at.get((p["model"], p["workers"]))
+        if r is not None:
+            lines.append(f"| {p['model']} | {p['claim']} | {r['speedup']:.2f}x | "
+                         f"{r['band_low']:.2f}-{r['band_high']:.2f}x |")  # fmt: skip
+    lines += ["", "| model | " + " | ".join(str(n) for n in _counts(rows)) + " | peak |",
+              "|---|" + "---|" * (len(_counts(rows)) + 1)]  # fmt: skip
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        best = max(mine, key=lambda r: r["speedup"])
+        cells = " | ".join(f"{r['speedup']:.2f}" for r in mine)
+        lines.append(f"| {model} | {cells} | {best['speedup']:.2f}x at {best['workers']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _counts(rows: list[dict]) -> list[int]:
+    return sorted({r["workers"] for r in rows})
+
+
+def plot(rows: list[dict], machine: Machine, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    nets = list(NETWORKS)
-    fig, axes = plt.subplots(1, len(nets), figsize=(5.5 * len(nets), 4.6), sharey=True)
-    colors = {}
-    for ax, net in zip(axes, nets, strict=True):
-        for (model, method), pts in _curves(rows, net).items():
-            ns, sp = zip(*pts, strict=True)
-            style = "-o" if method == "metis" else ":"
-            label = model if method == "metis" else f"{model} ({method})"
-            kw = {"color": colors[model]} if model in colors else {}
-            (ln,) = ax.plot(ns, sp, style, markersize=3, label=label, **kw)
-            colors.setdefault(model, ln.get_color())
-        for model, (n, s, text) in PAPER.items():
-            if model in colors:
-                ax.plot([n], [s], marker="*", markersize=14, color=colors[model],
-                        markeredgecolor="black", linestyle="none")  # fmt: skip
-                ax.annotate(text, (n, s), textcoords="offset points", xytext=(-60, 8),
-                            fontsize=8)  # fmt: skip
-        ax.set(xscale="log", yscale="log", xlabel="model workers (machines)", title=net)
-        ax.set_xticks(WORKERS, [str(n) for n in WORKERS])
-        ax.grid(alpha=0.3, which="both")
-    axes[0].set_ylabel("speedup of one step over 1 worker")
-    axes[-1].legend(fontsize=8)
-    fig.suptitle(f"Speedup of one step, {how} (stars: the paper's Figure 3)")
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        ns = [r["workers"] for r in mine]
+        (line,) = ax.plot(ns, [r["speedup"] for r in mine], "-o", markersize=3, label=model)
+        ax.fill_between(ns, [r["band_low"] for r in mine], [r["band_high"] for r in mine],
+                        color=line.get_color(), alpha=0.15, linewidth=0)  # fmt: skip
+        for p in PAPER:
+            if p["model"] == model:
+                ax.plot(
+                    [p["workers"]],
+                    [p["speedup"]],
+                    marker="*",
+                    markersize=15,
+                    color=line.get_color(),
+                    markeredgecolor="black",
+                    linestyle="none",
+                )
+                ax.annotate(
+                    f"paper: {p['claim']}",
+                    (p["workers"], p["speedup"]),
+                    textcoords="offset points",
+                    xytext=(-150, 10),
+                    fontsize=8,
+                )
+    ax.set(xscale="log", yscale="log", xlabel="machines per model instance (model workers)",
+           ylabel="speedup of one step over 1 machine")  # fmt: skip
+    ax.set_xticks(_counts(rows), [str(n) for n in _counts(rows)])
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, loc="upper left")
+    ax.set_title(f"Figure 3 on {machine.name} (band: compute rate x/÷ {BAND:g}; stars: paper)",
+                 fontsize=10)  # fmt: skip
     fig.tight_layout()
     save_figure(fig, path)
 
 
-def _curves(rows, net):
-    out: dict[tuple[str, str], list] = {}
-    for r in rows:
-        if r["network"] == net:
-            out.setdefault((r["model"], r["method"]), []).append((r["workers"], r["speedup"]))
-    return {k: sorted(v) for k, v in out.items()}
-
-
-def summary(rows: list[dict]) -> dict:
-    """Per model and network (metis): where the speedup peaks, and its value there."""
-    out = {}
-    for net in NETWORKS:
-        for (model, method), pts in _curves(rows, net).items():
-            if method != "metis":
-                continue
-            n, s = max(pts, key=lambda p: p[1])
-            out.setdefault(model, {})[net] = {
-                "peak_workers": n, "peak_speedup": s, "curve": dict(pts),
-            }  # fmt: skip
-    return out
+def parse_fit(text: str) -> tuple[str, int, float]:
+    m = re.fullmatch(r"([\w.-]+)@(\d+)=([0-9.]+)", text.strip())
+    if not m:
+        raise SystemExit(f"--fit {text!r}: give MODEL@WORKERS=SPEEDUP, e.g. speech@8=2.2")
+    return m.group(1), int(m.group(2)), float(m.group(3))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--machine", type=Path, default=PAPER_MACHINE)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--workers", default=",".join(map(str, WORKERS)))
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--fit", default=None, metavar="MODEL@N=S")
+    ap.add_argument("--write-machine", type=Path, default=None,
+                    help="--fit: write the fitted machine here")  # fmt: skip
     ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--fresh", action="store_true", help="measure slices again")
-    ap.add_argument("--profile", type=Path, default=None,
-                    help="predict with this calibrated profile's model (e.g. results/"
-                    "emulated_profile.json from validate_sim.py) instead of simulating "
-                    "measured slice times; writes scaling_calibrated.*")  # fmt: skip
     args = ap.parse_args(argv)
+    machine = read_machine(args.machine)
+    if args.fit:
+        model, n, target = parse_fit(args.fit)
+        machine = fit_rate(machine, model, n, target, args.batch)
+        if args.write_machine is not None:  # drawn as the file states it (6 figures)
+            write_atomic(args.write_machine, machine_toml(machine).encode())
+            machine = read_machine(args.write_machine)
+            print(f"wrote {args.write_machine}")
+        print(f"fitted: {machine.flops_per_s / 1e9:.4g} GFLOP/s per worker puts {model} at "
+              f"{speedup_at(machine, model, n, args.batch):.3f}x on {n}")  # fmt: skip
     models = [m.strip() for m in args.models.split(",") if m.strip()]
-    workers = [int(n) for n in args.workers.split(",")]
+    counts = [int(n) for n in args.workers.split(",")]
+    rows = curves(machine, models, counts, args.batch)
     args.out.mkdir(parents=True, exist_ok=True)
-    profile = None
-    if args.profile is not None:
-        profile = NetworkModel.from_profile(args.profile.read_text(), args.profile.name)
-    rows = run(models, workers, args.batch, args.out, args.fresh, profile)
-    name = "scaling" if profile is None else "scaling_calibrated"
-    write_csv(args.out / f"{name}.csv", rows)
-    result = {"batch": args.batch, "networks": {k: v.to_dict() for k, v in NETWORKS.items()},
-              "profile": None if profile is None else profile.to_dict(),
-              "peaks": summary(rows), "rows": rows}  # fmt: skip
-    write_atomic(args.out / f"{name}.json", json.dumps(result, indent=1).encode())
-    how = "simulated from measured slice times"
-    if profile is not None:
-        how = f"predicted by the model calibrated on emulated machines ({args.profile.name})"
-    plot(rows, args.out / f"{name}.png", how)
-    for model, nets in result["peaks"].items():
-        for net, peak in nets.items():
-            print(f"{model:<11} {net:<9} peak {peak['peak_speedup']:6.2f}x at "
-                  f"{peak['peak_workers']} workers")  # fmt: skip
-    print(f"wrote {args.out}/{name}.csv, {name}.json, {name}.png")
+    write_csv(args.out / "figure3.csv", rows)
+    result = {"machine": machine.to_dict(), "batch": args.batch, "paper": list(PAPER),
+              "rows": rows}  # fmt: skip
+    write_atomic(args.out / "figure3.json", json.dumps(result, indent=1).encode())
+    write_atomic(args.out / "figure3.md", table(rows).encode())
+    plot(rows, machine, args.out / "figure3.png")
+    print(table(rows))
+    print(f"wrote {args.out}/figure3.csv, figure3.json, figure3.md, figure3.png")
     return 0
 
 

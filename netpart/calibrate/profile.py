@@ -7,6 +7,7 @@ it ran, the predictions set against measured steps, and the verdict on all of it
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 
@@ -14,8 +15,9 @@ import torch
 
 from netpart.calibrate.measure import PROBE_SWING, SCHEMA_VERSION
 from netpart.partition.cost import NetworkModel
+from netpart.partition.machine import Machine
 
-__all__ = ["check_lines", "profile_json", "profile_lines"]
+__all__ = ["check_lines", "host_machine", "profile_json", "profile_lines"]
 
 
 def profile_lines(model: NetworkModel, details: dict) -> list[str]:
@@ -59,8 +61,22 @@ def profile_lines(model: NetworkModel, details: dict) -> list[str]:
     return out
 
 
+def host_machine(model: NetworkModel) -> Machine:
+    """This host as `model` measured it: a machine description (absolute figures) named
+    after the host, stating when and with which torch."""
+    when = time.strftime("%Y-%m-%d %H:%M %Z")
+    about = (f"{platform.node()} as `netpart calibrate` measured it on {when} (torch "
+             f"{torch.__version__}): one worker on one thread; the link between two "
+             "processes of this host")  # fmt: skip
+    return Machine.from_network(
+        model, name=platform.node() or "this-host", about=about,
+        memory_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+    )  # fmt: skip
+
+
 def profile_json(model: NetworkModel, details: dict) -> str:
-    """The profile file: the model (what `--profile` reads) and what it was fitted to."""
+    """The profile file: the model (what `--profile` reads), the machine description it
+    makes (what `--machine` reads), and what it was fitted to."""
     return json.dumps(
         {
             "schema_version": SCHEMA_VERSION,
@@ -68,6 +84,7 @@ def profile_json(model: NetworkModel, details: dict) -> str:
             "torch": torch.__version__,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "model": model.to_dict(),
+            "machine": host_machine(model).to_dict(),
             "measurements": details,
         },
         indent=1,

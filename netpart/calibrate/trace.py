@@ -1,7 +1,8 @@
 """Compute traces: the time of every worker's slice of every layer, measured by executing it.
 
-For the scaling simulation (`netpart.partition.simulate`): a plan for N workers cannot be run
-as N busy processes on a small machine, but each worker's slice of each layer can be built
+For calibration (`netpart.calibrate.measure`: the slice tables) and the emulated machines'
+validation: a plan for N workers cannot be run as N busy processes on a small machine, but
+each worker's slice of each layer can be built
 and run alone, one at a time, on one thread, exactly as the worker would run it (same slice
 classes, full-size input buffer, backward through the input for every layer but the first).
 Weights are a constant (building reference initialisations of a 1.7B-parameter model would

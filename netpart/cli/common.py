@@ -187,13 +187,29 @@ def add_profile_arg(parser: argparse.ArgumentParser) -> None:
         help="predict with this machine profile (written by `netpart calibrate`) (default: the "
         "built-in network model, see --net)",
     )
+    parser.add_argument(
+        "--machine",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="predict for the machine this file describes (a machine description, .toml: "
+        "experiments/machines/ has some; `netpart calibrate` writes one beside its profile) "
+        "(default: none)",
+    )
 
 
-def load_network(profile: Path | None, net: str = ""):
-    """The NetworkModel of --profile FILE (checked, one-line errors) with --net's figures
-    over it (the cluster's links, this machine's compute), or of --net alone."""
+def load_network(profile: Path | None, net: str = "", machine: Path | None = None):
+    """The NetworkModel of --profile FILE or --machine FILE (checked, one-line errors) with
+    --net's figures over it (the cluster's links, this machine's compute), or of --net alone."""
     from netpart.partition import NetworkModel
 
+    if machine is not None:
+        from netpart.partition.machine import read_machine
+
+        if profile is not None:
+            raise PlanError("give --profile or --machine, not both (a profile holds a machine)")
+        model = read_machine(machine).to_network(str(machine))
+        return NetworkModel.parse(net, base=model) if net else model
     if profile is None:
         return NetworkModel.parse(net) if net else NetworkModel()
     try:

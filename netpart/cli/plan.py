@@ -15,6 +15,7 @@ from netpart.cli.common import (
     positive_int,
     seed_int,
 )
+from netpart.cli.machines import machines_options, plan_cluster, sweep
 from netpart.errors import PlanError
 from netpart.processes.memory import available_memory
 
@@ -92,7 +93,7 @@ def _plan_parser(sub) -> None:
     p.add_argument(
         "--workers", type=positive_int, default=None, help="number of model workers (or --sweep)"
     )
-    _sweep_options(p)
+    machines_options(p)
     p.add_argument(
         "--method",
         default="auto",
@@ -131,20 +132,6 @@ def _plan_parser(sub) -> None:
     )
     p.add_argument("--no-figures", action="store_true", help="with --out: skip the PNG figures")
     p.set_defaults(func=cmd_plan)
-
-
-def _sweep_options(p: argparse.ArgumentParser) -> None:
-    """--sweep and the gain its knee is read at."""
-    p.add_argument(
-        "--sweep",
-        default=None,
-        metavar="COUNTS",
-        help="instead of --workers: plan at every worker count of COUNTS ('1,2,4,8' or "
-        "'1-128', powers of two) and print the predicted step and speedup at each, the knee "
-        "(the last count whose doubling still made the step --gain times faster) and the "
-        "fastest count; with --out also sweep.json and sweep.png",
-    )
-    p.add_argument("--gain", type=float, default=1.25, help="--sweep: the gain a doubling must buy")
 
 
 def _network_options(p: argparse.ArgumentParser) -> None:
@@ -222,11 +209,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from netpart.partition.shards import ShardLayout
 
     spec = load_spec(args.model)
-    network = load_network(args.profile, args.net)
-    if (args.workers is None) == (args.sweep is None):
-        raise PlanError("give --workers N, or --sweep COUNTS to plan at several counts")
+    network = load_network(args.profile, args.net, args.machine)
+    if [args.workers, args.sweep, args.machines].count(None) != 2:
+        raise PlanError(
+            "give one of --workers N, --sweep COUNTS (several counts) or --machines M (how "
+            "to spend M machines)"
+        )
     if args.sweep is not None:
-        return _sweep(spec, args, network)
+        return sweep(spec, args, network)
+    if args.machines is not None:
+        return plan_cluster(spec, args, network)
     options = _metis_choices(args)
     _check_out(args.out)
     granularity = Granularity.for_workers(args.workers, args.blocks_per_worker)
@@ -288,74 +280,6 @@ def _show(main_plan, shards, comparison: list) -> None:
     if comparison:
         echo()
         echo(compare_table(comparison))
-
-
-def _within_model(spec, counts: list[int], blocks_per_worker: int) -> list[int]:
-    """The counts the model can spread over (each worker owning part of its widest layer);
-    the rest are dropped with a note, PlanError if none is left."""
-    from netpart.partition import Granularity
-    from netpart.partition.graph import graph_size
-
-    def widest(n: int):
-        return graph_size(spec, Granularity.for_workers(n, blocks_per_worker))
-
-    kept = [n for n in counts if n <= widest(n).widest]
-    if not kept:
-        raise PlanError(f"--sweep: {spec.name} cannot spread over {counts[0]} workers or more")
-    if len(kept) < len(counts):
-        size = widest(counts[len(kept)])
-        echo(f"counts above {kept[-1]} skipped: {spec.name}'s widest layer, "
-             f"{size.widest_layer}, has at most {size.widest} blocks")  # fmt: skip
-    return kept
-
-
-def _sweep(spec, args: argparse.Namespace, network) -> int:
-    """`plan --sweep`: one plan per worker count, its predicted step, the knee."""
-    import json
-
-    from tqdm import tqdm
-
-    from netpart.files import foreign_entries, write_files
-    from netpart.partition import Granularity, plan
-    from netpart.partition.pictures import sweep_png
-    from netpart.partition.report import sweep_table
-    from netpart.partition.sweep import SweepResult, knee, parse_counts
-
-    try:
-        counts = parse_counts(args.sweep)
-    except ValueError as exc:
-        raise PlanError(f"--sweep {exc}") from None
-    if not args.gain > 1:
-        raise PlanError(f"--gain {args.gain}: must be > 1 (a doubling that buys nothing)")
-    if args.out is not None and (found := foreign_entries(args.out, "sweep.json")):
-        raise PlanError(f"--out {args.out}: not empty (holds {', '.join(found)})")
-    if args.out is not None:
-        check_writable(args.out, "--out")
-    counts = _within_model(spec, counts, args.blocks_per_worker)
-    steps = []
-    for n in tqdm(counts, desc="sweep", disable=not sys.stderr.isatty(), leave=False):
-        granularity = Granularity.for_workers(n, args.blocks_per_worker)
-        p = plan(spec, n, args.method, seed=args.seed, batch=args.batch, network=network,
-                 granularity=granularity, memory=available_memory())  # fmt: skip
-        steps.append(p.metrics.predicted_step_s)
-    k, peak = knee(counts, steps, args.gain)
-    sweep = SweepResult(spec.name, tuple(counts), tuple(steps), args.gain, k, peak,
-                        network.describe())  # fmt: skip
-    echo(f"{spec.name}, {args.method}, batch {args.batch} ({network.describe()}):")
-    echo(sweep_table(sweep))
-    why = (
-        f"still {args.gain:g}x faster per doubling at the largest count swept"
-        if k == counts[-1]
-        else f"no doubling beyond it makes the step {args.gain:g}x faster"
-    )
-    workers = f"{k} worker{'s' if k != 1 else ''}"
-    echo(f"book {workers}: {why}; the fastest predicted step is at {peak}")
-    if args.out is not None:
-        files = {"sweep.json": json.dumps(sweep.to_dict(), indent=1).encode()}
-        files["sweep.png"] = sweep_png(sweep)
-        write_files(args.out, files)
-        echo(f"wrote sweep.json, sweep.png to {args.out}")
-    return 0
 
 
 def _metis_choices(args: argparse.Namespace) -> dict:

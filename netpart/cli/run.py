@@ -168,9 +168,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     import torch.distributed
 
     from netpart.calibrate.measure import LocalRunner
-    from netpart.calibrate.profile import check_lines, profile_json, profile_lines
+    from netpart.calibrate.profile import check_lines, host_machine, profile_json, profile_lines
     from netpart.errors import PlanError
     from netpart.models import load_spec
+    from netpart.partition.machine import machine_toml
     from netpart.runtime.check import require_memory, under_torchrun
 
     models = tuple(m.strip() for m in args.models.split(",") if m.strip())
@@ -205,11 +206,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if torch.distributed.is_initialized():
         runner.close()
     write_atomic(args.out, profile_json(model, details).encode())
+    machine = args.out.with_suffix(".machine.toml")
+    write_atomic(machine, machine_toml(host_machine(model)).encode())
     for line in profile_lines(model, details) + check_lines(details):
         echo(line)
     if model.caveat:
         echo(f"warning: kept with --force: {model.caveat}")
     echo(f"wrote {args.out}; use it with `netpart plan|run|train --profile {args.out}`")
+    echo(f"wrote {machine}: this host's description in absolute figures (`--machine`)")
     return 0
 
 
@@ -315,7 +319,7 @@ def _run_plan(args: argparse.Namespace):
     from netpart.partition.figures import reevaluate
 
     spec, p = plan_for_run(args)
-    network = replace(load_network(args.profile), overlap=args.split)
+    network = replace(load_network(args.profile, machine=args.machine), overlap=args.split)
     p = p or plan(spec, args.workers, args.method, seed=args.seed, batch=args.batch,
                   network=network, memory=available_memory())  # fmt: skip
     if p.network != network or p.batch != args.batch:  # the prediction for this run

@@ -261,7 +261,9 @@ def _request(args: argparse.Namespace):
     from netpart.train.job import FIELDS, TrainRequest
 
     given = {k: getattr(args, k) for k in FIELDS if getattr(args, k) is not None}
-    network = load_network(args.profile) if args.resume is None and args.plan is None else None
+    network = None
+    if args.resume is None and args.plan is None:
+        network = load_network(args.profile, machine=args.machine)
     return TrainRequest(
         model=args.model, workers=args.workers, given=given, method=args.method, plan=args.plan,
         network=network, out=args.out, resume=args.resume,

@@ -90,6 +90,7 @@ class NetworkModel:
 
     bandwidth_bps: float = 1e9  # bits per second, per worker link
     latency_s: float = 50e-6  # per exchange phase
+    message_s: float = 0.0  # per message: a phase with k peers pays k of them (no `link`)
     flops_per_s: float = 20e9  # sustained per worker (kinds not in `kinds`)
     kinds: dict[str, KindCost] = field(default_factory=dict)
     layers: dict[str, LayerCost] = field(default_factory=dict)  # by `ModelSpec.layer_key`
@@ -109,6 +110,7 @@ class NetworkModel:
     # (corrections: either may be negative)
     crowd: tuple[tuple[float, float, float], ...] = ()
     profile: str = ""  # the profile these figures came from ("": defaults or --net)
+    machine: str = ""  # the machine description they came from (`partition.machine`)
     caveat: str = ""  # why the profile may not be trusted (`netpart calibrate --force`)
 
     def __hash__(self) -> int:
@@ -116,7 +118,7 @@ class NetworkModel:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        if not (self.kinds or self.profile):  # an uncalibrated model: the three figures
+        if not (self.kinds or self.profile or self.machine):  # uncalibrated: three figures
             return {k: out[k] for k in ("bandwidth_bps", "latency_s", "flops_per_s")}
         kinds = {k: c.to_dict() for k, c in self.kinds.items()}
         layers = {k: c.to_dict() for k, c in self.layers.items()}
@@ -132,6 +134,7 @@ class NetworkModel:
         kinds = {k: KindCost.from_dict(v) for k, v in data.pop("kinds", {}).items()}
         layers = {str(k): LayerCost.from_dict(v) for k, v in data.pop("layers", {}).items()}
         profile = str(data.pop("profile", ""))
+        machine = str(data.pop("machine", ""))
         caveat = str(data.pop("caveat", ""))
         raw = data.pop("link", {})
         if not isinstance(raw, dict):
@@ -149,7 +152,7 @@ class NetworkModel:
         floats = {k: float(v) for k, v in data.items()}
         return cls(
             **floats, kinds=kinds, layers=layers, overlap=overlap, link=link, gather=gather,
-            crowd=crowd, profile=profile, caveat=caveat,
+            crowd=crowd, profile=profile, machine=machine, caveat=caveat,
         )  # fmt: skip
 
     @classmethod
@@ -189,6 +192,10 @@ class NetworkModel:
 
     def describe(self) -> str:
         """Which figures a prediction used, in a few words."""
+        wire = f"{self.bandwidth_bps / 1e9:.3g} Gbit/s, {self.latency_s * 1e6:.3g} µs"
+        if self.machine:
+            rate = f"{self.flops_per_s / 1e9:.4g} GFLOP/s per worker"
+            return f"{self.machine}: {rate}, {wire} + {self.message_s * 1e6:.3g} µs per message"
         if self.profile:
             peers = "/".join(str(k) for k in sorted(self.link))
             link = f", link measured with {peers} peers" if self.link else ""
@@ -251,10 +258,15 @@ class NetworkModel:
     def phase_s(self, nbytes: np.ndarray, peers: np.ndarray | int = 1) -> np.ndarray:
         """Seconds of an exchange phase in which a worker moves `nbytes` (> 0) each way with
         `peers` others: read off the `link` table of the most peers measured up to `peers`
-        (the fewest measured below them all), or latency + bytes / bandwidth without one."""
+        (the fewest measured below them all), or latency + peers x message_s + bytes /
+        bandwidth without one."""
         nbytes = np.asarray(nbytes, dtype=np.float64)
         if not self.link:
-            return self.latency_s + nbytes * 8 / self.bandwidth_bps
+            return (
+                self.latency_s
+                + self.message_s * np.asarray(peers)
+                + nbytes * 8 / self.bandwidth_bps
+            )
         counts = sorted(self.link)
         pick = np.clip(np.searchsorted(counts, peers, side="right") - 1, 0, None)
         out = np.zeros_like(nbytes)

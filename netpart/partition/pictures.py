@@ -21,7 +21,7 @@ from netpart.partition.plans import PartitionPlan
 from netpart.partition.report import method_label
 from netpart.partition.volume import coverage, layer_traffic
 
-__all__ = ["figures", "sweep_png"]
+__all__ = ["cluster_png", "figures", "sweep_png"]
 
 SHOWN_GROUPS = 4  # channel groups drawn side by side where a layer's groups differ
 
@@ -178,6 +178,22 @@ def sweep_png(sweep) -> bytes:
     ax.set_ylabel(f"speedup over {sweep.counts[0]} worker(s)")
     ax.set_title(f"{sweep.model}: a doubling must gain {sweep.gain:g}x", fontsize=10)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def cluster_png(advice) -> bytes:
+    """Predicted samples/s of every layout (the recommended one marked), fastest first."""
+    rows = advice.layouts[:30]
+    fig, ax = plt.subplots(figsize=(7, 0.25 * len(rows) + 1.5))
+    colors = {"downpour": "tab:blue", "sync": "tab:orange", "allreduce": "tab:green"}
+    y = np.arange(len(rows))[::-1]
+    ax.barh(y, [f.samples_per_s for f in rows], color=[colors[f.layout.mode] for f in rows],
+            hatch=["" if f.fits else "//" for f in rows])  # fmt: skip
+    ax.set_yticks(y, [str(f.layout) + (" (recommended)" if i == 0 else "")
+                      for i, f in enumerate(rows)], fontsize=7)  # fmt: skip
+    ax.set_xlabel("predicted samples/s")
+    ax.set_title(f"{advice.model} on {advice.machines} machines", fontsize=10)
     fig.tight_layout()
     return _png(fig)
 

@@ -17,6 +17,8 @@ from netpart.partition.shards import ShardLayout
 __all__ = [
     "auto_reason",
     "auto_table",
+    "cluster_markdown",
+    "cluster_table",
     "compare_table",
     "layer_table",
     "method_label",
@@ -269,3 +271,34 @@ def sweep_table(sweep) -> str:
         mark += " <- fastest" if n == sweep.peak else ""
         rows.append([str(n), f"{step * 1e3:.2f}", f"{speed:.2f}", mark.strip()])
     return _table(["workers", "step ms", "speedup", ""], rows)
+
+
+def cluster_table(advice) -> str:
+    """Every layout of a `ClusterAdvice`, fastest first, the recommendation marked."""
+    rows = []
+    for i, f in enumerate(advice.layouts):
+        epoch = advice.epoch_s(f)
+        rows.append([
+            str(f.layout), f"{f.step_s * 1e3:.2f}", f"{f.samples_per_s:,.0f}",
+            f"{epoch / 60:.1f} min" if epoch >= 60 else f"{epoch:.1f} s",
+            f"{_si(f.link_bytes, 'B')} ({f.link})", _si(f.memory_bytes, "B"),
+            f"{f.staleness:g}" if f.layout.mode == "downpour" else "-",
+            "<- recommended" if i == 0 else ("does not fit" if not f.fits else ""),
+        ])  # fmt: skip
+    heads = ["layout", "step ms", "samples/s", f"epoch ({advice.examples:,} examples)",
+             "busiest link / step", "memory / machine", "staleness", ""]  # fmt: skip
+    return _table(heads, rows)
+
+
+def cluster_markdown(advice) -> str:
+    """report.md of `plan --machines`: what was weighed, the table, the recommendation."""
+    return "\n".join([
+        f"# {advice.model} on {advice.machines} machines", "",
+        f"Batch {advice.batch} a replica, Downpour pushing every {advice.n_push} and fetching "
+        f"every {advice.n_fetch} steps; predicted with {advice.prediction}.", "",
+        f"**Recommended**: {advice.why}.", "", cluster_table(advice), "",
+        "Layouts: `mode RxN+S` is R replicas of N model workers and S parameter-server shards; "
+        "`all-reduce xM` is M replicas of one worker each exchanging gradients by a ring "
+        "all-reduce. How each is predicted: `netpart/partition/cluster.py`.", "",
+        "![samples per second by layout](cluster.png)", "",
+    ])  # fmt: skip

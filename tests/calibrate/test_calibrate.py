@@ -17,6 +17,7 @@ from netpart.models import load_spec
 from netpart.partition import Granularity, NetworkModel, build_unit_graph, plan
 from netpart.partition.cost import KindCost, LayerCost, layer_times
 from netpart.partition.figures import chain_shares, interior_shares, reevaluate
+from netpart.partition.machine import read_machine
 from netpart.partition.plans import PartitionPlan
 from netpart.partition.schedule import plan_schedule
 from netpart.partition.sweep import knee, parse_counts
@@ -448,6 +449,16 @@ def test_calibrate_writes_a_profile_that_plan_and_run_use(tmp_path, capsys):
     assert [e.split(":")[2].strip() for e in err] == ["--profile " + str(tmp_path), "--net"]
     cluster = [*bad[:-1], "bandwidth=1Gbit"]  # the profile's compute, the cluster's links
     assert main(cluster) == 0 and ": 1 Gbit/s" in capsys.readouterr().out
+    # the machine description beside the profile, and inside it, read by --machine
+    machine = tmp_path / "profile.machine.toml"
+    described = read_machine(machine)
+    inside = read_machine(out)  # exact; the TOML states 6 figures
+    assert inside.flops_per_s == pytest.approx(described.flops_per_s, rel=1e-5)
+    assert described.flops_per_s > 0
+    assert set(described.kinds) == kinds and described.memory_bytes > 0
+    on = ["plan", "--model", "tiny-local", "--workers", "2", "--machine", str(machine)]
+    assert main(on) == 0 and f"({machine})" in capsys.readouterr().out
+    assert main([*on, "--profile", str(out)]) == 2
 
 
 def test_the_knee_is_the_last_count_whose_doubling_still_paid():

@@ -1,4 +1,4 @@
-"""Slice traces: every slice of a plan timed alone, as the scaling simulation reads them."""
+"""Slice traces: every slice of a plan timed alone, as calibration reads them."""
 
 import numpy as np
 import pytest

@@ -1,0 +1,160 @@
+"""`netpart plan --sweep COUNTS` and `netpart plan --machines M`: how many workers one model
+instance is worth, and how to spend M machines on replicas, workers and shards (or
+all-reduce). Both are predictions of the step-time model; no process is started."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from netpart.cli.common import check_writable, echo, positive_int
+from netpart.errors import PlanError
+from netpart.processes.memory import available_memory
+
+__all__ = ["machines_options", "plan_cluster", "sweep"]
+
+
+def machines_options(p: argparse.ArgumentParser) -> None:
+    """--sweep and the gain its knee is read at; --machines and what it weighs."""
+    p.add_argument(
+        "--sweep",
+        default=None,
+        metavar="COUNTS",
+        help="instead of --workers: plan at every worker count of COUNTS ('1,2,4,8' or "
+        "'1-128', powers of two) and print the predicted step and speedup at each, the knee "
+        "(the last count whose doubling still made the step --gain times faster) and the "
+        "fastest count; with --out also sweep.json and sweep.png",
+    )
+    p.add_argument("--gain", type=float, default=1.25, help="--sweep: the gain a doubling must buy")
+    p.add_argument(
+        "--machines",
+        type=positive_int,
+        default=None,
+        metavar="M",
+        help="instead of --workers: how to spend M machines: every layout of R replicas x N "
+        "workers + S shards (Downpour and sync) and all-reduce over M replicas, predicted "
+        "(step, samples/s, epoch time, busiest link, memory, staleness), the fastest "
+        "recommended; with --out also cluster.json, cluster.png and report.md",
+    )
+    p.add_argument(
+        "--examples",
+        type=positive_int,
+        default=60000,
+        help="--machines: examples per epoch, for the time per epoch",
+    )
+    p.add_argument(
+        "--n-push", type=positive_int, default=1, help="--machines: Downpour pushes every N steps"
+    )
+    p.add_argument(
+        "--n-fetch",
+        type=positive_int,
+        default=1,
+        help="--machines: Downpour fetches every N steps",
+    )
+
+
+def _within_model(spec, counts: list[int], blocks_per_worker: int) -> list[int]:
+    """The counts the model can spread over (each worker owning part of its widest layer);
+    the rest are dropped with a note, PlanError if none is left."""
+    from netpart.partition import Granularity
+    from netpart.partition.graph import graph_size
+
+    def widest(n: int):
+        return graph_size(spec, Granularity.for_workers(n, blocks_per_worker))
+
+    kept = [n for n in counts if n <= widest(n).widest]
+    if not kept:
+        raise PlanError(f"--sweep: {spec.name} cannot spread over {counts[0]} workers or more")
+    if len(kept) < len(counts):
+        size = widest(counts[len(kept)])
+        echo(f"counts above {kept[-1]} skipped: {spec.name}'s widest layer, "
+             f"{size.widest_layer}, has at most {size.widest} blocks")  # fmt: skip
+    return kept
+
+
+def sweep(spec, args: argparse.Namespace, network) -> int:
+    """`plan --sweep`: one plan per worker count, its predicted step, the knee."""
+    import json
+
+    from tqdm import tqdm
+
+    from netpart.files import foreign_entries, write_files
+    from netpart.partition import Granularity, plan
+    from netpart.partition.pictures import sweep_png
+    from netpart.partition.report import sweep_table
+    from netpart.partition.sweep import SweepResult, knee, parse_counts
+
+    try:
+        counts = parse_counts(args.sweep)
+    except ValueError as exc:
+        raise PlanError(f"--sweep {exc}") from None
+    if not args.gain > 1:
+        raise PlanError(f"--gain {args.gain}: must be > 1 (a doubling that buys nothing)")
+    if args.out is not None and (found := foreign_entries(args.out, "sweep.json")):
+        raise PlanError(f"--out {args.out}: not empty (holds {', '.join(found)})")
+    if args.out is not None:
+        check_writable(args.out, "--out")
+    counts = _within_model(spec, counts, args.blocks_per_worker)
+    steps = []
+    for n in tqdm(counts, desc="sweep", disable=not sys.stderr.isatty(), leave=False):
+        granularity = Granularity.for_workers(n, args.blocks_per_worker)
+        p = plan(spec, n, args.method, seed=args.seed, batch=args.batch, network=network,
+                 granularity=granularity, memory=available_memory())  # fmt: skip
+        steps.append(p.metrics.predicted_step_s)
+    k, peak = knee(counts, steps, args.gain)
+    sweep = SweepResult(spec.name, tuple(counts), tuple(steps), args.gain, k, peak,
+                        network.describe())  # fmt: skip
+    echo(f"{spec.name}, {args.method}, batch {args.batch} ({network.describe()}):")
+    echo(sweep_table(sweep))
+    why = (
+        f"still {args.gain:g}x faster per doubling at the largest count swept"
+        if k == counts[-1]
+        else f"no doubling beyond it makes the step {args.gain:g}x faster"
+    )
+    workers = f"{k} worker{'s' if k != 1 else ''}"
+    echo(f"book {workers}: {why}; the fastest predicted step is at {peak}")
+    if args.out is not None:
+        files = {"sweep.json": json.dumps(sweep.to_dict(), indent=1).encode()}
+        files["sweep.png"] = sweep_png(sweep)
+        write_files(args.out, files)
+        echo(f"wrote sweep.json, sweep.png to {args.out}")
+    return 0
+
+
+def plan_cluster(spec, args: argparse.Namespace, network) -> int:
+    """`plan --machines M`: every layout predicted, the fastest recommended."""
+    import json
+
+    from netpart.files import foreign_entries, write_files
+    from netpart.partition.cluster import advise
+    from netpart.partition.graph import Granularity, graph_size
+    from netpart.partition.pictures import cluster_png
+    from netpart.partition.report import cluster_markdown, cluster_table
+
+    if args.out is not None and (found := foreign_entries(args.out, "cluster.json")):
+        raise PlanError(f"--out {args.out}: not empty (holds {', '.join(found)})")
+    if args.out is not None:
+        check_writable(args.out, "--out")
+    memory = 0.0
+    if args.machine is not None:
+        from netpart.partition.machine import read_machine
+
+        memory = read_machine(args.machine).memory_bytes
+    widest = graph_size(spec, Granularity.for_workers(args.machines)).widest
+    advice = advise(
+        spec, args.machines, network, batch=args.batch, examples=args.examples,
+        n_push=args.n_push, n_fetch=args.n_fetch, memory_per_machine=memory,
+        max_workers=widest,
+    )  # fmt: skip
+    echo(f"{spec.name} on {args.machines} machines, batch {args.batch} ({advice.prediction}):")
+    echo(cluster_table(advice))
+    echo(f"recommended: {advice.why}")
+    if args.out is not None:
+        files = {
+            "cluster.json": json.dumps(advice.to_dict(), indent=1).encode(),
+            "cluster.png": cluster_png(advice),
+            "report.md": cluster_markdown(advice).encode(),
+        }
+        write_files(args.out, files)
+        echo(f"wrote {', '.join(files)} to {args.out}")
+    return 0

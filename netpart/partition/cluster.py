@@ -1,0 +1,261 @@
+"""How to spend M machines: R replicas x N model workers + S parameter-server shards (Downpour
+or synchronous SGD), or M data-parallel replicas that all-reduce their gradients (DDP's way),
+each layout predicted on one machine model, and the fastest recommended.
+
+A layout's figures, per replica step of `batch` examples (every machine alike, its link full
+duplex; `NetworkModel.phase_s` prices a transfer: latency, a cost per message, bytes over
+bandwidth):
+
+- **the model-parallel step**: the plan's predicted step for N workers (`plan`), halos and all.
+- **parameter-server traffic**: every n_push steps a worker pushes the gradients of the values
+  it holds (4 bytes each) to the shards that hold them, every n_fetch steps it fetches them;
+  a shard's link carries the pushes and fetches of every replica's workers (the shard's values
+  x R, each way), and the shard applies each push (`UPDATE_S_PER_VALUE` a value).
+- **Downpour**: replicas do not wait for each other. A replica's step is its model-parallel
+  step plus its workers' push and fetch (not overlapped); the busiest shard serves R such
+  steps in the time of one of its own, so a replica's effective step is the longer of the two.
+  Staleness: the pushes of other replicas applied between a replica's fetch and the push it
+  feeds, (R - 1) x max(n_push, n_fetch) / n_push.
+- **sync**: every replica computes, pushes, the shards apply, every replica fetches: the step
+  is the model-parallel step plus the busiest shard's R pushes in, its update, its R fetches
+  out (n_push = n_fetch = 1).
+- **all-reduce**: M replicas of one worker; a ring all-reduce moves 2(M-1)/M of the model
+  through each machine's link in 2(M-1) phases. Only where one machine holds the model.
+- **memory per machine**: a worker holds its values, their gradients and a fetched copy, and
+  its activations (every layer's outputs, forward and backward, `batch` examples, / N); a
+  shard its values and Adagrad's accumulator; all-reduce a whole replica and its gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from netpart.errors import PlanError
+from netpart.models.spec import ModelSpec
+from netpart.partition.cost import NetworkModel
+from netpart.partition.graph import BYTES_PER_VALUE, Granularity, build_unit_graph
+from netpart.partition.planner import plan
+from netpart.partition.shards import ShardLayout
+
+__all__ = [
+    "CLUSTER_SCHEMA",
+    "UPDATE_S_PER_VALUE",
+    "ClusterAdvice",
+    "Layout",
+    "LayoutFigures",
+    "advise",
+    "allreduce_s",
+]
+
+CLUSTER_SCHEMA = 1
+# A shard's Adagrad update of one value, on one core of this host (torch's fused kernel,
+# 16M values; benchmarks/update_bench.py). A machine description does not state it.
+UPDATE_S_PER_VALUE = 0.8e-9
+
+
+@dataclass(frozen=True)
+class Layout:
+    """R replicas of N workers and S shards (all-reduce: S = 0, N = 1)."""
+
+    mode: str
+    replicas: int
+    workers: int
+    shards: int
+
+    @property
+    def machines(self) -> int:
+        return self.replicas * self.workers + self.shards
+
+    def __str__(self) -> str:
+        if self.mode == "allreduce":
+            return f"all-reduce x{self.replicas}"
+        return f"{self.mode} {self.replicas}x{self.workers}+{self.shards}"
+
+
+@dataclass(frozen=True)
+class LayoutFigures:
+    """A layout's predicted figures (module docstring)."""
+
+    layout: Layout
+    step_s: float  # a replica's effective step
+    samples_per_s: float
+    link_bytes: float  # per replica step, one direction, on the busiest link
+    link: str  # which link that is
+    memory_bytes: float  # on the busiest machine
+    staleness: float  # Downpour; 0 otherwise
+    fits: bool  # within the stated memory per machine (always, if none is stated)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "layout": asdict(self.layout), "name": str(self.layout)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LayoutFigures:
+        d = {k: v for k, v in d.items() if k != "name"}
+        return cls(**{**d, "layout": Layout(**d["layout"])})
+
+
+@dataclass(frozen=True)
+class ClusterAdvice:
+    """Every layout of `machines` predicted, and the fastest that fits."""
+
+    model: str
+    machines: int
+    batch: int
+    examples: int  # per epoch, for the time per epoch
+    n_push: int
+    n_fetch: int
+    prediction: str  # the machine model's description
+    layouts: tuple[LayoutFigures, ...]  # fastest first
+    why: str
+
+    @property
+    def best(self) -> LayoutFigures:
+        return self.layouts[0]
+
+    def epoch_s(self, figures: LayoutFigures) -> float:
+        return self.examples / figures.samples_per_s
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["layouts"] = [f.to_dict() for f in self.layouts]
+        return {"schema_version": CLUSTER_SCHEMA, **out}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ClusterAdvice:
+        d = {k: v for k, v in d.items() if k != "schema_version"}
+        layouts = tuple(LayoutFigures.from_dict(f) for f in d.pop("layouts"))
+        return cls(**d, layouts=layouts)
+
+
+def allreduce_s(values: int, machines: int, network: NetworkModel) -> float:
+    """A ring all-reduce of `values` float32 among `machines`: 2(M-1) phases, each moving
+    1/M of them to one peer."""
+    if machines <= 1:
+        return 0.0
+    chunk = BYTES_PER_VALUE * values / machines
+    return float(2 * (machines - 1) * network.phase_s(np.array([chunk]), 1)[0])
+
+
+def advise(
+    spec: ModelSpec,
+    machines: int,
+    network: NetworkModel,
+    *,
+    batch: int = 32,
+    examples: int = 60000,
+    n_push: int = 1,
+    n_fetch: int = 1,
+    memory_per_machine: float = 0.0,
+    max_workers: int | None = None,
+) -> ClusterAdvice:
+    """Every layout of at most `machines` machines (module docstring), fastest first; the
+    recommendation is the fastest that fits `memory_per_machine` (0: not stated)."""
+    if machines < 1:
+        raise PlanError(f"--machines {machines}: give at least 1")
+    rows: list[LayoutFigures] = []
+    one = _mp_step(spec, 1, batch, network)
+    replica_values = one.layout.total
+    rows.append(_allreduce(spec, machines, one.step_s, replica_values, network, batch))
+    n = 1
+    while n < machines and (max_workers is None or n <= max_workers):
+        mp = one if n == 1 else _mp_step(spec, n, batch, network)
+        for r in range(1, (machines - 1) // n + 1):
+            shards = machines - r * n
+            lay = ShardLayout.build(mp.graph, mp.node_map, n, shards)
+            for mode in ("downpour", "sync"):
+                push, fetch = (n_push, n_fetch) if mode == "downpour" else (1, 1)
+                rows.append(_ps(spec, Layout(mode, r, n, shards), mp, lay, network, batch,
+                                (push, fetch)))  # fmt: skip
+        n *= 2
+    rows = [_fits(f, memory_per_machine) for f in rows]
+    rows.sort(key=lambda f: (not f.fits, -f.samples_per_s, f.layout.machines, str(f.layout)))
+    if not rows[0].fits:
+        raise PlanError(
+            f"no layout of {machines} machines fits {memory_per_machine / 2**30:.3g} GiB per "
+            f"machine; the smallest needs {min(f.memory_bytes for f in rows) / 2**30:.3g} GiB"
+        )
+    return ClusterAdvice(
+        model=spec.name, machines=machines, batch=batch, examples=examples, n_push=n_push,
+        n_fetch=n_fetch, prediction=network.describe(), layouts=tuple(rows),
+        why=_why(rows),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _ModelParallel:
+    step_s: float
+    graph: object
+    node_map: np.ndarray
+    layout: ShardLayout  # one shard: the replica's values, per worker
+    activations: float  # values per example, every layer's output
+
+
+def _mp_step(spec: ModelSpec, n: int, batch: int, network: NetworkModel) -> _ModelParallel:
+    p = plan(spec, n, seed=0, batch=batch, network=network)
+    graph = build_unit_graph(spec, p.granularity or Granularity.for_workers(n))
+    acts = float(sum(s.size for s in spec.shapes))
+    one_shard = ShardLayout.build(graph, p.node_map, n, 1)
+    return _ModelParallel(p.metrics.predicted_step_s, graph, p.node_map, one_shard, acts)
+
+
+def _ps(spec, layout: Layout, mp: _ModelParallel, shards: ShardLayout, network, batch: int,
+        every: tuple[int, int]) -> LayoutFigures:  # fmt: skip
+    """A parameter-server layout's figures (module docstring)."""
+    n_push, n_fetch = every
+    r, n = layout.replicas, layout.workers
+    sizes = np.array([shards.worker_size(w) for w in range(n)], dtype=np.float64)
+    peers = np.array([len(shards.routes(w)) for w in range(n)])
+    nbytes = BYTES_PER_VALUE * sizes
+    push = network.phase_s(nbytes, peers) / n_push
+    fetch = network.phase_s(nbytes, peers) / n_fetch
+    worker_ps = float((push + fetch).max())
+    held = BYTES_PER_VALUE * shards.shard_sizes().astype(np.float64)
+    talkers = np.array([len(shards.peers(s)) * r for s in range(layout.shards)])
+    shard_in = network.phase_s(r * held, talkers) / n_push
+    shard_out = network.phase_s(r * held, talkers) / n_fetch
+    update = r * shards.shard_sizes() * UPDATE_S_PER_VALUE / n_push
+    worker_mem = BYTES_PER_VALUE * (3 * sizes.max() + 2 * batch * mp.activations / n)
+    memory = max(worker_mem, float(2 * held.max()))
+    busiest = int(np.argmax(held))
+    link_bytes = float(r * held[busiest] / min(n_push, n_fetch))
+    if layout.mode == "sync":
+        step = mp.step_s + worker_ps + float((shard_in + update + shard_out).max())
+        staleness = 0.0
+    else:
+        own = mp.step_s + worker_ps
+        step = max(own, float(np.maximum(np.maximum(shard_in, shard_out), update).max()))
+        staleness = (r - 1) * max(n_push, n_fetch) / n_push
+    return LayoutFigures(layout, step, r * batch / step, link_bytes, f"shard {busiest}",
+                         memory, staleness, True)  # fmt: skip
+
+
+def _allreduce(spec, machines: int, step_one: float, values: int, network, batch: int):
+    """All-reduce with `machines` replicas of one worker each."""
+    ring = allreduce_s(values, machines, network)
+    step = step_one + ring
+    link = 2 * (machines - 1) / machines * BYTES_PER_VALUE * values if machines > 1 else 0.0
+    acts = sum(s.size for s in spec.shapes)
+    memory = BYTES_PER_VALUE * (3 * values + 2 * batch * acts)
+    return LayoutFigures(Layout("allreduce", machines, 1, 0), step, machines * batch / step,
+                         float(link), "every machine (ring)", float(memory), 0.0, True)  # fmt: skip
+
+
+def _fits(f: LayoutFigures, memory: float) -> LayoutFigures:
+    if memory <= 0 or f.memory_bytes <= memory:
+        return f
+    return LayoutFigures(**{**asdict(f), "layout": f.layout, "fits": False})
+
+
+def _why(rows: list[LayoutFigures]) -> str:
+    best = rows[0]
+    others = [f for f in rows[1:] if f.fits]
+    if not others:
+        return f"{best.layout} is the only layout that fits"
+    nxt = others[0]
+    return (
+        f"{best.layout}: {best.samples_per_s:,.0f} samples/s predicted, "
+        f"{best.samples_per_s / nxt.samples_per_s:.2f}x the next ({nxt.layout}); its busiest "
+        f"link ({best.link}) carries {best.link_bytes / 1e6:.3g} MB a step"
+    )

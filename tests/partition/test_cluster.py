@@ -1,0 +1,68 @@
+"""How to spend M machines: every layout is counted, priced as the module says (a shard's link
+carries R times one replica's share, a ring all-reduce 2(M-1)/M of the model), and the fastest
+that fits is recommended; the advice round-trips through JSON and the command writes it."""
+
+import json
+
+import pytest
+
+from netpart.cli import main
+from netpart.errors import PlanError
+from netpart.models import load_spec
+from netpart.partition.cluster import ClusterAdvice, advise, allreduce_s
+from netpart.partition.cost import NetworkModel
+from netpart.partition.graph import BYTES_PER_VALUE
+
+NET = NetworkModel(bandwidth_bps=1e9, latency_s=50e-6, message_s=20e-6)
+
+
+def test_a_ring_all_reduce_is_2_m_minus_1_phases_of_a_machines_share():
+    values, m = 1_000_000, 4
+    phase = NET.latency_s + NET.message_s + BYTES_PER_VALUE * values / m * 8 / NET.bandwidth_bps
+    assert allreduce_s(values, m, NET) == pytest.approx(2 * (m - 1) * phase)
+    assert allreduce_s(values, 1, NET) == 0.0
+
+
+def test_every_layout_uses_the_machines_and_the_fastest_fitting_is_first():
+    spec = load_spec("tiny-mlp")
+    advice = advise(spec, 5, NET, batch=16)
+    names = {str(f.layout) for f in advice.layouts}
+    assert {"all-reduce x5", "downpour 4x1+1", "sync 1x4+1", "downpour 2x2+1"} <= names
+    assert all(f.layout.machines == 5 for f in advice.layouts)
+    speeds = [f.samples_per_s for f in advice.layouts]
+    assert speeds == sorted(speeds, reverse=True) and advice.best.fits
+    assert ClusterAdvice.from_dict(json.loads(json.dumps(advice.to_dict()))) == advice
+
+
+def test_a_shard_link_carries_r_times_a_replica_share():
+    spec = load_spec("tiny-mlp")
+    by = {str(f.layout): f for f in advise(spec, 7, NET).layouts}
+    one, three = by["downpour 1x2+5"], by["downpour 3x2+1"]
+    single = {str(f.layout): f for f in advise(spec, 3, NET).layouts}["downpour 1x2+1"]
+    assert three.link_bytes == pytest.approx(3 * single.link_bytes)
+    assert one.link_bytes < single.link_bytes  # five shards split the replica's values
+    assert by["downpour 3x2+1"].staleness == 2 and by["sync 3x2+1"].staleness == 0
+
+
+def test_layouts_that_do_not_fit_are_marked_and_never_recommended():
+    spec = load_spec("tiny-mlp")
+    free = advise(spec, 4, NET)
+    worst = max(f.memory_bytes for f in free.layouts)
+    best = min(f.memory_bytes for f in free.layouts)
+    assert best < worst
+    squeezed = advise(spec, 4, NET, memory_per_machine=(best + worst) / 2)
+    assert squeezed.best.fits and not all(f.fits for f in squeezed.layouts)
+    with pytest.raises(PlanError, match="no layout of 4 machines fits"):
+        advise(spec, 4, NET, memory_per_machine=best / 2)
+
+
+def test_plan_machines_prints_and_writes_the_advice(tmp_path, capsys):
+    out = tmp_path / "c"
+    assert main(["plan", "--model", "tiny-mlp", "--machines", "4", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "recommended:" in text and "all-reduce x4" in text
+    advice = json.loads((out / "cluster.json").read_text())
+    assert advice["machines"] == 4 and advice["layouts"][0]["fits"]
+    assert (out / "cluster.png").read_bytes()[:4] == b"\x89PNG"
+    assert "Recommended" in (out / "report.md").read_text()
+    assert main(["plan", "--model", "tiny-mlp", "--machines", "4", "--workers", "2"]) == 2

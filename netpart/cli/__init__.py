@@ -26,7 +26,7 @@ import errno  # noqa: E402
 import logging  # noqa: E402
 
 from netpart import __version__  # noqa: E402
-from netpart.cli import plan, run, train  # noqa: E402
+from netpart.cli import plan, run, testbed, train  # noqa: E402
 from netpart.cli.parser import Parser  # noqa: E402
 from netpart.errors import (  # noqa: E402
     EXIT_FAILURE,
@@ -50,7 +50,7 @@ def build_parser() -> Parser:
     parser.add_argument("--version", action="version", version=f"netpart {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log netpart's debug messages")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for group in (plan, run, train):
+    for group in (plan, run, train, testbed):
         group.register(sub)
     parser.commands = dict(sub.choices)
     return parser
@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():  # loaded: Ctrl-C is caught below
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
+        if getattr(args, "testbed", None):  # the same command, once on every machine of it
+            return testbed.on_testbed(args.testbed, _without_testbed(argv or sys.argv[1:]))
         return args.func(args)
     except NetpartError as exc:
         print(f"netpart: error: {exc}", file=sys.stderr)
@@ -98,6 +100,19 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print("netpart: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _without_testbed(argv: list[str]) -> list[str]:
+    """`argv` less its --testbed NAME (or --testbed=NAME)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--testbed":
+            skip = True
+        elif not a.startswith("--testbed="):
+            out.append(a)
+    return out
 
 
 def _caused_by_interrupt(exc: BaseException) -> bool:

@@ -18,6 +18,7 @@ from netpart.cli.common import (
     positive_int,
     timeout_s,
 )
+from netpart.cli.testbed import add_testbed_arg
 from netpart.files import write_atomic
 from netpart.processes.memory import available_memory
 
@@ -81,6 +82,7 @@ def register(sub) -> None:
         help="print each worker's program (the instructions its process runs) before checking",
     )
     r.set_defaults(func=cmd_run)
+    add_testbed_arg(c)
     c.set_defaults(func=cmd_check)
     _calibrate_parser(sub)
 
@@ -142,6 +144,7 @@ def _calibrate_parser(sub) -> None:
         "below one: a slice then takes at least its CPU time / share (default 1)",
     )
     _trust_args(k)
+    add_testbed_arg(k)
     k.set_defaults(func=cmd_calibrate)
 
 

@@ -17,6 +17,7 @@ from netpart.cli.common import (
     seed_int,
     timeout_s,
 )
+from netpart.cli.testbed import add_testbed_arg
 
 __all__ = ["register"]
 
@@ -111,6 +112,7 @@ def _train_parser(sub) -> None:
         "--resume", type=Path, default=None, metavar="DIR",
         help="continue this run (in DIR) up to --steps; --out is refused",
     )  # fmt: skip
+    add_testbed_arg(t)
     t.set_defaults(func=cmd_train)
 
 

@@ -50,18 +50,23 @@ def cpu_shares(n: int, share: float) -> Iterator[list[Path]]:
     if not 0 < share <= 1:
         raise ValueError(f"share must be in (0, 1], not {share}")
     remove_stale()
-    period = period_us(share)
     groups = [CPU / f"netpart-{os.getpid()}-{i}" for i in range(n)]
     made: list[Path] = []
     try:
         for group in groups:
-            group.mkdir()
+            make_group(group, share)
             made.append(group)
-            (group / "cpu.cfs_period_us").write_text(str(period))
-            (group / "cpu.cfs_quota_us").write_text(str(round(period * share)))
         yield groups
     finally:
-        _remove(made)
+        remove(made)
+
+
+def make_group(group: Path, share: float) -> None:
+    """Create cgroup `group` held to `share` of one core."""
+    period = period_us(share)
+    group.mkdir()
+    (group / "cpu.cfs_period_us").write_text(str(period))
+    (group / "cpu.cfs_quota_us").write_text(str(round(period * share)))
 
 
 def remove_stale() -> list[Path]:
@@ -71,7 +76,7 @@ def remove_stale() -> list[Path]:
         g for g in CPU.iterdir()
         if (m := OURS.fullmatch(g.name)) and not Path(f"/proc/{m.group(1)}").exists()
     ]  # fmt: skip
-    _remove(stale)
+    remove(stale)
     return stale
 
 
@@ -81,8 +86,16 @@ def command(group: Path, argv: list[str]) -> list[str]:
     return ["sh", "-c", join, str(group), *argv]
 
 
-def _remove(groups: list[Path]) -> None:
+def remove(groups: list[Path]) -> None:
     """Kill every process left in each group, then remove the group."""
+    kill_inside(groups)
+    for group in groups:
+        with contextlib.suppress(OSError):
+            group.rmdir()
+
+
+def kill_inside(groups: list[Path]) -> None:
+    """Kill every process in each group (and those they start meanwhile); the groups stay."""
     for group in groups:
         for _ in range(50):
             pids = (group / "cgroup.procs").read_text().split()
@@ -92,5 +105,3 @@ def _remove(groups: list[Path]) -> None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(pid), signal.SIGKILL)
             time.sleep(0.05)
-        with contextlib.suppress(OSError):
-            group.rmdir()

@@ -104,7 +104,7 @@ def two_hosts(
             _bring_up(h, rate, burst)
         yield a, b
     finally:
-        _teardown(made)
+        teardown(made)
 
 
 @contextlib.contextmanager
@@ -120,32 +120,46 @@ def switched_hosts(
     hosts = [Host(f"np{tag}h{i}", f"np{tag}h{i}", SUBNET.format(subnet, i + 1)) for i in range(n)]
     made: list[str] = []
     try:
-        for name in [switch, *(h.netns for h in hosts)]:
-            _run(["ip", "netns", "add", name])
-            made.append(name)
-        sw = ["ip", "-n", switch]
-        _run([*sw, "link", "add", "br0", "type", "bridge"])
-        _run([*sw, "link", "set", "br0", "up"])
-        for i, h in enumerate(hosts):
-            port = f"port{i}"
-            _run(["ip", "link", "add", h.device, "netns", h.netns, "type", "veth",
-                  "peer", "name", port, "netns", switch])  # fmt: skip
-            _run([*sw, "link", "set", port, "master", "br0"])
-            _run([*sw, "link", "set", port, "up"])
-            _bring_up(h, rate, burst, queue)
-            _shape(switch, port, rate, burst, queue)
+        build_switch(switch, hosts, made, rate=rate, burst=burst, queue=queue)
         yield hosts
     finally:
-        _teardown(made)
+        teardown(made)
+
+
+def build_switch(
+    switch: str, hosts: list[Host], made: list[str], *, rate: str, burst: str, queue: str
+) -> None:
+    """Namespace `switch` with a bridge, and each host's namespace on a port of it, each
+    link limited to `rate` both ways; every namespace made is appended to `made` (for
+    `teardown`, also when this fails half-way)."""
+    for name in [switch, *(h.netns for h in hosts)]:
+        _run(["ip", "netns", "add", name])
+        made.append(name)
+    sw = ["ip", "-n", switch]
+    _run([*sw, "link", "add", "br0", "type", "bridge"])
+    _run([*sw, "link", "set", "br0", "up"])
+    for i, h in enumerate(hosts):
+        port = f"port{i}"
+        _run(["ip", "link", "add", h.device, "netns", h.netns, "type", "veth",
+              "peer", "name", port, "netns", switch])  # fmt: skip
+        _run([*sw, "link", "set", port, "master", "br0"])
+        _run([*sw, "link", "set", port, "up"])
+        _bring_up(h, rate, burst, queue)
+        _shape(switch, port, rate, burst, queue)
+
+
+def namespaces() -> list[str]:
+    """The network namespaces that exist now."""
+    return [line.split()[0] for line in _run(["ip", "netns", "list"]).splitlines() if line]
 
 
 def remove_stale() -> list[str]:
     """Delete the namespaces these helpers made for a process that no longer runs (no live
     pid has the tag in its name); returns their names."""
     live = {int(d) % 100000 for d in os.listdir("/proc") if d.isdigit()}
-    names = [line.split()[0] for line in _run(["ip", "netns", "list"]).splitlines() if line]
+    names = namespaces()
     stale = [n for n in names if (m := OURS.fullmatch(n)) and int(m.group(1)) not in live]
-    _teardown(stale)
+    teardown(stale)
     return stale
 
 
@@ -164,7 +178,7 @@ def _shape(netns: str, device: str, rate: str, burst: str, queue: str = "100ms")
           "rate", rate, "burst", burst, "latency", queue])  # fmt: skip
 
 
-def _teardown(namespaces: list[str]) -> None:
+def teardown(namespaces: list[str]) -> None:
     """Kill whatever runs in each namespace, then delete it (and the links in it)."""
     for name in namespaces:
         with contextlib.suppress(OSError, subprocess.TimeoutExpired):

@@ -1,0 +1,139 @@
+"""`netpart testbed up|down|list`: an emulated cluster on this machine (root), and
+`--testbed NAME` for `train` and `check`: the command run with one process per machine of it,
+through torchrun as across real machines."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from netpart.cli.common import echo, positive_int
+
+__all__ = ["add_testbed_arg", "on_testbed", "register"]
+
+PORT = 29500  # the rendezvous on machine 0: the namespace is the testbed's own
+GRACE_S = 30.0  # after one machine's process fails, the others get this long to end
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "testbed",
+        help="an emulated cluster on this machine: network namespaces on a shaped switch and "
+        "a cpu cgroup per machine (root)",
+        description="Make, list or remove emulated machines: each a network namespace on one "
+        "switch whose ports are rate-limited (tc tbf) and a cpu cgroup held to a share of one "
+        "core. `netpart train|check --testbed NAME ...` runs the job with one process per "
+        "machine (torchrun, as across real machines). Needs root.",
+    )
+    verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
+    u = verbs.add_parser("up", help="make testbed NAME")
+    u.add_argument("name", help="its name (lower-case letters, digits, '-')")
+    u.add_argument("--machines", type=positive_int, required=True, help="how many machines")
+    u.add_argument("--cpu", type=float, default=0.45,
+                   help="each machine's share of one core (default 0.45)")  # fmt: skip
+    u.add_argument("--link", default="1gbit",
+                   help="each machine's link, each way, in tc's units (default 1gbit)")  # fmt: skip
+    u.set_defaults(func=cmd_up)
+    d = verbs.add_parser("down", help="remove testbed NAME (and whatever runs in it)")
+    d.add_argument("name")
+    d.set_defaults(func=cmd_down)
+    ls = verbs.add_parser("list", help="the testbeds that are up")
+    ls.set_defaults(func=cmd_list)
+
+
+def add_testbed_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--testbed",
+        default=None,
+        metavar="NAME",
+        help="run on testbed NAME (`netpart testbed up`), one process per machine (default: "
+        "on this machine)",
+    )
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from netpart.testbed.bed import up
+
+    bed = up(args.name, args.machines, cpu=args.cpu, rate=args.link)
+    echo(f"testbed {bed.name}: {bed.machines} machines at {bed.cpu:g} core, {bed.rate} links "
+         f"({', '.join(h.address for h in bed.hosts)})")  # fmt: skip
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from netpart.testbed.bed import down
+
+    removed = down(args.name)
+    echo(f"testbed {args.name}: " + (f"removed {len(removed)} parts" if removed else "none"))
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from netpart.testbed.bed import health, list_testbeds
+
+    beds = list_testbeds()
+    for bed in beds:
+        echo(f"{bed.name}: {bed.machines} machines at {bed.cpu:g} core, {bed.rate}; "
+             f"{health(bed)}")  # fmt: skip
+    if not beds:
+        echo("no testbed is up")
+    return 0
+
+
+def on_testbed(name: str, argv: list[str]) -> int:
+    """Run `netpart argv` (without --testbed) on every machine of testbed `name` under
+    torchrun, one process a machine (static rendezvous on machine 0); the worst exit code.
+    One job at a time holds the testbed; whatever is left in its machines afterwards is
+    killed."""
+    from netpart.errors import PlanError
+    from netpart.testbed import cgroups
+    from netpart.testbed.bed import STATE, read
+
+    bed = read(name)
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    with open(STATE / f"{name}.json") as record:
+        try:
+            fcntl.flock(record, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise PlanError(f"testbed {name} runs another job now; wait for it") from None
+        procs: list[subprocess.Popen] = []
+        try:
+            for i, host in enumerate(bed.hosts):
+                cmd = [torchrun, "--nnodes", str(bed.machines), "--nproc-per-node", "1",
+                       "--node-rank", str(i), "--master-addr", bed.hosts[0].address,
+                       "--master-port", str(PORT), "--local-addr", host.address,
+                       "-m", "netpart", *argv]  # fmt: skip
+                env = {"GLOO_SOCKET_IFNAME": host.device, "PYTHONPATH": os.getcwd(),
+                       "TORCH_CPP_LOG_LEVEL": "ERROR"}  # fmt: skip
+                procs.append(subprocess.Popen(bed.command(i, cmd, env)))
+            return _wait(procs)
+        finally:
+            cgroups.kill_inside([Path(g) for g in bed.groups])
+
+
+def _wait(procs: list[subprocess.Popen]) -> int:
+    """Every machine's exit code, worst first; once one fails the rest get GRACE_S."""
+    failed_at = None
+    while any(p.poll() is None for p in procs):
+        if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.1)
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=GRACE_S))
+        except subprocess.TimeoutExpired:  # the caller kills what is left
+            codes.append(1)
+    return max(codes, key=abs)

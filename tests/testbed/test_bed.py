@@ -1,0 +1,70 @@
+"""A named testbed: made, used by a job with one worker process on each machine (its own
+network namespace and cpu cgroup), and removed with nothing left behind."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from netpart.cli import main
+from netpart.testbed import cgroups, netns
+from netpart.testbed.bed import STATE, TestbedError, down, read, up
+
+REASON = netns.unavailable() or cgroups.unavailable()
+pytestmark = [pytest.mark.skipif(REASON is not None, reason=str(REASON)),
+              pytest.mark.timeout(240)]  # fmt: skip
+
+
+def _worker_of(group: Path) -> int | None:
+    """The pid of a `netpart check` worker (torchrun's child) inside `group`, if any."""
+    for pid in (group / "cgroup.procs").read_text().split():
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"check" in cmdline and b"\0RANK=" in b"\0" + environ:
+            return int(pid)
+    return None
+
+
+def test_a_job_runs_one_worker_on_each_machine_and_down_leaves_nothing(capsys):
+    name = f"t{os.getpid() % 100000}"
+    bed = up(name, 2, cpu=0.5, rate="1gbit")
+    try:
+        with pytest.raises(TestbedError, match="exists"):
+            up(name, 2, cpu=0.5, rate="1gbit")
+        assert read(name) == bed
+        argv = [sys.executable, "-m", "netpart", "check", "--testbed", name,
+                "--model", "tiny-local", "--workers", "2"]  # fmt: skip
+        job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        seen: dict[int, int] = {}
+        while job.poll() is None and len(seen) < 2:
+            for i, g in enumerate(bed.groups):
+                pid = _worker_of(Path(g))
+                if pid is not None and i not in seen:
+                    ns = subprocess.run(["ip", "netns", "identify", str(pid)],
+                                        capture_output=True, text=True).stdout.strip()  # fmt: skip
+                    if ns:  # identified once the worker has started inside it
+                        assert ns == bed.hosts[i].netns
+                        seen[i] = pid
+            time.sleep(0.02)
+        out, err = job.communicate(timeout=180)
+        assert job.returncode == 0, err[-2000:]
+        assert "OK: all within" in out
+        assert sorted(seen) == [0, 1] and seen[0] != seen[1]
+    finally:
+        removed = down(name)
+    assert bed.switch in removed and not (STATE / f"{name}.json").exists()
+    assert not set(netns.namespaces()) & {bed.switch, *(h.netns for h in bed.hosts)}
+    assert not any(Path(g).exists() for g in bed.groups)
+    assert main(["testbed", "down", name]) == 0 and "none" in capsys.readouterr().out
+
+
+def test_a_job_on_a_testbed_that_is_not_up_is_one_line(capsys):
+    argv = ["check", "--testbed", "nosuchbed", "--model", "tiny-local", "--workers", "2"]
+    assert main(argv) == 2
+    assert "no testbed 'nosuchbed'" in capsys.readouterr().err

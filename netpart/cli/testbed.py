@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
-import os
 import signal
 import subprocess
 import sys
@@ -110,8 +109,7 @@ def on_testbed(name: str, argv: list[str]) -> int:
                        "--node-rank", str(i), "--master-addr", bed.hosts[0].address,
                        "--master-port", str(PORT), "--local-addr", host.address,
                        "-m", "netpart", *argv]  # fmt: skip
-                env = {"GLOO_SOCKET_IFNAME": host.device, "PYTHONPATH": os.getcwd(),
-                       "TORCH_CPP_LOG_LEVEL": "ERROR"}  # fmt: skip
+                env = {"GLOO_SOCKET_IFNAME": host.device, "TORCH_CPP_LOG_LEVEL": "ERROR"}
                 procs.append(subprocess.Popen(bed.command(i, cmd, env)))
             return _wait(procs)
         finally:

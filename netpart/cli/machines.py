@@ -53,6 +53,16 @@ def machines_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _check_out(out, name: str) -> None:
+    """`--out` holds nothing but an earlier `name` and is writable (before any work)."""
+    from netpart.files import foreign_entries
+
+    if out is not None and (found := foreign_entries(out, name)):
+        raise PlanError(f"--out {out}: not empty (holds {', '.join(found)})")
+    if out is not None:
+        check_writable(out, "--out")
+
+
 def _within_model(spec, counts: list[int], blocks_per_worker: int) -> list[int]:
     """The counts the model can spread over (each worker owning part of its widest layer);
     the rest are dropped with a note, PlanError if none is left."""
@@ -78,7 +88,7 @@ def sweep(spec, args: argparse.Namespace, network) -> int:
 
     from tqdm import tqdm
 
-    from netpart.files import foreign_entries, write_files
+    from netpart.files import write_files
     from netpart.partition import Granularity, plan
     from netpart.partition.pictures import sweep_png
     from netpart.partition.report import sweep_table
@@ -90,10 +100,7 @@ def sweep(spec, args: argparse.Namespace, network) -> int:
         raise PlanError(f"--sweep {exc}") from None
     if not args.gain > 1:
         raise PlanError(f"--gain {args.gain}: must be > 1 (a doubling that buys nothing)")
-    if args.out is not None and (found := foreign_entries(args.out, "sweep.json")):
-        raise PlanError(f"--out {args.out}: not empty (holds {', '.join(found)})")
-    if args.out is not None:
-        check_writable(args.out, "--out")
+    _check_out(args.out, "sweep.json")
     counts = _within_model(spec, counts, args.blocks_per_worker)
     steps = []
     for n in tqdm(counts, desc="sweep", disable=not sys.stderr.isatty(), leave=False):
@@ -125,22 +132,19 @@ def plan_cluster(spec, args: argparse.Namespace, network) -> int:
     """`plan --machines M`: every layout predicted, the fastest recommended."""
     import json
 
-    from netpart.files import foreign_entries, write_files
+    from netpart.files import write_files
     from netpart.partition.cluster import advise
     from netpart.partition.graph import Granularity, graph_size
     from netpart.partition.pictures import cluster_png
     from netpart.partition.report import cluster_markdown, cluster_table
 
-    if args.out is not None and (found := foreign_entries(args.out, "cluster.json")):
-        raise PlanError(f"--out {args.out}: not empty (holds {', '.join(found)})")
-    if args.out is not None:
-        check_writable(args.out, "--out")
+    _check_out(args.out, "cluster.json")
     memory = 0.0
     if args.machine is not None:
         from netpart.partition.machine import read_machine
 
         memory = read_machine(args.machine).memory_bytes
-    widest = graph_size(spec, Granularity.for_workers(args.machines)).widest
+    widest = graph_size(spec, Granularity.for_workers(args.machines, args.blocks_per_worker)).widest
     advice = advise(
         spec, args.machines, network, batch=args.batch, examples=args.examples,
         n_push=args.n_push, n_fetch=args.n_fetch, memory_per_machine=memory,

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from netpart.errors import PlanError
+from netpart.train.config import MAX_SEED, MAX_TIMEOUT, MIN_TIMEOUT
 
 __all__ = [
     "add_launch_args",
@@ -65,24 +66,26 @@ def _read_only(path: Path) -> bool:
 
 
 def seed_int(text: str) -> int:
-    """A seed: an integer from 0 to 2**63 - 1 (they key 64-bit random streams)."""
+    """A seed: an integer from 0 to MAX_SEED (they key 64-bit random streams)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"give an integer from 0 to {2**63 - 1}, got {value}")
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"give an integer from 0 to {MAX_SEED}, got {value}")
     return value
 
 
 def timeout_s(text: str) -> float:
-    """A timeout in seconds: a number from 0.1 s to a week."""
+    """A timeout in seconds: a number from MIN_TIMEOUT (0.1 s) to MAX_TIMEOUT (a week)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not 0.1 <= value <= 7 * 24 * 3600.0:
-        raise argparse.ArgumentTypeError(f"give 0.1 s to a week (604800 s), got {text}")
+    if not MIN_TIMEOUT <= value <= MAX_TIMEOUT:
+        raise argparse.ArgumentTypeError(
+            f"give {MIN_TIMEOUT:g} s to a week ({MAX_TIMEOUT:g} s), got {text}"
+        )
     return value
 
 

@@ -32,6 +32,7 @@ from netpart.models import load_spec
 from netpart.partition.cluster import advise
 from netpart.partition.cost import NetworkModel
 from netpart.partition.machine import Machine, read_machine
+from netpart.testbed import netns
 from netpart.testbed.bed import down, up
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,6 +81,34 @@ def train(bed: str, layout, args, run: Path) -> float:
     return measured_samples_per_s(run, layout.replicas)
 
 
+def repredict(path: Path, out: Path) -> int:
+    """Rewrite a result's predictions (and ratios) with this tree's model; the predictions it
+    was run with stay as `predicted_at_run`."""
+    result = json.loads(path.read_text())
+    profile = result["profile"]
+    if profile:
+        network = NetworkModel.from_profile(Path(profile).read_text(), profile)
+    else:
+        network = Machine.from_dict(result["machine"]).to_network()
+    advice = advise(load_spec(result["model"]), result["machines"], network, batch=BATCH)
+    now = {str(f.layout): f.samples_per_s for f in advice.layouts}
+    for row in result["rows"]:
+        row.setdefault("predicted_at_run", row["predicted"])
+        row["predicted"] = now[row["layout"]]
+        row["ratio"] = row["measured"] / row["predicted"]
+        print(f"{row['layout']:<16} measured {row['measured']:9,.0f} samples/s, predicted "
+              f"{row['predicted']:9,.0f} (at the run {row['predicted_at_run']:9,.0f})")  # fmt: skip
+    within = sum(abs(r["ratio"] - 1) <= 0.15 for r in result["rows"])
+    best = max(result["rows"], key=lambda r: r["measured"])
+    top = max(result["rows"], key=lambda r: r["predicted"])
+    result["recommended"] = str(advice.best.layout)
+    print(f"{within} of {len(result['rows'])} within 15%; recommended (no all-reduce) "
+          f"{top['layout']} measures {top['measured'] / best['measured']:.2f} of the best, "
+          f"{best['layout']}; overall recommendation {advice.best.layout}")  # fmt: skip
+    write_atomic(out, json.dumps(result, indent=1).encode())
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--machines", type=int, default=4)
@@ -91,8 +120,13 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--profile", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--repredict", type=Path, default=None,
+                    help="a result of this script: predict its layouts again with this tree's "
+                    "model (same machines, model, profile), keep its measurements")  # fmt: skip
     args = ap.parse_args(argv)
-    link = float(args.link.lower().removesuffix("gbit")) * 1e9 if "gbit" in args.link else 1e8
+    if args.repredict is not None:
+        return repredict(args.repredict, args.out or args.repredict)
+    link = netns.rate_bps(args.link)
     machine = on_share(read_machine(HOST), args.cpu, link)
     network = machine.to_network()
     if args.profile is not None:

@@ -1,30 +1,40 @@
-"""Halo overlap and the 2-worker speedup on emulated dedicated machines, side by side in one run.
+"""Model parallelism on emulated dedicated machines: the N-worker step against the 1-worker
+step, split against joined against the planner's choice, the exchange against its wire time.
 
-On this machine's loopback a halo is a memory copy by gloo's threads on the cores that compute,
-so splitting layers does not pay (docs/runtime.md). Here each worker has a machine of its own:
-a network namespace behind a `tc tbf` link and a cpu cgroup held to a share of one core
-(`netpart.calibrate.emulated`'s machines). Per model and round, alternating:
+Each worker has a machine of its own: a network namespace behind a shaped link (`tc tbf`,
+its bucket `netns.burst_for(rate)`) and either a cpu cgroup held to `--share` of a core
+(`quota`) or a whole core of its own by cpuset (`cores`; this machine has two, so N <= 2).
+Per rate, emulation and model, rounds alternating the cases:
 
-- `one`: the 1-worker step (one machine);
-- `split`: the 2-worker step, every layer that qualifies split (interior units while the
-  forward halo travels, weight gradients while the backward halo does), as across machines;
-- `joined`: the same plan with no layer split (halo exchanged, then computed);
-- `exchange`: the same plan running only its messages (what the bytes cost alone).
+- `one`: the 1-worker step (one machine); from it the machine's rate (FLOP/s), with which
+  and the link's bandwidth the N-worker plan is made, so the planner's choice of which layers
+  to split (`netpart.partition.overlap`) is made for this machine;
+- per N: `auto` (the plan's choice), `split` (every layer that qualifies split: interior
+  units while the forward halo travels, weight gradients while the backward halo does,
+  producer chains), `joined` (no layer split: halo exchanged, then computed), `exchange`
+  (the plan's messages alone).
 
-Figures (medians over rounds): speedup = one / split; the share of the exchange hidden =
-1 - exposed(split) / exposed(joined), where exposed is a step's time blocked on halo
-(`wait`, mean over the two workers, median per step); and per layer, each phase's exposed
-and hidden milliseconds (worker 0's last step of the last round). Needs root.
+Figures (medians over rounds): speedup = one / case; the exchange alone against the wire
+time of the plan's bytes (busiest worker, per phase the larger of what it sends and
+receives, at the link's rate); the transport's CPU per byte moved (gloo's threads in the
+joined step); the share of the exchange a split hides (1 - exposed split / exposed joined);
+and `split_cost`, what splitting added to the work (the split step less the joined one,
+plus the exchange it hid) per second of the work the plan can hide behind
+(`overlap.hiding`). Each round runs the cases in an order rotated by a third (so a position's
+effect falls on every case alike). Needs root.
 
-    python benchmarks/overlap_bench.py --out benchmarks/results/overlap_bench.json  # ~6 min
+    python benchmarks/overlap_bench.py --out benchmarks/results/overlap_bench.json  # ~25 min
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -35,102 +45,159 @@ sys.path.insert(0, str(ROOT))
 from netpart.calibrate.emulated import WARMUP, EmulatedRunner  # noqa: E402
 from netpart.models import load_spec  # noqa: E402
 from netpart.partition import plan  # noqa: E402
+from netpart.partition.cost import NetworkModel  # noqa: E402
+from netpart.testbed import cgroups, netns  # noqa: E402
 
 BATCH, STEPS = 32, 10
-CASES = ("one", "split", "joined", "exchange")
+CASES = ("auto", "split", "joined", "exchange")
 
 
-def _case(runner: EmulatedRunner, spec, plans: dict, case: str) -> dict:
-    """One run of one case: its median step (slowest worker) and, with two workers, the
-    median `wait` per step (mean over workers) and worker 0's last step per layer."""
-    p = plans[1] if case == "one" else plans[2]
+def _median_of(usage: list[dict], key: str) -> float:
+    return float(statistics.median(u.get(key, 0.0) for u in usage[WARMUP:]))
+
+
+def _case(runner: EmulatedRunner, spec, p, case: str) -> dict:
+    """One run of one case: its median step (slowest worker); with several workers, the
+    median blocked on halo (`wait`, mean over workers) and CPU per step of the main thread
+    and of gloo's threads (mean over workers)."""
     loaded = runner.results(
         spec, p, BATCH, STEPS, exchange_only=case == "exchange", split=case != "joined"
     )
     times = np.max([r.step_times for r, _, _ in loaded], axis=0)[WARMUP:]
     out = {"step_ms": float(np.median(times)) * 1e3}
-    if case in ("split", "joined"):
+    if case in ("auto", "split", "joined") and p.workers > 1:
         waits = [statistics.median(s["wait"] for s in prof[WARMUP:]) for _, prof, _ in loaded]
         out["exposed_ms"] = float(np.mean(waits)) * 1e3
-        last = loaded[0][0]
-        out["layers"] = {
-            f"{layer}/{phase}": {
-                "exposed_ms": last.exchange_s.get((layer, phase), 0.0) * 1e3,
-                "hidden_ms": last.hidden_s.get((layer, phase), 0.0) * 1e3,
-            }
-            for layer, phase in sorted(set(last.exchange_s) | set(last.hidden_s))
-        }
+        out["main_cpu_ms"] = 1e3 * float(np.mean([_median_of(u, "main_cpu_s") for *_, u in loaded]))
+        gloo = [sum(_median_of(u, k) for k in u[-1] if k.startswith("gloo") and k.endswith("cpu_s"))
+                for *_, u in loaded]  # fmt: skip
+        out["gloo_cpu_ms"] = 1e3 * float(np.mean(gloo))
+    return out
+
+
+def _wire_ms(p, rate_bps: float) -> float:
+    """The plan's bytes per step on the busiest worker's link at `rate_bps`: per phase
+    (forward values, backward gradients) the larger of what it sends and receives."""
+    busiest = max(max(w.halo_in_bytes, w.halo_out_bytes) for w in p.per_worker)
+    return 2 * busiest * BATCH * 8 / rate_bps * 1e3
+
+
+def _variants(spec, n: int, rate: float, one_s: float) -> dict:
+    """The N-worker plan made for this machine (its rate from the 1-worker step), and the
+    same node map with every layer split and with none."""
+    flops = sum(sum(w.flops) for w in plan(spec, 1, "metis", batch=BATCH).per_worker)
+    net = NetworkModel(bandwidth_bps=rate, flops_per_s=flops * BATCH / one_s)
+    auto = plan(spec, n, "metis", batch=BATCH, network=net)
+    every = replace(auto, layers=tuple(replace(layer, split=True) for layer in auto.layers))
+    return {"auto": auto, "split": every, "joined": auto, "exchange": auto}
+
+
+def _machines(stack, n: int, rate: str, cpu: str, share: float) -> EmulatedRunner:
+    hosts = stack.enter_context(netns.switched_hosts(n, rate=rate))
+    quota = cpu == "quota"
+    groups = stack.enter_context(cgroups.cpu_shares(n, share) if quota else cgroups.whole_cores(n))
+    return EmulatedRunner(hosts, groups, share if quota else 1.0)
+
+
+def _bench(spec, rate: str, cpu: str, counts: list[int], args) -> dict:
+    """Every case of one model on one link and emulation, `args.rounds` rounds."""
+    runs: dict[str, list[dict]] = {"one": []}
+    plans: dict = {}
+    with contextlib.ExitStack() as stack:
+        runner = _machines(stack, max(counts), rate, cpu, args.share)
+        for r in range(args.rounds):
+            if not plans:  # the machine's rate, from a first 1-worker step
+                first = _case(runner, spec, plan(spec, 1, "metis", batch=BATCH), "one")
+                one_s = first["step_ms"] / 1e3
+                plans = {n: _variants(spec, n, netns.rate_bps(rate), one_s) for n in counts}
+            order = [("one", 1), *((case, n) for n in counts for case in CASES)]
+            shift = r * len(order) // args.rounds  # each round starts elsewhere in the order
+            for case, n in order[shift:] + order[:shift]:
+                p = plan(spec, 1, "metis", batch=BATCH) if case == "one" else plans[n][case]
+                key = "one" if case == "one" else f"{case}{n}"
+                runs.setdefault(key, []).append(_case(runner, spec, p, case))
+            last = ", ".join(f"{k} {v[-1]['step_ms']:.1f}" for k, v in runs.items())
+            print(f"  round {r + 1}: {last}", flush=True)
+    return _summary(runs, plans, netns.rate_bps(rate))
+
+
+def _summary(runs: dict[str, list[dict]], plans: dict, rate_bps: float) -> dict:
+    """Medians over rounds per number of workers, printed; the rounds kept."""
+
+    def med(key: str, field: str = "step_ms") -> float:
+        return float(statistics.median(r[field] for r in runs[key]))
+
+    one = med("one")
+    out: dict = {"one_ms": one, "workers": {}, "rounds": runs}
+    for n, variants in plans.items():
+        p = variants["auto"]
+        steps = {case: med(f"{case}{n}") for case in CASES}
+        moved = np.mean([2 * (w.halo_in_bytes + w.halo_out_bytes) * BATCH for w in p.per_worker])
+        hideable = sum(layer.hideable_s for layer in p.layers) * 1e3
+        # what splitting added: the step's growth plus the exchange it hid
+        hid = med(f"joined{n}", "exposed_ms") - med(f"split{n}", "exposed_ms")
+        extra = steps["split"] - steps["joined"] + hid
+        best = min(steps["split"], steps["joined"])
+        fig = {
+            **{f"{case}_ms": steps[case] for case in CASES},
+            **{f"speedup_{case}": one / steps[case] for case in ("auto", "split", "joined")},
+            "auto_over_best": steps["auto"] / best,
+            "split_layers": [layer.name for layer in p.layers if layer.split],
+            "wire_ms": _wire_ms(p, rate_bps),
+            "exchange_over_wire": steps["exchange"] / _wire_ms(p, rate_bps),
+            "gloo_cpu_ms_per_mb": med(f"joined{n}", "gloo_cpu_ms") / (moved / 1e6),
+            "exposed_split_ms": med(f"split{n}", "exposed_ms"),
+            "exposed_joined_ms": med(f"joined{n}", "exposed_ms"),
+            "hidden_share": 1 - med(f"split{n}", "exposed_ms") / med(f"joined{n}", "exposed_ms"),
+            "split_extra_ms": extra,
+            "hideable_ms": hideable,
+            "split_cost": extra / hideable if hideable > 0 else None,
+        }  # fmt: skip
+        out["workers"][str(n)] = fig
+        print(
+            f"  N={n}: one {one:.1f} ms; auto {steps['auto']:.1f} ({fig['speedup_auto']:.2f}x, "
+            f"splits {fig['split_layers'] or 'none'}), split {steps['split']:.1f} "
+            f"({fig['speedup_split']:.2f}x), joined {steps['joined']:.1f} "
+            f"({fig['speedup_joined']:.2f}x); auto / best {fig['auto_over_best']:.3f}; exchange "
+            f"{steps['exchange']:.1f} ms = {fig['exchange_over_wire']:.2f}x wire "
+            f"{fig['wire_ms']:.1f} ms; gloo {fig['gloo_cpu_ms_per_mb']:.2f} ms CPU/MB; hidden "
+            f"{fig['hidden_share']:.0%}; split cost {extra:.1f} ms = "
+            f"{fig['split_cost'] or 0:.2f} of {hideable:.1f} ms hideable",
+            flush=True,
+        )
     return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="bench-local,bench-local-wide")
-    ap.add_argument("--share", type=float, default=0.45, help="each machine's share of a core")
-    ap.add_argument("--rate", default="100mbit", help="each machine's link (tc tbf)")
+    ap.add_argument("--share", type=float, default=0.45, help="a quota machine's share of a core")
+    ap.add_argument("--rates", default="1gbit,100mbit", help="each machine's link (tc units)")
+    ap.add_argument("--cpus", default="quota,cores", help="emulations: quota and/or cores")
+    ap.add_argument("--workers", default="2,4", help="model workers to compare with one")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    from netpart.testbed import cgroups, netns
-
     why = netns.unavailable() or cgroups.unavailable()
     if why is not None:
         print(f"overlap_bench: skipped: {why}")
         return 0
-    results: dict = {"share": args.share, "rate": args.rate, "batch": BATCH, "models": {}}
-    with (
-        netns.switched_hosts(2, rate=args.rate, burst="1600") as hosts,
-        cgroups.cpu_shares(2, args.share) as groups,
-    ):
-        runner = EmulatedRunner(hosts, groups, args.share)
-        for name in args.models.split(","):
-            spec = load_spec(name)
-            plans = {n: plan(spec, n, "metis", batch=BATCH) for n in (1, 2)}
-            runs: dict[str, list[dict]] = {c: [] for c in CASES}
-            for r in range(args.rounds):
-                for case in CASES:
-                    runs[case].append(_case(runner, spec, plans, case))
-                print(f"{name} round {r + 1}: " + ", ".join(
-                    f"{c} {runs[c][-1]['step_ms']:.1f} ms" for c in CASES
-                ), flush=True)  # fmt: skip
-            results["models"][name] = _summary(name, runs)
+    cores = len(os.sched_getaffinity(0))
+    results: dict = {"share": args.share, "batch": BATCH, "steps": STEPS, "runs": {}}
+    for rate in args.rates.split(","):
+        for cpu in args.cpus.split(","):
+            counts = [int(n) for n in args.workers.split(",")]
+            if cpu == "cores":  # a core each: no more machines than cores
+                counts = [n for n in counts if n <= cores]
+            for name in args.models.split(","):
+                print(f"{name}, {rate}, {cpu}:", flush=True)
+                spec = load_spec(name)
+                results["runs"][f"{name}/{rate}/{cpu}"] = _bench(spec, rate, cpu, counts, args)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1))
         print(f"wrote {args.out}")
     return 0
-
-
-def _summary(name: str, runs: dict[str, list[dict]]) -> dict:
-    """Medians over rounds, printed; the rounds kept."""
-
-    def med(case: str, key: str) -> float:
-        return float(statistics.median(r[key] for r in runs[case]))
-
-    one, split, joined = med("one", "step_ms"), med("split", "step_ms"), med("joined", "step_ms")
-    pairs = zip(runs["split"], runs["joined"], strict=True)
-    hidden = [1 - s["exposed_ms"] / j["exposed_ms"] for s, j in pairs]
-    out = {
-        "one_ms": one, "split_ms": split, "joined_ms": joined,
-        "exchange_ms": med("exchange", "step_ms"),
-        "exposed_split_ms": med("split", "exposed_ms"),
-        "exposed_joined_ms": med("joined", "exposed_ms"),
-        "speedup": one / split, "speedup_joined": one / joined,
-        "hidden_share": float(statistics.median(hidden)), "hidden_rounds": hidden,
-        "layers_split": runs["split"][-1]["layers"], "rounds": runs,
-    }  # fmt: skip
-    print(
-        f"{name}: N=1 {one:.1f} ms, N=2 split {split:.1f} ms (speedup {out['speedup']:.2f}x), "
-        f"joined {joined:.1f} ms ({out['speedup_joined']:.2f}x), exchange alone "
-        f"{out['exchange_ms']:.1f} ms; exposed {out['exposed_split_ms']:.1f} vs "
-        f"{out['exposed_joined_ms']:.1f} ms: {out['hidden_share']:.0%} hidden "
-        f"(rounds {', '.join(f'{h:.0%}' for h in hidden)})"
-    )
-    layers = out["layers_split"]
-    print("  per layer (split, worker 0, last step; exposed/hidden ms): " + "; ".join(
-        f"{k} {v['exposed_ms']:.0f}/{v['hidden_ms']:.0f}" for k, v in layers.items()
-    ))  # fmt: skip
-    return out
 
 
 if __name__ == "__main__":

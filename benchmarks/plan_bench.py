@@ -6,9 +6,9 @@ included) and its peak RSS; for the acceptance case also `netpart plan ... --no-
 command a user runs. Cases: image-80m, image-330m and image-1.7b at 16, 64, 128 and 512
 workers, speech at 8 to 128. For the image models at 16, 64 and 128 every candidate auto
 weighed (volume / bound, imbalance, predicted step); for speech at 8 auto against stripe.
-Each plan's digest (its node map and the winner's metrics) is recorded; with `--baseline DIR`
-the same plans are made by the netpart of another checkout, and the digests compared (its
-times are reported beside ours, not judged).
+Each plan's digest (its node map and the winner's metrics) and its node map's own are
+recorded; with `--baseline DIR` the same plans are made by the netpart of another checkout,
+and the digests compared (its times are reported beside ours, not judged).
 
     python benchmarks/plan_bench.py --out benchmarks/results/plan_bench.json
     python benchmarks/plan_bench.py --baseline /tmp/old --out ...   # digests against it
@@ -62,7 +62,9 @@ def _child(model: str, workers: int, method: str, started: float) -> None:
         "model": model, "workers": workers, "method": method, "chosen": p.method,
         "options": p.method_options, "plan_s": wall, "process_s": time.time() - started,
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        "blocks": len(p.node_map), "digest": digest.hexdigest()[:16], **_figures(p.metrics),
+        "blocks": len(p.node_map), "digest": digest.hexdigest()[:16],
+        "map_digest": hashlib.sha256(p.node_map.astype("int64").tobytes()).hexdigest()[:16],
+        **_figures(p.metrics),
         "candidates": [
             {"method": c.method, "options": c.options, "skipped": getattr(c, "skipped", ""),
              **_figures(c.metrics)}
@@ -156,9 +158,12 @@ def _compare(timed: list[dict], baseline: Path) -> list[str]:
             continue
         old = _run(r["model"], r["workers"], tree=baseline)
         same = old["digest"] == r["digest"]
+        maps = "same node map" if old.get("map_digest") == r["map_digest"] else "other node map"
+        if old.get("map_digest") is None:  # a baseline from before map digests
+            maps = "node map not compared"
         lines.append(
             f"{r['model']} x {r['workers']}: winner {r['chosen']} {r['digest']} vs baseline "
-            f"{old['chosen']} {old['digest']}: {'same' if same else 'DIFFERENT'}; plan "
+            f"{old['chosen']} {old['digest']}: {'same' if same else 'DIFFERENT'} ({maps}); plan "
             f"{r['plan_s']:.1f} s vs {old['plan_s']:.1f} s, {r['peak_rss_gib']:.2f} vs "
             f"{old['peak_rss_gib']:.2f} GiB"
         )

@@ -48,8 +48,9 @@ def register(sub) -> None:
     r.add_argument(
         "--split",
         action="store_true",
-        help="hide halo exchange behind interior compute (on by default only when a "
-        "replica's workers are on different hosts: on one host it costs what it hides)",
+        help="hide halo exchange behind interior compute in the layers where the plan says "
+        "it pays (the table's split column; on by default only when a replica's workers are "
+        "on different hosts: on one host it costs what it hides)",
     )
     r.add_argument(
         "--no-overlap",
@@ -295,7 +296,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"speed probe during the run: {slowdown:.2f}x its median while the profile was "
             f"calibrated{spell if slowdown > SLOW_SPELL else ''}"
         )
-    _layer_table(spec, result)
+    _layer_table(spec, result, p if args.split and not args.no_overlap else None)
     if args.breakdown:
         _breakdown_table(result, warmup)
     sent = sum(v for s in result.sent for v in s.values())
@@ -330,11 +331,14 @@ def _run_plan(args: argparse.Namespace):
     return spec, p, network
 
 
-def _layer_table(spec, result) -> None:
+def _layer_table(spec, result, split_plan=None) -> None:
     """Per layer, the slowest worker's compute, exposed exchange (posting and waiting) and
-    hidden exchange (in flight while it computed), forward + backward, in the last step."""
+    hidden exchange (in flight while it computed), forward + backward, in the last step; and
+    with `split_plan` (layers split), whether the plan splits it."""
+    from netpart.partition.report import split_label
+
     echo(
-        f"{'layer':<10} {'compute ms':>11} {'exposed ms':>11} {'hidden ms':>10}"
+        f"{'layer':<10} {'compute ms':>11} {'exposed ms':>11} {'hidden ms':>10} {'split':>14}"
         "  (exchange; slowest worker, last step)"
     )
 
@@ -345,8 +349,9 @@ def _layer_table(spec, result) -> None:
         comp = max(both(c, i) for c in result.compute_s)
         exposed = max(both(e, i) for e in result.exchange_s)
         hidden = max(both(h, i) for h in result.hidden_s) if result.hidden_s else 0.0
+        split = split_label(split_plan.layers[i]) if split_plan else "off (one host)"
         echo(f"{spec.layer_name(i):<10} {comp * 1e3:>11.2f} {exposed * 1e3:>11.2f} "
-             f"{hidden * 1e3:>10.2f}")  # fmt: skip
+             f"{hidden * 1e3:>10.2f} {split:>14}")  # fmt: skip
     loss = max(e.get((len(spec.layers), "loss"), 0.0) for e in result.exchange_s)
     echo(f"{'loss':<10} {'':>11} {loss * 1e3:>11.2f}")
 

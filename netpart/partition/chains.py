@@ -62,15 +62,19 @@ def producer_chains(
     sends: tuple[dict[tuple[int, int], np.ndarray], ...],
     flops: np.ndarray,
     min_flops: float,
+    split: tuple[bool, ...] = (),
 ) -> tuple[tuple[tuple[np.ndarray, ...], ...], tuple[tuple[tuple[int, int], ...], ...]]:
     """(early[layer][worker], chains[worker]): each worker's chains (a, b), lowest layer
     first, and their early units (sorted; empty outside chains). A chain is kept only when
-    its late units hold at least `min_flops` of work per example."""
+    its late units hold at least `min_flops` of work per example, and the layer whose halo it
+    hides is in `split` (any, when empty)."""
     layers, workers = len(owned), len(owned[0])
     early = [[owned[layer][w][:0] for w in range(workers)] for layer in range(layers)]
     chains: list[list[tuple[int, int]]] = [[] for _ in range(workers)]
     for w in range(workers):
         for message in range(layers - 1, 0, -1):
+            if split and not split[message]:
+                continue
             found = _chain(spec, owned, sends, w, message)
             late = sum(flops[lay, w] * (1 - len(e) / len(owned[lay][w])) for lay, e in found)
             if not found or late < min_flops:

@@ -11,14 +11,16 @@ bandwidth):
   it holds (4 bytes each) to the shards that hold them, every n_fetch steps it fetches them;
   a shard's link carries the pushes and fetches of every replica's workers (the shard's values
   x R, each way), and the shard applies each push (`UPDATE_S_PER_VALUE` a value).
-- **Downpour**: replicas do not wait for each other. A replica's step is its model-parallel
-  step plus its workers' push and fetch (not overlapped); the busiest shard serves R such
-  steps in the time of one of its own, so a replica's effective step is the longer of the two.
-  Staleness: the pushes of other replicas applied between a replica's fetch and the push it
-  feeds, (R - 1) x max(n_push, n_fetch) / n_push.
+- **Downpour**: replicas do not wait for each other. A worker's push and fetch travel at
+  once, both ways, beside its next step (the client's courier keeps two requests in
+  flight), so a replica's step is the longer of its model-parallel step and its workers'
+  push-and-fetch; the busiest shard serves R such steps in the time of one of its own, so a
+  replica's effective step is the longer of the two. Staleness: the pushes of other
+  replicas applied between a replica's fetch and the push it feeds,
+  (R - 1) x max(n_push, n_fetch) / n_push.
 - **sync**: every replica computes, pushes, the shards apply, every replica fetches: the step
-  is the model-parallel step plus the busiest shard's R pushes in, its update, its R fetches
-  out (n_push = n_fetch = 1).
+  is the model-parallel step plus the pushes (the longer of a worker's and the busiest
+  shard's R in), its update, and the fetches likewise (n_push = n_fetch = 1).
 - **all-reduce**: M replicas of one worker; a ring all-reduce moves 2(M-1)/M of the model
   through each machine's link in 2(M-1) phases. Only where one machine holds the model.
 - **memory per machine**: a worker holds its values, their gradients and a fetched copy, and
@@ -210,7 +212,7 @@ def _ps(spec, layout: Layout, mp: _ModelParallel, shards: ShardLayout, network, 
     nbytes = BYTES_PER_VALUE * sizes
     push = network.phase_s(nbytes, peers) / n_push
     fetch = network.phase_s(nbytes, peers) / n_fetch
-    worker_ps = float((push + fetch).max())
+    worker_push, worker_fetch = float(push.max()), float(fetch.max())
     held = BYTES_PER_VALUE * shards.shard_sizes().astype(np.float64)
     talkers = np.array([len(shards.peers(s)) * r for s in range(layout.shards)])
     shard_in = network.phase_s(r * held, talkers) / n_push
@@ -220,11 +222,14 @@ def _ps(spec, layout: Layout, mp: _ModelParallel, shards: ShardLayout, network, 
     memory = max(worker_mem, float(2 * held.max()))
     busiest = int(np.argmax(held))
     link_bytes = float(r * held[busiest] / min(n_push, n_fetch))
-    if layout.mode == "sync":
-        step = mp.step_s + worker_ps + float((shard_in + update + shard_out).max())
+    if layout.mode == "sync":  # pushes in (each worker's and the shard's links at once),
+        # the update, fetches out
+        into = np.maximum(shard_in, worker_push) + update + np.maximum(shard_out, worker_fetch)
+        step = mp.step_s + float(into.max())
         staleness = 0.0
-    else:
-        own = mp.step_s + worker_ps
+    else:  # the courier carries a step's push and fetch at once (both ways, as `phase_s`
+        # prices them) beside the next step
+        own = max(mp.step_s, worker_push, worker_fetch)
         step = max(own, float(np.maximum(np.maximum(shard_in, shard_out), update).max()))
         staleness = (r - 1) * max(n_push, n_fetch) / n_push
     return LayoutFigures(layout, step, r * batch / step, link_bytes, f"shard {busiest}",

@@ -31,13 +31,13 @@ per number of workers a further compute slowdown and seconds per step (correctio
 may be negative; machines that share a host slow down as more of them run at once), linear
 in between, the largest count's beyond.
 
-With `overlap` (workers on machines of their own: the runtime then splits every layer whose
-work on a worker reaches `SPLIT_MIN_FLOPS` per example), a worker's forward halo travels
-while it computes the interior units of the layer (the share of its units that read no halo,
-x the kind's forward share of the slice), and its backward halo while it computes the
-layer's weight gradients (half the backward share); and both, when the layers below the halo
-form a producer chain (netpart.partition.chains), behind the chain's late units, forward and
-backward. Only the rest of each exchange is exposed.
+With `overlap` (workers on machines of their own: the runtime then splits the layers whose
+split pays, `netpart.partition.overlap`, and a split layer's work grows by `split_cost`), a
+worker's forward halo travels while it computes the interior units of the layer (the share
+of its units that read no halo, x the kind's forward share of the slice), and its backward
+halo while it computes the layer's weight gradients (half the backward share); and both,
+when the layers below the halo form a producer chain (netpart.partition.chains), behind the
+chain's late units, forward and backward. Only the rest of each exchange is exposed.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ import numpy as np
 
 from netpart.errors import PlanError
 from netpart.partition.graph import BYTES_PER_VALUE
+from netpart.partition.overlap import SPLIT_COST, SPLIT_MIN_FLOPS, apply, choose_splits, hiding
 from netpart.partition.tables import FORWARD_SHARE, KindCost, LayerCost, table_points
 
 __all__ = [
@@ -60,11 +61,11 @@ __all__ = [
     "LayerCost",
     "NetworkModel",
     "layer_times",
+    "split_layers",
     "step_times",
 ]
 
 PROFILE_SCHEMA = 2  # 2: a kind's per_value counts the values a slice reads (1: its input buffer)
-SPLIT_MIN_FLOPS = 1e6  # per example: below it a split's calls cost what they hide
 
 _UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
@@ -102,6 +103,7 @@ class NetworkModel:
     joined_saving_s: float = 0.0  # per layer run in one autograd graph with the one below
     probe_s: float = 0.0  # median speed probe (CPU s) of the calibration runs (0: not measured)
     overlap: bool = True  # machines of their own: halo hidden behind interior compute
+    split_cost: float = SPLIT_COST  # a split's extra work, of the work it hides behind
     # peers -> (bytes each way in all, seconds) of a phase with that many peers, sorted
     link: dict[int, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     # (workers, seconds) of the loss's collective among that many, sorted
@@ -355,25 +357,10 @@ def _crowd_points(raw: Any) -> tuple[tuple[float, float, float], ...]:
     return points
 
 
-def _chain_hiding(chains, flops, work, share, hide_fwd, hide_bwd):
-    """Add to each exchange the late work of the producer chain below it (forward: its
-    forward share; backward: the rest), where that work reaches SPLIT_MIN_FLOPS."""
-    late, feeds = chains
-    at = feeds >= 0
-    rows, cols = np.nonzero(at)
-    late_flops = np.zeros_like(hide_fwd)
-    np.add.at(late_flops, (feeds[at], cols), (flops * late)[at])
-    worth = late_flops[feeds[at], cols] >= SPLIT_MIN_FLOPS
-    rows, cols, top = rows[worth], cols[worth], feeds[at][worth]
-    fwd, bwd = hide_fwd.copy(), hide_bwd.copy()
-    np.add.at(fwd, (top, cols), (work * late * share)[rows, cols])
-    np.add.at(bwd, (top, cols), (work * late * (1.0 - share))[rows, cols])
-    return fwd, bwd
-
-
 def _worker_times(flops, traffic, batch, net, kinds, values, interior, chains, keys):
     """Per layer and worker [L, P]: compute, one direction's exchange time, the work that
-    hides the forward and the backward exchange, and the forward share of compute."""
+    hides the forward and the backward exchange, and the forward share of compute; and ([L]
+    the layers split, [L, P] the work a split could hide behind, both ways)."""
     flops = np.asarray(flops, dtype=np.float64)
     work = net.worker_compute_s(flops, batch, kinds, values, keys)
     if net.joined_saving_s:  # a layer with no halo runs in one graph with the layer below
@@ -386,18 +373,15 @@ def _worker_times(flops, traffic, batch, net, kinds, values, interior, chains, k
     peers = ((traffic + traffic.transpose(0, 2, 1)) > 0).sum(axis=2)  # [L, P]
     phase = np.where(busy > 0, net.phase_s(busy, peers), 0.0)  # one direction
     share = net.forward_shares(kinds, len(flops))[:, None]
-    hide_fwd = hide_bwd = np.zeros_like(phase)
-    if net.overlap and interior is not None:
-        big = (flops >= SPLIT_MIN_FLOPS) & (recv > 0)
-        big[0] = False
-        kind = np.array(kinds if kinds is not None else ["dense"] * len(flops))[:, None]
-        split = big & (kind != "dense") & (interior > 0) & (interior < 1)
-        hide_fwd = np.where(split, interior * work * share, 0.0)
-        weights = big & np.isin(kind, ("local", "conv", "dense"))
-        hide_bwd = np.where(weights, work * (1.0 - share) / 2.0, 0.0)
-        if chains is not None:  # a worker that only sends hides behind its chain too
-            hide_fwd, hide_bwd = _chain_hiding(chains, flops, work, share, hide_fwd, hide_bwd)
-    return work, phase, hide_fwd, hide_bwd, np.broadcast_to(share, work.shape)
+    if not (net.overlap and interior is not None):
+        zero = np.zeros_like(phase)
+        none = (np.zeros(len(flops), dtype=bool), zero)
+        return work, phase, zero, zero, np.broadcast_to(share, work.shape), none
+    hide_fwd, hide_bwd = hiding(flops, work, share, recv, kinds, interior, chains)
+    split = choose_splits(phase, hide_fwd, hide_bwd, net.split_cost)
+    choice = (split, hide_fwd + hide_bwd)
+    work, share, hide_fwd, hide_bwd = apply(split, work, share, hide_fwd, hide_bwd, net.split_cost)
+    return work, phase, hide_fwd, hide_bwd, share, choice
 
 
 def step_times(
@@ -424,7 +408,7 @@ def step_times(
     (`netpart.partition.planner.chain_shares`), and `keys` each layer's
     `ModelSpec.layer_key` (a calibrated model's own tables of those layers).
     """
-    work, phase, hide_fwd, hide_bwd, share = _worker_times(
+    work, phase, hide_fwd, hide_bwd, share, _ = _worker_times(
         flops, traffic, batch, net, kinds, values, interior, chains, keys
     )
     exp_f, exp_b = np.maximum(phase - hide_fwd, 0.0), np.maximum(phase - hide_bwd, 0.0)
@@ -436,6 +420,14 @@ def step_times(
     for layer in range(len(work) - 1, -1, -1):  # backward: compute, then gradients back
         t = _arrive(t + bwd[layer], traffic[layer].T, exp_b[layer])
     return work.max(axis=1), (exp_f + exp_b).max(axis=1), float(t.max())
+
+
+def split_layers(*args, **kwargs) -> tuple[np.ndarray, np.ndarray]:
+    """([L] bool, [L] s): the layers the runtime splits to hide their halo, and the work a
+    split of each could run beside its halo, both ways, on its busiest worker
+    (`netpart.partition.overlap`; none without overlap); the arguments of `step_times`."""
+    split, hideable = _worker_times(*args, **kwargs)[-1]
+    return split, hideable.max(axis=1)
 
 
 def layer_times(*args, **kwargs) -> tuple[np.ndarray, np.ndarray]:

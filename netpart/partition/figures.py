@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from netpart.models.spec import ModelSpec
-from netpart.partition.cost import NetworkModel, step_times
+from netpart.partition.cost import NetworkModel, split_layers, step_times
 from netpart.partition.graph import BYTES_PER_VALUE, UnitGraph, build_unit_graph, narrow
 from netpart.partition.plans import LayerFigures, PartitionPlan, PlanMetrics, WorkerFigures
 from netpart.partition.reads import read_window
@@ -52,13 +52,17 @@ def evaluate(
     kinds = [layer.kind for layer in spec.layers]
     values = input_values(graph, node_map, workers, traffic)
     crossing = Crossing.of(graph, node_map)
-    interior = chains = None
-    if network.overlap:
-        interior = interior_shares(graph, node_map, workers, crossing)
-        chains = chain_shares(graph, node_map, workers, crossing)
+    interior = interior_shares(graph, node_map, workers, crossing)
+    chains = chain_shares(graph, node_map, workers, crossing)
     keys = spec.layer_keys()
-    args = (flops / speed[None, :], traffic, batch, network, kinds, values, interior, chains)
-    compute, exchange, path = step_times(*args, keys)  # path <= compute.sum() + exchange.sum()
+    args = (flops / speed[None, :], traffic, batch, network, kinds, values)
+    # path <= compute.sum() + exchange.sum(); nothing hides a halo without overlap
+    hiding = (interior, chains) if network.overlap else (None, None)
+    compute, exchange, path = step_times(*args, *hiding, keys)
+    # What to split where the workers have machines of their own (on one host none is).
+    split, hideable = split_layers(
+        *args[:3], replace(network, overlap=True), *args[4:], interior, chains, keys
+    )
     fixed = network.fixed_s(workers)
     lower = layer_lower_bounds(spec, used.sum(axis=1))
     per_layer_volume = traffic.sum(axis=(1, 2))
@@ -73,10 +77,9 @@ def evaluate(
         compute_s=float(min(compute.sum(), path)),
         exchange_s=float(max(path - compute.sum(), 0.0)),
     )
+    times = (compute, exchange, split, hideable)
     layers = tuple(
-        _layer_figures(
-            graph, i, spread, used, per_layer_volume, lower, imbalance, (compute, exchange)
-        )
+        _layer_figures(graph, i, spread, used, per_layer_volume, lower, imbalance, times)
         for i in range(nlayers)
     )
     return metrics, layers, _worker_figures(graph, node_map, traffic, flops)
@@ -143,7 +146,7 @@ def _imbalance(graph: UnitGraph, flops: np.ndarray, share: np.ndarray) -> np.nda
 
 def _layer_figures(graph, i, spread, used, volume, lower, imbalance, times) -> LayerFigures:
     """Layer `i`'s figures from the per-layer arrays of `evaluate`."""
-    compute, exchange = times
+    compute, exchange, split, hideable = times
     return LayerFigures(
         name=graph.spec.layer_name(i),
         shape=str(graph.spec.shapes[i]),
@@ -155,6 +158,8 @@ def _layer_figures(graph, i, spread, used, volume, lower, imbalance, times) -> L
         imbalance=float(imbalance[i]),
         compute_s=float(compute[i]),
         exchange_s=float(exchange[i]),
+        split=bool(split[i]),
+        hideable_s=float(hideable[i]),
     )
 
 

@@ -113,6 +113,8 @@ class LayerFigures:
     imbalance: float
     compute_s: float
     exchange_s: float
+    split: bool = True  # the runtime splits it to hide its halo (netpart.partition.overlap)
+    hideable_s: float = 0.0  # the work its split could run beside its halo (busiest worker)
 
 
 @dataclass(frozen=True)

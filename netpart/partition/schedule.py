@@ -25,13 +25,13 @@ import numpy as np
 from netpart.errors import ScheduleError, ShapeMismatchError
 from netpart.models.spec import ModelSpec
 from netpart.partition.chains import producer_chains
-from netpart.partition.cost import SPLIT_MIN_FLOPS
 from netpart.partition.graph import (
     BYTES_PER_VALUE,
     UnitGraph,
     build_unit_graph,
     owned_units,
 )
+from netpart.partition.overlap import SPLIT_MIN_FLOPS
 from netpart.partition.plans import PartitionPlan
 from netpart.partition.program import Instruction, check_program
 from netpart.partition.reads import read_window
@@ -65,6 +65,7 @@ class HaloSchedule:
     overlap: bool = False
     flops: np.ndarray | None = None  # [layers, workers] forward+backward FLOPs per example
     split_min_flops: float = 0.0
+    split: tuple[bool, ...] = ()  # per layer: whether its split pays (the plan's choice; () all)
     early: tuple[tuple[np.ndarray, ...], ...] = ()  # producer chains' early units
     chains: tuple[
         tuple[tuple[int, int], ...], ...
@@ -101,7 +102,10 @@ class HaloSchedule:
         )
 
     def _worth(self, worker: int, layer: int) -> bool:
-        """A split costs extra calls: only a layer with this much work per example pays."""
+        """A split costs extra calls: only a layer the plan chose to split, with this much work
+        per example, pays (`netpart.partition.overlap`)."""
+        if self.split and not self.split[layer]:
+            return False
         return self.flops is None or self.flops[layer, worker] >= self.split_min_flops
 
     def messages(self, worker: int, layer: int, phase: str) -> list[Instruction]:
@@ -296,11 +300,12 @@ def build_schedule(
     *,
     overlap: bool = True,
     split_min_flops: float = SPLIT_MIN_FLOPS,
+    split: tuple[bool, ...] = (),
 ) -> HaloSchedule:
     """The halo schedule of an assignment (pure; vectorised per layer). With `overlap`, the
     programs hide halo exchange behind the interior units and the weight gradients of every
-    layer whose work on a worker reaches `split_min_flops` per example, and join layers that
-    exchange nothing to the layer below."""
+    layer in `split` (all when empty) whose work on a worker reaches `split_min_flops` per
+    example, and join layers that exchange nothing to the layer below."""
     spec = graph.spec
     owned = owned_units(graph, node_map, workers)
     sends: list[dict[tuple[int, int], np.ndarray]] = [{}]
@@ -338,9 +343,9 @@ def build_schedule(
     np.add.at(flops, (graph.layer_of, node_map), graph.flops)
     early, chains = (), ()
     if overlap:
-        early, chains = producer_chains(spec, owned, tuple(sends), flops, split_min_flops)
+        early, chains = producer_chains(spec, owned, tuple(sends), flops, split_min_flops, split)
     return HaloSchedule(
-        workers, owned, tuple(sends), kinds, interior, overlap, flops, split_min_flops,
+        workers, owned, tuple(sends), kinds, interior, overlap, flops, split_min_flops, split,
         early, chains,
     )  # fmt: skip
 
@@ -385,17 +390,20 @@ def plan_schedule(
     validate: bool = True,
     overlap: bool = True,
     split_min_flops: float = SPLIT_MIN_FLOPS,
+    split: tuple[bool, ...] | None = None,
 ) -> tuple[UnitGraph, HaloSchedule]:
     """The unit graph and halo schedule of `plan` for `spec`, checked against the plan files.
 
     `validate=False` only where the same plan was validated already (worker processes of a
-    launcher that validated before starting them).
+    launcher that validated before starting them). `split`: per layer whether to split it
+    (default: the plan's choice, `LayerFigures.split`; () every layer that can be).
     """
     plan.check_model(spec)
     graph = build_unit_graph(spec, plan.granularity)
     schedule = build_schedule(
-        graph, plan.node_map, plan.workers, overlap=overlap, split_min_flops=split_min_flops
-    )
+        graph, plan.node_map, plan.workers, overlap=overlap, split_min_flops=split_min_flops,
+        split=tuple(layer.split for layer in plan.layers) if split is None else split,
+    )  # fmt: skip
     if validate:
         schedule.validate(plan)
     return graph, schedule

@@ -116,10 +116,14 @@ def run_step_threads(
     dtype: torch.dtype = torch.float64,
     overlap: bool = True,
     split_min_flops: float = SPLIT_MIN_FLOPS,
+    split: tuple[bool, ...] | None = None,
 ) -> StepResult:
     """One partitioned step of `spec` by `plan`, workers as threads; the result as `run_step`'s
-    (`split_min_flops=0` makes every program split whatever it can, for tests)."""
-    graph, schedule = plan_schedule(spec, plan, overlap=overlap, split_min_flops=split_min_flops)
+    (`split_min_flops=0, split=()` makes every program split whatever it can, for tests;
+    `split` as `plan_schedule`'s)."""
+    graph, schedule = plan_schedule(
+        spec, plan, overlap=overlap, split_min_flops=split_min_flops, split=split
+    )
     transports = ThreadTransport.group(plan.workers)
     results: list[WorkerResult | None] = [None] * plan.workers
     errors: list[BaseException] = []

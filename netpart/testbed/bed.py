@@ -58,9 +58,10 @@ class Testbed:
         return cls(**{**d, "hosts": hosts, "groups": tuple(d["groups"])})
 
 
-def up(name: str, machines: int, *, cpu: float, rate: str, burst: str = "1600",
+def up(name: str, machines: int, *, cpu: float, rate: str, burst: str | None = None,
        queue: str = "100ms") -> Testbed:  # fmt: skip
-    """Make testbed `name`; TestbedError (one line) if it cannot be made here."""
+    """Make testbed `name` (links' token bucket `burst`, default `netns.burst_for(rate)`);
+    TestbedError (one line) if it cannot be made here."""
     if not NAME.fullmatch(name):
         raise TestbedError(f"testbed name {name!r}: lower-case letters, digits and '-', "
                            "at most 16, starting with a letter")  # fmt: skip
@@ -68,6 +69,10 @@ def up(name: str, machines: int, *, cpu: float, rate: str, burst: str = "1600",
         raise TestbedError(f"--machines {machines}: give 1 to 64")
     if not 0 < cpu <= 1:
         raise TestbedError(f"--cpu {cpu}: a share of one core, 0 < share <= 1")
+    try:
+        burst = burst or netns.burst_for(rate)
+    except ValueError as exc:
+        raise TestbedError(f"--link: {exc}") from None
     for why in (netns.unavailable(), cgroups.unavailable()):
         if why:
             raise TestbedError(why)

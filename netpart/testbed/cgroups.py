@@ -2,7 +2,8 @@
 
 `cpu_shares(n, share)` makes n cgroups under /sys/fs/cgroup/cpu, each limited by CFS bandwidth
 control to `share` of one core (`cpu.cfs_quota_us` / `cpu.cfs_period_us`; the period is as
-short as a 1 ms quota allows, so a throttled process waits a few ms at most), and on exit kills
+short as a 1 ms quota allows, so a throttled process waits a few ms at most); `whole_cores(n)`
+makes n cpuset groups instead, each pinned to one core of its own. On exit either kills
 whatever still runs in them and removes them; it first removes the groups of an earlier run
 whose process is gone (`remove_stale`: SIGKILL leaves no chance to). `command(group, argv)`
 runs argv inside a group (wrap `netns.Host.command` in it, not the other way round:
@@ -22,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 CPU = Path("/sys/fs/cgroup/cpu")
+CPUSET = Path("/sys/fs/cgroup/cpuset")
 MIN_QUOTA_US = 1000  # the kernel's smallest CFS quota
 OURS = re.compile(r"netpart-(\d+)-\d+")  # netpart-<pid>-<machine>
 
@@ -61,6 +63,28 @@ def cpu_shares(n: int, share: float) -> Iterator[list[Path]]:
         remove(made)
 
 
+@contextlib.contextmanager
+def whole_cores(n: int) -> Iterator[list[Path]]:
+    """`n` cpuset cgroups, group i pinned to core i alone: a dedicated core per machine, the
+    reference a quota's emulation is judged against (no throttling; needs n cores)."""
+    cores = os.sched_getaffinity(0)
+    if n > len(cores):
+        raise ValueError(f"{n} whole cores asked for, this process may use {len(cores)}")
+    remove_stale()
+    groups = [CPUSET / f"netpart-{os.getpid()}-{i}" for i in range(n)]
+    made: list[Path] = []
+    try:
+        mems = (CPUSET / "cpuset.mems").read_text().strip()
+        for group, core in zip(groups, sorted(cores), strict=False):
+            group.mkdir()
+            made.append(group)
+            (group / "cpuset.cpus").write_text(str(core))
+            (group / "cpuset.mems").write_text(mems)
+        yield groups
+    finally:
+        remove(made)
+
+
 def make_group(group: Path, share: float) -> None:
     """Create cgroup `group` held to `share` of one core."""
     period = period_us(share)
@@ -73,7 +97,7 @@ def remove_stale() -> list[Path]:
     """Remove the groups `cpu_shares` made for a process that no longer runs (the pid in the
     name); returns them."""
     stale = [
-        g for g in CPU.iterdir()
+        g for root in (CPU, CPUSET) if root.is_dir() for g in root.iterdir()
         if (m := OURS.fullmatch(g.name)) and not Path(f"/proc/{m.group(1)}").exists()
     ]  # fmt: skip
     remove(stale)

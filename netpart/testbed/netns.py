@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SUBNET = "10.201.{}.{}"
+RATE = re.compile(r"(\d+(?:\.\d+)?)([kmgt]?)(bit|bps)")
+BURST_S = 0.5e-3  # a link's token bucket holds this long of its rate
 OURS = re.compile(r"np(\d+)(?:a|b|sw|h\d+)")  # np<pid % 100000><role>
 
 
@@ -82,11 +84,12 @@ def unavailable() -> str | None:
 
 @contextlib.contextmanager
 def two_hosts(
-    rate: str = "200mbit", burst: str = "256kb", subnet: int = 0
+    rate: str = "200mbit", burst: str | None = None, subnet: int = 0
 ) -> Iterator[tuple[Host, Host]]:
     """Two namespaces a <-> b over a veth pair limited to `rate` each way (token bucket of
-    `burst` bytes: messages smaller than it pass at full speed after an idle pause)."""
+    `burst` bytes, default `burst_for(rate)`)."""
     remove_stale()
+    burst = burst or burst_for(rate)
     tag = f"{os.getpid() % 100000}"
     hosts = [
         Host(f"np{tag}{side}", f"np{tag}{side}", SUBNET.format(subnet, i + 1))
@@ -109,12 +112,18 @@ def two_hosts(
 
 @contextlib.contextmanager
 def switched_hosts(
-    n: int, rate: str = "200mbit", burst: str = "256kb", subnet: int = 1, queue: str = "100ms"
+    n: int,
+    rate: str = "200mbit",
+    burst: str | None = None,
+    subnet: int = 1,
+    queue: str = "100ms",
 ) -> Iterator[list[Host]]:
     """`n` namespaces on one bridge; each host's link is limited to `rate` in each direction
     (a token bucket on the host's end for what it sends, on the bridge's end for what it
-    receives), each queueing at most `queue` of traffic (a switch port's buffer)."""
+    receives; `burst` bytes, default `burst_for(rate)`), each queueing at most `queue` of
+    traffic (a switch port's buffer)."""
     remove_stale()
+    burst = burst or burst_for(rate)
     tag = f"{os.getpid() % 100000}"
     switch = f"np{tag}sw"
     hosts = [Host(f"np{tag}h{i}", f"np{tag}h{i}", SUBNET.format(subnet, i + 1)) for i in range(n)]
@@ -124,6 +133,24 @@ def switched_hosts(
         yield hosts
     finally:
         teardown(made)
+
+
+def rate_bps(rate: str) -> float:
+    """Bits per second of a rate in tc's units ("1gbit", "100mbit", "12.5mbps" = bytes/s)."""
+    m = RATE.fullmatch(rate.strip().lower())
+    if m is None:
+        raise ValueError(f"link rate {rate!r}: give a number and a unit, e.g. 1gbit or 100mbit")
+    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
+    return float(m.group(1)) * scale * (8 if m.group(3) == "bps" else 1)
+
+
+def burst_for(rate: str) -> str:
+    """A token bucket that lets a link carry its rate: `BURST_S` of it (at least one frame).
+    tbf releases at most a bucket per timer tick: through the runtime's transport between two
+    machines of a whole core each, a bucket of one 1,600-byte frame carried 20-31% of 1 Gbit/s
+    and 75-83% of 100 Mbit/s, half a millisecond's 75-87% and 90-97%
+    (benchmarks/results/link_bench.json)."""
+    return str(max(1600, round(rate_bps(rate) / 8 * BURST_S)))
 
 
 def build_switch(

@@ -359,7 +359,7 @@ def test_chain_shares_are_the_runtime_s_chains_and_err_low(spec, workers, method
     late share no larger than theirs (a block holding one early unit is early); their late
     work hides exchange, never adds to it."""
     p = plan(spec, workers, method, batch=4, granularity=Granularity(spatial_blocks=8))
-    graph, schedule = plan_schedule(spec, p, split_min_flops=0.0)
+    graph, schedule = plan_schedule(spec, p, split_min_flops=0.0, split=())
     late, feeds = chain_shares(graph, p.node_map, workers)
     for layer, w in zip(*np.nonzero(feeds >= 0), strict=True):
         top = next(b + 1 for a, b in schedule.chains[w] if a <= layer <= b)
@@ -381,7 +381,8 @@ def test_a_chain_below_the_lcn_hides_its_halo_in_the_prediction():
     assert (feeds[:2] == 2).all() and (feeds[2:] == -1).all() and (late[:2] > 0.5).all()
     flops = np.zeros(late.shape)
     np.add.at(flops, (graph.layer_of, p.node_map), graph.flops)
-    net = NetworkModel.parse("bandwidth=100M,flops=2G")
+    # splits free: what a chain hides, not whether it pays (tests/partition/test_overlap.py)
+    net = replace(NetworkModel.parse("bandwidth=100M,flops=2G"), split_cost=0.0)
     args = (flops, layer_traffic(graph, p.node_map, 2), 32, net, [ly.kind for ly in spec.layers])
     inner = interior_shares(graph, p.node_map, 2)
     _, without = layer_times(*args, None, inner)

@@ -66,3 +66,15 @@ def test_plan_machines_prints_and_writes_the_advice(tmp_path, capsys):
     assert (out / "cluster.png").read_bytes()[:4] == b"\x89PNG"
     assert "Recommended" in (out / "report.md").read_text()
     assert main(["plan", "--model", "tiny-mlp", "--machines", "4", "--workers", "2"]) == 2
+
+
+def test_downpour_carries_push_and_fetch_beside_its_step_and_sync_waits_for_each():
+    """On a slow link: Downpour 1x1+1's step is one push-and-fetch (both ways at once, beside
+    the compute), sync's the compute, the push, the update and the fetch in turn."""
+    spec = load_spec("tiny-mlp")
+    slow = NetworkModel(bandwidth_bps=1e6, latency_s=50e-6)
+    by = {str(f.layout): f for f in advise(spec, 2, slow, batch=16).layouts}
+    down, sync = by["downpour 1x1+1"], by["sync 1x1+1"]
+    phase = float(slow.phase_s(down.link_bytes, 1))
+    assert down.step_s == pytest.approx(phase)
+    assert 2 * phase < sync.step_s < 2.05 * phase

@@ -91,7 +91,7 @@ def test_every_split_of_the_program_equals_the_reference(spec, workers, method, 
     backward) and join the rest, and programs that never do: the same step, exactly."""
     p = plan(spec, workers, method, granularity=Granularity(spatial_blocks=8, dense_blocks=4))
     x, y = make_batch(spec, batch, 7)
-    result = run_step_threads(spec, p, x, y, overlap=overlap, split_min_flops=0.0)
+    result = run_step_threads(spec, p, x, y, overlap=overlap, split_min_flops=0.0, split=())
     assert_equal_to_reference(spec, result, x, y)
 
 
@@ -110,10 +110,10 @@ def test_producer_chains_equal_the_reference(spec, workers, method, aligned, bat
     same step, exactly, and the plan's bytes."""
     grain = Granularity(spatial_blocks=blocks, dense_blocks=4, align_pools=aligned)
     p = plan(spec, workers, method, granularity=grain)
-    _, schedule = plan_schedule(spec, p, split_min_flops=0.0)
+    _, schedule = plan_schedule(spec, p, split_min_flops=0.0, split=())
     assume(any(schedule.chains))
     x, y = make_batch(spec, batch, 3)
-    result = run_step_threads(spec, p, x, y, split_min_flops=0.0)
+    result = run_step_threads(spec, p, x, y, split_min_flops=0.0, split=())
     assert_equal_to_reference(spec, result, x, y)
     traffic = schedule.traffic() * batch * 8
     for w in range(workers):
@@ -185,7 +185,7 @@ def test_bound_gradients_are_the_collected_ones_in_layout_order():
     push sends), also for locally connected slices whose runs are separate leaves."""
     spec = ZOO["tiny-local"]
     p = plan(spec, 2, "tiles")
-    graph, schedule = plan_schedule(spec, p, split_min_flops=0.0)  # split every layer it can
+    graph, schedule = plan_schedule(spec, p, split_min_flops=0.0, split=())  # split all it can
     x, y = make_batch(spec, 3, 2)
     transports = ThreadTransport.group(2)
     flats, collected = [None, None], [None, None]
@@ -226,7 +226,7 @@ def test_a_chain_through_a_channel_wise_reader_equals_the_reference():
     })  # fmt: skip
     p = plan(spec, 4, "metis", granularity=Granularity(spatial_blocks=8, dense_blocks=4))
     x, y = make_batch(spec, 3, 7)
-    result = run_step_threads(spec, p, x, y, overlap=True, split_min_flops=0.0)
+    result = run_step_threads(spec, p, x, y, overlap=True, split_min_flops=0.0, split=())
     assert_equal_to_reference(spec, result, x, y)
 
 
@@ -268,3 +268,20 @@ def test_a_forward_only_evaluation_equals_the_reference_and_leaves_no_gradient(
             flat = out.reshape(out.shape[0], -1)
             want = (flat.gather(1, y[:, None])[:, 0] >= flat.max(1).values).double().mean()
             assert accuracy == pytest.approx(float(want), abs=1e-12)
+
+
+@given(
+    chain_specs(),
+    st.integers(2, 3),
+    st.sampled_from(["tiles", "metis"]),
+    st.lists(st.booleans(), min_size=12, max_size=12),
+    st.integers(1, 3),
+)
+@settings(max_examples=25, deadline=None)
+def test_any_choice_of_splits_equals_the_reference(spec, workers, method, choice, batch):
+    """Whatever layers a plan splits, the step is the reference's (float64, 1e-9)."""
+    p = plan(spec, workers, method, granularity=Granularity(spatial_blocks=8, dense_blocks=4))
+    x, y = make_batch(spec, batch, 5)
+    split = tuple(choice[: len(spec.layers)])
+    result = run_step_threads(spec, p, x, y, split_min_flops=0.0, split=split)
+    assert_equal_to_reference(spec, result, x, y)

@@ -1,5 +1,6 @@
 """The emulated-CPU helper: a cpu cgroup per machine, a process inside it, nothing left after."""
 
+import os
 import subprocess
 import sys
 import time
@@ -49,3 +50,17 @@ def test_groups_of_a_process_that_is_gone_are_removed_and_live_ones_kept():
         for g in (stale, live):
             if g.exists():
                 g.rmdir()
+
+
+def test_whole_cores_pin_each_group_to_a_core_of_its_own():
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two cores")
+    with cgroups.whole_cores(2) as groups:
+        assert [(g / "cpuset.cpus").read_text().strip() for g in groups] == ["0", "1"]
+        argv = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
+        out = subprocess.run(cgroups.command(groups[1], argv), capture_output=True, text=True,
+                             timeout=60, check=True).stdout  # fmt: skip
+        assert out.strip() == "[1]"
+    assert not any(g.exists() for g in groups)
+    with pytest.raises(ValueError, match="whole cores"), cgroups.whole_cores(99):
+        pass

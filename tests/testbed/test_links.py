@@ -1,0 +1,21 @@
+"""Link rates in tc's units, and a token bucket that lets a shaped link carry its rate."""
+
+import pytest
+
+from netpart.testbed import netns
+
+
+def test_rates_read_as_tc_reads_them():
+    assert netns.rate_bps("1gbit") == 1e9
+    assert netns.rate_bps("100Mbit") == 1e8
+    assert netns.rate_bps("12.5mbps") == 1e8  # bytes per second
+    for bad in ("fast", "1 gbit", "1gb", ""):
+        with pytest.raises(ValueError, match="link rate"):
+            netns.rate_bps(bad)
+
+
+def test_a_bucket_holds_half_a_millisecond_of_the_rate_and_at_least_a_frame():
+    """A one-frame bucket carried 20-31% of 1 Gbit/s (benchmarks/results/link_bench.json)."""
+    assert netns.burst_for("1gbit") == "62500"
+    assert netns.burst_for("100mbit") == "6250"
+    assert netns.burst_for("1mbit") == "1600"

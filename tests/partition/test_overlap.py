@@ -79,3 +79,15 @@ def test_the_programs_split_only_the_layers_the_plan_chose():
             assert chosen.split_forward(w, layer) == both
         assert all(split[b + 1] for _, b in chosen.chains[w])
     assert any(every.chains) and sum(map(len, every.chains)) >= sum(map(len, chosen.chains))
+
+
+def test_the_report_says_which_layers_split_and_what_they_could_hide_behind():
+    from netpart.partition.report import layer_table
+
+    spec = ZOO["bench-local"]
+    p = plan(spec, 2, "metis", batch=32, network=NetworkModel(bandwidth_bps=1e8))
+    lines = [line for line in layer_table(p).splitlines() if line.startswith("|")]
+    rows = {line.split("|")[1].strip(): line for line in lines[2:]}
+    assert "| split" in lines[0]
+    assert "yes (" in rows["2:lcn"] and "yes (" in rows["3:local"]
+    assert rows["0:local"].rstrip().rstrip("|").rstrip().endswith("-")

@@ -19,3 +19,10 @@ def test_a_bucket_holds_half_a_millisecond_of_the_rate_and_at_least_a_frame():
     assert netns.burst_for("1gbit") == "62500"
     assert netns.burst_for("100mbit") == "6250"
     assert netns.burst_for("1mbit") == "1600"
+
+
+def test_a_testbed_refuses_a_rate_tc_cannot_read_before_making_anything():
+    from netpart.testbed.bed import TestbedError, up
+
+    with pytest.raises(TestbedError, match="--link: link rate 'fast'"):
+        up("tbx", 2, cpu=0.3, rate="fast")

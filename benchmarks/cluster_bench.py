@@ -81,6 +81,17 @@ def train(bed: str, layout, args, run: Path) -> float:
     return measured_samples_per_s(run, layout.replicas)
 
 
+def _verdict(rows: list[dict], advice) -> None:
+    """How many layouts measured within 15% of their prediction, and how the recommended
+    one (the fastest predicted among those measured) fared against the best measured."""
+    within = sum(abs(r["ratio"] - 1) <= 0.15 for r in rows)
+    best = max(rows, key=lambda r: r["measured"])
+    top = max(rows, key=lambda r: r["predicted"])
+    print(f"{within} of {len(rows)} within 15%; recommended (no all-reduce) {top['layout']} "
+          f"measures {top['measured'] / best['measured']:.2f} of the best, {best['layout']}; "
+          f"overall recommendation {advice.best.layout}")  # fmt: skip
+
+
 def repredict(path: Path, out: Path) -> int:
     """Rewrite a result's predictions (and ratios) with this tree's model; the predictions it
     was run with stay as `predicted_at_run`."""
@@ -98,13 +109,8 @@ def repredict(path: Path, out: Path) -> int:
         row["ratio"] = row["measured"] / row["predicted"]
         print(f"{row['layout']:<16} measured {row['measured']:9,.0f} samples/s, predicted "
               f"{row['predicted']:9,.0f} (at the run {row['predicted_at_run']:9,.0f})")  # fmt: skip
-    within = sum(abs(r["ratio"] - 1) <= 0.15 for r in result["rows"])
-    best = max(result["rows"], key=lambda r: r["measured"])
-    top = max(result["rows"], key=lambda r: r["predicted"])
     result["recommended"] = str(advice.best.layout)
-    print(f"{within} of {len(result['rows'])} within 15%; recommended (no all-reduce) "
-          f"{top['layout']} measures {top['measured'] / best['measured']:.2f} of the best, "
-          f"{best['layout']}; overall recommendation {advice.best.layout}")  # fmt: skip
+    _verdict(result["rows"], advice)
     write_atomic(out, json.dumps(result, indent=1).encode())
     return 0
 
@@ -155,12 +161,7 @@ def main(argv=None) -> int:
         got = statistics.median(seen[str(f.layout)])
         rows.append({"layout": str(f.layout), "predicted": f.samples_per_s, "measured": got,
                      "rounds": seen[str(f.layout)], "ratio": got / f.samples_per_s})  # fmt: skip
-    best = max(rows, key=lambda r: r["measured"])
-    top = rows[0]  # the fastest predicted among the measured layouts
-    within = sum(abs(r["ratio"] - 1) <= 0.15 for r in rows)
-    print(f"{within} of {len(rows)} within 15%; recommended (no all-reduce) {top['layout']} "
-          f"measures {top['measured'] / best['measured']:.2f} of the best, {best['layout']}; "
-          f"overall recommendation {advice.best.layout}")  # fmt: skip
+    _verdict(rows, advice)
     if args.out is not None:
         result = {"machines": args.machines, "cpu": args.cpu, "link": args.link,
                   "model": args.model, "steps": args.steps, "machine": machine.to_dict(),

@@ -82,10 +82,10 @@ def _wire_ms(p, rate_bps: float) -> float:
     return 2 * busiest * BATCH * 8 / rate_bps * 1e3
 
 
-def _variants(spec, n: int, rate: float, one_s: float) -> dict:
-    """The N-worker plan made for this machine (its rate from the 1-worker step), and the
-    same node map with every layer split and with none."""
-    flops = sum(sum(w.flops) for w in plan(spec, 1, "metis", batch=BATCH).per_worker)
+def _variants(spec, single, n: int, rate: float, one_s: float) -> dict:
+    """The N-worker plan made for this machine (its rate from the 1-worker plan `single`'s
+    step, `one_s`), and the same node map with every layer split and with none."""
+    flops = sum(sum(w.flops) for w in single.per_worker)
     net = NetworkModel(bandwidth_bps=rate, flops_per_s=flops * BATCH / one_s)
     auto = plan(spec, n, "metis", batch=BATCH, network=net)
     every = replace(auto, layers=tuple(replace(layer, split=True) for layer in auto.layers))
@@ -102,18 +102,16 @@ def _machines(stack, n: int, rate: str, cpu: str, share: float) -> EmulatedRunne
 def _bench(spec, rate: str, cpu: str, counts: list[int], args) -> dict:
     """Every case of one model on one link and emulation, `args.rounds` rounds."""
     runs: dict[str, list[dict]] = {"one": []}
-    plans: dict = {}
+    single = plan(spec, 1, "metis", batch=BATCH)
+    order = [("one", 1), *((case, n) for n in counts for case in CASES)]
     with contextlib.ExitStack() as stack:
         runner = _machines(stack, max(counts), rate, cpu, args.share)
+        one_s = _case(runner, spec, single, "one")["step_ms"] / 1e3  # the machine's rate
+        plans = {n: _variants(spec, single, n, netns.rate_bps(rate), one_s) for n in counts}
         for r in range(args.rounds):
-            if not plans:  # the machine's rate, from a first 1-worker step
-                first = _case(runner, spec, plan(spec, 1, "metis", batch=BATCH), "one")
-                one_s = first["step_ms"] / 1e3
-                plans = {n: _variants(spec, n, netns.rate_bps(rate), one_s) for n in counts}
-            order = [("one", 1), *((case, n) for n in counts for case in CASES)]
             shift = r * len(order) // args.rounds  # each round starts elsewhere in the order
             for case, n in order[shift:] + order[:shift]:
-                p = plan(spec, 1, "metis", batch=BATCH) if case == "one" else plans[n][case]
+                p = single if case == "one" else plans[n][case]
                 key = "one" if case == "one" else f"{case}{n}"
                 runs.setdefault(key, []).append(_case(runner, spec, p, case))
             last = ", ".join(f"{k} {v[-1]['step_ms']:.1f}" for k, v in runs.items())

@@ -45,6 +45,11 @@ class Testbed:
     hosts: tuple[netns.Host, ...]
     groups: tuple[str, ...]  # cgroup directories
 
+    @property
+    def namespaces(self) -> tuple[str, ...]:
+        """Its network namespaces: the switch's, then each machine's."""
+        return (self.switch, *(h.netns for h in self.hosts))
+
     def command(self, i: int, argv: list[str], env: dict[str, str] | None = None) -> list[str]:
         """`argv` run on machine `i`: inside its cgroup and its namespace."""
         return cgroups.command(Path(self.groups[i]), self.hosts[i].command(argv, env))
@@ -70,7 +75,7 @@ def up(name: str, machines: int, *, cpu: float, rate: str, burst: str | None = N
     if not 0 < cpu <= 1:
         raise TestbedError(f"--cpu {cpu}: a share of one core, 0 < share <= 1")
     try:
-        burst = burst or netns.burst_for(rate)
+        netns.rate_bps(rate)
     except ValueError as exc:
         raise TestbedError(f"--link: {exc}") from None
     for why in (netns.unavailable(), cgroups.unavailable()):
@@ -133,7 +138,7 @@ def down(name: str) -> list[str]:
         bed = None
     if bed is not None:
         present = set(netns.namespaces())
-        names = [n for n in (bed.switch, *(h.netns for h in bed.hosts)) if n in present]
+        names = [n for n in bed.namespaces if n in present]
         netns.teardown(names)
         groups = [Path(g) for g in bed.groups if Path(g).exists()]
         cgroups.remove(groups)
@@ -148,6 +153,6 @@ def down(name: str) -> list[str]:
 def health(bed: Testbed) -> str:
     """'up', or what is missing."""
     present = set(netns.namespaces())
-    missing = [n for n in (bed.switch, *(h.netns for h in bed.hosts)) if n not in present]
+    missing = [n for n in bed.namespaces if n not in present]
     missing += [g for g in bed.groups if not Path(g).exists()]
     return "up" if not missing else f"broken ({len(missing)} parts gone: down it)"

@@ -89,7 +89,6 @@ def two_hosts(
     """Two namespaces a <-> b over a veth pair limited to `rate` each way (token bucket of
     `burst` bytes, default `burst_for(rate)`)."""
     remove_stale()
-    burst = burst or burst_for(rate)
     tag = f"{os.getpid() % 100000}"
     hosts = [
         Host(f"np{tag}{side}", f"np{tag}{side}", SUBNET.format(subnet, i + 1))
@@ -123,7 +122,6 @@ def switched_hosts(
     receives; `burst` bytes, default `burst_for(rate)`), each queueing at most `queue` of
     traffic (a switch port's buffer)."""
     remove_stale()
-    burst = burst or burst_for(rate)
     tag = f"{os.getpid() % 100000}"
     switch = f"np{tag}sw"
     hosts = [Host(f"np{tag}h{i}", f"np{tag}h{i}", SUBNET.format(subnet, i + 1)) for i in range(n)]
@@ -154,11 +152,11 @@ def burst_for(rate: str) -> str:
 
 
 def build_switch(
-    switch: str, hosts: list[Host], made: list[str], *, rate: str, burst: str, queue: str
+    switch: str, hosts: list[Host], made: list[str], *, rate: str, burst: str | None, queue: str
 ) -> None:
     """Namespace `switch` with a bridge, and each host's namespace on a port of it, each
-    link limited to `rate` both ways; every namespace made is appended to `made` (for
-    `teardown`, also when this fails half-way)."""
+    link limited to `rate` both ways (token bucket `burst`, default `burst_for(rate)`); every
+    namespace made is appended to `made` (for `teardown`, also when this fails half-way)."""
     for name in [switch, *(h.netns for h in hosts)]:
         _run(["ip", "netns", "add", name])
         made.append(name)
@@ -190,7 +188,7 @@ def remove_stale() -> list[str]:
     return stale
 
 
-def _bring_up(h: Host, rate: str, burst: str, queue: str = "100ms") -> None:
+def _bring_up(h: Host, rate: str, burst: str | None, queue: str = "100ms") -> None:
     """Address and raise the host's link end and loopback; shape what the host sends."""
     ns = ["ip", "-n", h.netns]
     _run([*ns, "addr", "add", f"{h.address}/24", "dev", h.device])
@@ -199,10 +197,11 @@ def _bring_up(h: Host, rate: str, burst: str, queue: str = "100ms") -> None:
     _shape(h.netns, h.device, rate, burst, queue)
 
 
-def _shape(netns: str, device: str, rate: str, burst: str, queue: str = "100ms") -> None:
-    """A token bucket on what `device` sends: `rate`, `burst` bytes, `queue` of queue."""
+def _shape(netns: str, device: str, rate: str, burst: str | None, queue: str = "100ms") -> None:
+    """A token bucket on what `device` sends: `rate`, `burst` bytes (default
+    `burst_for(rate)`), `queue` of queue."""
     _run(["tc", "-n", netns, "qdisc", "add", "dev", device, "root", "tbf",
-          "rate", rate, "burst", burst, "latency", queue])  # fmt: skip
+          "rate", rate, "burst", burst or burst_for(rate), "latency", queue])  # fmt: skip
 
 
 def teardown(namespaces: list[str]) -> None:

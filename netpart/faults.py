@@ -10,6 +10,8 @@ Grammar: comma-separated entries `ACTION:RANK[@N]`
     hang:2         rank 2 sleeps for an hour at its point 0
     slow:1@0.4     rank 1 sleeps 0.4 s at every point (a slow machine)
     enospc:4@2     rank 4's checkpoint write number 2 fails with "No space left on device"
+    forge:1@0      rank 1's group probe number 0 carries a wrong token (a stranger's bytes)
+    mute:2@1       rank 2 does not answer its group probe number 1 (a pair a stranger took)
 
 What a point is depends on the role: a model worker of `run`/`check` reaches point 0 once it
 is built; every training process reaches point -1 before it joins the job's group and -2
@@ -18,7 +20,8 @@ training worker reaches point t before step t (point 0 before the first); a
 parameter-server shard reaches point n after its n-th update; a Sandblaster worker reaches a
 point before each work unit; a host following `netpart calibrate` under torchrun reaches
 point n before its n-th command from rank 0. `enospc` counts checkpoint writes instead (the
-first is 1).
+first is 1); `forge` and `mute` count the group probes a process makes as its groups form
+(`netpart.processes.groups`; the job's default group's first probe is 0).
 
 Faults fire in a job's first attempt only: not in processes restarted after a failure
 (`NETPART_RESTART` or torchrun's `TORCHELASTIC_RESTART_COUNT` above 0), so a test can kill a
@@ -40,6 +43,8 @@ __all__ = [
     "RESTART_ENV",
     "Fault",
     "active",
+    "forged",
+    "muted",
     "parse",
     "point",
     "restarted",
@@ -51,7 +56,7 @@ log = logging.getLogger(__name__)
 
 RESTART_ENV = "NETPART_RESTART"  # set by the launcher: which restart of the job this is
 EXIT_CODE = 17
-ACTIONS = ("die", "hang", "slow", "enospc")
+ACTIONS = ("die", "hang", "slow", "enospc", "forge", "mute")
 
 
 @dataclass(frozen=True)
@@ -114,3 +119,13 @@ def write_fails(rank: int, count: int) -> None:
     for f in _mine(rank, "enospc"):
         if f.at == count:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def forged(rank: int, n: int) -> bool:
+    """Whether rank `rank`'s group probe number `n` is to carry a wrong token."""
+    return ENV in os.environ and any(f.at == n for f in _mine(rank, "forge"))
+
+
+def muted(rank: int, n: int) -> bool:
+    """Whether rank `rank` is not to answer its group probe number `n`."""
+    return ENV in os.environ and any(f.at == n for f in _mine(rank, "mute"))

@@ -29,6 +29,7 @@ from netpart.errors import NetpartError, PeerError, ProtocolError, transport_rea
 from netpart.models.spec import ModelSpec
 from netpart.partition.plans import PartitionPlan
 from netpart.partition.schedule import SPLIT_MIN_FLOPS, plan_schedule
+from netpart.processes.groups import new_groups
 from netpart.processes.launcher import join_group, yield_io_threads
 from netpart.runtime.check import make_batch
 from netpart.runtime.step import exchange_loop, link_loop, step_loop, warmup_steps
@@ -97,9 +98,11 @@ class HostsRunner:
         self.rank, self.machines = join_group(timeout)
         torch.set_num_threads(1)  # as every worker process
         # Every rank creates every group, members or not, in the same order.
-        self._groups = {k: dist.new_group(list(range(k))) for k in range(1, self.machines + 1)}
+        sizes = range(1, self.machines + 1)
+        groups = new_groups([list(range(k)) for k in sizes], timeout=dist.default_pg_timeout)
+        self._groups = dict(zip(sizes, groups, strict=True))
         wait = datetime.timedelta(seconds=COMMAND_WAIT_S)
-        group = dist.new_group(list(range(self.machines)), timeout=wait)
+        (group,) = new_groups([list(range(self.machines))], timeout=wait)
         self._commands = _Commands(group, self.rank)
         yield_io_threads()  # the new groups' I/O threads too, as the workers' (launcher)
         self._plans: dict[str, tuple[ModelSpec, PartitionPlan]] = {}

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from netpart.processes.groups import form_default_group
 from netpart.processes.liveness import is_stopped, joined, mark_joined, private_tmpdir
 from netpart.processes.memory import keep_freed_memory
 from netpart.processes.zygote import Forked, Preloaded, die_with_parent
@@ -253,6 +254,8 @@ def join_group(
     Started by `Processes`: through its file store. Started by torchrun (or any env://
     launcher): through MASTER_ADDR/MASTER_PORT. `timeout` bounds every collective and
     point-to-point operation of the group; `store_timeout` the rendezvous (default: timeout).
+    The group is checked before use and formed again if a connection that is not the job's
+    took a peer's place (`netpart.processes.groups`).
     `started=False`: the process has more start-up exchanges to make and calls `mark_started`
     after them (until then its launcher holds it to the start-up deadline).
     """
@@ -264,20 +267,14 @@ def join_group(
         mark_joined(path, rank, "arrived")
         store = dist.FileStore(path, world)
         store.set_timeout(datetime.timedelta(seconds=store_timeout or timeout))
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world, timeout=pg_timeout
-        )
-        if started:
-            mark_joined(path, rank)
-    elif attempt := torchrun_attempt():
-        # torchrun restarted the job: its agent's store still holds the first attempt's
-        # addresses under the keys init_process_group uses (pytorch/pytorch#135712).
-        store = dist.PrefixStore(f"netpart/attempt{attempt}/", _env_store(world, pg_timeout))
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world, timeout=pg_timeout
-        )
     else:
-        dist.init_process_group("gloo", timeout=pg_timeout)
+        # Under torchrun after a restart, its agent's store still holds the first attempt's
+        # addresses under the keys init_process_group uses (pytorch/pytorch#135712).
+        prefix = f"netpart/attempt{torchrun_attempt()}/"
+        store = dist.PrefixStore(prefix, _env_store(world, pg_timeout))
+    form_default_group(store, rank, world, pg_timeout)
+    if path and started:
+        mark_joined(path, rank)
     yield_io_threads()
     return rank, world
 

@@ -13,7 +13,9 @@ child is forked, then `exit PID CODE` as each ends (CODE as `Popen.returncode`: 
 signal). A child sets its rank's variables, writes to its log, calls `MODULE.main()` with
 `sys.argv = [MODULE, *args]` and exits with what it returns. The zygote ignores SIGINT and
 SIGTERM (the launcher signals the children itself) and dies with the launcher; the children
-die with the zygote (PR_SET_PDEATHSIG both).
+die with the zygote (PR_SET_PDEATHSIG both). Before it imports anything, the zygote moves
+into a network namespace of its own (`private_net`): the children it forks listen on a
+loopback no other process of the machine can reach.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pathlib import Path
 
 from netpart.errors import RuntimeFailure
 from netpart.processes.liveness import is_stopped
+from netpart.processes.private_net import enter_private_network
 
 __all__ = ["PRELOAD", "Forked", "Preloaded", "die_with_parent", "main"]
 
@@ -241,6 +244,10 @@ def main() -> int:
     """The zygote: import, wait for the order, fork, report exit codes until all have ended."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # While single-threaded (before torch): the job's listeners on a loopback of its own.
+    why = enter_private_network()
+    if why:
+        print(f"the job shares this machine's loopback ({why})", file=sys.stderr, flush=True)
     for name in sys.argv[1:]:
         try:  # a module that fails to import fails again, with its error, in each child's log
             importlib.import_module(name)

@@ -33,6 +33,7 @@ from netpart.errors import RuntimeFailure
 from netpart.files import write_atomic
 from netpart.partition.schedule import NO_SPLITS, SPLIT_MIN_FLOPS, plan_schedule
 from netpart.partition.shards import ShardLayout
+from netpart.processes.groups import new_groups
 from netpart.processes.launcher import join_group, mark_started, yield_io_threads
 from netpart.ps.server import ShardServer
 from netpart.train.config import TrainConfig
@@ -115,12 +116,9 @@ def play_role(
     """
     spec, plan, config = job.spec, job.plan, job.config
     halo_timeout = datetime.timedelta(seconds=config.timeout)
-    groups = [
-        dist.new_group(placement.replica_ranks(r), timeout=halo_timeout)
-        for r in range(config.replicas)
-    ]
     shard_ranks = [placement.shard_rank(s) for s in range(config.shards)]
-    shard_group = dist.new_group(shard_ranks, timeout=halo_timeout)
+    members = [placement.replica_ranks(r) for r in range(config.replicas)] + [shard_ranks]
+    *groups, shard_group = new_groups(members, timeout=halo_timeout)  # checked before use
     role = placement.roles[rank]
     yield_io_threads()  # the new groups' I/O threads
     # A replica whose workers share a host exchanges halos as memory copies on the cores that

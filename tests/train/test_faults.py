@@ -105,6 +105,27 @@ def test_a_process_that_dies_or_hangs_while_the_job_starts_ends_it_at_once(tmp_p
     assert main(_args(run, "--steps", "5")) == 0  # the directory is reused
 
 
+def test_a_group_a_stranger_spoiled_is_formed_again(tmp_path, capsys, monkeypatch):
+    """5: a connection that is not the job's took a peer's place in gloo's rendezvous and
+    stalled the start for good. A local job's listeners are out of reach now
+    (test_listeners); under torchrun each group is still probed before use. Rank 1 hands
+    over a wrong token in the job's group (probe 0), rank 3 does not answer in its replica's
+    group (its probe 2): both are formed again and the job trains; a stranger at every
+    attempt ends the job in one line."""
+    run = tmp_path / "run"
+    monkeypatch.setenv("NETPART_TEST_FAULT", "forge:1@0,mute:3@2")
+    assert main(_args(run, "--steps", "20")) == 0
+    logs = "".join(p.read_text() for p in sorted((run / "logs").glob("rank*.log")))
+    assert logs.count("the job's group failed its check (attempt 0)") == 6
+    assert logs.count("a group failed its check (attempt 0)") == 6
+    capsys.readouterr()
+    monkeypatch.setenv("NETPART_TEST_FAULT", "forge:0@0,forge:0@1,forge:0@2")
+    t0 = time.monotonic()
+    assert main(_args(tmp_path / "again", "--steps", "20")) == 1
+    assert "the job's process group failed its check 3 times" in capsys.readouterr().err
+    assert time.monotonic() - t0 < 30
+
+
 def test_resume_reads_each_shard_s_progress_from_its_checkpoint(tmp_path, capsys):
     """3: a missing or stale sidecar is not step 0; a mode change is refused."""
     run = tmp_path / "run"

@@ -1,5 +1,7 @@
-"""Issue 19 item 8: a local job's listeners (the rendezvous store, gloo's pairs) bind loopback."""
+"""Issue 19 item 8, issue 51 item 5: a local job's listeners (gloo's pairs) bind loopback, in
+a network namespace of the job's own, where no other process of the machine can reach them."""
 
+import socket
 import subprocess
 import sys
 import time
@@ -7,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from netpart.processes.private_net import network_of
 from tests.conftest import finish
 
 pytestmark = pytest.mark.timeout(120)
@@ -14,12 +17,13 @@ pytestmark = pytest.mark.timeout(120)
 LOOPBACK = {(4, "0100007F"), (6, "00000000000000000000000001000000")}
 
 
-def listening() -> set[tuple[int, str, int]]:
-    """(family, hex address, port) of every TCP socket in LISTEN state (/proc/net/tcp{,6})."""
+def listening(pid: int | str = "self") -> set[tuple[int, str, int]]:
+    """(family, hex address, port) of every TCP socket in LISTEN state in the network
+    namespace of process `pid` (/proc/PID/net/tcp{,6})."""
     out = set()
-    for path, family in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 6)):
+    for name, family in (("tcp", 4), ("tcp6", 6)):
         try:
-            lines = Path(path).read_text().splitlines()[1:]
+            lines = Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]
         except OSError:
             continue
         for line in lines:
@@ -30,6 +34,23 @@ def listening() -> set[tuple[int, str, int]]:
     return out
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (by parent pid, from /proc)."""
+    parent = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent[int(entry.name)] = int(stat[stat.rfind(")") + 2 :].split()[1])
+    out, frontier = [], [pid]
+    while frontier:
+        frontier = [p for p, pp in parent.items() if pp in frontier]
+        out += frontier
+    return out
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -37,20 +58,28 @@ def listening() -> set[tuple[int, str, int]]:
         ["check", "--model", "tiny-local", "--workers", "2"],
     ],
 )
-def test_a_local_job_listens_on_loopback_only(tmp_path, argv):
-    before = listening()
+def test_a_local_job_listens_on_a_loopback_of_its_own(tmp_path, argv):
+    ours = network_of()
     extra = ["--out", str(tmp_path / "run")] if argv[0] == "train" else []
     cmd = [sys.executable, "-m", "netpart", *argv, *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    opened = set()
+    opened, networks, refused = set(), set(), 0
     try:
         start = time.monotonic()
         while proc.poll() is None and time.monotonic() - start < 90:
-            opened |= listening() - before
+            for pid in descendants(proc.pid):
+                if (net := network_of(pid)) and net != ours:
+                    networks.add(net)
+                    opened |= listening(pid)
+            for _, _, port in opened - listening():  # a stranger's attempt, from outside
+                with pytest.raises(ConnectionRefusedError), socket.socket() as s:
+                    s.connect(("127.0.0.1", port))
+                refused += 1
             time.sleep(0.02)
     finally:
         _, err = finish([proc], timeout=30)[0]
     assert proc.returncode == 0, err.decode()[-2000:]
-    assert opened, "saw no listener: the job ended before it could be looked at"
+    assert len(networks) == 1, f"the job's processes should share one namespace: {networks}"
+    assert opened and refused, "saw no listener: the job ended before it could be looked at"
     exposed = sorted(s for s in opened if (s[0], s[1]) not in LOOPBACK)
     assert not exposed, f"listeners beyond loopback: {exposed}"

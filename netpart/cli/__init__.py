@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():  # loaded: Ctrl-C is caught below
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
+        if getattr(args, "torch", False):
+            _load_torch()
         if getattr(args, "testbed", None):  # the same command, once on every machine of it
             return testbed.on_testbed(args.testbed, _without_testbed(argv or sys.argv[1:]))
         return args.func(args)
@@ -100,6 +102,21 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print("netpart: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _load_torch() -> None:
+    """Import torch with SIGINT, SIGTERM and SIGHUP held: its import runs Python callbacks
+    from C++, and a KeyboardInterrupt raised in one aborts the process (std::terminate,
+    exit -6, a Ctrl-C about half a second after `netpart train` started). Held, a signal
+    lands once the import is done, as a KeyboardInterrupt caught below."""
+    if "torch" in sys.modules or threading.current_thread() is not threading.main_thread():
+        return
+    held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        import torch  # noqa: F401
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def _without_testbed(argv: list[str]) -> list[str]:

@@ -82,9 +82,9 @@ def register(sub) -> None:
         action="store_true",
         help="print each worker's program (the instructions its process runs) before checking",
     )
-    r.set_defaults(func=cmd_run)
+    r.set_defaults(func=cmd_run, torch=True)
     add_testbed_arg(c)
-    c.set_defaults(func=cmd_check)
+    c.set_defaults(func=cmd_check, torch=True)
     _calibrate_parser(sub)
 
 
@@ -146,7 +146,7 @@ def _calibrate_parser(sub) -> None:
     )
     _trust_args(k)
     add_testbed_arg(k)
-    k.set_defaults(func=cmd_calibrate)
+    k.set_defaults(func=cmd_calibrate, torch=True)
 
 
 def _trust_args(k: argparse.ArgumentParser) -> None:

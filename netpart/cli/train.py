@@ -113,7 +113,7 @@ def _train_parser(sub) -> None:
         help="continue this run (in DIR) up to --steps; --out is refused",
     )  # fmt: skip
     add_testbed_arg(t)
-    t.set_defaults(func=cmd_train)
+    t.set_defaults(func=cmd_train, torch=True)
 
 
 def _config_flags(t: argparse.ArgumentParser) -> None:
@@ -203,7 +203,7 @@ def _run_parsers(sub) -> None:
     v.add_argument("run", type=Path, help="run directory of `netpart train`")
     v.add_argument("--data", default=None, help="(default: the data the run trained on)")
     v.add_argument("--batch", type=positive_int, default=256, help="examples per forward pass")
-    v.set_defaults(func=cmd_eval)
+    v.set_defaults(func=cmd_eval, torch=True)
 
     rp = sub.add_parser(
         "report",
@@ -241,7 +241,7 @@ def _run_parsers(sub) -> None:
         metavar="FILE",
         help="file to write (default: RUN/model.pt2, or RUN/model.pt for state_dict)",
     )
-    e.set_defaults(func=cmd_export)
+    e.set_defaults(func=cmd_export, torch=True)
 
 
 def _config_flag(parser, defaults):

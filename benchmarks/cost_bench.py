@@ -1,0 +1,134 @@
+"""Cost per sample: CPU-seconds of all a job's processes per training sample, a measure that
+contention on this shared machine does not move (issue 47).
+
+The job is dp_bench's (the digits MLP, batch 32 per replica, SGD lr 0.05, n_push = n_fetch =
+1, one thread per process). Each system runs twice, for SHORT and LONG steps per replica;
+the CPU it used is what its processes' whole tree used (this script's RUSAGE_CHILDREN before
+and after: every process of the job is reaped by its parent, so a launcher's children's
+children count too). Start-up, planning, the held-out evaluation and the report cost the
+same at both lengths, so the marginal cost
+
+    (CPU(LONG) - CPU(SHORT)) / (samples(LONG) - samples(SHORT))
+
+is the cost of training a sample. Systems alternate within each round (A B A B ...), and
+the figures are medians over rounds:
+
+- `plain` (R=1): one plain torch process;
+- `netpart-downpour` (R=1): `netpart train --workers 1 --replicas 1 --ps-shards 1`;
+- `ddp` (R=2): DistributedDataParallel over gloo, 2 processes;
+- `netpart-sync` (R=2) and `netpart-downpour` (R=2), one shard.
+
+Targets (issue 47): netpart Downpour R=1 <= 1.3x plain; netpart sync R=2 <= DDP R=2.
+
+    python benchmarks/cost_bench.py --out benchmarks/results/cost_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dp_bench import BATCH, DDP, LR, PLAIN, prepare_data  # noqa: E402
+
+SHORT, LONG = 200, 1200  # steps per replica
+SYSTEMS = (("plain", 1), ("netpart-downpour", 1), ("ddp", 2), ("netpart-sync", 2),
+           ("netpart-downpour", 2))  # fmt: skip
+
+
+def children_cpu() -> float:
+    """CPU-seconds (user + system) of every reaped descendant of this process so far."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def command(system: str, replicas: int, steps: int, data: Path, tmp: Path, seed: int) -> list:
+    """The command lines (one per process this script starts) of one run."""
+    args = [str(data), str(steps), str(BATCH), str(LR), str(seed)]
+    if system == "plain":
+        return [[sys.executable, "-c", PLAIN, *args]]
+    if system == "ddp":
+        out, store = tmp / f"ddp{time.monotonic_ns()}", tmp / f"store{time.monotonic_ns()}"
+        return [[sys.executable, "-c", DDP, *args, str(r), str(replicas), str(out), str(store),
+                 ""] for r in range(replicas)]  # fmt: skip
+    mode = system.removeprefix("netpart-")
+    return [[
+        str(Path(sys.executable).with_name("netpart")), "train", "--model", "digits-mlp",
+        "--workers", "1", "--replicas", str(replicas), "--ps-shards", "1", "--mode", mode,
+        "--optimizer", "sgd", "--lr", str(LR), "--data", "digits", "--steps", str(steps),
+        "--batch", str(BATCH), "--n-push", "1", "--n-fetch", "1", "--seed", str(seed),
+        "--out", str(tmp / f"np{time.monotonic_ns()}"),
+    ]]  # fmt: skip
+
+
+def run(system: str, replicas: int, steps: int, data: Path, tmp: Path, seed: int) -> dict:
+    """CPU-seconds and wall seconds of one run of `steps` steps per replica."""
+    cpu0, t0 = children_cpu(), time.perf_counter()
+    procs = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+             for c in command(system, replicas, steps, data, tmp, seed)]  # fmt: skip
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        if p.returncode != 0:
+            raise SystemExit(f"{system} R={replicas} failed: {err.decode()[-500:]}")
+    return {"cpu_s": children_cpu() - cpu0, "wall_s": time.perf_counter() - t0,
+            "samples": steps * BATCH * replicas}  # fmt: skip
+
+
+def marginal(short: dict, long: dict) -> float:
+    """CPU-seconds per sample between the two lengths."""
+    return (long["cpu_s"] - short["cpu_s"]) / (long["samples"] - short["samples"])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    runs: dict[str, list] = {}
+    with tempfile.TemporaryDirectory(prefix="cost-bench-") as name:
+        tmp = Path(name)
+        data = tmp / "digits.npz"
+        prepare_data(data)
+        for rnd in range(args.rounds):
+            order = SYSTEMS if rnd % 2 == 0 else SYSTEMS[::-1]
+            for system, replicas in order:
+                short = run(system, replicas, SHORT, data, tmp, rnd)
+                long = run(system, replicas, LONG, data, tmp, rnd)
+                us = marginal(short, long) * 1e6
+                runs.setdefault(f"{system}/R={replicas}", []).append(
+                    {"short": short, "long": long, "cpu_us_per_sample": us})
+                print(f"round {rnd + 1} {system} R={replicas}: {us:.1f} CPU-us a sample "
+                      f"(CPU {short['cpu_s']:.1f} / {long['cpu_s']:.1f} s, wall "
+                      f"{short['wall_s']:.1f} / {long['wall_s']:.1f} s)", flush=True)
+    summary = {k: {"cpu_us_per_sample_median": statistics.median(r["cpu_us_per_sample"]
+                                                                  for r in v),
+                   "runs": v} for k, v in runs.items()}  # fmt: skip
+    ratio = {
+        "downpour_R1_over_plain": summary["netpart-downpour/R=1"]["cpu_us_per_sample_median"]
+        / summary["plain/R=1"]["cpu_us_per_sample_median"],
+        "sync_R2_over_ddp_R2": summary["netpart-sync/R=2"]["cpu_us_per_sample_median"]
+        / summary["ddp/R=2"]["cpu_us_per_sample_median"],
+    }
+    print()
+    for key, s in summary.items():
+        print(f"{key:<22} {s['cpu_us_per_sample_median']:8.1f} CPU-us a sample (median)")
+    print(f"netpart Downpour R=1 / plain: {ratio['downpour_R1_over_plain']:.2f} (target <= 1.3)")
+    print(f"netpart sync R=2 / DDP R=2:   {ratio['sync_R2_over_ddp_R2']:.2f} (target <= 1.0)")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        job = {"short_steps": SHORT, "long_steps": LONG, "batch": BATCH, "lr": LR}
+        args.out.write_text(json.dumps({"job": job, "ratios": ratio, "results": summary},
+                                       indent=1))  # fmt: skip
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

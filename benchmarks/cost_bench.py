@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dp_bench import BATCH, DDP, LR, PLAIN, prepare_data  # noqa: E402
+from dp_bench import BATCH, DDP, LR, PLAIN, prepare_data
 
 SHORT, LONG = 200, 1200  # steps per replica
 SYSTEMS = (("plain", 1), ("netpart-downpour", 1), ("ddp", 2), ("netpart-sync", 2),
@@ -103,10 +103,14 @@ def main() -> int:
                 long = run(system, replicas, LONG, data, tmp, rnd)
                 us = marginal(short, long) * 1e6
                 runs.setdefault(f"{system}/R={replicas}", []).append(
-                    {"short": short, "long": long, "cpu_us_per_sample": us})
-                print(f"round {rnd + 1} {system} R={replicas}: {us:.1f} CPU-us a sample "
-                      f"(CPU {short['cpu_s']:.1f} / {long['cpu_s']:.1f} s, wall "
-                      f"{short['wall_s']:.1f} / {long['wall_s']:.1f} s)", flush=True)
+                    {"short": short, "long": long, "cpu_us_per_sample": us}
+                )
+                print(
+                    f"round {rnd + 1} {system} R={replicas}: {us:.1f} CPU-us a sample "
+                    f"(CPU {short['cpu_s']:.1f} / {long['cpu_s']:.1f} s, wall "
+                    f"{short['wall_s']:.1f} / {long['wall_s']:.1f} s)",
+                    flush=True,
+                )
     summary = {k: {"cpu_us_per_sample_median": statistics.median(r["cpu_us_per_sample"]
                                                                   for r in v),
                    "runs": v} for k, v in runs.items()}  # fmt: skip

@@ -1,6 +1,8 @@
 """`netpart plan --sweep COUNTS` and `netpart plan --machines M`: how many workers one model
 instance is worth, and how to spend M machines on replicas, workers and shards (or
-all-reduce). Both are predictions of the step-time model; no process is started."""
+all-reduce). Both are predictions of the step-time model; no process is started.
+`netpart train --machines M` trains the fastest layout `plan --machines M` lists that
+netpart runs (`train_layout`)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from netpart.cli.common import check_writable, echo, positive_int
 from netpart.errors import PlanError
 from netpart.processes.memory import available_memory
 
-__all__ = ["machines_options", "plan_cluster", "sweep"]
+__all__ = ["machines_options", "plan_cluster", "sweep", "train_layout"]
 
 
 def machines_options(p: argparse.ArgumentParser) -> None:
@@ -162,3 +164,48 @@ def plan_cluster(spec, args: argparse.Namespace, network) -> int:
         write_files(args.out, files)
         echo(f"wrote {', '.join(files)} to {args.out}")
     return 0
+
+
+def train_layout(args: argparse.Namespace) -> None:
+    """`train --machines M`: set --workers, --replicas, --ps-shards and --mode to the fastest
+    parameter-server layout `plan --machines M` predicts for the same machine (--profile,
+    --machine, or the built-in model), and say which and why."""
+    from netpart.cli.common import load_network
+    from netpart.models import load_spec
+    from netpart.partition.cluster import advise, trainable
+    from netpart.partition.graph import Granularity, graph_size
+    from netpart.train.config import TrainConfig
+
+    chosen = {"--workers": args.workers, "--replicas": args.replicas,
+              "--ps-shards": args.shards, "--mode": args.mode, "--resume": args.resume,
+              "--plan": args.plan}  # fmt: skip
+    if clash := [name for name, value in chosen.items() if value is not None]:
+        raise PlanError(f"--machines chooses the layout: drop {', '.join(clash)} (or --machines)")
+    if args.model is None:
+        raise PlanError("--machines needs --model (the model whose layouts it weighs)")
+    spec, defaults = load_spec(args.model), TrainConfig()
+    network = load_network(args.profile, machine=args.machine)
+    memory = 0.0
+    if args.machine is not None:
+        from netpart.partition.machine import read_machine
+
+        memory = read_machine(args.machine).memory_bytes
+    widest = graph_size(spec, Granularity.for_workers(args.machines)).widest
+    advice = advise(
+        spec, args.machines, network, batch=args.batch or defaults.batch,
+        n_push=args.n_push or defaults.n_push, n_fetch=args.n_fetch or defaults.n_fetch,
+        memory_per_machine=memory, max_workers=widest,
+    )  # fmt: skip
+    choice = trainable(advice)
+    lay = choice.layout
+    args.workers, args.replicas, args.shards, args.mode = (
+        lay.workers, lay.replicas, lay.shards, lay.mode,
+    )  # fmt: skip
+    faster = ""
+    if advice.best is not choice:
+        best = advice.best
+        faster = (f"; {best.layout} is predicted faster ({best.samples_per_s:,.0f} samples/s): "
+                  "that is DistributedDataParallel's, not netpart's")  # fmt: skip
+    flags = f"--workers {lay.workers} --replicas {lay.replicas} --ps-shards {lay.shards}"
+    rate = f"{choice.samples_per_s:,.0f} samples/s predicted ({advice.prediction})"
+    echo(f"--machines {args.machines}: training {lay} ({flags} --mode {lay.mode}), {rate}{faster}")

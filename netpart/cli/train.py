@@ -112,6 +112,12 @@ def _train_parser(sub) -> None:
         "--resume", type=Path, default=None, metavar="DIR",
         help="continue this run (in DIR) up to --steps; --out is refused",
     )  # fmt: skip
+    t.add_argument(
+        "--machines", type=positive_int, default=None, metavar="M",
+        help="instead of --workers, --replicas, --ps-shards and --mode: train the fastest "
+        "parameter-server layout `netpart plan --machines M` predicts for M machines like "
+        "this one (or --profile/--machine)",
+    )  # fmt: skip
     add_testbed_arg(t)
     t.set_defaults(func=cmd_train, torch=True)
 
@@ -277,6 +283,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.resume is None:
         check_writable(args.out or DEFAULT_OUT, "--out")
+    if args.machines is not None:
+        from netpart.cli.machines import train_layout
+
+        train_layout(args)
     request = _request(args)
     if under_torchrun():
         code = train_torchrun(request, echo)

@@ -49,6 +49,7 @@ __all__ = [
     "LayoutFigures",
     "advise",
     "allreduce_s",
+    "trainable",
 ]
 
 CLUSTER_SCHEMA = 1
@@ -251,6 +252,18 @@ def _fits(f: LayoutFigures, memory: float) -> LayoutFigures:
     if memory <= 0 or f.memory_bytes <= memory:
         return f
     return LayoutFigures(**{**asdict(f), "layout": f.layout, "fits": False})
+
+
+def trainable(advice: ClusterAdvice) -> LayoutFigures:
+    """The fastest layout of `advice` that fits and `netpart train` runs: a parameter-server
+    layout (all-reduce is DistributedDataParallel's). PlanError if there is none."""
+    for f in advice.layouts:
+        if f.fits and f.layout.mode != "allreduce":
+            return f
+    raise PlanError(
+        f"--machines {advice.machines}: no parameter-server layout fits (one needs at least 2 "
+        "machines: a replica's worker and a shard)"
+    )
 
 
 def _why(rows: list[LayoutFigures]) -> str:

@@ -9,7 +9,7 @@ import pytest
 from netpart.cli import main
 from netpart.errors import PlanError
 from netpart.models import load_spec
-from netpart.partition.cluster import ClusterAdvice, advise, allreduce_s
+from netpart.partition.cluster import ClusterAdvice, advise, allreduce_s, trainable
 from netpart.partition.cost import NetworkModel
 from netpart.partition.graph import BYTES_PER_VALUE
 
@@ -66,6 +66,30 @@ def test_plan_machines_prints_and_writes_the_advice(tmp_path, capsys):
     assert (out / "cluster.png").read_bytes()[:4] == b"\x89PNG"
     assert "Recommended" in (out / "report.md").read_text()
     assert main(["plan", "--model", "tiny-mlp", "--machines", "4", "--workers", "2"]) == 2
+
+
+def test_train_machines_trains_the_fastest_parameter_server_layout(tmp_path, capsys):
+    """`train --machines M` runs what `plan --machines M` ranks first among the layouts
+    netpart trains (all-reduce is DDP's), and says so; it refuses a layout given besides."""
+    advice = advise(load_spec("digits-mlp"), 4, NetworkModel(), batch=32, max_workers=4)
+    choice = trainable(advice)
+    assert choice.layout.mode != "allreduce" and choice.fits
+    assert all(f.samples_per_s <= choice.samples_per_s for f in advice.layouts
+               if f.layout.mode != "allreduce")  # fmt: skip
+    run = tmp_path / "run"
+    argv = ["train", "--model", "digits-mlp", "--machines", "4", "--data", "digits",
+            "--steps", "10", "--batch", "32", "--out", str(run)]  # fmt: skip
+    assert main(argv) == 0
+    assert f"--machines 4: training {choice.layout}" in capsys.readouterr().out
+    job, lay = json.loads((run / "train.json").read_text()), choice.layout
+    config = job["config"]
+    assert (job["workers"], config["replicas"], config["shards"], config["mode"]) == (
+        lay.workers, lay.replicas, lay.shards, lay.mode,
+    )  # fmt: skip
+    assert main([*argv[:-2], "--workers", "2", "--out", str(tmp_path / "b")]) == 2
+    assert "--machines chooses the layout: drop --workers" in capsys.readouterr().err
+    with pytest.raises(PlanError, match="no parameter-server layout"):
+        trainable(advise(load_spec("digits-mlp"), 1, NET))
 
 
 def test_downpour_carries_push_and_fetch_beside_its_step_and_sync_waits_for_each():

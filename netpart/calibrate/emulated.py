@@ -82,9 +82,9 @@ class EmulatedRunner:
                 for i in range(len(plans))
             ]
 
-    def link(self, sizes, repeats: int, world: int, one_way: bool = False):
+    def link(self, sizes: tuple[int, ...], repeats: int, world: int) -> tuple[np.ndarray, float]:
         with tempfile.TemporaryDirectory(prefix="netpart-emulated-") as tmp:
-            link_job(Path(tmp), sizes, repeats, timeout=120, one_way=one_way)
+            link_job(Path(tmp), sizes, repeats, timeout=120)
             self._launch(Path(tmp), world, f"the link among {world}")
             return link_result(Path(tmp), world)
 

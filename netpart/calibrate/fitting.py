@@ -129,9 +129,8 @@ def _link_terms(link: dict, runs: list[dict], in_step: float = 0.0) -> dict:
     b, secs = np.array(tables[1]).T
     latency, per_byte = _lstsq([[1.0, x] for x in b], list(secs), list(secs))
     gather = tuple(sorted((float(n), float(t)) for n, t in link.get("gather_s", {}).items()))
-    one_way = tuple(zip(link["sizes"], link.get("one_way", ()), strict=False))
     return {"link": tables, "latency_s": latency, "bandwidth_bps": 8.0 / max(per_byte, 1e-15),
-            "gather": gather, "one_way": one_way}  # fmt: skip
+            "gather": gather}  # fmt: skip
 
 
 def fit(
@@ -161,7 +160,6 @@ def fit(
     model = replace(
         base, link=terms["link"], bandwidth_bps=terms["bandwidth_bps"], gather=terms["gather"],
         latency_s=terms["latency_s"], step_fixed_s=step_fixed, joined_saving_s=saving,
-        one_way=terms["one_way"],
     )  # fmt: skip
     model = anchored(model, plans, [r["one"]["step_s"] for r in runs], batch)
     # Two: what is left is the collective, compute slowed by sharing the machine, and

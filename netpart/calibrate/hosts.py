@@ -111,9 +111,8 @@ class HostsRunner:
     def slices(self, spec: ModelSpec, plans: list[PartitionPlan], batch: int) -> list:
         return LocalRunner(self.share).slices(spec, plans, batch)
 
-    def link(self, sizes, repeats: int, world: int, one_way: bool = False):
-        cmd = {"op": "link", "world": world, "sizes": [int(b) for b in sizes], "repeats": repeats,
-               "one_way": one_way}  # fmt: skip
+    def link(self, sizes: tuple[int, ...], repeats: int, world: int) -> tuple[np.ndarray, float]:
+        cmd = {"op": "link", "world": world, "sizes": [int(b) for b in sizes], "repeats": repeats}
         self._commands.send(cmd)
         return self._link(cmd)
 
@@ -170,8 +169,7 @@ class HostsRunner:
         if self.rank >= world:
             return np.zeros(0), 0.0
         transport = GlooTransport(self._groups[world], list(range(world)))
-        seconds, gather = link_loop(transport, cmd["sizes"], int(cmd["repeats"]),
-                                    one_way=bool(cmd.get("one_way")))  # fmt: skip
+        seconds, gather = link_loop(transport, cmd["sizes"], int(cmd["repeats"]))
         slowest = transport.all_reduce(torch.tensor([*seconds, gather], dtype=torch.float64), "max")
         return slowest[:-1].numpy(), float(slowest[-1])
 

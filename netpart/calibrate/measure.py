@@ -139,7 +139,7 @@ class Runner(Protocol):
     def slices(self, spec: ModelSpec, plans: list[PartitionPlan], batch: int) -> list: ...
 
     def link(
-        self, sizes: tuple[int, ...], repeats: int, world: int, one_way: bool = False
+        self, sizes: tuple[int, ...], repeats: int, world: int
     ) -> tuple[np.ndarray, float]: ...
 
     def step(
@@ -168,8 +168,8 @@ class LocalRunner:
         finally:
             torch.set_num_threads(threads)
 
-    def link(self, sizes, repeats: int, world: int, one_way: bool = False):
-        return run_link(sizes, repeats, world=world, one_way=one_way)
+    def link(self, sizes: tuple[int, ...], repeats: int, world: int) -> tuple[np.ndarray, float]:
+        return run_link(sizes, repeats, world=world)
 
     def step(self, spec, p, batch, steps, exchange_only=False) -> tuple[float, float]:
         x, y = make_batch(spec, batch, 0)
@@ -319,29 +319,6 @@ def _case(runs: list[tuple[float, float, float]]) -> dict:
             "runs_s": seconds, "probe_runs_s": probes}  # fmt: skip
 
 
-def _measure_link(runner: Runner, say) -> dict:
-    """The link among 2 to LINK_WORLD of the runner's machines, every size both ways at once
-    (`seconds` per number of peers), and the loss's collective (`gather_s` per number of
-    workers); then one way to one peer (`one_way`: a sync push, then its fetch)."""
-    link = {"sizes": [float(b) for b in LINK_SIZES], "seconds": {}, "gather_s": {}}
-    for world in range(2, min(runner.machines, LINK_WORLD) + 1):
-        times, gather = runner.link(LINK_SIZES, 10, world)
-        seconds = [float(t) for t in times]
-        link["seconds"][str(world - 1)] = seconds
-        link["gather_s"][str(world)] = float(gather)
-        pairs = zip(LINK_SIZES, seconds, strict=True)
-        say(
-            f"link, {world - 1} peer(s), per peer: "
-            + ", ".join(f"{b >> 10} KB {t * 1e3:.2f} ms" for b, t in pairs)
-            + f"; the loss's collective {gather * 1e3:.2f} ms"
-        )
-    times, _ = runner.link(LINK_SIZES, 10, 2, one_way=True)
-    link["one_way"] = [float(t) for t in times]
-    pairs = zip(LINK_SIZES, link["one_way"], strict=True)
-    say("link, one way: " + ", ".join(f"{b >> 10} KB {t * 1e3:.2f} ms" for b, t in pairs))
-    return link
-
-
 def calibrate(
     models: tuple[str, ...] = CALIBRATION_MODELS,
     batch: int = 32,
@@ -364,7 +341,18 @@ def calibrate(
     kinds = {k: kind_cost(v) for k, v in sorted(points.items())}
     layers = layer_costs(per_layer, kinds)
     base = NetworkModel(kinds=kinds, layers=layers, overlap=runner.overlap)
-    link = _measure_link(runner, say)
+    link = {"sizes": [float(b) for b in LINK_SIZES], "seconds": {}, "gather_s": {}}
+    for world in range(2, min(runner.machines, LINK_WORLD) + 1):
+        times, gather = runner.link(LINK_SIZES, 10, world)
+        seconds = [float(t) for t in times]
+        link["seconds"][str(world - 1)] = seconds
+        link["gather_s"][str(world)] = float(gather)
+        pairs = zip(LINK_SIZES, seconds, strict=True)
+        say(
+            f"link, {world - 1} peer(s), per peer: "
+            + ", ".join(f"{b >> 10} KB {t * 1e3:.2f} ms" for b, t in pairs)
+            + f"; the loss's collective {gather * 1e3:.2f} ms"
+        )
     plans = [(s, plan(s, 1, "metis", batch=batch), plan(s, 2, "metis", batch=batch)) for s in specs]
     wide = {n: [plan(s, n, "metis", batch=batch) for s in specs]
             for n in crowd_counts(runner.machines)}  # fmt: skip

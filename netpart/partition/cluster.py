@@ -20,9 +20,7 @@ bandwidth):
   (R - 1) x max(n_push, n_fetch) / n_push.
 - **sync**: every replica computes, pushes, the shards apply, every replica fetches: the step
   is the model-parallel step plus the pushes (the longer of a worker's and the busiest
-  shard's R in), its update, and the fetches likewise (n_push = n_fetch = 1). Each of these
-  goes one way at a time: where a profile measured one-way transfers (`one_way`), they are
-  read off that table (its link tables are both ways at once, Downpour's pattern).
+  shard's R in), its update, and the fetches likewise (n_push = n_fetch = 1).
 - **all-reduce**: M replicas of one worker; a ring all-reduce moves 2(M-1)/M of the model
   through each machine's link in 2(M-1) phases. Only where one machine holds the model.
 - **memory per machine**: a worker holds its values, their gradients and a fetched copy, and
@@ -226,10 +224,7 @@ def _ps(spec, layout: Layout, mp: _ModelParallel, shards: ShardLayout, network, 
     busiest = int(np.argmax(held))
     link_bytes = float(r * held[busiest] / min(n_push, n_fetch))
     if layout.mode == "sync":  # pushes in (each worker's and the shard's links at once),
-        # the update, fetches out: each one way at a time
-        if network.one_way:  # measured so (the link tables are both ways at once)
-            worker_push = worker_fetch = float(network.one_way_s(nbytes).max())
-            shard_in = shard_out = network.one_way_s(r * held)
+        # the update, fetches out
         into = np.maximum(shard_in, worker_push) + update + np.maximum(shard_out, worker_fetch)
         step = mp.step_s + float(into.max())
         staleness = 0.0

@@ -106,8 +106,6 @@ class NetworkModel:
     split_cost: float = SPLIT_COST  # a split's extra work, of the work it hides behind
     # peers -> (bytes each way in all, seconds) of a phase with that many peers, sorted
     link: dict[int, tuple[tuple[float, float], ...]] = field(default_factory=dict)
-    # (bytes, seconds) of a message to one peer, one way only (a sync push, then its fetch)
-    one_way: tuple[tuple[float, float], ...] = ()
     # (workers, seconds) of the loss's collective among that many, sorted
     gather: tuple[tuple[float, float], ...] = ()
     # (workers >= 3, slowdown, seconds) of steps at that many workers beyond the 2-worker fit
@@ -130,7 +128,7 @@ class NetworkModel:
         gather = [list(p) for p in self.gather]
         crowd = [list(p) for p in self.crowd]
         return {**out, "kinds": kinds, "layers": layers, "link": link, "gather": gather,
-                "crowd": crowd, "one_way": [list(p) for p in self.one_way]}  # fmt: skip
+                "crowd": crowd}  # fmt: skip
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> NetworkModel:
@@ -150,14 +148,13 @@ class NetworkModel:
         if any(n < 2 for n, _ in gather):
             raise ValueError("gather needs (workers >= 2, seconds) points")
         crowd = _crowd_points(data.pop("crowd", ()))
-        one_way = table_points(data.pop("one_way", ()), "one_way")
         overlap = data.pop("overlap", True)
         if not isinstance(overlap, bool):
             raise ValueError("overlap is true or false")
         floats = {k: float(v) for k, v in data.items()}
         return cls(
             **floats, kinds=kinds, layers=layers, overlap=overlap, link=link, gather=gather,
-            crowd=crowd, one_way=one_way, profile=profile, machine=machine, caveat=caveat,
+            crowd=crowd, profile=profile, machine=machine, caveat=caveat,
         )  # fmt: skip
 
     @classmethod
@@ -279,11 +276,6 @@ class NetworkModel:
             out = np.where(pick == i, _read(self.link[k], nbytes), out)
         return out
 
-    def one_way_s(self, nbytes: np.ndarray) -> np.ndarray:
-        """Seconds to send `nbytes` to one peer, nothing back: `one_way`, else `phase_s`."""
-        x = np.asarray(nbytes, dtype=np.float64)
-        return _read(self.one_way, x) if self.one_way else self.phase_s(x)
-
     def gather_s(self, workers: int) -> float:
         """The loss's collective among `workers` (> 1), read off `gather` (0 unmeasured)."""
         return float(_read(self.gather, np.array(float(workers)))) if self.gather else 0.0
@@ -347,7 +339,7 @@ class NetworkModel:
         net = net.faster(speed)
         if {"bandwidth_bps", "latency_s"} & values.keys():
             # the cluster's network, not the measured one
-            net = replace(net, link={}, one_way=(), gather=(), crowd=())
+            net = replace(net, link={}, gather=(), crowd=())
         if min(net.bandwidth_bps, net.flops_per_s) <= 0 or net.latency_s < 0:
             raise PlanError("--net: bandwidth and flops must be positive, latency >= 0")
         return net

@@ -157,13 +157,10 @@ def step_job(job: Path, spec: ModelSpec, plan: PartitionPlan, batch, options: St
     torch.save({"inputs": batch[0], "targets": batch[1]}, job / "batch.pt")
 
 
-def link_job(
-    job: Path, sizes: tuple[int, ...], repeats: int, timeout: float = 60.0, one_way: bool = False
-) -> None:
+def link_job(job: Path, sizes: tuple[int, ...], repeats: int, timeout: float = 60.0) -> None:
     """Write a link job into `job`: its processes (`python -m netpart.runtime.step --job JOB`,
     any number) then each write link_<rank>.json (see `run_link`)."""
-    config = {"link_sizes": list(sizes), "repeats": repeats, "timeout": timeout, "threads": 1,
-              "one_way": one_way}  # fmt: skip
+    config = {"link_sizes": list(sizes), "repeats": repeats, "timeout": timeout, "threads": 1}
     write_files(job, {"config.json": json.dumps(config).encode()})
 
 
@@ -176,19 +173,14 @@ def link_result(job: Path, world: int) -> tuple[np.ndarray, float]:
 
 
 def run_link(
-    sizes: tuple[int, ...] = LINK_SIZES,
-    repeats: int = 10,
-    timeout: float = 60.0,
-    world: int = 2,
-    one_way: bool = False,
+    sizes: tuple[int, ...] = LINK_SIZES, repeats: int = 10, timeout: float = 60.0, world: int = 2
 ) -> tuple[np.ndarray, float]:
     """Seconds for `world` local processes to exchange a message of each size (bytes) with
-    every other, both ways at once (`one_way`: rank 0 sends, the others only receive), through
-    the runtime's transport (the median of `repeats`, the slowest process), and of the loss's
-    collective among them (`link_result`)."""
+    every other, both ways at once, through the runtime's transport (the median of `repeats`,
+    the slowest process), and of the loss's collective among them (`link_result`)."""
     with tempfile.TemporaryDirectory(prefix="netpart-link-") as tmp:
         job = Path(tmp)
-        link_job(job, sizes, repeats, timeout, one_way)
+        link_job(job, sizes, repeats, timeout)
         logs = [job / f"worker_{r}.log" for r in range(world)]
         with Processes("netpart.runtime.step", ["--job", str(job)], logs) as procs:
             _watch(procs, timeout)
@@ -199,8 +191,7 @@ def _link(job: Path, config: dict) -> int:
     """One process of a link job (`link_loop`); writes link_<rank>.json."""
     rank, _ = join_group(float(config["timeout"]))
     try:
-        seconds, gather = link_loop(GlooTransport(), config["link_sizes"], int(config["repeats"]),
-                                    one_way=bool(config.get("one_way")))  # fmt: skip
+        seconds, gather = link_loop(GlooTransport(), config["link_sizes"], int(config["repeats"]))
         done = {"seconds": seconds, "gather_s": gather}
         (job / f"link_{rank}.json").write_text(json.dumps(done))
     finally:
@@ -208,13 +199,12 @@ def _link(job: Path, config: dict) -> int:
     return 0
 
 
-def link_loop(transport, sizes, repeats: int, one_way: bool = False) -> tuple[list[float], float]:
+def link_loop(transport, sizes, repeats: int) -> tuple[list[float], float]:
     """(seconds per size, seconds of the loss's collective) on this process: each size to and
     from every other process of `transport` at once (receives posted first, as the programs
-    do; `one_way`: rank 0 sends to every other, which only receive), timed `repeats` times
-    after one untimed round, a barrier before each, the median; then the loss's all-gather
-    `GATHER_REPEATS` times back to back (no barrier: each waits for the last process to
-    arrive, as in a step), the mean."""
+    do), timed `repeats` times after one untimed round, a barrier before each, the median;
+    then the loss's all-gather `GATHER_REPEATS` times back to back (no barrier: each waits
+    for the last process to arrive, as in a step), the mean."""
     seconds = []
     peers = [r for r in range(transport.size) if r != transport.rank]
     for size in sizes:
@@ -224,13 +214,8 @@ def link_loop(transport, sizes, repeats: int, one_way: bool = False) -> tuple[li
         for _ in range(repeats + 1):
             transport.barrier()
             start = time.perf_counter()
-            if one_way:  # peers[0] is rank 0 on every other rank
-                works = ([transport.send(0, p, out) for p in peers] if transport.rank == 0
-                         else [transport.recv(0, peers[0], into[0])])  # fmt: skip
-            else:
-                works = [transport.recv(0, p, b) for p, b in zip(peers, into, strict=True)]
-                works += [transport.send(0, p, out) for p in peers]
-            transport.wait(works)
+            posted = [transport.recv(0, p, b) for p, b in zip(peers, into, strict=True)]
+            transport.wait(posted + [transport.send(0, p, out) for p in peers])
             times.append(time.perf_counter() - start)
         seconds.append(float(np.median(times[1:])))
     values, times = torch.zeros(GATHER_VALUES), []

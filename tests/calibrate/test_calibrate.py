@@ -30,7 +30,7 @@ CALIBRATED = NetworkModel(
     fill_s_per_value=1e-9, step_fixed_s=3e-4, collective_s=5e-4, parallel_slowdown=0.2,
     slice_scale=0.9, joined_saving_s=5e-5, probe_s=2e-3, profile="p.json",
     link={1: ((1e3, 1e-4), (1e4, 2e-4), (1e5, 1.2e-3)), 3: ((3e3, 4e-4), (3e5, 6e-3))},
-    gather=((2.0, 1e-3), (4.0, 3e-3)), one_way=((1e3, 6e-5), (1e5, 7e-4)),
+    gather=((2.0, 1e-3), (4.0, 3e-3)),
 )  # fmt: skip
 
 
@@ -134,10 +134,6 @@ def test_a_phase_is_read_off_the_link_table_and_a_cluster_replaces_it():
     assert NetworkModel.parse("flops=50G", base=CALIBRATED).link == CALIBRATED.link
     assert NetworkModel.parse("bandwidth=10G", base=CALIBRATED).link == {}  # the cluster's
     assert NetworkModel.parse("latency=1ms", base=CALIBRATED).gather == ()
-    # one way to one peer: its own table (a sync push), else a one-peer phase
-    assert CALIBRATED.one_way_s(np.array([5.05e4]))[0] == pytest.approx(3.8e-4)
-    assert replace(CALIBRATED, one_way=()).one_way_s(np.array([1e4]))[0] == pytest.approx(2e-4)
-    assert NetworkModel.parse("bandwidth=10G", base=CALIBRATED).one_way == ()
     with pytest.raises(ValueError, match="link needs positive"):
         NetworkModel.from_dict({**CALIBRATED.to_dict(), "link": {"1": [[1e3, -1.0]]}})
     with pytest.raises(ValueError, match="peers >= 1"):
@@ -433,7 +429,6 @@ def test_calibrate_writes_a_profile_that_plan_and_run_use(tmp_path, capsys):
     assert [r["model"] for r in measured["runs"]] == ["tiny-mlp", "tiny-local"]
     assert model.bandwidth_bps > 0 and model.slice_scale > 0 and model.probe_s > 0
     assert [n for n, _ in model.gather] == [2.0]  # the loss's collective, measured here
-    assert len(model.one_way) == len(measured["link"]["one_way"]) > 0  # and one way
     assert set(measured["anchored"]) == {"tiny-mlp", "tiny-local"}  # tables to their steps
     low, high = measured["probe_spread"]  # the probe's 10th and 90th percentile / its median
     assert 0 < low <= 1 <= high

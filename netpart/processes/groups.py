@@ -21,7 +21,6 @@ from __future__ import annotations
 import datetime
 import logging
 import secrets
-import time
 
 import torch
 import torch.distributed as dist
@@ -29,7 +28,7 @@ import torch.distributed as dist
 from netpart import faults
 from netpart.errors import RuntimeFailure
 
-__all__ = ["ATTEMPTS", "PROBE_S", "form_default_group", "new_groups", "probes_made"]
+__all__ = ["ATTEMPTS", "PROBE_S", "form_default_group", "new_groups", "wait_bounded"]
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +37,6 @@ ATTEMPTS = 3  # groups formed at most this often: start-up stays inside its 10 s
 TOKEN_BITS = 62
 
 _state = {"probes": 0, "tokens": None}  # this process's probes so far; the default group's tokens
-
-
-def probes_made() -> int:
-    """How many group probes this process has made (fault points count them)."""
-    return _state["probes"]
 
 
 def form_default_group(
@@ -90,7 +84,8 @@ def new_groups(
         )
         verdict = torch.tensor(1 if ok else 0, dtype=torch.int64)
         work = dist.all_reduce(verdict, op=dist.ReduceOp.MIN, async_op=True)
-        _bounded(work, 4 * PROBE_S, "the checks of the job's groups")
+        stopped = "a process of the job stopped while it started"
+        wait_bounded(work, 4 * PROBE_S, "the checks of the job's groups", stopped)
         if verdict.item() == 1:
             return [g if rank in m else None for g, m in zip(groups, members, strict=True)]
         log.warning("a group failed its check (attempt %d): forming them again", attempt)
@@ -136,14 +131,14 @@ def _wait_keys(store: dist.Store, keys: list[str], what: str) -> None:
         ) from None
 
 
-def _bounded(work, seconds: float, what: str) -> None:
-    start = time.monotonic()
+def wait_bounded(work, seconds: float, what: str, why: str) -> None:
+    """Wait for a torch.distributed `work` at most `seconds`; else RuntimeFailure (one line)
+    naming `what` and the likely cause, `why`."""
     try:
         work.wait(timeout=datetime.timedelta(seconds=seconds))
     except RuntimeError as exc:
         raise RuntimeFailure(
-            f"{what} did not complete within {time.monotonic() - start:.0f} s ({exc}): a "
-            "process of the job stopped while it started"
+            f"{what} did not complete within {seconds:g} s ({exc}): {why}"
         ) from None
 
 

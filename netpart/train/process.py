@@ -29,11 +29,10 @@ import torch
 import torch.distributed as dist
 
 from netpart import faults
-from netpart.errors import RuntimeFailure
 from netpart.files import write_atomic
 from netpart.partition.schedule import NO_SPLITS, SPLIT_MIN_FLOPS, plan_schedule
 from netpart.partition.shards import ShardLayout
-from netpart.processes.groups import new_groups
+from netpart.processes.groups import new_groups, wait_bounded
 from netpart.processes.launcher import join_group, mark_started, yield_io_threads
 from netpart.ps.server import ShardServer
 from netpart.train.config import TrainConfig
@@ -87,14 +86,8 @@ def job_placement(config: TrainConfig, workers: int, node: str | None = None) ->
     gather = dist.all_gather(
         list(nodes.unbind(0)), torch.tensor(mine, dtype=torch.int64), async_op=True
     )
-    limit = 2 * config.start_timeout
-    try:
-        gather.wait(timeout=datetime.timedelta(seconds=limit))
-    except RuntimeError as exc:
-        raise RuntimeFailure(
-            f"the job's start-up exchange did not complete within {limit:g} s ({exc}): a "
-            "process is stuck or a connection that is not the job's reached its listeners"
-        ) from None
+    why = "a process is stuck or a connection that is not the job's reached its listeners"
+    wait_bounded(gather, 2 * config.start_timeout, "the job's start-up exchange", why)
     hosts = [f"node{k}" for k in nodes.tolist()]
     return place(
         hosts, config.replicas, workers, config.shards, config.placement, config.coordinators

@@ -10,8 +10,8 @@ the job can reach them. Unprivileged users get the namespace through a user name
 maps their own uid and gid onto themselves (files keep their owner); root needs none.
 
 Where the kernel refuses (user namespaces disabled, a seccomp filter), the job runs on the
-machine's loopback as before, and its groups' start-up check (`netpart.processes.groups`)
-still keeps a stranger out, at the cost of a retry.
+machine's loopback as before (the launcher warns), and its groups' start-up check
+(`netpart.processes.groups`) still keeps a stranger out, at the cost of a retry.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import importlib
 import json
+import logging
 import os
 import select
 import signal
@@ -38,9 +39,12 @@ from netpart.errors import RuntimeFailure
 from netpart.processes.liveness import is_stopped
 from netpart.processes.private_net import enter_private_network
 
-__all__ = ["PRELOAD", "Forked", "Preloaded", "die_with_parent", "main"]
+__all__ = ["PRELOAD", "SHARED_LOOPBACK", "Forked", "Preloaded", "die_with_parent", "main"]
+
+log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+SHARED_LOOPBACK = "the job shares this machine's loopback"
 FORK_TIMEOUT = 300.0  # s for the zygote to import torch and fork: a slow, busy machine
 # Imported besides the job's module: autograd's first backward imports sympy through it.
 PRELOAD = ("torch.fx.experimental.symbolic_shapes",)
@@ -105,7 +109,15 @@ class Preloaded:
         os.set_blocking(self.proc.stdout.fileno(), False)
         self.children = [Forked(int(pid), self) for pid in first[1:]]
         self._read(b"")  # exit lines that came with the pids
+        self._say_if_shared()
         return self.children
+
+    def _say_if_shared(self) -> None:
+        """Warn if the zygote could not give the job a network of its own (its stderr says)."""
+        self.errors.seek(0)
+        for line in self.errors.read().decode(errors="replace").splitlines():
+            if line.startswith(SHARED_LOOPBACK):
+                log.warning("%s: other local users can reach its listeners", line)
 
     def _answer(self, interrupted) -> bytes:
         """The zygote's first answer line (raw reads only: a buffered readline could swallow
@@ -247,7 +259,7 @@ def main() -> int:
     # While single-threaded (before torch): the job's listeners on a loopback of its own.
     why = enter_private_network()
     if why:
-        print(f"the job shares this machine's loopback ({why})", file=sys.stderr, flush=True)
+        print(f"{SHARED_LOOPBACK} ({why})", file=sys.stderr, flush=True)
     for name in sys.argv[1:]:
         try:  # a module that fails to import fails again, with its error, in each child's log
             importlib.import_module(name)

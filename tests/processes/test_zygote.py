@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from netpart.processes.zygote import Preloaded
+from netpart.processes.zygote import SHARED_LOOPBACK, Preloaded
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -51,6 +51,16 @@ def test_forked_processes_report_their_exit_codes_and_log_their_output(job_modul
         assert [p.wait() for p in procs] == [0, 3, 1]
     assert logs[0].read_text().strip() == "rank 0 ['a', 'b']"
     assert "ValueError: boom" in logs[2].read_text()
+
+
+def test_a_job_without_a_network_of_its_own_is_told_so(job_module, caplog):
+    """Where the kernel refuses the zygote a private network namespace, the job runs on the
+    machine's loopback, and the launcher says so (the zygote writes why to its stderr)."""
+    with Preloaded("zjob") as zygote:
+        zygote.errors.write(f"{SHARED_LOOPBACK} (unshare: Operation not permitted)\n".encode())
+        (proc,) = zygote.fork([], [({"ACT": "ok", "RANK": "0"}, job_module / "r.log")])
+        assert proc.wait() == 0
+    assert "unshare: Operation not permitted): other local users can reach" in caplog.text
 
 
 def test_signals_reach_a_forked_process_and_none_outlives_the_interpreter(job_module):

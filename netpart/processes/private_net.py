@@ -11,7 +11,8 @@ maps their own uid and gid onto themselves (files keep their owner); root needs 
 
 Where the kernel refuses (user namespaces disabled, a seccomp filter), the job runs on the
 machine's loopback as before (the launcher warns), and its groups' start-up check
-(`netpart.processes.groups`) still keeps a stranger out, at the cost of a retry.
+(`netpart.processes.groups`) still finds a stranger's connection and forms the group again
+(a stranger at every attempt ends the job in one line).
 """
 
 from __future__ import annotations

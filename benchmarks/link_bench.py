@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from netpart.calibrate.emulated import EmulatedRunner  # noqa: E402
 from netpart.testbed import cgroups, netns  # noqa: E402
+from netpart.testbed.bed import unavailable  # noqa: E402
 
 SIZES = (65_536, 950_000, 4_000_000)  # bytes; 950 kB: bench-local's halo per step at batch 32
 
@@ -36,7 +37,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    why = netns.unavailable() or cgroups.unavailable()
+    why = unavailable()
     if why is not None:
         print(f"link_bench: skipped: {why}")
         return 0

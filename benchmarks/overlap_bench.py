@@ -47,6 +47,7 @@ from netpart.models import load_spec  # noqa: E402
 from netpart.partition import plan  # noqa: E402
 from netpart.partition.cost import NetworkModel  # noqa: E402
 from netpart.testbed import cgroups, netns  # noqa: E402
+from netpart.testbed.bed import unavailable  # noqa: E402
 
 BATCH, STEPS = 32, 10
 CASES = ("auto", "split", "joined", "exchange")
@@ -176,7 +177,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    why = netns.unavailable() or cgroups.unavailable()
+    why = unavailable()
     if why is not None:
         print(f"overlap_bench: skipped: {why}")
         return 0

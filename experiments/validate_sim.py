@@ -91,10 +91,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     from netpart.testbed import cgroups, netns
+    from netpart.testbed.bed import unavailable
 
     # A stop (SIGTERM) unwinds like Ctrl-C, so namespaces and cgroups are removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    why = netns.unavailable() or cgroups.unavailable()
+    why = unavailable()
     if why is not None:
         print(f"validate_sim: skipped: {why}")
         return 0

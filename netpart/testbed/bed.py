@@ -19,7 +19,10 @@ from netpart.errors import NetpartError
 from netpart.files import write_atomic
 from netpart.testbed import cgroups, netns
 
-__all__ = ["STATE", "Testbed", "TestbedError", "down", "health", "list_testbeds", "read", "up"]
+__all__ = [
+    "STATE", "Testbed", "TestbedError", "down", "health", "list_testbeds", "read", "unavailable",
+    "up",
+]  # fmt: skip
 
 STATE = Path("/run/netpart/testbeds")
 NAME = re.compile(r"[a-z][a-z0-9-]{0,15}")
@@ -63,6 +66,12 @@ class Testbed:
         return cls(**{**d, "hosts": hosts, "groups": tuple(d["groups"])})
 
 
+def unavailable() -> str | None:
+    """Why machines cannot be emulated here (no root, no network namespaces, no cpu cgroup
+    controller), or None."""
+    return netns.unavailable() or cgroups.unavailable()
+
+
 def up(name: str, machines: int, *, cpu: float, rate: str, burst: str | None = None,
        queue: str = "100ms") -> Testbed:  # fmt: skip
     """Make testbed `name` (links' token bucket `burst`, default `netns.burst_for(rate)`);
@@ -78,9 +87,8 @@ def up(name: str, machines: int, *, cpu: float, rate: str, burst: str | None = N
         netns.rate_bps(rate)
     except ValueError as exc:
         raise TestbedError(f"--link: {exc}") from None
-    for why in (netns.unavailable(), cgroups.unavailable()):
-        if why:
-            raise TestbedError(why)
+    if why := unavailable():
+        raise TestbedError(why)
     if (STATE / f"{name}.json").exists():
         raise TestbedError(f"testbed {name} exists; `netpart testbed down {name}` first")
     used = {tb.subnet for tb in list_testbeds()}

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from netpart.cli import main
-from netpart.testbed import cgroups, netns
-from netpart.testbed.bed import STATE, TestbedError, down, read, up
+from netpart.testbed import netns
+from netpart.testbed.bed import STATE, TestbedError, down, read, unavailable, up
 
-REASON = netns.unavailable() or cgroups.unavailable()
+REASON = unavailable()
 pytestmark = [pytest.mark.skipif(REASON is not None, reason=str(REASON)),
               pytest.mark.timeout(240)]  # fmt: skip
 

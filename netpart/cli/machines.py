@@ -130,27 +130,38 @@ def sweep(spec, args: argparse.Namespace, network) -> int:
     return 0
 
 
+def _advice(spec, network, machines: int, machine_file, *,
+            blocks_per_worker: int | None = None, **given):  # fmt: skip
+    """`cluster.advise` for `machines` machines: the memory of the --machine description
+    (if given) per machine, and no more workers a replica than the model's widest layer has
+    blocks; `given` passes batch, n_push, n_fetch (and examples) on."""
+    from netpart.partition.cluster import advise
+    from netpart.partition.graph import Granularity, graph_size
+
+    memory = 0.0
+    if machine_file is not None:
+        from netpart.partition.machine import read_machine
+
+        memory = read_machine(machine_file).memory_bytes
+    granularity = (Granularity.for_workers(machines) if blocks_per_worker is None
+                   else Granularity.for_workers(machines, blocks_per_worker))  # fmt: skip
+    widest = graph_size(spec, granularity).widest
+    return advise(spec, machines, network, memory_per_machine=memory, max_workers=widest,
+                  **given)  # fmt: skip
+
+
 def plan_cluster(spec, args: argparse.Namespace, network) -> int:
     """`plan --machines M`: every layout predicted, the fastest recommended."""
     import json
 
     from netpart.files import write_files
-    from netpart.partition.cluster import advise
-    from netpart.partition.graph import Granularity, graph_size
     from netpart.partition.pictures import cluster_png
     from netpart.partition.report import cluster_markdown, cluster_table
 
     _check_out(args.out, "cluster.json")
-    memory = 0.0
-    if args.machine is not None:
-        from netpart.partition.machine import read_machine
-
-        memory = read_machine(args.machine).memory_bytes
-    widest = graph_size(spec, Granularity.for_workers(args.machines, args.blocks_per_worker)).widest
-    advice = advise(
-        spec, args.machines, network, batch=args.batch, examples=args.examples,
-        n_push=args.n_push, n_fetch=args.n_fetch, memory_per_machine=memory,
-        max_workers=widest,
+    advice = _advice(
+        spec, network, args.machines, args.machine, batch=args.batch, n_push=args.n_push,
+        n_fetch=args.n_fetch, examples=args.examples, blocks_per_worker=args.blocks_per_worker,
     )  # fmt: skip
     echo(f"{spec.name} on {args.machines} machines, batch {args.batch} ({advice.prediction}):")
     echo(cluster_table(advice))
@@ -172,8 +183,7 @@ def train_layout(args: argparse.Namespace) -> None:
     --machine, or the built-in model), and say which and why."""
     from netpart.cli.common import load_network
     from netpart.models import load_spec
-    from netpart.partition.cluster import advise, trainable
-    from netpart.partition.graph import Granularity, graph_size
+    from netpart.partition.cluster import trainable
     from netpart.train.config import TrainConfig
 
     chosen = {"--workers": args.workers, "--replicas": args.replicas,
@@ -185,16 +195,9 @@ def train_layout(args: argparse.Namespace) -> None:
         raise PlanError("--machines needs --model (the model whose layouts it weighs)")
     spec, defaults = load_spec(args.model), TrainConfig()
     network = load_network(args.profile, machine=args.machine)
-    memory = 0.0
-    if args.machine is not None:
-        from netpart.partition.machine import read_machine
-
-        memory = read_machine(args.machine).memory_bytes
-    widest = graph_size(spec, Granularity.for_workers(args.machines)).widest
-    advice = advise(
-        spec, args.machines, network, batch=args.batch or defaults.batch,
+    advice = _advice(
+        spec, network, args.machines, args.machine, batch=args.batch or defaults.batch,
         n_push=args.n_push or defaults.n_push, n_fetch=args.n_fetch or defaults.n_fetch,
-        memory_per_machine=memory, max_workers=widest,
     )  # fmt: skip
     choice = trainable(advice)
     lay = choice.layout

@@ -211,13 +211,12 @@ def _ps(spec, layout: Layout, mp: _ModelParallel, shards: ShardLayout, network, 
     sizes = np.array([shards.worker_size(w) for w in range(n)], dtype=np.float64)
     peers = np.array([len(shards.routes(w)) for w in range(n)])
     nbytes = BYTES_PER_VALUE * sizes
-    push = network.phase_s(nbytes, peers) / n_push
-    fetch = network.phase_s(nbytes, peers) / n_fetch
-    worker_push, worker_fetch = float(push.max()), float(fetch.max())
+    transfer = float(network.phase_s(nbytes, peers).max())  # a worker's push, or its fetch
+    worker_push, worker_fetch = transfer / n_push, transfer / n_fetch
     held = BYTES_PER_VALUE * shards.shard_sizes().astype(np.float64)
     talkers = np.array([len(shards.peers(s)) * r for s in range(layout.shards)])
-    shard_in = network.phase_s(r * held, talkers) / n_push
-    shard_out = network.phase_s(r * held, talkers) / n_fetch
+    served = network.phase_s(r * held, talkers)  # each shard's R pushes in, or fetches out
+    shard_in, shard_out = served / n_push, served / n_fetch
     update = r * shards.shard_sizes() * UPDATE_S_PER_VALUE / n_push
     worker_mem = BYTES_PER_VALUE * (3 * sizes.max() + 2 * batch * mp.activations / n)
     memory = max(worker_mem, float(2 * held.max()))

@@ -146,6 +146,7 @@ class ShardServer:
         self._ending = threading.Event()  # something that may end serving happened
         self._updated = threading.Event()  # the update count reached `_wake_at`
         self._wake_at = 1
+        self._keep_at, self._kept = 0, None  # a copy to take at that update count (`keep_at`)
         self.lost: dict[int, str] = {}  # replica -> why
         self.done: dict[tuple[int, int], None] = {}  # peers that said goodbye
         self.pushed = {
@@ -275,6 +276,8 @@ class ShardServer:
             self.state.updates += response.updates
             if self.state.updates >= self._wake_at:
                 self._updated.set()
+            if self._keep_at and self.state.updates >= self._keep_at:
+                self._kept, self._keep_at = self._copy(), 0
 
     def answer(self, link: Link, kind: int, step: int, extra: int) -> bool:
         """Answer a taken request as its kind says; True after a goodbye."""
@@ -434,11 +437,24 @@ class ShardServer:
     def snapshot(self) -> ShardState:
         """A consistent copy of the shard's state (for checkpoints)."""
         with self.cond:
-            s = self.state
-            return ShardState(
-                values=s.values.clone(),
-                state=None if s.state is None else s.state.clone(),
-                clock=s.clock,
-                updates=s.updates,
-                progress=dict(s.progress),
-            )
+            return self._copy()
+
+    def keep_at(self, updates: int) -> None:
+        """Copy the state when the update count first reaches `updates`, on the update path
+        (a snapshot of exactly that update, not of a later one); `kept` hands it over."""
+        with self.cond:
+            self._keep_at, self._kept = updates, None
+
+    def kept(self) -> ShardState | None:
+        with self.cond:
+            return self._kept
+
+    def _copy(self) -> ShardState:
+        s = self.state
+        return ShardState(
+            values=s.values.clone(),
+            state=None if s.state is None else s.state.clone(),
+            clock=s.clock,
+            updates=s.updates,
+            progress=dict(s.progress),
+        )

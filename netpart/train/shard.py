@@ -136,12 +136,17 @@ class Checkpoints:
         return min((self.seen // p + 1) * p for p in periods)
 
     def _watch(self) -> None:
+        asked = 0
         while not self._closing.is_set():
+            if self.snapshot_every and asked <= self.seen:  # the next snapshot, exactly
+                asked = (self.seen // self.snapshot_every + 1) * self.snapshot_every
+                self.server.keep_at(asked)
             self._look(self.server.wait_update(self._next_due(), timeout=0.5))
 
     def _look(self, updates: int) -> None:
         """Updates up to `updates` were applied: reach their fault points, and write what
-        fell due (one checkpoint and one snapshot at most, of the state as it is now)."""
+        fell due (one checkpoint and one snapshot at most: a checkpoint of the state as it is now,
+        a snapshot of the state the server kept at its update count)."""
         due, snapshot = False, None
         for k in range(self.seen + 1, updates + 1):
             faults.point(self.rank, k)
@@ -150,8 +155,11 @@ class Checkpoints:
                 snapshot = k // self.snapshot_every
         self.seen = max(self.seen, updates)
         if snapshot is not None:
+            kept = self.server.kept()  # taken at the snapshot's own update count
+            exact = kept is not None and kept.updates == snapshot * self.snapshot_every
             where = self.run / "snapshots" / f"{snapshot:05d}"
-            self._write(where, self.server.snapshot(), {**self.meta, "time": time.time()})
+            state = kept if exact else self.server.snapshot()
+            self._write(where, state, {**self.meta, "time": time.time()})
         if due:
             self._write(self.run, self.server.snapshot(), self.meta)
 

@@ -328,3 +328,22 @@ def test_sync_rounds_answer_every_peer_once_its_step_is_applied(stopped):
         head, w = protocol.read_header(msg), dst % 2
         assert head[0] == K.PARAMS and head[3] == (0 if stopped else 1) and head[4] == n[w]
         assert bool((protocol.values_of(msg, torch.float64, n[w]) == want).all())
+
+
+def test_a_kept_copy_holds_exactly_the_update_it_was_asked_for():
+    """`keep_at(k)` copies the state on the update path when the count reaches k: later
+    pushes do not reach the copy (a checkpoint thread that wakes late still writes update
+    k's state)."""
+    server, alone = _server("downpour", replicas=1), _server("downpour", replicas=1)
+    pushes = [(step, w) for step in range(1, 6) for w in server.workers]
+    n = {w: sum(g.length for g in server.routes[w]) for w in server.workers}
+    server.keep_at(3)
+    for i, (step, w) in enumerate(pushes):
+        grad = torch.full((n[w],), float(i + 1), dtype=torch.float64)
+        _push(server, 0, w, step, grad)
+        if i < 3:  # the first three pushes only
+            _push(alone, 0, w, step, grad)
+    kept = server.kept()
+    assert server.state.updates == len(pushes) and kept is not None and kept.updates == 3
+    assert torch.equal(kept.values, alone.state.values)
+    assert not torch.equal(kept.values, server.state.values)

@@ -18,7 +18,7 @@ BELOW = {
     "cli": {"train", "calibrate", "runtime", "ps", "processes", "testbed"}
     | {"partition", "data", "models"},
     "train": {"runtime", "ps", "processes", "testbed", "partition", "data", "models"},
-    "calibrate": {"runtime", "processes", "testbed", "partition", "data", "models"},
+    "calibrate": {"runtime", "ps", "processes", "testbed", "partition", "data", "models"},
     "runtime": {"processes", "partition", "data", "models"},
     "ps": {"partition", "models"},
     "processes": set(),

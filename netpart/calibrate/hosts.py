@@ -28,9 +28,11 @@ from netpart.calibrate.measure import LocalRunner, step_cpu_s
 from netpart.errors import NetpartError, PeerError, ProtocolError, transport_reason
 from netpart.models.spec import ModelSpec
 from netpart.partition.plans import PartitionPlan
+from netpart.partition.psx import PS_MODES
 from netpart.partition.schedule import SPLIT_MIN_FLOPS, plan_schedule
 from netpart.processes.groups import new_groups
 from netpart.processes.launcher import join_group, yield_io_threads
+from netpart.ps.measure import ps_loop
 from netpart.runtime.check import make_batch
 from netpart.runtime.step import exchange_loop, link_loop, step_loop, warmup_steps
 from netpart.runtime.transport import PEER_LOST, GlooTransport
@@ -41,7 +43,7 @@ __all__ = ["COMMAND_WAIT_S", "HostsRunner"]
 log = logging.getLogger(__name__)
 
 COMMAND_WAIT_S = 1800.0  # a follower waits this long at most for rank 0's next command
-OPS = ("plan", "link", "step", "done")
+OPS = ("plan", "link", "ps", "step", "done")
 MAX_COMMAND = 1 << 30  # bytes: a plan command holds a node map, never more than this
 
 
@@ -116,6 +118,14 @@ class HostsRunner:
         self._commands.send(cmd)
         return self._link(cmd)
 
+    def ps(self, mode: str, clients: int, sizes: tuple[int, ...], repeats: int):
+        """(seconds, CPU seconds) per exchange of the parameter server's clients, each size
+        (`netpart.ps.measure`): `clients` ranks and a shard on the next."""
+        cmd = {"op": "ps", "mode": mode, "clients": clients, "sizes": [int(b) for b in sizes],
+               "repeats": repeats}  # fmt: skip
+        self._commands.send(cmd)
+        return self._ps(cmd)
+
     def step(self, spec, p, batch, steps, exchange_only=False) -> tuple[float, float]:
         key = _key(spec, p)
         if key not in self._plans:
@@ -160,6 +170,8 @@ class HostsRunner:
             self._plans[cmd["key"]] = (spec, p)
         elif cmd["op"] == "link":
             self._link(cmd)
+        elif cmd["op"] == "ps":
+            self._ps(cmd)
         else:
             self._step(cmd)
 
@@ -172,6 +184,19 @@ class HostsRunner:
         seconds, gather = link_loop(transport, cmd["sizes"], int(cmd["repeats"]))
         slowest = transport.all_reduce(torch.tensor([*seconds, gather], dtype=torch.float64), "max")
         return slowest[:-1].numpy(), float(slowest[-1])
+
+    def _ps(self, cmd: dict) -> tuple[np.ndarray, np.ndarray]:
+        world = int(cmd["clients"]) + 1
+        if self.rank >= world:
+            return np.zeros(0), np.zeros(0)
+        if cmd["mode"] not in PS_MODES or not 2 <= world <= self.machines:
+            raise ValueError(f"mode {cmd['mode']!r}, {world - 1} clients")
+        group = self._groups[world]
+        seconds, cpu = ps_loop(group, self.rank, cmd["mode"], cmd["sizes"], int(cmd["repeats"]))
+        slowest = torch.tensor([*seconds, *cpu], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+        n = len(seconds)
+        return slowest[:n].numpy(), slowest[n:].numpy()
 
     def _step(self, cmd: dict) -> tuple[float, float]:
         """(median step, slowest worker; CPU seconds a step on the busiest worker, all

@@ -32,6 +32,11 @@ probe is the profile's `probe_s`, against which `netpart run` says how fast the 
    Emulated machines that share one host need it: with 8 of them at 0.2 core stepping, the
    host's kernel spends a third of its cores moving their messages, and compute slows.
 
+7. The parameter server's exchange, where the runner has machines of their own (`ps`: the
+   hosts of a torchrun job or a testbed): 1 to PS_CLIENTS clients of one shard push and
+   fetch PS_SIZES, as sync and as Downpour workers do (`netpart.ps.measure`): seconds per
+   exchange and the CPU a client spends on one (the profile's `ps`, `netpart.partition.psx`).
+
 The fitting itself is `netpart.calibrate.fitting` (pure).
 
 The result is a `NetworkModel` whose `profile` names the file; `netpart.calibrate.profile`
@@ -63,6 +68,7 @@ from netpart.partition.cost import PROFILE_SCHEMA, NetworkModel
 from netpart.partition.figures import input_values, reevaluate
 from netpart.partition.graph import BYTES_PER_VALUE, UnitGraph
 from netpart.partition.plans import PartitionPlan
+from netpart.partition.psx import PS_MODES, PsExchange
 from netpart.partition.volume import layer_traffic
 from netpart.runtime.check import make_batch
 from netpart.runtime.step import (
@@ -101,6 +107,9 @@ PROBE_BEFORE = 5  # speed probe samples before a run whose worker this process i
 # The probe's 90th over its 10th percentile across the runs above which `netpart calibrate`
 # warns that the machine's speed moved while it was calibrated.
 PROBE_SWING = 1.25
+PS_SIZES = (16384, 65536, 262144, 1048576, 4194304)  # bytes a client pushes and fetches
+PS_CLIENTS = 4  # of one shard, at most
+PS_REPEATS = 10  # timed exchanges per size
 LOAD_SAMPLE_S = 0.5  # seconds the machine's load is sampled between measurements
 Progress = Callable[[str], None]
 
@@ -347,12 +356,11 @@ def calibrate(
         seconds = [float(t) for t in times]
         link["seconds"][str(world - 1)] = seconds
         link["gather_s"][str(world)] = float(gather)
-        pairs = zip(LINK_SIZES, seconds, strict=True)
         say(
-            f"link, {world - 1} peer(s), per peer: "
-            + ", ".join(f"{b >> 10} KB {t * 1e3:.2f} ms" for b, t in pairs)
-            + f"; the loss's collective {gather * 1e3:.2f} ms"
+            f"link, {world - 1} peer(s), per peer: {_per_size(LINK_SIZES, seconds)}; the "
+            f"loss's collective {gather * 1e3:.2f} ms"
         )
+    ps, ps_raw = _ps_tables(runner, say)
     plans = [(s, plan(s, 1, "metis", batch=batch), plan(s, 2, "metis", batch=batch)) for s in specs]
     wide = {n: [plan(s, n, "metis", batch=batch) for s in specs]
             for n in crowd_counts(runner.machines)}  # fmt: skip
@@ -362,7 +370,7 @@ def calibrate(
         (n, [(s, p, r["crowd"][str(n)]["step_s"]) for s, p, r in zip(specs, ps, runs, strict=True)])
         for n, ps in wide.items()
     ]
-    model = replace(fit(base, plans, runs, batch, link, crowd), probe_s=probe)
+    model = replace(fit(base, plans, runs, batch, link, crowd), probe_s=probe, ps=ps)
     slices = {k: [[float(x) for x in pt] for pt in v] for k, v in sorted(points.items())}
     spread = [float(np.percentile(probes, q) / probe) for q in (10, 90)]
     check = _check(plans, runs, model, batch, (runner, steps, repeats), check_model)
@@ -370,8 +378,29 @@ def calibrate(
                "machines": runner.machines, "overlap": runner.overlap, "slices": slices,
                "link": link, "runs": runs, "anchored": _anchors(specs, base, model),
                "probe_spread": spread, "load": [asdict(x) for x in load],
-               "run_spreads": run_spreads(runs), "check": check}  # fmt: skip
+               "run_spreads": run_spreads(runs), "check": check, "ps": ps_raw}  # fmt: skip
     return model, details
+
+
+def _ps_tables(runner: Runner, say: Progress) -> tuple[PsExchange | None, dict | None]:
+    """The parameter server's exchange (`netpart.ps.measure`) with 1 to PS_CLIENTS clients
+    of one shard, each mode, where the runner has machines of their own for it (`ps`)."""
+    if not hasattr(runner, "ps") or runner.machines < 2:
+        return None, None
+    raw: dict = {"sizes": list(PS_SIZES), "seconds": {}, "busy": {}}
+    for mode in PS_MODES:
+        raw["seconds"][mode], raw["busy"][mode] = {}, {}
+        for k in range(1, min(runner.machines - 1, PS_CLIENTS) + 1):
+            seconds, cpu = runner.ps(mode, k, PS_SIZES, PS_REPEATS)
+            raw["seconds"][mode][str(k)] = [float(t) for t in seconds]
+            raw["busy"][mode][str(k)] = [float(c) / runner.share for c in cpu]
+            say(f"parameter server, {mode}, {k} client(s), per exchange: "
+                f"{_per_size(PS_SIZES, seconds)}")  # fmt: skip
+    return PsExchange.from_dict(raw), raw
+
+
+def _per_size(sizes, seconds) -> str:
+    return ", ".join(f"{b >> 10} KB {t * 1e3:.2f} ms" for b, t in zip(sizes, seconds, strict=True))
 
 
 def run_spreads(runs: list[dict]) -> list[float]:

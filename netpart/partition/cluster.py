@@ -21,6 +21,14 @@ bandwidth):
 - **sync**: every replica computes, pushes, the shards apply, every replica fetches: the step
   is the model-parallel step plus the pushes (the longer of a worker's and the busiest
   shard's R in), its update, and the fetches likewise (n_push = n_fetch = 1).
+- **measured exchange** (a profile holding `ps`: calibration on machines of their own ran
+  the parameter server's exchange itself, `netpart.partition.psx`): the exchange is the
+  longer of the time it keeps a worker's machine busy (its bytes) and its busiest shard's
+  exchange (R x its peers clients, its values split among them); a sync step is the
+  model-parallel step plus it; a Downpour step the longer of it and the model-parallel step
+  plus the time the exchange keeps the worker's machine busy (where a core is the limit, the
+  courier's work does not run beside the step's). The pricing above is for machines without
+  such a measurement.
 - **all-reduce**: M replicas of one worker; a ring all-reduce moves 2(M-1)/M of the model
   through each machine's link in 2(M-1) phases. Only where one machine holds the model.
 - **memory per machine**: a worker holds its values, their gradients and a fetched copy, and
@@ -39,6 +47,7 @@ from netpart.models.spec import ModelSpec
 from netpart.partition.cost import NetworkModel
 from netpart.partition.graph import BYTES_PER_VALUE, Granularity, build_unit_graph
 from netpart.partition.planner import plan
+from netpart.partition.psx import PsExchange
 from netpart.partition.shards import ShardLayout
 
 __all__ = [
@@ -222,18 +231,36 @@ def _ps(spec, layout: Layout, mp: _ModelParallel, shards: ShardLayout, network, 
     memory = max(worker_mem, float(2 * held.max()))
     busiest = int(np.argmax(held))
     link_bytes = float(r * held[busiest] / min(n_push, n_fetch))
-    if layout.mode == "sync":  # pushes in (each worker's and the shard's links at once),
+    if network.ps is not None:  # the parameter server's exchange as calibration measured it
+        exchange, busy = _measured(network.ps, layout, shards, nbytes, every)
+        step = mp.step_s + exchange if layout.mode == "sync" else max(mp.step_s + busy, exchange)
+    elif layout.mode == "sync":  # pushes in (each worker's and the shard's links at once),
         # the update, fetches out
         into = np.maximum(shard_in, worker_push) + update + np.maximum(shard_out, worker_fetch)
         step = mp.step_s + float(into.max())
-        staleness = 0.0
     else:  # the courier carries a step's push and fetch at once (both ways, as `phase_s`
         # prices them) beside the next step
         own = max(mp.step_s, worker_push, worker_fetch)
         step = max(own, float(np.maximum(np.maximum(shard_in, shard_out), update).max()))
-        staleness = (r - 1) * max(n_push, n_fetch) / n_push
+    staleness = 0.0 if layout.mode == "sync" else (r - 1) * max(n_push, n_fetch) / n_push
     return LayoutFigures(layout, step, r * batch / step, link_bytes, f"shard {busiest}",
                          memory, staleness, True)  # fmt: skip
+
+
+def _measured(ps: PsExchange, layout: Layout, shards: ShardLayout, nbytes: np.ndarray,
+              every: tuple[int, int]) -> tuple[float, float]:  # fmt: skip
+    """(seconds of a step's exchange: the longer of the time it keeps a worker's machine
+    busy and its busiest shard's exchange with all its clients; the former), each a push and
+    a fetch every n_push and n_fetch steps."""
+    per = 0.5 * (1 / every[0] + 1 / every[1])
+    busy = max(ps.busy_s(layout.mode, float(b)) for b in nbytes)
+    held = BYTES_PER_VALUE * shards.shard_sizes().astype(np.float64)
+    served = 0.0
+    for s in range(layout.shards):  # a few shards
+        peers = max(1, len(shards.peers(s)))
+        clients = layout.replicas * peers
+        served = max(served, ps.seconds_s(layout.mode, clients, float(held[s]) / peers))
+    return per * max(busy, served), per * busy
 
 
 def _allreduce(spec, machines: int, step_one: float, values: int, network, batch: int):

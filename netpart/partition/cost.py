@@ -52,7 +52,8 @@ import numpy as np
 from netpart.errors import PlanError
 from netpart.partition.graph import BYTES_PER_VALUE
 from netpart.partition.overlap import SPLIT_COST, SPLIT_MIN_FLOPS, apply, choose_splits, hiding
-from netpart.partition.tables import FORWARD_SHARE, KindCost, LayerCost, table_points
+from netpart.partition.psx import PsExchange
+from netpart.partition.tables import FORWARD_SHARE, KindCost, LayerCost, read_table, table_points
 
 __all__ = [
     "PROFILE_SCHEMA",
@@ -69,18 +70,6 @@ PROFILE_SCHEMA = 2  # 2: a kind's per_value counts the values a slice reads (1: 
 
 _UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
-
-
-def _read(table: tuple[tuple[float, float], ...], x: np.ndarray) -> np.ndarray:
-    """A (size, seconds) table read at `x`: piecewise linear (each time at most those of the
-    larger sizes: a slow outlier at a small size is noise, as no message costs more than a
-    larger one, nor a collective among fewer workers more than among more), the smallest
-    size's time below it, the last segment's rate above it."""
-    b, t = np.array(table, dtype=np.float64).T
-    t = np.minimum.accumulate(t[::-1])[::-1]
-    rate = (t[-1] - t[-2]) / (b[-1] - b[-2]) if len(b) > 1 else 0.0
-    above = t[-1] + (x - b[-1]) * (rate if rate > 0 else t[-1] / b[-1])
-    return np.where(x > b[-1], above, np.interp(x, b, t))
 
 
 @dataclass(frozen=True)
@@ -111,6 +100,7 @@ class NetworkModel:
     # (workers >= 3, slowdown, seconds) of steps at that many workers beyond the 2-worker fit
     # (corrections: either may be negative)
     crowd: tuple[tuple[float, float, float], ...] = ()
+    ps: PsExchange | None = None  # the parameter server's exchange, measured (`partition.psx`)
     profile: str = ""  # the profile these figures came from ("": defaults or --net)
     machine: str = ""  # the machine description they came from (`partition.machine`)
     caveat: str = ""  # why the profile may not be trusted (`netpart calibrate --force`)
@@ -127,8 +117,9 @@ class NetworkModel:
         link = {str(k): [list(p) for p in v] for k, v in self.link.items()}
         gather = [list(p) for p in self.gather]
         crowd = [list(p) for p in self.crowd]
+        ps = self.ps.to_dict() if self.ps is not None else None
         return {**out, "kinds": kinds, "layers": layers, "link": link, "gather": gather,
-                "crowd": crowd}  # fmt: skip
+                "crowd": crowd, "ps": ps}  # fmt: skip
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> NetworkModel:
@@ -148,13 +139,15 @@ class NetworkModel:
         if any(n < 2 for n, _ in gather):
             raise ValueError("gather needs (workers >= 2, seconds) points")
         crowd = _crowd_points(data.pop("crowd", ()))
+        ps = data.pop("ps", None)
+        ps = PsExchange.from_dict(ps) if ps is not None else None
         overlap = data.pop("overlap", True)
         if not isinstance(overlap, bool):
             raise ValueError("overlap is true or false")
         floats = {k: float(v) for k, v in data.items()}
         return cls(
             **floats, kinds=kinds, layers=layers, overlap=overlap, link=link, gather=gather,
-            crowd=crowd, profile=profile, machine=machine, caveat=caveat,
+            crowd=crowd, ps=ps, profile=profile, machine=machine, caveat=caveat,
         )  # fmt: skip
 
     @classmethod
@@ -273,12 +266,12 @@ class NetworkModel:
         pick = np.clip(np.searchsorted(counts, peers, side="right") - 1, 0, None)
         out = np.zeros_like(nbytes)
         for i, k in enumerate(counts):
-            out = np.where(pick == i, _read(self.link[k], nbytes), out)
+            out = np.where(pick == i, read_table(self.link[k], nbytes), out)
         return out
 
     def gather_s(self, workers: int) -> float:
         """The loss's collective among `workers` (> 1), read off `gather` (0 unmeasured)."""
-        return float(_read(self.gather, np.array(float(workers)))) if self.gather else 0.0
+        return float(read_table(self.gather, np.array(float(workers)))) if self.gather else 0.0
 
     def fixed_s(self, workers: int) -> float:
         """Per step, beyond layers: the runtime's own cost, and with N > 1 the loss's
@@ -339,7 +332,7 @@ class NetworkModel:
         net = net.faster(speed)
         if {"bandwidth_bps", "latency_s"} & values.keys():
             # the cluster's network, not the measured one
-            net = replace(net, link={}, gather=(), crowd=())
+            net = replace(net, link={}, gather=(), crowd=(), ps=None)
         if min(net.bandwidth_bps, net.flops_per_s) <= 0 or net.latency_s < 0:
             raise PlanError("--net: bandwidth and flops must be positive, latency >= 0")
         return net

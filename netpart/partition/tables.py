@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FORWARD_SHARE", "NEAR", "KindCost", "LayerCost", "table_points"]
+__all__ = ["FORWARD_SHARE", "NEAR", "KindCost", "LayerCost", "read_table", "table_points"]
 
 FORWARD_SHARE = 1.0 / 3.0  # of a slice's time, its forward pass, where nothing was measured
 NEAR = 1.3  # a layer's slices within this factor of its smallest (largest) give its rate there
@@ -23,6 +23,18 @@ def table_points(raw, what: str) -> tuple[tuple[float, float], ...]:
     if any(x <= 0 or t <= 0 for x, t in pts):
         raise ValueError(f"{what} needs positive (size, seconds) points")
     return pts
+
+
+def read_table(table: tuple[tuple[float, float], ...], x: np.ndarray) -> np.ndarray:
+    """A (size, seconds) table read at `x`: piecewise linear (each time at most those of the
+    larger sizes: a slow outlier at a small size is noise, as no message costs more than a
+    larger one, nor a collective among fewer workers more than among more), the smallest
+    size's time below it, the last segment's rate above it."""
+    b, t = np.array(table, dtype=np.float64).T
+    t = np.minimum.accumulate(t[::-1])[::-1]
+    rate = (t[-1] - t[-2]) / (b[-1] - b[-2]) if len(b) > 1 else 0.0
+    above = t[-1] + (x - b[-1]) * (rate if rate > 0 else t[-1] / b[-1])
+    return np.where(x > b[-1], above, np.interp(x, b, t))
 
 
 def _non_decreasing(t: np.ndarray) -> np.ndarray:

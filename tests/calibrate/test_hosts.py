@@ -43,6 +43,12 @@ def test_calibrate_under_torchrun_measures_the_link_between_the_hosts(tmp_path):
     (run,) = details["runs"]
     assert run["model"] == "tiny-mlp" and run["two"]["step_s"] > run["one"]["step_s"] > 0
     assert sent > 11 * 2 * (1 << 22)  # the link's 4 MB messages alone, both ways
+    # The parameter server's exchange was measured across the link too: a sync client's
+    # 4 MB push and then its fetch take the wire's 0.34 s each, a Downpour's overlap them.
+    ps = details["ps"]
+    assert ps["sizes"][-1] == 1 << 22 and model.ps is not None
+    assert 0.6 < ps["seconds"]["sync"]["1"][-1] < 2.0
+    assert 0.3 < ps["seconds"]["downpour"]["1"][-1] < ps["seconds"]["sync"]["1"][-1]
 
 
 def test_a_host_that_dies_ends_calibration_with_one_line(tmp_path):

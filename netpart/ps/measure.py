@@ -1,0 +1,107 @@
+"""The parameter server's own exchange, measured with its own code: `clients` workers push
+their gradients to one shard and fetch its values, a round per step, as a training job of
+the given mode does (sync: every request completed before the next; Downpour: the courier
+keeps two in flight, as `netpart.train.replica` does), nothing else running beside it. What
+`netpart calibrate` records as the profile's parameter-server tables, and what `netpart plan
+--machines` prices a parameter-server layout's exchange from (`netpart.partition.psx`):
+the time of an exchange at each size where the shard or the wire limits it, and the CPU a
+client spends on one (the part a step's compute cannot hide where the machine's core is the
+limit).
+
+The group's last ranks are the shards (calibration: one); ranks 0..clients-1 are the clients
+(replica = rank).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from netpart.partition.shards import ParamPiece, ShardLayout
+from netpart.ps.client import ShardClient
+from netpart.ps.modes import Downpour, Sync
+from netpart.ps.optimizer import Optimizer
+from netpart.ps.rules import make_rule
+from netpart.ps.server import ShardServer, ShardSetup, ShardState
+
+__all__ = ["flat_layout", "ps_loop"]
+
+WARM = 3  # untimed exchanges before each size's timed ones
+
+
+def flat_layout(values: int, shards: int = 1) -> ShardLayout:
+    """One worker whose `values` parameters (a dense layer's weight) `shards` shards hold,
+    in even ranges."""
+    rows = np.arange(values, dtype=np.int64)
+    piece = ParamPiece(0, "weight", "dense", 0, 1, rows, values)
+    bounds = np.linspace(0, values, shards + 1).round().astype(np.int64)
+    return ShardLayout(1, shards, ((piece,),), (np.zeros(1, dtype=np.int64),),
+                       np.array([values], dtype=np.int64), bounds)  # fmt: skip
+
+
+def ps_loop(
+    group: dist.ProcessGroup,
+    rank: int,
+    mode: str,
+    sizes: list[int],
+    repeats: int,
+    shards: int = 1,
+) -> tuple[list[float], list[float]]:
+    """On every rank of `group` (its last `shards` ranks the shards, the others clients):
+    per size (bytes a client pushes and fetches, over all shards), a client's median seconds
+    per exchange and its process's CPU seconds per exchange, all threads (a shard: zeros)."""
+    clients = group.size() - shards
+    seconds, cpu = [], []
+    for size in sizes:
+        layout = flat_layout(max(int(size) // 4, shards), shards)
+        if rank >= clients:
+            s = rank - clients
+            values = torch.zeros(int(layout.shard_sizes()[s]))
+            setup = ShardSetup(layout, s, clients, rank, lambda r, w: r)
+            policy = Sync() if mode == "sync" else Downpour()
+            rule = make_rule(Optimizer(), values)
+            ShardServer(setup, ShardState(values=values, state=None), policy, rule, group).serve()
+            seconds.append(0.0)
+            cpu.append(0.0)
+        else:
+            wall, used = _client(layout, group, rank, mode, repeats)
+            seconds.append(wall)
+            cpu.append(used)
+        dist.barrier(group=group)
+    return seconds, cpu
+
+
+def _client(layout, group, rank: int, mode: str, repeats: int) -> tuple[float, float]:
+    """(median seconds, mean CPU seconds) per exchange of one client, after WARM untimed."""
+    clients = group.size() - layout.shards
+    downpour = mode == "downpour"
+    client = ShardClient(layout, worker=0, replica=rank, rank=rank,
+                         shard_ranks=list(range(clients, group.size())), dtype=torch.float32,
+                         background=downpour, group=group)  # fmt: skip
+    grads = client.push_buffers(2)
+    for g in grads:
+        g.normal_()
+    client.complete(client.request(0, fetch=True))
+    inflight: collections.deque = collections.deque()
+    stamps, cpu_at = [], 0.0
+    for step in range(1, WARM + repeats + 1):
+        if step == WARM + 1:
+            cpu_at = time.process_time()
+        stamps.append(time.perf_counter())
+        ticket = client.request(step, grads[step % 2], fetch=True)
+        if not downpour:
+            client.complete(ticket)
+            continue
+        inflight.append(ticket)
+        while len(inflight) > 1:  # two in flight, as a Downpour worker keeps them
+            client.complete(inflight.popleft())
+    while inflight:
+        client.complete(inflight.popleft())
+    stamps.append(time.perf_counter())
+    used = (time.process_time() - cpu_at) / repeats
+    client.close()
+    return float(np.median(np.diff(stamps[WARM:]))), used

@@ -1,0 +1,82 @@
+"""The parameter server's measured exchange: its tables round-trip through JSON (alone and in
+a profile's model), read as the module says (more clients than measured: the same bytes
+through the shard), are refused in one line when malformed, and price a layout as
+`partition.cluster` says: sync = step + exchange; Downpour = the longer of the exchange and
+the step plus the time it keeps the worker's machine busy."""
+
+import json
+
+import pytest
+
+from netpart.errors import PlanError
+from netpart.models import load_spec
+from netpart.partition.cluster import advise
+from netpart.partition.cost import NetworkModel
+from netpart.partition.planner import plan
+from netpart.partition.psx import PsExchange
+
+SIZES = [1e3, 1e4, 1e5, 1e6]
+
+
+def tables(sync_s=1e-8, down_s=1e-8, busy_s=5e-9) -> PsExchange:
+    """Seconds linear in bytes: per byte `sync_s` (x clients), `down_s`, busy `busy_s`."""
+    per = {"sync": sync_s, "downpour": down_s}
+    seconds = {m: {str(k): [k * s * b for b in SIZES] for k in (1, 2)} for m, s in per.items()}
+    busy = {m: {str(k): [busy_s * b for b in SIZES] for k in (1, 2)} for m in per}
+    return PsExchange.from_dict({"sizes": SIZES, "seconds": seconds, "busy": busy})
+
+
+def test_the_tables_round_trip_and_read_beyond_what_was_measured():
+    ps = tables()
+    assert PsExchange.from_dict(json.loads(json.dumps(ps.to_dict()))) == ps
+    assert ps.seconds_s("sync", 1, 5e4) == pytest.approx(5e-4)
+    assert ps.seconds_s("sync", 2, 5e4) == pytest.approx(1e-3)
+    # 4 clients: the bytes of 4 through the shard, read off the 2 clients' table
+    assert ps.seconds_s("sync", 4, 5e4) == pytest.approx(ps.seconds_s("sync", 2, 1e5))
+    assert ps.busy_s("downpour", 1e5) == pytest.approx(5e-4)
+    model = NetworkModel(kinds={}, profile="p.json", ps=ps)
+    again = NetworkModel.from_dict(json.loads(json.dumps(model.to_dict())))
+    assert again.ps == ps and again == model
+    assert NetworkModel.from_dict({**model.to_dict(), "ps": None}).ps is None
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"sizes": SIZES, "seconds": {"sync": {"1": [1, 2, 3, 4]}}, "busy": {}},
+        {"sizes": SIZES, "seconds": {"sync": {"1": [1, 2, 3]}, "downpour": {"1": [1, 2, 3, 4]}},
+         "busy": {"sync": {"1": [1, 2, 3, 4]}, "downpour": {"1": [1, 2, 3, 4]}}},
+        {"sizes": SIZES, "seconds": {"sync": {"0": [1, 2, 3, 4]}, "downpour": {"1": [1, 2, 3, 4]}},
+         "busy": {"sync": {"1": [1, 2, 3, 4]}, "downpour": {"1": [1, 2, 3, 4]}}},
+        {"seconds": {}},
+    ],
+)  # fmt: skip
+def test_a_malformed_table_is_refused_in_one_line(tmp_path, bad):
+    profile = tmp_path / "p.json"
+    model = NetworkModel(kinds={}, profile="p", ps=tables()).to_dict()
+    profile.write_text(json.dumps({"schema_version": 2, "model": {**model, "ps": bad}}))
+    with pytest.raises(PlanError, match=r"^--profile .*ps") as err:
+        NetworkModel.from_profile(profile.read_text(), str(profile))
+    assert "\n" not in str(err.value)
+
+
+def test_measured_tables_price_sync_as_a_sum_and_downpour_by_what_limits_it():
+    spec = load_spec("tiny-mlp")
+    plain = NetworkModel()
+    one = {str(f.layout): f for f in advise(spec, 2, plain, batch=16).layouts}
+    nbytes = one["downpour 1x1+1"].link_bytes  # one replica, one shard: a worker's bytes
+    compute = plan(spec, 1, seed=0, batch=16, network=plain).metrics.predicted_step_s
+    net = NetworkModel(ps=tables(sync_s=1e-6, down_s=1e-6, busy_s=1e-9))
+    by = {str(f.layout): f for m in (2, 3) for f in advise(spec, m, net, batch=16).layouts}
+    exchange = 1e-6 * nbytes
+    assert by["sync 1x1+1"].step_s == pytest.approx(compute + exchange, rel=0.05)
+    # Downpour: the exchange limits it (little busy time); two shards each serve their
+    # values, two replicas through one shard double it
+    two = by["downpour 1x1+2"]
+    assert two.step_s == pytest.approx(1e-6 * two.link_bytes, rel=0.05)
+    assert two.step_s < 0.7 * exchange
+    assert by["downpour 2x1+1"].step_s == pytest.approx(2 * exchange, rel=0.05)
+    # where the exchange keeps the machine busy, Downpour pays for it beside the step
+    busy = NetworkModel(ps=tables(sync_s=1e-12, down_s=1e-12, busy_s=1e-6))
+    b = {str(f.layout): f for f in advise(spec, 2, busy, batch=16).layouts}
+    assert b["downpour 1x1+1"].step_s == pytest.approx(compute + exchange, rel=0.05)

@@ -1,0 +1,58 @@
+"""The parameter server's exchange as calibration measures it: a layout of one worker whose
+values shards hold in even ranges; two clients and a shard (or a client and two shards) run
+the loop in both modes through the real client and server, every client reports a time and
+its CPU per exchange at each size, a shard none, and every process ends."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from netpart.partition.shards import Segment
+from netpart.ps.measure import flat_layout
+from tests.conftest import finish
+
+ROLE = """
+import json, sys
+import torch, torch.distributed as dist
+from netpart.ps.measure import ps_loop
+rank, world, store, shards = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+group = dist.new_group(list(range(world)))
+out = {m: ps_loop(group, rank, m, [4096, 65536], 4, shards) for m in ("sync", "downpour")}
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+def test_a_flat_layout_is_even_segments_of_its_shards():
+    layout = flat_layout(1000)
+    assert layout.total == 1000 and layout.worker_size(0) == 1000
+    assert layout.routes(0) == {0: (Segment(0, 0, 1000),)} and layout.peers(0) == [0]
+    three = flat_layout(1000, 3)
+    assert three.shard_sizes().tolist() == [333, 334, 333]
+    assert three.routes(0)[2] == (Segment(667, 0, 333),)
+
+
+@pytest.mark.parametrize("clients,shards", [(2, 1), (1, 2)])
+def test_clients_time_their_exchanges_and_the_shards_serve_them(tmp_path, clients, shards):
+    world = clients + shards
+    store = str(tmp_path / "s")
+    procs = [
+        subprocess.Popen([sys.executable, "-c", ROLE, str(r), str(world), store, str(shards)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(world)
+    ]  # fmt: skip
+    outs = finish(procs, 120)
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-2000:]
+    got = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    for mode in ("sync", "downpour"):
+        for client in got[:clients]:
+            seconds, cpu = client[mode]
+            assert len(seconds) == len(cpu) == 2 and min(seconds) > 0 and min(cpu) > 0
+        for shard in got[clients:]:
+            assert shard[mode] == [[0.0, 0.0], [0.0, 0.0]]

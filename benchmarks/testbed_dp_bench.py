@@ -8,7 +8,9 @@ batch 32 per replica, SGD lr 0.05; netpart with n_push = n_fetch = 1). netpart t
 layout `train --machines M` would (the fastest parameter-server layout predicted for such
 machines: this host's description held to the share, as cluster_bench) in Downpour and in
 sync, through `netpart train --testbed`; DDP runs one process per machine (dp_bench's
-script, file rendezvous on the shared disk, gloo over the machine's link). Every system
+script, file rendezvous on the shared disk, gloo over the machine's link); TensorFlow's
+ParameterServerStrategy runs a chief and one ps task on machine 0 and a worker on each other
+(installed by this script into benchmarks/.tf-venv, `TF` below says how). Every system
 trains SAMPLES samples in all (steps per replica = SAMPLES / (replicas x batch)); samples/s is
 each system's own timing of its step loop (netpart: its replicas' metrics after the first
 fifth of the steps, as cluster_bench), the systems alternated in rounds, medians. Needs root.
@@ -41,6 +43,76 @@ from netpart.testbed import netns
 from netpart.testbed.bed import down, read, up
 
 SAMPLES = 28_800  # in all: 300 steps of 3 replicas, 450 of 2
+TF_VENV = Path(__file__).resolve().parent / ".tf-venv"  # gitignored: TensorFlow's own env
+TF_PIN = "tensorflow-cpu==2.21.0"
+TF_PORT = 29710
+
+# TensorFlow's ParameterServerStrategy (DistBelief's successor) on the same job: a chief
+# (the coordinator) schedules steps on M - 1 workers whose variables live on one ps task;
+# each step is one tf.function call (`per_call` steps in one with --tf-per-call > 1). The
+# MLP is built from tf.Variables (Keras 3 does not run under this strategy), initialised as
+# torch's nn.Linear, plain SGD, every worker its own shuffled stream of the training set.
+TF = r"""
+import json, os, sys, time
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+import numpy as np, tensorflow as tf
+tf.config.threading.set_inter_op_parallelism_threads(1)
+tf.config.threading.set_intra_op_parallelism_threads(1)
+path, steps, batch, lr, seed, role, index, cluster, out, per_call = sys.argv[1:11]
+steps, batch, lr, seed, per_call = int(steps), int(batch), float(lr), int(seed), int(per_call)
+os.environ["TF_CONFIG"] = json.dumps({"cluster": json.loads(cluster),
+                                      "task": {"type": role, "index": int(index)}})
+resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+if role != "chief":
+    tf.distribute.Server(resolver.cluster_spec(), job_name=role, task_index=int(index),
+                         protocol="grpc", start=True).join()
+strategy = tf.distribute.ParameterServerStrategy(resolver)
+coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+d = np.load(path)
+X, Y = d["x"].astype("float32"), d["y"].astype("int64")
+rng = np.random.default_rng(seed)
+def linear(n_in, n_out):
+    bound = 1.0 / np.sqrt(n_in)
+    w = rng.uniform(-bound, bound, (n_in, n_out)).astype("float32")
+    return tf.Variable(w), tf.Variable(rng.uniform(-bound, bound, n_out).astype("float32"))
+with strategy.scope():
+    params = [v for n_in, n_out in ((64, 256), (256, 256), (256, 10)) for v in linear(n_in, n_out)]
+def forward(x):
+    h = tf.nn.relu(x @ params[0] + params[1])
+    h = tf.nn.relu(h @ params[2] + params[3])
+    return h @ params[4] + params[5]
+def dataset_fn():
+    ds = tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(len(X), seed=seed)
+    return ds.repeat().batch(batch)
+iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+@tf.function
+def train(it):
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, forward(x)))
+        for v, g in zip(params, tape.gradient(loss, params)):
+            v.assign_sub(lr * g)
+    for _ in range(per_call):  # unrolled when traced (AutoGraph cannot read `python -c`)
+        strategy.run(step, args=next(it))
+calls = steps // per_call
+warm = calls // 5  # untimed, as netpart's first fifth
+for _ in range(warm):
+    coordinator.schedule(train, args=(iterator,))
+coordinator.join()
+t0 = time.perf_counter()
+for _ in range(calls - warm):
+    coordinator.schedule(train, args=(iterator,))
+coordinator.join()
+t1 = time.perf_counter()
+values = [v.numpy() for v in params]
+h = np.maximum(d["x_test"].astype("float32") @ values[0] + values[1], 0)
+h = np.maximum(h @ values[2] + values[3], 0)
+accuracy = float(((h @ values[4] + values[5]).argmax(1) == d["y_test"]).mean())
+json.dump({"samples": (calls - warm) * per_call * batch, "start": t0, "end": t1,
+           "accuracy": accuracy}, open(out, "w"))
+sys.stdout.flush()
+os._exit(0)
+"""
 
 
 def run_netpart(bed: str, layout, mode: str, steps: int, tmp: Path, seed: int) -> dict:
@@ -80,6 +152,52 @@ def run_ddp(bed: str, machines: int, steps: int, data: Path, tmp: Path, seed: in
             "accuracy": ranks[0]["accuracy"]}  # fmt: skip
 
 
+def ensure_tf() -> Path:
+    """TensorFlow's own environment, made once (never a netpart dependency)."""
+    python = TF_VENV / "bin" / "python"
+    if not python.exists():
+        print(f"making {TF_VENV} ({TF_PIN})", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(TF_VENV)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", TF_PIN, "numpy"], check=True)
+    return python
+
+
+def run_tf(bed: str, machines: int, steps: int, data: Path, tmp: Path, seed: int,
+           per_call: int) -> dict:  # fmt: skip
+    """The chief and the ps task on machine 0, a worker on each other machine."""
+    testbed, python = read(bed), ensure_tf()
+    hosts = [h.address for h in testbed.hosts]
+    cluster = {"chief": [f"{hosts[0]}:{TF_PORT}"], "ps": [f"{hosts[0]}:{TF_PORT + 1}"],
+               "worker": [f"{a}:{TF_PORT}" for a in hosts[1:]]}  # fmt: skip
+    out = tmp / f"tf{time.monotonic_ns()}.json"
+    roles = [("ps", 0, 0)] + [("worker", i - 1, i) for i in range(1, machines)]
+    args = [str(data), str(steps), str(BATCH), str(LR), str(seed)]
+    servers = [
+        subprocess.Popen(testbed.command(m, [str(python), "-c", TF, *args, role, str(k),
+                                             json.dumps(cluster), str(out), str(per_call)]),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for role, k, m in roles
+    ]  # fmt: skip
+    sent = [h.tx_bytes() for h in testbed.hosts]
+    try:
+        chief = [str(python), "-c", TF, *args, "chief", "0", json.dumps(cluster), str(out),
+                 str(per_call)]  # fmt: skip
+        done = subprocess.run(testbed.command(0, chief), capture_output=True, text=True,
+                              timeout=900)  # fmt: skip
+        if done.returncode != 0:
+            raise SystemExit(f"tensorflow: exit {done.returncode}: {done.stderr[-600:]}")
+    finally:
+        for p in servers:  # its servers serve for ever
+            p.kill()
+            p.wait()
+    got = json.loads(out.read_text())
+    # what it claims, checked: bytes each machine sent per step (the ps machine: variables
+    # read by the workers; each worker: its gradients), over the whole run
+    sent = [(h.tx_bytes() - b) / steps for h, b in zip(testbed.hosts, sent, strict=True)]
+    return {"samples_s": got["samples"] / (got["end"] - got["start"]),
+            "accuracy": got["accuracy"], "sent_per_step": sent}  # fmt: skip
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--machines", type=int, default=3)
@@ -95,7 +213,9 @@ def main(argv=None) -> int:
     steps_np = SAMPLES // (layout.replicas * BATCH)
     systems = [f"netpart {layout.mode} {layout.replicas}x{layout.workers}+{layout.shards}",
                f"netpart {'sync' if layout.mode == 'downpour' else 'downpour'} "
-               f"{layout.replicas}x{layout.workers}+{layout.shards}", f"ddp x{m}"]  # fmt: skip
+               f"{layout.replicas}x{layout.workers}+{layout.shards}", f"ddp x{m}",
+               f"tf-ps {m - 1}+1 (1 step a call)",
+               f"tf-ps {m - 1}+1 (10 steps a call)"]  # fmt: skip
     name = f"tdp{os.getpid() % 100000}"
     tmp = Path(tempfile.mkdtemp(prefix="testbed-dp-"))
     data = tmp / "digits.npz"
@@ -104,13 +224,16 @@ def main(argv=None) -> int:
     seen: dict[str, list[dict]] = {s: [] for s in systems}
     try:
         for k in range(args.rounds):
-            for system in systems[k % 3 :] + systems[: k % 3]:
+            for system in systems[k % len(systems) :] + systems[: k % len(systems)]:
                 if system.startswith("ddp"):
                     got = run_ddp(name, m, SAMPLES // (m * BATCH), data, tmp, k)
+                elif system.startswith("tf-ps"):
+                    per_call = 10 if "10 steps" in system else 1
+                    got = run_tf(name, m, SAMPLES // BATCH, data, tmp, k, per_call)
                 else:
                     got = run_netpart(name, layout, system.split()[1], steps_np, tmp, k)
                 seen[system].append(got)
-                print(f"round {k + 1}: {system:<24} {got['samples_s']:9,.0f} samples/s, "
+                print(f"round {k + 1}: {system:<34} {got['samples_s']:9,.0f} samples/s, "
                       f"held-out {got['accuracy']:.3f}", flush=True)  # fmt: skip
     finally:
         down(name)
@@ -120,7 +243,7 @@ def main(argv=None) -> int:
                for s, v in seen.items()}  # fmt: skip
     ddp = summary[systems[2]]["samples_s_median"]
     for s, v in summary.items():
-        print(f"{s:<24} {v['samples_s_median']:9,.0f} samples/s ({v['samples_s_median'] / ddp:.2f}"
+        print(f"{s:<34} {v['samples_s_median']:9,.0f} samples/s ({v['samples_s_median'] / ddp:.2f}"
               f"x DDP), held-out {v['accuracy_median']:.3f}")  # fmt: skip
     if args.out is not None:
         result = {"machines": m, "cpu": args.cpu, "link": args.link, "samples": SAMPLES,

@@ -1,6 +1,6 @@
 """`netpart calibrate`: measure machines into a profile the step-time model can trust.
 
-Five measurements, each with the runtime's own code, at one batch size, over the calibration
+Seven measurements, each with the runtime's own code, at one batch size, over the calibration
 models' plans for 1, 2 and 3 workers, on the machines a `Runner` gives (`LocalRunner`: this
 one, its workers sharing it; `experiments/validate_sim.py` has emulated dedicated machines).
 Every step measurement is the median of `repeats` runs, taken in rounds over every model and

@@ -200,6 +200,8 @@ class NetworkModel:
                 link += f", steps at {'/'.join(f'{n:g}' for n, *_ in self.crowd)} workers"
             if self.layers:
                 link += f", {len(self.layers)} layers' own slice tables"
+            if self.ps is not None:
+                link += ", the parameter server's exchange measured"
             if self.slice_scale != 1.0:  # fitted, or --net speed=
                 link += f", slice times x{self.slice_scale:.3g}"
             caveat = f"; WARNING: {self.caveat}" if self.caveat else ""

@@ -13,7 +13,8 @@ ParameterServerStrategy runs a chief and one ps task on machine 0 and a worker o
 (installed by this script into benchmarks/.tf-venv, `TF` below says how). Every system
 trains SAMPLES samples in all (steps per replica = SAMPLES / (replicas x batch)); samples/s is
 each system's own timing of its step loop (netpart: its replicas' metrics after the first
-fifth of the steps, as cluster_bench), the systems alternated in rounds, medians. Needs root.
+fifth of the steps, as cluster_bench; TensorFlow: the calls scheduled after its first fifth,
+until all are done), the systems alternated in rounds, medians. Needs root.
 
     python benchmarks/testbed_dp_bench.py --out benchmarks/results/testbed_dp_bench.json
 """
@@ -49,9 +50,9 @@ TF_PORT = 29710
 
 # TensorFlow's ParameterServerStrategy (DistBelief's successor) on the same job: a chief
 # (the coordinator) schedules steps on M - 1 workers whose variables live on one ps task;
-# each step is one tf.function call (`per_call` steps in one with --tf-per-call > 1). The
-# MLP is built from tf.Variables (Keras 3 does not run under this strategy), initialised as
-# torch's nn.Linear, plain SGD, every worker its own shuffled stream of the training set.
+# each scheduled tf.function call runs `per_call` steps (the benchmark runs 1 and 10). The
+# MLP is built from tf.Variables (no Keras), initialised as torch's nn.Linear, plain SGD,
+# every worker its own shuffled stream of the training set.
 TF = r"""
 import json, os, sys, time
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"

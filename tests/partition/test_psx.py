@@ -38,6 +38,7 @@ def test_the_tables_round_trip_and_read_beyond_what_was_measured():
     again = NetworkModel.from_dict(json.loads(json.dumps(model.to_dict())))
     assert again.ps == ps and again == model
     assert "the parameter server's exchange measured" in model.describe()
+    assert model.faster(8).ps is None and model.faster(1).ps == ps  # other machines' CPU
     assert NetworkModel.from_dict({**model.to_dict(), "ps": None}).ps is None
 
 

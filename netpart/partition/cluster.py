@@ -218,49 +218,57 @@ def _ps(spec, layout: Layout, mp: _ModelParallel, shards: ShardLayout, network, 
     n_push, n_fetch = every
     r, n = layout.replicas, layout.workers
     sizes = np.array([shards.worker_size(w) for w in range(n)], dtype=np.float64)
-    peers = np.array([len(shards.routes(w)) for w in range(n)])
     nbytes = BYTES_PER_VALUE * sizes
-    transfer = float(network.phase_s(nbytes, peers).max())  # a worker's push, or its fetch
-    worker_push, worker_fetch = transfer / n_push, transfer / n_fetch
     held = BYTES_PER_VALUE * shards.shard_sizes().astype(np.float64)
-    talkers = np.array([len(shards.peers(s)) * r for s in range(layout.shards)])
-    served = network.phase_s(r * held, talkers)  # each shard's R pushes in, or fetches out
-    shard_in, shard_out = served / n_push, served / n_fetch
-    update = r * shards.shard_sizes() * UPDATE_S_PER_VALUE / n_push
+    price = _linked if network.ps is None else _measured
+    step = price(network, layout, mp.step_s, shards, (nbytes, held), every)
     worker_mem = BYTES_PER_VALUE * (3 * sizes.max() + 2 * batch * mp.activations / n)
     memory = max(worker_mem, float(2 * held.max()))
     busiest = int(np.argmax(held))
     link_bytes = float(r * held[busiest] / min(n_push, n_fetch))
-    if network.ps is not None:  # the parameter server's exchange as calibration measured it
-        exchange, busy = _measured(network.ps, layout, shards, nbytes, every)
-        step = mp.step_s + exchange if layout.mode == "sync" else max(mp.step_s + busy, exchange)
-    elif layout.mode == "sync":  # pushes in (each worker's and the shard's links at once),
-        # the update, fetches out
-        into = np.maximum(shard_in, worker_push) + update + np.maximum(shard_out, worker_fetch)
-        step = mp.step_s + float(into.max())
-    else:  # the courier carries a step's push and fetch at once (both ways, as `phase_s`
-        # prices them) beside the next step
-        own = max(mp.step_s, worker_push, worker_fetch)
-        step = max(own, float(np.maximum(np.maximum(shard_in, shard_out), update).max()))
     staleness = 0.0 if layout.mode == "sync" else (r - 1) * max(n_push, n_fetch) / n_push
     return LayoutFigures(layout, step, r * batch / step, link_bytes, f"shard {busiest}",
                          memory, staleness, True)  # fmt: skip
 
 
-def _measured(ps: PsExchange, layout: Layout, shards: ShardLayout, nbytes: np.ndarray,
-              every: tuple[int, int]) -> tuple[float, float]:  # fmt: skip
-    """(seconds of a step's exchange: the longer of the time it keeps a worker's machine
-    busy and its busiest shard's exchange with all its clients; the former), each a push and
-    a fetch every n_push and n_fetch steps."""
+def _linked(network: NetworkModel, layout: Layout, mp_s: float, shards: ShardLayout,
+            bytes_: tuple[np.ndarray, np.ndarray], every: tuple[int, int]) -> float:  # fmt: skip
+    """A replica's step priced off the link tables (`bytes_`: each worker's, each shard's)."""
+    (n_push, n_fetch), (nbytes, held), r = every, bytes_, layout.replicas
+    peers = np.array([len(shards.routes(w)) for w in range(layout.workers)])
+    transfer = float(network.phase_s(nbytes, peers).max())  # a worker's push, or its fetch
+    worker_push, worker_fetch = transfer / n_push, transfer / n_fetch
+    talkers = np.array([len(shards.peers(s)) * r for s in range(layout.shards)])
+    served = network.phase_s(r * held, talkers)  # each shard's R pushes in, or fetches out
+    shard_in, shard_out = served / n_push, served / n_fetch
+    update = r * shards.shard_sizes() * UPDATE_S_PER_VALUE / n_push
+    if layout.mode == "sync":  # pushes in (each worker's and the shard's links at once),
+        # the update, fetches out
+        into = np.maximum(shard_in, worker_push) + update + np.maximum(shard_out, worker_fetch)
+        return mp_s + float(into.max())
+    # the courier carries a step's push and fetch at once (both ways, as `phase_s` prices
+    # them) beside the next step
+    own = max(mp_s, worker_push, worker_fetch)
+    return max(own, float(np.maximum(np.maximum(shard_in, shard_out), update).max()))
+
+
+def _measured(network: NetworkModel, layout: Layout, mp_s: float, shards: ShardLayout,
+              bytes_: tuple[np.ndarray, np.ndarray], every: tuple[int, int]) -> float:  # fmt: skip
+    """A replica's step priced off the parameter server's measured exchange: the exchange is
+    the longer of the time it keeps a worker's machine busy and its busiest shard's exchange
+    with all its clients, a push and a fetch every n_push and n_fetch steps; sync adds it to
+    the step, Downpour runs it beside the step where the machine has room."""
+    ps: PsExchange = network.ps
+    nbytes, held = bytes_
     per = 0.5 * (1 / every[0] + 1 / every[1])
-    busy = max(ps.busy_s(layout.mode, float(b)) for b in nbytes)
-    held = BYTES_PER_VALUE * shards.shard_sizes().astype(np.float64)
+    busy = per * max(ps.busy_s(layout.mode, float(b)) for b in nbytes)
     served = 0.0
     for s in range(layout.shards):  # a few shards
         peers = max(1, len(shards.peers(s)))
         clients = layout.replicas * peers
         served = max(served, ps.seconds_s(layout.mode, clients, float(held[s]) / peers))
-    return per * max(busy, served), per * busy
+    exchange = max(busy, per * served)
+    return mp_s + exchange if layout.mode == "sync" else max(mp_s + busy, exchange)
 
 
 def _allreduce(spec, machines: int, step_one: float, values: int, network, batch: int):

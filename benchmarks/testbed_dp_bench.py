@@ -173,18 +173,17 @@ def run_tf(bed: str, machines: int, steps: int, data: Path, tmp: Path, seed: int
     out = tmp / f"tf{time.monotonic_ns()}.json"
     roles = [("ps", 0, 0)] + [("worker", i - 1, i) for i in range(1, machines)]
     args = [str(data), str(steps), str(BATCH), str(LR), str(seed)]
-    servers = [
-        subprocess.Popen(testbed.command(m, [str(python), "-c", TF, *args, role, str(k),
-                                             json.dumps(cluster), str(out), str(per_call)]),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for role, k, m in roles
-    ]  # fmt: skip
-    sent = [h.tx_bytes() for h in testbed.hosts]
+
+    def task(role: str, k: int) -> list[str]:
+        return [str(python), "-c", TF, *args, role, str(k), json.dumps(cluster), str(out),
+                str(per_call)]  # fmt: skip
+
+    servers = [subprocess.Popen(testbed.command(m, task(role, k)), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL) for role, k, m in roles]  # fmt: skip
+    before = [h.tx_bytes() for h in testbed.hosts]
     try:
-        chief = [str(python), "-c", TF, *args, "chief", "0", json.dumps(cluster), str(out),
-                 str(per_call)]  # fmt: skip
-        done = subprocess.run(testbed.command(0, chief), capture_output=True, text=True,
-                              timeout=900)  # fmt: skip
+        done = subprocess.run(testbed.command(0, task("chief", 0)), capture_output=True,
+                              text=True, timeout=900)  # fmt: skip
         if done.returncode != 0:
             raise SystemExit(f"tensorflow: exit {done.returncode}: {done.stderr[-600:]}")
     finally:
@@ -194,7 +193,7 @@ def run_tf(bed: str, machines: int, steps: int, data: Path, tmp: Path, seed: int
     got = json.loads(out.read_text())
     # what it claims, checked: bytes each machine sent per step (the ps machine: variables
     # read by the workers; each worker: its gradients), over the whole run
-    sent = [(h.tx_bytes() - b) / steps for h, b in zip(testbed.hosts, sent, strict=True)]
+    sent = [(h.tx_bytes() - b) / steps for h, b in zip(testbed.hosts, before, strict=True)]
     return {"samples_s": got["samples"] / (got["end"] - got["start"]),
             "accuracy": got["accuracy"], "sent_per_step": sent}  # fmt: skip
 

@@ -138,7 +138,9 @@ class Runner(Protocol):
     workers, one per machine, and returns the median step (seconds, slowest worker) and the
     CPU seconds a step took on its busiest worker, all threads (0 where not recorded).
     `probe_beside`: whether the speed probe may run in this process during a step (false
-    where this process is one of the step's workers)."""
+    where this process is one of the step's workers). A runner whose machines are its own may
+    also have `ps(mode, clients, sizes, repeats)` (`HostsRunner`): (seconds, CPU seconds) per
+    exchange of the parameter server's clients; `calibrate` measures it where it exists."""
 
     overlap: bool
     machines: int

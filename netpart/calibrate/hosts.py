@@ -118,11 +118,11 @@ class HostsRunner:
         self._commands.send(cmd)
         return self._link(cmd)
 
-    def ps(self, mode: str, clients: int, sizes: tuple[int, ...], repeats: int):
+    def ps(self, mode: str, clients: int, sizes: tuple[int, ...], repeats: int, shards: int = 1):
         """(seconds, CPU seconds) per exchange of the parameter server's clients, each size
-        (`netpart.ps.measure`): `clients` ranks and a shard on the next."""
+        (`netpart.ps.measure`): `clients` ranks and `shards` shards on the next."""
         cmd = {"op": "ps", "mode": mode, "clients": clients, "sizes": [int(b) for b in sizes],
-               "repeats": repeats}  # fmt: skip
+               "repeats": repeats, "shards": shards}  # fmt: skip
         self._commands.send(cmd)
         return self._ps(cmd)
 
@@ -186,13 +186,15 @@ class HostsRunner:
         return slowest[:-1].numpy(), float(slowest[-1])
 
     def _ps(self, cmd: dict) -> tuple[np.ndarray, np.ndarray]:
-        world = int(cmd["clients"]) + 1
+        clients, shards = int(cmd["clients"]), int(cmd["shards"])
+        world = clients + shards
         if self.rank >= world:
             return np.zeros(0), np.zeros(0)
-        if cmd["mode"] not in PS_MODES or not 2 <= world <= self.machines:
-            raise ValueError(f"mode {cmd['mode']!r}, {world - 1} clients")
+        if cmd["mode"] not in PS_MODES or clients < 1 or shards < 1 or world > self.machines:
+            raise ValueError(f"mode {cmd['mode']!r}, {clients} clients, {shards} shards")
         group = self._groups[world]
-        seconds, cpu = ps_loop(group, self.rank, cmd["mode"], cmd["sizes"], int(cmd["repeats"]))
+        seconds, cpu = ps_loop(group, self.rank, cmd["mode"], cmd["sizes"], int(cmd["repeats"]),
+                               shards=shards)  # fmt: skip
         slowest = torch.tensor([*seconds, *cpu], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
         n = len(seconds)

@@ -33,9 +33,9 @@ probe is the profile's `probe_s`, against which `netpart run` says how fast the 
    host's kernel spends a third of its cores moving their messages, and compute slows.
 
 7. The parameter server's exchange, where the runner has machines of their own (`ps`: the
-   hosts of a torchrun job or a testbed): 1 to PS_CLIENTS clients of one shard push and
-   fetch PS_SIZES, as sync and as Downpour workers do (`netpart.ps.measure`): seconds per
-   exchange and the CPU a client spends on one (the profile's `ps`, `netpart.partition.psx`).
+   hosts of a torchrun job or a testbed): clients of one shard, and one client of several
+   shards, push and fetch, as sync and as Downpour workers do (`netpart.calibrate.pstables`):
+   seconds per exchange and the CPU a client spends on one (the profile's `ps`).
 
 The fitting itself is `netpart.calibrate.fitting` (pure).
 
@@ -58,6 +58,7 @@ import torch
 
 from netpart.calibrate import CALIBRATION_MODELS, CHECK_MODEL, SLICE_MODELS
 from netpart.calibrate.fitting import Crowd, Plans, fit, kind_cost, layer_costs
+from netpart.calibrate.pstables import per_size, ps_tables
 from netpart.calibrate.speed import SpeedProbe, probe_once
 from netpart.calibrate.trace import SliceTimes, measure_slices
 from netpart.calibrate.trust import LoadSample, sample
@@ -68,7 +69,6 @@ from netpart.partition.cost import PROFILE_SCHEMA, NetworkModel
 from netpart.partition.figures import input_values, reevaluate
 from netpart.partition.graph import BYTES_PER_VALUE, UnitGraph
 from netpart.partition.plans import PartitionPlan
-from netpart.partition.psx import PS_MODES, PsExchange
 from netpart.partition.volume import layer_traffic
 from netpart.runtime.check import make_batch
 from netpart.runtime.step import (
@@ -107,9 +107,6 @@ PROBE_BEFORE = 5  # speed probe samples before a run whose worker this process i
 # The probe's 90th over its 10th percentile across the runs above which `netpart calibrate`
 # warns that the machine's speed moved while it was calibrated.
 PROBE_SWING = 1.25
-PS_SIZES = (16384, 65536, 262144, 1048576, 4194304)  # bytes a client pushes and fetches
-PS_CLIENTS = 4  # of one shard, at most
-PS_REPEATS = 10  # timed exchanges per size
 LOAD_SAMPLE_S = 0.5  # seconds the machine's load is sampled between measurements
 Progress = Callable[[str], None]
 
@@ -139,8 +136,9 @@ class Runner(Protocol):
     CPU seconds a step took on its busiest worker, all threads (0 where not recorded).
     `probe_beside`: whether the speed probe may run in this process during a step (false
     where this process is one of the step's workers). A runner whose machines are its own may
-    also have `ps(mode, clients, sizes, repeats)` (`HostsRunner`): (seconds, CPU seconds) per
-    exchange of the parameter server's clients; `calibrate` measures it where it exists."""
+    also have `ps(mode, clients, sizes, repeats, shards=1)` (`HostsRunner`): (seconds, CPU
+    seconds) per exchange of the parameter server's clients; `calibrate` measures it where
+    it exists."""
 
     overlap: bool
     machines: int
@@ -359,10 +357,10 @@ def calibrate(
         link["seconds"][str(world - 1)] = seconds
         link["gather_s"][str(world)] = float(gather)
         say(
-            f"link, {world - 1} peer(s), per peer: {_per_size(LINK_SIZES, seconds)}; the "
+            f"link, {world - 1} peer(s), per peer: {per_size(LINK_SIZES, seconds)}; the "
             f"loss's collective {gather * 1e3:.2f} ms"
         )
-    ps, ps_raw = _ps_tables(runner, say)
+    ps, ps_raw = ps_tables(runner, say)
     plans = [(s, plan(s, 1, "metis", batch=batch), plan(s, 2, "metis", batch=batch)) for s in specs]
     wide = {n: [plan(s, n, "metis", batch=batch) for s in specs]
             for n in crowd_counts(runner.machines)}  # fmt: skip
@@ -382,27 +380,6 @@ def calibrate(
                "probe_spread": spread, "load": [asdict(x) for x in load],
                "run_spreads": run_spreads(runs), "check": check, "ps": ps_raw}  # fmt: skip
     return model, details
-
-
-def _ps_tables(runner: Runner, say: Progress) -> tuple[PsExchange | None, dict | None]:
-    """The parameter server's exchange (`netpart.ps.measure`) with 1 to PS_CLIENTS clients
-    of one shard, each mode, where the runner has machines of their own for it (`ps`)."""
-    if not hasattr(runner, "ps") or runner.machines < 2:
-        return None, None
-    raw: dict = {"sizes": list(PS_SIZES), "seconds": {}, "busy": {}}
-    for mode in PS_MODES:
-        raw["seconds"][mode], raw["busy"][mode] = {}, {}
-        for k in range(1, min(runner.machines - 1, PS_CLIENTS) + 1):
-            seconds, cpu = runner.ps(mode, k, PS_SIZES, PS_REPEATS)
-            raw["seconds"][mode][str(k)] = [float(t) for t in seconds]
-            raw["busy"][mode][str(k)] = [float(c) / runner.share for c in cpu]
-            say(f"parameter server, {mode}, {k} client(s), per exchange: "
-                f"{_per_size(PS_SIZES, seconds)}")  # fmt: skip
-    return PsExchange.from_dict(raw), raw
-
-
-def _per_size(sizes, seconds) -> str:
-    return ", ".join(f"{b >> 10} KB {t * 1e3:.2f} ms" for b, t in zip(sizes, seconds, strict=True))
 
 
 def run_spreads(runs: list[dict]) -> list[float]:

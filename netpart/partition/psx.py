@@ -5,18 +5,23 @@ at each B, and the CPU seconds it took the client's machine to run one, divided 
 machine's share of a core (so: seconds of the machine kept busy, which a step's compute on
 that machine cannot run beside).
 
+And, where the calibration had the machines, one client whose bytes S shards hold in even
+parts (`spread`, S >= 2): what a worker talking to several shards takes, which the shards'
+side (one client of each) does not show: the client's own work on its S messages.
+
 A shard with more clients than were measured serves their bytes as the most clients
 measured would (the same bytes through the shard: `seconds_s` reads that table at k / K
-times the bytes).
+times the bytes); a client of more shards than were measured, as the most shards measured.
 
-JSON (in a profile's model, as `ps`):
+JSON (in a profile's model, as `ps`; `spread` may be absent):
 `{"sizes": [bytes, ...], "seconds": {"sync"|"downpour": {"<clients>": [s, ...]}},
-  "busy": {"sync"|"downpour": {"<clients>": [s, ...]}}}`.
+  "busy": {"sync"|"downpour": {"<clients>": [s, ...]}},
+  "spread": {"sync"|"downpour": {"<shards>": [s, ...]}}}`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -35,6 +40,7 @@ class PsExchange:
 
     seconds: Tables
     busy: Tables
+    spread: Tables = field(default_factory=dict)  # mode -> shards (>= 2) -> points
 
     def seconds_s(self, mode: str, clients: int, nbytes: float) -> float:
         """An exchange of `nbytes` each way per client, `clients` at once through one shard."""
@@ -43,6 +49,18 @@ class PsExchange:
         k = min((c for c in table if c >= clients), default=most)
         scale = clients / most if clients > most else 1.0
         return float(read_table(table[k], np.array(nbytes * scale)))
+
+    def spread_s(self, mode: str, shards: int, nbytes: float) -> float:
+        """One client's exchange of `nbytes` each way, held by `shards` shards in even parts
+        (one shard: the one-client table; several, not measured: 0, the shards' side alone
+        prices the exchange)."""
+        table = self.spread.get(mode) or {}
+        if shards < 2:
+            return self.seconds_s(mode, 1, nbytes)
+        if not table:
+            return 0.0
+        k = min((c for c in table if c >= shards), default=max(table))
+        return float(read_table(table[k], np.array(nbytes)))
 
     def busy_s(self, mode: str, nbytes: float) -> float:
         """Seconds one client's machine is kept busy by an exchange of `nbytes` each way."""
@@ -55,8 +73,9 @@ class PsExchange:
             return {m: {str(k): [t for _, t in p] for k, p in sorted(t.items())}
                     for m, t in tables.items()}  # fmt: skip
 
-        return {"sizes": [b for b, _ in first], "seconds": lists(self.seconds),
-                "busy": lists(self.busy)}  # fmt: skip
+        out = {"sizes": [b for b, _ in first], "seconds": lists(self.seconds),
+               "busy": lists(self.busy)}  # fmt: skip
+        return {**out, "spread": lists(self.spread)} if self.spread else out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PsExchange:
@@ -64,20 +83,25 @@ class PsExchange:
         if not isinstance(data, dict) or not isinstance(data.get("sizes"), list):
             raise ValueError("ps is {sizes: [...], seconds: {...}, busy: {...}}")
         sizes = [float(b) for b in data["sizes"]]
-        out: list[Tables] = []
-        for what in ("seconds", "busy"):
-            raw = data.get(what)
-            if not isinstance(raw, dict) or set(raw) != set(PS_MODES):
-                raise ValueError(f"ps.{what} needs a table per mode ({', '.join(PS_MODES)})")
-            tables: Tables = {}
-            for mode, per in raw.items():
-                if not isinstance(per, dict) or not per:
-                    raise ValueError(f"ps.{what}.{mode} is {{clients: [seconds per size]}}")
-                tables[mode] = {}
-                for k, times in per.items():
-                    if int(k) < 1 or len(times) != len(sizes):
-                        raise ValueError(f"ps.{what}.{mode}: clients >= 1, a time per size")
-                    pts = zip(sizes, times, strict=True)
-                    tables[mode][int(k)] = table_points(pts, f"ps.{what}")
-            out.append(tables)
-        return cls(seconds=out[0], busy=out[1])
+        seconds, busy = (
+            _tables(data.get(what), sizes, what, "clients") for what in ("seconds", "busy")
+        )
+        spread = data.get("spread")
+        spread = {} if spread is None else _tables(spread, sizes, "spread", "shards")
+        return cls(seconds=seconds, busy=busy, spread=spread)
+
+
+def _tables(raw: Any, sizes: list[float], what: str, count: str) -> Tables:
+    """`ps.<what>`: mode -> "<count>" -> a time per size, checked (ValueError)."""
+    if not isinstance(raw, dict) or set(raw) != set(PS_MODES):
+        raise ValueError(f"ps.{what} needs a table per mode ({', '.join(PS_MODES)})")
+    tables: Tables = {}
+    for mode, per in raw.items():
+        if not isinstance(per, dict) or not per:
+            raise ValueError(f"ps.{what}.{mode} is {{{count}: [seconds per size]}}")
+        tables[mode] = {}
+        for k, times in per.items():
+            if int(k) < 1 or len(times) != len(sizes):
+                raise ValueError(f"ps.{what}.{mode}: {count} >= 1, a time per size")
+            tables[mode][int(k)] = table_points(zip(sizes, times, strict=True), f"ps.{what}")
+    return tables

@@ -55,7 +55,6 @@ __all__ = [
     "DIVERGED",
     "HEADER_BYTES",
     "HEADER_LEN",
-    "PUSHES",
     "TAG_CHUNK",
     "TAG_DONE",
     "TAG_DONE_VALUE",
@@ -100,9 +99,6 @@ class Kind(IntEnum):
     PUSH_FETCH_LOCAL = 10  # ... or CURRENT if nothing but the sender's own pushes changed them
     CURRENT = 11  # shard -> worker: your values (with your pushes applied) are the shard's
     FETCH_LOCAL = 12  # a FETCH answered CURRENT if the shard is still at version `extra`
-
-
-PUSHES = (Kind.PUSH, Kind.PUSH_FETCH, Kind.PUSH_FETCH_LOCAL)  # the kinds that carry a push
 
 
 class Op(IntEnum):

@@ -36,7 +36,6 @@ from netpart.ps.modes import Mode, Push, Response
 from netpart.ps.protocol import (
     CHUNK,
     DIVERGED,
-    PUSHES,
     TAG_HEADER,
     TAG_PAYLOAD,
     Kind,
@@ -56,6 +55,8 @@ from netpart.ps.serving import serving_threads
 __all__ = ["Link", "ShardServer", "ShardSetup", "ShardState"]
 
 log = logging.getLogger(__name__)
+
+PUSHES = (Kind.PUSH, Kind.PUSH_FETCH, Kind.PUSH_FETCH_LOCAL)
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,8 @@ class ShardState:
 
 @dataclass(eq=False)  # a peer is itself: compared and hashed by identity
 class Link:
-    """One peer's buffers: its requests land in `request`, a push's later chunks in `payload`
-    (`posted`: their receives, posted ahead); `reply`: [header | values] in one chunk."""
+    """One peer's buffers: its requests land in `request`, a push's later chunks in
+    `payload`; `reply` holds [header | values] when they fit one chunk."""
 
     replica: int
     worker: int
@@ -93,7 +94,6 @@ class Link:
     request: torch.Tensor
     payload: torch.Tensor
     reply: torch.Tensor | None
-    posted: list = field(default_factory=list)
 
 
 class _View:
@@ -232,7 +232,7 @@ class ShardServer:
         """A push whose first chunk came with its request: its later chunks into the link's
         payload (handed to the mode as each lands, where it folds them), then the whole push
         to the mode, recorded, under one hold of the lock."""
-        posted, link.posted = link.posted or post_chunks(self.group, link.payload, link.src), []
+        posted = post_chunks(self.group, link.payload, link.src)
         chunks = [(0, first)] + [(a, link.payload[a:b]) for (a, b), _ in posted]
         for (lo, values), work in zip(chunks, [None, *(w for _, w in posted)], strict=True):
             if work is not None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from netpart.errors import ProtocolError
 from netpart.ps.commands import serve_commands
-from netpart.ps.protocol import PUSHES, TAG_HEADER, Kind, post_chunks
+from netpart.ps.protocol import TAG_HEADER, Kind
 
 __all__ = ["serve_peer", "serve_rounds", "serving_threads"]
 
@@ -53,21 +53,18 @@ def _failing(loop):
 
 @_failing
 def serve_peer(server: Any, link: Any) -> None:
-    """Serve one peer from its own thread until it says goodbye or is lost. The receives of
-    the peer's next request (and of its push's later chunks, once it pushes) are posted
-    before this one is answered: gloo sends a message only once its receive is posted, and
-    the notice that it is travels behind whatever the link carries that way, the answer
-    included; posted first, a Downpour worker's next push, sent while the answer comes,
-    crosses the link beside it."""
+    """Serve one peer from its own thread until it says goodbye or is lost. The receive of
+    the peer's next request is posted before this one is answered: gloo sends a message only
+    once its receive is posted, and the notice that it is travels behind whatever the link
+    carries that way, the answer included; posted first, the peer's next push (a Downpour
+    worker's, sent while the answer comes) crosses the link beside the answer."""
     try:
         request = server.group.recv([link.request], link.src, TAG_HEADER)
         while True:
             request.wait()
-            kind, step, extra = server.take(link)  # done with link.request and link.payload
+            kind, step, extra = server.take(link)  # done with link.request
             if kind != Kind.BYE:
                 request = server.group.recv([link.request], link.src, TAG_HEADER)
-            if kind in PUSHES and not link.posted:
-                link.posted = post_chunks(server.group, link.payload, link.src)
             if server.answer(link, kind, step, extra):
                 return
     except (RuntimeError, ProtocolError) as exc:

@@ -82,3 +82,23 @@ def test_measured_tables_price_sync_as_a_sum_and_downpour_by_what_limits_it():
     busy = NetworkModel(ps=tables(sync_s=1e-12, down_s=1e-12, busy_s=1e-6))
     b = {str(f.layout): f for f in advise(spec, 2, busy, batch=16).layouts}
     assert b["downpour 1x1+1"].step_s == pytest.approx(compute + exchange, rel=0.05)
+
+
+def test_a_worker_spread_over_shards_is_priced_off_its_own_table():
+    spec = load_spec("tiny-mlp")
+    base = tables(sync_s=1e-6, down_s=1e-6, busy_s=1e-9)
+    spread = {m: {"2": [0.9e-6 * b for b in SIZES]} for m in ("sync", "downpour")}
+    ps = PsExchange.from_dict({**base.to_dict(), "spread": spread})
+    assert PsExchange.from_dict(json.loads(json.dumps(ps.to_dict()))) == ps
+    # more shards than measured: as the most measured; one shard: the one-client table
+    assert ps.spread_s("sync", 3, 1e5) == ps.spread_s("sync", 2, 1e5) == pytest.approx(0.09)
+    assert ps.spread_s("sync", 1, 1e5) == ps.seconds_s("sync", 1, 1e5)
+    with pytest.raises(ValueError, match=r"ps\.spread"):
+        PsExchange.from_dict({**base.to_dict(), "spread": {"sync": {"2": [1.0]}}})
+    by = {str(f.layout): f for f in advise(spec, 3, NetworkModel(ps=ps), batch=16).layouts}
+    alone = {str(f.layout): f for f in advise(spec, 3, NetworkModel(ps=base), batch=16).layouts}
+    two = {str(f.layout): f for f in advise(spec, 2, NetworkModel(ps=ps), batch=16).layouts}
+    nbytes = two["downpour 1x1+1"].link_bytes  # one shard holds all the worker's values
+    # without the table the two shards' halves price it; with it, the worker's own exchange
+    assert alone["downpour 1x1+2"].step_s < 0.7 * 1e-6 * nbytes
+    assert by["downpour 1x1+2"].step_s == pytest.approx(0.9e-6 * nbytes, rel=0.05)

@@ -1,0 +1,59 @@
+"""Step 7 of the calibration (`netpart.calibrate.measure`): the parameter server's exchange,
+measured with its own code (`netpart.ps.measure`) where the runner has machines of their own
+(a `ps` method: the hosts of a torchrun job or a testbed). Per mode (sync, Downpour), 1 to
+PS_CLIENTS clients of one shard, and one client whose values 2 to PS_SHARDS shards hold,
+push and fetch each of PS_SIZES: seconds per exchange, and the CPU a client spends on one
+over its machine's share of a core. The profile's `ps` (`netpart.partition.psx`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from netpart.partition.psx import PS_MODES, PsExchange
+
+__all__ = ["PS_CLIENTS", "PS_SHARDS", "PS_SIZES", "per_size", "ps_tables"]
+
+# bytes a client pushes and fetches, and timed exchanges of each (a 16 MB exchange takes
+# seconds on a slow link: fewer); digits-mlp's replica holds 340 KB, bench-local's 40 MB
+PS_SIZES = (16384, 65536, 262144, 1048576, 4194304, 16777216)
+PS_REPEATS = (10, 10, 10, 10, 10, 3)
+PS_CLIENTS = 4  # of one shard, at most
+PS_SHARDS = 3  # one client's, at most
+
+
+def ps_tables(runner: Any, say: Callable[[str], None]) -> tuple[PsExchange | None, dict | None]:
+    """The tables and their raw JSON, or (None, None) where the runner cannot measure them."""
+    if not hasattr(runner, "ps") or runner.machines < 2:
+        return None, None
+    raw: dict = {"sizes": list(PS_SIZES), "seconds": {}, "busy": {}, "spread": {}}
+    for mode in PS_MODES:
+        raw["seconds"][mode], raw["busy"][mode], raw["spread"][mode] = {}, {}, {}
+        for k in range(1, min(runner.machines - 1, PS_CLIENTS) + 1):
+            seconds, cpu = _measure(runner, mode, k, 1)
+            raw["seconds"][mode][str(k)] = [float(t) for t in seconds]
+            raw["busy"][mode][str(k)] = [float(c) / runner.share for c in cpu]
+            say(f"parameter server, {mode}, {k} client(s) of one shard, per exchange: "
+                f"{per_size(PS_SIZES, seconds)}")  # fmt: skip
+        for s in range(2, min(runner.machines - 1, PS_SHARDS) + 1):
+            seconds, _ = _measure(runner, mode, 1, s)
+            raw["spread"][mode][str(s)] = [float(t) for t in seconds]
+            say(f"parameter server, {mode}, one client of {s} shards, per exchange: "
+                f"{per_size(PS_SIZES, seconds)}")  # fmt: skip
+    if not all(raw["spread"].values()):  # two machines: no client of two shards
+        del raw["spread"]
+    return PsExchange.from_dict(raw), raw
+
+
+def _measure(runner: Any, mode: str, clients: int, shards: int) -> tuple[list, list]:
+    """(seconds, CPU seconds) per exchange at each of PS_SIZES, a call per repeat count."""
+    at: dict[int, tuple[float, float]] = {}
+    for n in set(PS_REPEATS):
+        sizes = tuple(b for b, r in zip(PS_SIZES, PS_REPEATS, strict=True) if r == n)
+        t, c = runner.ps(mode, clients, sizes, n, shards=shards)
+        at.update(zip(sizes, zip(t, c, strict=True), strict=True))
+    return [at[b][0] for b in PS_SIZES], [at[b][1] for b in PS_SIZES]
+
+
+def per_size(sizes, seconds) -> str:
+    return ", ".join(f"{b >> 10} KB {t * 1e3:.2f} ms" for b, t in zip(sizes, seconds, strict=True))

@@ -26,9 +26,9 @@ def ps_tables(runner: Any, say: Callable[[str], None]) -> tuple[PsExchange | Non
     """The tables and their raw JSON, or (None, None) where the runner cannot measure them."""
     if not hasattr(runner, "ps") or runner.machines < 2:
         return None, None
-    raw: dict = {"sizes": list(PS_SIZES), "seconds": {}, "busy": {}, "spread": {}}
+    tables = ("seconds", "busy", "spread", "spread_busy")
+    raw: dict = {"sizes": list(PS_SIZES), **{t: {m: {} for m in PS_MODES} for t in tables}}
     for mode in PS_MODES:
-        raw["seconds"][mode], raw["busy"][mode], raw["spread"][mode] = {}, {}, {}
         for k in range(1, min(runner.machines - 1, PS_CLIENTS) + 1):
             seconds, cpu = _measure(runner, mode, k, 1)
             raw["seconds"][mode][str(k)] = [float(t) for t in seconds]
@@ -36,12 +36,13 @@ def ps_tables(runner: Any, say: Callable[[str], None]) -> tuple[PsExchange | Non
             say(f"parameter server, {mode}, {k} client(s) of one shard, per exchange: "
                 f"{per_size(PS_SIZES, seconds)}")  # fmt: skip
         for s in range(2, min(runner.machines - 1, PS_SHARDS) + 1):
-            seconds, _ = _measure(runner, mode, 1, s)
+            seconds, cpu = _measure(runner, mode, 1, s)
             raw["spread"][mode][str(s)] = [float(t) for t in seconds]
+            raw["spread_busy"][mode][str(s)] = [float(c) / runner.share for c in cpu]
             say(f"parameter server, {mode}, one client of {s} shards, per exchange: "
                 f"{per_size(PS_SIZES, seconds)}")  # fmt: skip
     if not all(raw["spread"].values()):  # two machines: no client of two shards
-        del raw["spread"]
+        del raw["spread"], raw["spread_busy"]
     return PsExchange.from_dict(raw), raw
 
 

@@ -254,22 +254,22 @@ def _linked(network: NetworkModel, layout: Layout, mp_s: float, shards: ShardLay
 
 def _measured(network: NetworkModel, layout: Layout, mp_s: float, shards: ShardLayout,
               bytes_: tuple[np.ndarray, np.ndarray], every: tuple[int, int]) -> float:  # fmt: skip
-    """A replica's step priced off the parameter server's measured exchange: the exchange is
-    the longest of the time it keeps a worker's machine busy, a worker's exchange with the
-    shards that hold its values, and the busiest shard's with all its clients, a push and a
-    fetch every n_push and n_fetch steps; sync adds it to the step, Downpour runs it beside
-    the step where the machine has room."""
+    """A replica's step priced off the parameter server's measured exchange: the longer of a
+    worker's exchange with the shards that hold its values and the busiest shard's with all
+    its clients, a push and a fetch every n_push and n_fetch steps. Sync adds it to the step
+    (its measured time holds the client's CPU); Downpour runs it beside the step where the
+    worker's machine has room for the CPU it costs (its busy time)."""
     ps: PsExchange = network.ps
     nbytes, held = bytes_
     per = 0.5 * (1 / every[0] + 1 / every[1])
-    busy = per * max(ps.busy_s(layout.mode, float(b)) for b in nbytes)
-    served = max(ps.spread_s(layout.mode, len(shards.routes(w)), float(b))
-                 for w, b in enumerate(nbytes))  # fmt: skip
+    talks = [(float(b), len(shards.routes(w))) for w, b in enumerate(nbytes)]
+    busy = per * max(ps.busy_s(layout.mode, b, shards=k) for b, k in talks)
+    served = max(ps.spread_s(layout.mode, k, b) for b, k in talks)
     for s in range(layout.shards):  # a few shards
         peers = max(1, len(shards.peers(s)))
         clients = layout.replicas * peers
         served = max(served, ps.seconds_s(layout.mode, clients, float(held[s]) / peers))
-    exchange = max(busy, per * served)
+    exchange = per * served
     return mp_s + exchange if layout.mode == "sync" else max(mp_s + busy, exchange)
 
 

@@ -6,17 +6,18 @@ machine's share of a core (so: seconds of the machine kept busy, which a step's 
 that machine cannot run beside).
 
 And, where the calibration had the machines, one client whose bytes S shards hold in even
-parts (`spread`, S >= 2): what a worker talking to several shards takes, which the shards'
-side (one client of each) does not show: the client's own work on its S messages.
+parts (`spread`, S >= 2, and its busy time, `spread_busy`): what a worker talking to several
+shards takes, which the shards' side (one client of each) does not show: the client's own
+work on its S messages.
 
 A shard with more clients than were measured serves their bytes as the most clients
 measured would (the same bytes through the shard: `seconds_s` reads that table at k / K
 times the bytes); a client of more shards than were measured, as the most shards measured.
 
-JSON (in a profile's model, as `ps`; `spread` may be absent):
+JSON (in a profile's model, as `ps`; `spread` and `spread_busy` may be absent):
 `{"sizes": [bytes, ...], "seconds": {"sync"|"downpour": {"<clients>": [s, ...]}},
   "busy": {"sync"|"downpour": {"<clients>": [s, ...]}},
-  "spread": {"sync"|"downpour": {"<shards>": [s, ...]}}}`.
+  "spread": {"sync"|"downpour": {"<shards>": [s, ...]}}, "spread_busy": {...}}`.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class PsExchange:
     seconds: Tables
     busy: Tables
     spread: Tables = field(default_factory=dict)  # mode -> shards (>= 2) -> points
+    spread_busy: Tables = field(default_factory=dict)
 
     def seconds_s(self, mode: str, clients: int, nbytes: float) -> float:
         """An exchange of `nbytes` each way per client, `clients` at once through one shard."""
@@ -62,8 +64,13 @@ class PsExchange:
         k = min((c for c in table if c >= shards), default=max(table))
         return float(read_table(table[k], np.array(nbytes)))
 
-    def busy_s(self, mode: str, nbytes: float) -> float:
-        """Seconds one client's machine is kept busy by an exchange of `nbytes` each way."""
+    def busy_s(self, mode: str, nbytes: float, shards: int = 1) -> float:
+        """Seconds one client's machine is kept busy by an exchange of `nbytes` each way with
+        `shards` shards (more than measured: as the most measured)."""
+        table = self.spread_busy.get(mode) or {}
+        if shards >= 2 and table:
+            k = min((c for c in table if c >= shards), default=max(table))
+            return float(read_table(table[k], np.array(nbytes)))
         return float(read_table(self.busy[mode][min(self.busy[mode])], np.array(nbytes)))
 
     def to_dict(self) -> dict[str, Any]:
@@ -75,7 +82,10 @@ class PsExchange:
 
         out = {"sizes": [b for b, _ in first], "seconds": lists(self.seconds),
                "busy": lists(self.busy)}  # fmt: skip
-        return {**out, "spread": lists(self.spread)} if self.spread else out
+        for what in ("spread", "spread_busy"):
+            if getattr(self, what):
+                out[what] = lists(getattr(self, what))
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PsExchange:
@@ -86,9 +96,11 @@ class PsExchange:
         seconds, busy = (
             _tables(data.get(what), sizes, what, "clients") for what in ("seconds", "busy")
         )
-        spread = data.get("spread")
-        spread = {} if spread is None else _tables(spread, sizes, "spread", "shards")
-        return cls(seconds=seconds, busy=busy, spread=spread)
+        spread, spread_busy = (
+            {} if data.get(what) is None else _tables(data[what], sizes, what, "shards")
+            for what in ("spread", "spread_busy")
+        )
+        return cls(seconds=seconds, busy=busy, spread=spread, spread_busy=spread_busy)
 
 
 def _tables(raw: Any, sizes: list[float], what: str, count: str) -> Tables:

@@ -88,8 +88,11 @@ def test_a_worker_spread_over_shards_is_priced_off_its_own_table():
     spec = load_spec("tiny-mlp")
     base = tables(sync_s=1e-6, down_s=1e-6, busy_s=1e-9)
     spread = {m: {"2": [0.9e-6 * b for b in SIZES]} for m in ("sync", "downpour")}
-    ps = PsExchange.from_dict({**base.to_dict(), "spread": spread})
+    busy = {m: {"2": [2e-9 * b for b in SIZES]} for m in ("sync", "downpour")}
+    ps = PsExchange.from_dict({**base.to_dict(), "spread": spread, "spread_busy": busy})
     assert PsExchange.from_dict(json.loads(json.dumps(ps.to_dict()))) == ps
+    assert ps.busy_s("downpour", 1e5, shards=3) == pytest.approx(2e-4)
+    assert ps.busy_s("downpour", 1e5) == base.busy_s("downpour", 1e5) == pytest.approx(1e-4)
     # more shards than measured: as the most measured; one shard: the one-client table
     assert ps.spread_s("sync", 3, 1e5) == ps.spread_s("sync", 2, 1e5) == pytest.approx(0.09)
     assert ps.spread_s("sync", 1, 1e5) == ps.seconds_s("sync", 1, 1e5)
@@ -102,3 +105,15 @@ def test_a_worker_spread_over_shards_is_priced_off_its_own_table():
     # without the table the two shards' halves price it; with it, the worker's own exchange
     assert alone["downpour 1x1+2"].step_s < 0.7 * 1e-6 * nbytes
     assert by["downpour 1x1+2"].step_s == pytest.approx(0.9e-6 * nbytes, rel=0.05)
+
+
+def test_a_sync_step_is_its_measured_exchange_whatever_the_client_spends_on_it():
+    """The sync exchange's measured time holds the client's CPU: busy time longer than it
+    (a client that spins while it waits) does not lengthen a sync step, only Downpour's."""
+    spec = load_spec("tiny-mlp")
+    compute = plan(spec, 1, seed=0, batch=16, network=NetworkModel()).metrics.predicted_step_s
+    ps = tables(sync_s=1e-6, down_s=1e-6, busy_s=3e-6)
+    by = {str(f.layout): f for f in advise(spec, 2, NetworkModel(ps=ps), batch=16).layouts}
+    nbytes = by["sync 1x1+1"].link_bytes
+    assert by["sync 1x1+1"].step_s == pytest.approx(compute + 1e-6 * nbytes, rel=0.05)
+    assert by["downpour 1x1+1"].step_s == pytest.approx(compute + 3e-6 * nbytes, rel=0.05)

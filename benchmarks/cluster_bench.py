@@ -92,10 +92,14 @@ def _verdict(rows: list[dict], advice) -> None:
           f"overall recommendation {advice.best.layout}")  # fmt: skip
 
 
-def repredict(path: Path, out: Path) -> int:
-    """Rewrite a result's predictions (and ratios) with this tree's model; the predictions it
-    was run with stay as `predicted_at_run`."""
+def repredict(path: Path, out: Path, profile: Path | None = None) -> int:
+    """Rewrite a result's predictions (and ratios) with this tree's model and its profile (or
+    `profile`, which the result then names); the predictions it was run with stay as
+    `predicted_at_run`."""
     result = json.loads(path.read_text())
+    if profile is not None:
+        result.setdefault("profile_at_run", result["profile"])
+        result["profile"] = str(profile)
     profile = result["profile"]
     if profile:
         network = NetworkModel.from_profile(Path(profile).read_text(), profile)
@@ -128,10 +132,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--repredict", type=Path, default=None,
                     help="a result of this script: predict its layouts again with this tree's "
-                    "model (same machines, model, profile), keep its measurements")  # fmt: skip
+                    "model (same machines and model; its profile, or --profile), keep its "
+                    "measurements")  # fmt: skip
     args = ap.parse_args(argv)
     if args.repredict is not None:
-        return repredict(args.repredict, args.out or args.repredict)
+        return repredict(args.repredict, args.out or args.repredict, args.profile)
     link = netns.rate_bps(args.link)
     machine = on_share(read_machine(HOST), args.cpu, link)
     network = machine.to_network()

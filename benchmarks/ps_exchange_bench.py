@@ -1,6 +1,6 @@
 """The parameter server's exchange on emulated machines (issue 47): what `netpart calibrate`
-measures (k clients of one shard, `netpart.ps.measure`) and what it does not (one client of
-several shards), side by side on one testbed, with the profile's reading where one is given.
+measures (k clients of one shard, one client of several shards: `netpart.ps.measure`) side
+by side on one testbed, with the profile's reading where one is given.
 
 Each configuration (clients, shards) runs one process per machine of a testbed (`netpart
 testbed`: a network namespace on a shaped switch and a cpu cgroup each), file rendezvous on
@@ -71,7 +71,7 @@ def run(bed: str, clients: int, shards: int, repeats: int, share: float, tmp: Pa
 
 def _rows(seen: dict, ps) -> list[dict]:
     """Medians over rounds per configuration, mode and size; the profile's reading beside
-    the one-shard ones (its tables are one shard's)."""
+    them: clients of one shard, or one client of several (its `spread`, where it has one)."""
     rows = []
     for (clients, shards), runs in seen.items():
         for mode in MODES:
@@ -80,8 +80,9 @@ def _rows(seen: dict, ps) -> list[dict]:
                        "seconds": statistics.median(r[mode][0][i] for r in runs),
                        "busy": statistics.median(r[mode][1][i] for r in runs)}  # fmt: skip
                 said = ""
-                if ps is not None and shards == 1:
-                    row["profile_seconds"] = ps.seconds_s(mode, clients, size)
+                if ps is not None and (shards == 1 or (clients == 1 and ps.spread)):
+                    row["profile_seconds"] = (ps.seconds_s(mode, clients, size) if shards == 1
+                                              else ps.spread_s(mode, shards, size))  # fmt: skip
                     said = f", profile {row['profile_seconds'] * 1e3:6.2f} ms"
                 rows.append(row)
                 ms, busy = row["seconds"] * 1e3, row["busy"] * 1e3

@@ -48,9 +48,8 @@ class PsExchange:
         """An exchange of `nbytes` each way per client, `clients` at once through one shard."""
         table = self.seconds[mode]
         most = max(table)
-        k = min((c for c in table if c >= clients), default=most)
         scale = clients / most if clients > most else 1.0
-        return float(read_table(table[k], np.array(nbytes * scale)))
+        return float(read_table(_nearest(table, clients), np.array(nbytes * scale)))
 
     def spread_s(self, mode: str, shards: int, nbytes: float) -> float:
         """One client's exchange of `nbytes` each way, held by `shards` shards in even parts
@@ -61,16 +60,14 @@ class PsExchange:
             return self.seconds_s(mode, 1, nbytes)
         if not table:
             return 0.0
-        k = min((c for c in table if c >= shards), default=max(table))
-        return float(read_table(table[k], np.array(nbytes)))
+        return float(read_table(_nearest(table, shards), np.array(nbytes)))
 
     def busy_s(self, mode: str, nbytes: float, shards: int = 1) -> float:
         """Seconds one client's machine is kept busy by an exchange of `nbytes` each way with
         `shards` shards (more than measured: as the most measured)."""
         table = self.spread_busy.get(mode) or {}
         if shards >= 2 and table:
-            k = min((c for c in table if c >= shards), default=max(table))
-            return float(read_table(table[k], np.array(nbytes)))
+            return float(read_table(_nearest(table, shards), np.array(nbytes)))
         return float(read_table(self.busy[mode][min(self.busy[mode])], np.array(nbytes)))
 
     def to_dict(self) -> dict[str, Any]:
@@ -101,6 +98,12 @@ class PsExchange:
             for what in ("spread", "spread_busy")
         )
         return cls(seconds=seconds, busy=busy, spread=spread, spread_busy=spread_busy)
+
+
+def _nearest(table: dict[int, tuple], count: int) -> tuple:
+    """The points of the fewest clients (or shards) measured at or above `count`; above
+    them all, the most measured."""
+    return table[min((c for c in table if c >= count), default=max(table))]
 
 
 def _tables(raw: Any, sizes: list[float], what: str, count: str) -> Tables:

@@ -202,11 +202,6 @@ class ShardServer:
             request_buffer(n, dtype) if combined_reply(n) else None,
         )  # fmt: skip
 
-    def handle(self, link: Link) -> bool:
-        """Take in the request that landed in `link.request` and answer it; True after a
-        goodbye."""
-        return self.answer(link, *self.take(link))
-
     def take(self, link: Link) -> tuple[int, int, int]:
         """A request received in `link.request`: check its header and take in its push (the
         later chunks included); (kind, step, extra)."""

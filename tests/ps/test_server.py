@@ -1,6 +1,6 @@
 """The shard server and its modes, in process: chunk folding, DC-ASGD, sync, warm start,
 and the reference initialisation of every shard's range. Requests are real request bytes
-handed to the server (`ShardServer.handle`, or the serving loops over a scripted process
+handed to the server (`ShardServer.take` and `answer`, or the serving loops over a scripted process
 group); answers are read off the messages it sends."""
 
 import time
@@ -126,7 +126,7 @@ def _send(server, replica, worker, kind, step, values=None, version=0):
     buf = _request(server, replica, worker, kind, step, values, version)
     link.request[: buf.numel()].copy_(buf)
     before = len(server.group.sent)
-    server.handle(link)
+    server.answer(link, *server.take(link))
     if len(server.group.sent) == before:
         return None
     msg = server.group.sent[-1][1]

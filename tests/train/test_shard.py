@@ -33,7 +33,7 @@ def _push(server, step):
     buf = protocol.request_buffer(n, torch.float32)
     protocol.write_header(buf, int(protocol.Kind.PUSH), link.src, 0, step, n, 0, -1)
     link.request[: buf.numel()].copy_(buf)
-    server.handle(link)
+    server.answer(link, *server.take(link))
 
 
 def _until(condition, timeout=30.0):

@@ -14,10 +14,11 @@ from netpart.partition.psx import PS_MODES, PsExchange
 
 __all__ = ["PS_CLIENTS", "PS_SHARDS", "PS_SIZES", "per_size", "ps_tables"]
 
-# bytes a client pushes and fetches, and timed exchanges of each (a 16 MB exchange takes
-# seconds on a slow link: fewer); digits-mlp's replica holds 340 KB, bench-local's 40 MB
+# bytes a client pushes and fetches, and timed exchanges of each: more of the short ones (on
+# a fraction of a core, the periods a machine is throttled move the median of a few), fewer
+# of 16 MB (seconds on a slow link); digits-mlp's replica holds 340 KB, bench-local's 40 MB
 PS_SIZES = (16384, 65536, 262144, 1048576, 4194304, 16777216)
-PS_REPEATS = (10, 10, 10, 10, 10, 3)
+PS_REPEATS = (30, 30, 30, 20, 10, 3)
 PS_CLIENTS = 4  # of one shard, at most
 PS_SHARDS = 5  # one client's, at most (a 6-machine testbed: 2 to 5)
 

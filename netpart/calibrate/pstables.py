@@ -29,19 +29,18 @@ def ps_tables(runner: Any, say: Callable[[str], None]) -> tuple[PsExchange | Non
         return None, None
     tables = ("seconds", "busy", "spread", "spread_busy")
     raw: dict = {"sizes": list(PS_SIZES), **{t: {m: {} for m in PS_MODES} for t in tables}}
+    most = runner.machines - 1  # machines left beside one shard, or beside one client
+    configs = [(k, 1, "seconds", "busy", f"{k} client(s) of one shard")
+               for k in range(1, min(most, PS_CLIENTS) + 1)]  # fmt: skip
+    configs += [(1, s, "spread", "spread_busy", f"one client of {s} shards")
+                for s in range(2, min(most, PS_SHARDS) + 1)]  # fmt: skip
     for mode in PS_MODES:
-        for k in range(1, min(runner.machines - 1, PS_CLIENTS) + 1):
-            seconds, cpu = _measure(runner, mode, k, 1)
-            raw["seconds"][mode][str(k)] = [float(t) for t in seconds]
-            raw["busy"][mode][str(k)] = [float(c) / runner.share for c in cpu]
-            say(f"parameter server, {mode}, {k} client(s) of one shard, per exchange: "
-                f"{per_size(PS_SIZES, seconds)}")  # fmt: skip
-        for s in range(2, min(runner.machines - 1, PS_SHARDS) + 1):
-            seconds, cpu = _measure(runner, mode, 1, s)
-            raw["spread"][mode][str(s)] = [float(t) for t in seconds]
-            raw["spread_busy"][mode][str(s)] = [float(c) / runner.share for c in cpu]
-            say(f"parameter server, {mode}, one client of {s} shards, per exchange: "
-                f"{per_size(PS_SIZES, seconds)}")  # fmt: skip
+        for clients, shards, wall, busy, what in configs:
+            seconds, cpu = _measure(runner, mode, clients, shards)
+            key = str(max(clients, shards))
+            raw[wall][mode][key] = [float(t) for t in seconds]
+            raw[busy][mode][key] = [float(c) / runner.share for c in cpu]
+            say(f"parameter server, {mode}, {what}, per exchange: {per_size(PS_SIZES, seconds)}")
     if not all(raw["spread"].values()):  # two machines: no client of two shards
         del raw["spread"], raw["spread_busy"]
     return PsExchange.from_dict(raw), raw

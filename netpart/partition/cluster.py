@@ -23,12 +23,13 @@ bandwidth):
   shard's R in), its update, and the fetches likewise (n_push = n_fetch = 1).
 - **measured exchange** (a profile holding `ps`: calibration on machines of their own ran
   the parameter server's exchange itself, `netpart.partition.psx`): the exchange is the
-  longer of the time it keeps a worker's machine busy (its bytes) and its busiest shard's
-  exchange (R x its peers clients, its values split among them); a sync step is the
-  model-parallel step plus it; a Downpour step the longer of it and the model-parallel step
-  plus the time the exchange keeps the worker's machine busy (where a core is the limit, the
-  courier's work does not run beside the step's). The pricing above is for machines without
-  such a measurement.
+  longer of a worker's exchange with the shards that hold its values (one client of that
+  many shards) and its busiest shard's exchange (R x its peers clients, its values split
+  among them); a sync step is the model-parallel step plus it (its measured time holds the
+  client's CPU); a Downpour step the longer of it and the model-parallel step plus the time
+  the exchange keeps the worker's machine busy (where a core is the limit, the courier's
+  work does not run beside the step's). The pricing above is for machines without such a
+  measurement.
 - **all-reduce**: M replicas of one worker; a ring all-reduce moves 2(M-1)/M of the model
   through each machine's link in 2(M-1) phases. Only where one machine holds the model.
 - **memory per machine**: a worker holds its values, their gradients and a fetched copy, and

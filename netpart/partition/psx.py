@@ -68,7 +68,7 @@ class PsExchange:
         table = self.spread_busy.get(mode) or {}
         if shards >= 2 and table:
             return float(read_table(_nearest(table, shards), np.array(nbytes)))
-        return float(read_table(self.busy[mode][min(self.busy[mode])], np.array(nbytes)))
+        return float(read_table(_nearest(self.busy[mode], 1), np.array(nbytes)))
 
     def to_dict(self) -> dict[str, Any]:
         first = next(iter(next(iter(self.seconds.values())).values()))

@@ -1,0 +1,37 @@
+"""The calibration's parameter-server tables from a runner's `ps` (a scripted runner): which
+configurations it measures for the machines it has, each size's repeats, and the tables'
+keys and busy time as the profile's `ps` holds them."""
+
+from netpart.calibrate.pstables import PS_REPEATS, PS_SIZES, ps_tables
+
+
+class Runner:
+    share = 0.5
+
+    def __init__(self, machines: int) -> None:
+        self.machines = machines
+        self.calls: list[tuple] = []
+
+    def ps(self, mode, clients, sizes, repeats, shards=1):
+        self.calls.append((mode, clients, shards, sizes, repeats))
+        return [1e-9 * b * (clients + 10 * shards) for b in sizes], [1e-9 * b for b in sizes]
+
+
+def test_clients_of_one_shard_and_one_client_of_several_as_the_machines_allow():
+    runner = Runner(machines=4)
+    ps, raw = ps_tables(runner, lambda line: None)
+    configs = {(m, k, s) for m, k, s, _, _ in runner.calls}
+    assert configs == {(m, k, s) for m in ("sync", "downpour")
+                       for k, s in ((1, 1), (2, 1), (3, 1), (1, 2), (1, 3))}  # fmt: skip
+    for _, _, _, sizes, repeats in runner.calls:
+        assert all(PS_REPEATS[PS_SIZES.index(b)] == repeats for b in sizes)
+    assert set(raw["seconds"]["sync"]) == {"1", "2", "3"}
+    assert set(raw["spread"]["downpour"]) == {"2", "3"}
+    assert raw["spread"]["sync"]["3"] == [1e-9 * b * 31 for b in PS_SIZES]  # in size order
+    assert raw["spread_busy"]["sync"]["2"] == [2e-9 * b for b in PS_SIZES]  # CPU / share
+    assert ps.spread_s("sync", 3, float(PS_SIZES[2])) == 1e-9 * PS_SIZES[2] * 31
+
+
+def test_two_machines_measure_no_client_of_several_shards():
+    ps, raw = ps_tables(Runner(machines=2), lambda line: None)
+    assert "spread" not in raw and "spread_busy" not in raw and not ps.spread

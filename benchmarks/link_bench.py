@@ -1,11 +1,14 @@
 """What an emulated link carries: a message each way between two emulated machines through the
 runtime's transport (gloo), against the link's rate, for two sizes of the link's token bucket.
 
-`tc tbf` releases at most a bucket of bytes per timer tick: with a bucket of one frame (1,600
-bytes, what the emulation used until 2026-11-26) a 1 Gbit/s link carried 20-31% of its rate,
-and every exchange measured on it looked CPU-bound. `netns.burst_for(rate)` (half a
-millisecond of the rate) is the default since. Per rate, bucket and machine (a cpu cgroup
-at `--share` of a core, or a whole core by cpuset), the median over `--repeats` of each size,
+`tc tbf` releases at most a bucket of bytes per timer tick, and a packet larger than its
+bucket one frame at a time. With a bucket of one frame (1,600 bytes, the emulation's until
+2026-11-26) a 1 Gbit/s link carried 20-31% of its rate; with half a millisecond of the rate
+(62.5 KB at 1 Gbit/s, until 2026-11-27) the 64 KiB packets of TCP's segmentation offload
+were still cut into frames, and the receiving machine's CPU paid for each.
+`netns.burst_for(rate)` (half a millisecond, at least 80 KiB) is the default since; this
+compares it with half a millisecond. Per rate, bucket and machine (a cpu cgroup at
+`--share` of a core, or a whole core by cpuset), the median over `--repeats` of each size,
 both directions at once, the slower machine; alternating the buckets. Needs root.
 
     python benchmarks/link_bench.py --out benchmarks/results/link_bench.json  # ~2 min
@@ -45,7 +48,7 @@ def main(argv=None) -> int:
     for rate in args.rates.split(","):
         for cpu in ("quota", "cores"):
             for r in range(args.rounds):
-                for burst in ("1600", netns.burst_for(rate)):
+                for burst in (half_ms(rate), netns.burst_for(rate)):
                     rows.append(_measure(rate, burst, cpu, args) | {"round": r})
                     print(_line(rows[-1]), flush=True)
     if args.out is not None:
@@ -54,6 +57,11 @@ def main(argv=None) -> int:
         args.out.write_text(json.dumps(doc, indent=1))
         print(f"wrote {args.out}")
     return 0
+
+
+def half_ms(rate: str) -> str:
+    """The testbeds' bucket from 2026-11-26 to 2026-11-27: half a millisecond of the rate."""
+    return str(max(1600, round(netns.rate_bps(rate) / 8 * netns.BURST_S)))
 
 
 def _measure(rate: str, burst: str, cpu: str, args) -> dict:

@@ -23,13 +23,13 @@ bandwidth):
   shard's R in), its update, and the fetches likewise (n_push = n_fetch = 1).
 - **measured exchange** (a profile holding `ps`: calibration on machines of their own ran
   the parameter server's exchange itself, `netpart.partition.psx`): the exchange is the
-  longer of a worker's exchange with the shards that hold its values (one client of that
-  many shards) and its busiest shard's exchange (R x its peers clients, its values split
-  among them); a sync step is the model-parallel step plus it (its measured time holds the
-  client's CPU); a Downpour step the longer of it and the model-parallel step plus the time
-  the exchange keeps the worker's machine busy (where a core is the limit, the courier's
-  work does not run beside the step's). The pricing above is for machines without such a
-  measurement.
+  longer of a worker's exchange with the shards that hold its values (a client of that
+  many shards, each serving as many clients as the busiest of them: R x its peers) and its
+  busiest shard's exchange (those clients, its values split among them); a sync step is the
+  model-parallel step plus it (its measured time holds the client's CPU); a Downpour step
+  the longer of it and the model-parallel step plus the time the exchange keeps the worker's
+  machine busy (where a core is the limit, the courier's work does not run beside the
+  step's). The pricing above is for machines without such a measurement.
 - **all-reduce**: M replicas of one worker; a ring all-reduce moves 2(M-1)/M of the model
   through each machine's link in 2(M-1) phases. Only where one machine holds the model.
 - **memory per machine**: a worker holds its values, their gradients and a fetched copy, and
@@ -256,20 +256,23 @@ def _linked(network: NetworkModel, layout: Layout, mp_s: float, shards: ShardLay
 def _measured(network: NetworkModel, layout: Layout, mp_s: float, shards: ShardLayout,
               bytes_: tuple[np.ndarray, np.ndarray], every: tuple[int, int]) -> float:  # fmt: skip
     """A replica's step priced off the parameter server's measured exchange: the longer of a
-    worker's exchange with the shards that hold its values and the busiest shard's with all
-    its clients, a push and a fetch every n_push and n_fetch steps. Sync adds it to the step
-    (its measured time holds the client's CPU); Downpour runs it beside the step where the
-    worker's machine has room for the CPU it costs (its busy time)."""
+    worker's exchange with the shards that hold its values (each serving as many clients as
+    the busiest of them) and the busiest shard's with all its clients, a push and a fetch
+    every n_push and n_fetch steps. Sync adds it to the step (its measured time holds the
+    client's CPU); Downpour runs it beside the step where the worker's machine has room for
+    the CPU it costs (its busy time)."""
     ps: PsExchange = network.ps
     nbytes, held = bytes_
     per = 0.5 * (1 / every[0] + 1 / every[1])
-    talks = [(float(b), len(shards.routes(w))) for w, b in enumerate(nbytes)]
-    busy = per * max(ps.busy_s(layout.mode, b, shards=k) for b, k in talks)
-    served = max(ps.spread_s(layout.mode, k, b) for b, k in talks)
+    clients = [layout.replicas * max(1, len(shards.peers(s))) for s in range(layout.shards)]
+    routes = [shards.routes(w) for w in range(layout.workers)]
+    talks = [(float(b), len(r), max((clients[s] for s in r), default=1))
+             for b, r in zip(nbytes, routes, strict=True)]  # fmt: skip
+    busy = per * max(ps.busy_s(layout.mode, b, shards=k, clients=c) for b, k, c in talks)
+    served = max(ps.exchange_s(layout.mode, c, k, b) for b, k, c in talks)
     for s in range(layout.shards):  # a few shards
-        peers = max(1, len(shards.peers(s)))
-        clients = layout.replicas * peers
-        served = max(served, ps.seconds_s(layout.mode, clients, float(held[s]) / peers))
+        peers = clients[s] // layout.replicas
+        served = max(served, ps.seconds_s(layout.mode, clients[s], float(held[s]) / peers))
     exchange = per * served
     return mp_s + exchange if layout.mode == "sync" else max(mp_s + busy, exchange)
 

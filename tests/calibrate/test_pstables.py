@@ -17,21 +17,25 @@ class Runner:
         return [1e-9 * b * (clients + 10 * shards) for b in sizes], [1e-9 * b for b in sizes]
 
 
-def test_clients_of_one_shard_and_one_client_of_several_as_the_machines_allow():
+def test_every_pair_of_clients_and_shards_the_machines_allow():
     runner = Runner(machines=4)
     ps, raw = ps_tables(runner, lambda line: None)
     configs = {(m, k, s) for m, k, s, _, _ in runner.calls}
     assert configs == {(m, k, s) for m in ("sync", "downpour")
-                       for k, s in ((1, 1), (2, 1), (3, 1), (1, 2), (1, 3))}  # fmt: skip
+                       for k, s in ((1, 1), (2, 1), (3, 1), (1, 2), (1, 3), (2, 2))}  # fmt: skip
     for _, _, _, sizes, repeats in runner.calls:
         assert all(PS_REPEATS[PS_SIZES.index(b)] == repeats for b in sizes)
     assert set(raw["seconds"]["sync"]) == {"1", "2", "3"}
     assert set(raw["spread"]["downpour"]) == {"2", "3"}
+    assert set(raw["mesh"]["sync"]) == set(raw["mesh_busy"]["downpour"]) == {"2x2"}
     assert raw["spread"]["sync"]["3"] == [1e-9 * b * 31 for b in PS_SIZES]  # in size order
     assert raw["spread_busy"]["sync"]["2"] == [2e-9 * b for b in PS_SIZES]  # CPU / share
     assert ps.spread_s("sync", 3, float(PS_SIZES[2])) == 1e-9 * PS_SIZES[2] * 31
+    assert ps.exchange_s("sync", 2, 2, float(PS_SIZES[2])) == 1e-9 * PS_SIZES[2] * 22
 
 
-def test_two_machines_measure_no_client_of_several_shards():
+def test_too_few_machines_measure_no_client_of_several_shards_or_several_of_them():
     ps, raw = ps_tables(Runner(machines=2), lambda line: None)
     assert "spread" not in raw and "spread_busy" not in raw and not ps.spread
+    ps, raw = ps_tables(Runner(machines=3), lambda line: None)
+    assert set(raw["spread"]["sync"]) == {"2"} and "mesh" not in raw and not ps.mesh

@@ -117,3 +117,35 @@ def test_a_sync_step_is_its_measured_exchange_whatever_the_client_spends_on_it()
     nbytes = by["sync 1x1+1"].link_bytes
     assert by["sync 1x1+1"].step_s == pytest.approx(compute + 1e-6 * nbytes, rel=0.05)
     assert by["downpour 1x1+1"].step_s == pytest.approx(compute + 3e-6 * nbytes, rel=0.05)
+
+
+def test_replicas_of_several_shards_are_priced_off_the_mesh_of_clients_and_shards():
+    """Each shard serving R clients, each client S shards: the measured pair (R, S), not the
+    longer of one client of S shards and R clients of one shard."""
+    spec = load_spec("tiny-mlp")
+    base = tables(sync_s=1e-6, down_s=1e-6, busy_s=1e-9)
+    spread = {m: {"2": [0.5e-6 * b for b in SIZES]} for m in ("sync", "downpour")}
+    mesh = {m: {"2x2": [3e-6 * b for b in SIZES], "3x2": [4e-6 * b for b in SIZES]}
+            for m in ("sync", "downpour")}  # fmt: skip
+    busy = {m: {"2x2": [2e-9 * b for b in SIZES], "3x2": [2e-9 * b for b in SIZES]}
+            for m in ("sync", "downpour")}  # fmt: skip
+    ps = PsExchange.from_dict({**base.to_dict(), "spread": spread, "spread_busy": spread,
+                               "mesh": mesh, "mesh_busy": busy})  # fmt: skip
+    assert PsExchange.from_dict(json.loads(json.dumps(ps.to_dict()))) == ps
+    assert ps.exchange_s("sync", 2, 2, 1e5) == pytest.approx(0.3)
+    assert ps.exchange_s("sync", 3, 2, 1e5) == pytest.approx(0.4)
+    assert ps.exchange_s("sync", 4, 3, 1e5) == pytest.approx(0.4)  # beyond: the nearest
+    assert ps.exchange_s("sync", 1, 2, 1e5) == ps.spread_s("sync", 2, 1e5)
+    assert ps.busy_s("downpour", 1e5, shards=2, clients=2) == pytest.approx(2e-4)
+    for key in ("1x2", "2x", "x2", "2"):
+        with pytest.raises(ValueError, match=r"ps\.mesh"):
+            PsExchange.from_dict(
+                {**ps.to_dict(), "mesh": {"sync": {key: [1.0] * 4}, "downpour": mesh["downpour"]}}
+            )
+    by = {str(f.layout): f for f in advise(spec, 4, NetworkModel(ps=ps), batch=16).layouts}
+    one = {str(f.layout): f for f in advise(spec, 2, NetworkModel(ps=ps), batch=16).layouts}
+    compute = plan(spec, 1, seed=0, batch=16, network=NetworkModel()).metrics.predicted_step_s
+    nbytes = one["sync 1x1+1"].link_bytes  # a worker's bytes
+    assert by["sync 2x1+2"].step_s == pytest.approx(compute + 3e-6 * nbytes, rel=0.05)
+    three = {str(f.layout): f for f in advise(spec, 3, NetworkModel(ps=ps), batch=16).layouts}
+    assert three["sync 1x1+2"].step_s == pytest.approx(compute + 0.5e-6 * nbytes, rel=0.05)

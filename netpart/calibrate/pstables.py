@@ -20,7 +20,8 @@ __all__ = ["PS_CLIENTS", "PS_SHARDS", "PS_SIZES", "per_size", "ps_tables"]
 # of 16 MB (seconds on a slow link). Closer below 1 MB, where a message's cost steps as it
 # outgrows a link's token bucket (80 KiB on a testbed): read between 256 KB (51 KB to each
 # of 5 shards) and 1 MB, a 340 KB exchange (digits-mlp's replica; bench-local's holds 40 MB)
-# with 5 shards priced sync 1x1+5 at 1.4-1.5x the samples/s it trained at
+# with 5 shards priced sync 1x1+5 at 1.4-1.5x the samples/s it trained at (with these
+# points, 1.3-1.4x: the rest is not the reading)
 PS_SIZES = (16384, 65536, 131072, 262144, 393216, 524288, 1048576, 4194304, 16777216)
 PS_REPEATS = (30, 30, 30, 30, 30, 30, 20, 10, 3)
 PS_CLIENTS = 4  # of each shard, at most

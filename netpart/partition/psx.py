@@ -12,11 +12,12 @@ work on its S messages.
 
 And C >= 2 clients each of whose bytes S >= 2 shards hold (`mesh`, keyed "CxS", and the
 client's busy time, `mesh_busy`): what a replica's worker takes where every shard also
-serves the other replicas. Neither side alone shows it: on 6 machines at 0.3 of a core, 3
-sync clients of 3 shards exchanged 340 KB a step in 8.6 ms where one client of 3 shards took
-4.9 ms and 3 clients of one shard 4.8 ms at the same bytes per shard (every machine's pauses
-hold up all of them). A layout beyond the measured pairs is priced as the smallest measured
-one that covers it, or the nearest.
+serves the other replicas. Neither side alone shows it: on 6 machines at 0.3 of a core
+(benchmarks/results/testbed_profile_m6_c0.3.json), 3 sync clients of 3 shards exchanged 384
+KB in 8.5 ms where one client of 3 shards took 5.4 ms and 3 clients of one shard 6.5 ms at
+the same bytes per shard (likely: a pause on any machine holds up all of them). A layout
+beyond the measured pairs is priced as the smallest measured one that covers it, or the
+nearest.
 
 A shard with more clients than were measured serves their bytes as the most clients
 measured would (the same bytes through the shard: `seconds_s` reads that table at k / K

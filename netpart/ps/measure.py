@@ -76,10 +76,11 @@ def ps_loop(
 
 
 def _client(layout, group, rank: int, mode: str, repeats: int) -> tuple[float, float]:
-    """(seconds, CPU seconds) per exchange of one client, means over `repeats` after WARM
-    untimed: a training step's throughput is its mean, and on a fraction of a core the
-    periods a machine is throttled lengthen some exchanges (in training on 0.3-core testbed
-    machines, 2026-11-27, a step's mean was 1.00-1.26x its median)."""
+    """(seconds, CPU seconds) per exchange of one client, means over `repeats` (at least 2)
+    after WARM untimed. A training step's throughput is its mean, and on a fraction of a core
+    the periods a machine is throttled lengthen some exchanges (in training on 0.3-core
+    testbed machines, 2026-11-27, a step's mean was 1.00-1.26x its median). The seconds are
+    from request to request: Downpour's last requests, still in flight, are not its pace."""
     clients = group.size() - layout.shards
     downpour = mode == "downpour"
     client = ShardClient(layout, worker=0, replica=rank, rank=rank,
@@ -107,4 +108,4 @@ def _client(layout, group, rank: int, mode: str, repeats: int) -> tuple[float, f
     stamps.append(time.perf_counter())
     used = (time.process_time() - cpu_at) / repeats
     client.close()
-    return (stamps[-1] - stamps[WARM]) / repeats, used
+    return (stamps[-2] - stamps[WARM]) / (repeats - 1), used

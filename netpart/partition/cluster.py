@@ -264,15 +264,15 @@ def _measured(network: NetworkModel, layout: Layout, mp_s: float, shards: ShardL
     ps: PsExchange = network.ps
     nbytes, held = bytes_
     per = 0.5 * (1 / every[0] + 1 / every[1])
-    clients = [layout.replicas * max(1, len(shards.peers(s))) for s in range(layout.shards)]
+    peers = [max(1, len(shards.peers(s))) for s in range(layout.shards)]
+    clients = [layout.replicas * p for p in peers]
     routes = [shards.routes(w) for w in range(layout.workers)]
     talks = [(float(b), len(r), max((clients[s] for s in r), default=1))
              for b, r in zip(nbytes, routes, strict=True)]  # fmt: skip
     busy = per * max(ps.busy_s(layout.mode, b, shards=k, clients=c) for b, k, c in talks)
     served = max(ps.exchange_s(layout.mode, c, k, b) for b, k, c in talks)
     for s in range(layout.shards):  # a few shards
-        peers = clients[s] // layout.replicas
-        served = max(served, ps.seconds_s(layout.mode, clients[s], float(held[s]) / peers))
+        served = max(served, ps.seconds_s(layout.mode, clients[s], float(held[s]) / peers[s]))
     exchange = per * served
     return mp_s + exchange if layout.mode == "sync" else max(mp_s + busy, exchange)
 

@@ -78,7 +78,8 @@ class PsExchange:
 
     def exchange_s(self, mode: str, clients: int, shards: int, nbytes: float) -> float:
         """One client's exchange of `nbytes` each way held by `shards` shards in even parts,
-        each shard serving `clients` such clients (not measured: `spread_s`)."""
+        each shard serving `clients` such clients (one client, one shard, or no pairs
+        measured: `spread_s`, one client's alone; the shard's side is `seconds_s`)."""
         table = self.mesh.get(mode) or {}
         if clients < 2 or shards < 2 or not table:
             return self.spread_s(mode, shards, nbytes)
@@ -99,19 +100,15 @@ class PsExchange:
     def to_dict(self) -> dict[str, Any]:
         first = next(iter(next(iter(self.seconds.values())).values()))
 
-        def lists(tables: Tables) -> dict:
-            return {m: {str(k): [t for _, t in p] for k, p in sorted(t.items())}
+        def lists(tables: Tables | Mesh) -> dict:
+            return {m: {_name(k): [t for _, t in p] for k, p in sorted(t.items())}
                     for m, t in tables.items()}  # fmt: skip
 
         out = {"sizes": [b for b, _ in first], "seconds": lists(self.seconds),
                "busy": lists(self.busy)}  # fmt: skip
-        for what in ("spread", "spread_busy"):
+        for what in ("spread", "spread_busy", "mesh", "mesh_busy"):
             if getattr(self, what):
                 out[what] = lists(getattr(self, what))
-        for what in ("mesh", "mesh_busy"):
-            if getattr(self, what):
-                out[what] = {m: {f"{c}x{k}": [t for _, t in p] for (c, k), p in sorted(t.items())}
-                             for m, t in getattr(self, what).items()}  # fmt: skip
         return out
 
     @classmethod
@@ -123,18 +120,13 @@ class PsExchange:
         seconds, busy = (
             _tables(data.get(what), sizes, what, "clients >= 1") for what in ("seconds", "busy")
         )
-        spread, spread_busy = (
-            {} if data.get(what) is None else _tables(data[what], sizes, what, "shards >= 1")
-            for what in ("spread", "spread_busy")
-        )
-        mesh, mesh_busy = (
-            {}
-            if data.get(what) is None
-            else _tables(data[what], sizes, what, "<clients>x<shards>, both >= 2", _pair)
-            for what in ("mesh", "mesh_busy")
-        )
-        return cls(seconds=seconds, busy=busy, spread=spread, spread_busy=spread_busy,
-                   mesh=mesh, mesh_busy=mesh_busy)  # fmt: skip
+        pair = ("<clients>x<shards>, both >= 2", _pair)
+        readers = {"spread": ("shards >= 1", _count), "spread_busy": ("shards >= 1", _count),
+                   "mesh": pair, "mesh_busy": pair}  # fmt: skip
+        optional = {what: {} if data.get(what) is None
+                    else _tables(data[what], sizes, what, count, key)
+                    for what, (count, key) in readers.items()}  # fmt: skip
+        return cls(seconds=seconds, busy=busy, **optional)
 
 
 def _nearest(table: dict[int, tuple], count: int) -> tuple:
@@ -151,6 +143,11 @@ def _nearest_pair(table: dict[tuple[int, int], tuple], clients: int, shards: int
         return pair[0] < clients or pair[1] < shards, abs(pair[0] - clients) + abs(pair[1] - shards)
 
     return table[min(table, key=far)]
+
+
+def _name(key: int | tuple[int, int]) -> str:
+    """A table's key as JSON holds it: "<count>", or "<clients>x<shards>"."""
+    return f"{key[0]}x{key[1]}" if isinstance(key, tuple) else str(key)
 
 
 def _count(key: Any) -> int | None:

@@ -12,17 +12,20 @@ from collections.abc import Callable
 from typing import Any
 
 from netpart.partition.psx import PS_MODES, PsExchange
+from netpart.testbed.cgroups import MIN_QUOTA_US
 
 __all__ = ["PS_CLIENTS", "PS_SHARDS", "PS_SIZES", "per_size", "ps_tables"]
 
 # bytes a client pushes and fetches, and timed exchanges of each: more of the short ones (on
 # a fraction of a core, the periods a machine is throttled move the mean of a few), fewer
 # of 16 MB (seconds on a slow link). Closer below 1 MB, where a message's cost steps as it
-# outgrows a link's token bucket (80 KiB on a testbed): read between 256 KB (51 KB to each
-# of 5 shards) and 1 MB, a 340 KB exchange (digits-mlp's replica; bench-local's holds 40 MB)
-# with 5 shards priced sync 1x1+5 at 1.4-1.5x the samples/s it trained at (with these
-# points, 1.3-1.4x: the rest is not the reading)
-PS_SIZES = (16384, 65536, 131072, 262144, 393216, 524288, 1048576, 4194304, 16777216)
+# outgrows a link's token bucket (80 KiB on a testbed). Round in decimal, not in powers of
+# two: an exchange's time steps up where a shard's message reaches 64 KiB (one sync client
+# of 4 shards on a 0.3-core testbed, 2026-11-27, benchmarks/beside_bench.py: 2.43-2.58 ms at
+# 60-63 KiB a message, 3.94-4.30 ms at 64-80 KiB), and a point at exactly 64 KiB a message
+# (128 KiB over 2 shards, 256 KiB over 4) read up to 4x the next size up (sync, 3 clients of
+# 2 shards: 24.6 ms at 128 KiB, 6.3 at 256), pricing every size between off it.
+PS_SIZES = (16_000, 64_000, 125_000, 250_000, 375_000, 500_000, 1_000_000, 4_000_000, 16_000_000)
 PS_REPEATS = (30, 30, 30, 30, 30, 30, 20, 10, 3)
 PS_CLIENTS = 4  # of each shard, at most
 PS_SHARDS = 5  # of each client, at most (a 6-machine testbed: 1 to 5)
@@ -34,6 +37,8 @@ def ps_tables(runner: Any, say: Callable[[str], None]) -> tuple[PsExchange | Non
         return None, None
     tables = ("seconds", "busy", "spread", "spread_busy", "mesh", "mesh_busy")
     raw: dict = {"sizes": list(PS_SIZES), **{t: {m: {} for m in PS_MODES} for t in tables}}
+    if runner.share < 1:  # a testbed's quota (`netpart.testbed.cgroups`): 1 ms a period
+        raw.update(share=runner.share, quota_s=MIN_QUOTA_US / 1e6)
     pairs = [(c, s) for c in range(1, PS_CLIENTS + 1) for s in range(1, PS_SHARDS + 1)
              if c + s <= runner.machines]  # fmt: skip
     for mode in PS_MODES:
@@ -63,4 +68,8 @@ def _measure(runner: Any, mode: str, clients: int, shards: int) -> tuple[list, l
 
 
 def per_size(sizes, seconds) -> str:
-    return ", ".join(f"{b >> 10} KB {t * 1e3:.2f} ms" for b, t in zip(sizes, seconds, strict=True))
+    """Each size and its time: decimal kB, or KiB for a power of two ("64 KiB 1.32 ms")."""
+    return ", ".join(
+        f"{b >> 10} KiB {t * 1e3:.2f} ms" if b % 1024 == 0 else f"{b / 1e3:g} kB {t * 1e3:.2f} ms"
+        for b, t in zip(sizes, seconds, strict=True)
+    )

@@ -29,7 +29,14 @@ bandwidth):
   model-parallel step plus it (its measured time holds the client's CPU); a Downpour step
   the longer of it and the model-parallel step plus the time the exchange keeps the worker's
   machine busy (where a core is the limit, the courier's work does not run beside the
-  step's). The pricing above is for machines without such a measurement.
+  step's). On a share of a core (a cpu quota), a step shorter than the quota ran alone at a
+  whole core's speed, but a machine's quota holds all it runs: a step of either mode is at
+  least the step's CPU (`PsExchange.step_cpu_s` of the step less its halo exchange) over
+  the share, plus the busy time (sync: the step's CPU leaves the exchange less of the
+  quota). Measured on 0.3-core testbed machines (2026-11-27, `benchmarks/beside_bench.py`),
+  one client of 5 shards exchanging 340 KB: Downpour 3.52 ms an exchange alone, 6.90 ms a
+  step with netpart's digits-mlp step beside it (priced 6.80); sync 5.30 and 6.54 ms
+  (priced 6.38). The pricing above is for machines without such a measurement.
 - **all-reduce**: M replicas of one worker; a ring all-reduce moves 2(M-1)/M of the model
   through each machine's link in 2(M-1) phases. Only where one machine holds the model.
 - **memory per machine**: a worker holds its values, their gradients and a fetched copy, and
@@ -199,6 +206,7 @@ def advise(
 @dataclass(frozen=True)
 class _ModelParallel:
     step_s: float
+    cpu_s: float  # the step less its halo exchange: what keeps a worker's core busy
     graph: object
     node_map: np.ndarray
     layout: ShardLayout  # one shard: the replica's values, per worker
@@ -210,7 +218,9 @@ def _mp_step(spec: ModelSpec, n: int, batch: int, network: NetworkModel) -> _Mod
     graph = build_unit_graph(spec, p.granularity or Granularity.for_workers(n))
     acts = float(sum(s.size for s in spec.shapes))
     one_shard = ShardLayout.build(graph, p.node_map, n, 1)
-    return _ModelParallel(p.metrics.predicted_step_s, graph, p.node_map, one_shard, acts)
+    step = p.metrics.predicted_step_s
+    cpu = max(0.0, step - p.metrics.exchange_s)
+    return _ModelParallel(step, cpu, graph, p.node_map, one_shard, acts)
 
 
 def _ps(spec, layout: Layout, mp: _ModelParallel, shards: ShardLayout, network, batch: int,
@@ -222,7 +232,7 @@ def _ps(spec, layout: Layout, mp: _ModelParallel, shards: ShardLayout, network, 
     nbytes = BYTES_PER_VALUE * sizes
     held = BYTES_PER_VALUE * shards.shard_sizes().astype(np.float64)
     price = _linked if network.ps is None else _measured
-    step = price(network, layout, mp.step_s, shards, (nbytes, held), every)
+    step = price(network, layout, mp, shards, (nbytes, held), every)
     worker_mem = BYTES_PER_VALUE * (3 * sizes.max() + 2 * batch * mp.activations / n)
     memory = max(worker_mem, float(2 * held.max()))
     busiest = int(np.argmax(held))
@@ -232,9 +242,10 @@ def _ps(spec, layout: Layout, mp: _ModelParallel, shards: ShardLayout, network, 
                          memory, staleness, True)  # fmt: skip
 
 
-def _linked(network: NetworkModel, layout: Layout, mp_s: float, shards: ShardLayout,
+def _linked(network: NetworkModel, layout: Layout, mp: _ModelParallel, shards: ShardLayout,
             bytes_: tuple[np.ndarray, np.ndarray], every: tuple[int, int]) -> float:  # fmt: skip
     """A replica's step priced off the link tables (`bytes_`: each worker's, each shard's)."""
+    mp_s = mp.step_s
     (n_push, n_fetch), (nbytes, held), r = every, bytes_, layout.replicas
     peers = np.array([len(shards.routes(w)) for w in range(layout.workers)])
     transfer = float(network.phase_s(nbytes, peers).max())  # a worker's push, or its fetch
@@ -253,14 +264,15 @@ def _linked(network: NetworkModel, layout: Layout, mp_s: float, shards: ShardLay
     return max(own, float(np.maximum(np.maximum(shard_in, shard_out), update).max()))
 
 
-def _measured(network: NetworkModel, layout: Layout, mp_s: float, shards: ShardLayout,
+def _measured(network: NetworkModel, layout: Layout, mp: _ModelParallel, shards: ShardLayout,
               bytes_: tuple[np.ndarray, np.ndarray], every: tuple[int, int]) -> float:  # fmt: skip
     """A replica's step priced off the parameter server's measured exchange: the longer of a
     worker's exchange with the shards that hold its values (each serving as many clients as
     the busiest of them) and the busiest shard's with all its clients, a push and a fetch
     every n_push and n_fetch steps. Sync adds it to the step (its measured time holds the
     client's CPU); Downpour runs it beside the step where the worker's machine has room for
-    the CPU it costs (its busy time)."""
+    the CPU it costs (its busy time). On a share of a core, either is at least the step's
+    CPU over the share plus that busy time."""
     ps: PsExchange = network.ps
     nbytes, held = bytes_
     per = 0.5 * (1 / every[0] + 1 / every[1])
@@ -274,7 +286,12 @@ def _measured(network: NetworkModel, layout: Layout, mp_s: float, shards: ShardL
     for s in range(layout.shards):  # a few shards
         served = max(served, ps.seconds_s(layout.mode, clients[s], float(held[s]) / peers[s]))
     exchange = per * served
-    return mp_s + exchange if layout.mode == "sync" else max(mp_s + busy, exchange)
+    # the machine's CPU in a step, over its share: the step's (alone, a short one ran within
+    # the quota at a whole core's speed) and the exchange's
+    held_to = max(mp.step_s, ps.step_cpu_s(mp.cpu_s) / ps.share) + busy
+    if layout.mode == "sync":  # the exchange's time holds its CPU; a quota may hold both
+        return max(mp.step_s + exchange, held_to if ps.share < 1 else 0.0)
+    return max(held_to, exchange)
 
 
 def _allreduce(spec, machines: int, step_one: float, values: int, network, batch: int):

@@ -19,13 +19,19 @@ the same bytes per shard (likely: a pause on any machine holds up all of them). 
 beyond the measured pairs is priced as the smallest measured one that covers it, or the
 nearest.
 
+Where the machines were held to a share of a core (`share`, a cpu quota; `quota_s`, the CPU
+time the quota grants a period, which a shorter burst runs within at a whole core's speed),
+`step_cpu_s` says what CPU a step timed alone took: what a worker's machine runs in a step
+besides its exchange's, within the same quota (`netpart.partition.cluster`).
+
 A shard with more clients than were measured serves their bytes as the most clients
 measured would (the same bytes through the shard: `seconds_s` reads that table at k / K
 times the bytes); a client of more shards than were measured, as the most shards measured.
 
-JSON (in a profile's model, as `ps`; `spread`, `spread_busy`, `mesh`, `mesh_busy` may be
-absent):
-`{"sizes": [bytes, ...], "seconds": {"sync"|"downpour": {"<clients>": [s, ...]}},
+JSON (in a profile's model, as `ps`; `spread`, `spread_busy`, `mesh`, `mesh_busy`, `share`
+(default 1) and `quota_s` (default 0) may be absent):
+`{"sizes": [bytes, ...], "share": 0.3, "quota_s": 0.001,
+  "seconds": {"sync"|"downpour": {"<clients>": [s, ...]}},
   "busy": {"sync"|"downpour": {"<clients>": [s, ...]}},
   "spread": {"sync"|"downpour": {"<shards>": [s, ...]}}, "spread_busy": {...},
   "mesh": {"sync"|"downpour": {"<clients>x<shards>": [s, ...]}}, "mesh_busy": {...}}`.
@@ -57,6 +63,8 @@ class PsExchange:
     spread_busy: Tables = field(default_factory=dict)
     mesh: Mesh = field(default_factory=dict)  # mode -> (clients, shards), both >= 2 -> points
     mesh_busy: Mesh = field(default_factory=dict)
+    share: float = 1.0  # of a core, each measured machine's
+    quota_s: float = 0.0  # CPU seconds its quota grants a period (0: not known)
 
     def seconds_s(self, mode: str, clients: int, nbytes: float) -> float:
         """An exchange of `nbytes` each way per client, `clients` at once through one shard."""
@@ -97,6 +105,19 @@ class PsExchange:
             return float(read_table(_nearest(table, shards), np.array(nbytes)))
         return float(read_table(_nearest(self.busy[mode], 1), np.array(nbytes)))
 
+    def step_cpu_s(self, step_s: float) -> float:
+        """The CPU a step that took `step_s` alone is charged on a measured machine's quota.
+        Within the quota a step runs at a whole core's speed: its time. That over-counts its
+        own CPU, and the excess stands for what the step and an exchange cost together beyond
+        the two apart (`benchmarks/beside_bench.py`, 0.3-core testbed machines, 2026-11-27:
+        digits-mlp's step, 0.88 ms in the profile, took 0.52 ms of CPU alone, and beside one
+        client's Downpour exchange with 5 shards the machine spent 0.47 ms of CPU a step more
+        than the two alone; priced so, 6.80 ms a step, measured 6.90). A longer step was
+        throttled as it went: its time x the share, at least the quota."""
+        if self.share >= 1 or step_s <= self.quota_s:
+            return step_s
+        return max(self.quota_s, step_s * self.share)
+
     def to_dict(self) -> dict[str, Any]:
         first = next(iter(next(iter(self.seconds.values())).values()))
 
@@ -106,6 +127,8 @@ class PsExchange:
 
         out = {"sizes": [b for b, _ in first], "seconds": lists(self.seconds),
                "busy": lists(self.busy)}  # fmt: skip
+        if self.share < 1:
+            out.update(share=self.share, quota_s=self.quota_s)
         for what in ("spread", "spread_busy", "mesh", "mesh_busy"):
             if getattr(self, what):
                 out[what] = lists(getattr(self, what))
@@ -126,7 +149,13 @@ class PsExchange:
         optional = {what: {} if data.get(what) is None
                     else _tables(data[what], sizes, what, count, key)
                     for what, (count, key) in readers.items()}  # fmt: skip
-        return cls(seconds=seconds, busy=busy, **optional)
+        share, quota = data.get("share", 1.0), data.get("quota_s", 0.0)
+        if not all(isinstance(v, int | float) for v in (share, quota)) or not (
+            0 < share <= 1 and quota >= 0
+        ):
+            raise ValueError("ps.share is a fraction of a core (0 < share <= 1), quota_s >= 0")
+        return cls(seconds=seconds, busy=busy, **optional, share=float(share),
+                   quota_s=float(quota))  # fmt: skip
 
 
 def _nearest(table: dict[int, tuple], count: int) -> tuple:

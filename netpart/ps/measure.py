@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -50,10 +51,14 @@ def ps_loop(
     sizes: list[int],
     repeats: int,
     shards: int = 1,
+    beside: Callable[[], None] | None = None,
 ) -> tuple[list[float], list[float]]:
     """On every rank of `group` (its last `shards` ranks the shards, the others clients):
     per size (bytes a client pushes and fetches, over all shards), a client's mean seconds
-    per exchange and its process's CPU seconds per exchange, all threads (a shard: zeros)."""
+    per exchange and its process's CPU seconds per exchange, all threads (a shard: zeros).
+    `beside`: run by a client before each request, as a training step runs before its push
+    (sync: then the exchange; Downpour: beside the one in flight); the calibration runs
+    none."""
     clients = group.size() - shards
     seconds, cpu = [], []
     for size in sizes:
@@ -68,14 +73,14 @@ def ps_loop(
             seconds.append(0.0)
             cpu.append(0.0)
         else:
-            wall, used = _client(layout, group, rank, mode, repeats)
+            wall, used = _client(layout, group, rank, mode, repeats, beside)
             seconds.append(wall)
             cpu.append(used)
         dist.barrier(group=group)
     return seconds, cpu
 
 
-def _client(layout, group, rank: int, mode: str, repeats: int) -> tuple[float, float]:
+def _client(layout, group, rank: int, mode: str, repeats: int, beside=None) -> tuple[float, float]:
     """(seconds, CPU seconds) per exchange of one client, means over `repeats` (at least 2)
     after WARM untimed. A training step's throughput is its mean, and on a fraction of a core
     the periods a machine is throttled lengthen some exchanges (in training on 0.3-core
@@ -96,6 +101,8 @@ def _client(layout, group, rank: int, mode: str, repeats: int) -> tuple[float, f
         if step == WARM + 1:
             cpu_at = time.process_time()
         stamps.append(time.perf_counter())
+        if beside is not None:
+            beside()
         ticket = client.request(step, grads[step % 2], fetch=True)
         if not downpour:
             client.complete(ticket)

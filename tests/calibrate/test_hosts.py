@@ -44,13 +44,13 @@ def test_calibrate_under_torchrun_measures_the_link_between_the_hosts(tmp_path):
     assert run["model"] == "tiny-mlp" and run["two"]["step_s"] > run["one"]["step_s"] > 0
     assert sent > 11 * 2 * (1 << 22)  # the link's 4 MB messages alone, both ways
     # The parameter server's exchange was measured across the link too: a sync client's
-    # 4 MB push and then its fetch take the wire's 0.34 s each; a Downpour client's next push
+    # 4 MB push and then its fetch take the wire's 0.32 s each; a Downpour client's next push
     # crosses the link beside the answer to its last (the shard posts the receive of the next
     # request before it answers): all of a 1 MB push, the first MB of a larger one.
     ps = details["ps"]
-    assert ps["sizes"][-3:] == [1 << 20, 1 << 22, 1 << 24] and model.ps is not None
+    assert ps["sizes"][-3:] == [10**6, 4 * 10**6, 16 * 10**6] and model.ps is not None
     sync, downpour = ps["seconds"]["sync"]["1"], ps["seconds"]["downpour"]["1"]
-    assert 0.6 < sync[-2] < 2.0 and 4 * sync[-2] < 1.2 * sync[-1]
+    assert 0.55 < sync[-2] < 2.0 and 4 * sync[-2] < 1.2 * sync[-1]
     assert 0.3 < downpour[-2] < 0.95 * sync[-2] and downpour[-3] < 0.75 * sync[-3], downpour
     assert "spread" not in ps  # one client of two shards needs three machines
 

@@ -32,6 +32,7 @@ def test_every_pair_of_clients_and_shards_the_machines_allow():
     assert raw["spread_busy"]["sync"]["2"] == [2e-9 * b for b in PS_SIZES]  # CPU / share
     assert ps.spread_s("sync", 3, float(PS_SIZES[2])) == 1e-9 * PS_SIZES[2] * 31
     assert ps.exchange_s("sync", 2, 2, float(PS_SIZES[2])) == 1e-9 * PS_SIZES[2] * 22
+    assert (ps.share, ps.quota_s) == (0.5, 0.001)  # a testbed's quota: 1 ms a period
 
 
 def test_too_few_machines_measure_no_client_of_several_shards_or_several_of_them():

@@ -2,7 +2,8 @@
 a profile's model), read as the module says (more clients than measured: the same bytes
 through the shard), are refused in one line when malformed, and price a layout as
 `partition.cluster` says: sync = step + exchange; Downpour = the longer of the exchange and
-the step plus the time it keeps the worker's machine busy."""
+the step (on a share of a core, its CPU over the share) plus the time it keeps the worker's
+machine busy."""
 
 import json
 
@@ -149,3 +150,29 @@ def test_replicas_of_several_shards_are_priced_off_the_mesh_of_clients_and_shard
     assert by["sync 2x1+2"].step_s == pytest.approx(compute + 3e-6 * nbytes, rel=0.05)
     three = {str(f.layout): f for f in advise(spec, 3, NetworkModel(ps=ps), batch=16).layouts}
     assert three["sync 1x1+2"].step_s == pytest.approx(compute + 0.5e-6 * nbytes, rel=0.05)
+
+
+def test_on_a_share_of_a_core_a_step_pays_its_cpu_over_the_share_and_the_exchanges():
+    """A step within the quota ran alone at a whole core's speed (its time is its CPU); the
+    quota holds it and the exchange, so a step of either mode is at least that CPU / share
+    plus the busy time. A step longer than the quota was timed throttled: its CPU is time x
+    share. On whole cores a sync step is its step and exchange, whatever the busy time."""
+    spec = load_spec("tiny-mlp")
+    step = plan(spec, 1, seed=0, batch=16, network=NetworkModel()).metrics.predicted_step_s
+    whole = tables(sync_s=1e-9, down_s=1e-9, busy_s=1e-8)
+    quota = PsExchange.from_dict({**whole.to_dict(), "share": 0.25, "quota_s": 1.0})
+    assert quota.to_dict()["share"] == 0.25 and "share" not in whole.to_dict()
+    assert PsExchange.from_dict(json.loads(json.dumps(quota.to_dict()))) == quota
+    assert quota.step_cpu_s(0.5) == 0.5  # within the quota: its time
+    assert quota.step_cpu_s(8.0) == 2.0 and quota.step_cpu_s(2.0) == 1.0  # x share, >= quota
+    assert whole.step_cpu_s(8.0) == 8.0
+    by = {name: {str(f.layout): f for f in advise(spec, 2, NetworkModel(ps=ps), batch=16).layouts}
+          for name, ps in (("whole", whole), ("quota", quota))}  # fmt: skip
+    busy = by["whole"]["downpour 1x1+1"].step_s - step
+    assert busy > 0
+    assert by["quota"]["downpour 1x1+1"].step_s == pytest.approx(step / 0.25 + busy)
+    assert by["quota"]["sync 1x1+1"].step_s == pytest.approx(step / 0.25 + busy)
+    assert by["whole"]["sync 1x1+1"].step_s < step + busy / 5  # its exchange: 1/10 the busy
+    for bad in ({"share": 0}, {"share": 1.5}, {"quota_s": -1}, {"share": "half"}):
+        with pytest.raises(ValueError, match=r"ps\.share"):
+            PsExchange.from_dict({**whole.to_dict(), **bad})

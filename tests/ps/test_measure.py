@@ -1,7 +1,8 @@
 """The parameter server's exchange as calibration measures it: a layout of one worker whose
 values shards hold in even ranges; two clients and a shard (or a client and two shards) run
 the loop in both modes through the real client and server, every client reports a time and
-its CPU per exchange at each size, a shard none, and every process ends."""
+its CPU per exchange at each size, a shard none, and every process ends; a client runs what
+it is given beside the exchange before each request."""
 
 from __future__ import annotations
 
@@ -16,13 +17,16 @@ from netpart.ps.measure import flat_layout
 from tests.conftest import finish
 
 ROLE = """
-import json, sys
+import json, sys, time
 import torch, torch.distributed as dist
 from netpart.ps.measure import ps_loop
 rank, world, store, shards = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
 group = dist.new_group(list(range(world)))
 out = {m: ps_loop(group, rank, m, [4096, 65536], 4, shards) for m in ("sync", "downpour")}
+calls = []  # a step's stand-in before each request: 10 ms
+beside = lambda: (calls.append(1), time.sleep(0.01))
+out["beside"] = ps_loop(group, rank, "downpour", [4096], 4, shards, beside), len(calls)
 dist.destroy_process_group()
 print(json.dumps(out))
 """
@@ -56,3 +60,7 @@ def test_clients_time_their_exchanges_and_the_shards_serve_them(tmp_path, client
             assert len(seconds) == len(cpu) == 2 and min(seconds) > 0 and min(cpu) > 0
         for shard in got[clients:]:
             assert shard[mode] == [[0.0, 0.0], [0.0, 0.0]]
+    for client in got[:clients]:  # beside: before each request, warm ones too; paced by it
+        (seconds, _), calls = client["beside"]
+        assert calls == 3 + 4 and seconds[0] >= 0.01
+    assert all(shard["beside"][1] == 0 for shard in got[clients:])

@@ -1,0 +1,171 @@
+"""What the parameter server's calibration tables leave out, on emulated machines (issue 47):
+a Downpour worker's step beside its courier on a share of a core, and where an exchange's
+time steps with the size of a shard's message.
+
+1. **Beside.** One client of `--shards` shards exchanges digits-mlp's 340 KB each way per
+   step, as a Downpour (and a sync) worker does: alone (what `netpart calibrate` times), and with
+   digits-mlp's step (64-256-256-10, batch 32: netpart's runtime, one worker) run before each
+   request, as a training step runs (sync: then the exchange; Downpour: beside the request in
+   flight: `netpart.ps.measure.ps_loop`'s `beside`); and that step alone on one machine.
+   Beside it, what `netpart plan --machines` prices (`netpart.partition.cluster`, with
+   `--profile`): the longer of the exchange and the step's CPU over the share plus the
+   exchange's busy time.
+2. **Sizes.** One sync client of 4 shards at 60 to 128 KiB a message: the step at 64 KiB
+   that the tables' sizes keep off (`netpart.calibrate.pstables`).
+
+Each run is one process per machine of a testbed (`netpart testbed`), file rendezvous, gloo
+over the machines' links; `--rounds` rounds, the cases rotated, medians. Needs root.
+
+    python benchmarks/beside_bench.py \
+        --profile benchmarks/results/testbed_profile_m6_c0.3.json \
+        --out benchmarks/results/beside_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from netpart.files import write_atomic
+from netpart.models import load_spec
+from netpart.partition.cluster import advise
+from netpart.partition.cost import NetworkModel
+from netpart.testbed.bed import down, read, up
+
+DIGITS_BYTES = 340_008  # digits-mlp's values, 4 bytes each: a replica's push, and its fetch
+MESSAGE_KIB = (60, 63, 64, 65, 72, 80, 96, 128)  # a message to each of 4 shards
+
+ROLE = r"""
+import json, sys, time
+import torch, torch.distributed as dist
+from netpart.models import load_spec
+from netpart.partition.planner import plan
+from netpart.partition.schedule import plan_schedule
+from netpart.ps.measure import WARM, ps_loop
+from netpart.runtime.check import make_batch
+from netpart.runtime.transport import GlooTransport
+from netpart.runtime.worker import ModelWorker
+
+rank, world, shards, repeats, nbytes = map(int, sys.argv[1:6])
+store, mode, beside = sys.argv[6], sys.argv[7], sys.argv[8] == "beside"
+torch.set_num_threads(1)
+dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+solo = dist.new_group([0])  # worker 0's own: a 1-worker replica's transport
+spec = load_spec("digits-mlp")
+graph, schedule = plan_schedule(spec, plan(spec, 1, seed=0, batch=32))
+x, y = make_batch(spec, 32, 0)
+if rank == 0:
+    model = ModelWorker(spec, graph, schedule, 0, seed=0, dtype=torch.float32)
+    transport = GlooTransport(solo, ranks=[0])
+
+def step():  # as a training step: netpart's runtime, no gradients gathered
+    model.step(x.float(), y, transport, collect_grads=False)
+
+if world == 1:  # the step alone, back to back
+    for _ in range(WARM):
+        step()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(repeats):
+        step()
+    print(json.dumps([(time.perf_counter() - t0) / repeats, (time.process_time() - c0) / repeats]))
+else:
+    group = dist.new_group(list(range(world)))
+    seconds, cpu = ps_loop(group, rank, mode, [nbytes], repeats, shards, step if beside else None)
+    if rank == 0:
+        print(json.dumps([seconds[0], cpu[0]]))
+dist.destroy_process_group()
+"""
+
+
+def run(bed: str, case: tuple, repeats: int, tmp: Path) -> tuple[float, float]:
+    """(seconds, CPU seconds) per step of client 0 in `case`: (mode, shards, bytes, beside);
+    shards 0: the step alone on machine 0."""
+    mode, shards, nbytes, beside = case
+    testbed, world = read(bed), (1 + shards if shards else 1)
+    store = tmp / f"store{time.monotonic_ns()}"
+    args = [str(world), str(shards), str(repeats), str(nbytes), str(store), mode,
+            "beside" if beside else "alone"]  # fmt: skip
+    procs = [
+        subprocess.Popen(testbed.command(r, [sys.executable, "-c", ROLE, str(r), *args],
+                                         {"GLOO_SOCKET_IFNAME": testbed.hosts[r].device}),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(world)
+    ]  # fmt: skip
+    outs = [p.communicate(timeout=300) for p in procs]
+    if any(p.returncode != 0 for p in procs):
+        raise SystemExit(f"{case}: {outs[0][1][-600:]}")
+    seconds, cpu = json.loads(outs[0][0].strip().splitlines()[-1])
+    return seconds, cpu
+
+
+def _cases(shards: int, nbytes: int) -> list[tuple]:
+    beside = [(m, shards, nbytes, b) for m in ("downpour", "sync") for b in (False, True)]
+    sizes = [("sync", 4, 4 * 1024 * k, False) for k in MESSAGE_KIB]
+    return [("step", 0, 0, True), *beside, *sizes]
+
+
+def _priced(network: NetworkModel, shards: int) -> dict[str, float]:
+    """What `netpart plan --machines` prices digits-mlp's one replica of one worker and
+    `shards` shards at (a replica's step, seconds), Downpour and sync."""
+    advice = advise(load_spec("digits-mlp"), shards + 1, network, batch=32)
+    return {m: f.step_s for f in advice.layouts for m in ("downpour", "sync")
+            if str(f.layout) == f"{m} 1x1+{shards}"}  # fmt: skip
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cpu", type=float, default=0.3)
+    ap.add_argument("--link", default="1gbit")
+    ap.add_argument("--shards", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--profile", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    name = f"bsb{os.getpid() % 100000}"
+    tmp = Path(tempfile.mkdtemp(prefix="beside-"))
+    cases = _cases(args.shards, DIGITS_BYTES)
+    up(name, max(1 + args.shards, 5), cpu=args.cpu, rate=args.link)
+    seen: dict[tuple, list] = {c: [] for c in cases}
+    try:
+        for k in range(args.rounds):
+            for case in cases[k % len(cases) :] + cases[: k % len(cases)]:
+                seen[case].append(run(name, case, args.repeats, tmp))
+            print(f"round {k + 1} done", flush=True)
+    finally:
+        down(name)
+        shutil.rmtree(tmp, ignore_errors=True)
+    rows = [{"mode": m, "shards": s, "bytes": b, "beside": bes,
+             "seconds": statistics.median(t for t, _ in seen[(m, s, b, bes)]),
+             "rounds": [t for t, _ in seen[(m, s, b, bes)]],
+             "cpu": statistics.median(c for _, c in seen[(m, s, b, bes)])}
+            for m, s, b, bes in cases]  # fmt: skip
+    for r in rows:
+        what = "step alone" if r["mode"] == "step" else (
+            f"{r['mode']:<8} 1 client of {r['shards']} shards, {r['bytes'] / 1024:6.1f} KiB"
+            f"{', step beside' if r['beside'] else ''}")  # fmt: skip
+        print(f"{what}: {r['seconds'] * 1e3:6.2f} ms, CPU {r['cpu'] * 1e3:5.2f} ms")
+    result = {"cpu": args.cpu, "link": args.link, "repeats": args.repeats,
+              "rounds": args.rounds, "profile": str(args.profile) if args.profile else None,
+              "rows": rows}  # fmt: skip
+    if args.profile is not None:
+        network = NetworkModel.from_profile(args.profile.read_text(), str(args.profile))
+        result["priced"] = _priced(network, args.shards)
+        said = ", ".join(f"{m} {t * 1e3:.2f} ms" for m, t in result["priced"].items())
+        print(f"priced by the profile, digits-mlp 1x1+{args.shards}: {said}")
+    if args.out is not None:
+        write_atomic(args.out, json.dumps(result, indent=1).encode())
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

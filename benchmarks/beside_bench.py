@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +37,10 @@ from netpart.files import write_atomic
 from netpart.models import load_spec
 from netpart.partition.cluster import advise
 from netpart.partition.cost import NetworkModel
-from netpart.testbed.bed import down, read, up
+from netpart.testbed.bed import down, up
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ps_exchange_bench import role_out  # a sibling script
 
 DIGITS_BYTES = 340_008  # digits-mlp's values, 4 bytes each: a replica's push, and its fetch
 MESSAGE_KIB = (60, 63, 64, 65, 72, 80, 96, 128)  # a message to each of 4 shards
@@ -89,20 +91,11 @@ def run(bed: str, case: tuple, repeats: int, tmp: Path) -> tuple[float, float]:
     """(seconds, CPU seconds) per step of client 0 in `case`: (mode, shards, bytes, beside);
     shards 0: the step alone on machine 0."""
     mode, shards, nbytes, beside = case
-    testbed, world = read(bed), (1 + shards if shards else 1)
+    world = 1 + shards if shards else 1
     store = tmp / f"store{time.monotonic_ns()}"
     args = [str(world), str(shards), str(repeats), str(nbytes), str(store), mode,
             "beside" if beside else "alone"]  # fmt: skip
-    procs = [
-        subprocess.Popen(testbed.command(r, [sys.executable, "-c", ROLE, str(r), *args],
-                                         {"GLOO_SOCKET_IFNAME": testbed.hosts[r].device}),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for r in range(world)
-    ]  # fmt: skip
-    outs = [p.communicate(timeout=300) for p in procs]
-    if any(p.returncode != 0 for p in procs):
-        raise SystemExit(f"{case}: {outs[0][1][-600:]}")
-    seconds, cpu = json.loads(outs[0][0].strip().splitlines()[-1])
+    seconds, cpu = json.loads(role_out(bed, ROLE, world, args, str(case)))
     return seconds, cpu
 
 

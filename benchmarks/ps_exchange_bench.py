@@ -51,21 +51,29 @@ print(json.dumps(out))
 """
 
 
-def run(bed: str, clients: int, shards: int, repeats: int, share: float, tmp: Path) -> dict:
-    """{mode: (seconds per size, busy per size)} of client 0."""
-    testbed, world = read(bed), clients + shards
-    store = tmp / f"store{time.monotonic_ns()}"
-    args = [str(world), str(store), str(shards), str(repeats), json.dumps(list(SIZES))]
+def role_out(bed: str, role: str, world: int, args: list[str], what: str) -> str:
+    """Run `python -c role RANK *args` on machines 0..world-1 of testbed `bed` (gloo over
+    each machine's own link); rank 0's last line of output. SystemExit naming `what` if any
+    rank fails."""
+    testbed = read(bed)
     procs = [
-        subprocess.Popen(testbed.command(r, [sys.executable, "-c", ROLE, str(r), *args],
+        subprocess.Popen(testbed.command(r, [sys.executable, "-c", role, str(r), *args],
                                          {"GLOO_SOCKET_IFNAME": testbed.hosts[r].device}),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for r in range(world)
     ]  # fmt: skip
     outs = [p.communicate(timeout=600) for p in procs]
     if any(p.returncode != 0 for p in procs):
-        raise SystemExit(f"{clients} clients, {shards} shards: {outs[0][1][-600:]}")
-    got = json.loads(outs[0][0].strip().splitlines()[-1])
+        raise SystemExit(f"{what}: {outs[0][1][-600:]}")
+    return outs[0][0].strip().splitlines()[-1]
+
+
+def run(bed: str, clients: int, shards: int, repeats: int, share: float, tmp: Path) -> dict:
+    """{mode: (seconds per size, busy per size)} of client 0."""
+    world = clients + shards
+    store = tmp / f"store{time.monotonic_ns()}"
+    args = [str(world), str(store), str(shards), str(repeats), json.dumps(list(SIZES))]
+    got = json.loads(role_out(bed, ROLE, world, args, f"{clients} clients, {shards} shards"))
     return {m: (got[m][0], [c / share for c in got[m][1]]) for m in MODES}
 
 

@@ -20,11 +20,9 @@ __all__ = ["PS_CLIENTS", "PS_SHARDS", "PS_SIZES", "per_size", "ps_tables"]
 # a fraction of a core, the periods a machine is throttled move the mean of a few), fewer
 # of 16 MB (seconds on a slow link). Closer below 1 MB, where a message's cost steps as it
 # outgrows a link's token bucket (80 KiB on a testbed). Round in decimal, not in powers of
-# two: an exchange's time steps up where a shard's message reaches 64 KiB (one sync client
-# of 4 shards on a 0.3-core testbed, 2026-11-27, benchmarks/beside_bench.py: 2.43-2.58 ms at
-# 60-63 KiB a message, 3.94-4.30 ms at 64-80 KiB), and a point at exactly 64 KiB a message
-# (128 KiB over 2 shards, 256 KiB over 4) read up to 4x the next size up (sync, 3 clients of
-# 2 shards: 24.6 ms at 128 KiB, 6.3 at 256), pricing every size between off it.
+# two: an exchange's time steps up where a shard's message reaches 64 KiB, and a point at
+# exactly 64 KiB a message (128 KiB over 2 shards, 256 KiB over 4) read several times the
+# next size up, pricing every size between off it (benchmarks/beside_bench.py; docs/planning.md)
 PS_SIZES = (16_000, 64_000, 125_000, 250_000, 375_000, 500_000, 1_000_000, 4_000_000, 16_000_000)
 PS_REPEATS = (30, 30, 30, 30, 30, 30, 20, 10, 3)
 PS_CLIENTS = 4  # of each shard, at most

@@ -33,10 +33,8 @@ bandwidth):
   whole core's speed, but a machine's quota holds all it runs: a step of either mode is at
   least the step's CPU (`PsExchange.step_cpu_s` of the step less its halo exchange) over
   the share, plus the busy time (sync: the step's CPU leaves the exchange less of the
-  quota). Measured on 0.3-core testbed machines (2026-11-27, `benchmarks/beside_bench.py`),
-  one client of 5 shards exchanging 340 KB: Downpour 3.52 ms an exchange alone, 6.90 ms a
-  step with netpart's digits-mlp step beside it (priced 6.80); sync 5.30 and 6.54 ms
-  (priced 6.38). The pricing above is for machines without such a measurement.
+  quota; `benchmarks/beside_bench.py` measures a step beside an exchange against this
+  price). The pricing above is for machines without such a measurement.
 - **all-reduce**: M replicas of one worker; a ring all-reduce moves 2(M-1)/M of the model
   through each machine's link in 2(M-1) phases. Only where one machine holds the model.
 - **memory per machine**: a worker holds its values, their gradients and a fetched copy, and

@@ -108,11 +108,9 @@ class PsExchange:
     def step_cpu_s(self, step_s: float) -> float:
         """The CPU a step that took `step_s` alone is charged on a measured machine's quota.
         Within the quota a step runs at a whole core's speed: its time. That over-counts its
-        own CPU, and the excess stands for what the step and an exchange cost together beyond
-        the two apart (`benchmarks/beside_bench.py`, 0.3-core testbed machines, 2026-11-27:
-        digits-mlp's step, 0.88 ms in the profile, took 0.52 ms of CPU alone, and beside one
-        client's Downpour exchange with 5 shards the machine spent 0.47 ms of CPU a step more
-        than the two alone; priced so, 6.80 ms a step, measured 6.90). A longer step was
+        own CPU, and the excess stands for what a step and an exchange cost the machine
+        together beyond the two apart: the total is what `benchmarks/beside_bench.py`
+        measured on testbed machines, its split is not (docs/planning.md). A longer step was
         throttled as it went: its time x the share, at least the quota."""
         if self.share >= 1 or step_s <= self.quota_s:
             return step_s

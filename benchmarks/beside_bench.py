@@ -61,10 +61,10 @@ store, mode, beside = sys.argv[6], sys.argv[7], sys.argv[8] == "beside"
 torch.set_num_threads(1)
 dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
 solo = dist.new_group([0])  # worker 0's own: a 1-worker replica's transport
-spec = load_spec("digits-mlp")
-graph, schedule = plan_schedule(spec, plan(spec, 1, seed=0, batch=32))
-x, y = make_batch(spec, 32, 0)
-if rank == 0:
+if rank == 0:  # the client's machine: the shards' need no model
+    spec = load_spec("digits-mlp")
+    graph, schedule = plan_schedule(spec, plan(spec, 1, seed=0, batch=32))
+    x, y = make_batch(spec, 32, 0)
     model = ModelWorker(spec, graph, schedule, 0, seed=0, dtype=torch.float32)
     transport = GlooTransport(solo, ranks=[0])
 

@@ -39,7 +39,14 @@ from netpart.train.config import TrainConfig
 from netpart.train.lock import RunLock
 from netpart.train.loggers import MetricLoggers
 from netpart.train.placement import SHARD, WORKER
-from netpart.train.process import PS_TIMEOUT, job_placement, log_as, play_role, stop_on_signals
+from netpart.train.process import (
+    PS_TIMEOUT,
+    compute_setup,
+    job_placement,
+    log_as,
+    play_role,
+    stop_on_signals,
+)
 from netpart.train.report import preload_plotting, restart_line
 from netpart.train.rundir import (
     Job,
@@ -127,7 +134,7 @@ def train_under_torchrun(
             f"torchrun started {world} processes; this job needs replicas x workers + shards"
             f"{' + 1 coordinator' if config.coordinators else ''} = {config.world(plan.workers)}"
         )
-    torch.set_num_threads(config.threads)
+    compute_setup(config.threads)
     join_group(PS_TIMEOUT)  # a signal before the job starts ends the process at once
     stop = stop_on_signals()
     placement = job_placement(config, plan.workers)

@@ -42,7 +42,7 @@ from netpart.train.rundir import Job, read_job
 from netpart.train.sandblaster import run_coordinator, run_unit_worker
 from netpart.train.shard import serve_shard
 
-__all__ = ["PS_TIMEOUT", "job_placement", "log_as", "play_role", "stop_on_signals"]
+__all__ = ["PS_TIMEOUT", "compute_setup", "job_placement", "log_as", "play_role", "stop_on_signals"]
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,15 @@ def job_placement(config: TrainConfig, workers: int, node: str | None = None) ->
     return place(
         hosts, config.replicas, workers, config.shards, config.placement, config.coordinators
     )
+
+
+def compute_setup(threads: int) -> None:
+    """This process's torch threads, and subnormal floats flushed to zero, as TensorFlow's CPU
+    kernels do (threads made from here on inherit it): near a loss of zero a model's
+    gradients go subnormal, and x86 multiplies those many times slower (docs/training.md,
+    "Subnormal numbers")."""
+    torch.set_num_threads(threads)
+    torch.set_flush_denormal(True)
 
 
 def play_role(
@@ -157,7 +166,7 @@ def main() -> int:
         signal.signal(sig, signal.SIG_DFL)
     try:
         job = read_job(args.run, args.resume)
-        torch.set_num_threads(job.config.threads)
+        compute_setup(job.config.threads)
         faults.point(rank, -1)
         # the launcher holds start-up to its deadline until the placement is known
         join_group(PS_TIMEOUT, started=False)

@@ -563,3 +563,26 @@ def test_tensorboard_logs_hold_the_run_s_curves(tmp_path):
     events.Reload()
     assert [s.step for s in events.Scalars("held_out/loss")] == [10, 20]
     assert len(events.Scalars("train/loss/replica0")) == 20
+
+
+def test_a_process_role_flushes_subnormals_in_the_threads_it_makes():
+    """Every role's process (`compute_setup`) computes with subnormal floats flushed to zero,
+    and so do the threads it starts afterwards (a step multiplies subnormals many times
+    slower). In a child: the flag is the process's."""
+    code = (
+        "import threading, torch\n"
+        "from netpart.train.process import compute_setup\n"
+        "tiny = torch.tensor([1e-30])\n"
+        "before = (tiny * 1e-10).item()\n"
+        "compute_setup(1)\n"
+        "seen = []\n"
+        "t = threading.Thread(target=lambda: seen.append((tiny * 1e-10).item()))\n"
+        "t.start(); t.join()\n"
+        "print(before, (tiny * 1e-10).item(), seen[0], torch.get_num_threads())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()  # fmt: skip
+    before, after, in_thread, threads = map(float, out)
+    assert before > 0  # a subnormal product, unflushed
+    assert after == 0 and in_thread == 0
+    assert threads == 1

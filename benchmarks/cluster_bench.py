@@ -2,14 +2,18 @@
 predicts every layout of R replicas x N workers + S shards; each is trained on a testbed of M
 machines (`netpart testbed`: a network namespace on a shaped switch and a cpu cgroup each) and
 its samples/s measured, the layouts interleaved in rounds (round k runs them in an order
-rotated by k), medians over rounds.
+rotated by k), medians over rounds; this host's speed probe (`netpart.calibrate.speed`) is
+sampled through each round and its median stated against the profile's.
 
 The prediction's machine: `experiments/machines/this-host.toml` (this host as calibrated) held
 to the testbed's share of a core (every rate x share, every time figure / share) on the
 testbed's link; or, with `--profile`, a profile `netpart calibrate --testbed` measured on such
-machines. All-reduce layouts are predicted but not measured (netpart trains with a
-parameter server). Measured samples/s: each replica's steps after the first fifth over the
-time they took (its metrics), summed over replicas. Needs root.
+machines. All-reduce over M replicas, which netpart does not train, runs as
+DistributedDataParallel: netpart's reference module of the model (`build_reference`), one
+process per machine, the same batches, Adagrad at netpart's default rate, subnormals flushed
+as netpart's processes do. Measured samples/s: each replica's steps after the first fifth
+over the time they took (netpart: its metrics; DDP: rank 0's clock), summed over replicas.
+Needs root.
 
     python benchmarks/cluster_bench.py --machines 4 --out benchmarks/results/cluster_bench_m4.json
 """
@@ -27,6 +31,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+from netpart.calibrate.speed import SpeedProbe
 from netpart.files import write_atomic
 from netpart.models import load_spec
 from netpart.partition.cluster import advise
@@ -34,10 +39,41 @@ from netpart.partition.cost import NetworkModel
 from netpart.partition.machine import Machine, read_machine
 from netpart.testbed import netns
 from netpart.testbed.bed import down, up
+from netpart.train.config import DEFAULT_LR
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ps_exchange_bench import role_out  # a sibling script
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = ROOT / "experiments" / "machines" / "this-host.toml"
 BATCH = 32
+
+DDP = r"""
+import json, sys, time
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from netpart.data import load_data
+from netpart.models import build_reference, load_spec
+rank, world, steps, batch = map(int, sys.argv[1:5])
+store, name, data, lr = sys.argv[5], sys.argv[6], sys.argv[7], float(sys.argv[8])
+torch.set_num_threads(1)
+torch.set_flush_denormal(True)  # as netpart's training processes
+dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+spec = load_spec(name)
+model = build_reference(spec)
+net = DistributedDataParallel(model)
+opt = torch.optim.Adagrad(net.parameters(), lr=lr)
+source = load_data(data, spec)
+stamps = []
+for t in range(1, steps + 1):
+    x, y = source.batch(rank, world, t, batch, torch.float32)
+    opt.zero_grad()
+    model.loss(net(x), y).backward()
+    opt.step()
+    stamps.append(time.time())
+dist.destroy_process_group()
+print(json.dumps(stamps))
+"""
 
 
 def on_share(machine: Machine, share: float, link_bps: float) -> Machine:
@@ -70,6 +106,9 @@ def measured_samples_per_s(run: Path, replicas: int) -> float:
 
 
 def train(bed: str, layout, args, run: Path) -> float:
+    """Samples/s of `layout` trained on testbed `bed`: netpart's, or DDP's for all-reduce."""
+    if layout.mode == "allreduce":
+        return _ddp(bed, layout.replicas, args, run)
     argv = [sys.executable, "-m", "netpart", "train", "--testbed", bed, "--model", args.model,
             "--mode", layout.mode, "--replicas", str(layout.replicas), "--workers",
             str(layout.workers), "--ps-shards", str(layout.shards), "--steps", str(args.steps),
@@ -81,15 +120,47 @@ def train(bed: str, layout, args, run: Path) -> float:
     return measured_samples_per_s(run, layout.replicas)
 
 
+def _round(k: int, bed: str, layouts, args, tmp: Path, seen: dict[str, list[float]]) -> float:
+    """Round k: every layout once, in an order rotated by k (each measurement appended to
+    `seen`); the median speed probe of this host while it ran (CPU seconds)."""
+    with SpeedProbe(every=1.0) as probe:
+        for f in layouts[k % len(layouts) :] + layouts[: k % len(layouts)]:
+            run = tmp / f"r{k}-{str(f.layout).replace(' ', '_')}"
+            seen[str(f.layout)].append(train(bed, f.layout, args, run))
+            shutil.rmtree(run, ignore_errors=True)
+            got = seen[str(f.layout)][-1]
+            print(f"round {k + 1}: {f.layout!s:<16} measured {got:9,.0f} samples/s, "
+                  f"predicted {f.samples_per_s:9,.0f}", flush=True)  # fmt: skip
+    print(f"round {k + 1}: speed probe {probe.median() * 1e3:.2f} ms", flush=True)
+    return probe.median()
+
+
+def _ddp(bed: str, machines: int, args, run: Path) -> float:
+    """All-reduce over `machines` replicas as DistributedDataParallel trains it."""
+    run.mkdir(parents=True, exist_ok=True)
+    argv = [str(machines), str(args.steps), str(BATCH), str(run / "store"), args.model,
+            args.data, str(DEFAULT_LR["adagrad"])]  # fmt: skip
+    stamps = json.loads(role_out(bed, DDP, machines, argv, f"all-reduce x{machines}"))
+    stamps = stamps[len(stamps) // 5 :]
+    return machines * BATCH * (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
 def _verdict(rows: list[dict], advice) -> None:
     """How many layouts measured within 15% of their prediction, and how the recommended
-    one (the fastest predicted among those measured) fared against the best measured."""
+    one (the fastest predicted among those measured, and of those netpart trains) fared
+    against the best measured."""
     within = sum(abs(r["ratio"] - 1) <= 0.15 for r in rows)
     best = max(rows, key=lambda r: r["measured"])
-    top = max(rows, key=lambda r: r["predicted"])
-    print(f"{within} of {len(rows)} within 15%; recommended (no all-reduce) {top['layout']} "
-          f"measures {top['measured'] / best['measured']:.2f} of the best, {best['layout']}; "
-          f"overall recommendation {advice.best.layout}")  # fmt: skip
+    for what, among in (
+        ("recommended", rows),
+        ("netpart's", [r for r in rows if not r["layout"].startswith("all")]),
+    ):
+        if not among:  # one machine: all-reduce alone
+            continue
+        top = max(among, key=lambda r: r["predicted"])
+        print(f"{what}: {top['layout']} measures {top['measured'] / best['measured']:.2f} of "
+              f"the best, {best['layout']}")  # fmt: skip
+    print(f"{within} of {len(rows)} within 15%; overall recommendation {advice.best.layout}")
 
 
 def repredict(path: Path, out: Path, profile: Path | None = None) -> int:
@@ -143,24 +214,19 @@ def main(argv=None) -> int:
     if args.profile is not None:
         network = NetworkModel.from_profile(args.profile.read_text(), str(args.profile))
     advice = advise(load_spec(args.model), args.machines, network, batch=BATCH)
-    layouts = [f for f in advice.layouts if f.layout.mode != "allreduce"]
+    layouts = list(advice.layouts)
     name = f"cb{os.getpid() % 100000}"
     up(name, args.machines, cpu=args.cpu, rate=args.link)
     seen: dict[str, list[float]] = {str(f.layout): [] for f in layouts}
     tmp = Path(tempfile.mkdtemp(prefix="cluster-bench-"))
     try:
-        for k in range(args.rounds):
-            order = layouts[k % len(layouts) :] + layouts[: k % len(layouts)]
-            for f in order:
-                run = tmp / f"r{k}-{str(f.layout).replace(' ', '_')}"
-                seen[str(f.layout)].append(train(name, f.layout, args, run))
-                shutil.rmtree(run, ignore_errors=True)
-                got = seen[str(f.layout)][-1]
-                print(f"round {k + 1}: {f.layout!s:<16} measured {got:9,.0f} samples/s, "
-                      f"predicted {f.samples_per_s:9,.0f}", flush=True)  # fmt: skip
+        probes = [_round(k, name, layouts, args, tmp, seen) for k in range(args.rounds)]
     finally:
         down(name)
         shutil.rmtree(tmp, ignore_errors=True)
+    if network.probe_s > 0:
+        print("speed probe per round / the profile's: "
+              + ", ".join(f"{p / network.probe_s:.2f}" for p in probes))  # fmt: skip
     rows = []
     for f in layouts:
         got = statistics.median(seen[str(f.layout)])
@@ -171,7 +237,8 @@ def main(argv=None) -> int:
         result = {"machines": args.machines, "cpu": args.cpu, "link": args.link,
                   "model": args.model, "steps": args.steps, "machine": machine.to_dict(),
                   "profile": str(args.profile) if args.profile else None,
-                  "recommended": str(advice.best.layout), "rows": rows}  # fmt: skip
+                  "recommended": str(advice.best.layout), "probes": probes,
+                  "profile_probe": network.probe_s, "rows": rows}  # fmt: skip
         write_atomic(args.out, json.dumps(result, indent=1).encode())
     return 0
 

@@ -1,6 +1,6 @@
 """The parameter server's exchange on emulated machines (issue 47): what `netpart calibrate`
-measures (k clients of one shard, one client of several shards: `netpart.ps.measure`) side
-by side on one testbed, with the profile's reading where one is given.
+measures (`netpart.ps.measure`: clients of one shard, one client of several shards, several
+of several) side by side on one testbed, with the profile's reading where one is given.
 
 Each configuration (clients, shards) runs one process per machine of a testbed (`netpart
 testbed`: a network namespace on a shaped switch and a cpu cgroup each), file rendezvous on
@@ -13,6 +13,9 @@ medians. Needs root.
     python benchmarks/ps_exchange_bench.py \
         --profile benchmarks/results/testbed_profile_m4_c0.3.json \
         --out benchmarks/results/ps_exchange_bench.json
+    python benchmarks/ps_exchange_bench.py --configs 1x3,2x2 --sizes 4e6,16e6,40e6 \
+        --repeats 10 --rounds 2 --profile benchmarks/results/testbed_profile_m6_c0.3.json \
+        --out benchmarks/results/ps_exchange_bench_large.json
 """
 
 from __future__ import annotations
@@ -68,30 +71,42 @@ def role_out(bed: str, role: str, world: int, args: list[str], what: str) -> str
     return outs[0][0].strip().splitlines()[-1]
 
 
-def run(bed: str, clients: int, shards: int, repeats: int, share: float, tmp: Path) -> dict:
-    """{mode: (seconds per size, busy per size)} of client 0."""
+def run(bed: str, config: tuple[int, int], repeats: int, share: float, tmp: Path,
+        sizes: tuple[int, ...]) -> dict:  # fmt: skip
+    """{mode: (seconds per size, busy per size)} of client 0 of `config` (clients, shards)."""
+    clients, shards = config
     world = clients + shards
     store = tmp / f"store{time.monotonic_ns()}"
-    args = [str(world), str(store), str(shards), str(repeats), json.dumps(list(SIZES))]
+    args = [str(world), str(store), str(shards), str(repeats), json.dumps(list(sizes))]
     got = json.loads(role_out(bed, ROLE, world, args, f"{clients} clients, {shards} shards"))
     return {m: (got[m][0], [c / share for c in got[m][1]]) for m in MODES}
 
 
-def _rows(seen: dict, ps) -> list[dict]:
+def _profile_s(ps, mode: str, clients: int, shards: int, size: int) -> float | None:
+    """The profile's reading of a configuration: clients of one shard, one client of several
+    (its `spread`) or several of several (its `mesh`), where it has that table."""
+    if shards == 1:
+        return ps.seconds_s(mode, clients, size)
+    if (clients == 1 and ps.spread) or (clients > 1 and ps.mesh):
+        return ps.exchange_s(mode, clients, shards, size)
+    return None
+
+
+def _rows(seen: dict, ps, sizes: tuple[int, ...]) -> list[dict]:
     """Medians over rounds per configuration, mode and size; the profile's reading beside
-    them: clients of one shard, or one client of several (its `spread`, where it has one)."""
+    them where it has one."""
     rows = []
     for (clients, shards), runs in seen.items():
         for mode in MODES:
-            for i, size in enumerate(SIZES):
+            for i, size in enumerate(sizes):
                 row = {"clients": clients, "shards": shards, "mode": mode, "bytes": size,
                        "seconds": statistics.median(r[mode][0][i] for r in runs),
                        "busy": statistics.median(r[mode][1][i] for r in runs)}  # fmt: skip
                 said = ""
-                if ps is not None and (shards == 1 or (clients == 1 and ps.spread)):
-                    row["profile_seconds"] = (ps.seconds_s(mode, clients, size) if shards == 1
-                                              else ps.spread_s(mode, shards, size))  # fmt: skip
-                    said = f", profile {row['profile_seconds'] * 1e3:6.2f} ms"
+                read = _profile_s(ps, mode, clients, shards, size) if ps is not None else None
+                if read is not None:
+                    row["profile_seconds"] = read
+                    said = f", profile {read * 1e3:6.2f} ms"
                 rows.append(row)
                 ms, busy = row["seconds"] * 1e3, row["busy"] * 1e3
                 print(f"{clients} client(s) {shards} shard(s) {mode:<8} {size >> 10:5} KB: "
@@ -105,18 +120,30 @@ def main(argv=None) -> int:
     ap.add_argument("--link", default="1gbit")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument(
+        "--sizes",
+        default=",".join(map(str, SIZES)),
+        help="bytes each way per client, comma-separated (4e6 is read as 4 MB)",
+    )
+    ap.add_argument(
+        "--configs",
+        default=",".join(f"{c}x{s}" for c, s in CONFIGS),
+        help="clients x shards, comma-separated: 1x3,2x2",
+    )
     ap.add_argument("--profile", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    machines = max(c + s for c, s in CONFIGS)
+    sizes = tuple(int(float(b)) for b in args.sizes.split(","))
+    configs = tuple(tuple(map(int, c.split("x"))) for c in args.configs.split(","))
+    machines = max(c + s for c, s in configs)
     name = f"pxb{os.getpid() % 100000}"
     tmp = Path(tempfile.mkdtemp(prefix="ps-exchange-"))
     up(name, machines, cpu=args.cpu, rate=args.link)
-    seen: dict[tuple[int, int], list[dict]] = {c: [] for c in CONFIGS}
+    seen: dict[tuple[int, int], list[dict]] = {c: [] for c in configs}
     try:
         for k in range(args.rounds):
-            for config in CONFIGS[k % len(CONFIGS) :] + CONFIGS[: k % len(CONFIGS)]:
-                seen[config].append(run(name, *config, args.repeats, args.cpu, tmp))
+            for config in configs[k % len(configs) :] + configs[: k % len(configs)]:
+                seen[config].append(run(name, config, args.repeats, args.cpu, tmp, sizes))
                 print(
                     f"round {k + 1}: {config[0]} client(s), {config[1]} shard(s) done", flush=True
                 )
@@ -126,7 +153,7 @@ def main(argv=None) -> int:
     ps = None
     if args.profile is not None:
         ps = NetworkModel.from_profile(args.profile.read_text(), str(args.profile)).ps
-    rows = _rows(seen, ps)
+    rows = _rows(seen, ps, sizes)
     if args.out is not None:
         result = {"cpu": args.cpu, "link": args.link, "repeats": args.repeats,
                   "rounds": args.rounds, "profile": str(args.profile) if args.profile else None,

@@ -18,13 +18,17 @@ __all__ = ["PS_CLIENTS", "PS_SHARDS", "PS_SIZES", "per_size", "ps_tables"]
 
 # bytes a client pushes and fetches, and timed exchanges of each: more of the short ones (on
 # a fraction of a core, the periods a machine is throttled move the mean of a few), fewer
-# of 16 MB (seconds on a slow link). Closer below 1 MB, where a message's cost steps as it
-# outgrows a link's token bucket (80 KiB on a testbed). Round in decimal, not in powers of
-# two: an exchange's time steps up where a shard's message reaches 64 KiB, and a point at
-# exactly 64 KiB a message (128 KiB over 2 shards, 256 KiB over 4) read several times the
-# next size up, pricing every size between off it (benchmarks/beside_bench.py; docs/planning.md)
-PS_SIZES = (16_000, 64_000, 125_000, 250_000, 375_000, 500_000, 1_000_000, 4_000_000, 16_000_000)
-PS_REPEATS = (30, 30, 30, 30, 30, 30, 20, 10, 3)
+# of the large ones (seconds on a slow link). Up to 40 MB, a replica's bytes for a model of
+# 10M values: above the last size the table is read off its last segment, and from 4 and
+# 16 MB that segment priced bench-local's 40 MB up to 1.4x what it took (docs/planning.md).
+# Closer below 1 MB, where a message's cost steps as it outgrows a link's token bucket (80
+# KiB on a testbed). Round in decimal, not in powers of two: an exchange's time steps up
+# where a shard's message reaches 64 KiB, and a point at exactly 64 KiB a message (128 KiB
+# over 2 shards, 256 KiB over 4) read several times the next size up, pricing every size
+# between off it (benchmarks/beside_bench.py; docs/planning.md)
+PS_SIZES = (16_000, 64_000, 125_000, 250_000, 375_000, 500_000, 1_000_000, 4_000_000,
+            16_000_000, 40_000_000)  # fmt: skip
+PS_REPEATS = (30, 30, 30, 30, 30, 30, 20, 10, 5, 3)
 PS_CLIENTS = 4  # of each shard, at most
 PS_SHARDS = 5  # of each client, at most (a 6-machine testbed: 1 to 5)
 
@@ -66,8 +70,12 @@ def _measure(runner: Any, mode: str, clients: int, shards: int) -> tuple[list, l
 
 
 def per_size(sizes, seconds) -> str:
-    """Each size and its time: decimal kB, or KiB for a power of two ("64 KiB 1.32 ms")."""
-    return ", ".join(
-        f"{b >> 10} KiB {t * 1e3:.2f} ms" if b % 1024 == 0 else f"{b / 1e3:g} kB {t * 1e3:.2f} ms"
-        for b, t in zip(sizes, seconds, strict=True)
-    )
+    """Each size and its time: decimal kB or MB, or KiB for a power of two ("64 KiB 1.32 ms",
+    "16 MB 250.00 ms")."""
+
+    def size(b: int) -> str:
+        if b >= 1024 and b & (b - 1) == 0:
+            return f"{b >> 10} KiB"
+        return f"{b / 1e6:g} MB" if b >= 1_000_000 else f"{b / 1e3:g} kB"
+
+    return ", ".join(f"{size(b)} {t * 1e3:.2f} ms" for b, t in zip(sizes, seconds, strict=True))

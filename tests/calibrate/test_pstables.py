@@ -2,7 +2,7 @@
 configurations it measures for the machines it has, each size's repeats, and the tables'
 keys and busy time as the profile's `ps` holds them."""
 
-from netpart.calibrate.pstables import PS_REPEATS, PS_SIZES, ps_tables
+from netpart.calibrate.pstables import PS_REPEATS, PS_SIZES, per_size, ps_tables
 
 
 class Runner:
@@ -40,3 +40,8 @@ def test_too_few_machines_measure_no_client_of_several_shards_or_several_of_them
     assert "spread" not in raw and "spread_busy" not in raw and not ps.spread
     ps, raw = ps_tables(Runner(machines=3), lambda line: None)
     assert set(raw["spread"]["sync"]) == {"2"} and "mesh" not in raw and not ps.mesh
+
+
+def test_sizes_print_in_decimal_and_powers_of_two_in_kib():
+    said = per_size([16_000, 65_536, 16_000_000, 40_000_000], [0.001, 0.002, 0.25, 0.6])
+    assert said == "16 kB 1.00 ms, 64 KiB 2.00 ms, 16 MB 250.00 ms, 40 MB 600.00 ms"

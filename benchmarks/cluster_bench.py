@@ -10,9 +10,10 @@ to the testbed's share of a core (every rate x share, every time figure / share)
 testbed's link; or, with `--profile`, a profile `netpart calibrate --testbed` measured on such
 machines. All-reduce over M replicas, which netpart does not train, runs as
 DistributedDataParallel: netpart's reference module of the model (`build_reference`), one
-process per machine, the same batches, Adagrad at netpart's default rate, subnormals flushed
-as netpart's processes do. Measured samples/s: each replica's steps after the first fifth
-over the time they took (netpart: its metrics; DDP: rank 0's clock), summed over replicas.
+process per machine, the same batches, Adagrad at netpart's default rate (torch's fused
+kernel, as netpart's shards run it), subnormals flushed as netpart's processes do. Measured
+samples/s: each replica's steps after the first fifth over the time they took (netpart: its
+metrics; DDP: rank 0's clock), summed over replicas.
 Needs root.
 
     python benchmarks/cluster_bench.py --machines 4 --out benchmarks/results/cluster_bench_m4.json
@@ -62,7 +63,7 @@ dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, w
 spec = load_spec(name)
 model = build_reference(spec)
 net = DistributedDataParallel(model)
-opt = torch.optim.Adagrad(net.parameters(), lr=lr)
+opt = torch.optim.Adagrad(net.parameters(), lr=lr, fused=True)  # as netpart's shards
 source = load_data(data, spec)
 stamps = []
 for t in range(1, steps + 1):

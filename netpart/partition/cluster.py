@@ -36,7 +36,9 @@ bandwidth):
   quota; `benchmarks/beside_bench.py` measures a step beside an exchange against this
   price). The pricing above is for machines without such a measurement.
 - **all-reduce**: M replicas of one worker; a ring all-reduce moves 2(M-1)/M of the model
-  through each machine's link in 2(M-1) phases. Only where one machine holds the model.
+  through each machine's link in 2(M-1) phases, then every replica applies the update to its
+  whole model (`UPDATE_S_PER_VALUE` a value, over the share of a core a measured profile's
+  machines had). Only where one machine holds the model.
 - **memory per machine**: a worker holds its values, their gradients and a fetched copy, and
   its activations (every layer's outputs, forward and backward, `batch` examples, / N); a
   shard its values and Adagrad's accumulator; all-reduce a whole replica and its gradients.
@@ -295,7 +297,8 @@ def _measured(network: NetworkModel, layout: Layout, mp: _ModelParallel, shards:
 def _allreduce(spec, machines: int, step_one: float, values: int, network, batch: int):
     """All-reduce with `machines` replicas of one worker each."""
     ring = allreduce_s(values, machines, network)
-    step = step_one + ring
+    share = network.ps.share if network.ps is not None else 1.0
+    step = step_one + ring + values * UPDATE_S_PER_VALUE / share
     link = 2 * (machines - 1) / machines * BYTES_PER_VALUE * values if machines > 1 else 0.0
     acts = sum(s.size for s in spec.shapes)
     memory = BYTES_PER_VALUE * (3 * values + 2 * batch * acts)

@@ -9,9 +9,16 @@ import pytest
 from netpart.cli import main
 from netpart.errors import PlanError
 from netpart.models import load_spec
-from netpart.partition.cluster import ClusterAdvice, advise, allreduce_s, trainable
+from netpart.partition.cluster import (
+    UPDATE_S_PER_VALUE,
+    ClusterAdvice,
+    advise,
+    allreduce_s,
+    trainable,
+)
 from netpart.partition.cost import NetworkModel
 from netpart.partition.graph import BYTES_PER_VALUE
+from netpart.partition.planner import plan
 
 NET = NetworkModel(bandwidth_bps=1e9, latency_s=50e-6, message_s=20e-6)
 
@@ -21,6 +28,18 @@ def test_a_ring_all_reduce_is_2_m_minus_1_phases_of_a_machines_share():
     phase = NET.latency_s + NET.message_s + BYTES_PER_VALUE * values / m * 8 / NET.bandwidth_bps
     assert allreduce_s(values, m, NET) == pytest.approx(2 * (m - 1) * phase)
     assert allreduce_s(values, 1, NET) == 0.0
+
+
+def test_an_all_reduce_step_is_one_workers_step_the_ring_and_a_whole_models_update():
+    spec = load_spec("tiny-mlp")
+    values = (64 + 1) * 32 + (32 + 1) * 10  # weights and biases
+    step = plan(spec, 1, seed=0, batch=16, network=NET).metrics.predicted_step_s
+    for m in (1, 3):
+        ring = next(
+            f for f in advise(spec, m, NET, batch=16).layouts if f.layout.mode == "allreduce"
+        )
+        priced = step + allreduce_s(values, m, NET) + values * UPDATE_S_PER_VALUE
+        assert ring.step_s == pytest.approx(priced)
 
 
 def test_every_layout_uses_the_machines_and_the_fastest_fitting_is_first():

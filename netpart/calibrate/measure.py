@@ -360,7 +360,8 @@ def calibrate(
             f"link, {world - 1} peer(s), per peer: {per_size(LINK_SIZES, seconds)}; the "
             f"loss's collective {gather * 1e3:.2f} ms"
         )
-    ps, ps_raw = ps_tables(runner, say)
+    one = link["seconds"].get("1")  # one peer, each way at once: the link's rate
+    ps, ps_raw = ps_tables(runner, say, wire_bps=8 * LINK_SIZES[-1] / one[-1] if one else 0.0)
     plans = [(s, plan(s, 1, "metis", batch=batch), plan(s, 2, "metis", batch=batch)) for s in specs]
     wide = {n: [plan(s, n, "metis", batch=batch) for s in specs]
             for n in crowd_counts(runner.machines)}  # fmt: skip

@@ -2,19 +2,21 @@
 measured with its own code (`netpart.ps.measure`) where the runner has machines of their own
 (a `ps` method: the hosts of a torchrun job or a testbed). Per mode (sync, Downpour), C clients
 whose values S shards hold in even parts, every pair with C <= PS_CLIENTS, S <= PS_SHARDS
-and C + S at most the machines, push and fetch each of PS_SIZES: seconds per exchange, and
-the CPU a client spends on one over its machine's share of a core. The profile's `ps`
-(`netpart.partition.psx`)."""
+and C + S at most the machines, push and fetch each of PS_SIZES that the link carries within
+PS_WIRE_S: seconds per exchange, and the CPU a client spends on one over its machine's share of
+a core. The profile's `ps` (`netpart.partition.psx`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from netpart.partition.psx import PS_MODES, PsExchange
 from netpart.testbed.cgroups import MIN_QUOTA_US
 
-__all__ = ["PS_CLIENTS", "PS_SHARDS", "PS_SIZES", "per_size", "ps_tables"]
+__all__ = ["PS_CLIENTS", "PS_SHARDS", "PS_SIZES", "per_size", "ps_sizes", "ps_tables"]
 
 # bytes a client pushes and fetches, and timed exchanges of each: more of the short ones (on
 # a fraction of a core, the periods a machine is throttled move the mean of a few), fewer
@@ -29,16 +31,32 @@ __all__ = ["PS_CLIENTS", "PS_SHARDS", "PS_SIZES", "per_size", "ps_tables"]
 PS_SIZES = (16_000, 64_000, 125_000, 250_000, 375_000, 500_000, 1_000_000, 4_000_000,
             16_000_000, 40_000_000)  # fmt: skip
 PS_REPEATS = (30, 30, 30, 30, 30, 30, 20, 10, 5, 3)
+# A size whose bytes alone take longer than this on the measured link is not timed: there the
+# exchange is the wire's, which the table's last segment carries on (on 100 Mbit/s, 40 MB a
+# way is 3.2 s, and its repeats for every pair of a 6-machine cluster would take minutes).
+# Sizes up to PS_ALWAYS are timed on any link.
+PS_WIRE_S = 2.0
+PS_ALWAYS = 4_000_000
 PS_CLIENTS = 4  # of each shard, at most
 PS_SHARDS = 5  # of each client, at most (a 6-machine testbed: 1 to 5)
 
 
-def ps_tables(runner: Any, say: Callable[[str], None]) -> tuple[PsExchange | None, dict | None]:
-    """The tables and their raw JSON, or (None, None) where the runner cannot measure them."""
+def ps_sizes(wire_bps: float) -> tuple[int, ...]:
+    """The PS_SIZES timed on a link of `wire_bps` (bits/s; 0: unknown, all of them)."""
+    wire = 8 * np.array(PS_SIZES) / wire_bps if wire_bps > 0 else np.zeros(len(PS_SIZES))
+    return tuple(b for b, t in zip(PS_SIZES, wire, strict=True) if b <= PS_ALWAYS or t <= PS_WIRE_S)
+
+
+def ps_tables(
+    runner: Any, say: Callable[[str], None], *, wire_bps: float = 0.0
+) -> tuple[PsExchange | None, dict | None]:
+    """The tables and their raw JSON, or (None, None) where the runner cannot measure them;
+    `wire_bps`: the link's measured rate (`ps_sizes`)."""
     if not hasattr(runner, "ps") or runner.machines < 2:
         return None, None
+    sizes = ps_sizes(wire_bps)
     tables = ("seconds", "busy", "spread", "spread_busy", "mesh", "mesh_busy")
-    raw: dict = {"sizes": list(PS_SIZES), **{t: {m: {} for m in PS_MODES} for t in tables}}
+    raw: dict = {"sizes": list(sizes), **{t: {m: {} for m in PS_MODES} for t in tables}}
     if runner.share < 1:  # a testbed's quota (`netpart.testbed.cgroups`): 1 ms a period
         raw.update(share=runner.share, quota_s=MIN_QUOTA_US / 1e6)
     pairs = [(c, s) for c in range(1, PS_CLIENTS + 1) for s in range(1, PS_SHARDS + 1)
@@ -48,25 +66,26 @@ def ps_tables(runner: Any, say: Callable[[str], None]) -> tuple[PsExchange | Non
             wall, busy, key = (("seconds", "busy", str(clients)) if shards == 1 else
                                ("spread", "spread_busy", str(shards)) if clients == 1 else
                                ("mesh", "mesh_busy", f"{clients}x{shards}"))  # fmt: skip
-            seconds, cpu = _measure(runner, mode, clients, shards)
+            seconds, cpu = _measure(runner, mode, clients, shards, sizes)
             raw[wall][mode][key] = [float(t) for t in seconds]
             raw[busy][mode][key] = [float(c) / runner.share for c in cpu]
             say(f"parameter server, {mode}, {clients} client(s) of {shards} shard(s), per "
-                f"exchange: {per_size(PS_SIZES, seconds)}")  # fmt: skip
+                f"exchange: {per_size(sizes, seconds)}")  # fmt: skip
     for wall, busy in (("spread", "spread_busy"), ("mesh", "mesh_busy")):
         if not all(raw[wall].values()):  # too few machines for any such pair
             del raw[wall], raw[busy]
     return PsExchange.from_dict(raw), raw
 
 
-def _measure(runner: Any, mode: str, clients: int, shards: int) -> tuple[list, list]:
-    """(seconds, CPU seconds) per exchange at each of PS_SIZES, a call per repeat count."""
+def _measure(runner: Any, mode: str, clients: int, shards: int, sizes) -> tuple[list, list]:
+    """(seconds, CPU seconds) per exchange at each of `sizes`, a call per repeat count."""
     at: dict[int, tuple[float, float]] = {}
-    for n in set(PS_REPEATS):
-        sizes = tuple(b for b, r in zip(PS_SIZES, PS_REPEATS, strict=True) if r == n)
-        t, c = runner.ps(mode, clients, sizes, n, shards=shards)
-        at.update(zip(sizes, zip(t, c, strict=True), strict=True))
-    return [at[b][0] for b in PS_SIZES], [at[b][1] for b in PS_SIZES]
+    repeats = dict(zip(PS_SIZES, PS_REPEATS, strict=True))
+    for n in sorted({repeats[b] for b in sizes}, reverse=True):  # the short ones first
+        some = tuple(b for b in sizes if repeats[b] == n)
+        t, c = runner.ps(mode, clients, some, n, shards=shards)
+        at.update(zip(some, zip(t, c, strict=True), strict=True))
+    return [at[b][0] for b in sizes], [at[b][1] for b in sizes]
 
 
 def per_size(sizes, seconds) -> str:

@@ -2,7 +2,7 @@
 configurations it measures for the machines it has, each size's repeats, and the tables'
 keys and busy time as the profile's `ps` holds them."""
 
-from netpart.calibrate.pstables import PS_REPEATS, PS_SIZES, per_size, ps_tables
+from netpart.calibrate.pstables import PS_REPEATS, PS_SIZES, per_size, ps_sizes, ps_tables
 
 
 class Runner:
@@ -45,3 +45,13 @@ def test_too_few_machines_measure_no_client_of_several_shards_or_several_of_them
 def test_sizes_print_in_decimal_and_powers_of_two_in_kib():
     said = per_size([16_000, 65_536, 16_000_000, 40_000_000], [0.001, 0.002, 0.25, 0.6])
     assert said == "16 kB 1.00 ms, 64 KiB 2.00 ms, 16 MB 250.00 ms, 40 MB 600.00 ms"
+
+
+def test_sizes_the_link_takes_seconds_over_are_not_timed():
+    assert ps_sizes(1e9) == ps_sizes(0.0) == PS_SIZES  # 40 MB: 0.32 s on 1 Gbit/s
+    assert ps_sizes(100e6) == PS_SIZES[:-1]  # 40 MB: 3.2 s; 16 MB: 1.28 s
+    assert ps_sizes(1e6)[-1] == 4_000_000  # those up to 4 MB on any link
+    runner = Runner(machines=2)
+    _, raw = ps_tables(runner, lambda line: None, wire_bps=100e6)
+    assert raw["sizes"] == list(PS_SIZES[:-1]) and len(raw["seconds"]["sync"]["1"]) == 9
+    assert {b for *_, sizes, _ in runner.calls for b in sizes} == set(PS_SIZES[:-1])

@@ -47,9 +47,8 @@ class LocallyConnected2d(nn.Module):
 
     Patches are gathered units-major, [L*K, N] rows of the input's [C*H*W + 1, N] transpose
     (the last row zero: the padding), as the runtime's slices gather them: `F.unfold`'s
-    patches [N, K, L] need a transposed copy for the batched matmul over positions, and
-    `torch.bmm` copies such an operand matrix by matrix, which made the layer's step 2.7x
-    the runtime's on bench-local.
+    patches [N, K, L] need a transposed copy for the batched matmul over positions, which
+    `torch.bmm` makes matrix by matrix, forward and backward (the figures: docs/runtime.md).
     """
 
     def __init__(self, src: Shape, out: Shape, layer: LayerSpec) -> None:

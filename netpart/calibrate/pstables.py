@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from netpart.partition.psx import PS_MODES, PsExchange
 from netpart.testbed.cgroups import MIN_QUOTA_US
 
@@ -43,8 +41,9 @@ PS_SHARDS = 5  # of each client, at most (a 6-machine testbed: 1 to 5)
 
 def ps_sizes(wire_bps: float) -> tuple[int, ...]:
     """The PS_SIZES timed on a link of `wire_bps` (bits/s; 0: unknown, all of them)."""
-    wire = 8 * np.array(PS_SIZES) / wire_bps if wire_bps > 0 else np.zeros(len(PS_SIZES))
-    return tuple(b for b, t in zip(PS_SIZES, wire, strict=True) if b <= PS_ALWAYS or t <= PS_WIRE_S)
+    if not wire_bps > 0:
+        return PS_SIZES
+    return tuple(b for b in PS_SIZES if b <= PS_ALWAYS or 8 * b / wire_bps <= PS_WIRE_S)
 
 
 def ps_tables(

@@ -10,6 +10,12 @@ time steps with the size of a shard's message.
    Beside it, what `netpart plan --machines` prices (`netpart.partition.cluster`, with
    `--profile`): the longer of the exchange and the step's CPU over the share plus the
    exchange's busy time.
+   And the training job itself (`netpart train`, one replica of one worker and the same
+   shards, `--train-steps` steps of the digits, on a testbed of its own machines): its step
+   and its worker's CPU per step (the metrics' `cpu_s`, the first fifth of the steps left
+   out). Less the step beside the exchange, that is the training loop's own CPU a step
+   (binding fetched values, the gradient buffers, the batch, the metrics line):
+   `netpart.partition.cluster.LOOP_CPU_S`.
 2. **Sizes.** One sync client of 4 shards at 60 to 128 KiB a message: the step at 64 KiB
    that the tables' sizes keep off (`netpart.calibrate.pstables`).
 
@@ -28,6 +34,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +47,8 @@ from netpart.partition.cost import NetworkModel
 from netpart.testbed.bed import down, up
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ps_exchange_bench import role_out  # a sibling script
+from cluster_bench import measured_samples_per_s  # sibling scripts
+from ps_exchange_bench import role_out
 
 DIGITS_BYTES = 340_008  # digits-mlp's values, 4 bytes each: a replica's push, and its fetch
 MESSAGE_KIB = (60, 63, 64, 65, 72, 80, 96, 128)  # a message to each of 4 shards
@@ -89,8 +97,11 @@ dist.destroy_process_group()
 
 def run(bed: str, case: tuple, repeats: int, tmp: Path) -> tuple[float, float]:
     """(seconds, CPU seconds) per step of client 0 in `case`: (mode, shards, bytes, beside);
-    shards 0: the step alone on machine 0."""
+    shards 0: the step alone on machine 0; beside "train": the training job."""
     mode, shards, nbytes, beside = case
+    if beside == "train":
+        # a training job takes every machine of its testbed: the one of 1 + shards
+        return train(f"{bed}t", mode, shards, repeats, tmp / f"run{time.monotonic_ns()}")
     world = 1 + shards if shards else 1
     store = tmp / f"store{time.monotonic_ns()}"
     args = [str(world), str(shards), str(repeats), str(nbytes), str(store), mode,
@@ -99,9 +110,29 @@ def run(bed: str, case: tuple, repeats: int, tmp: Path) -> tuple[float, float]:
     return seconds, cpu
 
 
-def _cases(shards: int, nbytes: int) -> list[tuple]:
-    beside = [(m, shards, nbytes, b) for m in ("downpour", "sync") for b in (False, True)]
-    sizes = [("sync", 4, 4 * 1024 * k, False) for k in MESSAGE_KIB]
+def train(bed: str, mode: str, shards: int, steps: int, out: Path) -> tuple[float, float]:
+    """(seconds, CPU seconds of the worker's process) per step of digits-mlp trained by
+    `netpart train` on testbed `bed`, one replica of one worker and `shards` shards."""
+    argv = [sys.executable, "-m", "netpart", "train", "--testbed", bed, "--model", "digits-mlp",
+            "--mode", mode, "--replicas", "1", "--workers", "1", "--ps-shards", str(shards),
+            "--steps", str(steps), "--data", "digits", "--batch", "32", "--timeout", "60",
+            "--out", str(out)]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise SystemExit(f"train {mode}: exit {done.returncode}: {done.stderr.strip()[-600:]}")
+    lines = (out / "metrics_replica0.jsonl").read_text().splitlines()
+    rows = [json.loads(x) for x in lines[len(lines) // 5 :]]
+    cpu = sum(x["cpu_s"] for x in rows[1:]) / (len(rows) - 1)
+    seconds = 32 / measured_samples_per_s(out, 1)
+    shutil.rmtree(out, ignore_errors=True)
+    return seconds, cpu
+
+
+def _cases(shards: int, nbytes: int, only: set[str]) -> list[tuple]:
+    kinds = [b for b in (False, True, "train") if {False: "alone", True: "beside"}.get(b, b)
+             in only]  # fmt: skip
+    beside = [(m, shards, nbytes, b) for m in ("downpour", "sync") for b in kinds]
+    sizes = [("sync", 4, 4 * 1024 * k, False) for k in MESSAGE_KIB] if "sizes" in only else []
     return [("step", 0, 0, True), *beside, *sizes]
 
 
@@ -120,21 +151,30 @@ def main(argv=None) -> int:
     ap.add_argument("--shards", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--train-steps", type=int, default=1000)
+    ap.add_argument(
+        "--only",
+        default="alone,beside,train,sizes",
+        help="which cases beside the step alone (default: all)",
+    )
     ap.add_argument("--profile", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     name = f"bsb{os.getpid() % 100000}"
     tmp = Path(tempfile.mkdtemp(prefix="beside-"))
-    cases = _cases(args.shards, DIGITS_BYTES)
+    cases = _cases(args.shards, DIGITS_BYTES, set(args.only.split(",")))
     up(name, max(1 + args.shards, 5), cpu=args.cpu, rate=args.link)
+    up(f"{name}t", 1 + args.shards, cpu=args.cpu, rate=args.link)
     seen: dict[tuple, list] = {c: [] for c in cases}
     try:
         for k in range(args.rounds):
             for case in cases[k % len(cases) :] + cases[: k % len(cases)]:
-                seen[case].append(run(name, case, args.repeats, tmp))
+                steps = args.train_steps if case[3] == "train" else args.repeats
+                seen[case].append(run(name, case, steps, tmp))
             print(f"round {k + 1} done", flush=True)
     finally:
         down(name)
+        down(f"{name}t")
         shutil.rmtree(tmp, ignore_errors=True)
     rows = [{"mode": m, "shards": s, "bytes": b, "beside": bes,
              "seconds": statistics.median(t for t, _ in seen[(m, s, b, bes)]),
@@ -144,9 +184,18 @@ def main(argv=None) -> int:
     for r in rows:
         what = "step alone" if r["mode"] == "step" else (
             f"{r['mode']:<8} 1 client of {r['shards']} shards, {r['bytes'] / 1024:6.1f} KiB"
-            f"{', step beside' if r['beside'] else ''}")  # fmt: skip
+            f"{', the training job' if r['beside'] == 'train' else ''}"
+            f"{', step beside' if r['beside'] is True else ''}")  # fmt: skip
         print(f"{what}: {r['seconds'] * 1e3:6.2f} ms, CPU {r['cpu'] * 1e3:5.2f} ms")
+    for m in ("downpour", "sync"):
+        got = {r["beside"]: r["cpu"] for r in rows if r["mode"] == m and r["shards"] == args.shards}
+        if "train" in got and True in got:
+            print(
+                f"{m}: the training loop's own CPU a step {(got['train'] - got[True]) * 1e3:.2f} "
+                "ms (the training job's less the step beside the exchange)"
+            )
     result = {"cpu": args.cpu, "link": args.link, "repeats": args.repeats,
+              "train_steps": args.train_steps,
               "rounds": args.rounds, "profile": str(args.profile) if args.profile else None,
               "rows": rows}  # fmt: skip
     if args.profile is not None:

@@ -35,6 +35,10 @@ bandwidth):
   the share, plus the busy time (sync: the step's CPU leaves the exchange less of the
   quota; `benchmarks/beside_bench.py` measures a step beside an exchange against this
   price). The pricing above is for machines without such a measurement.
+- **the training loop's own CPU** (`LOOP_CPU_S` a step, either pricing): what a worker's
+  loop does beside its step and its exchange (binding fetched values, the gradient buffers,
+  the batch, the metrics line), on the worker's machine: in sync after the step; in
+  Downpour beside the exchange on the machine's core (over the share, on a quota).
 - **all-reduce**: M replicas of one worker; a ring all-reduce moves 2(M-1)/M of the model
   through each machine's link in 2(M-1) phases, then every replica applies the update to its
   whole model (`UPDATE_S_PER_VALUE` a value, over the share of a core a measured profile's
@@ -60,6 +64,7 @@ from netpart.partition.shards import ShardLayout
 
 __all__ = [
     "CLUSTER_SCHEMA",
+    "LOOP_CPU_S",
     "UPDATE_S_PER_VALUE",
     "ClusterAdvice",
     "Layout",
@@ -73,6 +78,10 @@ CLUSTER_SCHEMA = 1
 # A shard's Adagrad update of one value, on one core of this host (torch's fused kernel,
 # 16M values; benchmarks/update_bench.py). A machine description does not state it.
 UPDATE_S_PER_VALUE = 0.8e-9
+# A worker's training loop beyond its step and its exchange, CPU seconds a step (digits-mlp,
+# one worker, 1 and 3 shards, both modes, on 0.3-core testbed machines: the training job's
+# CPU less the step's beside the exchange; benchmarks/results/beside_bench_train_s*.json).
+LOOP_CPU_S = 0.4e-3
 
 
 @dataclass(frozen=True)
@@ -257,10 +266,10 @@ def _linked(network: NetworkModel, layout: Layout, mp: _ModelParallel, shards: S
     if layout.mode == "sync":  # pushes in (each worker's and the shard's links at once),
         # the update, fetches out
         into = np.maximum(shard_in, worker_push) + update + np.maximum(shard_out, worker_fetch)
-        return mp_s + float(into.max())
+        return mp_s + LOOP_CPU_S + float(into.max())
     # the courier carries a step's push and fetch at once (both ways, as `phase_s` prices
     # them) beside the next step
-    own = max(mp_s, worker_push, worker_fetch)
+    own = max(mp_s + LOOP_CPU_S, worker_push, worker_fetch)
     return max(own, float(np.maximum(np.maximum(shard_in, shard_out), update).max()))
 
 
@@ -272,7 +281,7 @@ def _measured(network: NetworkModel, layout: Layout, mp: _ModelParallel, shards:
     every n_push and n_fetch steps. Sync adds it to the step (its measured time holds the
     client's CPU); Downpour runs it beside the step where the worker's machine has room for
     the CPU it costs (its busy time). On a share of a core, either is at least the step's
-    CPU over the share plus that busy time."""
+    CPU over the share plus that busy time; either with the loop's own CPU."""
     ps: PsExchange = network.ps
     nbytes, held = bytes_
     per = 0.5 * (1 / every[0] + 1 / every[1])
@@ -288,9 +297,10 @@ def _measured(network: NetworkModel, layout: Layout, mp: _ModelParallel, shards:
     exchange = per * served
     # the machine's CPU in a step, over its share: the step's (alone, a short one ran within
     # the quota at a whole core's speed) and the exchange's
-    held_to = max(mp.step_s, ps.step_cpu_s(mp.cpu_s) / ps.share) + busy
-    if layout.mode == "sync":  # the exchange's time holds its CPU; a quota may hold both
-        return max(mp.step_s + exchange, held_to if ps.share < 1 else 0.0)
+    loop = LOOP_CPU_S / ps.share
+    held_to = max(mp.step_s, ps.step_cpu_s(mp.cpu_s) / ps.share) + busy + loop
+    if layout.mode == "sync":  # the exchange's time holds its CPU; a quota may hold all
+        return max(mp.step_s + LOOP_CPU_S + exchange, held_to if ps.share < 1 else 0.0)
     return max(held_to, exchange)
 
 

@@ -307,12 +307,14 @@ class _Metrics:
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._lines: list[str] = []
         self._flushed = time.monotonic()
+        self._cpu = time.process_time()
 
     def line(self, step, result, staleness, times, pushed, received) -> dict:
         """A step's metrics line; `received`: the client's count of values fetched so far
         (the replica's fetched bytes are this worker's, scaled to all its workers)."""
         take_s, data_s, step_s, ps_s = times
         fetched, self.received = (received - self.received) * self.scale, received
+        cpu, self._cpu = self._cpu, time.process_time()  # the process's, every thread's
         halo_s = sum(result.exchange_s.values())  # exposed: posting, waiting, the loss
         line = {
             "step": step,
@@ -327,6 +329,7 @@ class _Metrics:
             "halo_s": halo_s,
             "ps_s": take_s + ps_s,
             "data_s": data_s,
+            "cpu_s": self._cpu - cpu,
             "halo_bytes": self.halo_bytes,
             "ps_bytes": round(int(pushed) * self.ps_values + fetched) * self.size,
         }

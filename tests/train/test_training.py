@@ -450,6 +450,7 @@ def test_eval_reports_held_out_digits_accuracy(tmp_path, capsys):
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 240 and [x["time"] for x in lines] == sorted(x["time"] for x in lines)
     assert all(0 <= x["accuracy"] <= 1 and x["halo_bytes"] > 0 for x in lines)
+    assert all(x["cpu_s"] >= 0 for x in lines) and sum(x["cpu_s"] for x in lines) > 0
     for name in ("curves.png", "step_time.png", "staleness.png"):
         assert (run / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = (run / "report.md").read_text()

@@ -361,7 +361,8 @@ def calibrate(
             f"loss's collective {gather * 1e3:.2f} ms"
         )
     one = link["seconds"].get("1")  # one peer, each way at once: the link's rate
-    ps, ps_raw = ps_tables(runner, say, wire_bps=8 * LINK_SIZES[-1] / one[-1] if one else 0.0)
+    wire_bps = 8 * LINK_SIZES[-1] / one[-1] if one else 0.0
+    ps, ps_raw = ps_tables(runner, say, wire_bps=wire_bps, runs=repeats)
     plans = [(s, plan(s, 1, "metis", batch=batch), plan(s, 2, "metis", batch=batch)) for s in specs]
     wide = {n: [plan(s, n, "metis", batch=batch) for s in specs]
             for n in crowd_counts(runner.machines)}  # fmt: skip

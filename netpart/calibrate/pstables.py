@@ -3,8 +3,9 @@ measured with its own code (`netpart.ps.measure`) where the runner has machines 
 (a `ps` method: the hosts of a torchrun job or a testbed). Per mode (sync, Downpour), C clients
 whose values S shards hold in even parts, every pair with C <= PS_CLIENTS, S <= PS_SHARDS
 and C + S at most the machines, push and fetch each of PS_SIZES that the link carries within
-PS_WIRE_S: seconds per exchange, and the CPU a client spends on one over its machine's share of
-a core. The profile's `ps` (`netpart.partition.psx`)."""
+PS_WIRE_S (each PS_REPEATS times, in proportion to the calibration's runs of a step
+measurement, PS_RUNS by default): seconds per exchange, and the CPU a client spends on one
+over its machine's share of a core. The profile's `ps` (`netpart.partition.psx`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from typing import Any
 from netpart.partition.psx import PS_MODES, PsExchange
 from netpart.testbed.cgroups import MIN_QUOTA_US
 
-__all__ = ["PS_CLIENTS", "PS_SHARDS", "PS_SIZES", "per_size", "ps_sizes", "ps_tables"]
+__all__ = [
+    "PS_CLIENTS", "PS_RUNS", "PS_SHARDS", "PS_SIZES", "per_size", "ps_repeats", "ps_sizes",
+    "ps_tables",
+]  # fmt: skip
 
 # bytes a client pushes and fetches, and timed exchanges of each: more of the short ones (on
 # a fraction of a core, the periods a machine is throttled move the mean of a few), fewer
@@ -29,6 +33,7 @@ __all__ = ["PS_CLIENTS", "PS_SHARDS", "PS_SIZES", "per_size", "ps_sizes", "ps_ta
 PS_SIZES = (16_000, 64_000, 125_000, 250_000, 375_000, 500_000, 1_000_000, 4_000_000,
             16_000_000, 40_000_000)  # fmt: skip
 PS_REPEATS = (30, 30, 30, 30, 30, 30, 20, 10, 5, 3)
+PS_RUNS = 5  # the calibration's runs of a step measurement (`--repeats`) PS_REPEATS are for
 # A size whose bytes alone take longer than this on the measured link is not timed: there the
 # exchange is the wire's, which the table's last segment carries on (on 100 Mbit/s, 40 MB a
 # way is 3.2 s, and its repeats for every pair of a 6-machine cluster would take minutes).
@@ -46,11 +51,17 @@ def ps_sizes(wire_bps: float) -> tuple[int, ...]:
     return tuple(b for b in PS_SIZES if b <= PS_ALWAYS or 8 * b / wire_bps <= PS_WIRE_S)
 
 
+def ps_repeats(size: int, runs: int = PS_RUNS) -> int:
+    """Timed exchanges of `size` (one of PS_SIZES) where a step measurement has `runs` runs:
+    PS_REPEATS in proportion, at least 2 (fewer runs: a quicker, noisier calibration)."""
+    return max(2, round(dict(zip(PS_SIZES, PS_REPEATS, strict=True))[size] * runs / PS_RUNS))
+
+
 def ps_tables(
-    runner: Any, say: Callable[[str], None], *, wire_bps: float = 0.0
+    runner: Any, say: Callable[[str], None], *, wire_bps: float = 0.0, runs: int = PS_RUNS
 ) -> tuple[PsExchange | None, dict | None]:
     """The tables and their raw JSON, or (None, None) where the runner cannot measure them;
-    `wire_bps`: the link's measured rate (`ps_sizes`)."""
+    `wire_bps`: the link's measured rate (`ps_sizes`); `runs`: `ps_repeats`'."""
     if not hasattr(runner, "ps") or runner.machines < 2:
         return None, None
     sizes = ps_sizes(wire_bps)
@@ -65,7 +76,7 @@ def ps_tables(
             wall, busy, key = (("seconds", "busy", str(clients)) if shards == 1 else
                                ("spread", "spread_busy", str(shards)) if clients == 1 else
                                ("mesh", "mesh_busy", f"{clients}x{shards}"))  # fmt: skip
-            seconds, cpu = _measure(runner, mode, clients, shards, sizes)
+            seconds, cpu = _measure(runner, (mode, clients, shards), sizes, runs)
             raw[wall][mode][key] = [float(t) for t in seconds]
             raw[busy][mode][key] = [float(c) / runner.share for c in cpu]
             say(f"parameter server, {mode}, {clients} client(s) of {shards} shard(s), per "
@@ -76,11 +87,12 @@ def ps_tables(
     return PsExchange.from_dict(raw), raw
 
 
-def _measure(runner: Any, mode: str, clients: int, shards: int, sizes) -> tuple[list, list]:
-    """(seconds, CPU seconds) per exchange at each of `sizes`, a call per repeat count."""
-    at: dict[int, tuple[float, float]] = {}
-    repeats = dict(zip(PS_SIZES, PS_REPEATS, strict=True))
-    for n in sorted({repeats[b] for b in sizes}, reverse=True):  # the short ones first
+def _measure(runner: Any, config: tuple, sizes, runs: int) -> tuple[list, list]:
+    """(seconds, CPU seconds) per exchange at each of `sizes` in `config` (mode, clients,
+    shards), a call per repeat count."""
+    (mode, clients, shards), at = config, {}
+    repeats = {b: ps_repeats(b, runs) for b in sizes}
+    for n in sorted(set(repeats.values()), reverse=True):  # the short ones first
         some = tuple(b for b in sizes if repeats[b] == n)
         t, c = runner.ps(mode, clients, some, n, shards=shards)
         at.update(zip(some, zip(t, c, strict=True), strict=True))

@@ -78,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "torch", False):
             _load_torch()
         if getattr(args, "testbed", None):  # the same command, once on every machine of it
-            return testbed.on_testbed(args.testbed, _without_testbed(argv or sys.argv[1:]))
+            count = args.processes(args) if getattr(args, "processes", None) else None
+            rest = _without_testbed(argv or sys.argv[1:])
+            return testbed.on_testbed(args.testbed, rest, processes=count)
         return args.func(args)
     except NetpartError as exc:
         print(f"netpart: error: {exc}", file=sys.stderr)

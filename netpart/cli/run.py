@@ -83,7 +83,7 @@ def register(sub) -> None:
         help="print each worker's program (the instructions its process runs) before checking",
     )
     r.set_defaults(func=cmd_run, torch=True)
-    add_testbed_arg(c)
+    add_testbed_arg(c, processes=lambda args: args.workers)
     c.set_defaults(func=cmd_check, torch=True)
     _calibrate_parser(sub)
 
@@ -129,7 +129,8 @@ def _calibrate_parser(sub) -> None:
         "--repeats",
         type=positive_int,
         default=5,
-        help="runs of each step measurement (median; default 5)",
+        help="runs of each step measurement (median; default 5); the parameter server's "
+        "exchanges are timed as often in proportion (fewer: a quicker, noisier calibration)",
     )
     k.add_argument(
         "--timeout",

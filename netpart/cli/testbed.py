@@ -47,7 +47,9 @@ def register(sub) -> None:
     ls.set_defaults(func=cmd_list)
 
 
-def add_testbed_arg(parser: argparse.ArgumentParser) -> None:
+def add_testbed_arg(parser: argparse.ArgumentParser, processes=None) -> None:
+    """--testbed NAME; `processes(args)`: how many processes the job takes (None: it cannot
+    say before it starts), checked against the testbed's machines before anything starts."""
     parser.add_argument(
         "--testbed",
         default=None,
@@ -55,6 +57,7 @@ def add_testbed_arg(parser: argparse.ArgumentParser) -> None:
         help="run on testbed NAME (`netpart testbed up`), one process per machine (default: "
         "on this machine)",
     )
+    parser.set_defaults(processes=processes)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -86,16 +89,22 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def on_testbed(name: str, argv: list[str]) -> int:
+def on_testbed(name: str, argv: list[str], processes: int | None = None) -> int:
     """Run `netpart argv` (without --testbed) on every machine of testbed `name` under
     torchrun, one process a machine (static rendezvous on machine 0); the worst exit code.
-    One job at a time holds the testbed; whatever is left in its machines afterwards is
-    killed."""
+    A job of `processes` processes needs as many machines (PlanError at once). One job at a
+    time holds the testbed; whatever is left in its machines afterwards is killed."""
     from netpart.errors import PlanError
     from netpart.testbed import cgroups
     from netpart.testbed.bed import STATE, read
 
     bed = read(name)
+    if processes is not None and processes != bed.machines:
+        raise PlanError(
+            f"--testbed {name}: it has {bed.machines} machines and this job takes {processes} "
+            f"processes, one a machine; make one of {processes} (`netpart testbed up NAME "
+            f"--machines {processes}`) or change the job"
+        )
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     with open(STATE / f"{name}.json") as record:
         try:

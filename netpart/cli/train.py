@@ -118,7 +118,7 @@ def _train_parser(sub) -> None:
         "parameter-server layout `netpart plan --machines M` predicts for M machines like "
         "this one (or --profile/--machine)",
     )  # fmt: skip
-    add_testbed_arg(t)
+    add_testbed_arg(t, processes=_processes)
     t.set_defaults(func=cmd_train, torch=True)
 
 
@@ -264,11 +264,32 @@ def _config_flag(parser, defaults):
     return add
 
 
+def _processes(args: argparse.Namespace) -> int | None:
+    """The processes the job takes (None: a resume's or a saved plan's to say)."""
+    if args.resume is not None or args.plan is not None:
+        return None
+    if args.machines is not None:  # a layout of exactly M machines
+        return args.machines
+    from netpart.train.config import TrainConfig
+
+    if args.workers is None:
+        return None  # the job says what is missing
+    config = TrainConfig.from_dict({"shards": args.workers, **_given(args)}, "command line")
+    return config.world(args.workers)
+
+
+def _given(args: argparse.Namespace) -> dict:
+    """The job's config fields given on the command line."""
+    from netpart.train.job import FIELDS
+
+    return {k: getattr(args, k) for k in FIELDS if getattr(args, k) is not None}
+
+
 def _request(args: argparse.Namespace):
     """The flags as a `TrainRequest` (the job's rules are the train room's)."""
-    from netpart.train.job import FIELDS, TrainRequest
+    from netpart.train.job import TrainRequest
 
-    given = {k: getattr(args, k) for k in FIELDS if getattr(args, k) is not None}
+    given = _given(args)
     network = None
     if args.resume is None and args.plan is None:
         network = load_network(args.profile, machine=args.machine)

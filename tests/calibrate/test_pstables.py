@@ -2,7 +2,14 @@
 configurations it measures for the machines it has, each size's repeats, and the tables'
 keys and busy time as the profile's `ps` holds them."""
 
-from netpart.calibrate.pstables import PS_REPEATS, PS_SIZES, per_size, ps_sizes, ps_tables
+from netpart.calibrate.pstables import (
+    PS_REPEATS,
+    PS_SIZES,
+    per_size,
+    ps_repeats,
+    ps_sizes,
+    ps_tables,
+)
 
 
 class Runner:
@@ -55,3 +62,13 @@ def test_sizes_the_link_takes_seconds_over_are_not_timed():
     _, raw = ps_tables(runner, lambda line: None, wire_bps=100e6)
     assert raw["sizes"] == list(PS_SIZES[:-1]) and len(raw["seconds"]["sync"]["1"]) == 9
     assert {b for *_, sizes, _ in runner.calls for b in sizes} == set(PS_SIZES[:-1])
+
+
+def test_fewer_runs_time_fewer_exchanges_and_never_fewer_than_two():
+    assert [ps_repeats(b) for b in PS_SIZES] == list(PS_REPEATS)
+    assert [ps_repeats(b, 1) for b in PS_SIZES] == [6, 6, 6, 6, 6, 6, 4, 2, 2, 2]
+    runner = Runner(machines=2)
+    ps_tables(runner, lambda line: None, runs=10)
+    assert {(b, n) for *_, sizes, n in runner.calls for b in sizes} == {
+        (b, 2 * n) for b, n in zip(PS_SIZES, PS_REPEATS, strict=True)
+    }

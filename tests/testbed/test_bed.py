@@ -58,7 +58,7 @@ def test_a_job_runs_one_worker_on_each_machine_and_down_leaves_nothing(capsys):
         assert sorted(seen) == [0, 1] and seen[0] != seen[1]
         # a job of another size is refused in one line before anything starts
         train = ["train", "--testbed", name, "--model", "tiny-mlp", "--workers", "1",
-                 "--ps-shards", "2", "--out", "/nonexistent/never"]  # fmt: skip
+                 "--replicas", "1", "--ps-shards", "2", "--out", "/nonexistent/never"]  # fmt: skip
         assert main(train) == 2 and main(["check", *train[1:5], "--workers", "3"]) == 2
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 2 and all("2 machines and this job takes 3 processes" in e for e in err)

@@ -34,7 +34,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,12 +41,13 @@ from pathlib import Path
 
 from netpart.files import write_atomic
 from netpart.models import load_spec
-from netpart.partition.cluster import advise
+from netpart.partition.cluster import Layout, advise
 from netpart.partition.cost import NetworkModel
 from netpart.testbed.bed import down, up
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster_bench import measured_samples_per_s  # sibling scripts
+from cluster_bench import BATCH  # sibling scripts
+from cluster_bench import train as train_layout
 from ps_exchange_bench import role_out
 
 DIGITS_BYTES = 340_008  # digits-mlp's values, 4 bytes each: a replica's push, and its fetch
@@ -113,19 +113,13 @@ def run(bed: str, case: tuple, repeats: int, tmp: Path) -> tuple[float, float]:
 def train(bed: str, mode: str, shards: int, steps: int, out: Path) -> tuple[float, float]:
     """(seconds, CPU seconds of the worker's process) per step of digits-mlp trained by
     `netpart train` on testbed `bed`, one replica of one worker and `shards` shards."""
-    argv = [sys.executable, "-m", "netpart", "train", "--testbed", bed, "--model", "digits-mlp",
-            "--mode", mode, "--replicas", "1", "--workers", "1", "--ps-shards", str(shards),
-            "--steps", str(steps), "--data", "digits", "--batch", "32", "--timeout", "60",
-            "--out", str(out)]  # fmt: skip
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=900)
-    if done.returncode != 0:
-        raise SystemExit(f"train {mode}: exit {done.returncode}: {done.stderr.strip()[-600:]}")
+    job = argparse.Namespace(model="digits-mlp", steps=steps, data="digits")
+    samples_per_s = train_layout(bed, Layout(mode, 1, 1, shards), job, out)
     lines = (out / "metrics_replica0.jsonl").read_text().splitlines()
     rows = [json.loads(x) for x in lines[len(lines) // 5 :]]
     cpu = sum(x["cpu_s"] for x in rows[1:]) / (len(rows) - 1)
-    seconds = 32 / measured_samples_per_s(out, 1)
     shutil.rmtree(out, ignore_errors=True)
-    return seconds, cpu
+    return BATCH / samples_per_s, cpu
 
 
 def _cases(shards: int, nbytes: int, only: set[str]) -> list[tuple]:

@@ -101,13 +101,18 @@ def run(bed: str, case: tuple, repeats: int, tmp: Path) -> tuple[float, float]:
     mode, shards, nbytes, beside = case
     if beside == "train":
         # a training job takes every machine of its testbed: the one of 1 + shards
-        return train(f"{bed}t", mode, shards, repeats, tmp / f"run{time.monotonic_ns()}")
+        return train(_train_bed(bed), mode, shards, repeats, tmp / f"run{time.monotonic_ns()}")
     world = 1 + shards if shards else 1
     store = tmp / f"store{time.monotonic_ns()}"
     args = [str(world), str(shards), str(repeats), str(nbytes), str(store), mode,
             "beside" if beside else "alone"]  # fmt: skip
     seconds, cpu = json.loads(role_out(bed, ROLE, world, args, str(case)))
     return seconds, cpu
+
+
+def _train_bed(name: str) -> str:
+    """The testbed of 1 + shards machines beside testbed `name`, for the training job."""
+    return f"{name}t"
 
 
 def train(bed: str, mode: str, shards: int, steps: int, out: Path) -> tuple[float, float]:
@@ -158,7 +163,9 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="beside-"))
     cases = _cases(args.shards, DIGITS_BYTES, set(args.only.split(",")))
     up(name, max(1 + args.shards, 5), cpu=args.cpu, rate=args.link)
-    up(f"{name}t", 1 + args.shards, cpu=args.cpu, rate=args.link)
+    trains = any(case[3] == "train" for case in cases)
+    if trains:
+        up(_train_bed(name), 1 + args.shards, cpu=args.cpu, rate=args.link)
     seen: dict[tuple, list] = {c: [] for c in cases}
     try:
         for k in range(args.rounds):
@@ -168,7 +175,8 @@ def main(argv=None) -> int:
             print(f"round {k + 1} done", flush=True)
     finally:
         down(name)
-        down(f"{name}t")
+        if trains:
+            down(_train_bed(name))
         shutil.rmtree(tmp, ignore_errors=True)
     rows = [{"mode": m, "shards": s, "bytes": b, "beside": bes,
              "seconds": statistics.median(t for t, _ in seen[(m, s, b, bes)]),

@@ -54,7 +54,7 @@ def ps_sizes(wire_bps: float) -> tuple[int, ...]:
 def ps_repeats(size: int, runs: int = PS_RUNS) -> int:
     """Timed exchanges of `size` (one of PS_SIZES) where a step measurement has `runs` runs:
     PS_REPEATS in proportion, at least 2 (fewer runs: a quicker, noisier calibration)."""
-    return max(2, round(dict(zip(PS_SIZES, PS_REPEATS, strict=True))[size] * runs / PS_RUNS))
+    return max(2, round(PS_REPEATS[PS_SIZES.index(size)] * runs / PS_RUNS))
 
 
 def ps_tables(
@@ -76,7 +76,7 @@ def ps_tables(
             wall, busy, key = (("seconds", "busy", str(clients)) if shards == 1 else
                                ("spread", "spread_busy", str(shards)) if clients == 1 else
                                ("mesh", "mesh_busy", f"{clients}x{shards}"))  # fmt: skip
-            seconds, cpu = _measure(runner, (mode, clients, shards), sizes, runs)
+            seconds, cpu = _measure(runner, mode, clients, shards, sizes, runs=runs)
             raw[wall][mode][key] = [float(t) for t in seconds]
             raw[busy][mode][key] = [float(c) / runner.share for c in cpu]
             say(f"parameter server, {mode}, {clients} client(s) of {shards} shard(s), per "
@@ -87,10 +87,11 @@ def ps_tables(
     return PsExchange.from_dict(raw), raw
 
 
-def _measure(runner: Any, config: tuple, sizes, runs: int) -> tuple[list, list]:
-    """(seconds, CPU seconds) per exchange at each of `sizes` in `config` (mode, clients,
-    shards), a call per repeat count."""
-    (mode, clients, shards), at = config, {}
+def _measure(
+    runner: Any, mode: str, clients: int, shards: int, sizes, *, runs: int
+) -> tuple[list, list]:
+    """(seconds, CPU seconds) per exchange at each of `sizes`, a call per repeat count."""
+    at: dict[int, tuple[float, float]] = {}
     repeats = {b: ps_repeats(b, runs) for b in sizes}
     for n in sorted(set(repeats.values()), reverse=True):  # the short ones first
         some = tuple(b for b in sizes if repeats[b] == n)

@@ -46,7 +46,7 @@ from netpart.partition.cost import NetworkModel
 from netpart.testbed.bed import down, up
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster_bench import BATCH  # sibling scripts
+from cluster_bench import BATCH, parts  # sibling scripts
 from cluster_bench import train as train_layout
 from ps_exchange_bench import role_out
 
@@ -120,9 +120,7 @@ def train(bed: str, mode: str, shards: int, steps: int, out: Path) -> tuple[floa
     `netpart train` on testbed `bed`, one replica of one worker and `shards` shards."""
     job = argparse.Namespace(model="digits-mlp", steps=steps, data="digits")
     samples_per_s = train_layout(bed, Layout(mode, 1, 1, shards), job, out)
-    lines = (out / "metrics_replica0.jsonl").read_text().splitlines()
-    rows = [json.loads(x) for x in lines[len(lines) // 5 :]]
-    cpu = sum(x["cpu_s"] for x in rows[1:]) / (len(rows) - 1)
+    cpu = parts(out, 1)["cpu_s"]
     shutil.rmtree(out, ignore_errors=True)
     return BATCH / samples_per_s, cpu
 

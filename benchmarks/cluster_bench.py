@@ -13,8 +13,10 @@ DistributedDataParallel: netpart's reference module of the model (`build_referen
 process per machine, the same batches, Adagrad at netpart's default rate (torch's fused
 kernel, as netpart's shards run it), subnormals flushed as netpart's processes do. Measured
 samples/s: each replica's steps after the first fifth over the time they took (netpart: its
-metrics; DDP: rank 0's clock), summed over replicas.
-Needs root.
+metrics; DDP: rank 0's clock), summed over replicas. Where a netpart run's steps went is
+kept beside it (`parts`, from its metrics: compute, halo exchange, parameter-server exchange,
+batch, the worker's CPU), and the model-parallel step the planner predicted for its N, so a
+miss shows its cause. Needs root.
 
     python benchmarks/cluster_bench.py --machines 4 --out benchmarks/results/cluster_bench_m4.json
 """
@@ -38,6 +40,7 @@ from netpart.models import load_spec
 from netpart.partition.cluster import advise
 from netpart.partition.cost import NetworkModel
 from netpart.partition.machine import Machine, read_machine
+from netpart.partition.planner import plan
 from netpart.testbed import netns
 from netpart.testbed.bed import down, up
 from netpart.train.config import DEFAULT_LR
@@ -65,16 +68,26 @@ model = build_reference(spec)
 net = DistributedDataParallel(model)
 opt = torch.optim.Adagrad(net.parameters(), lr=lr, fused=True)  # as netpart's shards
 source = load_data(data, spec)
-stamps = []
+stamps, parts = [], []  # parts: seconds of the batch, forward, backward (with the
+# all-reduce, which DDP runs from backward's hooks), update; CPU seconds of the process
+last, cpu = time.perf_counter(), time.process_time()
 for t in range(1, steps + 1):
     x, y = source.batch(rank, world, t, batch, torch.float32)
+    a = time.perf_counter()
     opt.zero_grad()
-    model.loss(net(x), y).backward()
+    loss = model.loss(net(x), y)
+    b = time.perf_counter()
+    loss.backward()
+    c = time.perf_counter()
     opt.step()
+    d, now = time.perf_counter(), time.process_time()
     stamps.append(time.time())
+    parts.append([a - last, b - a, c - b, d - c, now - cpu])
+    last, cpu = d, now
 dist.destroy_process_group()
-print(json.dumps(stamps))
+print(json.dumps({"stamps": stamps, "parts": parts}))
 """
+DDP_PARTS = ("data_s", "forward_s", "backward_s", "update_s", "cpu_s")
 
 
 def on_share(machine: Machine, share: float, link_bps: float) -> Machine:
@@ -106,6 +119,24 @@ def measured_samples_per_s(run: Path, replicas: int) -> float:
     return total
 
 
+PARTS = ("step_s", "compute_s", "halo_s", "ps_s", "data_s", "cpu_s")
+
+
+def parts(run: Path, replicas: int) -> dict[str, float]:
+    """Where a run's steps went: netpart's, the mean of each of `PARTS` (its metrics lines:
+    the step, its compute, halo exchange, parameter-server exchange, batch, and the worker's
+    CPU) over each replica's steps after the first fifth, averaged over the replicas; DDP's,
+    rank 0's (`DDP_PARTS`, written by `_ddp`)."""
+    if (run / "parts.json").exists():
+        return json.loads((run / "parts.json").read_text())
+    means = []
+    for r in range(replicas):
+        rows = [json.loads(x) for x in (run / f"metrics_replica{r}.jsonl").read_text().splitlines()]
+        rows = rows[len(rows) // 5 + 1 :]
+        means.append([statistics.fmean(x[k] for x in rows) for k in PARTS])
+    return {k: statistics.fmean(m[i] for m in means) for i, k in enumerate(PARTS)}
+
+
 def train(bed: str, layout, args, run: Path) -> float:
     """Samples/s of `layout` trained on testbed `bed`: netpart's, or DDP's for all-reduce."""
     if layout.mode == "allreduce":
@@ -121,17 +152,21 @@ def train(bed: str, layout, args, run: Path) -> float:
     return measured_samples_per_s(run, layout.replicas)
 
 
-def _round(k: int, bed: str, layouts, args, tmp: Path, seen: dict[str, list[float]]) -> float:
+def _round(k: int, bed: str, layouts, args, tmp: Path, seen: dict, split: dict) -> float:
     """Round k: every layout once, in an order rotated by k (each measurement appended to
-    `seen`); the median speed probe of this host while it ran (CPU seconds)."""
+    `seen`, its `parts` to `split`); the median speed probe of this host while it
+    ran (CPU seconds)."""
     with SpeedProbe(every=1.0) as probe:
         for f in layouts[k % len(layouts) :] + layouts[: k % len(layouts)]:
             run = tmp / f"r{k}-{str(f.layout).replace(' ', '_')}"
             seen[str(f.layout)].append(train(bed, f.layout, args, run))
-            shutil.rmtree(run, ignore_errors=True)
             got = seen[str(f.layout)][-1]
-            print(f"round {k + 1}: {f.layout!s:<16} measured {got:9,.0f} samples/s, "
-                  f"predicted {f.samples_per_s:9,.0f}", flush=True)  # fmt: skip
+            split[str(f.layout)].append(parts(run, f.layout.replicas))
+            where = ", ".join(f"{part.removesuffix('_s')} {v * 1e3:.2f}"
+                              for part, v in split[str(f.layout)][-1].items())  # fmt: skip
+            shutil.rmtree(run, ignore_errors=True)
+            print(f"round {k + 1}: {f.layout!s:<16} measured {got:9,.0f} samples/s, predicted "
+                  f"{f.samples_per_s:9,.0f} (ms a step: {where})", flush=True)  # fmt: skip
     print(f"round {k + 1}: speed probe {probe.median() * 1e3:.2f} ms", flush=True)
     return probe.median()
 
@@ -141,9 +176,13 @@ def _ddp(bed: str, machines: int, args, run: Path) -> float:
     run.mkdir(parents=True, exist_ok=True)
     argv = [str(machines), str(args.steps), str(BATCH), str(run / "store"), args.model,
             args.data, str(DEFAULT_LR["adagrad"])]  # fmt: skip
-    stamps = json.loads(role_out(bed, DDP, machines, argv, f"all-reduce x{machines}"))
-    stamps = stamps[len(stamps) // 5 :]
-    return machines * BATCH * (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    out = json.loads(role_out(bed, DDP, machines, argv, f"all-reduce x{machines}"))
+    first = len(out["stamps"]) // 5
+    stamps, steps = out["stamps"][first:], out["parts"][first + 1 :]
+    step_s = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    means = {k: statistics.fmean(x[i] for x in steps) for i, k in enumerate(DDP_PARTS)}
+    write_atomic(run / "parts.json", json.dumps({"step_s": step_s, **means}).encode())
+    return machines * BATCH / step_s
 
 
 def _verdict(rows: list[dict], advice) -> None:
@@ -219,20 +258,26 @@ def main(argv=None) -> int:
     name = f"cb{os.getpid() % 100000}"
     up(name, args.machines, cpu=args.cpu, rate=args.link)
     seen: dict[str, list[float]] = {str(f.layout): [] for f in layouts}
+    split: dict[str, list[dict]] = {str(f.layout): [] for f in layouts}
     tmp = Path(tempfile.mkdtemp(prefix="cluster-bench-"))
     try:
-        probes = [_round(k, name, layouts, args, tmp, seen) for k in range(args.rounds)]
+        probes = [_round(k, name, layouts, args, tmp, seen, split) for k in range(args.rounds)]
     finally:
         down(name)
         shutil.rmtree(tmp, ignore_errors=True)
     if network.probe_s > 0:
         print("speed probe per round / the profile's: "
               + ", ".join(f"{p / network.probe_s:.2f}" for p in probes))  # fmt: skip
+    spec = load_spec(args.model)
+    mp = {n: plan(spec, n, seed=0, batch=BATCH, network=network).metrics.predicted_step_s
+          for n in {f.layout.workers for f in layouts}}  # fmt: skip
     rows = []
     for f in layouts:
         got = statistics.median(seen[str(f.layout)])
         rows.append({"layout": str(f.layout), "predicted": f.samples_per_s, "measured": got,
-                     "rounds": seen[str(f.layout)], "ratio": got / f.samples_per_s})  # fmt: skip
+                     "rounds": seen[str(f.layout)], "ratio": got / f.samples_per_s,
+                     "parts": split[str(f.layout)], "predicted_step_s": f.step_s,
+                     "predicted_mp_step_s": mp[f.layout.workers]})  # fmt: skip
     _verdict(rows, advice)
     if args.out is not None:
         result = {"machines": args.machines, "cpu": args.cpu, "link": args.link,

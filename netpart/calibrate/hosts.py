@@ -32,7 +32,7 @@ from netpart.partition.psx import PS_MODES
 from netpart.partition.schedule import SPLIT_MIN_FLOPS, plan_schedule
 from netpart.processes.groups import new_groups
 from netpart.processes.launcher import join_group, yield_io_threads
-from netpart.ps.measure import ps_loop
+from netpart.ps.measure import ALLREDUCE, ps_loop
 from netpart.runtime.check import make_batch
 from netpart.runtime.step import exchange_loop, link_loop, step_loop, warmup_steps
 from netpart.runtime.transport import PEER_LOST, GlooTransport
@@ -120,7 +120,8 @@ class HostsRunner:
 
     def ps(self, mode: str, clients: int, sizes: tuple[int, ...], repeats: int, shards: int = 1):
         """(seconds, CPU seconds) per exchange of the parameter server's clients, each size
-        (`netpart.ps.measure`): `clients` ranks and `shards` shards on the next."""
+        (`netpart.ps.measure`): `clients` ranks and `shards` shards on the next (mode
+        `ALLREDUCE`, no shards: `clients` ranks all-reducing)."""
         cmd = {"op": "ps", "mode": mode, "clients": clients, "sizes": [int(b) for b in sizes],
                "repeats": repeats, "shards": shards}  # fmt: skip
         self._commands.send(cmd)
@@ -190,7 +191,9 @@ class HostsRunner:
         world = clients + shards
         if self.rank >= world:
             return np.zeros(0), np.zeros(0)
-        if cmd["mode"] not in PS_MODES or clients < 1 or shards < 1 or world > self.machines:
+        ring = cmd["mode"] == ALLREDUCE and clients >= 2 and shards == 0
+        served = cmd["mode"] in PS_MODES and clients >= 1 and shards >= 1
+        if not (ring or served) or world > self.machines:
             raise ValueError(f"mode {cmd['mode']!r}, {clients} clients, {shards} shards")
         group = self._groups[world]
         seconds, cpu = ps_loop(group, self.rank, cmd["mode"], cmd["sizes"], int(cmd["repeats"]),

@@ -5,7 +5,9 @@ whose values S shards hold in even parts, every pair with C <= PS_CLIENTS, S <= 
 and C + S at most the machines, push and fetch each of PS_SIZES that the link carries within
 PS_WIRE_S (each PS_REPEATS times, in proportion to the calibration's runs of a step
 measurement, PS_RUNS by default): seconds per exchange, and the CPU a client spends on one
-over its machine's share of a core. The profile's `ps` (`netpart.partition.psx`)."""
+over its machine's share of a core. And per number of machines M from 2 to all of them, M
+ranks all-reducing each size (the ring DistributedDataParallel's replicas run a step), its
+seconds and CPU likewise. The profile's `ps` (`netpart.partition.psx`)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from netpart.partition.psx import PS_MODES, PsExchange
+from netpart.ps.measure import ALLREDUCE
 from netpart.testbed.cgroups import MIN_QUOTA_US
 
 __all__ = [
@@ -84,6 +87,12 @@ def ps_tables(
     for wall, busy in (("spread", "spread_busy"), ("mesh", "mesh_busy")):
         if not all(raw[wall].values()):  # too few machines for any such pair
             del raw[wall], raw[busy]
+    raw.update(allreduce={}, allreduce_busy={})
+    for machines in range(2, runner.machines + 1):
+        seconds, cpu = _measure(runner, ALLREDUCE, machines, 0, sizes, runs=runs)
+        raw["allreduce"][str(machines)] = [float(t) for t in seconds]
+        raw["allreduce_busy"][str(machines)] = [float(c) / runner.share for c in cpu]
+        say(f"all-reduce among {machines} machines: {per_size(sizes, seconds)}")
     return PsExchange.from_dict(raw), raw
 
 

@@ -42,7 +42,9 @@ bandwidth):
 - **all-reduce**: M replicas of one worker; a ring all-reduce moves 2(M-1)/M of the model
   through each machine's link in 2(M-1) phases, then every replica applies the update to its
   whole model (`UPDATE_S_PER_VALUE` a value, over the share of a core a measured profile's
-  machines had). Only where one machine holds the model.
+  machines had). A profile that measured the all-reduce on its machines
+  (`PsExchange.allreduce_s`) prices the ring off that; otherwise its phases are priced off
+  the link (`phase_s`). Only where one machine holds the model.
 - **memory per machine**: a worker holds its values, their gradients and a fetched copy, and
   its activations (every layer's outputs, forward and backward, `batch` examples, / N); a
   shard its values and Adagrad's accumulator; all-reduce a whole replica and its gradients.
@@ -306,8 +308,10 @@ def _measured(network: NetworkModel, layout: Layout, mp: _ModelParallel, shards:
 
 def _allreduce(spec, machines: int, step_one: float, values: int, network, batch: int):
     """All-reduce with `machines` replicas of one worker each."""
-    ring = allreduce_s(values, machines, network)
-    share = network.ps.share if network.ps is not None else 1.0
+    ps: PsExchange | None = network.ps
+    ring = ps.allreduce_s(machines, BYTES_PER_VALUE * values) if ps is not None else 0.0
+    ring = ring or allreduce_s(values, machines, network)
+    share = ps.share if ps is not None else 1.0
     step = step_one + ring + values * UPDATE_S_PER_VALUE / share
     link = 2 * (machines - 1) / machines * BYTES_PER_VALUE * values if machines > 1 else 0.0
     acts = sum(s.size for s in spec.shapes)

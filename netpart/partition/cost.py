@@ -203,7 +203,8 @@ class NetworkModel:
             if self.layers:
                 link += f", {len(self.layers)} layers' own slice tables"
             if self.ps is not None:
-                link += ", the parameter server's exchange measured"
+                ring = " and the all-reduce" if self.ps.allreduce else ""
+                link += f", the parameter server's exchange{ring} measured"
             if self.slice_scale != 1.0:  # fitted, or --net speed=
                 link += f", slice times x{self.slice_scale:.3g}"
             caveat = f"; WARNING: {self.caveat}" if self.caveat else ""

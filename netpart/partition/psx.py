@@ -24,17 +24,24 @@ time the quota grants a period, which a shorter burst runs within at a whole cor
 `step_cpu_s` says what CPU a step timed alone took: what a worker's machine runs in a step
 besides its exchange's, within the same quota (`netpart.partition.cluster`).
 
+And the parameter server's alternative on the same machines (`allreduce`, per number of
+machines M >= 2, and `allreduce_busy`): the seconds of a ring all-reduce of B bytes among M
+machines, as DistributedDataParallel's replicas run one a step. More machines than measured:
+the most measured K's time for the bytes each of M's 2(M - 1) phases moves, times (M - 1) /
+(K - 1) (`allreduce_s`).
+
 A shard with more clients than were measured serves their bytes as the most clients
 measured would (the same bytes through the shard: `seconds_s` reads that table at k / K
 times the bytes); a client of more shards than were measured, as the most shards measured.
 
-JSON (in a profile's model, as `ps`; `spread`, `spread_busy`, `mesh`, `mesh_busy`, `share`
-(default 1) and `quota_s` (default 0) may be absent):
+JSON (in a profile's model, as `ps`; `spread`, `spread_busy`, `mesh`, `mesh_busy`,
+`allreduce`, `allreduce_busy`, `share` (default 1) and `quota_s` (default 0) may be absent):
 `{"sizes": [bytes, ...], "share": 0.3, "quota_s": 0.001,
   "seconds": {"sync"|"downpour": {"<clients>": [s, ...]}},
   "busy": {"sync"|"downpour": {"<clients>": [s, ...]}},
   "spread": {"sync"|"downpour": {"<shards>": [s, ...]}}, "spread_busy": {...},
-  "mesh": {"sync"|"downpour": {"<clients>x<shards>": [s, ...]}}, "mesh_busy": {...}}`.
+  "mesh": {"sync"|"downpour": {"<clients>x<shards>": [s, ...]}}, "mesh_busy": {...},
+  "allreduce": {"<machines>": [s, ...]}, "allreduce_busy": {...}}`.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from netpart.partition.tables import read_table, table_points
 __all__ = ["PS_MODES", "PsExchange"]
 
 PS_MODES = ("sync", "downpour")
+ALL = "all"  # the one "mode" of the all-reduce tables, as `_tables` reads them
 Tables = dict[str, dict[int, tuple[tuple[float, float], ...]]]
 Mesh = dict[str, dict[tuple[int, int], tuple[tuple[float, float], ...]]]
 
@@ -63,6 +71,8 @@ class PsExchange:
     spread_busy: Tables = field(default_factory=dict)
     mesh: Mesh = field(default_factory=dict)  # mode -> (clients, shards), both >= 2 -> points
     mesh_busy: Mesh = field(default_factory=dict)
+    allreduce: dict[int, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    allreduce_busy: dict[int, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     share: float = 1.0  # of a core, each measured machine's
     quota_s: float = 0.0  # CPU seconds its quota grants a period (0: not known)
 
@@ -105,6 +115,18 @@ class PsExchange:
             return float(read_table(_nearest(table, shards), np.array(nbytes)))
         return float(read_table(_nearest(self.busy[mode], 1), np.array(nbytes)))
 
+    def allreduce_s(self, machines: int, nbytes: float, busy: bool = False) -> float:
+        """A ring all-reduce of `nbytes` among `machines` (`busy`: the seconds it keeps each
+        machine busy); 0 where none was measured (module docstring)."""
+        table = self.allreduce_busy if busy else self.allreduce
+        if machines < 2 or not table:
+            return 0.0
+        most = max(table)
+        if machines <= most:
+            return float(read_table(_nearest(table, machines), np.array(nbytes)))
+        per_phase = nbytes * most / machines  # each phase's bytes, as `most` machines move them
+        return float(read_table(table[most], np.array(per_phase))) * (machines - 1) / (most - 1)
+
     def step_cpu_s(self, step_s: float) -> float:
         """The CPU a step that took `step_s` alone is charged on a measured machine's quota.
         Within the quota a step runs at a whole core's speed: its time. That over-counts its
@@ -130,6 +152,9 @@ class PsExchange:
         for what in ("spread", "spread_busy", "mesh", "mesh_busy"):
             if getattr(self, what):
                 out[what] = lists(getattr(self, what))
+        for what in ("allreduce", "allreduce_busy"):
+            if getattr(self, what):
+                out[what] = lists({ALL: getattr(self, what)})[ALL]
         return out
 
     @classmethod
@@ -147,6 +172,10 @@ class PsExchange:
         optional = {what: {} if data.get(what) is None
                     else _tables(data[what], sizes, what, count, key)
                     for what, (count, key) in readers.items()}  # fmt: skip
+        for what in ("allreduce", "allreduce_busy"):  # one table for every mode: ALL's
+            if data.get(what) is not None:
+                raw = {ALL: data[what]}
+                optional[what] = _tables(raw, sizes, what, "machines >= 2", _machines, (ALL,))[ALL]
         share, quota = data.get("share", 1.0), data.get("quota_s", 0.0)
         if not all(isinstance(v, int | float) for v in (share, quota)) or not (
             0 < share <= 1 and quota >= 0
@@ -188,11 +217,17 @@ def _pair(key: Any) -> tuple[int, int] | None:
     return (int(c), int(k)) if ok else None
 
 
-def _tables(raw: Any, sizes: list[float], what: str, count: str, key=_count) -> Any:
-    """`ps.<what>`: mode -> "<count>" -> a time per size, checked (ValueError); `key` reads
-    a count (None: not one)."""
-    if not isinstance(raw, dict) or set(raw) != set(PS_MODES):
-        raise ValueError(f"ps.{what} needs a table per mode ({', '.join(PS_MODES)})")
+def _machines(key: Any) -> int | None:
+    """An all-reduce table's key: machines, at least 2 (None: not one)."""
+    return int(key) if str(key).isdigit() and int(key) >= 2 else None
+
+
+def _tables(raw: Any, sizes: list[float], what: str, count: str, key=_count,
+            modes: tuple[str, ...] = PS_MODES) -> Any:  # fmt: skip
+    """`ps.<what>`: mode (of `modes`) -> "<count>" -> a time per size, checked (ValueError);
+    `key` reads a count (None: not one)."""
+    if not isinstance(raw, dict) or set(raw) != set(modes):
+        raise ValueError(f"ps.{what} needs a table per mode ({', '.join(modes)})")
     tables: dict = {}
     for mode, per in raw.items():
         if not isinstance(per, dict) or not per:

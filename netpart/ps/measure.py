@@ -10,6 +10,11 @@ limit).
 
 The group's last ranks are the shards (calibration: one); ranks 0..clients-1 are the clients
 (replica = rank).
+
+Beside it, what the parameter server's alternative does (mode `ALLREDUCE`, no shards): every
+rank of the group all-reduces the bytes, gloo's ring, as DistributedDataParallel's replicas
+all-reduce their gradients a step (what `netpart plan --machines` prices an all-reduce layout
+from).
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ from netpart.ps.optimizer import Optimizer
 from netpart.ps.rules import make_rule
 from netpart.ps.server import ShardServer, ShardSetup, ShardState
 
-__all__ = ["flat_layout", "ps_loop"]
+__all__ = ["ALLREDUCE", "flat_layout", "ps_loop"]
 
 WARM = 3  # untimed exchanges before each size's timed ones
+ALLREDUCE = "allreduce"  # the mode of every rank all-reducing (no shards)
 
 
 def flat_layout(values: int, shards: int = 1) -> ShardLayout:
@@ -58,7 +64,10 @@ def ps_loop(
     per exchange and its process's CPU seconds per exchange, all threads (a shard: zeros).
     `beside`: run by a client before each request, as a training step runs before its push
     (sync: then the exchange; Downpour: beside the one in flight); the calibration runs
-    none."""
+    none. Mode `ALLREDUCE` (`shards` 0): every rank all-reduces each size, its seconds and
+    CPU seconds per all-reduce."""
+    if mode == ALLREDUCE:
+        return _allreduce(group, sizes, repeats)
     clients = group.size() - shards
     seconds, cpu = [], []
     for size in sizes:
@@ -116,3 +125,21 @@ def _client(layout, group, rank: int, mode: str, repeats: int, beside=None) -> t
     used = (time.process_time() - cpu_at) / repeats
     client.close()
     return (stamps[-2] - stamps[WARM]) / (repeats - 1), used
+
+
+def _allreduce(group, sizes: list[int], repeats: int) -> tuple[list[float], list[float]]:
+    """(seconds, CPU seconds) per all-reduce of each size's float32 values over `group`, the
+    means of `repeats` (at least 2) back to back after WARM untimed, as a training step's
+    all-reduce follows the last one."""
+    seconds, cpu = [], []
+    for size in sizes:
+        grads = torch.zeros(max(int(size) // 4, 1))  # sums stay 0: no overflow, no subnormals
+        for _ in range(WARM):
+            dist.all_reduce(grads, group=group)
+        start, used = time.perf_counter(), time.process_time()
+        for _ in range(repeats):
+            dist.all_reduce(grads, group=group)
+        seconds.append((time.perf_counter() - start) / repeats)
+        cpu.append((time.process_time() - used) / repeats)
+        dist.barrier(group=group)
+    return seconds, cpu

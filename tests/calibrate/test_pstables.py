@@ -29,7 +29,9 @@ def test_every_pair_of_clients_and_shards_the_machines_allow():
     ps, raw = ps_tables(runner, lambda line: None)
     configs = {(m, k, s) for m, k, s, _, _ in runner.calls}
     assert configs == {(m, k, s) for m in ("sync", "downpour")
-                       for k, s in ((1, 1), (2, 1), (3, 1), (1, 2), (1, 3), (2, 2))}  # fmt: skip
+                       for k, s in ((1, 1), (2, 1), (3, 1), (1, 2), (1, 3), (2, 2))} | {
+        ("allreduce", m, 0) for m in (2, 3, 4)  # every number of machines all-reducing
+    }  # fmt: skip
     for _, _, _, sizes, repeats in runner.calls:
         assert all(PS_REPEATS[PS_SIZES.index(b)] == repeats for b in sizes)
     assert set(raw["seconds"]["sync"]) == {"1", "2", "3"}
@@ -40,6 +42,9 @@ def test_every_pair_of_clients_and_shards_the_machines_allow():
     assert ps.spread_s("sync", 3, float(PS_SIZES[2])) == 1e-9 * PS_SIZES[2] * 31
     assert ps.exchange_s("sync", 2, 2, float(PS_SIZES[2])) == 1e-9 * PS_SIZES[2] * 22
     assert (ps.share, ps.quota_s) == (0.5, 0.001)  # a testbed's quota: 1 ms a period
+    assert raw["allreduce"]["3"] == [1e-9 * b * 3 for b in PS_SIZES]
+    assert raw["allreduce_busy"]["4"] == [1e-9 * b / 0.5 for b in PS_SIZES]  # CPU / share
+    assert ps.allreduce_s(3, float(PS_SIZES[2])) == 1e-9 * PS_SIZES[2] * 3
 
 
 def test_too_few_machines_measure_no_client_of_several_shards_or_several_of_them():

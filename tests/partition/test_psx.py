@@ -11,7 +11,7 @@ import pytest
 
 from netpart.errors import PlanError
 from netpart.models import load_spec
-from netpart.partition.cluster import LOOP_CPU_S, advise
+from netpart.partition.cluster import LOOP_CPU_S, UPDATE_S_PER_VALUE, advise
 from netpart.partition.cost import NetworkModel
 from netpart.partition.planner import plan
 from netpart.partition.psx import PsExchange
@@ -41,6 +41,28 @@ def test_the_tables_round_trip_and_read_beyond_what_was_measured():
     assert "the parameter server's exchange measured" in model.describe()
     assert model.faster(8).ps is None and model.faster(1).ps == ps  # other machines' CPU
     assert NetworkModel.from_dict({**model.to_dict(), "ps": None}).ps is None
+
+
+def test_the_all_reduce_is_read_off_its_own_table_and_scaled_beyond_the_machines_measured():
+    ring = {str(m): [2 * (m - 1) * (1e-3 + b / m * 1e-8) for b in SIZES] for m in (2, 3)}
+    ps = PsExchange.from_dict({**tables().to_dict(), "allreduce": ring,
+                               "allreduce_busy": {"2": [1e-9 * b for b in SIZES]}})  # fmt: skip
+    assert PsExchange.from_dict(json.loads(json.dumps(ps.to_dict()))) == ps
+    assert ps.allreduce_s(3, 1e5) == pytest.approx(4 * (1e-3 + 1e5 / 3 * 1e-8))
+    assert ps.allreduce_s(2, 1e5, busy=True) == pytest.approx(1e-4)
+    # 5 machines, 3 measured: 8 phases, each of a fifth of the bytes (the ring's own rule)
+    assert ps.allreduce_s(5, 1e5) == pytest.approx(8 * (1e-3 + 1e5 / 5 * 1e-8))
+    assert tables().allreduce_s(3, 1e5) == 0.0 and ps.allreduce_s(1, 1e5) == 0.0
+    with pytest.raises(ValueError, match="allreduce"):
+        PsExchange.from_dict({**tables().to_dict(), "allreduce": {"1": [1, 2, 3, 4]}})
+    spec = load_spec("tiny-mlp")
+    model = NetworkModel(kinds={}, profile="p.json", ps=ps)
+    assert "the parameter server's exchange and the all-reduce measured" in model.describe()
+    one = plan(spec, 1, seed=0, batch=32, network=model).metrics.predicted_step_s
+    row = next(f for f in advise(spec, 3, model).layouts if f.layout.mode == "allreduce")
+    values = spec.num_params
+    ring, update = ps.allreduce_s(3, 4.0 * values), values * UPDATE_S_PER_VALUE  # a whole core
+    assert row.step_s == pytest.approx(one + ring + update)
 
 
 @pytest.mark.parametrize(

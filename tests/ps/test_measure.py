@@ -2,7 +2,7 @@
 values shards hold in even ranges; two clients and a shard (or a client and two shards) run
 the loop in both modes through the real client and server, every client reports a time and
 its CPU per exchange at each size, a shard none, and every process ends; a client runs what
-it is given beside the exchange before each request."""
+it is given beside the exchange before each request; and every rank all-reduces."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ out = {m: ps_loop(group, rank, m, [4096, 65536], 4, shards) for m in ("sync", "d
 calls = []  # a step's stand-in before each request: 10 ms
 beside = lambda: (calls.append(1), time.sleep(0.01))
 out["beside"] = ps_loop(group, rank, "downpour", [4096], 4, shards, beside), len(calls)
+out["allreduce"] = ps_loop(group, rank, "allreduce", [4096, 65536], 2, 0)
 dist.destroy_process_group()
 print(json.dumps(out))
 """
@@ -64,3 +65,6 @@ def test_clients_time_their_exchanges_and_the_shards_serve_them(tmp_path, client
         (seconds, _), calls = client["beside"]
         assert calls == 3 + 4 and seconds[0] >= 0.01
     assert all(shard["beside"][1] == 0 for shard in got[clients:])
+    for every in got:  # all-reduce: every rank all-reduces, times it and its CPU
+        seconds, cpu = every["allreduce"]
+        assert len(seconds) == len(cpu) == 2 and min(seconds) > 0 and min(cpu) > 0

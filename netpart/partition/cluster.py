@@ -42,9 +42,12 @@ bandwidth):
 - **all-reduce**: M replicas of one worker; a ring all-reduce moves 2(M-1)/M of the model
   through each machine's link in 2(M-1) phases, then every replica applies the update to its
   whole model (`UPDATE_S_PER_VALUE` a value, over the share of a core a measured profile's
-  machines had). A profile that measured the all-reduce on its machines
-  (`PsExchange.allreduce_s`) prices the ring off that; otherwise its phases are priced off
-  the link (`phase_s`). Only where one machine holds the model.
+  machines had). The ring's phases are priced off the link (`phase_s`, with the cost a phase
+  has in a step), and at least at what the ring took alone where a profile measured it on
+  its machines (`PsExchange.allreduce_s`): on 0.3-core testbed machines, digits-mlp's ring
+  took 5.5 ms alone among 4 and DistributedDataParallel's backward with it 15.9 ms, its
+  phases waiting on throttled peers (docs/planning.md). Only where one machine holds the
+  model.
 - **memory per machine**: a worker holds its values, their gradients and a fetched copy, and
   its activations (every layer's outputs, forward and backward, `batch` examples, / N); a
   shard its values and Adagrad's accumulator; all-reduce a whole replica and its gradients.
@@ -309,8 +312,9 @@ def _measured(network: NetworkModel, layout: Layout, mp: _ModelParallel, shards:
 def _allreduce(spec, machines: int, step_one: float, values: int, network, batch: int):
     """All-reduce with `machines` replicas of one worker each."""
     ps: PsExchange | None = network.ps
-    ring = ps.allreduce_s(machines, BYTES_PER_VALUE * values) if ps is not None else 0.0
-    ring = ring or allreduce_s(values, machines, network)
+    ring = allreduce_s(values, machines, network)
+    if ps is not None:  # at least what it took alone, where that was measured
+        ring = max(ring, ps.allreduce_s(machines, BYTES_PER_VALUE * values))
     share = ps.share if ps is not None else 1.0
     step = step_one + ring + values * UPDATE_S_PER_VALUE / share
     link = 2 * (machines - 1) / machines * BYTES_PER_VALUE * values if machines > 1 else 0.0

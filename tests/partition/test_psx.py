@@ -6,12 +6,13 @@ the step (on a share of a core, its CPU over the share) plus the time it keeps t
 machine busy."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from netpart.errors import PlanError
 from netpart.models import load_spec
-from netpart.partition.cluster import LOOP_CPU_S, UPDATE_S_PER_VALUE, advise
+from netpart.partition.cluster import LOOP_CPU_S, UPDATE_S_PER_VALUE, advise, allreduce_s
 from netpart.partition.cost import NetworkModel
 from netpart.partition.planner import plan
 from netpart.partition.psx import PsExchange
@@ -43,7 +44,7 @@ def test_the_tables_round_trip_and_read_beyond_what_was_measured():
     assert NetworkModel.from_dict({**model.to_dict(), "ps": None}).ps is None
 
 
-def test_the_all_reduce_is_read_off_its_own_table_and_scaled_beyond_the_machines_measured():
+def test_the_all_reduce_alone_is_read_off_its_table_and_a_layout_s_ring_costs_at_least_that():
     ring = {str(m): [2 * (m - 1) * (1e-3 + b / m * 1e-8) for b in SIZES] for m in (2, 3)}
     ps = PsExchange.from_dict({**tables().to_dict(), "allreduce": ring,
                                "allreduce_busy": {"2": [1e-9 * b for b in SIZES]}})  # fmt: skip
@@ -59,10 +60,14 @@ def test_the_all_reduce_is_read_off_its_own_table_and_scaled_beyond_the_machines
     model = NetworkModel(kinds={}, profile="p.json", ps=ps)
     assert "the parameter server's exchange and the all-reduce measured" in model.describe()
     one = plan(spec, 1, seed=0, batch=32, network=model).metrics.predicted_step_s
-    row = next(f for f in advise(spec, 3, model).layouts if f.layout.mode == "allreduce")
     values = spec.num_params
-    ring, update = ps.allreduce_s(3, 4.0 * values), values * UPDATE_S_PER_VALUE  # a whole core
-    assert row.step_s == pytest.approx(one + ring + update)
+    update = values * UPDATE_S_PER_VALUE  # a whole core
+    for link in (10e-6, 5e-3):  # the ring alone is measured slower, then faster, than priced
+        model = replace(model, latency_s=link)
+        row = next(f for f in advise(spec, 3, model).layouts if f.layout.mode == "allreduce")
+        ring = max(ps.allreduce_s(3, 4.0 * values), allreduce_s(values, 3, model))
+        assert row.step_s == pytest.approx(one + ring + update)
+        assert (ring == allreduce_s(values, 3, model)) == (link == 5e-3)
 
 
 @pytest.mark.parametrize(

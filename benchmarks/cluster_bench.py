@@ -13,10 +13,10 @@ DistributedDataParallel: netpart's reference module of the model (`build_referen
 process per machine, the same batches, Adagrad at netpart's default rate (torch's fused
 kernel, as netpart's shards run it), subnormals flushed as netpart's processes do. Measured
 samples/s: each replica's steps after the first fifth over the time they took (netpart: its
-metrics; DDP: rank 0's clock), summed over replicas. Where a netpart run's steps went is
-kept beside it (`parts`, from its metrics: compute, halo exchange, parameter-server exchange,
-batch, the worker's CPU), and the model-parallel step the planner predicted for its N, so a
-miss shows its cause. Needs root.
+metrics; DDP: rank 0's clock), summed over replicas. Where each run's steps went is kept
+beside it (`parts`: netpart's metrics' compute, halo exchange, parameter-server exchange,
+batch and worker's CPU; DDP's forward, backward with its all-reduce, update and CPU), and the
+model-parallel step the planner predicted for its N, so a miss shows its cause. Needs root.
 
     python benchmarks/cluster_bench.py --machines 4 --out benchmarks/results/cluster_bench_m4.json
 """
@@ -203,6 +203,13 @@ def _verdict(rows: list[dict], advice) -> None:
     print(f"{within} of {len(rows)} within 15%; overall recommendation {advice.best.layout}")
 
 
+def mp_steps(spec, layouts, network: NetworkModel) -> dict[int, float]:
+    """The model-parallel step the planner predicts at each N of `layouts` (all-reduce: 1)."""
+    counts = {f.layout.workers for f in layouts}
+    return {n: plan(spec, n, seed=0, batch=BATCH, network=network).metrics.predicted_step_s
+            for n in counts}  # fmt: skip
+
+
 def repredict(path: Path, out: Path, profile: Path | None = None) -> int:
     """Rewrite a result's predictions (and ratios) with this tree's model and its profile (or
     `profile`, which the result then names); the predictions it was run with stay as
@@ -216,11 +223,15 @@ def repredict(path: Path, out: Path, profile: Path | None = None) -> int:
         network = NetworkModel.from_profile(Path(profile).read_text(), profile)
     else:
         network = Machine.from_dict(result["machine"]).to_network()
-    advice = advise(load_spec(result["model"]), result["machines"], network, batch=BATCH)
-    now = {str(f.layout): f.samples_per_s for f in advice.layouts}
+    spec = load_spec(result["model"])
+    advice = advise(spec, result["machines"], network, batch=BATCH)
+    now = {str(f.layout): f for f in advice.layouts}
+    mp = mp_steps(spec, advice.layouts, network)
     for row in result["rows"]:
+        f = now[row["layout"]]
         row.setdefault("predicted_at_run", row["predicted"])
-        row["predicted"] = now[row["layout"]]
+        row.update(predicted=f.samples_per_s, predicted_step_s=f.step_s,
+                   predicted_mp_step_s=mp[f.layout.workers])  # fmt: skip
         row["ratio"] = row["measured"] / row["predicted"]
         print(f"{row['layout']:<16} measured {row['measured']:9,.0f} samples/s, predicted "
               f"{row['predicted']:9,.0f} (at the run {row['predicted_at_run']:9,.0f})")  # fmt: skip
@@ -253,7 +264,8 @@ def main(argv=None) -> int:
     network = machine.to_network()
     if args.profile is not None:
         network = NetworkModel.from_profile(args.profile.read_text(), str(args.profile))
-    advice = advise(load_spec(args.model), args.machines, network, batch=BATCH)
+    spec = load_spec(args.model)
+    advice = advise(spec, args.machines, network, batch=BATCH)
     layouts = list(advice.layouts)
     name = f"cb{os.getpid() % 100000}"
     up(name, args.machines, cpu=args.cpu, rate=args.link)
@@ -268,9 +280,7 @@ def main(argv=None) -> int:
     if network.probe_s > 0:
         print("speed probe per round / the profile's: "
               + ", ".join(f"{p / network.probe_s:.2f}" for p in probes))  # fmt: skip
-    spec = load_spec(args.model)
-    mp = {n: plan(spec, n, seed=0, batch=BATCH, network=network).metrics.predicted_step_s
-          for n in {f.layout.workers for f in layouts}}  # fmt: skip
+    mp = mp_steps(spec, layouts, network)
     rows = []
     for f in layouts:
         got = statistics.median(seen[str(f.layout)])

@@ -44,10 +44,9 @@ bandwidth):
   whole model (`UPDATE_S_PER_VALUE` a value, over the share of a core a measured profile's
   machines had). The ring's phases are priced off the link (`phase_s`, with the cost a phase
   has in a step), and at least at what the ring took alone where a profile measured it on
-  its machines (`PsExchange.allreduce_s`): on 0.3-core testbed machines, digits-mlp's ring
-  took 5.5 ms alone among 4 and DistributedDataParallel's backward with it 15.9 ms, its
-  phases waiting on throttled peers (docs/planning.md). Only where one machine holds the
-  model.
+  its machines (`PsExchange.allreduce_s`): alone, it does not wait on peers a step has
+  left throttled on a quota, which DistributedDataParallel's ring does (docs/planning.md).
+  Only where one machine holds the model.
 - **memory per machine**: a worker holds its values, their gradients and a fetched copy, and
   its activations (every layer's outputs, forward and backward, `batch` examples, / N); a
   shard its values and Adagrad's accumulator; all-reduce a whole replica and its gradients.

@@ -18,6 +18,7 @@ import hashlib
 import itertools
 import json
 import logging
+import os
 
 import numpy as np
 import torch
@@ -196,8 +197,14 @@ class HostsRunner:
         if not (ring or served) or world > self.machines:
             raise ValueError(f"mode {cmd['mode']!r}, {clients} clients, {shards} shards")
         group = self._groups[world]
-        seconds, cpu = ps_loop(group, self.rank, cmd["mode"], cmd["sizes"], int(cmd["repeats"]),
-                               shards=shards)  # fmt: skip
+        if ring:  # as DistributedDataParallel runs it: gloo's I/O threads as gloo starts
+            # them, which spin where a throttled peer holds the ring up (`yield_io_threads`)
+            yield_io_threads(os.SCHED_OTHER)
+        try:
+            seconds, cpu = ps_loop(group, self.rank, cmd["mode"], cmd["sizes"],
+                                   int(cmd["repeats"]), shards=shards)  # fmt: skip
+        finally:
+            yield_io_threads()
         slowest = torch.tensor([*seconds, *cpu], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
         n = len(seconds)

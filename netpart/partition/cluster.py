@@ -43,9 +43,9 @@ bandwidth):
   through each machine's link in 2(M-1) phases, then every replica applies the update to its
   whole model (`UPDATE_S_PER_VALUE` a value, over the share of a core a measured profile's
   machines had). The ring's phases are priced off the link (`phase_s`, with the cost a phase
-  has in a step), and at least at what the ring took alone where a profile measured it on
-  its machines (`PsExchange.allreduce_s`): alone, it does not wait on peers a step has
-  left throttled on a quota, which DistributedDataParallel's ring does (docs/planning.md).
+  has in a step), and at least at what the ring took where a profile measured it on its
+  machines as DistributedDataParallel runs it (`PsExchange.allreduce_s`; timed alone, it
+  does not wait on peers a step has left throttled on a quota: docs/planning.md).
   Only where one machine holds the model.
 - **memory per machine**: a worker holds its values, their gradients and a fetched copy, and
   its activations (every layer's outputs, forward and backward, `batch` examples, / N); a

@@ -302,10 +302,11 @@ def _env_store(world: int, timeout: datetime.timedelta) -> dist.Store:
     )  # fmt: skip
 
 
-def yield_io_threads() -> int:
+def yield_io_threads(policy: int = os.SCHED_BATCH) -> int:
     """Make gloo's I/O threads (`gloo_tcp_loop`) SCHED_BATCH: they still get a fair share of
     the CPU, but never preempt the thread that woke them. Call it again after creating
     process groups (each has its own I/O thread); returns how many threads it changed.
+    `policy` os.SCHED_OTHER puts them back as gloo starts them, as a plain torch job runs.
 
     Why: gloo's I/O thread handles a pair's events only if `trylock` on the pair succeeds,
     and epoll is level-triggered. When it preempts a compute thread that holds that lock
@@ -313,7 +314,6 @@ def yield_io_threads() -> int:
     waits for the CPU: on a machine with as many busy processes as cores, an exchange's tail
     becomes a scheduler tick long (docs/runtime.md).
     """
-    policy = os.SCHED_BATCH
     changed = 0
     for tid in os.listdir("/proc/self/task"):
         try:

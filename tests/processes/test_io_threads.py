@@ -1,0 +1,40 @@
+"""gloo's I/O threads: netpart's processes make them SCHED_BATCH, and calibration puts them
+back as gloo starts them (SCHED_OTHER) to time the all-reduce as a plain torch job runs it;
+no other thread is touched."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from netpart.processes.launcher import yield_io_threads
+
+
+def test_gloo_loop_threads_yield_and_are_put_back():
+    done, tids, named = threading.Event(), {}, threading.Barrier(3)
+
+    def run(name: str) -> None:
+        tid = threading.get_native_id()
+        with open(f"/proc/self/task/{tid}/comm", "w") as fh:
+            fh.write(name)  # the loop: as gloo names its I/O thread
+        tids[name] = tid
+        named.wait(10)
+        done.wait(30)
+
+    threads = [threading.Thread(target=run, args=(n,), daemon=True)
+               for n in ("gloo_tcp_loop", "worker")]  # fmt: skip
+    for t in threads:
+        t.start()
+    try:
+        named.wait(10)
+        loop, other = tids["gloo_tcp_loop"], tids["worker"]
+        assert yield_io_threads() == 1
+        assert os.sched_getscheduler(loop) == os.SCHED_BATCH
+        assert os.sched_getscheduler(other) == os.SCHED_OTHER
+        assert yield_io_threads() == 0  # already so
+        assert yield_io_threads(os.SCHED_OTHER) == 1
+        assert os.sched_getscheduler(loop) == os.SCHED_OTHER
+    finally:
+        done.set()
+        for t in threads:
+            t.join(10)

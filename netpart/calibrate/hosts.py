@@ -18,7 +18,6 @@ import hashlib
 import itertools
 import json
 import logging
-import os
 
 import numpy as np
 import torch
@@ -26,6 +25,7 @@ import torch.distributed as dist
 
 from netpart import faults
 from netpart.calibrate.measure import LocalRunner, step_cpu_s
+from netpart.calibrate.ring import timed
 from netpart.errors import NetpartError, PeerError, ProtocolError, transport_reason
 from netpart.models.spec import ModelSpec
 from netpart.partition.plans import PartitionPlan
@@ -98,6 +98,7 @@ class HostsRunner:
 
     def __init__(self, timeout: float = 120.0, share: float = 1.0):
         self.share = share  # of a core, each host's (a cpu quota): slices count CPU / share
+        self._timeout, self._rings = timeout, 0
         self.rank, self.machines = join_group(timeout)
         torch.set_num_threads(1)  # as every worker process
         # Every rank creates every group, members or not, in the same order.
@@ -190,21 +191,20 @@ class HostsRunner:
     def _ps(self, cmd: dict) -> tuple[np.ndarray, np.ndarray]:
         clients, shards = int(cmd["clients"]), int(cmd["shards"])
         world = clients + shards
+        self._rings += 1  # on every rank, so that a ring's key is the same on its members
         if self.rank >= world:
             return np.zeros(0), np.zeros(0)
         ring = cmd["mode"] == ALLREDUCE and clients >= 2 and shards == 0
         served = cmd["mode"] in PS_MODES and clients >= 1 and shards >= 1
         if not (ring or served) or world > self.machines:
             raise ValueError(f"mode {cmd['mode']!r}, {clients} clients, {shards} shards")
+        if ring:  # as DistributedDataParallel runs it: in processes of its own (`ring`)
+            seconds, cpu = timed(self.rank, world, f"ring{self._rings}", cmd["sizes"],
+                                 int(cmd["repeats"]), self._timeout)  # fmt: skip
+            return np.array(seconds), np.array(cpu)
         group = self._groups[world]
-        if ring:  # as DistributedDataParallel runs it: gloo's I/O threads as gloo starts
-            # them, which spin where a throttled peer holds the ring up (`yield_io_threads`)
-            yield_io_threads(os.SCHED_OTHER)
-        try:
-            seconds, cpu = ps_loop(group, self.rank, cmd["mode"], cmd["sizes"],
-                                   int(cmd["repeats"]), shards=shards)  # fmt: skip
-        finally:
-            yield_io_threads()
+        seconds, cpu = ps_loop(group, self.rank, cmd["mode"], cmd["sizes"], int(cmd["repeats"]),
+                               shards=shards)  # fmt: skip
         slowest = torch.tensor([*seconds, *cpu], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
         n = len(seconds)

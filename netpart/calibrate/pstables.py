@@ -7,7 +7,7 @@ PS_WIRE_S (each PS_REPEATS times, in proportion to the calibration's runs of a s
 measurement, PS_RUNS by default): seconds per exchange, and the CPU a client spends on one
 over its machine's share of a core. And per number of machines M from 2 to all of them, M
 ranks all-reducing each size (the ring DistributedDataParallel's replicas run a step), its
-seconds and CPU likewise, gloo's I/O threads as a plain torch job has them (`HostsRunner`).
+seconds and CPU likewise, in processes of their own as DDP's (`netpart.calibrate.ring`).
 The profile's `ps` (`netpart.partition.psx`)."""
 
 from __future__ import annotations

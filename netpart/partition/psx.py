@@ -26,8 +26,8 @@ besides its exchange's, within the same quota (`netpart.partition.cluster`).
 
 And the parameter server's alternative on the same machines (`allreduce`, per number of
 machines M >= 2, and `allreduce_busy`): the seconds of a ring all-reduce of B bytes among M
-machines, as DistributedDataParallel's replicas run one a step (gloo's I/O threads as gloo
-starts them, not yielded as netpart's workers yield theirs). More machines than measured:
+machines, as DistributedDataParallel's replicas run one a step (in processes of their own:
+`netpart.calibrate.ring`). More machines than measured:
 the most measured K's time for the bytes each of M's 2(M - 1) phases moves, times (M - 1) /
 (K - 1) (`allreduce_s`).
 

@@ -55,6 +55,10 @@ def test_calibrate_under_torchrun_measures_the_link_between_the_hosts(tmp_path):
     assert 0.55 < sync[4 * mb] < 2.0 and 4 * sync[4 * mb] < 1.2 * sync[16 * mb]
     assert 0.3 < downpour[4 * mb] < 0.95 * sync[4 * mb] and downpour[mb] < 0.75 * sync[mb]
     assert "spread" not in ps  # one client of two shards needs three machines
+    # The all-reduce, in processes of its own (`netpart.calibrate.ring`), crossed it too: a
+    # ring of two moves 4 MB each way in two phases of 2 MB, 0.32 s on the wire.
+    ring = dict(zip(ps["sizes"], ps["allreduce"]["2"], strict=True))
+    assert 0.3 < ring[4 * mb] < 1.2 and ring[mb] < ring[4 * mb]
 
 
 def test_a_host_that_dies_ends_calibration_with_one_line(tmp_path):

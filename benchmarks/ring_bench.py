@@ -1,0 +1,144 @@
+"""The ring all-reduce DistributedDataParallel runs a step, on emulated machines (issue 47):
+what `netpart calibrate` times of it, against DDP's own step on the same machines.
+
+On a testbed of `--machines` machines (`netpart testbed`: `--cpu` of a core, `--link`), in
+`--rounds` rounds, the cases rotated, medians. Every machine all-reduces each of `--sizes`,
+back to back (`netpart.ps.measure.ps_loop`, mode `allreduce`, as the calibration runs it):
+
+- **ring, default group**: over the process's only group, as DDP's processes run it, gloo's
+  I/O threads as gloo starts them;
+- **ring, a new group**: over a group made beside the default one;
+- **ring, among 8 groups**: over a new group, 7 more made beside it and left idle, as in
+  the calibration's processes (`netpart.calibrate.hosts.HostsRunner` makes a group of each
+  size besides its own): the calibration's all-reduce table since e9e9abd;
+- **ring, among 8 groups, SCHED_BATCH**: the same with gloo's I/O threads made SCHED_BATCH,
+  as netpart's processes make theirs (`netpart.processes.launcher.yield_io_threads`): the
+  table before e9e9abd;
+- **DDP**: digits-mlp trained by DistributedDataParallel on every machine, `--steps` steps
+  (`cluster_bench.py`'s job: its backward holds the all-reduce of digits-mlp's 340 KB of
+  gradients): its step, backward and CPU a step.
+
+Each ring's figure is the slowest machine's mean time and CPU an all-reduce. Needs root.
+
+    python benchmarks/ring_bench.py --machines 6 --out benchmarks/results/ring_bench_m6.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from netpart.files import write_atomic
+from netpart.partition.cluster import Layout
+from netpart.testbed.bed import down, up
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cluster_bench import parts, train  # sibling scripts
+from ps_exchange_bench import role_out
+
+SIZES = (16_000, 125_000, 340_008, 500_000, 4_000_000)  # 340,008: digits-mlp's gradients
+
+ROLE = r"""
+import json, os, sys
+import torch, torch.distributed as dist
+from netpart.processes.launcher import yield_io_threads
+from netpart.ps.measure import ps_loop
+rank, world, repeats, idle = map(int, sys.argv[1:5])
+store, policy, sizes = sys.argv[5], sys.argv[6], json.loads(sys.argv[7])
+torch.set_num_threads(1)
+dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+group = dist.group.WORLD if idle < 0 else dist.new_group(list(range(world)))
+others = [dist.new_group(list(range(world))) for _ in range(max(idle, 0))]
+yield_io_threads(os.SCHED_BATCH if policy == "batch" else os.SCHED_OTHER)
+seconds, cpu = ps_loop(group, rank, "allreduce", sizes, repeats)
+slowest = torch.tensor([*seconds, *cpu], dtype=torch.float64)
+dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+if rank == 0:
+    print(json.dumps(slowest.tolist()))
+dist.destroy_process_group()
+"""
+
+# each ring case: idle groups beside the ring's (-1: the ring over the default group), and
+# gloo's I/O threads' policy
+RINGS = {
+    "ring, default group": (-1, "other"),
+    "ring, a new group": (0, "other"),
+    "ring, among 8 groups": (7, "other"),
+    "ring, among 8 groups, SCHED_BATCH": (7, "batch"),
+}
+CASES = (*RINGS, "DDP")
+
+
+def run(bed: str, case: str, args, tmp: Path) -> dict:
+    """One measurement of `case` on testbed `bed`."""
+    at = tmp / f"r{time.monotonic_ns()}"
+    if case == "DDP":
+        job = argparse.Namespace(model="digits-mlp", steps=args.steps, data="digits")
+        train(bed, Layout("allreduce", args.machines, 1, 0), job, at)
+        got = parts(at, args.machines)
+        shutil.rmtree(at, ignore_errors=True)
+        return {k: got[k] for k in ("step_s", "backward_s", "cpu_s")}
+    idle, policy = RINGS[case]
+    argv = [str(args.machines), str(args.repeats), str(idle), str(at), policy,
+            json.dumps(list(SIZES))]  # fmt: skip
+    out = json.loads(role_out(bed, ROLE, args.machines, argv, case))
+    return {"seconds": out[: len(SIZES)], "cpu": out[len(SIZES) :]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--machines", type=int, default=6)
+    ap.add_argument("--cpu", type=float, default=0.3)
+    ap.add_argument("--link", default="1gbit")
+    ap.add_argument("--repeats", type=int, default=30, help="all-reduces of each size")
+    ap.add_argument("--steps", type=int, default=300, help="DDP's steps")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    name = f"rb{os.getpid() % 100000}"
+    tmp = Path(tempfile.mkdtemp(prefix="ring-bench-"))
+    up(name, args.machines, cpu=args.cpu, rate=args.link)
+    seen: dict[str, list[dict]] = {c: [] for c in CASES}
+    try:
+        for k in range(args.rounds):
+            for case in CASES[k % len(CASES) :] + CASES[: k % len(CASES)]:
+                seen[case].append(run(name, case, args, tmp))
+            print(f"round {k + 1} done", flush=True)
+    finally:
+        down(name)
+        shutil.rmtree(tmp, ignore_errors=True)
+    result = {"machines": args.machines, "cpu": args.cpu, "link": args.link,
+              "repeats": args.repeats, "steps": args.steps, "rounds": args.rounds,
+              "sizes": list(SIZES), "cases": {}}  # fmt: skip
+    for case, got in seen.items():
+        keys = got[0].keys()
+        medians = {
+            k: ([statistics.median(g[k][i] for g in got) for i in range(len(SIZES))]
+                if isinstance(got[0][k], list) else statistics.median(g[k] for g in got))
+            for k in keys
+        }  # fmt: skip
+        result["cases"][case] = {"median": medians, "rounds": got}
+        if case == "DDP":
+            print(f"{case}: step {medians['step_s'] * 1e3:.2f} ms, backward with its "
+                  f"all-reduce {medians['backward_s'] * 1e3:.2f} ms, CPU "
+                  f"{medians['cpu_s'] * 1e3:.2f} ms")  # fmt: skip
+            continue
+        pairs = zip(SIZES, medians["seconds"], medians["cpu"], strict=True)
+        each = ", ".join(
+            f"{b / 1e3:g} kB {t * 1e3:.2f} ms (CPU {c * 1e3:.2f})" for b, t, c in pairs
+        )
+        print(f"{case}: {each}")
+    if args.out is not None:
+        write_atomic(args.out, json.dumps(result, indent=1).encode())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

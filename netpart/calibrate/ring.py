@@ -1,0 +1,89 @@
+"""The all-reduce DistributedDataParallel runs, timed as DDP runs it: in a process of its own
+on each machine, whose only process group is the ring's, gloo's I/O threads as gloo starts
+them. In the calibration's own processes the same ring ran faster than DDP's on machines
+held to a share of a core: beside the groups a `HostsRunner` keeps (one of each size), and
+with its I/O threads SCHED_BATCH (`benchmarks/ring_bench.py`; docs/planning.md).
+
+`timed(...)`, on each of the ring's ranks (`HostsRunner`, mode `ALLREDUCE`), starts
+`python -m netpart.calibrate.ring` beside itself, in its machine's namespace and cgroup; the
+processes meet through the job's own store (its file, or torchrun's store at MASTER_ADDR /
+MASTER_PORT, as a client, under a key of their own) and run `netpart.ps.measure.ps_loop` over
+their default group; rank 0 prints the slowest rank's seconds and CPU seconds per size as one
+JSON line."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+from netpart.errors import CalibrationError
+from netpart.processes.launcher import STORE_ENV, torchrun_attempt
+from netpart.ps.measure import ALLREDUCE, ps_loop
+
+__all__ = ["timed"]
+
+START_S = 120.0  # a process's start (torch's import on a share of a core) and rendezvous
+
+
+def timed(rank: int, world: int, key: str, sizes: list[int], repeats: int,
+          timeout: float) -> tuple[list[float], list[float]]:  # fmt: skip
+    """On rank `rank` of the `world` ranks a ring spans (each on its machine): the ring's
+    (seconds, CPU seconds) per all-reduce of each of `sizes`, timed in processes of their own
+    that meet under `key` (the same on every rank, new for each ring); rank 0's are the
+    slowest rank's, the others' zeros. CalibrationError (one line) if the process fails or
+    outlives `timeout` seconds plus its start."""
+    argv = [sys.executable, "-m", "netpart.calibrate.ring", str(rank), str(world), key,
+            str(repeats), json.dumps([int(b) for b in sizes]), str(timeout)]  # fmt: skip
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout + START_S)
+    except subprocess.TimeoutExpired:
+        raise CalibrationError(
+            f"calibration rank {rank}: the all-reduce's own process took longer than "
+            f"{timeout + START_S:.0f} s"
+        ) from None
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise CalibrationError(f"calibration rank {rank}: the all-reduce's own process "
+                               f"failed (exit {done.returncode}): {last}")  # fmt: skip
+    if rank != 0:
+        return [0.0] * len(sizes), [0.0] * len(sizes)
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    return [float(t) for t in got[: len(sizes)]], [float(c) for c in got[len(sizes) :]]
+
+
+def _store(key: str, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """The ring's rendezvous: beside the job's file store, or under `key` in torchrun's."""
+    path = os.environ.get(STORE_ENV)
+    if path:
+        return dist.FileStore(f"{path}.{key}", world)
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           is_master=False, timeout=timeout)  # fmt: skip
+    return dist.PrefixStore(f"netpart/attempt{torchrun_attempt()}/{key}/", client)
+
+
+def main(argv: list[str]) -> int:
+    rank, world, key = int(argv[0]), int(argv[1]), argv[2]
+    repeats, sizes, timeout = int(argv[3]), json.loads(argv[4]), float(argv[5])
+    wait = datetime.timedelta(seconds=timeout)
+    torch.set_num_threads(1)  # as every worker process
+    dist.init_process_group("gloo", store=_store(key, world, wait), rank=rank,
+                            world_size=world, timeout=wait)  # fmt: skip
+    try:
+        seconds, cpu = ps_loop(dist.group.WORLD, rank, ALLREDUCE, sizes, repeats)
+        slowest = torch.tensor([*seconds, *cpu], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        sys.stdout.write(json.dumps(slowest.tolist()) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

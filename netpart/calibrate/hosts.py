@@ -98,7 +98,7 @@ class HostsRunner:
 
     def __init__(self, timeout: float = 120.0, share: float = 1.0):
         self.share = share  # of a core, each host's (a cpu quota): slices count CPU / share
-        self._timeout, self._rings = timeout, 0
+        self._timeout, self._ps_calls = timeout, 0
         self.rank, self.machines = join_group(timeout)
         torch.set_num_threads(1)  # as every worker process
         # Every rank creates every group, members or not, in the same order.
@@ -191,7 +191,7 @@ class HostsRunner:
     def _ps(self, cmd: dict) -> tuple[np.ndarray, np.ndarray]:
         clients, shards = int(cmd["clients"]), int(cmd["shards"])
         world = clients + shards
-        self._rings += 1  # on every rank, so that a ring's key is the same on its members
+        self._ps_calls += 1  # on every rank, so that a ring's key is the same on its members
         if self.rank >= world:
             return np.zeros(0), np.zeros(0)
         ring = cmd["mode"] == ALLREDUCE and clients >= 2 and shards == 0
@@ -199,7 +199,7 @@ class HostsRunner:
         if not (ring or served) or world > self.machines:
             raise ValueError(f"mode {cmd['mode']!r}, {clients} clients, {shards} shards")
         if ring:  # as DistributedDataParallel runs it: in processes of its own (`ring`)
-            seconds, cpu = timed(self.rank, world, f"ring{self._rings}", cmd["sizes"],
+            seconds, cpu = timed(self.rank, world, f"ring{self._ps_calls}", cmd["sizes"],
                                  int(cmd["repeats"]), self._timeout)  # fmt: skip
             return np.array(seconds), np.array(cpu)
         group = self._groups[world]

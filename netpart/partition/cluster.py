@@ -42,9 +42,10 @@ bandwidth):
 - **all-reduce**: M replicas of one worker; a ring all-reduce moves 2(M-1)/M of the model
   through each machine's link in 2(M-1) phases, then every replica applies the update to its
   whole model (`UPDATE_S_PER_VALUE` a value, over the share of a core a measured profile's
-  machines had). The ring is what it took where a profile measured it on its machines, as
-  DistributedDataParallel runs it (`PsExchange.allreduce_s`); elsewhere its phases are
-  priced off the link (`phase_s`, with the cost a phase has in a step).
+  machines had). The ring's phases are priced off the link (`phase_s`, with the cost a phase
+  has in a step), and at least at what the ring took where a profile measured it on its
+  machines as DistributedDataParallel runs it (`PsExchange.allreduce_s`): timed alone,
+  back to back, it read DDP's ring in a step fast on a quota (docs/planning.md).
   Only where one machine holds the model.
 - **memory per machine**: a worker holds its values, their gradients and a fetched copy, and
   its activations (every layer's outputs, forward and backward, `batch` examples, / N); a
@@ -310,8 +311,9 @@ def _measured(network: NetworkModel, layout: Layout, mp: _ModelParallel, shards:
 def _allreduce(spec, machines: int, step_one: float, values: int, network, batch: int):
     """All-reduce with `machines` replicas of one worker each."""
     ps: PsExchange | None = network.ps
-    measured = 0.0 if ps is None else ps.allreduce_s(machines, BYTES_PER_VALUE * values)
-    ring = measured or allreduce_s(values, machines, network)  # as DDP ran it, where timed
+    ring = allreduce_s(values, machines, network)
+    if ps is not None:  # at least what it took alone, where that was measured
+        ring = max(ring, ps.allreduce_s(machines, BYTES_PER_VALUE * values))
     share = ps.share if ps is not None else 1.0
     step = step_one + ring + values * UPDATE_S_PER_VALUE / share
     link = 2 * (machines - 1) / machines * BYTES_PER_VALUE * values if machines > 1 else 0.0

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from netpart.errors import CalibrationError
 from netpart.processes.launcher import STORE_ENV, torchrun_attempt
+from netpart.processes.zygote import die_with_parent
 from netpart.ps.measure import ALLREDUCE, ps_loop
 
 __all__ = ["timed"]
@@ -37,11 +38,12 @@ def timed(rank: int, world: int, key: str, sizes: list[int], repeats: int,
     (seconds, CPU seconds) per all-reduce of each of `sizes`, timed in processes of their own
     that meet under `key` (the same on every rank, new for each ring); rank 0's are the
     slowest rank's, the others' zeros. CalibrationError (one line) if the process fails or
-    outlives `timeout` seconds plus its start."""
+    outlives `timeout` seconds plus its start; it dies with this process."""
     argv = [sys.executable, "-m", "netpart.calibrate.ring", str(rank), str(world), key,
             str(repeats), json.dumps([int(b) for b in sizes]), str(timeout)]  # fmt: skip
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout + START_S)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout + START_S,
+                              preexec_fn=die_with_parent)  # fmt: skip
     except subprocess.TimeoutExpired:
         raise CalibrationError(
             f"calibration rank {rank}: the all-reduce's own process took longer than "

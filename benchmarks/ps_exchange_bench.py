@@ -56,8 +56,8 @@ print(json.dumps(out))
 
 def role_out(bed: str, role: str, world: int, args: list[str], what: str) -> str:
     """Run `python -c role RANK *args` on machines 0..world-1 of testbed `bed` (gloo over
-    each machine's own link); rank 0's last line of output. SystemExit naming `what` if any
-    rank fails."""
+    each machine's own link); rank 0's last line of output. SystemExit naming `what`, the
+    first rank that failed, its exit code and its stderr's tail if any rank fails."""
     testbed = read(bed)
     procs = [
         subprocess.Popen(testbed.command(r, [sys.executable, "-c", role, str(r), *args],
@@ -66,8 +66,10 @@ def role_out(bed: str, role: str, world: int, args: list[str], what: str) -> str
         for r in range(world)
     ]  # fmt: skip
     outs = [p.communicate(timeout=600) for p in procs]
-    if any(p.returncode != 0 for p in procs):
-        raise SystemExit(f"{what}: {outs[0][1][-600:]}")
+    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        r, code = failed[0]
+        raise SystemExit(f"{what}: rank {r} exited {code}: {outs[r][1][-600:]}")
     return outs[0][0].strip().splitlines()[-1]
 
 

@@ -41,13 +41,13 @@ def timed(rank: int, world: int, key: str, sizes: list[int], repeats: int,
     outlives `timeout` seconds plus its start; it dies with this process."""
     argv = [sys.executable, "-m", "netpart.calibrate.ring", str(rank), str(world), key,
             str(repeats), json.dumps([int(b) for b in sizes]), str(timeout)]  # fmt: skip
+    limit = timeout + START_S
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout + START_S,
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=limit,
                               preexec_fn=die_with_parent)  # fmt: skip
     except subprocess.TimeoutExpired:
         raise CalibrationError(
-            f"calibration rank {rank}: the all-reduce's own process took longer than "
-            f"{timeout + START_S:.0f} s"
+            f"calibration rank {rank}: the all-reduce's own process took longer than {limit:.0f} s"
         ) from None
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]

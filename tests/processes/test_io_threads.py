@@ -1,6 +1,6 @@
-"""gloo's I/O threads: netpart's processes make them SCHED_BATCH, and calibration puts them
-back as gloo starts them (SCHED_OTHER) to time the all-reduce as a plain torch job runs it;
-no other thread is touched."""
+"""gloo's I/O threads: netpart's processes make them SCHED_BATCH, and `policy` SCHED_OTHER
+puts them back as gloo starts them (`benchmarks/ring_bench.py` times the all-reduce both
+ways); no other thread is touched."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from netpart import faults
 from netpart.calibrate.measure import LocalRunner, step_cpu_s
-from netpart.calibrate.ring import timed
+from netpart.calibrate.ring import Tables, rings
 from netpart.errors import NetpartError, PeerError, ProtocolError, transport_reason
 from netpart.models.spec import ModelSpec
 from netpart.partition.plans import PartitionPlan
@@ -33,18 +33,19 @@ from netpart.partition.psx import PS_MODES
 from netpart.partition.schedule import SPLIT_MIN_FLOPS, plan_schedule
 from netpart.processes.groups import new_groups
 from netpart.processes.launcher import join_group, yield_io_threads
-from netpart.ps.measure import ALLREDUCE, ps_loop
+from netpart.ps.measure import ps_loop
 from netpart.runtime.check import make_batch
 from netpart.runtime.step import exchange_loop, link_loop, step_loop, warmup_steps
 from netpart.runtime.transport import PEER_LOST, GlooTransport
 from netpart.runtime.worker import ModelWorker
 
-__all__ = ["COMMAND_WAIT_S", "HostsRunner"]
+__all__ = ["COMMAND_WAIT_S", "HostsRunner", "read_ring_plan"]
 
 log = logging.getLogger(__name__)
 
 COMMAND_WAIT_S = 1800.0  # a follower waits this long at most for rank 0's next command
 OPS = ("plan", "link", "ps", "step", "done")
+PLAN_KEYS = ("sizes", "repeats")  # of the all-reduce a done command asks for
 MAX_COMMAND = 1 << 30  # bytes: a plan command holds a node map, never more than this
 
 
@@ -98,7 +99,7 @@ class HostsRunner:
 
     def __init__(self, timeout: float = 120.0, share: float = 1.0):
         self.share = share  # of a core, each host's (a cpu quota): slices count CPU / share
-        self._timeout, self._ps_calls = timeout, 0
+        self._timeout = timeout
         self.rank, self.machines = join_group(timeout)
         torch.set_num_threads(1)  # as every worker process
         # Every rank creates every group, members or not, in the same order.
@@ -122,8 +123,8 @@ class HostsRunner:
 
     def ps(self, mode: str, clients: int, sizes: tuple[int, ...], repeats: int, shards: int = 1):
         """(seconds, CPU seconds) per exchange of the parameter server's clients, each size
-        (`netpart.ps.measure`): `clients` ranks and `shards` shards on the next (mode
-        `ALLREDUCE`, no shards: `clients` ranks all-reducing)."""
+        (`netpart.ps.measure`): `clients` ranks and `shards` shards on the next. The
+        all-reduce is timed after the group is left (`close`)."""
         cmd = {"op": "ps", "mode": mode, "clients": clients, "sizes": [int(b) for b in sizes],
                "repeats": repeats, "shards": shards}  # fmt: skip
         self._commands.send(cmd)
@@ -140,20 +141,25 @@ class HostsRunner:
         self._commands.send(cmd)
         return self._step(cmd)
 
-    def close(self) -> None:
-        """Rank 0: release the followers and leave the group."""
+    def close(self, ring: dict | None = None) -> Tables:
+        """Rank 0: release the followers and leave the group; with `ring` ({"sizes": [...],
+        "repeats": [...]}, one count per size), every rank then times the all-reduce among 2
+        to all machines (`netpart.calibrate.ring.rings`): the slowest rank's tables."""
         try:
-            self._commands.send({"op": "done"})
+            self._commands.send({"op": "done", "ring": ring})
         finally:
             dist.destroy_process_group()
+        return self._rings(ring)
 
     # every other rank
     def follow(self) -> None:
-        """Run rank 0's commands until it is done; then leave the group."""
+        """Run rank 0's commands until it is done; then leave the group, and time the
+        all-reduce if rank 0 says so (`close`)."""
         try:
             for n in itertools.count():
                 faults.point(self.rank, n)
                 if (cmd := self._commands.receive())["op"] == "done":
+                    ring = read_ring_plan(cmd.get("ring"), self.rank)
                     break
                 try:
                     self._obey(cmd)
@@ -164,6 +170,12 @@ class HostsRunner:
                     ) from None
         finally:
             dist.destroy_process_group()
+        self._rings(ring)
+
+    def _rings(self, ring: dict | None) -> Tables:
+        if ring is None:
+            return {}
+        return rings(self.rank, self.machines, ring["sizes"], ring["repeats"], self._timeout)
 
     def _obey(self, cmd: dict) -> None:
         if cmd["op"] == "plan":
@@ -191,17 +203,10 @@ class HostsRunner:
     def _ps(self, cmd: dict) -> tuple[np.ndarray, np.ndarray]:
         clients, shards = int(cmd["clients"]), int(cmd["shards"])
         world = clients + shards
-        self._ps_calls += 1  # on every rank, so that a ring's key is the same on its members
         if self.rank >= world:
             return np.zeros(0), np.zeros(0)
-        ring = cmd["mode"] == ALLREDUCE and clients >= 2 and shards == 0
-        served = cmd["mode"] in PS_MODES and clients >= 1 and shards >= 1
-        if not (ring or served) or world > self.machines:
+        if cmd["mode"] not in PS_MODES or clients < 1 or shards < 1 or world > self.machines:
             raise ValueError(f"mode {cmd['mode']!r}, {clients} clients, {shards} shards")
-        if ring:  # as DistributedDataParallel runs it: in processes of its own (`ring`)
-            seconds, cpu = timed(self.rank, world, f"ring{self._ps_calls}", cmd["sizes"],
-                                 int(cmd["repeats"]), self._timeout)  # fmt: skip
-            return np.array(seconds), np.array(cpu)
         group = self._groups[world]
         seconds, cpu = ps_loop(group, self.rank, cmd["mode"], cmd["sizes"], int(cmd["repeats"]),
                                shards=shards)  # fmt: skip
@@ -238,3 +243,21 @@ def _key(spec: ModelSpec, p: PartitionPlan) -> str:
     digest = hashlib.sha256(spec.to_json().encode() + p.to_json().encode())
     digest.update(np.ascontiguousarray(p.node_map, dtype=np.int64).tobytes())
     return digest.hexdigest()[:16]
+
+
+def read_ring_plan(ring, rank: int) -> dict | None:
+    """The all-reduce rank 0's `done` command asks for: None, or sizes and a count of each
+    (ProtocolError if it is neither)."""
+    if ring is None:
+        return None
+    lists = isinstance(ring, dict) and all(isinstance(ring.get(k), list) for k in PLAN_KEYS)
+    ok = (
+        lists
+        and ring["sizes"]
+        and len(ring["sizes"]) == len(ring["repeats"])
+        and all(isinstance(v, int) and v > 0 for v in ring["sizes"] + ring["repeats"])
+    )
+    if not ok:
+        raise ProtocolError(f"calibration rank {rank}: rank 0's done command names no "
+                            f"all-reduce to time: {str(ring)[:80]}")  # fmt: skip
+    return {"sizes": ring["sizes"], "repeats": ring["repeats"]}

@@ -5,10 +5,10 @@ whose values S shards hold in even parts, every pair with C <= PS_CLIENTS, S <= 
 and C + S at most the machines, push and fetch each of PS_SIZES that the link carries within
 PS_WIRE_S (each PS_REPEATS times, in proportion to the calibration's runs of a step
 measurement, PS_RUNS by default): seconds per exchange, and the CPU a client spends on one
-over its machine's share of a core. And per number of machines M from 2 to all of them, M
-ranks all-reducing each size (the ring DistributedDataParallel's replicas run a step), its
-seconds and CPU likewise, in processes of their own as DDP's (`netpart.calibrate.ring`).
-The profile's `ps` (`netpart.partition.psx`)."""
+over its machine's share of a core. And, timed last (`ring_plan`, `with_rings`), per number
+of machines M from 2 to all of them, M ranks all-reducing each size (the ring
+DistributedDataParallel's replicas run a step), its seconds and CPU likewise, in processes of
+their own as DDP's (`netpart.calibrate.ring`). The profile's `ps` (`netpart.partition.psx`)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,11 @@ from collections.abc import Callable
 from typing import Any
 
 from netpart.partition.psx import PS_MODES, PsExchange
-from netpart.ps.measure import ALLREDUCE
 from netpart.testbed.cgroups import MIN_QUOTA_US
 
 __all__ = [
     "PS_CLIENTS", "PS_RUNS", "PS_SHARDS", "PS_SIZES", "per_size", "ps_repeats", "ps_sizes",
-    "ps_tables",
+    "ps_tables", "ring_plan", "with_rings",
 ]  # fmt: skip
 
 # bytes a client pushes and fetches, and timed exchanges of each: more of the short ones (on
@@ -88,12 +87,29 @@ def ps_tables(
     for wall, busy in (("spread", "spread_busy"), ("mesh", "mesh_busy")):
         if not all(raw[wall].values()):  # too few machines for any such pair
             del raw[wall], raw[busy]
-    raw.update(allreduce={}, allreduce_busy={})
-    for machines in range(2, runner.machines + 1):
-        seconds, cpu = _measure(runner, ALLREDUCE, machines, 0, sizes, runs=runs)
+    return PsExchange.from_dict(raw), raw
+
+
+def ring_plan(raw: dict | None, runs: int = PS_RUNS) -> dict | None:
+    """The all-reduce to time once the tables `raw` are measured (None: none were): their
+    sizes, each `ps_repeats` times (`netpart.calibrate.hosts.HostsRunner.close`)."""
+    if not raw:
+        return None
+    sizes = [int(b) for b in raw["sizes"]]
+    return {"sizes": sizes, "repeats": [ps_repeats(b, runs) for b in sizes]}
+
+
+def with_rings(raw: dict, rings: dict[int, tuple[list, list]], say: Callable[[str], None]
+               ) -> tuple[PsExchange, dict]:  # fmt: skip
+    """The tables `raw` with the all-reduce among each number of machines timed (`rings`:
+    seconds and CPU seconds per size, `netpart.calibrate.ring.rings`), its busy time the CPU
+    over the machines' share."""
+    share = raw.get("share", 1.0)
+    raw = {**raw, "allreduce": {}, "allreduce_busy": {}}
+    for machines, (seconds, cpu) in sorted(rings.items()):
         raw["allreduce"][str(machines)] = [float(t) for t in seconds]
-        raw["allreduce_busy"][str(machines)] = [float(c) / runner.share for c in cpu]
-        say(f"all-reduce among {machines} machines: {per_size(sizes, seconds)}")
+        raw["allreduce_busy"][str(machines)] = [float(c) / share for c in cpu]
+        say(f"all-reduce among {machines} machines: {per_size(raw['sizes'], seconds)}")
     return PsExchange.from_dict(raw), raw
 
 

@@ -1,15 +1,20 @@
 """The all-reduce DistributedDataParallel runs, timed as DDP runs it: in a process of its own
 on each machine, whose only process group is the ring's, gloo's I/O threads as gloo starts
-them. In the calibration's own processes the same ring ran faster than DDP's on machines
-held to a share of a core: beside the groups a `HostsRunner` keeps (one of each size), and
-with its I/O threads SCHED_BATCH (`benchmarks/ring_bench.py`; docs/planning.md).
+them, and nothing else of the calibration's awake on the machines.
 
-`timed(...)`, on each of the ring's ranks (`HostsRunner`, mode `ALLREDUCE`), starts
-`python -m netpart.calibrate.ring` beside itself, in its machine's namespace and cgroup; the
-processes meet through the job's own store (its file, or torchrun's store at MASTER_ADDR /
-MASTER_PORT, as a client, under a key of their own) and run `netpart.ps.measure.ps_loop` over
-their default group; rank 0 prints the slowest rank's seconds and CPU seconds per size as one
-JSON line."""
+The last matters on machines held to a share of a core that share a host's CPUs (a testbed):
+each gloo group keeps an I/O thread that wakes 100 times a second, and threads waking anywhere
+on the host, whatever their policy or cgroup, made the same ring up to twice as fast as DDP's
+ring in a step (`benchmarks/ring_bench.py`; docs/planning.md). So the calibration times the
+rings last (`rings`), once every rank has left its groups.
+
+`rings(...)` on every rank: for K = 2 to all machines, ranks 0..K-1 each start `python -m
+netpart.calibrate.ring` beside themselves (`timed`), in their machine's namespace and cgroup;
+the processes meet through the job's own store (its file, or torchrun's store at MASTER_ADDR
+/ MASTER_PORT, as a client, under a key of their own) and run `netpart.ps.measure.ps_loop`
+over their default group; rank 0 prints the slowest rank's seconds and CPU seconds per size as
+one JSON line. Every rank waits at the store until all have finished ring K before ring K + 1
+starts: a process waiting for its peers would be awake beside the ring."""
 
 from __future__ import annotations
 
@@ -27,20 +32,52 @@ from netpart.processes.launcher import STORE_ENV, torchrun_attempt
 from netpart.processes.zygote import die_with_parent
 from netpart.ps.measure import ALLREDUCE, ps_loop
 
-__all__ = ["timed"]
+__all__ = ["rings", "timed"]
 
 START_S = 120.0  # a process's start (torch's import on a share of a core) and rendezvous
 
+Tables = dict[int, tuple[list[float], list[float]]]
 
-def timed(rank: int, world: int, key: str, sizes: list[int], repeats: int,
+
+def rings(rank: int, machines: int, sizes: list[int], repeats: list[int],
+          timeout: float) -> Tables:  # fmt: skip
+    """On rank `rank` of `machines`, none of them in a process group: the all-reduce among K
+    machines for every K from 2 to `machines`, one ring after another, each of `sizes`
+    timed `repeats` (one per size) times. Rank 0: {K: (seconds, CPU seconds) per size, the
+    slowest rank's}; the others {}. CalibrationError (one line) if a ring fails or a rank
+    does not finish one within its time."""
+    wait = datetime.timedelta(seconds=timeout + START_S)
+    store = _store("rings", machines, wait)
+    out: Tables = {}
+    for k in range(2, machines + 1):
+        if rank < k:
+            got = timed(rank, k, f"ring{k}", sizes, repeats, timeout)
+            if rank == 0:
+                out[k] = got
+        if store.add(f"after{k}", 1) == machines:
+            store.set(f"all{k}", "1")
+        try:
+            store.wait([f"all{k}"], wait)
+        except RuntimeError:  # the store's timeout
+            raise CalibrationError(
+                f"calibration rank {rank}: not every machine finished the all-reduce among {k} "
+                f"within {wait.total_seconds():.0f} s"
+            ) from None
+    return out
+
+
+def timed(rank: int, world: int, key: str, sizes: list[int], repeats: list[int] | int,
           timeout: float) -> tuple[list[float], list[float]]:  # fmt: skip
     """On rank `rank` of the `world` ranks a ring spans (each on its machine): the ring's
-    (seconds, CPU seconds) per all-reduce of each of `sizes`, timed in processes of their own
-    that meet under `key` (the same on every rank, new for each ring); rank 0's are the
-    slowest rank's, the others' zeros. CalibrationError (one line) if the process fails or
-    outlives `timeout` seconds plus its start; it dies with this process."""
+    (seconds, CPU seconds) per all-reduce of each of `sizes` (`repeats` of each: one count
+    per size, or one for all), timed in processes of their own that meet under `key` (the
+    same on every rank, new for each ring); rank 0's are the slowest rank's, the others'
+    zeros. CalibrationError (one line) if the process fails or outlives `timeout` seconds
+    plus its start; it dies with this process."""
+    counts = [repeats] * len(sizes) if isinstance(repeats, int) else list(repeats)
     argv = [sys.executable, "-m", "netpart.calibrate.ring", str(rank), str(world), key,
-            str(repeats), json.dumps([int(b) for b in sizes]), str(timeout)]  # fmt: skip
+            json.dumps([int(n) for n in counts]), json.dumps([int(b) for b in sizes]),
+            str(timeout)]  # fmt: skip
     limit = timeout + START_S
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=limit,
@@ -60,7 +97,7 @@ def timed(rank: int, world: int, key: str, sizes: list[int], repeats: int,
 
 
 def _store(key: str, world: int, timeout: datetime.timedelta) -> dist.Store:
-    """The ring's rendezvous: beside the job's file store, or under `key` in torchrun's."""
+    """Where ranks meet under `key`: beside the job's file store, or in torchrun's."""
     path = os.environ.get(STORE_ENV)
     if path:
         return dist.FileStore(f"{path}.{key}", world)
@@ -71,13 +108,17 @@ def _store(key: str, world: int, timeout: datetime.timedelta) -> dist.Store:
 
 def main(argv: list[str]) -> int:
     rank, world, key = int(argv[0]), int(argv[1]), argv[2]
-    repeats, sizes, timeout = int(argv[3]), json.loads(argv[4]), float(argv[5])
+    repeats, sizes, timeout = json.loads(argv[3]), json.loads(argv[4]), float(argv[5])
     wait = datetime.timedelta(seconds=timeout)
     torch.set_num_threads(1)  # as every worker process
     dist.init_process_group("gloo", store=_store(key, world, wait), rank=rank,
                             world_size=world, timeout=wait)  # fmt: skip
     try:
-        seconds, cpu = ps_loop(dist.group.WORLD, rank, ALLREDUCE, sizes, repeats)
+        seconds, cpu = [], []
+        for size, n in zip(sizes, repeats, strict=True):
+            (t,), (c,) = ps_loop(dist.group.WORLD, rank, ALLREDUCE, [size], n)
+            seconds.append(t)
+            cpu.append(c)
         slowest = torch.tensor([*seconds, *cpu], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     finally:

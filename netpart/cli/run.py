@@ -208,8 +208,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         if torch.distributed.is_initialized():  # the followers see the group close and stop
             torch.distributed.destroy_process_group()
         raise
-    if torch.distributed.is_initialized():
-        runner.close()
+    if torch.distributed.is_initialized():  # the all-reduce last, every rank out of its groups
+        from dataclasses import replace
+
+        from netpart.calibrate.pstables import ring_plan, with_rings
+
+        rings = runner.close(ring_plan(details["ps"], args.repeats))
+        if rings:
+            ps, details["ps"] = with_rings(details["ps"], rings, echo)
+            model = replace(model, ps=ps)
     write_atomic(args.out, profile_json(model, details).encode())
     machine = args.out.with_suffix(".machine.toml")
     write_atomic(machine, machine_toml(host_machine(model)).encode())

@@ -1,6 +1,7 @@
 """The calibration's parameter-server tables from a runner's `ps` (a scripted runner): which
 configurations it measures for the machines it has, each size's repeats, and the tables'
-keys and busy time as the profile's `ps` holds them."""
+keys and busy time as the profile's `ps` holds them; the all-reduce it asks for last, and its
+tables."""
 
 from netpart.calibrate.pstables import (
     PS_REPEATS,
@@ -9,6 +10,8 @@ from netpart.calibrate.pstables import (
     ps_repeats,
     ps_sizes,
     ps_tables,
+    ring_plan,
+    with_rings,
 )
 
 
@@ -29,9 +32,7 @@ def test_every_pair_of_clients_and_shards_the_machines_allow():
     ps, raw = ps_tables(runner, lambda line: None)
     configs = {(m, k, s) for m, k, s, _, _ in runner.calls}
     assert configs == {(m, k, s) for m in ("sync", "downpour")
-                       for k, s in ((1, 1), (2, 1), (3, 1), (1, 2), (1, 3), (2, 2))} | {
-        ("allreduce", m, 0) for m in (2, 3, 4)  # every number of machines all-reducing
-    }  # fmt: skip
+                       for k, s in ((1, 1), (2, 1), (3, 1), (1, 2), (1, 3), (2, 2))}  # fmt: skip
     for _, _, _, sizes, repeats in runner.calls:
         assert all(PS_REPEATS[PS_SIZES.index(b)] == repeats for b in sizes)
     assert set(raw["seconds"]["sync"]) == {"1", "2", "3"}
@@ -42,9 +43,24 @@ def test_every_pair_of_clients_and_shards_the_machines_allow():
     assert ps.spread_s("sync", 3, float(PS_SIZES[2])) == 1e-9 * PS_SIZES[2] * 31
     assert ps.exchange_s("sync", 2, 2, float(PS_SIZES[2])) == 1e-9 * PS_SIZES[2] * 22
     assert (ps.share, ps.quota_s) == (0.5, 0.001)  # a testbed's quota: 1 ms a period
-    assert raw["allreduce"]["3"] == [1e-9 * b * 3 for b in PS_SIZES]
-    assert raw["allreduce_busy"]["4"] == [1e-9 * b / 0.5 for b in PS_SIZES]  # CPU / share
+    assert "allreduce" not in raw and not ps.allreduce  # timed last, out of every group
+
+
+def test_the_all_reduce_is_timed_last_at_the_tables_sizes_and_joins_them():
+    _, raw = ps_tables(Runner(machines=4), lambda line: None, wire_bps=100e6, runs=10)
+    plan = ring_plan(raw, 10)
+    assert plan == {"sizes": list(PS_SIZES[:-1]), "repeats": [2 * n for n in PS_REPEATS[:-1]]}
+    assert ring_plan(None) is None  # no machines of their own: no tables, no ring
+    said: list[str] = []
+    rings = {k: ([1e-9 * b * k for b in plan["sizes"]], [1e-9 * b for b in plan["sizes"]])
+             for k in (2, 3, 4)}  # fmt: skip
+    ps, joined = with_rings(raw, rings, said.append)
+    assert joined["allreduce"]["3"] == [1e-9 * b * 3 for b in PS_SIZES[:-1]]
+    assert joined["allreduce_busy"]["4"] == [1e-9 * b / 0.5 for b in PS_SIZES[:-1]]  # / share
     assert ps.allreduce_s(3, float(PS_SIZES[2])) == 1e-9 * PS_SIZES[2] * 3
+    assert ps.seconds == ps_tables(Runner(machines=4), lambda line: None, wire_bps=100e6)[0].seconds
+    assert "allreduce" not in raw  # the tables it was given are left as they were
+    assert len(said) == 3 and said[0].startswith("all-reduce among 2 machines: 16 kB")
 
 
 def test_too_few_machines_measure_no_client_of_several_shards_or_several_of_them():

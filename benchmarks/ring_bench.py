@@ -1,17 +1,22 @@
 """The ring all-reduce DistributedDataParallel runs a step, on emulated machines (issue 47):
-what `netpart calibrate` times of it, against DDP's own step on the same machines.
+what `netpart calibrate` times of it, against DDP's own step on the same machines, and what
+else on the host moves it.
 
 On a testbed of `--machines` machines (`netpart testbed`: `--cpu` of a core, `--link`), in
 `--rounds` rounds, the cases rotated, medians. Every machine all-reduces each of `--sizes`,
 back to back (`netpart.ps.measure.ps_loop`, mode `allreduce`, as the calibration runs it):
 
-- **ring, default group**: over the process's only group, as DDP's processes run it, gloo's
-  I/O threads as gloo starts them;
-- **ring, a new group**: over a group made beside the default one;
-- **ring, among 8 groups**: over a new group, 7 more made beside it and left idle, as in
-  the calibration's processes (`netpart.calibrate.hosts.HostsRunner` makes a group of each
-  size besides its own): the calibration's all-reduce table since e9e9abd;
-- **ring, among 8 groups, SCHED_BATCH**: the same with gloo's I/O threads made SCHED_BATCH,
+- **ring alone**: over the process's only group, as DDP's processes run it, gloo's I/O
+  threads as gloo starts them, nothing else of the bench's awake: as `netpart calibrate`
+  times it since 678483c (`netpart.calibrate.ring`);
+- **ring alone, idle groups on each machine**: the same, while a process on each machine
+  holds 8 idle gloo groups (each with an I/O thread that wakes 100 times a second), as the
+  calibration's processes did while it timed the ring (2871936 to 678483c);
+- **ring alone, a host process waking**: the same, while a process on the host, outside every
+  machine's cgroup and namespace, sleeps 0.5 ms at a time;
+- **ring among 8 groups**: over a new group, 7 more made beside it in the same process and
+  left idle, as the calibration's own processes ran it (e9e9abd to 2871936);
+- **ring among 8 groups, SCHED_BATCH**: the same with gloo's I/O threads made SCHED_BATCH,
   as netpart's processes make theirs (`netpart.processes.launcher.yield_io_threads`): the
   table before e9e9abd;
 - **DDP**: digits-mlp trained by DistributedDataParallel on every machine, `--steps` steps
@@ -30,6 +35,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +43,7 @@ from pathlib import Path
 
 from netpart.files import write_atomic
 from netpart.partition.cluster import Layout
-from netpart.testbed.bed import down, up
+from netpart.testbed.bed import down, read, up
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster_bench import parts, train  # sibling scripts
@@ -65,15 +71,49 @@ if rank == 0:
 dist.destroy_process_group()
 """
 
-# each ring case: idle groups beside the ring's (-1: the ring over the default group), and
-# gloo's I/O threads' policy
+# a process on every machine holding idle groups (each group's I/O thread wakes 100 times a
+# second) until the bench ends it
+IDLE_GROUPS = r"""
+import sys, time
+import torch.distributed as dist
+rank, world, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+groups = [dist.new_group(list(range(world))) for _ in range(7)]
+print("ready", flush=True)
+time.sleep(3600)
+"""
+WAKER = "import time\nwhile True: time.sleep(0.0005)"  # on the host, in no machine
+
+# each ring case: idle groups beside the ring's in its process (-1: the ring over the default
+# group), gloo's I/O threads' policy, and what runs beside it
 RINGS = {
-    "ring, default group": (-1, "other"),
-    "ring, a new group": (0, "other"),
-    "ring, among 8 groups": (7, "other"),
-    "ring, among 8 groups, SCHED_BATCH": (7, "batch"),
+    "ring alone": (-1, "other", None),
+    "ring alone, idle groups on each machine": (-1, "other", "groups"),
+    "ring alone, a host process waking": (-1, "other", "waker"),
+    "ring among 8 groups": (7, "other", None),
+    "ring among 8 groups, SCHED_BATCH": (7, "batch", None),
 }
 CASES = (*RINGS, "DDP")
+
+
+def beside(bed: str, what: str | None, machines: int, tmp: Path) -> list[subprocess.Popen]:
+    """Start what runs beside a ring case (`RINGS`); the caller ends it."""
+    if what is None:
+        return []
+    if what == "waker":
+        return [subprocess.Popen([sys.executable, "-c", WAKER])]
+    testbed, store = read(bed), tmp / f"g{time.monotonic_ns()}"
+    procs = [
+        subprocess.Popen(testbed.command(r, [sys.executable, "-c", IDLE_GROUPS, str(r),
+                                             str(machines), str(store)],
+                                         {"GLOO_SOCKET_IFNAME": testbed.hosts[r].device}),
+                         stdout=subprocess.PIPE, text=True)
+        for r in range(machines)
+    ]  # fmt: skip
+    for p in procs:  # every group made before the ring starts
+        if p.stdout.readline().strip() != "ready":
+            raise SystemExit("idle groups: a machine's process failed to start")
+    return procs
 
 
 def run(bed: str, case: str, args, tmp: Path) -> dict:
@@ -85,10 +125,16 @@ def run(bed: str, case: str, args, tmp: Path) -> dict:
         got = parts(at, args.machines)
         shutil.rmtree(at, ignore_errors=True)
         return {k: got[k] for k in ("step_s", "backward_s", "cpu_s")}
-    idle, policy = RINGS[case]
+    idle, policy, aside = RINGS[case]
     argv = [str(args.machines), str(args.repeats), str(idle), str(at), policy,
             json.dumps(list(SIZES))]  # fmt: skip
-    out = json.loads(role_out(bed, ROLE, args.machines, argv, case))
+    others = beside(bed, aside, args.machines, tmp)
+    try:
+        out = json.loads(role_out(bed, ROLE, args.machines, argv, case))
+    finally:
+        for p in others:
+            p.kill()
+            p.wait()
     return {"seconds": out[: len(SIZES)], "cpu": out[len(SIZES) :]}
 
 

@@ -14,6 +14,7 @@ else at most the job's timeout, and a lost peer ends every rank with one line.
 from __future__ import annotations
 
 import datetime
+import gc
 import hashlib
 import itertools
 import json
@@ -32,7 +33,7 @@ from netpart.partition.plans import PartitionPlan
 from netpart.partition.psx import PS_MODES
 from netpart.partition.schedule import SPLIT_MIN_FLOPS, plan_schedule
 from netpart.processes.groups import new_groups
-from netpart.processes.launcher import join_group, yield_io_threads
+from netpart.processes.launcher import gloo_io_threads, join_group, yield_io_threads
 from netpart.ps.measure import ps_loop
 from netpart.runtime.check import make_batch
 from netpart.runtime.step import exchange_loop, link_loop, step_loop, warmup_steps
@@ -148,7 +149,7 @@ class HostsRunner:
         try:
             self._commands.send({"op": "done", "ring": ring})
         finally:
-            dist.destroy_process_group()
+            self._leave()
         return self._rings(ring)
 
     # every other rank
@@ -169,8 +170,19 @@ class HostsRunner:
                         f"command does not hold what it must ({exc!r})"
                     ) from None
         finally:
-            dist.destroy_process_group()
+            self._leave()
         self._rings(ring)
+
+    def _leave(self) -> None:
+        """Leave every group and let go of it: a gloo group's I/O thread, which wakes 100
+        times a second, runs for as long as anything holds the group, destroyed or not."""
+        dist.destroy_process_group()
+        self._groups.clear()
+        self._commands = None
+        gc.collect()
+        if awake := gloo_io_threads():
+            log.warning("calibration rank %d: %d gloo I/O threads still run beside the "
+                        "all-reduce: it may read fast", self.rank, len(awake))  # fmt: skip
 
     def _rings(self, ring: dict | None) -> Tables:
         if ring is None:

@@ -43,6 +43,7 @@ from netpart.processes.zygote import Forked, Preloaded, die_with_parent
 __all__ = [
     "STORE_ENV",
     "Processes",
+    "gloo_io_threads",
     "join_group",
     "keep_freed_memory",
     "last_error",
@@ -315,14 +316,27 @@ def yield_io_threads(policy: int = os.SCHED_BATCH) -> int:
     becomes a scheduler tick long (docs/runtime.md).
     """
     changed = 0
-    for tid in os.listdir("/proc/self/task"):
+    for tid in gloo_io_threads():
         try:
-            with open(f"/proc/self/task/{tid}/comm") as fh:
-                if fh.read().strip() != "gloo_tcp_loop":
-                    continue
-            if os.sched_getscheduler(int(tid)) != policy:
-                os.sched_setscheduler(int(tid), policy, os.sched_param(0))
+            if os.sched_getscheduler(tid) != policy:
+                os.sched_setscheduler(tid, policy, os.sched_param(0))
                 changed += 1
         except (OSError, AttributeError):  # the thread ended, or not Linux
             continue
     return changed
+
+
+def gloo_io_threads() -> list[int]:
+    """The thread ids of this process's gloo I/O threads (`gloo_tcp_loop`, one a group's
+    device; each wakes 100 times a second while its group is held); [] where /proc has no
+    threads to read."""
+    found = []
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as fh:
+                    if fh.read().strip() == "gloo_tcp_loop":
+                        found.append(int(tid))
+            except OSError:  # the thread ended
+                continue
+    return found

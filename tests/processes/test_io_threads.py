@@ -1,13 +1,14 @@
 """gloo's I/O threads: netpart's processes make them SCHED_BATCH, and `policy` SCHED_OTHER
 puts them back as gloo starts them (`benchmarks/ring_bench.py` times the all-reduce both
-ways); no other thread is touched."""
+ways); no other thread is touched. A group's I/O thread outlives its destruction while the
+group is held."""
 
 from __future__ import annotations
 
 import os
 import threading
 
-from netpart.processes.launcher import yield_io_threads
+from netpart.processes.launcher import gloo_io_threads, yield_io_threads
 
 
 def test_gloo_loop_threads_yield_and_are_put_back():
@@ -38,3 +39,22 @@ def test_gloo_loop_threads_yield_and_are_put_back():
         done.set()
         for t in threads:
             t.join(10)
+
+
+def test_a_destroyed_group_s_io_thread_runs_until_nothing_holds_it(tmp_path):
+    """Why the calibration lets go of its groups before it times the all-reduce
+    (`HostsRunner._leave`): destroying them alone leaves their I/O threads waking."""
+    import gc
+
+    import torch.distributed as dist
+
+    before = len(gloo_io_threads())
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0,
+                            world_size=1)  # fmt: skip
+    held = [dist.new_group([0]) for _ in range(2)]
+    assert len(gloo_io_threads()) > before
+    dist.destroy_process_group()
+    assert len(gloo_io_threads()) > before  # the groups still held
+    del held
+    gc.collect()
+    assert len(gloo_io_threads()) == before

@@ -20,6 +20,20 @@ the figures are medians over rounds:
 
 Targets (issue 47): netpart Downpour R=1 <= 1.3x plain; netpart sync R=2 <= DDP R=2.
 
+Beside them, what the bytes alone cost, by the same method (`FLOOR`: processes that do
+nothing but move the job's bytes over gloo a step, the MLP's 85,002 float32 gradients and
+values, 340,008 bytes, with the headers the parameter server sends):
+
+- `bytes-push` (R=1): a worker's push to one shard, answered by a header (Downpour R=1 with
+  SGD: the shard's answer to a fetch is CURRENT, no values, when nothing but this worker's
+  pushes changed them);
+- `bytes-sync` (R=2): two workers each push to one shard and fetch from it (sync);
+- `bytes-ring` (R=2): two processes all-reduce the gradients (DDP's ring).
+
+The first against the budget 1.3x plain leaves beside plain's step, the second less the
+third against the gap between DDP R=2 and netpart sync R=2: what no implementation of a
+parameter server that moves these bytes over gloo can go below.
+
     python benchmarks/cost_bench.py --out benchmarks/results/cost_bench.json
 """
 
@@ -40,7 +54,34 @@ from dp_bench import BATCH, DDP, LR, PLAIN, prepare_data
 
 SHORT, LONG = 200, 1200  # steps per replica
 SYSTEMS = (("plain", 1), ("netpart-downpour", 1), ("ddp", 2), ("netpart-sync", 2),
-           ("netpart-downpour", 2))  # fmt: skip
+           ("netpart-downpour", 2), ("bytes-push", 1), ("bytes-sync", 2),
+           ("bytes-ring", 2))  # fmt: skip
+VALUES = 85_002  # the MLP's parameters: its gradients, and its values fetched
+FLOOR = r"""
+import sys, torch, torch.distributed as dist
+kind, store = sys.argv[1], sys.argv[5]
+steps, rank, world = map(int, sys.argv[2:5])
+torch.set_num_threads(1)
+dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+values, header = torch.randn(int(sys.argv[6])), torch.zeros(7, dtype=torch.int64)
+shard = world - 1  # the last rank, where there is one
+for _ in range(steps):
+    if kind == "ring":
+        dist.all_reduce(values)
+    elif rank != shard:  # a worker: its push (header and values), then the answer
+        dist.send(header, shard); dist.send(values, shard)
+        dist.recv(header, shard)
+        if kind == "sync":
+            dist.recv(values, shard)
+    else:  # the shard: every worker's push, then every answer
+        for w in range(world - 1):
+            dist.recv(header, w); dist.recv(values, w)
+        for w in range(world - 1):
+            dist.send(header, w)
+            if kind == "sync":
+                dist.send(values, w)
+dist.destroy_process_group()
+"""
 
 
 def children_cpu() -> float:
@@ -54,6 +95,11 @@ def command(system: str, replicas: int, steps: int, data: Path, tmp: Path, seed:
     args = [str(data), str(steps), str(BATCH), str(LR), str(seed)]
     if system == "plain":
         return [[sys.executable, "-c", PLAIN, *args]]
+    if system.startswith("bytes-"):  # a shard besides R workers, or R ranks of a ring
+        kind, store = system.removeprefix("bytes-"), tmp / f"store{time.monotonic_ns()}"
+        world = replicas if kind == "ring" else replicas + 1
+        return [[sys.executable, "-c", FLOOR, kind, str(steps), str(r), str(world), str(store),
+                 str(VALUES)] for r in range(world)]  # fmt: skip
     if system == "ddp":
         out, store = tmp / f"ddp{time.monotonic_ns()}", tmp / f"store{time.monotonic_ns()}"
         return [[sys.executable, "-c", DDP, *args, str(r), str(replicas), str(out), str(store),
@@ -120,11 +166,23 @@ def main() -> int:
         "sync_R2_over_ddp_R2": summary["netpart-sync/R=2"]["cpu_us_per_sample_median"]
         / summary["ddp/R=2"]["cpu_us_per_sample_median"],
     }
+    cost = {k: v["cpu_us_per_sample_median"] for k, v in summary.items()}
+    # the best each target's system could do: its peer's cost plus what its bytes alone
+    # cost beyond the peer's
+    ratio["downpour_R1_floor_over_plain"] = (cost["plain/R=1"] + cost["bytes-push/R=1"]) / cost[
+        "plain/R=1"
+    ]
+    ratio["sync_R2_floor_over_ddp_R2"] = (
+        cost["ddp/R=2"] + cost["bytes-sync/R=2"] - cost["bytes-ring/R=2"]
+    ) / cost["ddp/R=2"]
     print()
     for key, s in summary.items():
         print(f"{key:<22} {s['cpu_us_per_sample_median']:8.1f} CPU-us a sample (median)")
     print(f"netpart Downpour R=1 / plain: {ratio['downpour_R1_over_plain']:.2f} (target <= 1.3)")
     print(f"netpart sync R=2 / DDP R=2:   {ratio['sync_R2_over_ddp_R2']:.2f} (target <= 1.0)")
+    print(f"their bytes alone: plain + a push {ratio['downpour_R1_floor_over_plain']:.2f} x "
+          f"plain; DDP + a sync exchange's bytes beyond the ring's "
+          f"{ratio['sync_R2_floor_over_ddp_R2']:.2f} x DDP")  # fmt: skip
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         job = {"short_steps": SHORT, "long_steps": LONG, "batch": BATCH, "lr": LR}

@@ -69,6 +69,7 @@ dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
 if rank == 0:
     print(json.dumps(slowest.tolist()))
 dist.destroy_process_group()
+del group, others  # held at exit, a group's threads outlive the interpreter: an abort
 """
 
 # a process on every machine holding idle groups (each group's I/O thread wakes 100 times a

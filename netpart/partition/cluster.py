@@ -44,9 +44,12 @@ bandwidth):
   whole model (`UPDATE_S_PER_VALUE` a value, over the share of a core a measured profile's
   machines had). The ring's phases are priced off the link (`phase_s`, with the cost a phase
   has in a step), and at least at what the ring took where a profile measured it on its
-  machines as DistributedDataParallel runs it (`PsExchange.allreduce_s`): timed alone,
-  back to back, it read DDP's ring in a step fast on a quota (docs/planning.md).
-  Only where one machine holds the model.
+  machines as DistributedDataParallel runs it (`PsExchange.allreduce_s`). On machines held
+  to a share of a core by a quota (`PsExchange.period_s`), at least a period a phase: in a
+  step, a machine that has spent its quota (on the step, on the ring's own threads) takes
+  part in the next phase in its next period; timed alone, back to back, the ring spends less
+  and ran faster than DDP's ring in a step (docs/planning.md). Only where one machine holds
+  the model.
 - **memory per machine**: a worker holds its values, their gradients and a fetched copy, and
   its activations (every layer's outputs, forward and backward, `batch` examples, / N); a
   shard its values and Adagrad's accumulator; all-reduce a whole replica and its gradients.
@@ -312,8 +315,9 @@ def _allreduce(spec, machines: int, step_one: float, values: int, network, batch
     """All-reduce with `machines` replicas of one worker each."""
     ps: PsExchange | None = network.ps
     ring = allreduce_s(values, machines, network)
-    if ps is not None:  # at least what it took alone, where that was measured
-        ring = max(ring, ps.allreduce_s(machines, BYTES_PER_VALUE * values))
+    if ps is not None:  # at least what it took alone, and on a quota a period a phase
+        alone = ps.allreduce_s(machines, BYTES_PER_VALUE * values)
+        ring = max(ring, alone, 2 * (machines - 1) * ps.period_s)
     share = ps.share if ps is not None else 1.0
     step = step_one + ring + values * UPDATE_S_PER_VALUE / share
     link = 2 * (machines - 1) / machines * BYTES_PER_VALUE * values if machines > 1 else 0.0

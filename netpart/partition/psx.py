@@ -128,6 +128,14 @@ class PsExchange:
         per_phase = nbytes * most / machines  # each phase's bytes, as `most` machines move them
         return float(read_table(table[most], np.array(per_phase))) * (machines - 1) / (most - 1)
 
+    @property
+    def period_s(self) -> float:
+        """The period of the measured machines' cpu quota: the CPU it grants a period over
+        their share of a core (0: no quota)."""
+        if self.share >= 1 or self.quota_s <= 0:
+            return 0.0
+        return self.quota_s / self.share
+
     def step_cpu_s(self, step_s: float) -> float:
         """The CPU a step that took `step_s` alone is charged on a measured machine's quota.
         Within the quota a step runs at a whole core's speed: its time. That over-counts its

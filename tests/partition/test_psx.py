@@ -70,6 +70,27 @@ def test_the_all_reduce_alone_is_read_off_its_table_and_a_layout_s_ring_costs_at
         assert (ring == allreduce_s(values, 3, model)) == (link == 5e-3)
 
 
+def test_on_a_quota_each_of_the_ring_s_phases_costs_at_least_a_period():
+    ring = {str(m): [2 * (m - 1) * (1e-3 + b / m * 1e-8) for b in SIZES] for m in (2, 3)}
+    quota = {**tables().to_dict(), "allreduce": ring, "share": 0.25, "quota_s": 1e-3}
+    ps = PsExchange.from_dict(quota)
+    assert ps.period_s == pytest.approx(4e-3)  # 1 ms of CPU a period, a quarter of a core
+    assert tables().period_s == 0.0  # no quota
+    spec = load_spec("tiny-mlp")
+    values = spec.num_params
+    model = NetworkModel(kinds={}, profile="p.json", ps=ps, latency_s=10e-6)
+    one = plan(spec, 1, seed=0, batch=32, network=model).metrics.predicted_step_s
+    row = next(f for f in advise(spec, 3, model).layouts if f.layout.mode == "allreduce")
+    update = values * UPDATE_S_PER_VALUE / 0.25
+    assert row.step_s == pytest.approx(one + 4 * 4e-3 + update)  # 2(M-1) periods
+    # a ring measured slower than that stays its own price
+    slow = {**quota, "allreduce": {k: [10 * t for t in v] for k, v in ring.items()}}
+    model = replace(model, ps=PsExchange.from_dict(slow))
+    row = next(f for f in advise(spec, 3, model).layouts if f.layout.mode == "allreduce")
+    alone = model.ps.allreduce_s(3, 4.0 * values)
+    assert alone > 16e-3 and row.step_s == pytest.approx(one + alone + update)
+
+
 @pytest.mark.parametrize(
     "bad",
     [

@@ -7,18 +7,27 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TextIO
 
 from netpart.cli.common import echo, positive_int
 
-__all__ = ["add_testbed_arg", "on_testbed", "register"]
+__all__ = ["add_testbed_arg", "on_testbed", "register", "without_exit_barrier_race"]
 
 PORT = 29500  # the rendezvous on machine 0: the namespace is the testbed's own
 GRACE_S = 30.0  # after one machine's process fails, the others get this long to end
+# torchrun's agents meet at an exit barrier on machine 0's store; the store's agent may leave
+# it before another has read that all arrived, which then logs this with a traceback though
+# the job has ended as it did (torch.distributed.elastic.agent.server.api)
+EXIT_BARRIER = "Error waiting on exit barrier"
+LOG_PREFIX = re.compile(r"[EWI]\d{4} [\d:.]+ \d+ \S+:\d+\] ")  # a torch log record's lines
 
 
 def register(sub) -> None:
@@ -112,6 +121,7 @@ def on_testbed(name: str, argv: list[str], processes: int | None = None) -> int:
         except BlockingIOError:
             raise PlanError(f"testbed {name} runs another job now; wait for it") from None
         procs: list[subprocess.Popen] = []
+        relays: list[threading.Thread] = []
         try:
             for i, host in enumerate(bed.hosts):
                 cmd = [torchrun, "--nnodes", str(bed.machines), "--nproc-per-node", "1",
@@ -119,10 +129,39 @@ def on_testbed(name: str, argv: list[str], processes: int | None = None) -> int:
                        "--master-port", str(PORT), "--local-addr", host.address,
                        "-m", "netpart", *argv]  # fmt: skip
                 env = {"GLOO_SOCKET_IFNAME": host.device, "TORCH_CPP_LOG_LEVEL": "ERROR"}
-                procs.append(subprocess.Popen(bed.command(i, cmd, env)))
+                procs.append(subprocess.Popen(bed.command(i, cmd, env), stderr=subprocess.PIPE,
+                                              text=True, errors="replace"))  # fmt: skip
+            # each machine's stderr (its agent's and its process's) passes on line by line
+            relays += [threading.Thread(target=_relay, args=(p.stderr, sys.stderr), daemon=True)
+                       for p in procs]  # fmt: skip
+            for relay in relays:
+                relay.start()
             return _wait(procs)
         finally:
             cgroups.kill_inside([Path(g) for g in bed.groups])
+            for relay in relays:  # every machine's pipe closes with what ran there
+                relay.join(GRACE_S)
+
+
+def without_exit_barrier_race(lines: Iterable[str]) -> Iterable[str]:
+    """`lines` less torchrun's record of its exit barrier's race (`EXIT_BARRIER`): its first
+    line and the lines after it with the same log prefix."""
+    dropping = None
+    for line in lines:
+        if dropping is not None and line.startswith(dropping):
+            continue
+        dropping = None
+        head = LOG_PREFIX.match(line)
+        if head and EXIT_BARRIER in line:
+            dropping = head.group(0)
+            continue
+        yield line
+
+
+def _relay(source: TextIO, sink: TextIO) -> None:
+    for line in without_exit_barrier_race(source):
+        sink.write(line)
+        sink.flush()
 
 
 def _wait(procs: list[subprocess.Popen]) -> int:

@@ -225,3 +225,20 @@ def test_os_errors_are_one_line(tmp_path, capsys, monkeypatch, error, code):
     assert got == code
     lines = err.strip().splitlines()
     assert len(lines) == 1 and error.strerror in lines[0], lines
+
+
+def test_a_testbed_job_s_stderr_passes_on_less_torchrun_s_exit_barrier_race():
+    from netpart.cli.testbed import without_exit_barrier_race
+
+    record = "E1127 21:24:24.549000 4081 torch/distributed/elastic/agent/server/api.py:1008] "
+    lines = [
+        "calibration rank 0: all-reduce among 2 machines\n",
+        record + "Error waiting on exit barrier. Elapsed: 0.056 seconds\n",
+        record + "Traceback (most recent call last):\n",
+        record + "    store.wait([last_member_key])\n",
+        record + "torch.distributed.DistNetworkError: Connection reset by peer\n",
+        "E1127 21:24:25.001000 4082 torch/distributed/elastic/agent/server/api.py:700] other\n",
+        "netpart: replica 1 stopped: its worker 0 exited\n",
+    ]
+    assert list(without_exit_barrier_race(lines)) == [lines[0], *lines[-2:]]
+    assert list(without_exit_barrier_race(lines[2:4])) == lines[2:4]  # a record of its own

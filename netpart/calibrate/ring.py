@@ -66,17 +66,16 @@ def rings(rank: int, machines: int, sizes: list[int], repeats: list[int],
     return out
 
 
-def timed(rank: int, world: int, key: str, sizes: list[int], repeats: list[int] | int,
+def timed(rank: int, world: int, key: str, sizes: list[int], repeats: list[int],
           timeout: float) -> tuple[list[float], list[float]]:  # fmt: skip
     """On rank `rank` of the `world` ranks a ring spans (each on its machine): the ring's
-    (seconds, CPU seconds) per all-reduce of each of `sizes` (`repeats` of each: one count
-    per size, or one for all), timed in processes of their own that meet under `key` (the
-    same on every rank, new for each ring); rank 0's are the slowest rank's, the others'
-    zeros. CalibrationError (one line) if the process fails or outlives `timeout` seconds
-    plus its start; it dies with this process."""
-    counts = [repeats] * len(sizes) if isinstance(repeats, int) else list(repeats)
+    (seconds, CPU seconds) per all-reduce of each of `sizes` (`repeats`: how many of each),
+    timed in processes of their own that meet under `key` (the same on every rank, new for
+    each ring); rank 0's are the slowest rank's, the others' zeros. CalibrationError (one
+    line) if the process fails or outlives `timeout` seconds plus its start; it dies with
+    this process."""
     argv = [sys.executable, "-m", "netpart.calibrate.ring", str(rank), str(world), key,
-            json.dumps([int(n) for n in counts]), json.dumps([int(b) for b in sizes]),
+            json.dumps([int(n) for n in repeats]), json.dumps([int(b) for b in sizes]),
             str(timeout)]  # fmt: skip
     limit = timeout + START_S
     try:

@@ -189,10 +189,10 @@ class NetworkModel:
 
     def describe(self) -> str:
         """Which figures a prediction used, in a few words."""
-        wire = f"{self.bandwidth_bps / 1e9:.3g} Gbit/s, {self.latency_s * 1e6:.3g} µs"
+        wire = f"{self.bandwidth_bps / 1e9:.3g} Gbit/s, {_duration(self.latency_s)}"
         if self.machine:
             rate = f"{self.flops_per_s / 1e9:.4g} GFLOP/s per worker"
-            return f"{self.machine}: {rate}, {wire} + {self.message_s * 1e6:.3g} µs per message"
+            return f"{self.machine}: {rate}, {wire} + {_duration(self.message_s)} per message"
         if self.profile:
             peers = "/".join(str(k) for k in sorted(self.link))
             link = f", link measured with {peers} peers" if self.link else ""
@@ -210,7 +210,7 @@ class NetworkModel:
             caveat = f"; WARNING: {self.caveat}" if self.caveat else ""
             return (
                 f"calibrated profile {self.profile}: {self.bandwidth_bps / 1e9:.3g} Gbit/s, "
-                f"{self.latency_s * 1e6:.3g} µs{link}{caveat}"
+                f"{_duration(self.latency_s)}{link}{caveat}"
             )
         return (
             f"defaults/--net: {self.bandwidth_bps / 1e9:g} Gbit/s, "
@@ -341,6 +341,14 @@ class NetworkModel:
         if min(net.bandwidth_bps, net.flops_per_s) <= 0 or net.latency_s < 0:
             raise PlanError("--net: bandwidth and flops must be positive, latency >= 0")
         return net
+
+
+def _duration(seconds: float) -> str:
+    """A time in three figures: µs below a millisecond, ms above (a phase on a machine held to
+    a share of a core can take milliseconds)."""
+    if seconds < 0.9995e-3:  # 999.6 µs reads "1 ms", not "1e+03 µs"
+        return f"{seconds * 1e6:.3g} µs"
+    return f"{seconds * 1e3:.3g} ms"
 
 
 def _crowd_points(raw: Any) -> tuple[tuple[float, float, float], ...]:

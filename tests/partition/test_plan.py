@@ -159,6 +159,13 @@ def test_network_model_parses_units():
         NetworkModel.parse("bandwidth=fast")
 
 
+def test_described_times_read_in_a_unit_that_fits():
+    phase = NetworkModel(latency_s=2.07e-3, profile="p.json").describe()
+    assert "2.07 ms" in phase and "e+" not in phase  # a phase at 0.3 of a core, not 2.07e+03 µs
+    assert "999 µs" in NetworkModel(latency_s=999e-6, profile="p.json").describe()
+    assert "1 ms" in NetworkModel(latency_s=999.6e-6, profile="p.json").describe()
+
+
 @pytest.mark.parametrize("method", ["metis", "tiles", "random"])
 def test_worker_parameters_add_up_to_the_model(method):
     for name in ("tiny-local", "speech", "image-80m"):

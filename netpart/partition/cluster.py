@@ -45,11 +45,10 @@ bandwidth):
   machines had). The ring's phases are priced off the link (`phase_s`, with the cost a phase
   has in a step), and at least at what the ring took where a profile measured it on its
   machines as DistributedDataParallel runs it (`PsExchange.allreduce_s`). On machines held
-  to a share of a core by a quota (`PsExchange.period_s`), at least a period a phase: in a
-  step, a machine that has spent its quota (on the step, on the ring's own threads) takes
-  part in the next phase in its next period; timed alone, back to back, the ring spends less
-  and ran faster than DDP's ring in a step (docs/planning.md). Only where one machine holds
-  the model.
+  to a share of a core by a quota (`PsExchange.period_s`), at least a period a phase, on the
+  reading that in a step a machine that has spent its quota (on the step, on the ring's own
+  threads) takes part in the next phase in its next period (docs/planning.md has DDP's ring
+  in a step against it, and the ring timed alone). Only where one machine holds the model.
 - **memory per machine**: a worker holds its values, their gradients and a fetched copy, and
   its activations (every layer's outputs, forward and backward, `batch` examples, / N); a
   shard its values and Adagrad's accumulator; all-reduce a whole replica and its gradients.

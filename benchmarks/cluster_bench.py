@@ -19,6 +19,8 @@ batch and worker's CPU; DDP's forward, backward with its all-reduce, update and 
 model-parallel step the planner predicted for its N, so a miss shows its cause. Needs root.
 
     python benchmarks/cluster_bench.py --machines 4 --out benchmarks/results/cluster_bench_m4.json
+
+`--layouts` measures some of the planner's layouts only (its verdict is then over those).
 """
 
 from __future__ import annotations
@@ -203,6 +205,19 @@ def _verdict(rows: list[dict], advice) -> None:
     print(f"{within} of {len(rows)} within 15%; overall recommendation {advice.best.layout}")
 
 
+def chosen(layouts, names: str | None) -> list:
+    """The layouts named in `names` (comma-separated, as a layout prints; None: all)."""
+    if names is None:
+        return list(layouts)
+    want = [n.strip() for n in names.split(",") if n.strip()]
+    known = {str(f.layout): f for f in layouts}
+    unknown = [n for n in want if n not in known]
+    if unknown:
+        raise SystemExit(f"--layouts: {', '.join(unknown)} not among the planner's layouts "
+                         f"({', '.join(known)})")  # fmt: skip
+    return [known[n] for n in want]
+
+
 def mp_steps(spec, layouts, network: NetworkModel) -> dict[int, float]:
     """The model-parallel step the planner predicts at each N of `layouts` (all-reduce: 1)."""
     counts = {f.layout.workers for f in layouts}
@@ -251,6 +266,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--profile", type=Path, default=None)
+    ap.add_argument("--layouts", default=None,
+                    help="only these of the planner's layouts, comma-separated as it prints "
+                    "them (e.g. 'downpour 1x1+3,sync 3x1+1'): to measure a few again, in more "
+                    "rounds")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--repredict", type=Path, default=None,
                     help="a result of this script: predict its layouts again with this tree's "
@@ -266,7 +285,7 @@ def main(argv=None) -> int:
         network = NetworkModel.from_profile(args.profile.read_text(), str(args.profile))
     spec = load_spec(args.model)
     advice = advise(spec, args.machines, network, batch=BATCH)
-    layouts = list(advice.layouts)
+    layouts = chosen(advice.layouts, args.layouts)
     name = f"cb{os.getpid() % 100000}"
     up(name, args.machines, cpu=args.cpu, rate=args.link)
     seen: dict[str, list[float]] = {str(f.layout): [] for f in layouts}

@@ -1,0 +1,143 @@
+"""The parameter server's sync exchange of several clients, alone and after a training step,
+on emulated machines (issue 47).
+
+`netpart calibrate` times C clients of S shards exchanging back to back, every client at
+once (`netpart.ps.measure.ps_loop`, no `beside`). In training each client first runs its
+replica's step, and on 0.3-core testbed machines bench-local's sync 2x1+2 exchange took
+1.22-1.26x what that table reads and 3x1+1's 0.79-0.86x (docs/planning.md). This times,
+per (clients, shards), client 0's request-to-request seconds and its process's CPU:
+`alone` (as the calibration) and `beside` (every client runs the model's one-worker step,
+netpart's runtime, before each request, as a sync training step does), and the step alone on
+one machine. Each run is one process per machine of a testbed of its own (`netpart
+testbed`), file rendezvous, gloo over the machines' links; `--rounds` rounds, the cases
+rotated, medians. Needs root.
+
+    python benchmarks/clients_bench.py --out benchmarks/results/clients_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from netpart.files import write_atomic
+from netpart.models import build_reference, load_spec
+from netpart.testbed.bed import down, up
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ps_exchange_bench import role_out  # a sibling script
+
+ROLE = r"""
+import json, sys, time
+import torch, torch.distributed as dist
+from netpart.models import load_spec
+from netpart.partition.planner import plan
+from netpart.partition.schedule import plan_schedule
+from netpart.ps.measure import WARM, ps_loop
+from netpart.runtime.check import make_batch
+from netpart.runtime.transport import GlooTransport
+from netpart.runtime.worker import ModelWorker
+
+rank, world, shards, repeats, nbytes = map(int, sys.argv[1:6])
+store, model_name, beside = sys.argv[6], sys.argv[7], sys.argv[8] == "beside"
+torch.set_num_threads(1)
+torch.set_flush_denormal(True)  # as netpart's training processes
+dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+clients = max(1, world - shards)
+solos = [dist.new_group([c]) for c in range(clients)]  # each client's 1-worker replica
+step = None
+if rank < clients and (beside or shards == 0):
+    spec = load_spec(model_name)
+    graph, schedule = plan_schedule(spec, plan(spec, 1, seed=0, batch=32))
+    x, y = make_batch(spec, 32, rank)
+    model = ModelWorker(spec, graph, schedule, 0, seed=0, dtype=torch.float32)
+    transport = GlooTransport(solos[rank], ranks=[rank])
+
+    def step():  # as a training step: netpart's runtime, no gradients gathered
+        model.step(x.float(), y, transport, collect_grads=False)
+
+if shards == 0:  # the step alone, back to back
+    for _ in range(WARM):
+        step()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(repeats):
+        step()
+    print(json.dumps([(time.perf_counter() - t0) / repeats, (time.process_time() - c0) / repeats]))
+else:
+    group = dist.new_group(list(range(world)))
+    seconds, cpu = ps_loop(group, rank, "sync", [nbytes], repeats, shards, step)
+    if rank == 0:
+        print(json.dumps([seconds[0], cpu[0]]))
+dist.destroy_process_group()
+"""
+
+
+def run(bed: str, case: tuple, args, nbytes: int, tmp: Path) -> tuple[float, float]:
+    """(seconds, CPU seconds) of client 0 in `case` (clients, shards, "alone"|"beside");
+    shards 0: the step alone on machine 0."""
+    clients, shards, how = case
+    world = clients + shards
+    store = tmp / f"store{time.monotonic_ns()}"
+    argv = [str(world), str(shards), str(args.repeats), str(nbytes), str(store), args.model,
+            how]  # fmt: skip
+    return tuple(json.loads(role_out(bed, ROLE, world, argv, str(case))))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="bench-local")
+    ap.add_argument("--pairs", default="2x2,3x1,1x3", help="clients x shards, comma-separated")
+    ap.add_argument("--cpu", type=float, default=0.3)
+    ap.add_argument("--link", default="1gbit")
+    ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    spec = load_spec(args.model)
+    nbytes = 4 * sum(p.numel() for p in build_reference(spec).parameters())  # a replica's
+    pairs = [tuple(int(v) for v in p.split("x")) for p in args.pairs.split(",")]
+    cases = [(1, 0, "alone")] + [(c, s, how) for c, s in pairs for how in ("alone", "beside")]
+    name = f"clb{os.getpid() % 100000}"
+    up(name, max(c + s for c, s, _ in cases), cpu=args.cpu, rate=args.link)
+    tmp = Path(tempfile.mkdtemp(prefix="clients-"))
+    seen: dict[tuple, list] = {c: [] for c in cases}
+    try:
+        for k in range(args.rounds):
+            for case in cases[k % len(cases) :] + cases[: k % len(cases)]:
+                seen[case].append(run(name, case, args, nbytes, tmp))
+                s, c = seen[case][-1]
+                print(f"round {k + 1}: {case}: {s * 1e3:.0f} ms, CPU {c * 1e3:.0f} ms", flush=True)
+    finally:
+        down(name)
+        shutil.rmtree(tmp, ignore_errors=True)
+    rows = [{"clients": c, "shards": s, "how": how,
+             "seconds": statistics.median(t for t, _ in seen[(c, s, how)]),
+             "rounds": [t for t, _ in seen[(c, s, how)]],
+             "cpu": statistics.median(u for _, u in seen[(c, s, how)])}
+            for c, s, how in cases]  # fmt: skip
+    step = rows[0]["seconds"]
+    for r in rows[1:]:
+        less = (
+            f", less the step alone {(r['seconds'] - step) * 1e3:.0f}"
+            if r["how"] == "beside"
+            else ""
+        )
+        print(f"{r['clients']} clients x {r['shards']} shards {r['how']:<6}: "
+              f"{r['seconds'] * 1e3:.0f} ms{less}, CPU {r['cpu'] * 1e3:.0f} ms")  # fmt: skip
+    print(f"the step alone: {step * 1e3:.0f} ms, CPU {rows[0]['cpu'] * 1e3:.0f} ms")
+    if args.out is not None:
+        result = {"model": args.model, "bytes": nbytes, "cpu": args.cpu, "link": args.link,
+                  "repeats": args.repeats, "rounds": args.rounds, "rows": rows}  # fmt: skip
+        write_atomic(args.out, json.dumps(result, indent=1).encode())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

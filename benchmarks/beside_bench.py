@@ -54,38 +54,25 @@ DIGITS_BYTES = 340_008  # digits-mlp's values, 4 bytes each: a replica's push, a
 MESSAGE_KIB = (60, 63, 64, 65, 72, 80, 96, 128)  # a message to each of 4 shards
 
 ROLE = r"""
-import json, sys, time
+import json, sys
 import torch, torch.distributed as dist
 from netpart.models import load_spec
 from netpart.partition.planner import plan
-from netpart.partition.schedule import plan_schedule
-from netpart.ps.measure import WARM, ps_loop
-from netpart.runtime.check import make_batch
-from netpart.runtime.transport import GlooTransport
-from netpart.runtime.worker import ModelWorker
+from netpart.ps.measure import ps_loop, timed_calls
+from netpart.runtime.check import lone_step
 
 rank, world, shards, repeats, nbytes = map(int, sys.argv[1:6])
 store, mode, beside = sys.argv[6], sys.argv[7], sys.argv[8] == "beside"
 torch.set_num_threads(1)
 dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
 solo = dist.new_group([0])  # worker 0's own: a 1-worker replica's transport
+step = None
 if rank == 0:  # the client's machine: the shards' need no model
     spec = load_spec("digits-mlp")
-    graph, schedule = plan_schedule(spec, plan(spec, 1, seed=0, batch=32))
-    x, y = make_batch(spec, 32, 0)
-    model = ModelWorker(spec, graph, schedule, 0, seed=0, dtype=torch.float32)
-    transport = GlooTransport(solo, ranks=[0])
-
-def step():  # as a training step: netpart's runtime, no gradients gathered
-    model.step(x.float(), y, transport, collect_grads=False)
+    step = lone_step(spec, plan(spec, 1, seed=0, batch=32), solo, 0)
 
 if world == 1:  # the step alone, back to back
-    for _ in range(WARM):
-        step()
-    t0, c0 = time.perf_counter(), time.process_time()
-    for _ in range(repeats):
-        step()
-    print(json.dumps([(time.perf_counter() - t0) / repeats, (time.process_time() - c0) / repeats]))
+    print(json.dumps(timed_calls(step, repeats)))
 else:
     group = dist.new_group(list(range(world)))
     seconds, cpu = ps_loop(group, rank, mode, [nbytes], repeats, shards, step if beside else None)

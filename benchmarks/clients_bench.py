@@ -35,15 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ps_exchange_bench import role_out  # a sibling script
 
 ROLE = r"""
-import json, sys, time
+import json, sys
 import torch, torch.distributed as dist
 from netpart.models import load_spec
 from netpart.partition.planner import plan
-from netpart.partition.schedule import plan_schedule
-from netpart.ps.measure import WARM, ps_loop
-from netpart.runtime.check import make_batch
-from netpart.runtime.transport import GlooTransport
-from netpart.runtime.worker import ModelWorker
+from netpart.ps.measure import ps_loop, timed_calls
+from netpart.runtime.check import lone_step
 
 rank, world, shards, repeats, nbytes = map(int, sys.argv[1:6])
 store, model_name, beside = sys.argv[6], sys.argv[7], sys.argv[8] == "beside"
@@ -55,21 +52,9 @@ solos = [dist.new_group([c]) for c in range(clients)]  # each client's 1-worker 
 step = None
 if rank < clients and (beside or shards == 0):
     spec = load_spec(model_name)
-    graph, schedule = plan_schedule(spec, plan(spec, 1, seed=0, batch=32))
-    x, y = make_batch(spec, 32, rank)
-    model = ModelWorker(spec, graph, schedule, 0, seed=0, dtype=torch.float32)
-    transport = GlooTransport(solos[rank], ranks=[rank])
-
-    def step():  # as a training step: netpart's runtime, no gradients gathered
-        model.step(x.float(), y, transport, collect_grads=False)
-
+    step = lone_step(spec, plan(spec, 1, seed=0, batch=32), solos[rank], rank)
 if shards == 0:  # the step alone, back to back
-    for _ in range(WARM):
-        step()
-    t0, c0 = time.perf_counter(), time.process_time()
-    for _ in range(repeats):
-        step()
-    print(json.dumps([(time.perf_counter() - t0) / repeats, (time.process_time() - c0) / repeats]))
+    print(json.dumps(timed_calls(step, repeats)))
 else:
     group = dist.new_group(list(range(world)))
     seconds, cpu = ps_loop(group, rank, "sync", [nbytes], repeats, shards, step)

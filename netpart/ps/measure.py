@@ -34,10 +34,21 @@ from netpart.ps.optimizer import Optimizer
 from netpart.ps.rules import make_rule
 from netpart.ps.server import ShardServer, ShardSetup, ShardState
 
-__all__ = ["ALLREDUCE", "flat_layout", "ps_loop"]
+__all__ = ["ALLREDUCE", "flat_layout", "ps_loop", "timed_calls"]
 
 WARM = 3  # untimed exchanges before each size's timed ones
 ALLREDUCE = "allreduce"  # the mode of every rank all-reducing (no shards)
+
+
+def timed_calls(fn: Callable[[], None], repeats: int) -> tuple[float, float]:
+    """(seconds, CPU seconds of the process, all threads) per call of `fn`, means over
+    `repeats` back-to-back calls after WARM untimed: what `ps_loop`'s `beside` costs alone."""
+    for _ in range(WARM):
+        fn()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - t0) / repeats, (time.process_time() - c0) / repeats
 
 
 def flat_layout(values: int, shards: int = 1) -> ShardLayout:

@@ -9,6 +9,7 @@ the plan predicts.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +33,7 @@ __all__ = [
     "check_step",
     "check_step_distributed",
     "estimate_check_bytes",
+    "lone_step",
     "make_batch",
     "require_memory",
     "under_torchrun",
@@ -64,6 +66,23 @@ def make_batch(spec: ModelSpec, batch: int, seed: int) -> tuple[torch.Tensor, to
     if spec.loss == "cross_entropy":
         return x, torch.randint(0, spec.shapes[-1].channels, (batch,), generator=gen)
     return x, torch.randn(batch, spec.shapes[-1].size, generator=gen, dtype=torch.float64)
+
+
+def lone_step(spec: ModelSpec, p: PartitionPlan, group, rank: int) -> Callable[[], None]:
+    """A one-worker replica's step as training runs it (netpart's runtime, float32, no
+    gradients gathered) on a fixed batch of 32 (`make_batch`, seed `rank`), its transport
+    over `group`, this rank's own: what a measurement runs where a training step would be
+    (`netpart.ps.measure.ps_loop`'s `beside`)."""
+    graph, schedule = plan_schedule(spec, p)
+    x, y = make_batch(spec, 32, rank)
+    x = x.float()
+    model = ModelWorker(spec, graph, schedule, 0, seed=0, dtype=torch.float32)
+    transport = GlooTransport(group, ranks=[rank])
+
+    def step() -> None:
+        model.step(x, y, transport, collect_grads=False)
+
+    return step
 
 
 def estimate_check_bytes(spec: ModelSpec, batch: int) -> int:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
 from netpart.partition.shards import Segment
-from netpart.ps.measure import flat_layout
+from netpart.ps.measure import WARM, flat_layout, timed_calls
 from tests.conftest import finish
 
 ROLE = """
@@ -68,3 +69,14 @@ def test_clients_time_their_exchanges_and_the_shards_serve_them(tmp_path, client
     for every in got:  # all-reduce: every rank all-reduces, times it and its CPU
         seconds, cpu = every["allreduce"]
         assert len(seconds) == len(cpu) == 2 and min(seconds) > 0 and min(cpu) > 0
+
+
+def test_timed_calls_warms_then_times_each_call():
+    """`timed_calls` runs WARM untimed calls, then `repeats` timed ones, and gives the mean
+    seconds and CPU seconds of one: a call that sleeps 10 ms takes at least that, and little
+    CPU."""
+    calls = []
+    seconds, cpu = timed_calls(lambda: (calls.append(1), time.sleep(0.01)), 3)
+    assert len(calls) == WARM + 3
+    assert seconds >= 0.01
+    assert 0 <= cpu < seconds

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from netpart.files import write_atomic
-from netpart.models import build_reference, load_spec
+from netpart.models import load_spec
 from netpart.testbed.bed import down, up
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     spec = load_spec(args.model)
-    nbytes = 4 * sum(p.numel() for p in build_reference(spec).parameters())  # a replica's
+    nbytes = 4 * spec.num_params  # a replica's push, and its fetch
     pairs = [tuple(int(v) for v in p.split("x")) for p in args.pairs.split(",")]
     cases = [(1, 0, "alone")] + [(c, s, how) for c, s in pairs for how in ("alone", "beside")]
     name = f"clb{os.getpid() % 100000}"

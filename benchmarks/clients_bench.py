@@ -2,15 +2,17 @@
 on emulated machines (issue 47).
 
 `netpart calibrate` times C clients of S shards exchanging back to back, every client at
-once (`netpart.ps.measure.ps_loop`, no `beside`). In training each client first runs its
-replica's step, and on 0.3-core testbed machines bench-local's sync 2x1+2 exchange took
-1.22-1.26x what that table reads and 3x1+1's 0.79-0.86x (docs/planning.md). This times,
-per (clients, shards), client 0's request-to-request seconds and its process's CPU:
-`alone` (as the calibration) and `beside` (every client runs the model's one-worker step,
-netpart's runtime, before each request, as a sync training step does), and the step alone on
-one machine. Each run is one process per machine of a testbed of its own (`netpart
-testbed`), file rendezvous, gloo over the machines' links; `--rounds` rounds, the cases
-rotated, medians. Needs root.
+once (`netpart.ps.measure.ps_loop`, no `beside`), and since 2026-11-28 again after a stand-in
+step (its `ps.after`). In training each client first runs its replica's step, and on
+0.3-core testbed machines bench-local's sync 2x1+2 exchange took 1.22-1.26x what the first
+table reads and 3x1+1's 0.79-0.86x (docs/planning.md). This times, per (clients, shards),
+client 0's request-to-request seconds and its process's CPU: `alone` (as the calibration's
+first tables) and `beside` (every client runs the model's one-worker step, netpart's
+runtime, before each request, as a sync training step does), and the step alone on one
+machine; with `--stand-in CPU_S` also after the calibration's stand-in step
+(`netpart.ps.measure.stand_in`: that much CPU, not the model's). Each run is one process per
+machine of a testbed of its own (`netpart testbed`), file rendezvous, gloo over the
+machines' links; `--rounds` rounds, the cases rotated, medians. Needs root.
 
     python benchmarks/clients_bench.py --out benchmarks/results/clients_bench.json
 """
@@ -39,18 +41,21 @@ import json, sys
 import torch, torch.distributed as dist
 from netpart.models import load_spec
 from netpart.partition.planner import plan
-from netpart.ps.measure import ps_loop, timed_calls
+from netpart.ps.measure import ps_loop, stand_in, timed_calls
 from netpart.runtime.check import lone_step
 
 rank, world, shards, repeats, nbytes = map(int, sys.argv[1:6])
-store, model_name, beside = sys.argv[6], sys.argv[7], sys.argv[8] == "beside"
+store, model_name, how = sys.argv[6], sys.argv[7], sys.argv[8]
+beside = how != "alone"
 torch.set_num_threads(1)
 torch.set_flush_denormal(True)  # as netpart's training processes
 dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
 clients = max(1, world - shards)
 solos = [dist.new_group([c]) for c in range(clients)]  # each client's 1-worker replica
 step = None
-if rank < clients and (beside or shards == 0):
+if rank < clients and how.startswith("stand-in"):  # "stand-in <CPU s>": not the model's step
+    step = stand_in(float(how.split()[1]), nbytes // 4)
+elif rank < clients and (beside or shards == 0):
     spec = load_spec(model_name)
     step = lone_step(spec, plan(spec, 1, seed=0, batch=32), solos[rank], rank)
 if shards == 0:  # the step alone, back to back
@@ -83,12 +88,23 @@ def main(argv=None) -> int:
     ap.add_argument("--link", default="1gbit")
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument(
+        "--stand-in",
+        type=float,
+        default=0.0,
+        metavar="CPU_S",
+        help="also time each pair after a stand-in step of this much CPU "
+        "(netpart.ps.measure.stand_in) in place of the model's",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     spec = load_spec(args.model)
     nbytes = 4 * spec.num_params  # a replica's push, and its fetch
     pairs = [tuple(int(v) for v in p.split("x")) for p in args.pairs.split(",")]
-    cases = [(1, 0, "alone")] + [(c, s, how) for c, s in pairs for how in ("alone", "beside")]
+    hows = ("alone", "beside") + ((f"stand-in {args.stand_in:g}",) if args.stand_in else ())
+    cases = [(1, 0, "alone")] + [(c, s, how) for c, s in pairs for how in hows]
+    if args.stand_in:
+        cases.insert(1, (1, 0, hows[-1]))
     name = f"clb{os.getpid() % 100000}"
     up(name, max(c + s for c, s, _ in cases), cpu=args.cpu, rate=args.link)
     tmp = Path(tempfile.mkdtemp(prefix="clients-"))

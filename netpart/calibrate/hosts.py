@@ -34,7 +34,7 @@ from netpart.partition.psx import PS_MODES
 from netpart.partition.schedule import SPLIT_MIN_FLOPS, plan_schedule
 from netpart.processes.groups import new_groups
 from netpart.processes.launcher import gloo_io_threads, join_group, yield_io_threads
-from netpart.ps.measure import ps_loop
+from netpart.ps.measure import ps_loop, stand_in
 from netpart.runtime.check import make_batch
 from netpart.runtime.step import exchange_loop, link_loop, step_loop, warmup_steps
 from netpart.runtime.transport import PEER_LOST, GlooTransport
@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 COMMAND_WAIT_S = 1800.0  # a follower waits this long at most for rank 0's next command
 OPS = ("plan", "link", "ps", "step", "done")
 PLAN_KEYS = ("sizes", "repeats")  # of the all-reduce a done command asks for
+MAX_STAND_IN_S = 2.0  # CPU seconds, of a ps command's stand-in step
 MAX_COMMAND = 1 << 30  # bytes: a plan command holds a node map, never more than this
 
 
@@ -122,12 +123,14 @@ class HostsRunner:
         self._commands.send(cmd)
         return self._link(cmd)
 
-    def ps(self, mode: str, clients: int, sizes: tuple[int, ...], repeats: int, shards: int = 1):
+    def ps(self, mode: str, clients: int, sizes: tuple[int, ...], repeats: int, shards: int = 1,
+           stand_in: float = 0.0):  # fmt: skip
         """(seconds, CPU seconds) per exchange of the parameter server's clients, each size
-        (`netpart.ps.measure`): `clients` ranks and `shards` shards on the next. The
-        all-reduce is timed after the group is left (`close`)."""
+        (`netpart.ps.measure`): `clients` ranks and `shards` shards on the next; `stand_in`
+        (> 0): each client runs a step of that much CPU before each request. The all-reduce
+        is timed after the group is left (`close`)."""
         cmd = {"op": "ps", "mode": mode, "clients": clients, "sizes": [int(b) for b in sizes],
-               "repeats": repeats, "shards": shards}  # fmt: skip
+               "repeats": repeats, "shards": shards, "stand_in": float(stand_in)}  # fmt: skip
         self._commands.send(cmd)
         return self._ps(cmd)
 
@@ -219,9 +222,19 @@ class HostsRunner:
             return np.zeros(0), np.zeros(0)
         if cmd["mode"] not in PS_MODES or clients < 1 or shards < 1 or world > self.machines:
             raise ValueError(f"mode {cmd['mode']!r}, {clients} clients, {shards} shards")
-        group = self._groups[world]
-        seconds, cpu = ps_loop(group, self.rank, cmd["mode"], cmd["sizes"], int(cmd["repeats"]),
-                               shards=shards)  # fmt: skip
+        group, repeats, cpu_s = self._groups[world], int(cmd["repeats"]), cmd.get("stand_in", 0)
+        if not isinstance(cpu_s, int | float) or not 0 <= cpu_s <= MAX_STAND_IN_S:
+            raise ValueError(f"stand_in {cpu_s!r}: 0 to {MAX_STAND_IN_S} CPU seconds")
+        if not cpu_s:
+            seconds, cpu = ps_loop(group, self.rank, cmd["mode"], cmd["sizes"], repeats,
+                                   shards=shards)  # fmt: skip
+        else:  # the stand-in writes a size's gradients: a loop a size
+            seconds, cpu = [], []
+            for size in cmd["sizes"]:
+                t, c = ps_loop(group, self.rank, cmd["mode"], [size], repeats, shards=shards,
+                               beside=stand_in(cpu_s, int(size) // 4))  # fmt: skip
+                seconds += t
+                cpu += c
         slowest = torch.tensor([*seconds, *cpu], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
         n = len(seconds)

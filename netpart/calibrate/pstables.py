@@ -8,7 +8,9 @@ measurement, PS_RUNS by default): seconds per exchange, and the CPU a client spe
 over its machine's share of a core. And, timed last (`ring_plan`, `with_rings`), per number
 of machines M from 2 to all of them, M ranks all-reducing each size (the ring
 DistributedDataParallel's replicas run a step), its seconds and CPU likewise, in processes of
-their own as DDP's (`netpart.calibrate.ring`). The profile's `ps` (`netpart.partition.psx`)."""
+their own as DDP's (`netpart.calibrate.ring`). And every pair again, at a few sizes, each
+client running a stand-in step before each request, as training runs its step (`_after`). The
+profile's `ps` (`netpart.partition.psx`)."""
 
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ from netpart.partition.psx import PS_MODES, PsExchange
 from netpart.testbed.cgroups import MIN_QUOTA_US
 
 __all__ = [
-    "PS_CLIENTS", "PS_RUNS", "PS_SHARDS", "PS_SIZES", "per_size", "ps_repeats", "ps_sizes",
-    "ps_tables", "ring_plan", "with_rings",
+    "AFTER_SIZES", "PS_CLIENTS", "PS_RUNS", "PS_SHARDS", "PS_SIZES", "STAND_IN_S", "per_size",
+    "ps_repeats", "ps_sizes", "ps_tables", "ring_plan", "with_rings",
 ]  # fmt: skip
 
 # bytes a client pushes and fetches, and timed exchanges of each: more of the short ones (on
@@ -43,6 +45,13 @@ PS_RUNS = 5  # the calibration's runs of a step measurement (`--repeats`) PS_REP
 # Sizes up to PS_ALWAYS are timed on any link.
 PS_WIRE_S = 2.0
 PS_ALWAYS = 4_000_000
+# The exchanges timed after a stand-in step (`netpart.ps.measure.stand_in`, STAND_IN_S CPU
+# seconds: of the order of an image model's one-worker step at batch 32 on one thread;
+# bench-local's took 0.09-0.11), at a few sizes (each such exchange takes the step's time
+# too), AFTER_REPEATS of each at PS_RUNS runs: the profile's `ps.after`.
+STAND_IN_S = 0.1
+AFTER_SIZES = (250_000, 4_000_000, 40_000_000)
+AFTER_REPEATS = (6, 6, 4)
 PS_CLIENTS = 4  # of each shard, at most
 PS_SHARDS = 5  # of each client, at most (a 6-machine testbed: 1 to 5)
 
@@ -84,6 +93,7 @@ def ps_tables(
             raw[busy][mode][key] = [float(c) / runner.share for c in cpu]
             say(f"parameter server, {mode}, {clients} client(s) of {shards} shard(s), per "
                 f"exchange: {per_size(sizes, seconds)}")  # fmt: skip
+    raw["after"] = _after(runner, say, pairs, wire_bps=wire_bps, runs=runs)
     for wall, busy in (("spread", "spread_busy"), ("mesh", "mesh_busy")):
         if not all(raw[wall].values()):  # too few machines for any such pair
             del raw[wall], raw[busy]
@@ -111,6 +121,28 @@ def with_rings(raw: dict, rings: dict[int, tuple[list, list]], say: Callable[[st
         raw["allreduce_busy"][str(machines)] = [float(c) / share for c in cpu]
         say(f"all-reduce among {machines} machines: {per_size(raw['sizes'], seconds)}")
     return PsExchange.from_dict(raw), raw
+
+
+def _after(runner: Any, say: Callable[[str], None], pairs: list[tuple[int, int]], *,
+           wire_bps: float, runs: int) -> dict:  # fmt: skip
+    """`ps.after` (`netpart.partition.psx`): each mode and pair's exchanges, each client
+    running the stand-in step before each request; a call per size and pair."""
+    sizes = [b for b in AFTER_SIZES if b in ps_sizes(wire_bps)]
+    after: dict = {"sizes": sizes, "stand_in_s": STAND_IN_S, "seconds": {}}
+    for mode in PS_MODES:
+        after["seconds"][mode] = {}
+        for clients, shards in pairs:
+            seconds = []
+            for b in sizes:
+                n = max(2, round(AFTER_REPEATS[AFTER_SIZES.index(b)] * runs / PS_RUNS))
+                t, _ = runner.ps(mode, clients, (b,), n, shards=shards, stand_in=STAND_IN_S)
+                seconds.append(float(t[0]))
+            after["seconds"][mode][f"{clients}x{shards}"] = seconds
+            say(
+                f"parameter server, {mode}, {clients} client(s) of {shards} shard(s), after a "
+                f"{STAND_IN_S * 1e3:.0f} ms CPU step, per step: {per_size(sizes, seconds)}"
+            )
+    return after
 
 
 def _measure(

@@ -34,7 +34,14 @@ bandwidth):
   least the step's CPU (`PsExchange.step_cpu_s` of the step less its halo exchange) over
   the share, plus the busy time (sync: the step's CPU leaves the exchange less of the
   quota; `benchmarks/beside_bench.py` measures a step beside an exchange against this
-  price). The pricing above is for machines without such a measurement.
+  price). Where calibration also timed the layout's pair of clients and shards after a
+  stand-in step (`ps.after`: a step of known CPU before each request, as training runs its
+  own), the stand-in is priced
+  the same way on the layout and what that price missed is added, in proportion to the
+  model's step CPU up to the stand-in's, and to its exchanges a step: a step before the
+  exchange staggers the clients of a shard and changes what the client spends, which the
+  exchange timed alone does not show (docs/planning.md). The pricing above is for machines
+  without such a measurement.
 - **the training loop's own CPU** (`LOOP_CPU_S` a step, either pricing): what a worker's
   loop does beside its step and its exchange (binding fetched values, the gradient buffers,
   the batch, the metrics line), on the worker's machine: in sync after the step; in
@@ -281,32 +288,49 @@ def _linked(network: NetworkModel, layout: Layout, mp: _ModelParallel, shards: S
 
 def _measured(network: NetworkModel, layout: Layout, mp: _ModelParallel, shards: ShardLayout,
               bytes_: tuple[np.ndarray, np.ndarray], every: tuple[int, int]) -> float:  # fmt: skip
-    """A replica's step priced off the parameter server's measured exchange: the longer of a
-    worker's exchange with the shards that hold its values (each serving as many clients as
-    the busiest of them) and the busiest shard's with all its clients, a push and a fetch
-    every n_push and n_fetch steps. Sync adds it to the step (its measured time holds the
-    client's CPU); Downpour runs it beside the step where the worker's machine has room for
-    the CPU it costs (its busy time). On a share of a core, either is at least the step's
-    CPU over the share plus that busy time; either with the loop's own CPU."""
+    """A replica's step priced off the parameter server's measured exchange (`_exchange`),
+    corrected where calibration timed its exchanges after a stand-in step (`ps.after`): the
+    stand-in priced the same way on this layout, against what it measured, that miss carried
+    over in proportion to the model's step CPU (up to the stand-in's) and to its exchanges
+    a step."""
     ps: PsExchange = network.ps
     nbytes, held = bytes_
-    per = 0.5 * (1 / every[0] + 1 / every[1])
     peers = [max(1, len(shards.peers(s))) for s in range(layout.shards)]
     clients = [layout.replicas * p for p in peers]
     routes = [shards.routes(w) for w in range(layout.workers)]
     talks = [(float(b), len(r), max((clients[s] for s in r), default=1))
              for b, r in zip(nbytes, routes, strict=True)]  # fmt: skip
-    busy = per * max(ps.busy_s(layout.mode, b, shards=k, clients=c) for b, k, c in talks)
     served = max(ps.exchange_s(layout.mode, c, k, b) for b, k, c in talks)
     for s in range(layout.shards):  # a few shards
         served = max(served, ps.seconds_s(layout.mode, clients[s], float(held[s]) / peers[s]))
-    exchange = per * served
+    per = 0.5 * (1 / every[0] + 1 / every[1])
+    price = _exchange(ps, layout.mode, (mp.step_s, mp.cpu_s), talks, (served, per))
+    after = [ps.after_s(layout.mode, c, k, b) for b, k, c in talks]
+    if None in after:
+        return price
+    wall = ps.stand_in_s / ps.share  # the stand-in on a measured machine: CPU at its share
+    missed = max(after) - _exchange(ps, layout.mode, (wall, wall), talks, (served, 1.0))
+    return price + per * min(1.0, ps.step_cpu_s(mp.cpu_s) / ps.stand_in_s) * missed
+
+
+def _exchange(ps: PsExchange, mode: str, step: tuple[float, float], talks: list[tuple],
+              served: tuple[float, float]) -> float:  # fmt: skip
+    """A step of `step` (seconds, and of them CPU on a whole core) with its exchange: the
+    longer of the worker's (each of `talks`: its bytes, shards, the busiest one's clients)
+    and the shards' (`served`: seconds, and the exchanges a step). Sync adds it to the step
+    (its measured time holds the client's CPU); Downpour runs it beside the step where the
+    worker's machine has room for the CPU it costs (its busy time). On a share of a core,
+    either is at least the step's CPU over the share plus that busy time; either with the
+    loop's own CPU."""
+    (step_s, cpu_s), (seconds, per) = step, served
+    busy = per * max(ps.busy_s(mode, b, shards=k, clients=c) for b, k, c in talks)
+    exchange = per * seconds
     # the machine's CPU in a step, over its share: the step's (alone, a short one ran within
     # the quota at a whole core's speed) and the exchange's
     loop = LOOP_CPU_S / ps.share
-    held_to = max(mp.step_s, ps.step_cpu_s(mp.cpu_s) / ps.share) + busy + loop
-    if layout.mode == "sync":  # the exchange's time holds its CPU; a quota may hold all
-        return max(mp.step_s + LOOP_CPU_S + exchange, held_to if ps.share < 1 else 0.0)
+    held_to = max(step_s, ps.step_cpu_s(cpu_s) / ps.share) + busy + loop
+    if mode == "sync":  # the exchange's time holds its CPU; a quota may hold all
+        return max(step_s + LOOP_CPU_S + exchange, held_to if ps.share < 1 else 0.0)
     return max(held_to, exchange)
 
 

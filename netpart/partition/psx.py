@@ -35,6 +35,18 @@ A shard with more clients than were measured serves their bytes as the most clie
 measured would (the same bytes through the shard: `seconds_s` reads that table at k / K
 times the bytes); a client of more shards than were measured, as the most shards measured.
 
+And, where calibration timed them (`after`), the exchanges as training runs them: each
+client runs a stand-in step (`netpart.ps.measure.stand_in`: `stand_in_s` CPU seconds of
+compute, and its gradients written) before each request, C clients of S shards (both >= 1,
+keyed "CxS"), their own sizes: a client's seconds from request to request, the step
+included (sync: the step, then the exchange; Downpour: the step beside the exchange in
+flight). Timed alone, an exchange misses what a step before it changes: on 0.3-core testbed
+machines a sync 3x1 step was about its exchange alone (the step hid behind the shard's
+serving of the other clients), and a 2x2 step took its step and its exchange alone plus a
+third (docs/planning.md). `netpart.partition.cluster` prices its stand-in with these tables'
+layouts as it prices a model's, and carries what that price missed over to the model, where
+the layout's own pair was measured.
+
 JSON (in a profile's model, as `ps`; `spread`, `spread_busy`, `mesh`, `mesh_busy`,
 `allreduce`, `allreduce_busy`, `share` (default 1) and `quota_s` (default 0) may be absent):
 `{"sizes": [bytes, ...], "share": 0.3, "quota_s": 0.001,
@@ -42,7 +54,10 @@ JSON (in a profile's model, as `ps`; `spread`, `spread_busy`, `mesh`, `mesh_busy
   "busy": {"sync"|"downpour": {"<clients>": [s, ...]}},
   "spread": {"sync"|"downpour": {"<shards>": [s, ...]}}, "spread_busy": {...},
   "mesh": {"sync"|"downpour": {"<clients>x<shards>": [s, ...]}}, "mesh_busy": {...},
-  "allreduce": {"<machines>": [s, ...]}, "allreduce_busy": {...}}`.
+  "allreduce": {"<machines>": [s, ...]}, "allreduce_busy": {...},
+  "after": {"sizes": [bytes, ...], "stand_in_s": 0.1,
+            "seconds": {"sync"|"downpour": {"<clients>x<shards>": [s, ...]}}}}`
+(`after` may be absent).
 """
 
 from __future__ import annotations
@@ -76,6 +91,8 @@ class PsExchange:
     allreduce_busy: dict[int, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     share: float = 1.0  # of a core, each measured machine's
     quota_s: float = 0.0  # CPU seconds its quota grants a period (0: not known)
+    after: Mesh = field(default_factory=dict)  # mode -> (clients, shards), both >= 1 -> points
+    stand_in_s: float = 0.0  # CPU seconds of the step run before each of `after`'s requests
 
     def seconds_s(self, mode: str, clients: int, nbytes: float) -> float:
         """An exchange of `nbytes` each way per client, `clients` at once through one shard."""
@@ -103,6 +120,14 @@ class PsExchange:
         if clients < 2 or shards < 2 or not table:
             return self.spread_s(mode, shards, nbytes)
         return float(read_table(_nearest_pair(table, clients, shards), np.array(nbytes)))
+
+    def after_s(self, mode: str, clients: int, shards: int, nbytes: float) -> float | None:
+        """A client's seconds from request to request where it runs the stand-in step before
+        each (module docstring): `shards` shards hold its `nbytes`, each serving `clients`
+        such clients; None where that pair was not measured (another pair's stand-in would
+        be priced off other clients than it ran with)."""
+        points = (self.after.get(mode) or {}).get((clients, shards))
+        return None if points is None else float(read_table(points, np.array(nbytes)))
 
     def busy_s(self, mode: str, nbytes: float, shards: int = 1, clients: int = 1) -> float:
         """Seconds one client's machine is kept busy by an exchange of `nbytes` each way with
@@ -164,6 +189,10 @@ class PsExchange:
         for what in ("allreduce", "allreduce_busy"):
             if getattr(self, what):
                 out[what] = lists({ALL: getattr(self, what)})[ALL]
+        if self.after:
+            points = next(iter(next(iter(self.after.values())).values()))
+            out["after"] = {"sizes": [b for b, _ in points], "stand_in_s": self.stand_in_s,
+                            "seconds": lists(self.after)}  # fmt: skip
         return out
 
     @classmethod
@@ -185,6 +214,8 @@ class PsExchange:
             if data.get(what) is not None:
                 raw = {ALL: data[what]}
                 optional[what] = _tables(raw, sizes, what, "machines >= 2", _machines, (ALL,))[ALL]
+        if data.get("after") is not None:
+            optional["after"], optional["stand_in_s"] = _after(data["after"])
         share, quota = data.get("share", 1.0), data.get("quota_s", 0.0)
         if not all(isinstance(v, int | float) for v in (share, quota)) or not (
             0 < share <= 1 and quota >= 0
@@ -219,11 +250,27 @@ def _count(key: Any) -> int | None:
     return int(key) if str(key).isdigit() and int(key) >= 1 else None
 
 
-def _pair(key: Any) -> tuple[int, int] | None:
-    """A "<clients>x<shards>" key, both >= 2 (None: not one)."""
+def _pair(key: Any, least: int = 2) -> tuple[int, int] | None:
+    """A "<clients>x<shards>" key, both >= `least` (None: not one)."""
     c, x, k = str(key).partition("x")
-    ok = c.isdigit() and x and k.isdigit() and int(c) >= 2 and int(k) >= 2
+    ok = c.isdigit() and x and k.isdigit() and int(c) >= least and int(k) >= least
     return (int(c), int(k)) if ok else None
+
+
+def _any_pair(key: Any) -> tuple[int, int] | None:
+    return _pair(key, least=1)
+
+
+def _after(raw: Any) -> tuple[Mesh, float]:
+    """`ps.after` (module docstring): its tables and its stand-in's CPU seconds; ValueError
+    if it is not that schema."""
+    ok = isinstance(raw, dict) and isinstance(raw.get("sizes"), list) and raw["sizes"]
+    stand_in = raw.get("stand_in_s") if ok else None
+    if not ok or not isinstance(stand_in, int | float) or stand_in <= 0:
+        raise ValueError("ps.after is {sizes: [bytes, ...], stand_in_s: > 0, seconds: {...}}")
+    sizes = [float(b) for b in raw["sizes"]]
+    pair = "<clients>x<shards>, both >= 1"
+    return _tables(raw.get("seconds"), sizes, "after.seconds", pair, _any_pair), float(stand_in)
 
 
 def _machines(key: Any) -> int | None:

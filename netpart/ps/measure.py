@@ -34,7 +34,7 @@ from netpart.ps.optimizer import Optimizer
 from netpart.ps.rules import make_rule
 from netpart.ps.server import ShardServer, ShardSetup, ShardState
 
-__all__ = ["ALLREDUCE", "flat_layout", "ps_loop", "timed_calls"]
+__all__ = ["ALLREDUCE", "flat_layout", "ps_loop", "stand_in", "timed_calls"]
 
 WARM = 3  # untimed exchanges before each size's timed ones
 ALLREDUCE = "allreduce"  # the mode of every rank all-reducing (no shards)
@@ -49,6 +49,23 @@ def timed_calls(fn: Callable[[], None], repeats: int) -> tuple[float, float]:
     for _ in range(repeats):
         fn()
     return (time.perf_counter() - t0) / repeats, (time.process_time() - c0) / repeats
+
+
+def stand_in(cpu_s: float, values: int) -> Callable[[], None]:
+    """A training step's stand-in, for `ps_loop`'s `beside`: it writes `values` float32 (a
+    step's gradients, which the push then sends) and multiplies matrices on the calling
+    thread until that thread has spent `cpu_s` CPU seconds (a step's compute, on one
+    thread as netpart's workers run it). What calibration runs before each request to time
+    an exchange as it follows a step of a given CPU, whatever the model."""
+    a = torch.rand(128, 128)
+
+    def step() -> None:
+        end = time.thread_time() + cpu_s
+        torch.ones(max(int(values), 1))  # allocated afresh and freed, as autograd's
+        while time.thread_time() < end:
+            torch.mm(a, a)
+
+    return step
 
 
 def flat_layout(values: int, shards: int = 1) -> ShardLayout:

@@ -4,8 +4,10 @@ keys and busy time as the profile's `ps` holds them; the all-reduce it asks for 
 tables."""
 
 from netpart.calibrate.pstables import (
+    AFTER_SIZES,
     PS_REPEATS,
     PS_SIZES,
+    STAND_IN_S,
     per_size,
     ps_repeats,
     ps_sizes,
@@ -21,8 +23,12 @@ class Runner:
     def __init__(self, machines: int) -> None:
         self.machines = machines
         self.calls: list[tuple] = []
+        self.after: list[tuple] = []  # the calls with a stand-in step
 
-    def ps(self, mode, clients, sizes, repeats, shards=1):
+    def ps(self, mode, clients, sizes, repeats, shards=1, stand_in=0.0):
+        if stand_in:
+            self.after.append((mode, clients, shards, sizes, repeats, stand_in))
+            return [stand_in / self.share + 1e-9 * b * clients for b in sizes], [0.0] * len(sizes)
         self.calls.append((mode, clients, shards, sizes, repeats))
         return [1e-9 * b * (clients + 10 * shards) for b in sizes], [1e-9 * b for b in sizes]
 
@@ -93,3 +99,19 @@ def test_fewer_runs_time_fewer_exchanges_and_never_fewer_than_two():
     assert {(b, n) for *_, sizes, n in runner.calls for b in sizes} == {
         (b, 2 * n) for b, n in zip(PS_SIZES, PS_REPEATS, strict=True)
     }
+
+
+def test_every_pair_is_timed_again_after_a_stand_in_step_at_a_few_sizes():
+    runner = Runner(machines=4)
+    ps, raw = ps_tables(runner, lambda line: None, wire_bps=100e6, runs=10)
+    sizes = [b for b in AFTER_SIZES if b in PS_SIZES[:-1]]  # 40 MB: 3.2 s on 100 Mbit/s
+    assert raw["after"]["sizes"] == sizes and raw["after"]["stand_in_s"] == STAND_IN_S
+    pairs = {(k, s) for _, k, s, _, _ in runner.calls}
+    assert {(m, k, s) for m, k, s, *_ in runner.after} == {
+        (m, k, s) for m in ("sync", "downpour") for k, s in pairs
+    }
+    assert all(len(b) == 1 and n >= 2 and cpu == STAND_IN_S for *_, b, n, cpu in runner.after)
+    assert set(raw["after"]["seconds"]["downpour"]) == {f"{k}x{s}" for k, s in pairs}
+    want = STAND_IN_S / 0.5 + 1e-9 * sizes[1] * 3
+    assert abs(ps.after_s("sync", 3, 1, float(sizes[1])) - want) < 1e-12
+    assert ps.stand_in_s == STAND_IN_S

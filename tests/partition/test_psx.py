@@ -228,3 +228,46 @@ def test_on_a_share_of_a_core_a_step_pays_its_cpu_over_the_share_and_the_exchang
     for bad in ({"share": 0}, {"share": 1.5}, {"quota_s": -1}, {"share": "half"}):
         with pytest.raises(ValueError, match=r"ps\.share"):
             PsExchange.from_dict({**whole.to_dict(), **bad})
+
+
+def test_exchanges_timed_after_a_stand_in_step_carry_what_their_price_missed_to_a_model():
+    """`after`: the stand-in priced as a model's step is, against what it measured; the miss
+    is carried over in proportion to the model's step CPU, up to the stand-in's."""
+    spec = load_spec("tiny-mlp")
+    compute = plan(spec, 1, seed=0, batch=16, network=NetworkModel()).metrics.predicted_step_s
+    base = tables(sync_s=1e-6, down_s=1e-12, busy_s=1e-9)
+    # the stand-in's price (whole cores): sync its step, the loop and the exchange; Downpour
+    # its step, the exchange's busy time and the loop, the exchange beside them (shorter)
+    priced = {"sync": lambda s, b: s + LOOP_CPU_S + 1e-6 * b,
+              "downpour": lambda s, b: s + 1e-9 * b + LOOP_CPU_S}  # fmt: skip
+
+    def after(stand_in_s: float, extra: float) -> PsExchange:
+        seconds = {m: {"1x1": [f(stand_in_s, b) + extra for b in SIZES]} for m, f in priced.items()}
+        raw = {"sizes": SIZES, "stand_in_s": stand_in_s, "seconds": seconds}
+        return PsExchange.from_dict({**base.to_dict(), "after": raw})
+
+    ps = after(0.1, 0.02)
+    assert PsExchange.from_dict(json.loads(json.dumps(ps.to_dict()))) == ps
+    assert ps.after_s("sync", 1, 1, 1e5) == pytest.approx(0.1 + LOOP_CPU_S + 0.1 + 0.02)
+    assert ps.after_s("sync", 2, 1, 1e5) is None  # a pair not measured: no correction
+    assert base.after_s("sync", 1, 1, 1e5) is None and "after" not in base.to_dict()
+
+    def steps(ps: PsExchange) -> dict[str, float]:
+        layouts = advise(spec, 2, NetworkModel(ps=ps), batch=16).layouts
+        return {str(f.layout): f.step_s for f in layouts}
+
+    alone = steps(base)
+    for stand_in_s, weight in ((0.1, compute / 0.1), (compute / 2, 1.0)):
+        got = steps(after(stand_in_s, 0.02))
+        for name in ("sync 1x1+1", "downpour 1x1+1"):
+            assert got[name] == pytest.approx(alone[name] + weight * 0.02, rel=1e-6), name
+    three = advise(spec, 3, NetworkModel(ps=after(0.1, 0.02)), batch=16).layouts
+    before = advise(spec, 3, NetworkModel(ps=base), batch=16).layouts
+    by, was = ({str(f.layout): f.step_s for f in rows} for rows in (three, before))
+    assert by["sync 2x1+1"] == was["sync 2x1+1"]  # 2 clients of 1 shard not measured: as before
+    assert by["sync 1x1+2"] == was["sync 1x1+2"]  # 1x2 neither
+    for bad in ({"sizes": SIZES, "seconds": {}}, {"sizes": [], "stand_in_s": 0.1},
+                {"sizes": SIZES, "stand_in_s": 0, "seconds": ps.to_dict()["after"]["seconds"]},
+                {**ps.to_dict()["after"], "seconds": {"sync": {"0x1": [1.0] * 4}}}):  # fmt: skip
+        with pytest.raises(ValueError, match=r"ps\.after"):
+            PsExchange.from_dict({**base.to_dict(), "after": bad})

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from netpart.partition.shards import Segment
-from netpart.ps.measure import WARM, flat_layout, timed_calls
+from netpart.ps.measure import WARM, flat_layout, stand_in, timed_calls
 from tests.conftest import finish
 
 ROLE = """
@@ -80,3 +80,14 @@ def test_timed_calls_warms_then_times_each_call():
     assert len(calls) == WARM + 3
     assert seconds >= 0.01
     assert 0 <= cpu < seconds
+
+
+def test_a_stand_in_step_spends_its_cpu_on_the_calling_thread():
+    """`stand_in` computes until its thread has spent the CPU it was given (a step's), and
+    no more than a matrix product beyond it."""
+    step = stand_in(0.02, 1000)
+    for _ in range(3):
+        t0 = time.thread_time()
+        step()
+        spent = time.thread_time() - t0
+        assert 0.02 <= spent < 0.05

@@ -35,7 +35,9 @@ probe is the profile's `probe_s`, against which `netpart run` says how fast the 
 7. The parameter server's exchange, where the runner has machines of their own (`ps`: the
    hosts of a torchrun job or a testbed): clients of one shard, and one client of several
    shards, push and fetch, as sync and as Downpour workers do (`netpart.calibrate.pstables`):
-   seconds per exchange and the CPU a client spends on one (the profile's `ps`).
+   seconds per exchange and the CPU a client spends on one (the profile's `ps`); then every
+   pair again with a stand-in step before each request, as training runs its step
+   (`ps.after`).
 
 The fitting itself is `netpart.calibrate.fitting` (pure).
 
@@ -136,8 +138,9 @@ class Runner(Protocol):
     CPU seconds a step took on its busiest worker, all threads (0 where not recorded).
     `probe_beside`: whether the speed probe may run in this process during a step (false
     where this process is one of the step's workers). A runner whose machines are its own may
-    also have `ps(mode, clients, sizes, repeats, shards=1)` (`HostsRunner`): (seconds, CPU
-    seconds) per exchange of the parameter server's clients; `calibrate` measures it where
+    also have `ps(mode, clients, sizes, repeats, shards=1, stand_in=0.0)` (`HostsRunner`):
+    (seconds, CPU seconds) per exchange of the parameter server's clients (`stand_in`: CPU
+    seconds of a step each client runs before each request); `calibrate` measures it where
     it exists."""
 
     overlap: bool

@@ -225,16 +225,13 @@ class HostsRunner:
         group, repeats, cpu_s = self._groups[world], int(cmd["repeats"]), cmd.get("stand_in", 0)
         if not isinstance(cpu_s, int | float) or not 0 <= cpu_s <= MAX_STAND_IN_S:
             raise ValueError(f"stand_in {cpu_s!r}: 0 to {MAX_STAND_IN_S} CPU seconds")
-        if not cpu_s:
-            seconds, cpu = ps_loop(group, self.rank, cmd["mode"], cmd["sizes"], repeats,
-                                   shards=shards)  # fmt: skip
-        else:  # the stand-in writes a size's gradients: a loop a size
-            seconds, cpu = [], []
-            for size in cmd["sizes"]:
-                t, c = ps_loop(group, self.rank, cmd["mode"], [size], repeats, shards=shards,
-                               beside=stand_in(cpu_s, int(size) // 4))  # fmt: skip
-                seconds += t
-                cpu += c
+        seconds, cpu = [], []
+        for size in cmd["sizes"]:  # a loop a size: a stand-in writes that size's gradients
+            beside = stand_in(cpu_s, int(size) // 4) if cpu_s else None
+            t, c = ps_loop(group, self.rank, cmd["mode"], [size], repeats, shards=shards,
+                           beside=beside)  # fmt: skip
+            seconds += t
+            cpu += c
         slowest = torch.tensor([*seconds, *cpu], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
         n = len(seconds)

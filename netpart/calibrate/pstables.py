@@ -66,7 +66,12 @@ def ps_sizes(wire_bps: float) -> tuple[int, ...]:
 def ps_repeats(size: int, runs: int = PS_RUNS) -> int:
     """Timed exchanges of `size` (one of PS_SIZES) where a step measurement has `runs` runs:
     PS_REPEATS in proportion, at least 2 (fewer runs: a quicker, noisier calibration)."""
-    return max(2, round(PS_REPEATS[PS_SIZES.index(size)] * runs / PS_RUNS))
+    return _in_proportion(PS_REPEATS[PS_SIZES.index(size)], runs)
+
+
+def _in_proportion(repeats: int, runs: int) -> int:
+    """`repeats` (set for PS_RUNS runs) for `runs` runs, at least 2."""
+    return max(2, round(repeats * runs / PS_RUNS))
 
 
 def ps_tables(
@@ -127,14 +132,15 @@ def _after(runner: Any, say: Callable[[str], None], pairs: list[tuple[int, int]]
            wire_bps: float, runs: int) -> dict:  # fmt: skip
     """`ps.after` (`netpart.partition.psx`): each mode and pair's exchanges, each client
     running the stand-in step before each request; a call per size and pair."""
-    sizes = [b for b in AFTER_SIZES if b in ps_sizes(wire_bps)]
+    timed = ps_sizes(wire_bps)
+    sizes = [b for b in AFTER_SIZES if b in timed]
     after: dict = {"sizes": sizes, "stand_in_s": STAND_IN_S, "seconds": {}}
     for mode in PS_MODES:
         after["seconds"][mode] = {}
         for clients, shards in pairs:
             seconds = []
             for b in sizes:
-                n = max(2, round(AFTER_REPEATS[AFTER_SIZES.index(b)] * runs / PS_RUNS))
+                n = _in_proportion(AFTER_REPEATS[AFTER_SIZES.index(b)], runs)
                 t, _ = runner.ps(mode, clients, (b,), n, shards=shards, stand_in=STAND_IN_S)
                 seconds.append(float(t[0]))
             after["seconds"][mode][f"{clients}x{shards}"] = seconds

@@ -36,12 +36,11 @@ bandwidth):
   quota; `benchmarks/beside_bench.py` measures a step beside an exchange against this
   price). Where calibration also timed the layout's pair of clients and shards after a
   stand-in step (`ps.after`: a step of known CPU before each request, as training runs its
-  own), the stand-in is priced
-  the same way on the layout and what that price missed is added, in proportion to the
-  model's step CPU up to the stand-in's, and to its exchanges a step: a step before the
-  exchange staggers the clients of a shard and changes what the client spends, which the
-  exchange timed alone does not show (docs/planning.md). The pricing above is for machines
-  without such a measurement.
+  own), the stand-in is priced the same way on the layout and what that price missed is
+  added, in proportion to the model's step CPU up to the stand-in's, and to its exchanges
+  a step: a step before the exchange staggers the clients of a shard and changes what the
+  client spends, which the exchange timed alone does not show (docs/planning.md). The
+  pricing above is for machines without such a measurement.
 - **the training loop's own CPU** (`LOOP_CPU_S` a step, either pricing): what a worker's
   loop does beside its step and its exchange (binding fetched values, the gradient buffers,
   the batch, the metrics line), on the worker's machine: in sync after the step; in
@@ -303,28 +302,27 @@ def _measured(network: NetworkModel, layout: Layout, mp: _ModelParallel, shards:
     served = max(ps.exchange_s(layout.mode, c, k, b) for b, k, c in talks)
     for s in range(layout.shards):  # a few shards
         served = max(served, ps.seconds_s(layout.mode, clients[s], float(held[s]) / peers[s]))
+    busy = max(ps.busy_s(layout.mode, b, shards=k, clients=c) for b, k, c in talks)
     per = 0.5 * (1 / every[0] + 1 / every[1])
-    price = _exchange(ps, layout.mode, (mp.step_s, mp.cpu_s), talks, (served, per))
+    price = _exchange(ps, layout.mode, (mp.step_s, mp.cpu_s), (served, busy), per)
     after = [ps.after_s(layout.mode, c, k, b) for b, k, c in talks]
     if None in after:
         return price
     wall = ps.stand_in_s / ps.share  # the stand-in on a measured machine: CPU at its share
-    missed = max(after) - _exchange(ps, layout.mode, (wall, wall), talks, (served, 1.0))
+    missed = max(after) - _exchange(ps, layout.mode, (wall, wall), (served, busy), 1.0)
     return price + per * min(1.0, ps.step_cpu_s(mp.cpu_s) / ps.stand_in_s) * missed
 
 
-def _exchange(ps: PsExchange, mode: str, step: tuple[float, float], talks: list[tuple],
-              served: tuple[float, float]) -> float:  # fmt: skip
-    """A step of `step` (seconds, and of them CPU on a whole core) with its exchange: the
-    longer of the worker's (each of `talks`: its bytes, shards, the busiest one's clients)
-    and the shards' (`served`: seconds, and the exchanges a step). Sync adds it to the step
-    (its measured time holds the client's CPU); Downpour runs it beside the step where the
-    worker's machine has room for the CPU it costs (its busy time). On a share of a core,
-    either is at least the step's CPU over the share plus that busy time; either with the
-    loop's own CPU."""
-    (step_s, cpu_s), (seconds, per) = step, served
-    busy = per * max(ps.busy_s(mode, b, shards=k, clients=c) for b, k, c in talks)
-    exchange = per * seconds
+def _exchange(ps: PsExchange, mode: str, step: tuple[float, float],
+              measured: tuple[float, float], per: float) -> float:  # fmt: skip
+    """A step of `step` (seconds, and of them CPU on a whole core) with `per` exchanges a
+    step of `measured` (seconds: the longer of the worker's and the shards'; and the time
+    it keeps the worker's machine busy). Sync adds it to the step (its measured time holds
+    the client's CPU); Downpour runs it beside the step where the worker's machine has
+    room for the CPU it costs (its busy time). On a share of a core, either is at least
+    the step's CPU over the share plus that busy time; either with the loop's own CPU."""
+    (step_s, cpu_s), (seconds, busy) = step, measured
+    busy, exchange = per * busy, per * seconds
     # the machine's CPU in a step, over its share: the step's (alone, a short one ran within
     # the quota at a whole core's speed) and the exchange's
     loop = LOOP_CPU_S / ps.share

@@ -173,13 +173,11 @@ class PsExchange:
         return max(self.quota_s, step_s * self.share)
 
     def to_dict(self) -> dict[str, Any]:
-        first = next(iter(next(iter(self.seconds.values())).values()))
-
         def lists(tables: Tables | Mesh) -> dict:
             return {m: {_name(k): [t for _, t in p] for k, p in sorted(t.items())}
                     for m, t in tables.items()}  # fmt: skip
 
-        out = {"sizes": [b for b, _ in first], "seconds": lists(self.seconds),
+        out = {"sizes": _sizes(self.seconds), "seconds": lists(self.seconds),
                "busy": lists(self.busy)}  # fmt: skip
         if self.share < 1:
             out.update(share=self.share, quota_s=self.quota_s)
@@ -190,8 +188,7 @@ class PsExchange:
             if getattr(self, what):
                 out[what] = lists({ALL: getattr(self, what)})[ALL]
         if self.after:
-            points = next(iter(next(iter(self.after.values())).values()))
-            out["after"] = {"sizes": [b for b, _ in points], "stand_in_s": self.stand_in_s,
+            out["after"] = {"sizes": _sizes(self.after), "stand_in_s": self.stand_in_s,
                             "seconds": lists(self.after)}  # fmt: skip
         return out
 
@@ -223,6 +220,11 @@ class PsExchange:
             raise ValueError("ps.share is a fraction of a core (0 < share <= 1), quota_s >= 0")
         return cls(seconds=seconds, busy=busy, **optional, share=float(share),
                    quota_s=float(quota))  # fmt: skip
+
+
+def _sizes(tables: Tables | Mesh) -> list[float]:
+    """The sizes a set of tables was measured at (every table of it has the same)."""
+    return [b for b, _ in next(iter(next(iter(tables.values())).values()))]
 
 
 def _nearest(table: dict[int, tuple], count: int) -> tuple:

@@ -12,7 +12,9 @@ runtime, before each request, as a sync training step does), and the step alone 
 machine; with `--stand-in CPU_S` also after the calibration's stand-in step
 (`netpart.ps.measure.stand_in`: that much CPU, not the model's). Each run is one process per
 machine of a testbed of its own (`netpart testbed`), file rendezvous, gloo over the
-machines' links; `--rounds` rounds, the cases rotated, medians. Needs root.
+machines' links; `--rounds` rounds, the cases rotated, medians. With `--rings K,...`, the
+all-reduce among K machines (DDP's ring, `ps_loop`'s mode `allreduce`) the same three ways,
+every machine running the step before each (the slowest machine's figures). Needs root.
 
     python benchmarks/clients_bench.py --out benchmarks/results/clients_bench.json
 """
@@ -41,7 +43,7 @@ import json, sys
 import torch, torch.distributed as dist
 from netpart.models import load_spec
 from netpart.partition.planner import plan
-from netpart.ps.measure import ps_loop, stand_in, timed_calls
+from netpart.ps.measure import ALLREDUCE, ps_loop, stand_in, timed_calls
 from netpart.runtime.check import lone_step
 
 rank, world, shards, repeats, nbytes = map(int, sys.argv[1:6])
@@ -55,23 +57,31 @@ solos = [dist.new_group([c]) for c in range(clients)]  # each client's 1-worker 
 step = None
 if rank < clients and how.startswith("stand-in"):  # "stand-in <CPU s>": not the model's step
     step = stand_in(float(how.split()[1]), nbytes // 4)
-elif rank < clients and (beside or shards == 0):
+elif rank < clients and (beside or world == 1):
     spec = load_spec(model_name)
     step = lone_step(spec, plan(spec, 1, seed=0, batch=32), solos[rank], rank)
-if shards == 0:  # the step alone, back to back
+if shards == 0 and world == 1:  # the step alone, back to back
     print(json.dumps(timed_calls(step, repeats)))
+elif shards == 0:  # every machine all-reduces, as DDP's replicas (the slowest's figures)
+    group = dist.new_group(list(range(world)))
+    (t,), (c,) = ps_loop(group, rank, ALLREDUCE, [nbytes], repeats, 0, step if beside else None)
+    slowest = torch.tensor([t, c], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    if rank == 0:
+        print(json.dumps(slowest.tolist()))
 else:
     group = dist.new_group(list(range(world)))
     seconds, cpu = ps_loop(group, rank, "sync", [nbytes], repeats, shards, step)
     if rank == 0:
         print(json.dumps([seconds[0], cpu[0]]))
+dist.barrier()  # every rank's groups closed together (gloo aborts a process otherwise)
 dist.destroy_process_group()
 """
 
 
 def run(bed: str, case: tuple, args, nbytes: int, tmp: Path) -> tuple[float, float]:
     """(seconds, CPU seconds) of client 0 in `case` (clients, shards, "alone"|"beside");
-    shards 0: the step alone on machine 0."""
+    shards 0: the step alone on machine 0 (1 client), or the all-reduce among the clients."""
     clients, shards, how = case
     world = clients + shards
     store = tmp / f"store{time.monotonic_ns()}"
@@ -84,6 +94,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="bench-local")
     ap.add_argument("--pairs", default="2x2,3x1,1x3", help="clients x shards, comma-separated")
+    ap.add_argument(
+        "--rings",
+        default="",
+        help="numbers of machines (comma-separated) whose all-reduce to time the same ways",
+    )
     ap.add_argument("--cpu", type=float, default=0.3)
     ap.add_argument("--link", default="1gbit")
     ap.add_argument("--repeats", type=int, default=8)
@@ -100,7 +115,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     spec = load_spec(args.model)
     nbytes = 4 * spec.num_params  # a replica's push, and its fetch
-    pairs = [tuple(int(v) for v in p.split("x")) for p in args.pairs.split(",")]
+    pairs = [tuple(int(v) for v in p.split("x")) for p in args.pairs.split(",") if p]
+    pairs += [(int(k), 0) for k in args.rings.split(",") if k]  # a ring: no shards
     hows = ("alone", "beside") + ((f"stand-in {args.stand_in:g}",) if args.stand_in else ())
     cases = [(1, 0, "alone")] + [(c, s, how) for c, s in pairs for how in hows]
     if args.stand_in:
@@ -130,7 +146,10 @@ def main(argv=None) -> int:
             if r["how"] == "beside"
             else ""
         )
-        print(f"{r['clients']} clients x {r['shards']} shards {r['how']:<6}: "
+        what = ("the step alone" if r["clients"] == 1 and r["shards"] == 0 else
+                f"all-reduce among {r['clients']}" if r["shards"] == 0 else
+                f"{r['clients']} clients x {r['shards']} shards")  # fmt: skip
+        print(f"{what} {r['how']:<6}: "
               f"{r['seconds'] * 1e3:.0f} ms{less}, CPU {r['cpu'] * 1e3:.0f} ms")  # fmt: skip
     print(f"the step alone: {step * 1e3:.0f} ms, CPU {rows[0]['cpu'] * 1e3:.0f} ms")
     if args.out is not None:

@@ -86,6 +86,7 @@ for t in range(1, steps + 1):
     stamps.append(time.time())
     parts.append([a - last, b - a, c - b, d - c, now - cpu])
     last, cpu = d, now
+dist.barrier()  # every rank's group closed together (gloo aborts a process otherwise)
 dist.destroy_process_group()
 print(json.dumps({"stamps": stamps, "parts": parts}))
 """

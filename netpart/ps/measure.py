@@ -93,9 +93,10 @@ def ps_loop(
     `beside`: run by a client before each request, as a training step runs before its push
     (sync: then the exchange; Downpour: beside the one in flight); the calibration runs
     none. Mode `ALLREDUCE` (`shards` 0): every rank all-reduces each size, its seconds and
-    CPU seconds per all-reduce."""
+    CPU seconds per all-reduce (`beside`: run by every rank before each, as DDP's replicas
+    compute a step before its all-reduce completes)."""
     if mode == ALLREDUCE:
-        return _allreduce(group, sizes, repeats)
+        return _allreduce(group, sizes, repeats, beside)
     clients = group.size() - shards
     seconds, cpu = [], []
     for size in sizes:
@@ -155,18 +156,25 @@ def _client(layout, group, rank: int, mode: str, repeats: int, beside=None) -> t
     return (stamps[-2] - stamps[WARM]) / (repeats - 1), used
 
 
-def _allreduce(group, sizes: list[int], repeats: int) -> tuple[list[float], list[float]]:
+def _allreduce(group, sizes: list[int], repeats: int,
+               beside: Callable[[], None] | None) -> tuple[list[float], list[float]]:  # fmt: skip
     """(seconds, CPU seconds) per all-reduce of each size's float32 values over `group`, the
     means of `repeats` (at least 2) back to back after WARM untimed, as a training step's
-    all-reduce follows the last one."""
+    all-reduce follows the last one; `beside` before each, its time included."""
     seconds, cpu = [], []
+
+    def once(grads: torch.Tensor) -> None:
+        if beside is not None:
+            beside()
+        dist.all_reduce(grads, group=group)
+
     for size in sizes:
         grads = torch.zeros(max(int(size) // 4, 1))  # sums stay 0: no overflow, no subnormals
         for _ in range(WARM):
-            dist.all_reduce(grads, group=group)
+            once(grads)
         start, used = time.perf_counter(), time.process_time()
         for _ in range(repeats):
-            dist.all_reduce(grads, group=group)
+            once(grads)
         seconds.append((time.perf_counter() - start) / repeats)
         cpu.append((time.process_time() - used) / repeats)
         dist.barrier(group=group)

@@ -2,7 +2,8 @@
 values shards hold in even ranges; two clients and a shard (or a client and two shards) run
 the loop in both modes through the real client and server, every client reports a time and
 its CPU per exchange at each size, a shard none, and every process ends; a client runs what
-it is given beside the exchange before each request; and every rank all-reduces."""
+it is given beside the exchange before each request; and every rank all-reduces, with or
+without a step before each."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ calls = []  # a step's stand-in before each request: 10 ms
 beside = lambda: (calls.append(1), time.sleep(0.01))
 out["beside"] = ps_loop(group, rank, "downpour", [4096], 4, shards, beside), len(calls)
 out["allreduce"] = ps_loop(group, rank, "allreduce", [4096, 65536], 2, 0)
+calls.clear()
+out["ring_beside"] = ps_loop(group, rank, "allreduce", [4096], 3, 0, beside), len(calls)
 dist.destroy_process_group()
 print(json.dumps(out))
 """
@@ -69,6 +72,8 @@ def test_clients_time_their_exchanges_and_the_shards_serve_them(tmp_path, client
     for every in got:  # all-reduce: every rank all-reduces, times it and its CPU
         seconds, cpu = every["allreduce"]
         assert len(seconds) == len(cpu) == 2 and min(seconds) > 0 and min(cpu) > 0
+        (seconds, _), calls = every["ring_beside"]  # before each all-reduce, on every rank
+        assert calls == 3 + 3 and seconds[0] >= 0.01
 
 
 def test_timed_calls_warms_then_times_each_call():

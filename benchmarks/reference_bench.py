@@ -3,7 +3,8 @@ module (`netpart.models.build_reference`, what `cluster_bench.py` trains with DD
 forward and backward, and with fused Adagrad's update, against netpart's one-worker step
 (`netpart.runtime.check.lone_step`, the step `netpart plan --machines` prices an all-reduce
 layout's replica with), on one thread of this host, batch 32, float32. CPU seconds a step,
-the cases alternated in `--rounds` rounds of `--steps` steps after 2 untimed, medians.
+the cases alternated in `--rounds` rounds of `--steps` steps after untimed ones
+(`netpart.ps.measure.timed_calls`), medians.
 
     python benchmarks/reference_bench.py --out benchmarks/results/reference_bench.json
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -22,16 +22,8 @@ import torch.distributed as dist
 from netpart.files import write_atomic
 from netpart.models import build_reference, load_spec
 from netpart.partition.planner import plan
+from netpart.ps.measure import timed_calls
 from netpart.runtime.check import lone_step, make_batch
-
-
-def cpu_per_call(fn, steps: int) -> float:
-    for _ in range(2):
-        fn()
-    start = time.process_time()
-    for _ in range(steps):
-        fn()
-    return (time.process_time() - start) / steps
 
 
 def main(argv=None) -> int:
@@ -63,7 +55,7 @@ def main(argv=None) -> int:
     seen: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(args.rounds):
         for name, fn in cases.items():
-            seen[name].append(cpu_per_call(fn, args.steps))
+            seen[name].append(timed_calls(fn, args.steps)[1])  # CPU seconds a call
     dist.destroy_process_group()
     medians = {k: statistics.median(v) for k, v in seen.items()}
     for name, cpu in medians.items():

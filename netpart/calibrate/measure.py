@@ -35,7 +35,8 @@ probe is the profile's `probe_s`, against which `netpart run` says how fast the 
 7. The parameter server's exchange, where the runner has machines of their own (`ps`: the
    hosts of a torchrun job or a testbed): clients of one shard, and one client of several
    shards, push and fetch, as sync and as Downpour workers do (`netpart.calibrate.pstables`):
-   seconds per exchange and the CPU a client spends on one (the profile's `ps`); then every
+   seconds per exchange and the CPU a client spends on one (the profile's `ps`), each size's
+   median of passes timed before, between and after the rounds of steps 4-6; then every
    pair again with a stand-in step before each request, as training runs its step
    (`ps.after`).
 
@@ -60,7 +61,7 @@ import torch
 
 from netpart.calibrate import CALIBRATION_MODELS, CHECK_MODEL, SLICE_MODELS
 from netpart.calibrate.fitting import Crowd, Plans, fit, kind_cost, layer_costs
-from netpart.calibrate.pstables import per_size, ps_tables
+from netpart.calibrate.pstables import PsTables, per_size
 from netpart.calibrate.speed import SpeedProbe, probe_once
 from netpart.calibrate.trace import SliceTimes, measure_slices
 from netpart.calibrate.trust import LoadSample, sample
@@ -265,7 +266,7 @@ def crowd_counts(machines: int) -> list[int]:
 
 
 def _runs(plans: Plans, wide: dict, batch: int, steps: int, repeats: int, runner, base, say,
-          load: list[LoadSample]):  # fmt: skip
+          load: list[LoadSample], between: Callable[[int], None] = lambda done: None):  # fmt: skip
     """Each model's steps on 1 and 2 processes (and 2 exchanging only; and on each count of
     `wide`: {workers: each model's plan}), with their figures, and the speed probe of
     every run (`netpart.calibrate.speed`: the machine as it was calibrated). The runs go
@@ -273,7 +274,8 @@ def _runs(plans: Plans, wide: dict, batch: int, steps: int, repeats: int, runner
     machine's slow spells last seconds to minutes and would otherwise fall on every run of
     one model); a case's time is the median of its runs, each run's probe recorded beside
     it. A run times at least `steps` steps and about CALIBRATION_S of them (by the slice
-    tables' prediction)."""
+    tables' prediction). `between`: called after each round with the rounds done (the
+    parameter server's passes)."""
 
     def count(spec, p) -> int:
         predicted = reevaluate(spec, p, batch, base).metrics.predicted_step_s
@@ -296,6 +298,7 @@ def _runs(plans: Plans, wide: dict, batch: int, steps: int, repeats: int, runner
         load.append(sample(LOAD_SAMPLE_S))  # the machine while calibration runs nothing
         say(f"runtime: round {r + 1} of {repeats}: stepped every model on {counts} processes "
             f"({load[-1].describe()})")  # fmt: skip
+        between(r + 1)
     probes = [q for runs_of in done for v in runs_of.values() for *_, q in v]
     runs = []
     for (spec, one, two), runs_of in zip(plans, done, strict=True):
@@ -365,11 +368,16 @@ def calibrate(
         )
     one = link["seconds"].get("1")  # one peer, each way at once: the link's rate
     wire_bps = 8 * LINK_SIZES[-1] / one[-1] if one else 0.0
-    ps, ps_raw = ps_tables(runner, say, wire_bps=wire_bps, runs=repeats)
+    # the parameter server's first pass now, the others between and after the steps' rounds
+    ps_timer = PsTables(runner, say, wire_bps=wire_bps, runs=repeats)
+    ps_timer.time_pass()
+    ps_timer.time_after()
     plans = [(s, plan(s, 1, "metis", batch=batch), plan(s, 2, "metis", batch=batch)) for s in specs]
     wide = {n: [plan(s, n, "metis", batch=batch) for s in specs]
             for n in crowd_counts(runner.machines)}  # fmt: skip
-    runs, probes = _runs(plans, wide, batch, steps, repeats, runner, base, say, load)
+    runs, probes = _runs(plans, wide, batch, steps, repeats, runner, base, say, load,
+                         between=ps_timer.between_rounds(repeats))  # fmt: skip
+    ps, ps_raw = ps_timer.result()
     probe = float(np.median(probes))
     crowd: Crowd = [
         (n, [(s, p, r["crowd"][str(n)]["step_s"]) for s, p, r in zip(specs, ps, runs, strict=True)])

@@ -3,26 +3,32 @@ measured with its own code (`netpart.ps.measure`) where the runner has machines 
 (a `ps` method: the hosts of a torchrun job or a testbed). Per mode (sync, Downpour), C clients
 whose values S shards hold in even parts, every pair with C <= PS_CLIENTS, S <= PS_SHARDS
 and C + S at most the machines, push and fetch each of PS_SIZES that the link carries within
-PS_WIRE_S (each PS_REPEATS times, in proportion to the calibration's runs of a step
-measurement, PS_RUNS by default): seconds per exchange, and the CPU a client spends on one
-over its machine's share of a core. And, timed last (`ring_plan`, `with_rings`), per number
-of machines M from 2 to all of them, M ranks all-reducing each size (the ring
-DistributedDataParallel's replicas run a step), its seconds and CPU likewise, in processes of
-their own as DDP's (`netpart.calibrate.ring`). And every pair again, at a few sizes, each
-client running a stand-in step before each request, as training runs its step (`_after`). The
-profile's `ps` (`netpart.partition.psx`)."""
+PS_WIRE_S: seconds per exchange, and the CPU a client spends on one over its machine's share
+of a core. Every pair is timed in PS_PASSES passes spread over the calibration (`PsTables`:
+the first before the step measurements, the others between and after their rounds), each
+pass a share of PS_REPEATS (in proportion to the calibration's runs of a step measurement,
+PS_RUNS by default), and the tables are each size's median over the passes: a slow spell of
+the host then moves one pass of a table, not the table. And, timed last (`ring_plan`,
+`with_rings`), per number of machines M from 2 to all of them, M ranks all-reducing each size
+(the ring DistributedDataParallel's replicas run a step), its seconds and CPU likewise, in
+processes of their own as DDP's (`netpart.calibrate.ring`). And every pair again, at a few
+sizes, each client running a stand-in step before each request, as training runs its step
+(`_after`). The profile's `ps` (`netpart.partition.psx`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from netpart.partition.psx import PS_MODES, PsExchange
 from netpart.testbed.cgroups import MIN_QUOTA_US
 
 __all__ = [
-    "AFTER_SIZES", "PS_CLIENTS", "PS_RUNS", "PS_SHARDS", "PS_SIZES", "STAND_IN_S", "per_size",
-    "ps_repeats", "ps_sizes", "ps_tables", "ring_plan", "with_rings",
+    "AFTER_SIZES", "PS_CLIENTS", "PS_PASSES", "PS_RUNS", "PS_SHARDS", "PS_SIZES", "STAND_IN_S",
+    "PsTables", "pass_spread", "per_size", "ps_repeats", "ps_sizes", "ps_tables", "ring_plan",
+    "with_rings",
 ]  # fmt: skip
 
 # bytes a client pushes and fetches, and timed exchanges of each: more of the short ones (on
@@ -38,6 +44,7 @@ __all__ = [
 PS_SIZES = (16_000, 64_000, 125_000, 250_000, 375_000, 500_000, 1_000_000, 4_000_000,
             16_000_000, 40_000_000)  # fmt: skip
 PS_REPEATS = (30, 30, 30, 30, 30, 30, 20, 10, 5, 3)
+PS_PASSES = 3  # passes over every pair and size (at most; at most one a run of a step measurement)
 PS_RUNS = 5  # the calibration's runs of a step measurement (`--repeats`) PS_REPEATS are for
 # A size whose bytes alone take longer than this on the measured link is not timed: there the
 # exchange is the wire's, which the table's last segment carries on (on 100 Mbit/s, 40 MB a
@@ -75,34 +82,136 @@ def _in_proportion(repeats: int, runs: int) -> int:
 
 
 def ps_tables(
-    runner: Any, say: Callable[[str], None], *, wire_bps: float = 0.0, runs: int = PS_RUNS
+    runner: Any,
+    say: Callable[[str], None],
+    *,
+    wire_bps: float = 0.0,
+    runs: int = PS_RUNS,
+    passes: int = PS_PASSES,
 ) -> tuple[PsExchange | None, dict | None]:
     """The tables and their raw JSON, or (None, None) where the runner cannot measure them;
-    `wire_bps`: the link's measured rate (`ps_sizes`); `runs`: `ps_repeats`'."""
-    if not hasattr(runner, "ps") or runner.machines < 2:
-        return None, None
-    sizes = ps_sizes(wire_bps)
-    tables = ("seconds", "busy", "spread", "spread_busy", "mesh", "mesh_busy")
-    raw: dict = {"sizes": list(sizes), **{t: {m: {} for m in PS_MODES} for t in tables}}
-    if runner.share < 1:  # a testbed's quota (`netpart.testbed.cgroups`): 1 ms a period
-        raw.update(share=runner.share, quota_s=MIN_QUOTA_US / 1e6)
-    pairs = [(c, s) for c in range(1, PS_CLIENTS + 1) for s in range(1, PS_SHARDS + 1)
-             if c + s <= runner.machines]  # fmt: skip
-    for mode in PS_MODES:
-        for clients, shards in pairs:
-            wall, busy, key = (("seconds", "busy", str(clients)) if shards == 1 else
-                               ("spread", "spread_busy", str(shards)) if clients == 1 else
-                               ("mesh", "mesh_busy", f"{clients}x{shards}"))  # fmt: skip
-            seconds, cpu = _measure(runner, mode, clients, shards, sizes, runs=runs)
-            raw[wall][mode][key] = [float(t) for t in seconds]
-            raw[busy][mode][key] = [float(c) / runner.share for c in cpu]
-            say(f"parameter server, {mode}, {clients} client(s) of {shards} shard(s), per "
-                f"exchange: {per_size(sizes, seconds)}")  # fmt: skip
-    raw["after"] = _after(runner, say, pairs, wire_bps=wire_bps, runs=runs)
-    for wall, busy in (("spread", "spread_busy"), ("mesh", "mesh_busy")):
-        if not all(raw[wall].values()):  # too few machines for any such pair
-            del raw[wall], raw[busy]
-    return PsExchange.from_dict(raw), raw
+    `wire_bps`: the link's measured rate (`ps_sizes`); `runs`: `ps_repeats`'; every pass
+    back to back (`PsTables` spreads them over a calibration)."""
+    tables = PsTables(runner, say, wire_bps=wire_bps, runs=runs, passes=passes)
+    tables.time_after()
+    return tables.result()
+
+
+class PsTables:
+    """The parameter server's tables of one calibration, timed in `passes` passes where the
+    calibration puts them (`time_pass`, `between_rounds`), and the exchanges after a stand-in
+    step (`time_after`); `result` times the passes still due and takes each size's median.
+    `passes`: PS_PASSES, or as many as `runs` where fewer (a quicker, noisier calibration).
+    Inert where `runner` cannot measure them (no `ps`, or one machine)."""
+
+    def __init__(self, runner: Any, say: Callable[[str], None], *, wire_bps: float = 0.0,
+                 runs: int = PS_RUNS, passes: int | None = None) -> None:  # fmt: skip
+        passes = min(PS_PASSES, runs) if passes is None else passes
+        if passes < 1:
+            raise ValueError(f"passes {passes}: 1 or more")
+        self.able = hasattr(runner, "ps") and runner.machines >= 2
+        self._runner, self._say, self._wire_bps, self._runs = runner, say, wire_bps, runs
+        self.passes = passes
+        self.sizes = ps_sizes(wire_bps)
+        self.pairs = [(c, s) for c in range(1, PS_CLIENTS + 1) for s in range(1, PS_SHARDS + 1)
+                      if c + s <= getattr(runner, "machines", 0)]  # fmt: skip
+        self._done: list[dict] = []  # each pass's raw tables
+        self._after: dict | None = None
+
+    def time_pass(self) -> None:
+        """Time every mode and pair once more (a share of their repeats), if a pass is due."""
+        if not self.able or len(self._done) >= self.passes:
+            return
+        k = len(self._done) + 1
+        raw: dict = {t: {m: {} for m in PS_MODES} for t in _TABLES}
+        for mode in PS_MODES:
+            for clients, shards in self.pairs:
+                seconds, cpu = _measure(self._runner, mode, clients, shards, self.sizes,
+                                        repeats=self.repeats)  # fmt: skip
+                wall, busy, key = _keys(clients, shards)
+                raw[wall][mode][key] = [float(t) for t in seconds]
+                raw[busy][mode][key] = [float(c) / self._runner.share for c in cpu]
+                self._say(f"parameter server, pass {k} of {self.passes}, {mode}, {clients} "
+                          f"client(s) of {shards} shard(s), per exchange: "
+                          f"{per_size(self.sizes, seconds)}")  # fmt: skip
+        self._done.append(raw)
+
+    @property
+    def repeats(self) -> dict[int, int]:
+        """Timed exchanges of each size in a pass: its share of `ps_repeats`, at least 2."""
+        return {b: max(2, round(ps_repeats(b, self._runs) / self.passes)) for b in self.sizes}
+
+    def between_rounds(self, rounds: int) -> Callable[[int], None]:
+        """What to call after each of `rounds` rounds of step measurements (with the rounds
+        done so far): the passes after the first, spread evenly over the rounds, the last
+        after the last round."""
+        due = {round(k * rounds / max(1, self.passes - 1)) for k in range(1, self.passes)}
+
+        def after_round(done: int) -> None:
+            if done in due:
+                self.time_pass()
+
+        return after_round
+
+    def time_after(self) -> None:
+        """Time every pair after a stand-in step (`ps.after`), once."""
+        if self.able and self._after is None:
+            self._after = _after(self._runner, self._say, self.pairs, wire_bps=self._wire_bps,
+                                 runs=self._runs)  # fmt: skip
+
+    def result(self) -> tuple[PsExchange | None, dict | None]:
+        """The tables (each size's median over the passes) and their raw JSON, every pass's
+        wall-clock tables in its `passes`; (None, None) where the runner cannot measure."""
+        if not self.able:
+            return None, None
+        while len(self._done) < self.passes:
+            self.time_pass()
+        # a table of no pair (a client of several shards on 2 machines) is left out
+        tables = {t: v for t, v in _medians(self._done).items() if all(v.values())}
+        raw: dict = {"sizes": list(self.sizes), **tables}
+        if self._runner.share < 1:  # a testbed's quota (`netpart.testbed.cgroups`): 1 ms a period
+            raw.update(share=self._runner.share, quota_s=MIN_QUOTA_US / 1e6)
+        if self._after is not None:
+            raw["after"] = self._after
+        if self.passes > 1:
+            walls = [t for t in tables if not t.endswith("busy")]
+            raw["passes"] = [{t: p[t] for t in walls} for p in self._done]
+            self._say(pass_spread(raw))
+        return PsExchange.from_dict(raw), raw
+
+
+_TABLES = ("seconds", "busy", "spread", "spread_busy", "mesh", "mesh_busy")
+
+
+def _keys(clients: int, shards: int) -> tuple[str, str, str]:
+    """(wall-clock table, busy table, key) of a pair in the profile's `ps`."""
+    if shards == 1:
+        return "seconds", "busy", str(clients)
+    if clients == 1:
+        return "spread", "spread_busy", str(shards)
+    return "mesh", "mesh_busy", f"{clients}x{shards}"
+
+
+def _medians(passes: list[dict]) -> dict:
+    """Each table's median over `passes` (raw tables of the same pairs and sizes), per size."""
+    first = passes[0]
+    return {t: {m: {key: [float(x) for x in np.median([p[t][m][key] for p in passes], axis=0)]
+                    for key in first[t][m]}
+                for m in first[t]}
+            for t in first}  # fmt: skip
+
+
+def pass_spread(raw: dict) -> str:
+    """One line: how far a single pass's wall-clock tables of `raw` (with `passes`) read
+    from their median, over every mode, pair and size (10th-90th percentile and the extremes)."""
+    ratios = [t / m for p in raw["passes"] for wall, by_mode in p.items()
+              for mode, by_key in by_mode.items() for key, ts in by_key.items()
+              for t, m in zip(ts, raw[wall][mode][key], strict=True) if m > 0]  # fmt: skip
+    lo, p10, p90, hi = np.percentile(ratios, [0, 10, 90, 100])
+    return (
+        f"parameter server: each size's median of {len(raw['passes'])} passes; a pass read "
+        f"{p10:.2f}-{p90:.2f}x it (10th-90th percentile; {lo:.2f}-{hi:.2f}x at the extremes)"
+    )
 
 
 def ring_plan(raw: dict | None, runs: int = PS_RUNS) -> dict | None:
@@ -151,12 +260,11 @@ def _after(runner: Any, say: Callable[[str], None], pairs: list[tuple[int, int]]
     return after
 
 
-def _measure(
-    runner: Any, mode: str, clients: int, shards: int, sizes, *, runs: int
-) -> tuple[list, list]:
-    """(seconds, CPU seconds) per exchange at each of `sizes`, a call per repeat count."""
+def _measure(runner: Any, mode: str, clients: int, shards: int, sizes, *,
+             repeats: dict[int, int]) -> tuple[list, list]:  # fmt: skip
+    """(seconds, CPU seconds) per exchange at each of `sizes` (`repeats` of each), a call
+    per repeat count."""
     at: dict[int, tuple[float, float]] = {}
-    repeats = {b: ps_repeats(b, runs) for b in sizes}
     for n in sorted(set(repeats.values()), reverse=True):  # the short ones first
         some = tuple(b for b in sizes if repeats[b] == n)
         t, c = runner.ps(mode, clients, some, n, shards=shards)

@@ -87,7 +87,7 @@ def ps_tables(
     *,
     wire_bps: float = 0.0,
     runs: int = PS_RUNS,
-    passes: int = PS_PASSES,
+    passes: int | None = None,
 ) -> tuple[PsExchange | None, dict | None]:
     """The tables and their raw JSON, or (None, None) where the runner cannot measure them;
     `wire_bps`: the link's measured rate (`ps_sizes`); `runs`: `ps_repeats`'; every pass

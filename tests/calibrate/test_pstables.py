@@ -163,6 +163,7 @@ def test_fewer_runs_time_fewer_exchanges_and_never_fewer_than_two():
         2,
         PS_PASSES,
     ]
+    assert "passes" not in ps_tables(Runner(2), lambda line: None, runs=1)[1]  # one pass
     assert [ps_repeats(b) for b in PS_SIZES] == list(PS_REPEATS)
     assert [ps_repeats(b, 1) for b in PS_SIZES] == [6, 6, 6, 6, 6, 6, 4, 2, 2, 2]
     runner = Runner(machines=2)

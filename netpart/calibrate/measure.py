@@ -38,7 +38,8 @@ probe is the profile's `probe_s`, against which `netpart run` says how fast the 
    seconds per exchange and the CPU a client spends on one (the profile's `ps`), each size's
    median of passes timed before, between and after the rounds of steps 4-6; then every
    pair again with a stand-in step before each request, as training runs its step
-   (`ps.after`).
+   (`ps.after`); and each calibration model's step as a DDP replica runs it, in this process
+   (`netpart.calibrate.replica`, the profile's `ps.replica`).
 
 The fitting itself is `netpart.calibrate.fitting` (pure).
 
@@ -62,6 +63,7 @@ import torch
 from netpart.calibrate import CALIBRATION_MODELS, CHECK_MODEL, SLICE_MODELS
 from netpart.calibrate.fitting import Crowd, Plans, fit, kind_cost, layer_costs
 from netpart.calibrate.pstables import PsTables, per_size
+from netpart.calibrate.replica import replica_steps
 from netpart.calibrate.speed import SpeedProbe, probe_once
 from netpart.calibrate.trace import SliceTimes, measure_slices
 from netpart.calibrate.trust import LoadSample, sample
@@ -72,6 +74,7 @@ from netpart.partition.cost import PROFILE_SCHEMA, NetworkModel
 from netpart.partition.figures import input_values, reevaluate
 from netpart.partition.graph import BYTES_PER_VALUE, UnitGraph
 from netpart.partition.plans import PartitionPlan
+from netpart.partition.psx import PsExchange
 from netpart.partition.volume import layer_traffic
 from netpart.runtime.check import make_batch
 from netpart.runtime.step import (
@@ -378,6 +381,10 @@ def calibrate(
     runs, probes = _runs(plans, wide, batch, steps, repeats, runner, base, say, load,
                          between=ps_timer.between_rounds(repeats))  # fmt: skip
     ps, ps_raw = ps_timer.result()
+    if ps_raw is not None:  # machines of its own: a DDP replica's step too, on one of them
+        ps_raw["replica"] = replica_steps(specs, batch=batch, steps=steps, seconds=CALIBRATION_S,
+                                          runs=repeats, say=say)  # fmt: skip
+        ps = PsExchange.from_dict(ps_raw)
     probe = float(np.median(probes))
     crowd: Crowd = [
         (n, [(s, p, r["crowd"][str(n)]["step_s"]) for s, p, r in zip(specs, ps, runs, strict=True)])

@@ -48,8 +48,11 @@ bandwidth):
 - **all-reduce**: M replicas of one worker; a ring all-reduce moves 2(M-1)/M of the model
   through each machine's link in 2(M-1) phases, then every replica applies the update to its
   whole model (`UPDATE_S_PER_VALUE` a value, over the share of a core a measured profile's
-  machines had). The ring's phases are priced off the link (`phase_s`, with the cost a phase
-  has in a step), and at least at what the ring took where a profile measured it on its
+  machines had). A replica's step is netpart's one-worker step and that update; where
+  calibration timed the step DDP's replica runs (the model's reference module and its
+  update, `PsExchange.replica`), that instead: a plain module's step is not netpart's. The
+  ring's phases are priced off the link (`phase_s`, with the cost a phase has in a step),
+  and at least at what the ring took where a profile measured it on its
   machines as DistributedDataParallel runs it (`PsExchange.allreduce_s`). On machines held
   to a share of a core by a quota (`PsExchange.period_s`), at least a period a phase, on the
   reading that in a step a machine that has spent its quota (on the step, on the ring's own
@@ -339,13 +342,29 @@ def _allreduce(spec, machines: int, step_one: float, values: int, network, batch
     if ps is not None:  # at least what it took alone, and on a quota a period a phase
         alone = ps.allreduce_s(machines, BYTES_PER_VALUE * values)
         ring = max(ring, alone, 2 * (machines - 1) * ps.period_s)
-    share = ps.share if ps is not None else 1.0
-    step = step_one + ring + values * UPDATE_S_PER_VALUE / share
+    step = _replica_s(spec, step_one, values, network, batch) + ring
     link = 2 * (machines - 1) / machines * BYTES_PER_VALUE * values if machines > 1 else 0.0
     acts = sum(s.size for s in spec.shapes)
     memory = BYTES_PER_VALUE * (3 * values + 2 * batch * acts)
     return LayoutFigures(Layout("allreduce", machines, 1, 0), step, machines * batch / step,
                          float(link), "every machine (ring)", float(memory), 0.0, True)  # fmt: skip
+
+
+def _replica_s(spec, step_one: float, values: int, network, batch: int) -> float:
+    """A replica's step without its ring: netpart's one-worker step and a whole model's
+    update; where calibration timed DDP's replica step of this model (`PsExchange.replica`),
+    that, at another batch carried over as its ratio to this price at the batch it was
+    timed at."""
+    ps: PsExchange | None = network.ps
+    share = ps.share if ps is not None else 1.0
+    update = values * UPDATE_S_PER_VALUE / share
+    timed = ps.replica_s(spec.name) if ps is not None else None
+    if timed is None:
+        return step_one + update
+    if ps.replica_batch == batch:
+        return timed
+    at = plan(spec, 1, seed=0, batch=ps.replica_batch, network=network).metrics.predicted_step_s
+    return (step_one + update) * timed / (at + update)
 
 
 def _fits(f: LayoutFigures, memory: float) -> LayoutFigures:

@@ -204,7 +204,9 @@ class NetworkModel:
                 link += f", {len(self.layers)} layers' own slice tables"
             if self.ps is not None:
                 ring = " and the all-reduce" if self.ps.allreduce else ""
+                ddp = f", DDP's replica step of {', '.join(sorted(self.ps.replica))}"
                 link += f", the parameter server's exchange{ring} measured"
+                link += ddp if self.ps.replica else ""
             if self.slice_scale != 1.0:  # fitted, or --net speed=
                 link += f", slice times x{self.slice_scale:.3g}"
             caveat = f"; WARNING: {self.caveat}" if self.caveat else ""

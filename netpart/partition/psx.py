@@ -31,6 +31,11 @@ machines, as DistributedDataParallel's replicas run one a step (in processes of 
 the most measured K's time for the bytes each of M's 2(M - 1) phases moves, times (M - 1) /
 (K - 1) (`allreduce_s`).
 
+And, where calibration timed it (`replica`), the step a DistributedDataParallel replica runs
+without its ring, per model it calibrated: the model's reference module, forward, backward
+and a whole model's update, on one of the machines (`netpart.calibrate.replica`), at the
+calibration's batch.
+
 A shard with more clients than were measured serves their bytes as the most clients
 measured would (the same bytes through the shard: `seconds_s` reads that table at k / K
 times the bytes); a client of more shards than were measured, as the most shards measured.
@@ -48,16 +53,18 @@ layouts as it prices a model's, and carries what that price missed over to the m
 the layout's own pair was measured.
 
 JSON (in a profile's model, as `ps`; `spread`, `spread_busy`, `mesh`, `mesh_busy`,
-`allreduce`, `allreduce_busy`, `share` (default 1) and `quota_s` (default 0) may be absent):
+`allreduce`, `allreduce_busy`, `replica`, `share` (default 1) and `quota_s` (default 0) may be
+absent):
 `{"sizes": [bytes, ...], "share": 0.3, "quota_s": 0.001,
   "seconds": {"sync"|"downpour": {"<clients>": [s, ...]}},
   "busy": {"sync"|"downpour": {"<clients>": [s, ...]}},
   "spread": {"sync"|"downpour": {"<shards>": [s, ...]}}, "spread_busy": {...},
   "mesh": {"sync"|"downpour": {"<clients>x<shards>": [s, ...]}}, "mesh_busy": {...},
   "allreduce": {"<machines>": [s, ...]}, "allreduce_busy": {...},
+  "replica": {"batch": 32, "seconds": {"<model>": s}, "cpu_s": {"<model>": s}},
   "after": {"sizes": [bytes, ...], "stand_in_s": 0.1,
             "seconds": {"sync"|"downpour": {"<clients>x<shards>": [s, ...]}}}}`
-(`after` may be absent).
+(`after` may be absent; `replica.cpu_s` is for the reader, the planner does not read it).
 """
 
 from __future__ import annotations
@@ -93,6 +100,8 @@ class PsExchange:
     quota_s: float = 0.0  # CPU seconds its quota grants a period (0: not known)
     after: Mesh = field(default_factory=dict)  # mode -> (clients, shards), both >= 1 -> points
     stand_in_s: float = 0.0  # CPU seconds of the step run before each of `after`'s requests
+    replica: dict[str, float] = field(default_factory=dict)  # model -> a DDP replica's step
+    replica_batch: int = 0  # the batch `replica` was timed at
 
     def seconds_s(self, mode: str, clients: int, nbytes: float) -> float:
         """An exchange of `nbytes` each way per client, `clients` at once through one shard."""
@@ -153,6 +162,11 @@ class PsExchange:
         per_phase = nbytes * most / machines  # each phase's bytes, as `most` machines move them
         return float(read_table(table[most], np.array(per_phase))) * (machines - 1) / (most - 1)
 
+    def replica_s(self, model: str) -> float | None:
+        """A DistributedDataParallel replica's step of `model` without its ring, at
+        `replica_batch`, where calibration timed it (module docstring); None where not."""
+        return self.replica.get(model)
+
     @property
     def period_s(self) -> float:
         """The period of the measured machines' cpu quota: the CPU it grants a period over
@@ -190,6 +204,8 @@ class PsExchange:
         if self.after:
             out["after"] = {"sizes": _sizes(self.after), "stand_in_s": self.stand_in_s,
                             "seconds": lists(self.after)}  # fmt: skip
+        if self.replica:
+            out["replica"] = {"batch": self.replica_batch, "seconds": dict(self.replica)}
         return out
 
     @classmethod
@@ -213,6 +229,8 @@ class PsExchange:
                 optional[what] = _tables(raw, sizes, what, "machines >= 2", _machines, (ALL,))[ALL]
         if data.get("after") is not None:
             optional["after"], optional["stand_in_s"] = _after(data["after"])
+        if data.get("replica") is not None:
+            optional["replica"], optional["replica_batch"] = _replica(data["replica"])
         share, quota = data.get("share", 1.0), data.get("quota_s", 0.0)
         if not all(isinstance(v, int | float) for v in (share, quota)) or not (
             0 < share <= 1 and quota >= 0
@@ -273,6 +291,22 @@ def _after(raw: Any) -> tuple[Mesh, float]:
     sizes = [float(b) for b in raw["sizes"]]
     pair = "<clients>x<shards>, both >= 1"
     return _tables(raw.get("seconds"), sizes, "after.seconds", pair, _any_pair), float(stand_in)
+
+
+def _replica(raw: Any) -> tuple[dict[str, float], int]:
+    """`ps.replica` (module docstring): each model's seconds and the batch; ValueError if it
+    is not that schema."""
+    ok = isinstance(raw, dict) and isinstance(raw.get("seconds"), dict)
+    batch = raw.get("batch") if ok else None
+    seconds = raw["seconds"] if ok else {}
+    if (
+        not ok
+        or not isinstance(batch, int)
+        or batch < 1
+        or not all(isinstance(t, int | float) and t > 0 for t in seconds.values())
+    ):
+        raise ValueError('ps.replica is {"batch": >= 1, "seconds": {"<model>": > 0}}')
+    return {str(m): float(t) for m, t in seconds.items()}, batch
 
 
 def _machines(key: Any) -> int | None:

@@ -59,6 +59,8 @@ def test_calibrate_under_torchrun_measures_the_link_between_the_hosts(tmp_path):
     # ring of two moves 4 MB each way in two phases of 2 MB, 0.32 s on the wire.
     ring = dict(zip(ps["sizes"], ps["allreduce"]["2"], strict=True))
     assert 0.3 < ring[4 * mb] < 1.2 and ring[mb] < ring[4 * mb]
+    # and a DDP replica's step without its ring, which prices the all-reduce's replica
+    assert ps["replica"]["batch"] == 32 and model.ps.replica_s("tiny-mlp") > 0
 
 
 def test_a_host_that_dies_ends_calibration_with_one_line(tmp_path):

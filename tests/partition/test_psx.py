@@ -91,6 +91,41 @@ def test_on_a_quota_each_of_the_ring_s_phases_costs_at_least_a_period():
     assert alone > 16e-3 and row.step_s == pytest.approx(one + alone + update)
 
 
+def test_a_ddp_replica_s_step_timed_by_calibration_prices_the_all_reduce_replica():
+    ring = {str(m): [2 * (m - 1) * (1e-3 + b / m * 1e-8) for b in SIZES] for m in (2, 3)}
+    timed = {"batch": 32, "seconds": {"tiny-mlp": 0.05}, "cpu_s": {"tiny-mlp": 0.01}}
+    ps = PsExchange.from_dict({**tables().to_dict(), "allreduce": ring, "replica": timed})
+    assert PsExchange.from_dict(json.loads(json.dumps(ps.to_dict()))) == ps
+    assert ps.replica_s("tiny-mlp") == 0.05 and ps.replica_s("digits-mlp") is None
+    model = NetworkModel(kinds={}, profile="p.json", ps=ps, latency_s=10e-6)
+    assert "DDP's replica step of tiny-mlp" in model.describe()
+    values = load_spec("tiny-mlp").num_params
+    ring_3 = max(ps.allreduce_s(3, 4.0 * values), allreduce_s(values, 3, model))
+
+    def replica_s(name: str, batch: int) -> float:
+        rows = advise(load_spec(name), 3, model, batch=batch).layouts
+        return next(f for f in rows if f.layout.mode == "allreduce").step_s - ring_3
+
+    assert replica_s("tiny-mlp", 32) == pytest.approx(0.05)  # at its batch: the timed step
+    # at another, netpart's price carried over by what the timed step made of it at 32
+    update = values * UPDATE_S_PER_VALUE
+    spec = load_spec("tiny-mlp")
+    at = {b: plan(spec, 1, seed=0, batch=b, network=model).metrics.predicted_step_s + update
+          for b in (16, 32)}  # fmt: skip
+    assert replica_s("tiny-mlp", 16) == pytest.approx(at[16] * 0.05 / at[32])
+    # a model calibration did not time: netpart's step and the update, as before
+    digits = load_spec("digits-mlp")
+    one = plan(digits, 1, seed=0, batch=32, network=model).metrics.predicted_step_s
+    n = digits.num_params
+    ring_3 = max(ps.allreduce_s(3, 4.0 * n), allreduce_s(n, 3, model))
+    rows = advise(digits, 3, model, batch=32).layouts
+    row = next(f for f in rows if f.layout.mode == "allreduce")
+    assert row.step_s == pytest.approx(one + ring_3 + n * UPDATE_S_PER_VALUE)
+    for bad in ({"seconds": {"tiny-mlp": 0.05}}, {"batch": 32, "seconds": {"tiny-mlp": 0}}):
+        with pytest.raises(ValueError, match="replica"):
+            PsExchange.from_dict({**tables().to_dict(), "replica": bad})
+
+
 @pytest.mark.parametrize(
     "bad",
     [

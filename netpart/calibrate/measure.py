@@ -359,18 +359,7 @@ def calibrate(
     kinds = {k: kind_cost(v) for k, v in sorted(points.items())}
     layers = layer_costs(per_layer, kinds)
     base = NetworkModel(kinds=kinds, layers=layers, overlap=runner.overlap)
-    link = {"sizes": [float(b) for b in LINK_SIZES], "seconds": {}, "gather_s": {}}
-    for world in range(2, min(runner.machines, LINK_WORLD) + 1):
-        times, gather = runner.link(LINK_SIZES, 10, world)
-        seconds = [float(t) for t in times]
-        link["seconds"][str(world - 1)] = seconds
-        link["gather_s"][str(world)] = float(gather)
-        say(
-            f"link, {world - 1} peer(s), per peer: {per_size(LINK_SIZES, seconds)}; the "
-            f"loss's collective {gather * 1e3:.2f} ms"
-        )
-    one = link["seconds"].get("1")  # one peer, each way at once: the link's rate
-    wire_bps = 8 * LINK_SIZES[-1] / one[-1] if one else 0.0
+    link, wire_bps = _link(runner, say)
     # the parameter server's first pass now, the others between and after the steps' rounds
     ps_timer = PsTables(runner, say, wire_bps=wire_bps, runs=repeats)
     ps_timer.time_pass()
@@ -400,6 +389,24 @@ def calibrate(
                "probe_spread": spread, "load": [asdict(x) for x in load],
                "run_spreads": run_spreads(runs), "check": check, "ps": ps_raw}  # fmt: skip
     return model, details
+
+
+def _link(runner: Runner, say: Progress) -> tuple[dict, float]:
+    """The profile's `link` measurements (each size among 2 to `LINK_WORLD` of the runner's
+    machines, and the loss's collective among them) and the link's rate in bits a second
+    (one peer, each way at once; 0 with one machine)."""
+    link = {"sizes": [float(b) for b in LINK_SIZES], "seconds": {}, "gather_s": {}}
+    for world in range(2, min(runner.machines, LINK_WORLD) + 1):
+        times, gather = runner.link(LINK_SIZES, 10, world)
+        seconds = [float(t) for t in times]
+        link["seconds"][str(world - 1)] = seconds
+        link["gather_s"][str(world)] = float(gather)
+        say(
+            f"link, {world - 1} peer(s), per peer: {per_size(LINK_SIZES, seconds)}; the "
+            f"loss's collective {gather * 1e3:.2f} ms"
+        )
+    one = link["seconds"].get("1")
+    return link, 8 * LINK_SIZES[-1] / one[-1] if one else 0.0
 
 
 def run_spreads(runs: list[dict]) -> list[float]:

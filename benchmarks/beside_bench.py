@@ -15,7 +15,8 @@ time steps with the size of a shard's message.
    and its worker's CPU per step (the metrics' `cpu_s`, the first fifth of the steps left
    out). Less the step beside the exchange, that is the training loop's own CPU a step
    (binding fetched values, the gradient buffers, the batch, the metrics line):
-   `netpart.partition.cluster.LOOP_CPU_S`.
+   `netpart.partition.cluster.LOOP_CPU_S`, and over the profile's smallest dense slice,
+   `LOOP_DENSE_SLICES`.
 2. **Sizes.** One sync client of 4 shards at 60 to 128 KiB a message: the step at 64 KiB
    that the tables' sizes keep off (`netpart.calibrate.pstables`).
 

@@ -41,10 +41,13 @@ bandwidth):
   a step: a step before the exchange staggers the clients of a shard and changes what the
   client spends, which the exchange timed alone does not show (docs/planning.md). The
   pricing above is for machines without such a measurement.
-- **the training loop's own CPU** (`LOOP_CPU_S` a step, either pricing): what a worker's
+- **the training loop's own CPU** (`loop_cpu_s` a step, either pricing): what a worker's
   loop does beside its step and its exchange (binding fetched values, the gradient buffers,
   the batch, the metrics line), on the worker's machine: in sync after the step; in
-  Downpour beside the exchange on the machine's core (over the share, on a quota).
+  Downpour beside the exchange on the machine's core (over the share, on a quota). It is
+  Python and small torch calls, so it is priced in the machine's own figures: as many of
+  its smallest dense slices (their fixed cost) as it took on the machine it was measured on
+  (`LOOP_DENSE_SLICES`); a machine with no dense figures pays `LOOP_CPU_S`.
 - **all-reduce**: M replicas of one worker; a ring all-reduce moves 2(M-1)/M of the model
   through each machine's link in 2(M-1) phases, then every replica applies the update to its
   whole model (`UPDATE_S_PER_VALUE` a value, over the share of a core a measured profile's
@@ -80,12 +83,14 @@ from netpart.partition.shards import ShardLayout
 __all__ = [
     "CLUSTER_SCHEMA",
     "LOOP_CPU_S",
+    "LOOP_DENSE_SLICES",
     "UPDATE_S_PER_VALUE",
     "ClusterAdvice",
     "Layout",
     "LayoutFigures",
     "advise",
     "allreduce_s",
+    "loop_cpu_s",
     "trainable",
 ]
 
@@ -97,6 +102,19 @@ UPDATE_S_PER_VALUE = 0.8e-9
 # one worker, 1 and 3 shards, both modes, on 0.3-core testbed machines: the training job's
 # CPU less the step's beside the exchange; benchmarks/results/beside_bench_train_s*.json).
 LOOP_CPU_S = 0.4e-3
+# That loop in the smallest dense slices of the machine it ran on (0.237 ms, the profile
+# beside_bench ran with: benchmarks/results/testbed_profile_m6_c0.3.json): the loop's CPU
+# follows the machine's speed, where a constant would price a slower host's loop at a faster
+# one's (docs/planning.md, "What the misses come from").
+LOOP_DENSE_SLICES = 1.7
+
+
+def loop_cpu_s(network: NetworkModel) -> float:
+    """A worker's training loop's own CPU a step on `network`'s machines (module docstring)."""
+    dense = network.kinds.get("dense")
+    if dense is None:
+        return LOOP_CPU_S
+    return LOOP_DENSE_SLICES * float(dense.seconds(np.array(0.0)))
 
 
 @dataclass(frozen=True)
@@ -281,10 +299,10 @@ def _linked(network: NetworkModel, layout: Layout, mp: _ModelParallel, shards: S
     if layout.mode == "sync":  # pushes in (each worker's and the shard's links at once),
         # the update, fetches out
         into = np.maximum(shard_in, worker_push) + update + np.maximum(shard_out, worker_fetch)
-        return mp_s + LOOP_CPU_S + float(into.max())
+        return mp_s + loop_cpu_s(network) + float(into.max())
     # the courier carries a step's push and fetch at once (both ways, as `phase_s` prices
     # them) beside the next step
-    own = max(mp_s + LOOP_CPU_S, worker_push, worker_fetch)
+    own = max(mp_s + loop_cpu_s(network), worker_push, worker_fetch)
     return max(own, float(np.maximum(np.maximum(shard_in, shard_out), update).max()))
 
 
@@ -307,31 +325,32 @@ def _measured(network: NetworkModel, layout: Layout, mp: _ModelParallel, shards:
         served = max(served, ps.seconds_s(layout.mode, clients[s], float(held[s]) / peers[s]))
     busy = max(ps.busy_s(layout.mode, b, shards=k, clients=c) for b, k, c in talks)
     per = 0.5 * (1 / every[0] + 1 / every[1])
-    price = _exchange(ps, layout.mode, (mp.step_s, mp.cpu_s), (served, busy), per)
+    loop = loop_cpu_s(network)
+    price = _exchange(ps, layout.mode, (mp.step_s, mp.cpu_s), (served, busy), per, loop=loop)
     after = [ps.after_s(layout.mode, c, k, b) for b, k, c in talks]
     if None in after:
         return price
     wall = ps.stand_in_s / ps.share  # the stand-in on a measured machine: CPU at its share
-    missed = max(after) - _exchange(ps, layout.mode, (wall, wall), (served, busy), 1.0)
+    missed = max(after) - _exchange(ps, layout.mode, (wall, wall), (served, busy), 1.0, loop=loop)
     return price + per * min(1.0, ps.step_cpu_s(mp.cpu_s) / ps.stand_in_s) * missed
 
 
 def _exchange(ps: PsExchange, mode: str, step: tuple[float, float],
-              measured: tuple[float, float], per: float) -> float:  # fmt: skip
+              measured: tuple[float, float], per: float, *, loop: float) -> float:  # fmt: skip
     """A step of `step` (seconds, and of them CPU on a whole core) with `per` exchanges a
     step of `measured` (seconds: the longer of the worker's and the shards'; and the time
     it keeps the worker's machine busy). Sync adds it to the step (its measured time holds
     the client's CPU); Downpour runs it beside the step where the worker's machine has
     room for the CPU it costs (its busy time). On a share of a core, either is at least
-    the step's CPU over the share plus that busy time; either with the loop's own CPU."""
+    the step's CPU over the share plus that busy time; either with the loop's own CPU
+    (`loop`, CPU seconds a step)."""
     (step_s, cpu_s), (seconds, busy) = step, measured
     busy, exchange = per * busy, per * seconds
     # the machine's CPU in a step, over its share: the step's (alone, a short one ran within
     # the quota at a whole core's speed) and the exchange's
-    loop = LOOP_CPU_S / ps.share
-    held_to = max(step_s, ps.step_cpu_s(cpu_s) / ps.share) + busy + loop
+    held_to = max(step_s, ps.step_cpu_s(cpu_s) / ps.share) + busy + loop / ps.share
     if mode == "sync":  # the exchange's time holds its CPU; a quota may hold all
-        return max(step_s + LOOP_CPU_S + exchange, held_to if ps.share < 1 else 0.0)
+        return max(step_s + loop + exchange, held_to if ps.share < 1 else 0.0)
     return max(held_to, exchange)
 
 

@@ -12,10 +12,18 @@ import pytest
 
 from netpart.errors import PlanError
 from netpart.models import load_spec
-from netpart.partition.cluster import LOOP_CPU_S, UPDATE_S_PER_VALUE, advise, allreduce_s
+from netpart.partition.cluster import (
+    LOOP_CPU_S,
+    LOOP_DENSE_SLICES,
+    UPDATE_S_PER_VALUE,
+    advise,
+    allreduce_s,
+    loop_cpu_s,
+)
 from netpart.partition.cost import NetworkModel
 from netpart.partition.planner import plan
 from netpart.partition.psx import PsExchange
+from netpart.partition.tables import KindCost
 
 SIZES = [1e3, 1e4, 1e5, 1e6]
 
@@ -202,6 +210,27 @@ def test_a_sync_step_is_its_measured_exchange_whatever_the_client_spends_on_it()
     loop = LOOP_CPU_S  # the training loop's own, beside the step either way
     assert by["sync 1x1+1"].step_s == pytest.approx(compute + loop + 1e-6 * nbytes, rel=0.05)
     assert by["downpour 1x1+1"].step_s == pytest.approx(compute + loop + 3e-6 * nbytes, rel=0.05)
+
+
+def test_the_training_loop_is_priced_in_the_machine_s_own_figures():
+    """The loop's CPU follows the machine: as many of its smallest dense slices as it took
+    where it was measured, so a machine whose slices cost twice as much pays twice the loop
+    in every layout; without dense figures, the measured constant."""
+    assert loop_cpu_s(NetworkModel()) == LOOP_CPU_S
+    spec = load_spec("tiny-mlp")
+    ps = tables(sync_s=1e-6, down_s=1e-6, busy_s=1e-9)
+    steps, loops = [], []
+    for floor in (0.25e-3, 0.5e-3):
+        dense = KindCost(((1.0, floor), (1e9, floor + 0.05)))
+        network = NetworkModel(kinds={"dense": dense}, ps=ps)
+        loops.append(loop_cpu_s(network))
+        compute = plan(spec, 1, seed=0, batch=16, network=network).metrics.predicted_step_s
+        by = {str(f.layout): f for f in advise(spec, 2, network, batch=16).layouts}
+        priced = compute + loops[-1] + 1e-6 * by["sync 1x1+1"].link_bytes
+        assert by["sync 1x1+1"].step_s == pytest.approx(priced, rel=0.05)
+        steps.append(by["sync 1x1+1"].step_s - compute)
+    assert loops == pytest.approx([LOOP_DENSE_SLICES * 0.25e-3, LOOP_DENSE_SLICES * 0.5e-3])
+    assert steps[1] - steps[0] == pytest.approx(loops[1] - loops[0], rel=1e-6)
 
 
 def test_replicas_of_several_shards_are_priced_off_the_mesh_of_clients_and_shards():

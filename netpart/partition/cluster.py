@@ -105,7 +105,7 @@ LOOP_CPU_S = 0.4e-3
 # That loop in the smallest dense slices of the machine it ran on (0.237 ms, the profile
 # beside_bench ran with: benchmarks/results/testbed_profile_m6_c0.3.json): the loop's CPU
 # follows the machine's speed, where a constant would price a slower host's loop at a faster
-# one's (docs/planning.md, "What the misses come from").
+# one's (docs/planning.md, "How to spend M machines").
 LOOP_DENSE_SLICES = 1.7
 
 

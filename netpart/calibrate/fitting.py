@@ -35,7 +35,7 @@ def layer_costs(per_layer: dict[str, list], kinds: dict[str, KindCost]) -> dict[
     out = {}
     for key, pts in sorted(per_layer.items()):
         if len({f for f, _ in pts}) > 1:
-            floor = float(kinds[key.split()[0]].seconds(np.zeros(1))[0])
+            floor = kinds[key.split()[0]].floor_s
             out[key] = LayerCost(tuple(sorted((float(f), float(t)) for f, t in pts)), floor)
     return out
 

@@ -114,7 +114,7 @@ def loop_cpu_s(network: NetworkModel) -> float:
     dense = network.kinds.get("dense")
     if dense is None:
         return LOOP_CPU_S
-    return LOOP_DENSE_SLICES * float(dense.seconds(np.array(0.0)))
+    return LOOP_DENSE_SLICES * dense.floor_s
 
 
 @dataclass(frozen=True)

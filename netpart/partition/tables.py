@@ -81,6 +81,12 @@ class KindCost:
         table = np.where(work > f[-1], t[-1] + rate * (work - f[-1]), np.interp(work, f, t))
         return table + self.per_value * np.asarray(values, dtype=np.float64)
 
+    @property
+    def floor_s(self) -> float:
+        """The smallest slice's seconds: what any slice of this kind costs (`seconds`
+        below the measured sizes)."""
+        return float(self.seconds(np.zeros(1))[0])
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "points": [list(p) for p in self.points],

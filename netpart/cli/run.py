@@ -163,9 +163,10 @@ def _trust_args(k: argparse.ArgumentParser) -> None:
     k.add_argument(
         "--force",
         action="store_true",
-        help="keep a calibration of a busy machine (refused otherwise: other processes' "
-        "load, a hypervisor's steal, repeated runs far apart, implausible fitted terms); the "
-        "profile and every prediction made with it say so",
+        help="keep a calibration of a busy machine, the first one made (without it one is "
+        "repeated once, then refused: other processes' load, a hypervisor's steal, repeated "
+        "runs far apart, implausible fitted terms); the profile and every prediction made "
+        "with it say so",
     )
 
 
@@ -231,7 +232,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def _trusted_calibration(args, models, extra, runner):
     """Calibrate when the machine is quiet; judge the result (`netpart.calibrate.trust`);
-    repeat an untrusted one once, then refuse it, or keep it marked with --force."""
+    repeat an untrusted one once, then refuse it; with --force keep the first, marked (its
+    user accepted a busy machine: a second pass would double the minutes and fit the same
+    load)."""
     from dataclasses import replace
 
     from netpart.calibrate.measure import calibrate, run_spreads
@@ -259,6 +262,8 @@ def _trusted_calibration(args, models, extra, runner):
         if judged.trusted:
             return model, details
         echo("this calibration cannot be trusted: " + "; ".join(judged.reasons))
+        if args.force:
+            break
         if attempt == 0:
             echo("calibrating again")
     if not args.force:

@@ -34,9 +34,14 @@ from netpart.ps.optimizer import Optimizer
 from netpart.ps.rules import make_rule
 from netpart.ps.server import ShardServer, ShardSetup, ShardState
 
-__all__ = ["ALLREDUCE", "flat_layout", "ps_loop", "stand_in", "timed_calls"]
+__all__ = ["ALLREDUCE", "flat_layout", "ps_loop", "stand_in", "timed_calls", "warm_exchanges"]
 
 WARM = 3  # untimed exchanges before each size's timed ones
+# From WARM_BYTES up, fewer: one sync exchange, two Downpour ones (it keeps two in flight). On
+# a 1 Gbit/s link at 4, 16 and 40 MB, after those each mode's timed exchanges read what they
+# read after WARM, and one Downpour exchange read 4 MB 1.15x slow; the large sizes' warm-up
+# was three fifths of a size's exchanges at calibration's repeats.
+WARM_BYTES = 4_000_000
 ALLREDUCE = "allreduce"  # the mode of every rank all-reducing (no shards)
 
 
@@ -135,8 +140,9 @@ def _client(layout, group, rank: int, mode: str, repeats: int, beside=None) -> t
     client.complete(client.request(0, fetch=True))
     inflight: collections.deque = collections.deque()
     stamps, cpu_at = [], 0.0
-    for step in range(1, WARM + repeats + 1):
-        if step == WARM + 1:
+    warm = warm_exchanges(mode, layout.total * 4)
+    for step in range(1, warm + repeats + 1):
+        if step == warm + 1:
             cpu_at = time.process_time()
         stamps.append(time.perf_counter())
         if beside is not None:
@@ -153,7 +159,14 @@ def _client(layout, group, rank: int, mode: str, repeats: int, beside=None) -> t
     stamps.append(time.perf_counter())
     used = (time.process_time() - cpu_at) / repeats
     client.close()
-    return (stamps[-2] - stamps[WARM]) / (repeats - 1), used
+    return (stamps[-2] - stamps[warm]) / (repeats - 1), used
+
+
+def warm_exchanges(mode: str, size: int) -> int:
+    """Untimed exchanges of `size` bytes before the timed ones (`WARM_BYTES`)."""
+    if size < WARM_BYTES:
+        return WARM
+    return 2 if mode == "downpour" else 1
 
 
 def _allreduce(group, sizes: list[int], repeats: int,

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from netpart.calibrate import trust
 from netpart.calibrate.fitting import ANCHOR_HIGH, anchored
 from netpart.calibrate.measure import crowd_counts, fit, kind_cost, layer_costs, step_cpu_s
 from netpart.cli import main
@@ -411,14 +412,23 @@ def test_speed_makes_every_slice_of_the_profile_that_many_times_faster():
             NetworkModel.parse(bad)
 
 
-def test_calibrate_writes_a_profile_that_plan_and_run_use(tmp_path, capsys):
+def test_calibrate_writes_a_profile_that_plan_and_run_use(tmp_path, capsys, monkeypatch):
     out = tmp_path / "profile.json"
     args = ["calibrate", "--out", str(out), "--models", "tiny-mlp,tiny-local", "--steps", "2"]
     # --force: two steps a model cannot judge a machine's load (tests/calibrate/test_trust.py
-    # does); a loaded CI host otherwise refuses the profile this test is about
+    # does); judged untrusted here whatever the host's load, it is kept at once, marked
     args += ["--repeats", "1", "--slice-models", "digits-mlp", "--force"]
-    assert main(args) == 0
+    monkeypatch.setattr(trust, "verdict", lambda *_: trust.Verdict(("a stand-in reason",)))
+    assert main([*args, "--check-model", "digits-mlp"]) == 0
+    said = capsys.readouterr().out
+    assert said.count("cannot be trusted: a stand-in reason") == 1
+    assert "calibrating again" not in said
+    assert "warning: kept with --force: calibrated on a busy machine" in said
+    assert "layer tables scaled to each model's one-process step" in said
+    assert "speed probe over the runs: 10th-90th percentile" in said
+    assert "digits-mlp x 2" in said and "(not fitted on)" in said  # its slices only, above
     model = NetworkModel.from_profile(out.read_text(), str(out))
+    assert model.caveat == "calibrated on a busy machine: a stand-in reason"
     kinds = {layer.kind for name in ("tiny-mlp", "tiny-local") for layer in load_spec(name).layers}
     assert set(model.kinds) == kinds  # a slice table for every kind measured
     keys = {s.layer_key(i) for s in map(load_spec, ("tiny-mlp", "tiny-local", "digits-mlp"))
@@ -434,9 +444,6 @@ def test_calibrate_writes_a_profile_that_plan_and_run_use(tmp_path, capsys):
     assert set(measured["anchored"]) == {"tiny-mlp", "tiny-local"}  # tables to their steps
     low, high = measured["probe_spread"]  # the probe's 10th and 90th percentile / its median
     assert 0 < low <= 1 <= high
-    said = capsys.readouterr().out
-    assert "layer tables scaled to each model's one-process step" in said
-    assert "speed probe over the runs: 10th-90th percentile" in said
     assert main(["plan", "--model", "tiny-local", "--workers", "2", "--profile", str(out)]) == 0
     assert f"calibrated profile {out}" in capsys.readouterr().out
     run = ["run", "--model", "tiny-mlp", "--workers", "2", "--steps", "2", "--profile", str(out)]

@@ -52,3 +52,23 @@ def test_a_busy_machine_is_refused_before_measuring(tmp_path, capsys, monkeypatc
     err = capsys.readouterr().err
     assert "stayed busy" in err and "--force" in err and err.count("\n") == 1
     assert not out.exists()
+
+
+def test_an_untrusted_calibration_is_made_again_once_then_refused(tmp_path, capsys, monkeypatch):
+    """Without --force; with it the first is kept at once (test_calibrate.py's real one)."""
+    from netpart.calibrate import measure
+
+    made = []
+
+    def calibrate(*_, **__):
+        made.append(1)
+        return replace(CALIBRATED, parallel_slowdown=1.59), {"load": [], "runs": []}
+
+    monkeypatch.setattr(trust, "sample", lambda seconds=1.0: QUIET)
+    monkeypatch.setattr(measure, "calibrate", calibrate)
+    out = tmp_path / "profile.json"
+    assert main(["calibrate", "--out", str(out)]) == 1
+    said, err = capsys.readouterr()
+    assert len(made) == 2 and said.count("calibrating again") == 1
+    assert "calibrated twice on a busy machine (implausible" in err and err.count("\n") == 1
+    assert not out.exists() and not list(tmp_path.iterdir())

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from netpart.partition.shards import Segment
-from netpart.ps.measure import WARM, flat_layout, stand_in, timed_calls
+from netpart.ps.measure import WARM, flat_layout, stand_in, timed_calls, warm_exchanges
 from tests.conftest import finish
 
 ROLE = """
@@ -29,6 +29,9 @@ out = {m: ps_loop(group, rank, m, [4096, 65536], 4, shards) for m in ("sync", "d
 calls = []  # a step's stand-in before each request: 10 ms
 beside = lambda: (calls.append(1), time.sleep(0.01))
 out["beside"] = ps_loop(group, rank, "downpour", [4096], 4, shards, beside), len(calls)
+for mode in ("sync", "downpour"):  # 4 MB: fewer warm-up exchanges (`warm_exchanges`)
+    calls.clear()
+    out["large_" + mode] = ps_loop(group, rank, mode, [4_000_000], 2, shards, beside), len(calls)
 out["allreduce"] = ps_loop(group, rank, "allreduce", [4096, 65536], 2, 0)
 calls.clear()
 out["ring_beside"] = ps_loop(group, rank, "allreduce", [4096], 3, 0, beside), len(calls)
@@ -67,7 +70,10 @@ def test_clients_time_their_exchanges_and_the_shards_serve_them(tmp_path, client
             assert shard[mode] == [[0.0, 0.0], [0.0, 0.0]]
     for client in got[:clients]:  # beside: before each request, warm ones too; paced by it
         (seconds, _), calls = client["beside"]
-        assert calls == 3 + 4 and seconds[0] >= 0.01
+        assert calls == WARM + 4 and seconds[0] >= 0.01
+        for mode in ("sync", "downpour"):
+            calls = client["large_" + mode][1]
+            assert calls == warm_exchanges(mode, 4_000_000) + 2 == (1 if mode == "sync" else 2) + 2
     assert all(shard["beside"][1] == 0 for shard in got[clients:])
     for every in got:  # all-reduce: every rank all-reduces, times it and its CPU
         seconds, cpu = every["allreduce"]

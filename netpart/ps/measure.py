@@ -37,10 +37,10 @@ from netpart.ps.server import ShardServer, ShardSetup, ShardState
 __all__ = ["ALLREDUCE", "flat_layout", "ps_loop", "stand_in", "timed_calls", "warm_exchanges"]
 
 WARM = 3  # untimed exchanges before each size's timed ones
-# From WARM_BYTES up, fewer: one sync exchange, two Downpour ones (it keeps two in flight). On
-# a 1 Gbit/s link at 4, 16 and 40 MB, after those each mode's timed exchanges read what they
-# read after WARM, and one Downpour exchange read 4 MB 1.15x slow; the large sizes' warm-up
-# was three fifths of a size's exchanges at calibration's repeats.
+# From WARM_BYTES up, fewer: one sync exchange, two Downpour ones (it keeps two in flight, and
+# its first timed exchange must find them so). There an exchange is the wire's, already
+# steady after those, and the warm-up was most of a large size's exchanges at calibration's
+# repeats (2-3 timed).
 WARM_BYTES = 4_000_000
 ALLREDUCE = "allreduce"  # the mode of every rank all-reducing (no shards)
 

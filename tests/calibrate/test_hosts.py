@@ -20,7 +20,7 @@ CALIBRATE = ["-m", "netpart", "calibrate", "--models", "tiny-mlp", "--slice-mode
              "--repeats", "1", "--steps", "3", "--check-model", ""]  # fmt: skip
 # The link between the two hosts: a tenth of loopback's rate here, and fast enough that the
 # parameter server's exchanges up to 40 MB (all timed: the wire takes under 2 s) take
-# under a second (on 100 Mbit/s this test took twice as long).
+# under a second each: the exchanges' minutes grow as the link slows.
 RATE_MBIT = 1000
 
 

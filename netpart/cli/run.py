@@ -251,7 +251,8 @@ def _trusted_calibration(args, models, extra, runner):
                 f"the machine stayed busy ({now.describe()}): a calibration now would fit "
                 "that load; calibrate when it is quiet, or keep one anyway with --force"
             )
-    for attempt in range(2):
+    attempts = 1 if args.force else 2  # --force: its user accepted a busy machine
+    for attempt in range(attempts):
         model, details = calibrate(
             models, args.batch, args.steps, say=echo, repeats=args.repeats, slice_models=extra,
             runner=runner, check_model=args.check_model or None,
@@ -262,9 +263,7 @@ def _trusted_calibration(args, models, extra, runner):
         if judged.trusted:
             return model, details
         echo("this calibration cannot be trusted: " + "; ".join(judged.reasons))
-        if args.force:
-            break
-        if attempt == 0:
+        if attempt + 1 < attempts:
             echo("calibrating again")
     if not args.force:
         raise CalibrationError(

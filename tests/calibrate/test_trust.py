@@ -3,7 +3,7 @@ its runs' spread and its fitted terms decide; a busy machine is refused before m
 
 from dataclasses import replace
 
-from netpart.calibrate import trust
+from netpart.calibrate import measure, trust
 from netpart.calibrate.trust import LoadSample, implausible, sample, verdict
 from netpart.cli import main
 from netpart.partition.cost import NetworkModel
@@ -56,8 +56,6 @@ def test_a_busy_machine_is_refused_before_measuring(tmp_path, capsys, monkeypatc
 
 def test_an_untrusted_calibration_is_made_again_once_then_refused(tmp_path, capsys, monkeypatch):
     """Without --force; with it the first is kept at once (test_calibrate.py's real one)."""
-    from netpart.calibrate import measure
-
     made = []
 
     def calibrate(*_, **__):

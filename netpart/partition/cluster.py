@@ -56,7 +56,11 @@ bandwidth):
   update, `PsExchange.replica`), that instead: a plain module's step is not netpart's. The
   ring's phases are priced off the link (`phase_s`, with the cost a phase has in a step),
   and at least at what the ring took where a profile measured it on its
-  machines as DistributedDataParallel runs it (`PsExchange.allreduce_s`). On machines held
+  machines as DistributedDataParallel runs it (`PsExchange.allreduce_s`) and the time its
+  CPU kept a machine busy (`busy=True`): timed alone, the ring's own work ran in its waits
+  on the link, which in a step the replica's compute takes (bench-local's all-reduce
+  measured 0.76-0.91 of the ring-alone price in 14 testbed runs, 0.90-1.06 of this one:
+  docs/planning.md). On machines held
   to a share of a core by a quota (`PsExchange.period_s`), at least a period a phase, on the
   reading that in a step a machine that has spent its quota (on the step, on the ring's own
   threads) takes part in the next phase in its next period (docs/planning.md has DDP's ring
@@ -358,9 +362,10 @@ def _allreduce(spec, machines: int, step_one: float, values: int, network, batch
     """All-reduce with `machines` replicas of one worker each."""
     ps: PsExchange | None = network.ps
     ring = allreduce_s(values, machines, network)
-    if ps is not None:  # at least what it took alone, and on a quota a period a phase
+    if ps is not None:  # at least what it took alone and its CPU, on a quota a period a phase
         alone = ps.allreduce_s(machines, BYTES_PER_VALUE * values)
-        ring = max(ring, alone, 2 * (machines - 1) * ps.period_s)
+        busy = ps.allreduce_s(machines, BYTES_PER_VALUE * values, busy=True)
+        ring = max(ring, alone + busy, 2 * (machines - 1) * ps.period_s)
     step = _replica_s(spec, step_one, values, network, batch) + ring
     link = 2 * (machines - 1) / machines * BYTES_PER_VALUE * values if machines > 1 else 0.0
     acts = sum(s.size for s in spec.shapes)

@@ -58,9 +58,8 @@ bandwidth):
   and at least at what the ring took where a profile measured it on its
   machines as DistributedDataParallel runs it (`PsExchange.allreduce_s`) and the time its
   CPU kept a machine busy (`busy=True`): timed alone, the ring's own work ran in its waits
-  on the link, which in a step the replica's compute takes (bench-local's all-reduce
-  measured 0.76-0.91 of the ring-alone price in 14 testbed runs, 0.90-1.06 of this one:
-  docs/planning.md). On machines held
+  on the link, which in a step the replica's compute takes (docs/planning.md has the runs
+  priced either way). On machines held
   to a share of a core by a quota (`PsExchange.period_s`), at least a period a phase, on the
   reading that in a step a machine that has spent its quota (on the step, on the ring's own
   threads) takes part in the next phase in its next period (docs/planning.md has DDP's ring

@@ -362,9 +362,9 @@ def _allreduce(spec, machines: int, step_one: float, values: int, network, batch
     ps: PsExchange | None = network.ps
     ring = allreduce_s(values, machines, network)
     if ps is not None:  # at least what it took alone and its CPU, on a quota a period a phase
-        alone = ps.allreduce_s(machines, BYTES_PER_VALUE * values)
-        busy = ps.allreduce_s(machines, BYTES_PER_VALUE * values, busy=True)
-        ring = max(ring, alone + busy, 2 * (machines - 1) * ps.period_s)
+        nbytes = BYTES_PER_VALUE * values
+        timed = ps.allreduce_s(machines, nbytes) + ps.allreduce_s(machines, nbytes, busy=True)
+        ring = max(ring, timed, 2 * (machines - 1) * ps.period_s)
     step = _replica_s(spec, step_one, values, network, batch) + ring
     link = 2 * (machines - 1) / machines * BYTES_PER_VALUE * values if machines > 1 else 0.0
     acts = sum(s.size for s in spec.shapes)

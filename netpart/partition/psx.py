@@ -74,7 +74,7 @@ from typing import Any
 
 import numpy as np
 
-from netpart.partition.tables import read_table, table_points
+from netpart.partition.tables import read_pooled, read_table, table_points
 
 __all__ = ["PS_MODES", "PsExchange"]
 
@@ -158,9 +158,9 @@ class PsExchange:
             return 0.0
         most = max(table)
         if machines <= most:
-            return float(read_table(_nearest(table, machines), np.array(nbytes)))
+            return float(read_pooled(_nearest(table, machines), np.array(nbytes)))
         per_phase = nbytes * most / machines  # each phase's bytes, as `most` machines move them
-        return float(read_table(table[most], np.array(per_phase))) * (machines - 1) / (most - 1)
+        return float(read_pooled(table[most], np.array(per_phase))) * (machines - 1) / (most - 1)
 
     def replica_s(self, model: str) -> float | None:
         """A DistributedDataParallel replica's step of `model` without its ring, at

@@ -11,7 +11,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FORWARD_SHARE", "NEAR", "KindCost", "LayerCost", "read_table", "table_points"]
+__all__ = [
+    "FORWARD_SHARE",
+    "NEAR",
+    "KindCost",
+    "LayerCost",
+    "read_pooled",
+    "read_table",
+    "table_points",
+]
 
 FORWARD_SHARE = 1.0 / 3.0  # of a slice's time, its forward pass, where nothing was measured
 NEAR = 1.3  # a layer's slices within this factor of its smallest (largest) give its rate there
@@ -31,7 +39,22 @@ def read_table(table: tuple[tuple[float, float], ...], x: np.ndarray) -> np.ndar
     larger one, nor a collective among fewer workers more than among more), the smallest
     size's time below it, the last segment's rate above it."""
     b, t = np.array(table, dtype=np.float64).T
-    t = np.minimum.accumulate(t[::-1])[::-1]
+    return _read(b, np.minimum.accumulate(t[::-1])[::-1], x)
+
+
+def read_pooled(table: tuple[tuple[float, float], ...], x: np.ndarray) -> np.ndarray:
+    """A (size, seconds) table read at `x` as `read_table` reads one, but made non-decreasing
+    by least squares (a run that falls is pooled into its mean) instead of by the fastest
+    larger size: for a table whose larger sizes can run faster as a rule, not as an outlier
+    (a ring all-reduce on machines held to a share of a core: docs/planning.md), where the
+    lower envelope would price every smaller size at that one fast point."""
+    b, t = np.array(table, dtype=np.float64).T
+    return _read(b, _non_decreasing(t), x)
+
+
+def _read(b: np.ndarray, t: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Non-decreasing times `t` at sizes `b`, read at `x`: piecewise linear, the smallest
+    size's time below them, the last segment's rate above them."""
     rate = (t[-1] - t[-2]) / (b[-1] - b[-2]) if len(b) > 1 else 0.0
     above = t[-1] + (x - b[-1]) * (rate if rate > 0 else t[-1] / b[-1])
     return np.where(x > b[-1], above, np.interp(x, b, t))

@@ -82,6 +82,26 @@ def test_the_all_reduce_alone_is_read_off_its_table_and_a_layout_s_ring_costs_th
         assert (ring == allreduce_s(values, 3, model)) == (link == 5e-3)
 
 
+def test_a_ring_that_runs_faster_at_a_larger_size_as_a_rule_prices_smaller_ones_at_their_mean():
+    # as 6 machines at 0.3 core measured in every profile (docs/planning.md): 24-35 ms up to
+    # 500 kB, 15-20 ms at 1 MB; the exchange tables' rule (the fastest larger size) would
+    # price the smaller sizes at the 1 MB point
+    times = [0.030, 0.026, 0.028, 0.016]
+    ps = PsExchange.from_dict({**tables().to_dict(), "allreduce": {"6": times}})
+    pooled = sum(times) / len(times)  # the run that falls, pooled into its mean
+    for size in (1e3, 5e4, 1e6):
+        assert ps.allreduce_s(6, size) == pytest.approx(pooled)
+    assert ps.allreduce_s(6, 1e4) > min(times)  # not the lower envelope
+    rising = PsExchange.from_dict(
+        {**tables().to_dict(), "allreduce": {"6": [1e-3, 2e-3, 4e-3, 8e-3]}}
+    )
+    assert rising.allreduce_s(6, 1e4) == pytest.approx(2e-3)  # a rising table as measured
+    # the exchange's tables keep their rule: a slow small size is an outlier
+    seconds = {m: {"1": times} for m in ("sync", "downpour")}
+    exchange = PsExchange.from_dict({**tables().to_dict(), "seconds": seconds})
+    assert exchange.seconds_s("sync", 1, 1e3) == pytest.approx(min(times))
+
+
 def test_on_a_quota_each_of_the_ring_s_phases_costs_at_least_a_period():
     ring = {str(m): [2 * (m - 1) * (1e-3 + b / m * 1e-8) for b in SIZES] for m in (2, 3)}
     quota = {**tables().to_dict(), "allreduce": ring, "share": 0.25, "quota_s": 1e-3}

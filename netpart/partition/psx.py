@@ -27,7 +27,9 @@ besides its exchange's, within the same quota (`netpart.partition.cluster`).
 And the parameter server's alternative on the same machines (`allreduce`, per number of
 machines M >= 2, and `allreduce_busy`): the seconds of a ring all-reduce of B bytes among M
 machines, as DistributedDataParallel's replicas run one a step (in processes of their own:
-`netpart.calibrate.ring`). More machines than measured:
+`netpart.calibrate.ring`), read made non-decreasing by least squares (`read_pooled`: on
+machines held to a share of a core the ring runs faster at 1 MB than at smaller sizes as a
+rule, so the fastest larger size would misprice them). More machines than measured:
 the most measured K's time for the bytes each of M's 2(M - 1) phases moves, times (M - 1) /
 (K - 1) (`allreduce_s`).
 

@@ -83,9 +83,9 @@ def test_the_all_reduce_alone_is_read_off_its_table_and_a_layout_s_ring_costs_th
 
 
 def test_a_ring_that_runs_faster_at_a_larger_size_as_a_rule_prices_smaller_ones_at_their_mean():
-    # as 6 machines at 0.3 core measured in every profile (docs/planning.md): 24-35 ms up to
-    # 500 kB, 15-20 ms at 1 MB; the exchange tables' rule (the fastest larger size) would
-    # price the smaller sizes at the 1 MB point
+    # the shape 6 testbed machines at 0.3 core measured in every profile (docs/planning.md,
+    # "How to spend M machines"): slower at the small sizes than at the largest; the
+    # exchange tables' rule (the fastest larger size) would price the smaller sizes at it
     times = [0.030, 0.026, 0.028, 0.016]
     ps = PsExchange.from_dict({**tables().to_dict(), "allreduce": {"6": times}})
     pooled = sum(times) / len(times)  # the run that falls, pooled into its mean

@@ -7,7 +7,7 @@ time steps with the size of a shard's message.
    digits-mlp's step (64-256-256-10, batch 32: netpart's runtime, one worker) run before each
    request, as a training step runs (sync: then the exchange; Downpour: beside the request in
    flight: `netpart.ps.measure.ps_loop`'s `beside`); and that step alone on one machine.
-   Beside it, what `netpart plan --machines` prices (`netpart.partition.cluster`, with
+   Beside it, what `netpart plan --machines` prices (`netpart.planning.cluster`, with
    `--profile`): the longer of the exchange and the step's CPU over the share plus the
    exchange's busy time.
    And the training job itself (`netpart train`, one replica of one worker and the same
@@ -15,7 +15,7 @@ time steps with the size of a shard's message.
    and its worker's CPU per step (the metrics' `cpu_s`, the first fifth of the steps left
    out). Less the step beside the exchange, that is the training loop's own CPU a step
    (binding fetched values, the gradient buffers, the batch, the metrics line):
-   `netpart.partition.cluster.LOOP_CPU_S`, and over the profile's smallest dense slice,
+   `netpart.planning.cluster.LOOP_CPU_S`, and over the profile's smallest dense slice,
    `LOOP_DENSE_SLICES`.
 2. **Sizes.** One sync client of 4 shards at 60 to 128 KiB a message: the step at 64 KiB
    that the tables' sizes keep off (`netpart.calibrate.pstables`).
@@ -40,10 +40,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from netpart.cost.step import NetworkModel
 from netpart.files import write_atomic
 from netpart.models import load_spec
-from netpart.partition.cluster import Layout, advise
-from netpart.partition.cost import NetworkModel
+from netpart.planning.cluster import Layout, advise
 from netpart.testbed.bed import down, up
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

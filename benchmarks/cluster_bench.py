@@ -37,12 +37,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from netpart.calibrate.speed import SpeedProbe
+from netpart.cost.machine import Machine, read_machine
+from netpart.cost.step import NetworkModel
 from netpart.files import write_atomic
 from netpart.models import load_spec
-from netpart.partition.cluster import advise
-from netpart.partition.cost import NetworkModel
-from netpart.partition.machine import Machine, read_machine
 from netpart.partition.planner import plan
+from netpart.planning.cluster import advise
 from netpart.testbed import netns
 from netpart.testbed.bed import down, up
 from netpart.train.config import DEFAULT_LR

@@ -8,7 +8,7 @@ Per rate, emulation and model, rounds alternating the cases:
 
 - `one`: the 1-worker step (one machine); from it the machine's rate (FLOP/s), with which
   and the link's bandwidth the N-worker plan is made, so the planner's choice of which layers
-  to split (`netpart.partition.overlap`) is made for this machine;
+  to split (`netpart.cost.overlap`) is made for this machine;
 - per N: `auto` (the plan's choice), `split` (every layer that qualifies split: interior
   units while the forward halo travels, weight gradients while the backward halo does,
   producer chains), `joined` (no layer split: halo exchanged, then computed), `exchange`
@@ -43,9 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from netpart.calibrate.emulated import WARMUP, EmulatedRunner  # noqa: E402
+from netpart.cost.step import NetworkModel  # noqa: E402
 from netpart.models import load_spec  # noqa: E402
 from netpart.partition import plan  # noqa: E402
-from netpart.partition.cost import NetworkModel  # noqa: E402
 from netpart.testbed import cgroups, netns  # noqa: E402
 from netpart.testbed.bed import unavailable  # noqa: E402
 

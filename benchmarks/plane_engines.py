@@ -66,12 +66,13 @@ def _kahypar_owner(mk, plane, workers: int, imbalance: float) -> tuple:
 def _one(mk, model: str, workers: int) -> dict:
     import numpy as np
 
+    from netpart.cost.step import NetworkModel
     from netpart.models import load_spec
     from netpart.partition import plan
     from netpart.partition.balance import follow_pools, quantile_cut, rebalance
-    from netpart.partition.cost import NetworkModel
-    from netpart.partition.figures import evaluate
-    from netpart.partition.graph import Granularity, build_unit_graph
+    from netpart.partition.blocks import Granularity
+    from netpart.partition.evaluate import evaluate
+    from netpart.partition.graph import build_unit_graph
     from netpart.partition.plane import blocks_from_plane, build_plane
 
     spec = load_spec(model)

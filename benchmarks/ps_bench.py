@@ -36,10 +36,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from netpart.compile.schedule import NO_SPLITS, plan_schedule
+from netpart.compile.shards import ShardLayout
 from netpart.models import load_spec
 from netpart.partition import build_unit_graph, plan
-from netpart.partition.schedule import NO_SPLITS, plan_schedule
-from netpart.partition.shards import ShardLayout
 from netpart.processes.launcher import join_group, reaped, wait_all
 from netpart.ps import (
     Downpour,

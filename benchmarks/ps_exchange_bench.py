@@ -31,8 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from netpart.cost.step import NetworkModel
 from netpart.files import write_atomic
-from netpart.partition.cost import NetworkModel
 from netpart.testbed.bed import down, read, up
 
 CONFIGS = ((1, 1), (1, 2), (1, 3), (2, 1), (3, 1), (2, 2))  # (clients, shards)

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 from netpart.files import write_atomic
-from netpart.partition.cluster import Layout
+from netpart.planning.cluster import Layout
 from netpart.testbed.bed import down, read, up
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

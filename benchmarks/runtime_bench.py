@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from netpart.calibrate.trace import measure_slices
+from netpart.compile.schedule import plan_schedule
 from netpart.models import build_reference, load_spec
 from netpart.partition import plan
-from netpart.partition.schedule import plan_schedule
 from netpart.runtime.breakdown import step_breakdown, thread_medians
 from netpart.runtime.check import make_batch
 from netpart.runtime.inprocess import ThreadTransport

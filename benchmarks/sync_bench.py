@@ -49,7 +49,7 @@ clock = time.perf_counter
 if system == "netpart":
     from netpart.models import load_spec
     from netpart.partition import build_unit_graph, plan
-    from netpart.partition.shards import ShardLayout
+    from netpart.compile.shards import ShardLayout
     from netpart.ps import Optimizer, ShardClient, ShardServer, ShardSetup, ShardState, Sync
     from netpart.ps import make_rule
     spec = load_spec("digits-mlp")

@@ -36,10 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster_bench import HOST, measured_samples_per_s, on_share
 from dp_bench import BATCH, DDP, LR, prepare_data
 
+from netpart.cost.machine import read_machine
 from netpart.files import write_atomic
 from netpart.models import load_spec
-from netpart.partition.cluster import advise, trainable
-from netpart.partition.machine import read_machine
+from netpart.planning.cluster import advise, trainable
 from netpart.testbed import netns
 from netpart.testbed.bed import down, read, up
 

@@ -1,6 +1,6 @@
 """A shard's update cost per value: netpart's Adagrad and SGD rules (`netpart.ps.rules`) on one
 thread, over vectors of 1M-16M values, the median of --repeats timed applications each. The
-cluster planner (`netpart.partition.cluster.UPDATE_S_PER_VALUE`) prices a shard's updates at
+cluster planner (`netpart.planning.cluster.UPDATE_S_PER_VALUE`) prices a shard's updates at
 the Adagrad figure.
 
     python benchmarks/update_bench.py --out benchmarks/results/update_bench.json

@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from netpart.compile.shards import ShardLayout
 from netpart.data import load_data
 from netpart.files import write_atomic
 from netpart.models import build_reference, load_spec
 from netpart.partition import build_unit_graph, plan
-from netpart.partition.shards import ShardLayout
 from netpart.train import train
 from netpart.train.config import TrainConfig
 from netpart.train.report import evaluate, read_metrics

@@ -24,11 +24,11 @@ import re
 import sys
 from pathlib import Path
 
+from netpart.cost.machine import Machine, machine_toml, read_machine
 from netpart.files import write_atomic
 from netpart.models import load_spec
 from netpart.partition import plan
-from netpart.partition.figures import reevaluate
-from netpart.partition.machine import Machine, machine_toml, read_machine
+from netpart.partition.evaluate import reevaluate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # experiments._common
 from experiments._common import save_figure, write_csv

@@ -41,10 +41,11 @@ from netpart.calibrate.emulated import TIMEOUT, EmulatedRunner, free_port  # noq
 from netpart.calibrate.measure import CALIBRATION_MODELS, calibrate  # noqa: E402
 from netpart.calibrate.profile import profile_json  # noqa: E402
 from netpart.calibrate.speed import SpeedProbe  # noqa: E402
+from netpart.cost import NetworkModel  # noqa: E402
 from netpart.files import write_atomic  # noqa: E402
 from netpart.models import load_spec  # noqa: E402
-from netpart.partition import NetworkModel, plan  # noqa: E402
-from netpart.partition.figures import reevaluate  # noqa: E402
+from netpart.partition import plan  # noqa: E402
+from netpart.partition.evaluate import reevaluate  # noqa: E402
 from netpart.processes.launcher import reaped, wait_all  # noqa: E402
 from netpart.runtime.step import timed_steps  # noqa: E402
 

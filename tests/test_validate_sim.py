@@ -6,7 +6,7 @@ from dataclasses import replace
 import numpy as np
 
 from experiments import validate_sim
-from netpart.partition import NetworkModel
+from netpart.cost import NetworkModel
 
 
 class _Runner:

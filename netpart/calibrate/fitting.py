@@ -1,6 +1,6 @@
 """Fitting a calibration's measurements into the step-time model: pure functions, no I/O.
 
-`kind_cost` and `layer_costs` turn timed slices into tables (`netpart.partition.tables`);
+`kind_cost` and `layer_costs` turn timed slices into tables (`netpart.cost.tables`);
 `fit` turns the runs `netpart.calibrate.measure` measured into the terms beyond the tables:
 the link's overhead per phase, the one-process step's fixed cost (and each calibration
 model's layer tables scaled to its one-process step: `anchored`), the two-process step's
@@ -16,9 +16,9 @@ from dataclasses import replace
 
 import numpy as np
 
+from netpart.cost.step import KindCost, LayerCost, NetworkModel
 from netpart.models.spec import ModelSpec
-from netpart.partition.cost import KindCost, LayerCost, NetworkModel
-from netpart.partition.figures import reevaluate
+from netpart.partition.evaluate import reevaluate
 from netpart.partition.plans import PartitionPlan
 
 __all__ = ["Crowd", "Plans", "anchored", "crowd_terms", "fit", "kind_cost", "layer_costs"]

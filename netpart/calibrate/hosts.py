@@ -27,11 +27,11 @@ import torch.distributed as dist
 from netpart import faults
 from netpart.calibrate.measure import LocalRunner, step_cpu_s
 from netpart.calibrate.ring import Tables, rings
+from netpart.compile.schedule import SPLIT_MIN_FLOPS, plan_schedule
+from netpart.cost.exchange import PS_MODES
 from netpart.errors import NetpartError, PeerError, ProtocolError, transport_reason
 from netpart.models.spec import ModelSpec
 from netpart.partition.plans import PartitionPlan
-from netpart.partition.psx import PS_MODES
-from netpart.partition.schedule import SPLIT_MIN_FLOPS, plan_schedule
 from netpart.processes.groups import new_groups
 from netpart.processes.launcher import gloo_io_threads, join_group, yield_io_threads
 from netpart.ps.measure import ps_loop, stand_in

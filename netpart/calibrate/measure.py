@@ -67,14 +67,14 @@ from netpart.calibrate.replica import replica_steps
 from netpart.calibrate.speed import SpeedProbe, probe_once
 from netpart.calibrate.trace import SliceTimes, measure_slices
 from netpart.calibrate.trust import LoadSample, sample
+from netpart.cost.exchange import PsExchange
+from netpart.cost.step import PROFILE_SCHEMA, NetworkModel
 from netpart.models import load_spec
-from netpart.models.spec import ModelSpec
+from netpart.models.spec import BYTES_PER_VALUE, ModelSpec
 from netpart.partition import build_unit_graph, plan
-from netpart.partition.cost import PROFILE_SCHEMA, NetworkModel
-from netpart.partition.figures import input_values, reevaluate
-from netpart.partition.graph import BYTES_PER_VALUE, UnitGraph
+from netpart.partition.evaluate import input_values, reevaluate
+from netpart.partition.graph import UnitGraph
 from netpart.partition.plans import PartitionPlan
-from netpart.partition.psx import PsExchange
 from netpart.partition.volume import layer_traffic
 from netpart.runtime.check import make_batch
 from netpart.runtime.step import (

@@ -14,8 +14,8 @@ import time
 import torch
 
 from netpart.calibrate.measure import PROBE_SWING, SCHEMA_VERSION
-from netpart.partition.cost import NetworkModel
-from netpart.partition.machine import Machine
+from netpart.cost.machine import Machine
+from netpart.cost.step import NetworkModel
 
 __all__ = ["check_lines", "host_machine", "profile_json", "profile_lines"]
 

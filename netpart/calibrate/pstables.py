@@ -13,7 +13,7 @@ the host then moves one pass of a table, not the table. And, timed last (`ring_p
 (the ring DistributedDataParallel's replicas run a step), its seconds and CPU likewise, in
 processes of their own as DDP's (`netpart.calibrate.ring`). And every pair again, at a few
 sizes, each client running a stand-in step before each request, as training runs its step
-(`_after`). The profile's `ps` (`netpart.partition.psx`)."""
+(`_after`). The profile's `ps` (`netpart.cost.exchange`)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from netpart.partition.psx import PS_MODES, PsExchange
+from netpart.cost.exchange import PS_MODES, PsExchange
 from netpart.testbed.cgroups import MIN_QUOTA_US
 
 __all__ = [
@@ -239,7 +239,7 @@ def with_rings(raw: dict, rings: dict[int, tuple[list, list]], say: Callable[[st
 
 def _after(runner: Any, say: Callable[[str], None], pairs: list[tuple[int, int]], *,
            wire_bps: float, runs: int) -> dict:  # fmt: skip
-    """`ps.after` (`netpart.partition.psx`): each mode and pair's exchanges, each client
+    """`ps.after` (`netpart.cost.exchange`): each mode and pair's exchanges, each client
     running the stand-in step before each request; a call per size and pair."""
     timed = ps_sizes(wire_bps)
     sizes = [b for b in AFTER_SIZES if b in timed]

@@ -3,7 +3,7 @@ reference module (`netpart.models.build_reference`, the plain torch module a use
 in DDP), its forward, backward and fused Adagrad's update of the whole model, on one thread,
 float32, without the all-reduce (the profile's `allreduce` tables time the ring).
 
-The planner prices an all-reduce layout's replica with it (`netpart.partition.cluster`).
+The planner prices an all-reduce layout's replica with it (`netpart.planning.cluster`).
 netpart's own one-worker step does not stand in for it: a plain module's step and a whole
 model's update cost a different CPU than netpart's step, and a machine held to a share of a
 core turns that CPU into time at its own rate (docs/planning.md has both steps on testbed
@@ -63,7 +63,7 @@ def replica_step(spec: ModelSpec, batch: int, steps: int, seconds: float) -> tup
 
 def replica_steps(specs: list[ModelSpec], *, batch: int, steps: int, seconds: float,
                   runs: int, say: Callable[[str], None] = log.info) -> dict:  # fmt: skip
-    """`ps.replica` (`netpart.partition.psx`): per model of `specs`, the median over `runs`
+    """`ps.replica` (`netpart.cost.exchange`): per model of `specs`, the median over `runs`
     (at most REPLICA_RUNS) of `replica_step`'s seconds and CPU seconds, at `batch`."""
     runs = max(1, min(runs, REPLICA_RUNS))
     out: dict = {"batch": batch, "seconds": {}, "cpu_s": {}}

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from netpart.compile.schedule import plan_schedule
 from netpart.models.spec import ModelSpec
 from netpart.partition.plans import PartitionPlan
-from netpart.partition.schedule import plan_schedule
 from netpart.processes.memory import keep_freed_memory
 from netpart.runtime.slices import build_slice
 

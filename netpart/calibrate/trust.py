@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from netpart.partition.cost import NetworkModel
+from netpart.cost.step import NetworkModel
 
 __all__ = [
     "BUSY_CORES",

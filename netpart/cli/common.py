@@ -204,10 +204,10 @@ def add_profile_arg(parser: argparse.ArgumentParser) -> None:
 def load_network(profile: Path | None, net: str = "", machine: Path | None = None):
     """The NetworkModel of --profile FILE or --machine FILE (checked, one-line errors) with
     --net's figures over it (the cluster's links, this machine's compute), or of --net alone."""
-    from netpart.partition import NetworkModel
+    from netpart.cost import NetworkModel
 
     if machine is not None:
-        from netpart.partition.machine import read_machine
+        from netpart.cost.machine import read_machine
 
         if profile is not None:
             raise PlanError("give --profile or --machine, not both (a profile holds a machine)")

@@ -92,9 +92,9 @@ def sweep(spec, args: argparse.Namespace, network) -> int:
 
     from netpart.files import write_files
     from netpart.partition import Granularity, plan
-    from netpart.partition.pictures import sweep_png
-    from netpart.partition.report import sweep_table
-    from netpart.partition.sweep import SweepResult, knee, parse_counts
+    from netpart.planning.pictures import sweep_png
+    from netpart.planning.report import sweep_table
+    from netpart.planning.sweep import SweepResult, knee, parse_counts
 
     try:
         counts = parse_counts(args.sweep)
@@ -135,12 +135,13 @@ def _advice(spec, network, machines: int, machine_file, *,
     """`cluster.advise` for `machines` machines: the memory of the --machine description
     (if given) per machine, and no more workers a replica than the model's widest layer has
     blocks; `given` passes batch, n_push, n_fetch (and examples) on."""
-    from netpart.partition.cluster import advise
-    from netpart.partition.graph import Granularity, graph_size
+    from netpart.partition.blocks import Granularity
+    from netpart.partition.graph import graph_size
+    from netpart.planning.cluster import advise
 
     memory = 0.0
     if machine_file is not None:
-        from netpart.partition.machine import read_machine
+        from netpart.cost.machine import read_machine
 
         memory = read_machine(machine_file).memory_bytes
     granularity = (Granularity.for_workers(machines) if blocks_per_worker is None
@@ -155,8 +156,8 @@ def plan_cluster(spec, args: argparse.Namespace, network) -> int:
     import json
 
     from netpart.files import write_files
-    from netpart.partition.pictures import cluster_png
-    from netpart.partition.report import cluster_markdown, cluster_table
+    from netpart.planning.pictures import cluster_png
+    from netpart.planning.report import cluster_markdown, cluster_table
 
     _check_out(args.out, "cluster.json")
     advice = _advice(
@@ -183,7 +184,7 @@ def train_layout(args: argparse.Namespace) -> None:
     --machine, or the built-in model), and say which and why."""
     from netpart.cli.common import load_network
     from netpart.models import load_spec
-    from netpart.partition.cluster import trainable
+    from netpart.planning.cluster import trainable
     from netpart.train.config import TrainConfig
 
     chosen = {"--workers": args.workers, "--replicas": args.replicas,

@@ -200,13 +200,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from netpart.processes.memory import keep_freed_memory
 
     keep_freed_memory()  # planning builds and drops arrays of hundreds of MB, again and again
+    from netpart.compile.shards import ShardLayout
     from netpart.files import write_files
     from netpart.models import load_spec
     from netpart.partition import Granularity, build_unit_graph
-    from netpart.partition.pictures import figures
     from netpart.partition.plans import plan_files
-    from netpart.partition.report import report_markdown
-    from netpart.partition.shards import ShardLayout
+    from netpart.planning.pictures import figures
+    from netpart.planning.report import report_markdown
 
     spec = load_spec(args.model)
     network = load_network(args.profile, args.net, args.machine)
@@ -261,7 +261,7 @@ def _check_out(out: Path | None) -> None:
 
 def _show(main_plan, shards, comparison: list) -> None:
     """The plan on the terminal: summary, candidates, layers, shards, comparison."""
-    from netpart.partition.report import (
+    from netpart.planning.report import (
         auto_table,
         compare_table,
         layer_table,
@@ -341,7 +341,7 @@ def _make_plans(spec, args: argparse.Namespace, options: dict, common: dict) -> 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from netpart.models import ZOO, load_spec
     from netpart.partition.plans import load_plan
-    from netpart.partition.report import layer_table, summary_line
+    from netpart.planning.report import layer_table, summary_line
 
     plan = load_plan(args.plan)
     if args.model is None and plan.model not in ZOO:

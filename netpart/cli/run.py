@@ -175,9 +175,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     from netpart.calibrate.measure import LocalRunner
     from netpart.calibrate.profile import check_lines, host_machine, profile_json, profile_lines
+    from netpart.cost.machine import machine_toml
     from netpart.errors import PlanError
     from netpart.models import load_spec
-    from netpart.partition.machine import machine_toml
     from netpart.runtime.check import require_memory, under_torchrun
 
     models = tuple(m.strip() for m in args.models.split(",") if m.strip())
@@ -332,7 +332,7 @@ def _run_plan(args: argparse.Namespace):
     from dataclasses import replace
 
     from netpart.partition import plan
-    from netpart.partition.figures import reevaluate
+    from netpart.partition.evaluate import reevaluate
 
     spec, p = plan_for_run(args)
     network = replace(load_network(args.profile, machine=args.machine), overlap=args.split)
@@ -347,7 +347,7 @@ def _layer_table(spec, result, split_plan=None) -> None:
     """Per layer, the slowest worker's compute, exposed exchange (posting and waiting) and
     hidden exchange (in flight while it computed), forward + backward, in the last step; and
     with `split_plan` (layers split), whether the plan splits it."""
-    from netpart.partition.report import split_label
+    from netpart.planning.report import split_label
 
     echo(
         f"{'layer':<10} {'compute ms':>11} {'exposed ms':>11} {'hidden ms':>10} {'split':>14}"
@@ -387,7 +387,7 @@ BREAKDOWN_COLUMNS = ("slice", "fill", "post", "wait", "loss", "other")
 
 def _show_schedule(spec, p) -> None:
     """Every worker's program, as its process will run it."""
-    from netpart.partition.schedule import plan_schedule
+    from netpart.compile.schedule import plan_schedule
 
     _, schedule = plan_schedule(spec, p)
     for w in range(p.workers):

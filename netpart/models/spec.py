@@ -40,6 +40,7 @@ from netpart.errors import SpecError
 
 __all__ = [
     "ACTIVATIONS",
+    "BYTES_PER_VALUE",
     "DTYPE_NAMES",
     "LAYER_KINDS",
     "InputSpec",
@@ -53,6 +54,7 @@ DTYPE_NAMES = ("float32", "float64")  # what a model may run in (`reference.DTYP
 ACTIVATIONS = ("relu", "sigmoid", "tanh", "none", "softmax")
 POOL_MODES = ("max", "avg", "l2")
 SPATIAL_KINDS = ("local", "conv", "pool", "lcn")
+BYTES_PER_VALUE = 4  # activations travel between workers as float32
 
 # Keys each layer kind accepts (besides "kind").
 _ALLOWED_KEYS = {

@@ -1,22 +1,24 @@
-"""Unit graphs, partitioners (METIS with per-layer balance, baselines), plans and their costs."""
+"""Cutting a model: how should a model's units be divided among N workers?
 
-from netpart.partition.cost import NetworkModel
-from netpart.partition.figures import evaluate
-from netpart.partition.graph import Granularity, LayerBlocks, UnitGraph, build_unit_graph
+The unit graph (blocks of units, "reads" edges), the partitioners (METIS with one balance
+constraint per layer, the layer-aligned plane, tiles, stripes, `auto`), the lower bound on halo
+traffic, and the plan with its figures. Pure: no files, sockets or torch.
+"""
+
+from netpart.partition.blocks import Granularity, LayerBlocks
+from netpart.partition.evaluate import evaluate
+from netpart.partition.graph import UnitGraph, build_unit_graph
 from netpart.partition.methods import METHODS
 from netpart.partition.planner import plan
 from netpart.partition.plans import LayerFigures, PartitionPlan, PlanMetrics, WorkerFigures
-from netpart.partition.shards import ShardLayout
 
 __all__ = [
     "METHODS",
     "Granularity",
     "LayerBlocks",
     "LayerFigures",
-    "NetworkModel",
     "PartitionPlan",
     "PlanMetrics",
-    "ShardLayout",
     "UnitGraph",
     "WorkerFigures",
     "build_unit_graph",

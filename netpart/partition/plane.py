@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from netpart.models.spec import ModelSpec
-from netpart.partition.graph import LayerBlocks, UnitGraph, flops_per_unit
+from netpart.partition.blocks import LayerBlocks
+from netpart.partition.graph import UnitGraph, flops_per_unit
 from netpart.partition.reads import read_window
 
 __all__ = ["Plane", "blocks_from_plane", "build_plane", "layer_weights", "plane_shape"]

@@ -1,7 +1,7 @@
 """Planning: a spec and a worker count in, the best `PartitionPlan` out (pure functions).
 
 `plan` runs one partitioner (`netpart.partition.methods`) on the unit graph and measures the
-result (`netpart.partition.figures`); `auto`, the default, weighs several candidates and keeps
+result (`netpart.partition.evaluate`); `auto`, the default, weighs several candidates and keeps
 the one with the lowest predicted step (`AUTO_RULE`), recording every candidate in the plan.
 """
 
@@ -13,11 +13,12 @@ from typing import Any
 
 import numpy as np
 
+from netpart.cost.step import NetworkModel
 from netpart.errors import PlanError
 from netpart.models.spec import ModelSpec
-from netpart.partition.cost import NetworkModel
-from netpart.partition.figures import evaluate, screen, step_floor
-from netpart.partition.graph import Granularity, build_unit_graph, graph_size
+from netpart.partition.blocks import Granularity
+from netpart.partition.evaluate import evaluate, screen, step_floor
+from netpart.partition.graph import build_unit_graph, graph_size
 from netpart.partition.methods import ALIGNED, METHOD_OPTIONS, METHODS, assign, default_bands
 from netpart.partition.plans import Candidate, PartitionPlan
 

@@ -41,10 +41,10 @@ from typing import Any
 
 import numpy as np
 
+from netpart.cost.step import NetworkModel
 from netpart.errors import PlanError
 from netpart.models.spec import ModelSpec
-from netpart.partition.cost import NetworkModel
-from netpart.partition.graph import Granularity
+from netpart.partition.blocks import Granularity
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -113,7 +113,7 @@ class LayerFigures:
     imbalance: float
     compute_s: float
     exchange_s: float
-    split: bool = True  # the runtime splits it to hide its halo (netpart.partition.overlap)
+    split: bool = True  # the runtime splits it to hide its halo (netpart.cost.overlap)
     hideable_s: float = 0.0  # the work its split could run beside its halo (busiest worker)
 
 

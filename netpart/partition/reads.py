@@ -10,14 +10,10 @@ one reader layer at a time.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from netpart.models.spec import ModelSpec
-
-if TYPE_CHECKING:
-    from netpart.partition.graph import LayerBlocks
+from netpart.partition.blocks import LayerBlocks
 
 __all__ = ["edge_count", "needed_boxes", "read_edges", "read_window", "symmetric_csr"]
 

@@ -19,7 +19,8 @@ import functools
 import numpy as np
 
 from netpart.models.spec import ModelSpec
-from netpart.partition.graph import LayerBlocks, UnitGraph
+from netpart.partition.blocks import LayerBlocks
+from netpart.partition.graph import UnitGraph
 from netpart.partition.reads import needed_boxes, read_window
 
 __all__ = ["coverage", "layer_lower_bounds", "layer_traffic", "workers_per_layer"]

@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from netpart.compile.shards import ShardLayout, piece_index
 from netpart.errors import TrainError
 from netpart.files import write_atomic
 from netpart.models.reference import ReferenceModel
 from netpart.models.spec import ModelSpec
-from netpart.partition.shards import ShardLayout, piece_index
 from netpart.ps.server import ShardState
 
 __all__ = [

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from netpart.compile.shards import Segment, ShardLayout
 from netpart.errors import PeerError, ProtocolError, transport_reason
-from netpart.partition.shards import Segment, ShardLayout
 from netpart.ps.protocol import (
     CHUNK,
     DIVERGED,

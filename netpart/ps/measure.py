@@ -3,7 +3,7 @@ their gradients to one shard and fetch its values, a round per step, as a traini
 the given mode does (sync: every request completed before the next; Downpour: the courier
 keeps two in flight, as `netpart.train.replica` does), nothing else running beside it. What
 `netpart calibrate` records as the profile's parameter-server tables, and what `netpart plan
---machines` prices a parameter-server layout's exchange from (`netpart.partition.psx`):
+--machines` prices a parameter-server layout's exchange from (`netpart.cost.exchange`):
 the time of an exchange at each size where the shard or the wire limits it, and the CPU a
 client spends on one (the part a step's compute cannot hide where the machine's core is the
 limit).
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from netpart.partition.shards import ParamPiece, ShardLayout
+from netpart.compile.shards import ParamPiece, ShardLayout
 from netpart.ps.client import ShardClient
 from netpart.ps.modes import Downpour, Sync
 from netpart.ps.optimizer import Optimizer

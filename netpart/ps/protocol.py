@@ -48,7 +48,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from netpart.partition.shards import Segment
+from netpart.compile.shards import Segment
 
 __all__ = [
     "CHUNK",

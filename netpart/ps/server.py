@@ -30,8 +30,8 @@ from types import MappingProxyType
 import torch
 import torch.distributed as dist
 
+from netpart.compile.shards import Segment, ShardLayout
 from netpart.errors import ProtocolError, RuntimeFailure, transport_reason
-from netpart.partition.shards import Segment, ShardLayout
 from netpart.ps.modes import Mode, Push, Response
 from netpart.ps.protocol import (
     CHUNK,

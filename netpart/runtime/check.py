@@ -16,11 +16,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from netpart.compile.schedule import plan_schedule
 from netpart.errors import PlanError
 from netpart.models.reference import build_reference
 from netpart.models.spec import ModelSpec
 from netpart.partition.plans import PartitionPlan
-from netpart.partition.schedule import plan_schedule
 from netpart.processes.launcher import join_group
 from netpart.processes.memory import available_memory
 from netpart.runtime.result import StepResult, assemble

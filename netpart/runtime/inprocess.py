@@ -13,10 +13,10 @@ import time
 
 import torch
 
+from netpart.compile.schedule import SPLIT_MIN_FLOPS, plan_schedule
 from netpart.errors import PeerError, ShapeMismatchError
 from netpart.models.spec import ModelSpec
 from netpart.partition.plans import PartitionPlan
-from netpart.partition.schedule import SPLIT_MIN_FLOPS, plan_schedule
 from netpart.runtime.result import StepResult, assemble
 from netpart.runtime.state import WorkerResult
 from netpart.runtime.transport import Handle

@@ -17,17 +17,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from netpart.models.reference import L2_POOL_EPS, activation
-from netpart.models.spec import ModelSpec
-from netpart.partition.graph import LayerBlocks
-from netpart.partition.reads import read_window
-from netpart.partition.shards import (
+from netpart.compile.shards import (
     ParamPiece,
     channel_groups,
     layer_pieces,
     piece_index,
     piece_initial,
 )
+from netpart.models.reference import L2_POOL_EPS, activation
+from netpart.models.spec import ModelSpec
+from netpart.partition.blocks import LayerBlocks
+from netpart.partition.reads import read_window
 from netpart.runtime.rows import rows
 
 __all__ = ["LayerSlice", "build_slice", "window_index"]

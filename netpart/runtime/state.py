@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from netpart.partition.program import Instruction
+from netpart.compile.program import Instruction
 from netpart.runtime.transport import Handle, Transport
 
 __all__ = [

@@ -31,12 +31,12 @@ import numpy as np
 import torch
 
 from netpart import faults
+from netpart.compile.schedule import NO_SPLITS, SPLIT_MIN_FLOPS, plan_schedule
 from netpart.errors import WorkerFailure
 from netpart.files import write_files
 from netpart.models.reference import DTYPES
 from netpart.models.spec import ModelSpec
 from netpart.partition.plans import PartitionPlan, load_plan, plan_files
-from netpart.partition.schedule import NO_SPLITS, SPLIT_MIN_FLOPS, plan_schedule
 from netpart.processes.launcher import Processes, join_group
 from netpart.processes.liveness import private_tmpdir
 from netpart.runtime.breakdown import thread_usage

@@ -20,12 +20,12 @@ import time
 import numpy as np
 import torch
 
+from netpart.compile.indices import worker_indices
+from netpart.compile.program import Instruction, Op, Part, Phase
+from netpart.compile.schedule import HaloSchedule
 from netpart.models.reference import activation
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import UnitGraph
-from netpart.partition.indices import worker_indices
-from netpart.partition.program import Instruction, Op, Part, Phase
-from netpart.partition.schedule import HaloSchedule
 from netpart.runtime.loss import OutputLoss
 from netpart.runtime.rows import RowIndex, rows
 from netpart.runtime.slices import LayerSlice, build_slice

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from netpart.cost.step import NetworkModel
 from netpart.errors import PlanError, TrainError
 from netpart.models import load_spec
-from netpart.partition.cost import NetworkModel
 from netpart.processes.memory import available_memory
 from netpart.train.config import TrainConfig
 from netpart.train.lock import RunLock

@@ -27,12 +27,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from netpart.compile.shards import ShardLayout
 from netpart.errors import TrainError
 from netpart.files import write_atomic
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import build_unit_graph
 from netpart.partition.plans import PartitionPlan
-from netpart.partition.shards import ShardLayout
 from netpart.processes.launcher import join_group, torchrun_attempt
 from netpart.processes.zygote import Preloaded
 from netpart.train.config import TrainConfig

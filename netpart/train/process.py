@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 
 from netpart import faults
+from netpart.compile.schedule import NO_SPLITS, SPLIT_MIN_FLOPS, plan_schedule
+from netpart.compile.shards import ShardLayout
 from netpart.files import write_atomic
-from netpart.partition.schedule import NO_SPLITS, SPLIT_MIN_FLOPS, plan_schedule
-from netpart.partition.shards import ShardLayout
 from netpart.processes.groups import new_groups, wait_bounded
 from netpart.processes.launcher import join_group, mark_started, yield_io_threads
 from netpart.ps.server import ShardServer

@@ -28,13 +28,13 @@ import torch
 import torch.distributed as dist
 
 from netpart import faults
+from netpart.compile.schedule import HaloSchedule
+from netpart.compile.shards import ShardLayout
 from netpart.data import load_data
 from netpart.errors import RuntimeFailure
 from netpart.models.reference import DTYPES
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import UnitGraph
-from netpart.partition.schedule import HaloSchedule
-from netpart.partition.shards import ShardLayout
 from netpart.ps.client import ShardClient, Ticket
 from netpart.runtime.transport import GlooTransport
 from netpart.runtime.worker import ModelWorker

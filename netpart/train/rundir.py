@@ -19,14 +19,14 @@ from pathlib import Path
 
 import torch
 
+from netpart.compile.schedule import plan_schedule
+from netpart.compile.shards import ShardLayout
 from netpart.data import load_data
 from netpart.errors import DataError, RuntimeFailure, TrainError, WorkerFailure
 from netpart.files import foreign_entries, write_atomic, write_files
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import build_unit_graph
 from netpart.partition.plans import PartitionPlan, load_plan, plan_files
-from netpart.partition.schedule import plan_schedule
-from netpart.partition.shards import ShardLayout
 from netpart.ps.checkpoint import (
     export_state_dict,
     load_shard,

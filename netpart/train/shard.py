@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 
 from netpart import faults
+from netpart.compile.shards import ShardLayout, piece_initial
 from netpart.errors import RuntimeFailure, write_reason
 from netpart.files import write_atomic
 from netpart.models.reference import DTYPES
 from netpart.models.spec import ModelSpec
-from netpart.partition.shards import ShardLayout, piece_initial
 from netpart.ps.checkpoint import keep_previous, load_shard, restore_previous, save_shard
 from netpart.ps.lbfgs import ShardVectors
 from netpart.ps.modes import Downpour, Mode, Sandblaster, Sync

@@ -13,16 +13,17 @@ from netpart.calibrate import trust
 from netpart.calibrate.fitting import ANCHOR_HIGH, anchored
 from netpart.calibrate.measure import crowd_counts, fit, kind_cost, layer_costs, step_cpu_s
 from netpart.cli import main
+from netpart.compile.schedule import plan_schedule
+from netpart.cost import NetworkModel
+from netpart.cost.machine import read_machine
+from netpart.cost.step import KindCost, LayerCost, layer_times
 from netpart.errors import PlanError
 from netpart.models import load_spec
-from netpart.partition import Granularity, NetworkModel, build_unit_graph, plan
-from netpart.partition.cost import KindCost, LayerCost, layer_times
-from netpart.partition.figures import chain_shares, interior_shares, reevaluate
-from netpart.partition.machine import read_machine
+from netpart.partition import Granularity, build_unit_graph, plan
+from netpart.partition.evaluate import chain_shares, interior_shares, reevaluate
 from netpart.partition.plans import PartitionPlan
-from netpart.partition.schedule import plan_schedule
-from netpart.partition.sweep import knee, parse_counts
 from netpart.partition.volume import layer_traffic
+from netpart.planning.sweep import knee, parse_counts
 from tests.conftest import chain_specs
 
 CALIBRATED = NetworkModel(

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from netpart.cli import main
-from netpart.partition.cost import NetworkModel
+from netpart.cost.step import NetworkModel
 from netpart.testbed import netns
 from tests.conftest import finish
 

@@ -5,8 +5,8 @@ update on one thread, each model's median of at most REPLICA_RUNS runs, in the p
 import torch
 
 from netpart.calibrate import replica
+from netpart.cost.exchange import PsExchange
 from netpart.models import load_spec
-from netpart.partition.psx import PsExchange
 
 
 def test_a_replica_step_runs_the_reference_module_and_its_update_on_one_thread(monkeypatch):

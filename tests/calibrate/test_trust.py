@@ -6,7 +6,7 @@ from dataclasses import replace
 from netpart.calibrate import measure, trust
 from netpart.calibrate.trust import LoadSample, implausible, sample, verdict
 from netpart.cli import main
-from netpart.partition.cost import NetworkModel
+from netpart.cost.step import NetworkModel
 
 QUIET = LoadSample(seconds=0.5, others_cores=0.02, steal=0.0, loadavg=0.1)
 BUSY = LoadSample(seconds=0.5, others_cores=0.9, steal=0.0, loadavg=1.2)

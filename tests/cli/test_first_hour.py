@@ -8,7 +8,8 @@ from netpart.cli import main
 from netpart.errors import PlanError
 from netpart.models import ZOO
 from netpart.partition import plan
-from netpart.partition.graph import Granularity, graph_size
+from netpart.partition.blocks import Granularity
+from netpart.partition.graph import graph_size
 from netpart.partition.planner import check_size
 
 

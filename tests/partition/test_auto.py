@@ -4,12 +4,13 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from netpart.cost import NetworkModel
 from netpart.models import ZOO
-from netpart.partition import Granularity, NetworkModel, build_unit_graph, plan
-from netpart.partition.figures import reevaluate, screen, step_floor
+from netpart.partition import Granularity, build_unit_graph, plan
+from netpart.partition.evaluate import reevaluate, screen, step_floor
 from netpart.partition.planner import AUTO_RULE, TIE, Planner, auto_candidates, choose
 from netpart.partition.plans import Candidate, PartitionPlan, PlanMetrics
-from netpart.partition.report import auto_table
+from netpart.planning.report import auto_table
 from tests.conftest import small_specs
 
 

@@ -5,11 +5,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from netpart.cost import NetworkModel
+from netpart.cost.step import layer_times, step_times
 from netpart.errors import PlanError
 from netpart.files import write_files
 from netpart.models import ZOO
-from netpart.partition import Granularity, NetworkModel, PartitionPlan, plan
-from netpart.partition.cost import layer_times, step_times
+from netpart.partition import Granularity, PartitionPlan, plan
 from netpart.partition.plans import load_plan, plan_files
 from tests.conftest import small_specs
 

@@ -2,12 +2,12 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from netpart.compile.schedule import build_schedule
+from netpart.compile.shards import channel_groups
 from netpart.models import ZOO
 from netpart.partition import METHODS as ALL_METHODS
 from netpart.partition import Granularity, build_unit_graph, plan
-from netpart.partition.figures import input_values
-from netpart.partition.schedule import build_schedule
-from netpart.partition.shards import channel_groups
+from netpart.partition.evaluate import input_values
 from netpart.partition.volume import layer_lower_bounds, layer_traffic
 from netpart.runtime.slices import window_index
 from tests.conftest import brute_force_volume, small_specs

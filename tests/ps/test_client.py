@@ -4,10 +4,10 @@ posts, and how it reads the answers."""
 import pytest
 import torch
 
+from netpart.compile.shards import ShardLayout
 from netpart.errors import ProtocolError
 from netpart.models import load_spec
 from netpart.partition import build_unit_graph, plan
-from netpart.partition.shards import ShardLayout
 from netpart.ps import protocol
 from netpart.ps.client import ShardClient
 from tests.ps.fakes import Done

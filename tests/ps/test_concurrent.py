@@ -21,7 +21,7 @@ import json, os, sys
 import numpy as np, torch, torch.distributed as dist
 from netpart.models import load_spec
 from netpart.partition import build_unit_graph, plan
-from netpart.partition.shards import ShardLayout
+from netpart.compile.shards import ShardLayout
 from netpart.ps import Downpour, Optimizer, ShardClient, ShardServer, ShardSetup, ShardState, Sync
 from netpart.ps import client, protocol, server, make_rule
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from netpart.partition.shards import Segment
+from netpart.compile.shards import Segment
 from netpart.ps.measure import WARM, flat_layout, stand_in, timed_calls, warm_exchanges
 from tests.conftest import finish
 

@@ -6,7 +6,7 @@ from types import MappingProxyType, SimpleNamespace
 import pytest
 import torch
 
-from netpart.partition.shards import Segment
+from netpart.compile.shards import Segment
 from netpart.ps.lbfgs import ShardVectors
 from netpart.ps.modes import Downpour, Push, Sandblaster, Sync
 from netpart.ps.protocol import Op

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from netpart import ps
+from netpart.compile.shards import Segment, ShardLayout
 from netpart.models import build_reference, load_spec
 from netpart.partition import build_unit_graph, plan
-from netpart.partition.shards import Segment, ShardLayout
 from netpart.ps import protocol, serving
 from netpart.ps.checkpoint import export_state_dict
 from netpart.ps.lbfgs import ShardVectors

@@ -12,13 +12,13 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from netpart.compile.schedule import build_schedule, plan_schedule
+from netpart.compile.shards import ShardLayout
 from netpart.errors import ScheduleError, ShapeMismatchError
 from netpart.models import ZOO, build_reference
 from netpart.models.spec import ModelSpec
 from netpart.partition import METHODS as ALL_METHODS
 from netpart.partition import Granularity, build_unit_graph, plan
-from netpart.partition.schedule import build_schedule, plan_schedule
-from netpart.partition.shards import ShardLayout
 from netpart.runtime.check import make_batch
 from netpart.runtime.inprocess import ThreadTransport, run_step_threads
 from netpart.runtime.worker import ModelWorker

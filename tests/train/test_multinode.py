@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
+from netpart.compile.shards import ShardLayout
 from netpart.models import load_spec
 from netpart.partition import build_unit_graph
 from netpart.partition.plans import load_plan
-from netpart.partition.shards import ShardLayout
 from netpart.testbed import netns
 from tests.conftest import finish
 

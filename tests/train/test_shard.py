@@ -7,9 +7,9 @@ import zipfile
 
 import torch
 
+from netpart.compile.shards import ShardLayout
 from netpart.models import load_spec
 from netpart.partition import build_unit_graph, plan
-from netpart.partition.shards import ShardLayout
 from netpart.ps import protocol
 from netpart.ps.modes import Downpour
 from netpart.ps.rules import Optimizer, make_rule

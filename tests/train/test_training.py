@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from netpart.cli import main
+from netpart.compile.shards import ShardLayout
 from netpart.data import load_data
 from netpart.models import build_reference, load_spec
 from netpart.partition import build_unit_graph, plan
-from netpart.partition.shards import ShardLayout
 from netpart.runtime import WorkerFailure
 from netpart.train import train
 from netpart.train.config import TrainConfig

@@ -22,18 +22,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from netpart.compile.chains import producer_chains
+from netpart.compile.program import Instruction, check_program
+from netpart.cost.overlap import SPLIT_MIN_FLOPS
 from netpart.errors import ScheduleError, ShapeMismatchError
-from netpart.models.spec import ModelSpec
-from netpart.partition.chains import producer_chains
-from netpart.partition.graph import (
-    BYTES_PER_VALUE,
-    UnitGraph,
-    build_unit_graph,
-    owned_units,
-)
-from netpart.partition.overlap import SPLIT_MIN_FLOPS
+from netpart.models.spec import BYTES_PER_VALUE, ModelSpec
+from netpart.partition.graph import UnitGraph, build_unit_graph, owned_units
 from netpart.partition.plans import PartitionPlan
-from netpart.partition.program import Instruction, check_program
 from netpart.partition.reads import read_window
 from netpart.partition.volume import coverage
 
@@ -69,7 +64,7 @@ class HaloSchedule:
     early: tuple[tuple[np.ndarray, ...], ...] = ()  # producer chains' early units
     chains: tuple[
         tuple[tuple[int, int], ...], ...
-    ] = ()  # per worker: (a, b), netpart.partition.chains
+    ] = ()  # per worker: (a, b), netpart.compile.chains
 
     def joined(self, worker: int, layer: int) -> bool:
         """Whether `worker` owns every unit of the layer below `layer` and exchanges nothing
@@ -103,7 +98,7 @@ class HaloSchedule:
 
     def _worth(self, worker: int, layer: int) -> bool:
         """A split costs extra calls: only a layer the plan chose to split, with this much work
-        per example, pays (`netpart.partition.overlap`)."""
+        per example, pays (`netpart.cost.overlap`)."""
         if self.split and not self.split[layer]:
             return False
         return self.flops is None or self.flops[layer, worker] >= self.split_min_flops

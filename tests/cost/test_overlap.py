@@ -9,12 +9,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from netpart.compile.schedule import plan_schedule
+from netpart.cost.overlap import apply, choose_splits
+from netpart.cost.step import NetworkModel
 from netpart.models import ZOO
 from netpart.partition import plan
-from netpart.partition.cost import NetworkModel
-from netpart.partition.overlap import apply, choose_splits
 from netpart.partition.plans import PartitionPlan
-from netpart.partition.schedule import plan_schedule
 
 
 def test_a_split_pays_when_its_halo_outlasts_what_it_adds():
@@ -82,7 +82,7 @@ def test_the_programs_split_only_the_layers_the_plan_chose():
 
 
 def test_the_report_says_which_layers_split_and_what_they_could_hide_behind():
-    from netpart.partition.report import layer_table
+    from netpart.planning.report import layer_table
 
     spec = ZOO["bench-local"]
     p = plan(spec, 2, "metis", batch=32, network=NetworkModel(bandwidth_bps=1e8))

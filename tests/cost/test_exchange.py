@@ -1,7 +1,7 @@
 """The parameter server's measured exchange: its tables round-trip through JSON (alone and in
 a profile's model), read as the module says (more clients than measured: the same bytes
 through the shard), are refused in one line when malformed, and price a layout as
-`partition.cluster` says: sync = step + exchange; Downpour = the longer of the exchange and
+`planning.cluster` says: sync = step + exchange; Downpour = the longer of the exchange and
 the step (on a share of a core, its CPU over the share) plus the time it keeps the worker's
 machine busy."""
 
@@ -10,9 +10,13 @@ from dataclasses import replace
 
 import pytest
 
+from netpart.cost.exchange import PsExchange
+from netpart.cost.step import NetworkModel
+from netpart.cost.tables import KindCost
 from netpart.errors import PlanError
 from netpart.models import load_spec
-from netpart.partition.cluster import (
+from netpart.partition.planner import plan
+from netpart.planning.cluster import (
     LOOP_CPU_S,
     LOOP_DENSE_SLICES,
     UPDATE_S_PER_VALUE,
@@ -20,10 +24,6 @@ from netpart.partition.cluster import (
     allreduce_s,
     loop_cpu_s,
 )
-from netpart.partition.cost import NetworkModel
-from netpart.partition.planner import plan
-from netpart.partition.psx import PsExchange
-from netpart.partition.tables import KindCost
 
 SIZES = [1e3, 1e4, 1e5, 1e6]
 

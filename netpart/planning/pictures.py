@@ -16,10 +16,12 @@ import numpy as np
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from netpart.partition.graph import BYTES_PER_VALUE, LayerBlocks, UnitGraph
+from netpart.models.spec import BYTES_PER_VALUE
+from netpart.partition.blocks import LayerBlocks
+from netpart.partition.graph import UnitGraph
 from netpart.partition.plans import PartitionPlan
-from netpart.partition.report import method_label
 from netpart.partition.volume import coverage, layer_traffic
+from netpart.planning.report import method_label
 
 __all__ = ["cluster_png", "figures", "sweep_png"]
 

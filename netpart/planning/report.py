@@ -1,5 +1,5 @@
 """Plan reports: console tables and `report.md`, returned as text (the PNG figures are
-`netpart.partition.pictures`). Nothing here writes files; the CLI decides where text goes.
+`netpart.planning.pictures`). Nothing here writes files; the CLI decides where text goes.
 """
 
 from __future__ import annotations
@@ -8,11 +8,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from netpart.models.spec import ModelSpec
-from netpart.partition.graph import BYTES_PER_VALUE
+from netpart.compile.shards import ShardLayout
+from netpart.models.spec import BYTES_PER_VALUE, ModelSpec
 from netpart.partition.planner import TIE
 from netpart.partition.plans import PartitionPlan
-from netpart.partition.shards import ShardLayout
 
 __all__ = [
     "auto_reason",
@@ -310,6 +309,6 @@ def cluster_markdown(advice) -> str:
         f"**Recommended**: {advice.why}.", "", cluster_table(advice), "",
         "Layouts: `mode RxN+S` is R replicas of N model workers and S parameter-server shards; "
         "`all-reduce xM` is M replicas of one worker each exchanging gradients by a ring "
-        "all-reduce. How each is predicted: `netpart/partition/cluster.py`.", "",
+        "all-reduce. How each is predicted: `netpart/planning/cluster.py`.", "",
         "![samples per second by layout](cluster.png)", "",
     ])  # fmt: skip

@@ -7,11 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from netpart.compile.program import Instruction, check_program, parse_program, program_text
+from netpart.compile.schedule import build_schedule
 from netpart.errors import ScheduleError
 from netpart.models import ZOO
 from netpart.partition import Granularity, build_unit_graph, plan
-from netpart.partition.program import Instruction, check_program, parse_program, program_text
-from netpart.partition.schedule import build_schedule
 from tests.conftest import chain_specs, small_specs
 
 

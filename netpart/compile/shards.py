@@ -24,7 +24,8 @@ import numpy as np
 
 from netpart.models.init import init_rows
 from netpart.models.spec import ModelSpec
-from netpart.partition.graph import LayerBlocks, UnitGraph, owned_units
+from netpart.partition.blocks import LayerBlocks
+from netpart.partition.graph import UnitGraph, owned_units
 
 __all__ = [
     "ParamPiece",

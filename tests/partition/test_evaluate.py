@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from netpart.partition import Granularity, build_unit_graph, plan
-from netpart.partition.figures import chain_shares, interior_shares
+from netpart.partition.evaluate import chain_shares, interior_shares
 from tests.conftest import chain_specs, small_specs
 
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from netpart.cli import main
+from netpart.cost.machine import KindRate, Machine, machine_toml, read_machine
+from netpart.cost.step import NetworkModel
+from netpart.cost.tables import KindCost
 from netpart.errors import PlanError
-from netpart.partition.cost import NetworkModel
-from netpart.partition.machine import KindRate, Machine, machine_toml, read_machine
-from netpart.partition.tables import KindCost
 
 ROOT = Path(__file__).resolve().parents[2]
 PAPER = ROOT / "experiments" / "machines" / "paper-2012.toml"

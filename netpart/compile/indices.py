@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from netpart.partition.schedule import HaloSchedule
+from netpart.compile.schedule import HaloSchedule
 
 __all__ = ["WorkerIndices", "worker_indices"]
 

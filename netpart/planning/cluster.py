@@ -22,7 +22,7 @@ bandwidth):
   is the model-parallel step plus the pushes (the longer of a worker's and the busiest
   shard's R in), its update, and the fetches likewise (n_push = n_fetch = 1).
 - **measured exchange** (a profile holding `ps`: calibration on machines of their own ran
-  the parameter server's exchange itself, `netpart.partition.psx`): the exchange is the
+  the parameter server's exchange itself, `netpart.cost.exchange`): the exchange is the
   longer of a worker's exchange with the shards that hold its values (a client of that
   many shards, each serving as many clients as the busiest of them: R x its peers) and its
   busiest shard's exchange (those clients, its values split among them); a sync step is the
@@ -75,13 +75,14 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from netpart.compile.shards import ShardLayout
+from netpart.cost.exchange import PsExchange
+from netpart.cost.step import NetworkModel
 from netpart.errors import PlanError
-from netpart.models.spec import ModelSpec
-from netpart.partition.cost import NetworkModel
-from netpart.partition.graph import BYTES_PER_VALUE, Granularity, build_unit_graph
+from netpart.models.spec import BYTES_PER_VALUE, ModelSpec
+from netpart.partition.blocks import Granularity
+from netpart.partition.graph import build_unit_graph
 from netpart.partition.planner import plan
-from netpart.partition.psx import PsExchange
-from netpart.partition.shards import ShardLayout
 
 __all__ = [
     "CLUSTER_SCHEMA",

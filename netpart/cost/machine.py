@@ -44,9 +44,9 @@ try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
+from netpart.cost.step import NetworkModel
+from netpart.cost.tables import KindCost
 from netpart.models.spec import LAYER_KINDS
-from netpart.partition.cost import NetworkModel
-from netpart.partition.tables import KindCost
 
 __all__ = ["MACHINE_SCHEMA", "KindRate", "Machine", "machine_toml", "read_machine"]
 

@@ -7,18 +7,18 @@ import json
 import pytest
 
 from netpart.cli import main
+from netpart.cost.step import NetworkModel
 from netpart.errors import PlanError
 from netpart.models import load_spec
-from netpart.partition.cluster import (
+from netpart.models.spec import BYTES_PER_VALUE
+from netpart.partition.planner import plan
+from netpart.planning.cluster import (
     UPDATE_S_PER_VALUE,
     ClusterAdvice,
     advise,
     allreduce_s,
     trainable,
 )
-from netpart.partition.cost import NetworkModel
-from netpart.partition.graph import BYTES_PER_VALUE
-from netpart.partition.planner import plan
 
 NET = NetworkModel(bandwidth_bps=1e9, latency_s=50e-6, message_s=20e-6)
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from netpart.models.spec import ModelSpec
-from netpart.partition.cost import NetworkModel, split_layers, step_times
-from netpart.partition.graph import BYTES_PER_VALUE, UnitGraph, build_unit_graph, narrow
+from netpart.cost.step import NetworkModel, split_layers, step_times
+from netpart.models.spec import BYTES_PER_VALUE, ModelSpec
+from netpart.partition.graph import UnitGraph, build_unit_graph, narrow
 from netpart.partition.plans import LayerFigures, PartitionPlan, PlanMetrics, WorkerFigures
 from netpart.partition.reads import read_window
 from netpart.partition.volume import layer_lower_bounds, layer_traffic, workers_per_layer
@@ -278,7 +278,7 @@ def chain_shares(
     graph: UnitGraph, node_map: np.ndarray, workers: int, crossing: Crossing | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """(late [L, P], feeds [L, P]): for each layer of a worker's producer chain
-    (`netpart.partition.chains`, here on blocks), the share of its units computed after the
+    (`netpart.compile.chains`, here on blocks), the share of its units computed after the
     halo above is posted, and the layer whose exchange that work hides (-1 outside chains).
     A block with one early unit counts as early, so this errs low, as `interior_shares`.
 

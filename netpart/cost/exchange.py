@@ -22,7 +22,7 @@ nearest.
 Where the machines were held to a share of a core (`share`, a cpu quota; `quota_s`, the CPU
 time the quota grants a period, which a shorter burst runs within at a whole core's speed),
 `step_cpu_s` says what CPU a step timed alone took: what a worker's machine runs in a step
-besides its exchange's, within the same quota (`netpart.partition.cluster`).
+besides its exchange's, within the same quota (`netpart.planning.cluster`).
 
 And the parameter server's alternative on the same machines (`allreduce`, per number of
 machines M >= 2, and `allreduce_busy`): the seconds of a ring all-reduce of B bytes among M
@@ -50,7 +50,7 @@ included (sync: the step, then the exchange; Downpour: the step beside the excha
 flight). Timed alone, an exchange misses what a step before it changes: on 0.3-core testbed
 machines a sync 3x1 step was about its exchange alone (the step hid behind the shard's
 serving of the other clients), and a 2x2 step took its step and its exchange alone plus a
-third (docs/planning.md). `netpart.partition.cluster` prices its stand-in with these tables'
+third (docs/planning.md). `netpart.planning.cluster` prices its stand-in with these tables'
 layouts as it prices a model's, and carries what that price missed over to the model, where
 the layout's own pair was measured.
 
@@ -76,7 +76,7 @@ from typing import Any
 
 import numpy as np
 
-from netpart.partition.tables import read_pooled, read_table, table_points
+from netpart.cost.tables import read_pooled, read_table, table_points
 
 __all__ = ["PS_MODES", "PsExchange"]
 

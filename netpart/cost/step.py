@@ -32,11 +32,11 @@ may be negative; machines that share a host slow down as more of them run at onc
 in between, the largest count's beyond.
 
 With `overlap` (workers on machines of their own: the runtime then splits the layers whose
-split pays, `netpart.partition.overlap`, and a split layer's work grows by `split_cost`), a
+split pays, `netpart.cost.overlap`, and a split layer's work grows by `split_cost`), a
 worker's forward halo travels while it computes the interior units of the layer (the share
 of its units that read no halo, x the kind's forward share of the slice), and its backward
 halo while it computes the layer's weight gradients (half the backward share); and both,
-when the layers below the halo form a producer chain (netpart.partition.chains), behind the
+when the layers below the halo form a producer chain (netpart.compile.chains), behind the
 chain's late units, forward and backward. Only the rest of each exchange is exposed.
 """
 
@@ -49,11 +49,11 @@ from typing import Any
 
 import numpy as np
 
+from netpart.cost.exchange import PsExchange
+from netpart.cost.overlap import SPLIT_COST, SPLIT_MIN_FLOPS, apply, choose_splits, hiding
+from netpart.cost.tables import FORWARD_SHARE, KindCost, LayerCost, read_table, table_points
 from netpart.errors import PlanError
-from netpart.partition.graph import BYTES_PER_VALUE
-from netpart.partition.overlap import SPLIT_COST, SPLIT_MIN_FLOPS, apply, choose_splits, hiding
-from netpart.partition.psx import PsExchange
-from netpart.partition.tables import FORWARD_SHARE, KindCost, LayerCost, read_table, table_points
+from netpart.models.spec import BYTES_PER_VALUE
 
 __all__ = [
     "PROFILE_SCHEMA",
@@ -100,9 +100,9 @@ class NetworkModel:
     # (workers >= 3, slowdown, seconds) of steps at that many workers beyond the 2-worker fit
     # (corrections: either may be negative)
     crowd: tuple[tuple[float, float, float], ...] = ()
-    ps: PsExchange | None = None  # the parameter server's exchange, measured (`partition.psx`)
+    ps: PsExchange | None = None  # the parameter server's exchange, measured (`cost.exchange`)
     profile: str = ""  # the profile these figures came from ("": defaults or --net)
-    machine: str = ""  # the machine description they came from (`partition.machine`)
+    machine: str = ""  # the machine description they came from (`cost.machine`)
     caveat: str = ""  # why the profile may not be trusted (`netpart calibrate --force`)
 
     def __hash__(self) -> int:
@@ -433,7 +433,7 @@ def step_times(
 def split_layers(*args, **kwargs) -> tuple[np.ndarray, np.ndarray]:
     """([L] bool, [L] s): the layers the runtime splits to hide their halo, and the work a
     split of each could run beside its halo, both ways, on its busiest worker
-    (`netpart.partition.overlap`; none without overlap); the arguments of `step_times`."""
+    (`netpart.cost.overlap`; none without overlap); the arguments of `step_times`."""
     split, hideable = _worker_times(*args, **kwargs)[-1]
     return split, hideable.max(axis=1)
 

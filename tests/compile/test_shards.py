@@ -5,10 +5,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from netpart.compile.shards import ShardLayout, piece_index, shard_bounds
 from netpart.models import load_spec
 from netpart.partition import build_unit_graph, plan
 from netpart.partition.methods import METHODS
-from netpart.partition.shards import ShardLayout, piece_index, shard_bounds
 from tests.conftest import small_specs
 
 

@@ -5,7 +5,7 @@ With workers on machines of their own the runtime can split a layer that receive
 forward, it computes the layer's interior units (those that read no halo) while the halo
 travels, then the rest; backward, it sends the input gradients before computing the weight
 gradients; and where the layers below a halo form a producer chain
-(`netpart.partition.chains`), it computes the units its peers read first and the rest while
+(`netpart.compile.chains`), it computes the units its peers read first and the rest while
 they travel, both ways. What can hide an exchange is that work (`hiding`).
 
 A split is not free: its parts are smaller kernels and more calls, a chain's outputs are put
@@ -16,7 +16,7 @@ each case), so splitting every layer that can made the step 4-13% slower than no
 at 1 Gbit/s, and between 0.5% slower and 15% faster at 100 Mbit/s. A layer is
 split only when what it hides, summed over the workers, exceeds what it costs
 (`choose_splits`); the plan records the choice per layer (`LayerFigures.split`), the
-programs follow it (`netpart.partition.schedule`) and the prediction prices it (`apply`).
+programs follow it (`netpart.compile.schedule`) and the prediction prices it (`apply`).
 """
 
 from __future__ import annotations

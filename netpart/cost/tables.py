@@ -1,5 +1,5 @@
 """Slice tables: a calibrated machine's measured slice times, per layer kind (`KindCost`) and
-per layer (`LayerCost`), read at any size; `netpart.partition.cost` turns them into compute
+per layer (`LayerCost`), read at any size; `netpart.cost.step` turns them into compute
 times. Each table is non-decreasing in FLOPs (a slower point among faster larger ones is
 pooled with them) and is read piecewise linearly between its sizes."""
 

@@ -92,8 +92,15 @@ def run(bed: str, case: tuple, repeats: int, tmp: Path) -> tuple[float, float]:
         return train(_train_bed(bed), mode, shards, repeats, tmp / f"run{time.monotonic_ns()}")
     world = 1 + shards if shards else 1
     store = tmp / f"store{time.monotonic_ns()}"
-    args = [str(world), str(shards), str(repeats), str(nbytes), str(store), mode,
-            "beside" if beside else "alone"]  # fmt: skip
+    args = [
+        str(world),
+        str(shards),
+        str(repeats),
+        str(nbytes),
+        str(store),
+        mode,
+        "beside" if beside else "alone",
+    ]
     seconds, cpu = json.loads(role_out(bed, ROLE, world, args, str(case)))
     return seconds, cpu
 
@@ -114,8 +121,9 @@ def train(bed: str, mode: str, shards: int, steps: int, out: Path) -> tuple[floa
 
 
 def _cases(shards: int, nbytes: int, only: set[str]) -> list[tuple]:
-    kinds = [b for b in (False, True, "train") if {False: "alone", True: "beside"}.get(b, b)
-             in only]  # fmt: skip
+    kinds = [
+        b for b in (False, True, "train") if {False: "alone", True: "beside"}.get(b, b) in only
+    ]
     beside = [(m, shards, nbytes, b) for m in ("downpour", "sync") for b in kinds]
     sizes = [("sync", 4, 4 * 1024 * k, False) for k in MESSAGE_KIB] if "sizes" in only else []
     return [("step", 0, 0, True), *beside, *sizes]
@@ -125,8 +133,12 @@ def _priced(network: NetworkModel, shards: int) -> dict[str, float]:
     """What `netpart plan --machines` prices digits-mlp's one replica of one worker and
     `shards` shards at (a replica's step, seconds), Downpour and sync."""
     advice = advise(load_spec("digits-mlp"), shards + 1, network, batch=32)
-    return {m: f.step_s for f in advice.layouts for m in ("downpour", "sync")
-            if str(f.layout) == f"{m} 1x1+{shards}"}  # fmt: skip
+    return {
+        m: f.step_s
+        for f in advice.layouts
+        for m in ("downpour", "sync")
+        if str(f.layout) == f"{m} 1x1+{shards}"
+    }
 
 
 def main(argv=None) -> int:
@@ -164,16 +176,28 @@ def main(argv=None) -> int:
         if trains:
             down(_train_bed(name))
         shutil.rmtree(tmp, ignore_errors=True)
-    rows = [{"mode": m, "shards": s, "bytes": b, "beside": bes,
-             "seconds": statistics.median(t for t, _ in seen[(m, s, b, bes)]),
-             "rounds": [t for t, _ in seen[(m, s, b, bes)]],
-             "cpu": statistics.median(c for _, c in seen[(m, s, b, bes)])}
-            for m, s, b, bes in cases]  # fmt: skip
+    rows = [
+        {
+            "mode": m,
+            "shards": s,
+            "bytes": b,
+            "beside": bes,
+            "seconds": statistics.median(t for t, _ in seen[(m, s, b, bes)]),
+            "rounds": [t for t, _ in seen[(m, s, b, bes)]],
+            "cpu": statistics.median(c for _, c in seen[(m, s, b, bes)]),
+        }
+        for m, s, b, bes in cases
+    ]
     for r in rows:
-        what = "step alone" if r["mode"] == "step" else (
-            f"{r['mode']:<8} 1 client of {r['shards']} shards, {r['bytes'] / 1024:6.1f} KiB"
-            f"{', the training job' if r['beside'] == 'train' else ''}"
-            f"{', step beside' if r['beside'] is True else ''}")  # fmt: skip
+        what = (
+            "step alone"
+            if r["mode"] == "step"
+            else (
+                f"{r['mode']:<8} 1 client of {r['shards']} shards, {r['bytes'] / 1024:6.1f} KiB"
+                f"{', the training job' if r['beside'] == 'train' else ''}"
+                f"{', step beside' if r['beside'] is True else ''}"
+            )
+        )
         print(f"{what}: {r['seconds'] * 1e3:6.2f} ms, CPU {r['cpu'] * 1e3:5.2f} ms")
     for m in ("downpour", "sync"):
         got = {r["beside"]: r["cpu"] for r in rows if r["mode"] == m and r["shards"] == args.shards}
@@ -182,10 +206,15 @@ def main(argv=None) -> int:
                 f"{m}: the training loop's own CPU a step {(got['train'] - got[True]) * 1e3:.2f} "
                 "ms (the training job's less the step beside the exchange)"
             )
-    result = {"cpu": args.cpu, "link": args.link, "repeats": args.repeats,
-              "train_steps": args.train_steps,
-              "rounds": args.rounds, "profile": str(args.profile) if args.profile else None,
-              "rows": rows}  # fmt: skip
+    result = {
+        "cpu": args.cpu,
+        "link": args.link,
+        "repeats": args.repeats,
+        "train_steps": args.train_steps,
+        "rounds": args.rounds,
+        "profile": str(args.profile) if args.profile else None,
+        "rows": rows,
+    }
     if args.profile is not None:
         network = NetworkModel.from_profile(args.profile.read_text(), str(args.profile))
         result["priced"] = _priced(network, args.shards)

@@ -48,8 +48,18 @@ def main() -> int:
             for m, n in CASES:
                 stats = tmp / "stats.json"
                 steps = [] if args.steps is None else ["--steps", str(args.steps)]
-                netpart("run", "--model", m, "--workers", str(n), *steps,
-                        "--profile", str(profile), "--stats", str(stats))  # fmt: skip
+                netpart(
+                    "run",
+                    "--model",
+                    m,
+                    "--workers",
+                    str(n),
+                    *steps,
+                    "--profile",
+                    str(profile),
+                    "--stats",
+                    str(stats),
+                )
                 s = json.loads(stats.read_text())
                 rows[f"{m}/{n}"].append(
                     [s["step_s_median"], s["predicted_step_s"], s["slowdown"] or 0.0]
@@ -66,10 +76,12 @@ def main() -> int:
                 "ratio_median": med,
                 "within_15pct": abs(med - 1) <= 0.15,
             }
-            print(f"  {key:<20} measured/predicted {med:.2f} (rounds: "
-                  f"{', '.join(f'{x:.2f}' for x in ratios)}; the machine's speed probe at "
-                  f"{', '.join(f'{p[2]:.2f}' for p in pairs)}x its calibrated time)",
-                  flush=True)  # fmt: skip
+            print(
+                f"  {key:<20} measured/predicted {med:.2f} (rounds: "
+                f"{', '.join(f'{x:.2f}' for x in ratios)}; the machine's speed probe at "
+                f"{', '.join(f'{p[2]:.2f}' for p in pairs)}x its calibrated time)",
+                flush=True,
+            )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
     print(f"wrote {args.out}")

@@ -85,8 +85,7 @@ def run(bed: str, case: tuple, args, nbytes: int, tmp: Path) -> tuple[float, flo
     clients, shards, how = case
     world = clients + shards
     store = tmp / f"store{time.monotonic_ns()}"
-    argv = [str(world), str(shards), str(args.repeats), str(nbytes), str(store), args.model,
-            how]  # fmt: skip
+    argv = [str(world), str(shards), str(args.repeats), str(nbytes), str(store), args.model, how]
     return tuple(json.loads(role_out(bed, ROLE, world, argv, str(case))))
 
 
@@ -134,11 +133,17 @@ def main(argv=None) -> int:
     finally:
         down(name)
         shutil.rmtree(tmp, ignore_errors=True)
-    rows = [{"clients": c, "shards": s, "how": how,
-             "seconds": statistics.median(t for t, _ in seen[(c, s, how)]),
-             "rounds": [t for t, _ in seen[(c, s, how)]],
-             "cpu": statistics.median(u for _, u in seen[(c, s, how)])}
-            for c, s, how in cases]  # fmt: skip
+    rows = [
+        {
+            "clients": c,
+            "shards": s,
+            "how": how,
+            "seconds": statistics.median(t for t, _ in seen[(c, s, how)]),
+            "rounds": [t for t, _ in seen[(c, s, how)]],
+            "cpu": statistics.median(u for _, u in seen[(c, s, how)]),
+        }
+        for c, s, how in cases
+    ]
     step = rows[0]["seconds"]
     for r in rows[1:]:
         less = (
@@ -146,15 +151,27 @@ def main(argv=None) -> int:
             if r["how"] == "beside"
             else ""
         )
-        what = ("the step alone" if r["clients"] == 1 and r["shards"] == 0 else
-                f"all-reduce among {r['clients']}" if r["shards"] == 0 else
-                f"{r['clients']} clients x {r['shards']} shards")  # fmt: skip
-        print(f"{what} {r['how']:<6}: "
-              f"{r['seconds'] * 1e3:.0f} ms{less}, CPU {r['cpu'] * 1e3:.0f} ms")  # fmt: skip
+        what = (
+            "the step alone"
+            if r["clients"] == 1 and r["shards"] == 0
+            else f"all-reduce among {r['clients']}"
+            if r["shards"] == 0
+            else f"{r['clients']} clients x {r['shards']} shards"
+        )
+        print(
+            f"{what} {r['how']:<6}: {r['seconds'] * 1e3:.0f} ms{less}, CPU {r['cpu'] * 1e3:.0f} ms"
+        )
     print(f"the step alone: {step * 1e3:.0f} ms, CPU {rows[0]['cpu'] * 1e3:.0f} ms")
     if args.out is not None:
-        result = {"model": args.model, "bytes": nbytes, "cpu": args.cpu, "link": args.link,
-                  "repeats": args.repeats, "rounds": args.rounds, "rows": rows}  # fmt: skip
+        result = {
+            "model": args.model,
+            "bytes": nbytes,
+            "cpu": args.cpu,
+            "link": args.link,
+            "repeats": args.repeats,
+            "rounds": args.rounds,
+            "rows": rows,
+        }
         write_atomic(args.out, json.dumps(result, indent=1).encode())
     return 0
 

@@ -105,11 +105,16 @@ def on_share(machine: Machine, share: float, link_bps: float) -> Machine:
         for k, r in machine.kinds.items()
     }
     return replace(
-        machine, name=f"{machine.name} at {share:g} core", kinds=kinds,
-        flops_per_s=machine.flops_per_s * share, overhead_s=machine.overhead_s / share,
-        per_value_s=machine.per_value_s / share, latency_s=machine.latency_s / share,
-        step_overhead_s=machine.step_overhead_s / share, bandwidth_bps=link_bps,
-    )  # fmt: skip
+        machine,
+        name=f"{machine.name} at {share:g} core",
+        kinds=kinds,
+        flops_per_s=machine.flops_per_s * share,
+        overhead_s=machine.overhead_s / share,
+        per_value_s=machine.per_value_s / share,
+        latency_s=machine.latency_s / share,
+        step_overhead_s=machine.step_overhead_s / share,
+        bandwidth_bps=link_bps,
+    )
 
 
 def measured_samples_per_s(run: Path, replicas: int) -> float:
@@ -144,11 +149,34 @@ def train(bed: str, layout, args, run: Path) -> float:
     """Samples/s of `layout` trained on testbed `bed`: netpart's, or DDP's for all-reduce."""
     if layout.mode == "allreduce":
         return _ddp(bed, layout.replicas, args, run)
-    argv = [sys.executable, "-m", "netpart", "train", "--testbed", bed, "--model", args.model,
-            "--mode", layout.mode, "--replicas", str(layout.replicas), "--workers",
-            str(layout.workers), "--ps-shards", str(layout.shards), "--steps", str(args.steps),
-            "--data", args.data, "--batch", str(BATCH), "--timeout", "60",
-            "--out", str(run)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "netpart",
+        "train",
+        "--testbed",
+        bed,
+        "--model",
+        args.model,
+        "--mode",
+        layout.mode,
+        "--replicas",
+        str(layout.replicas),
+        "--workers",
+        str(layout.workers),
+        "--ps-shards",
+        str(layout.shards),
+        "--steps",
+        str(args.steps),
+        "--data",
+        args.data,
+        "--batch",
+        str(BATCH),
+        "--timeout",
+        "60",
+        "--out",
+        str(run),
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise SystemExit(f"{layout}: exit {done.returncode}: {done.stderr.strip()[-600:]}")
@@ -165,11 +193,16 @@ def _round(k: int, bed: str, layouts, args, tmp: Path, seen: dict, split: dict) 
             seen[str(f.layout)].append(train(bed, f.layout, args, run))
             got = seen[str(f.layout)][-1]
             split[str(f.layout)].append(parts(run, f.layout.replicas))
-            where = ", ".join(f"{part.removesuffix('_s')} {v * 1e3:.2f}"
-                              for part, v in split[str(f.layout)][-1].items())  # fmt: skip
+            where = ", ".join(
+                f"{part.removesuffix('_s')} {v * 1e3:.2f}"
+                for part, v in split[str(f.layout)][-1].items()
+            )
             shutil.rmtree(run, ignore_errors=True)
-            print(f"round {k + 1}: {f.layout!s:<16} measured {got:9,.0f} samples/s, predicted "
-                  f"{f.samples_per_s:9,.0f} (ms a step: {where})", flush=True)  # fmt: skip
+            print(
+                f"round {k + 1}: {f.layout!s:<16} measured {got:9,.0f} samples/s, predicted "
+                f"{f.samples_per_s:9,.0f} (ms a step: {where})",
+                flush=True,
+            )
     print(f"round {k + 1}: speed probe {probe.median() * 1e3:.2f} ms", flush=True)
     return probe.median()
 
@@ -177,8 +210,15 @@ def _round(k: int, bed: str, layouts, args, tmp: Path, seen: dict, split: dict) 
 def _ddp(bed: str, machines: int, args, run: Path) -> float:
     """All-reduce over `machines` replicas as DistributedDataParallel trains it."""
     run.mkdir(parents=True, exist_ok=True)
-    argv = [str(machines), str(args.steps), str(BATCH), str(run / "store"), args.model,
-            args.data, str(DEFAULT_LR["adagrad"])]  # fmt: skip
+    argv = [
+        str(machines),
+        str(args.steps),
+        str(BATCH),
+        str(run / "store"),
+        args.model,
+        args.data,
+        str(DEFAULT_LR["adagrad"]),
+    ]
     out = json.loads(role_out(bed, DDP, machines, argv, f"all-reduce x{machines}"))
     first = len(out["stamps"]) // 5
     stamps, steps = out["stamps"][first:], out["parts"][first + 1 :]
@@ -201,8 +241,10 @@ def _verdict(rows: list[dict], advice) -> None:
         if not among:  # one machine: all-reduce alone
             continue
         top = max(among, key=lambda r: r["predicted"])
-        print(f"{what}: {top['layout']} measures {top['measured'] / best['measured']:.2f} of "
-              f"the best, {best['layout']}")  # fmt: skip
+        print(
+            f"{what}: {top['layout']} measures {top['measured'] / best['measured']:.2f} of "
+            f"the best, {best['layout']}"
+        )
     print(f"{within} of {len(rows)} within 15%; overall recommendation {advice.best.layout}")
 
 
@@ -214,16 +256,19 @@ def chosen(layouts, names: str | None) -> list:
     known = {str(f.layout): f for f in layouts}
     unknown = [n for n in want if n not in known]
     if unknown:
-        raise SystemExit(f"--layouts: {', '.join(unknown)} not among the planner's layouts "
-                         f"({', '.join(known)})")  # fmt: skip
+        raise SystemExit(
+            f"--layouts: {', '.join(unknown)} not among the planner's layouts ({', '.join(known)})"
+        )
     return [known[n] for n in want]
 
 
 def mp_steps(spec, layouts, network: NetworkModel) -> dict[int, float]:
     """The model-parallel step the planner predicts at each N of `layouts` (all-reduce: 1)."""
     counts = {f.layout.workers for f in layouts}
-    return {n: plan(spec, n, seed=0, batch=BATCH, network=network).metrics.predicted_step_s
-            for n in counts}  # fmt: skip
+    return {
+        n: plan(spec, n, seed=0, batch=BATCH, network=network).metrics.predicted_step_s
+        for n in counts
+    }
 
 
 def repredict(path: Path, out: Path, profile: Path | None = None) -> int:
@@ -246,11 +291,16 @@ def repredict(path: Path, out: Path, profile: Path | None = None) -> int:
     for row in result["rows"]:
         f = now[row["layout"]]
         row.setdefault("predicted_at_run", row["predicted"])
-        row.update(predicted=f.samples_per_s, predicted_step_s=f.step_s,
-                   predicted_mp_step_s=mp[f.layout.workers])  # fmt: skip
+        row.update(
+            predicted=f.samples_per_s,
+            predicted_step_s=f.step_s,
+            predicted_mp_step_s=mp[f.layout.workers],
+        )
         row["ratio"] = row["measured"] / row["predicted"]
-        print(f"{row['layout']:<16} measured {row['measured']:9,.0f} samples/s, predicted "
-              f"{row['predicted']:9,.0f} (at the run {row['predicted_at_run']:9,.0f})")  # fmt: skip
+        print(
+            f"{row['layout']:<16} measured {row['measured']:9,.0f} samples/s, predicted "
+            f"{row['predicted']:9,.0f} (at the run {row['predicted_at_run']:9,.0f})"
+        )
     result["recommended"] = str(advice.best.layout)
     _verdict(result["rows"], advice)
     write_atomic(out, json.dumps(result, indent=1).encode())
@@ -267,15 +317,22 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--profile", type=Path, default=None)
-    ap.add_argument("--layouts", default=None,
-                    help="only these of the planner's layouts, comma-separated as it prints "
-                    "them (e.g. 'downpour 1x1+3,sync 3x1+1'): to measure a few again, in more "
-                    "rounds")  # fmt: skip
+    ap.add_argument(
+        "--layouts",
+        default=None,
+        help="only these of the planner's layouts, comma-separated as it prints "
+        "them (e.g. 'downpour 1x1+3,sync 3x1+1'): to measure a few again, in more "
+        "rounds",
+    )
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--repredict", type=Path, default=None,
-                    help="a result of this script: predict its layouts again with this tree's "
-                    "model (same machines and model; its profile, or --profile), keep its "
-                    "measurements")  # fmt: skip
+    ap.add_argument(
+        "--repredict",
+        type=Path,
+        default=None,
+        help="a result of this script: predict its layouts again with this tree's "
+        "model (same machines and model; its profile, or --profile), keep its "
+        "measurements",
+    )
     args = ap.parse_args(argv)
     if args.repredict is not None:
         return repredict(args.repredict, args.out or args.repredict, args.profile)
@@ -298,23 +355,41 @@ def main(argv=None) -> int:
         down(name)
         shutil.rmtree(tmp, ignore_errors=True)
     if network.probe_s > 0:
-        print("speed probe per round / the profile's: "
-              + ", ".join(f"{p / network.probe_s:.2f}" for p in probes))  # fmt: skip
+        print(
+            "speed probe per round / the profile's: "
+            + ", ".join(f"{p / network.probe_s:.2f}" for p in probes)
+        )
     mp = mp_steps(spec, layouts, network)
     rows = []
     for f in layouts:
         got = statistics.median(seen[str(f.layout)])
-        rows.append({"layout": str(f.layout), "predicted": f.samples_per_s, "measured": got,
-                     "rounds": seen[str(f.layout)], "ratio": got / f.samples_per_s,
-                     "parts": split[str(f.layout)], "predicted_step_s": f.step_s,
-                     "predicted_mp_step_s": mp[f.layout.workers]})  # fmt: skip
+        rows.append(
+            {
+                "layout": str(f.layout),
+                "predicted": f.samples_per_s,
+                "measured": got,
+                "rounds": seen[str(f.layout)],
+                "ratio": got / f.samples_per_s,
+                "parts": split[str(f.layout)],
+                "predicted_step_s": f.step_s,
+                "predicted_mp_step_s": mp[f.layout.workers],
+            }
+        )
     _verdict(rows, advice)
     if args.out is not None:
-        result = {"machines": args.machines, "cpu": args.cpu, "link": args.link,
-                  "model": args.model, "steps": args.steps, "machine": machine.to_dict(),
-                  "profile": str(args.profile) if args.profile else None,
-                  "recommended": str(advice.best.layout), "probes": probes,
-                  "profile_probe": network.probe_s, "rows": rows}  # fmt: skip
+        result = {
+            "machines": args.machines,
+            "cpu": args.cpu,
+            "link": args.link,
+            "model": args.model,
+            "steps": args.steps,
+            "machine": machine.to_dict(),
+            "profile": str(args.profile) if args.profile else None,
+            "recommended": str(advice.best.layout),
+            "probes": probes,
+            "profile_probe": network.probe_s,
+            "rows": rows,
+        }
         write_atomic(args.out, json.dumps(result, indent=1).encode())
     return 0
 

@@ -53,9 +53,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dp_bench import BATCH, DDP, LR, PLAIN, prepare_data
 
 SHORT, LONG = 200, 1200  # steps per replica
-SYSTEMS = (("plain", 1), ("netpart-downpour", 1), ("ddp", 2), ("netpart-sync", 2),
-           ("netpart-downpour", 2), ("bytes-push", 1), ("bytes-sync", 2),
-           ("bytes-ring", 2))  # fmt: skip
+SYSTEMS = (
+    ("plain", 1),
+    ("netpart-downpour", 1),
+    ("ddp", 2),
+    ("netpart-sync", 2),
+    ("netpart-downpour", 2),
+    ("bytes-push", 1),
+    ("bytes-sync", 2),
+    ("bytes-ring", 2),
+)
 VALUES = 85_002  # the MLP's parameters: its gradients, and its values fetched
 FLOOR = r"""
 import sys, torch, torch.distributed as dist
@@ -98,33 +105,79 @@ def command(system: str, replicas: int, steps: int, data: Path, tmp: Path, seed:
     if system.startswith("bytes-"):  # a shard besides R workers, or R ranks of a ring
         kind, store = system.removeprefix("bytes-"), tmp / f"store{time.monotonic_ns()}"
         world = replicas if kind == "ring" else replicas + 1
-        return [[sys.executable, "-c", FLOOR, kind, str(steps), str(r), str(world), str(store),
-                 str(VALUES)] for r in range(world)]  # fmt: skip
+        return [
+            [
+                sys.executable,
+                "-c",
+                FLOOR,
+                kind,
+                str(steps),
+                str(r),
+                str(world),
+                str(store),
+                str(VALUES),
+            ]
+            for r in range(world)
+        ]
     if system == "ddp":
         out, store = tmp / f"ddp{time.monotonic_ns()}", tmp / f"store{time.monotonic_ns()}"
-        return [[sys.executable, "-c", DDP, *args, str(r), str(replicas), str(out), str(store),
-                 ""] for r in range(replicas)]  # fmt: skip
+        return [
+            [sys.executable, "-c", DDP, *args, str(r), str(replicas), str(out), str(store), ""]
+            for r in range(replicas)
+        ]
     mode = system.removeprefix("netpart-")
-    return [[
-        str(Path(sys.executable).with_name("netpart")), "train", "--model", "digits-mlp",
-        "--workers", "1", "--replicas", str(replicas), "--ps-shards", "1", "--mode", mode,
-        "--optimizer", "sgd", "--lr", str(LR), "--data", "digits", "--steps", str(steps),
-        "--batch", str(BATCH), "--n-push", "1", "--n-fetch", "1", "--seed", str(seed),
-        "--out", str(tmp / f"np{time.monotonic_ns()}"),
-    ]]  # fmt: skip
+    return [
+        [
+            str(Path(sys.executable).with_name("netpart")),
+            "train",
+            "--model",
+            "digits-mlp",
+            "--workers",
+            "1",
+            "--replicas",
+            str(replicas),
+            "--ps-shards",
+            "1",
+            "--mode",
+            mode,
+            "--optimizer",
+            "sgd",
+            "--lr",
+            str(LR),
+            "--data",
+            "digits",
+            "--steps",
+            str(steps),
+            "--batch",
+            str(BATCH),
+            "--n-push",
+            "1",
+            "--n-fetch",
+            "1",
+            "--seed",
+            str(seed),
+            "--out",
+            str(tmp / f"np{time.monotonic_ns()}"),
+        ]
+    ]
 
 
 def run(system: str, replicas: int, steps: int, data: Path, tmp: Path, seed: int) -> dict:
     """CPU-seconds and wall seconds of one run of `steps` steps per replica."""
     cpu0, t0 = children_cpu(), time.perf_counter()
-    procs = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-             for c in command(system, replicas, steps, data, tmp, seed)]  # fmt: skip
+    procs = [
+        subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        for c in command(system, replicas, steps, data, tmp, seed)
+    ]
     for p in procs:
         _, err = p.communicate(timeout=600)
         if p.returncode != 0:
             raise SystemExit(f"{system} R={replicas} failed: {err.decode()[-500:]}")
-    return {"cpu_s": children_cpu() - cpu0, "wall_s": time.perf_counter() - t0,
-            "samples": steps * BATCH * replicas}  # fmt: skip
+    return {
+        "cpu_s": children_cpu() - cpu0,
+        "wall_s": time.perf_counter() - t0,
+        "samples": steps * BATCH * replicas,
+    }
 
 
 def marginal(short: dict, long: dict) -> float:
@@ -157,9 +210,13 @@ def main() -> int:
                     f"{short['wall_s']:.1f} / {long['wall_s']:.1f} s)",
                     flush=True,
                 )
-    summary = {k: {"cpu_us_per_sample_median": statistics.median(r["cpu_us_per_sample"]
-                                                                  for r in v),
-                   "runs": v} for k, v in runs.items()}  # fmt: skip
+    summary = {
+        k: {
+            "cpu_us_per_sample_median": statistics.median(r["cpu_us_per_sample"] for r in v),
+            "runs": v,
+        }
+        for k, v in runs.items()
+    }
     ratio = {
         "downpour_R1_over_plain": summary["netpart-downpour/R=1"]["cpu_us_per_sample_median"]
         / summary["plain/R=1"]["cpu_us_per_sample_median"],
@@ -180,14 +237,15 @@ def main() -> int:
         print(f"{key:<22} {s['cpu_us_per_sample_median']:8.1f} CPU-us a sample (median)")
     print(f"netpart Downpour R=1 / plain: {ratio['downpour_R1_over_plain']:.2f} (target <= 1.3)")
     print(f"netpart sync R=2 / DDP R=2:   {ratio['sync_R2_over_ddp_R2']:.2f} (target <= 1.0)")
-    print(f"their bytes alone: plain + a push {ratio['downpour_R1_floor_over_plain']:.2f} x "
-          f"plain; DDP + a sync exchange's bytes beyond the ring's "
-          f"{ratio['sync_R2_floor_over_ddp_R2']:.2f} x DDP")  # fmt: skip
+    print(
+        f"their bytes alone: plain + a push {ratio['downpour_R1_floor_over_plain']:.2f} x "
+        f"plain; DDP + a sync exchange's bytes beyond the ring's "
+        f"{ratio['sync_R2_floor_over_ddp_R2']:.2f} x DDP"
+    )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         job = {"short_steps": SHORT, "long_steps": LONG, "batch": BATCH, "lr": LR}
-        args.out.write_text(json.dumps({"job": job, "ratios": ratio, "results": summary},
-                                       indent=1))  # fmt: skip
+        args.out.write_text(json.dumps({"job": job, "ratios": ratio, "results": summary}, indent=1))
         print(f"wrote {args.out}")
     return 0
 

@@ -137,13 +137,23 @@ def main(argv=None) -> int:
             for case in cases[k % len(cases) :] + cases[: k % len(cases)]:
                 got = run(name, case, args.machines, args, tmp)
                 seen[case].append(got)
-                print(f"round {k + 1}, {case}: step {got['step_s'] * 1e3:.1f} ms, CPU "
-                      f"{got['cpu_s'] * 1e3:.1f} ms", flush=True)  # fmt: skip
+                print(
+                    f"round {k + 1}, {case}: step {got['step_s'] * 1e3:.1f} ms, CPU "
+                    f"{got['cpu_s'] * 1e3:.1f} ms",
+                    flush=True,
+                )
     finally:
         down(name)
         shutil.rmtree(tmp, ignore_errors=True)
-    result = {"machines": args.machines, "cpu": args.cpu, "link": args.link, "model": args.model,
-              "steps": args.steps, "rounds": args.rounds, "cases": {}}  # fmt: skip
+    result = {
+        "machines": args.machines,
+        "cpu": args.cpu,
+        "link": args.link,
+        "model": args.model,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "cases": {},
+    }
     for case, got in seen.items():
         medians = {k: statistics.median(g[k] for g in got) for k in PARTS}
         result["cases"][case] = {"median": medians, "rounds": got}

@@ -169,12 +169,22 @@ def _processes(
     out, store = tmp / f"result{time.monotonic_ns()}", tmp / f"store{time.monotonic_ns()}"
     procs = [
         subprocess.Popen(
-            [str(python), "-c", script, *args, str(rank), str(world), str(out), str(store),
-             variant],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                str(python),
+                "-c",
+                script,
+                *args,
+                str(rank),
+                str(world),
+                str(out),
+                str(store),
+                variant,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         for rank in range(world)
-    ]  # fmt: skip
+    ]
     try:
         deadline = time.monotonic() + PEER_TIMEOUT
         waiting = procs[1:] if script is PDB else procs  # pdb's server serves for ever
@@ -206,22 +216,35 @@ def run_peer(system: str, replicas: int, python: Path, data: Path, tmp: Path, se
     args = [str(data), str(STEPS), str(BATCH), str(LR), str(seed)]
     t0 = time.perf_counter()
     if system == "plain":
-        res = json.loads(subprocess.run([str(python), "-c", PLAIN, *args], capture_output=True,
-                                        text=True, check=True).stdout)  # fmt: skip
+        res = json.loads(
+            subprocess.run(
+                [str(python), "-c", PLAIN, *args], capture_output=True, text=True, check=True
+            ).stdout
+        )
         wall = time.perf_counter() - t0
-        return {"samples_s": res["samples"] / res["seconds"], "accuracy": res["accuracy"],
-                "wall_s": wall}  # fmt: skip
+        return {
+            "samples_s": res["samples"] / res["seconds"],
+            "accuracy": res["accuracy"],
+            "wall_s": wall,
+        }
     pdb = system.startswith("pytorch-distbelief")
     script, world = (PDB, replicas + 1) if pdb else (DDP, replicas)
     variant = "delivered" if system.endswith("-delivered") else "as-shipped"
     ranks = _processes(python, script, args, world, tmp, variant)
     wall = time.perf_counter() - t0
     if ranks is None:
-        return {"samples_s": float("nan"), "accuracy": float("nan"), "wall_s": wall,
-                "failed": f"did not finish in {PEER_TIMEOUT:.0f} s"}  # fmt: skip
+        return {
+            "samples_s": float("nan"),
+            "accuracy": float("nan"),
+            "wall_s": wall,
+            "failed": f"did not finish in {PEER_TIMEOUT:.0f} s",
+        }
     span = max(r["end"] for r in ranks) - min(r["start"] for r in ranks)
-    out = {"samples_s": sum(r["samples"] for r in ranks) / span,
-           "accuracy": ranks[0]["accuracy"], "wall_s": wall}  # fmt: skip
+    out = {
+        "samples_s": sum(r["samples"] for r in ranks) / span,
+        "accuracy": ranks[0]["accuracy"],
+        "wall_s": wall,
+    }
     if pdb:  # of the replicas' pushes, how many were applied
         out["applied"] = ranks[0].get("applied")
         out["pushes"] = replicas * STEPS
@@ -231,12 +254,37 @@ def run_peer(system: str, replicas: int, python: Path, data: Path, tmp: Path, se
 def run_netpart(mode: str, replicas: int, tmp: Path, seed: int) -> dict:
     out = tmp / f"np-{mode}-{replicas}-{time.monotonic_ns()}"
     cmd = [
-        str(Path(sys.executable).with_name("netpart")), "train", "--model", "digits-mlp",
-        "--workers", "1", "--replicas", str(replicas), "--ps-shards", "1", "--mode", mode,
-        "--optimizer", "sgd", "--lr", str(LR), "--data", "digits", "--steps", str(STEPS),
-        "--batch", str(BATCH), "--n-push", "1", "--n-fetch", "1", "--seed", str(seed),
-        "--out", str(out),
-    ]  # fmt: skip
+        str(Path(sys.executable).with_name("netpart")),
+        "train",
+        "--model",
+        "digits-mlp",
+        "--workers",
+        "1",
+        "--replicas",
+        str(replicas),
+        "--ps-shards",
+        "1",
+        "--mode",
+        mode,
+        "--optimizer",
+        "sgd",
+        "--lr",
+        str(LR),
+        "--data",
+        "digits",
+        "--steps",
+        str(STEPS),
+        "--batch",
+        str(BATCH),
+        "--n-push",
+        "1",
+        "--n-fetch",
+        "1",
+        "--seed",
+        str(seed),
+        "--out",
+        str(out),
+    ]
     t0 = time.perf_counter()
     subprocess.run(cmd, capture_output=True, check=True)
     wall = time.perf_counter() - t0
@@ -245,8 +293,12 @@ def run_netpart(mode: str, replicas: int, tmp: Path, seed: int) -> dict:
     span = max(x["time"] for x in lines) - start
     held = json.loads((out / "summary.json").read_text())["held_out"]
     steps_s = sum(x["step_s"] for x in lines if x["replica"] == 0)
-    return {"samples_s": sum(x["samples"] for x in lines) / span, "accuracy": held["accuracy"],
-            "wall_s": wall, "steps_s": steps_s}  # fmt: skip
+    return {
+        "samples_s": sum(x["samples"] for x in lines) / span,
+        "accuracy": held["accuracy"],
+        "wall_s": wall,
+        "steps_s": steps_s,
+    }
 
 
 PDBS = ("pytorch-distbelief", "pytorch-distbelief-delivered")
@@ -291,8 +343,10 @@ def print_table(summary: dict) -> None:
         runs = ", ".join("hung" if v != v else f"{v:,.0f}" for v in s["samples_s"])
         share = s.get("applied_share_median")
         applied = "" if share is None else f"  (server applied {share:.0%} of the pushes)"
-        print(f"{key:<34} {s['samples_s_median']:>10,.0f} {s['accuracy_median']:>9.3f} "
-              f"{s['wall_s_median']:>7.1f}  {runs}{applied}")  # fmt: skip
+        print(
+            f"{key:<34} {s['samples_s_median']:>10,.0f} {s['accuracy_median']:>9.3f} "
+            f"{s['wall_s_median']:>7.1f}  {runs}{applied}"
+        )
 
 
 def main() -> int:
@@ -315,16 +369,21 @@ def main() -> int:
                     else:
                         res = run_peer(system, replicas, python, data, tmp, rnd)
                     results.setdefault(f"{system}/R={replicas}", []).append(res)
-                    print(f"round {rnd + 1} {system} R={replicas}: {res['samples_s']:,.0f} "
-                          f"samples/s, held-out {res['accuracy']:.3f}, wall {res['wall_s']:.1f} s"
-                          + (f" ({res['failed']})" if "failed" in res else ""),
-                          flush=True)  # fmt: skip
+                    print(
+                        f"round {rnd + 1} {system} R={replicas}: {res['samples_s']:,.0f} "
+                        f"samples/s, held-out {res['accuracy']:.3f}, wall {res['wall_s']:.1f} s"
+                        + (f" ({res['failed']})" if "failed" in res else ""),
+                        flush=True,
+                    )
     summary = {key: summarise(runs) for key, runs in results.items()}
     print_table(summary)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"job": {"steps": STEPS, "batch": BATCH, "lr": LR},
-                                        "results": summary}, indent=1))  # fmt: skip
+        args.out.write_text(
+            json.dumps(
+                {"job": {"steps": STEPS, "batch": BATCH, "lr": LR}, "results": summary}, indent=1
+            )
+        )
         print(f"wrote {args.out}")
     return 0
 

@@ -75,9 +75,13 @@ def _measure(rate: str, burst: str, cpu: str, args) -> dict:
         seconds, _ = runner.link(SIZES, args.repeats, 2)
     achieved = [8 * size / s for size, s in zip(SIZES, seconds, strict=True)]
     return {
-        "rate": rate, "rate_bps": netns.rate_bps(rate), "burst": burst, "cpu": cpu,
-        "seconds": [float(s) for s in seconds], "achieved_bps": achieved,
-    }  # fmt: skip
+        "rate": rate,
+        "rate_bps": netns.rate_bps(rate),
+        "burst": burst,
+        "cpu": cpu,
+        "seconds": [float(s) for s in seconds],
+        "achieved_bps": achieved,
+    }
 
 
 def _line(row: dict) -> str:

@@ -24,9 +24,15 @@ import uuid
 from pathlib import Path
 
 CASES = [
-    ("digits-mlp", 32), ("digits-mlp", 2000), ("tiny-local", 32), ("tiny-local", 512),
-    ("tiny-local", 4000), ("bench-local", 32), ("bench-local", 256), ("bench-local", 1024),
-]  # fmt: skip
+    ("digits-mlp", 32),
+    ("digits-mlp", 2000),
+    ("tiny-local", 32),
+    ("tiny-local", 512),
+    ("tiny-local", 4000),
+    ("bench-local", 32),
+    ("bench-local", 256),
+    ("bench-local", 1024),
+]
 WORKERS, REPLICAS, STEPS = 2, 2, 6
 
 
@@ -36,10 +42,28 @@ def measure(model: str, batch: int) -> dict:
     marker = f"NETPART_MEMORY_BENCH={uuid.uuid4().hex}"
     env = {**os.environ, marker.split("=")[0]: marker.split("=")[1]}
     with tempfile.TemporaryDirectory() as tmp:
-        argv = [sys.executable, "-m", "netpart", "train", "--model", model, "--workers",
-                str(WORKERS), "--replicas", str(REPLICAS), "--ps-shards", str(WORKERS),
-                "--steps", str(STEPS), "--batch", str(batch), "--checkpoint-every", "1000",
-                "--out", str(Path(tmp) / "run")]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "netpart",
+            "train",
+            "--model",
+            model,
+            "--workers",
+            str(WORKERS),
+            "--replicas",
+            str(REPLICAS),
+            "--ps-shards",
+            str(WORKERS),
+            "--steps",
+            str(STEPS),
+            "--batch",
+            str(batch),
+            "--checkpoint-every",
+            "1000",
+            "--out",
+            str(Path(tmp) / "run"),
+        ]
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         peak = [0]
 
@@ -67,9 +91,12 @@ def _estimate(model: str, batch: int) -> dict:
     config = TrainConfig(replicas=REPLICAS, shards=WORKERS, batch=batch, steps=STEPS)
     est = estimate(spec, plan(spec, WORKERS, seed=0, batch=batch), config)
     workers = REPLICAS * WORKERS
-    return {"estimate_bytes": est.total, "workers_bytes": est.workers_bytes,
-            "shards_bytes": est.shards_bytes,
-            "worker_processes_estimate": workers * BASE_BYTES + est.workers_bytes}  # fmt: skip
+    return {
+        "estimate_bytes": est.total,
+        "workers_bytes": est.workers_bytes,
+        "shards_bytes": est.shards_bytes,
+        "worker_processes_estimate": workers * BASE_BYTES + est.workers_bytes,
+    }
 
 
 def main() -> int:
@@ -83,15 +110,19 @@ def main() -> int:
         r = measure(model, batch)
         r["ratio"] = r["estimate_bytes"] / r["peak_bytes"]
         rows.append(r)
-        print(f"{model + ' b' + str(batch):<22} {r['peak_bytes'] / 2**30:>9.2f} "
-              f"{r['estimate_bytes'] / 2**30:>13.2f} {r['ratio']:>14.2f}")  # fmt: skip
+        print(
+            f"{model + ' b' + str(batch):<22} {r['peak_bytes'] / 2**30:>9.2f} "
+            f"{r['estimate_bytes'] / 2**30:>13.2f} {r['ratio']:>14.2f}"
+        )
     low = min(r["ratio"] for r in rows)
-    print(f"lowest estimate/peak: {low:.2f} (must be >= {1 / 1.5:.2f}: the estimate at most "
-          "1.5x low)")  # fmt: skip
+    print(
+        f"lowest estimate/peak: {low:.2f} (must be >= {1 / 1.5:.2f}: the estimate at most 1.5x low)"
+    )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"workers": WORKERS, "replicas": REPLICAS,
-                                        "rows": rows}, indent=1))  # fmt: skip
+        args.out.write_text(
+            json.dumps({"workers": WORKERS, "replicas": REPLICAS, "rows": rows}, indent=1)
+        )
     return 0
 
 

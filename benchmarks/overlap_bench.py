@@ -70,8 +70,10 @@ def _case(runner: EmulatedRunner, spec, p, case: str) -> dict:
         waits = [statistics.median(s["wait"] for s in prof[WARMUP:]) for _, prof, _ in loaded]
         out["exposed_ms"] = float(np.mean(waits)) * 1e3
         out["main_cpu_ms"] = 1e3 * float(np.mean([_median_of(u, "main_cpu_s") for *_, u in loaded]))
-        gloo = [sum(_median_of(u, k) for k in u[-1] if k.startswith("gloo") and k.endswith("cpu_s"))
-                for *_, u in loaded]  # fmt: skip
+        gloo = [
+            sum(_median_of(u, k) for k in u[-1] if k.startswith("gloo") and k.endswith("cpu_s"))
+            for *_, u in loaded
+        ]
         out["gloo_cpu_ms"] = 1e3 * float(np.mean(gloo))
     return out
 
@@ -151,7 +153,7 @@ def _summary(runs: dict[str, list[dict]], plans: dict, rate_bps: float) -> dict:
             "split_extra_ms": extra,
             "hideable_ms": hideable,
             "split_cost": extra / hideable if hideable > 0 else None,
-        }  # fmt: skip
+        }
         out["workers"][str(n)] = fig
         print(
             f"  N={n}: one {one:.1f} ms; auto {steps['auto']:.1f} ({fig['speedup_auto']:.2f}x, "

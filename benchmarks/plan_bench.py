@@ -59,18 +59,28 @@ def _child(model: str, workers: int, method: str, started: float) -> None:
     metrics = json.dumps(dataclasses.asdict(p.metrics), sort_keys=True)
     digest = hashlib.sha256(p.node_map.astype("int64").tobytes() + metrics.encode())
     out = {
-        "model": model, "workers": workers, "method": method, "chosen": p.method,
-        "options": p.method_options, "plan_s": wall, "process_s": time.time() - started,
+        "model": model,
+        "workers": workers,
+        "method": method,
+        "chosen": p.method,
+        "options": p.method_options,
+        "plan_s": wall,
+        "process_s": time.time() - started,
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        "blocks": len(p.node_map), "digest": digest.hexdigest()[:16],
+        "blocks": len(p.node_map),
+        "digest": digest.hexdigest()[:16],
         "map_digest": hashlib.sha256(p.node_map.astype("int64").tobytes()).hexdigest()[:16],
         **_figures(p.metrics),
         "candidates": [
-            {"method": c.method, "options": c.options, "skipped": getattr(c, "skipped", ""),
-             **_figures(c.metrics)}
+            {
+                "method": c.method,
+                "options": c.options,
+                "skipped": getattr(c, "skipped", ""),
+                **_figures(c.metrics),
+            }
             for c in p.candidates
         ],
-    }  # fmt: skip
+    }
     print(json.dumps(out))
 
 
@@ -79,10 +89,18 @@ def _run(model: str, workers: int, method: str = "auto", tree: Path | None = Non
     env, cwd = dict(os.environ), None
     if tree is not None:  # `python FILE` imports from the file's folder first: set both
         env["PYTHONPATH"], cwd = str(tree), tree
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", model, str(workers),
-           method, str(time.time())]  # fmt: skip
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False,
-                         env=env, cwd=cwd)  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        model,
+        str(workers),
+        method,
+        str(time.time()),
+    ]
+    res = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=3600, check=False, env=env, cwd=cwd
+    )
     if res.returncode != 0:
         raise SystemExit(f"case {model} x {workers} ({method}) failed:\n{res.stderr[-2000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -100,14 +118,20 @@ def _command(model: str, workers: int) -> dict:
     `netpart.cli.main`, in a fresh process): wall and peak RSS."""
     argv = ["plan", "--model", model, "--workers", str(workers), "--no-figures"]
     start = time.perf_counter()
-    res = subprocess.run([sys.executable, "-c", PEAK, *argv], capture_output=True, text=True,
-                         timeout=3600)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-c", PEAK, *argv], capture_output=True, text=True, timeout=3600
+    )
     wall = time.perf_counter() - start
     if res.returncode != 0:
         raise SystemExit(f"netpart plan {model} x {workers} failed:\n{res.stderr[-2000:]}")
     peak = next(int(x.split()[1]) for x in res.stderr.splitlines() if x.startswith("peak "))
-    return {"model": model, "workers": workers, "wall_s": wall, "peak_rss_gib": peak / 2**20,
-            "first_line": res.stdout.splitlines()[0]}  # fmt: skip
+    return {
+        "model": model,
+        "workers": workers,
+        "wall_s": wall,
+        "peak_rss_gib": peak / 2**20,
+        "first_line": res.stdout.splitlines()[0],
+    }
 
 
 def _name(c: dict) -> str:
@@ -189,14 +213,20 @@ def main() -> int:
     for model, workers in cases:
         r = _run(model, workers)
         timed.append(r)
-        print(f"{model + ' x ' + str(workers):<20} {r['plan_s']:>8.2f} {r['process_s']:>10.2f} "
-              f"{r['peak_rss_gib']:>9.2f} {r['blocks']:>8}  {r['chosen']}")  # fmt: skip
+        print(
+            f"{model + ' x ' + str(workers):<20} {r['plan_s']:>8.2f} {r['process_s']:>10.2f} "
+            f"{r['peak_rss_gib']:>9.2f} {r['blocks']:>8}  {r['chosen']}"
+        )
     commands = [] if args.quick else [_command(*ACCEPT[:2]), _command(*LARGE[:2])]
     for c in commands:
-        print(f"netpart plan {c['model']} x {c['workers']}: {c['wall_s']:.1f} s, "
-              f"{c['peak_rss_gib']:.2f} GiB")  # fmt: skip
-    print(f"\n{'model':<12} {'P':>4} {'candidate':<20} {'vol/bound':>10} {'imbalance':>10} "
-          f"{'step ms':>9}")  # fmt: skip
+        print(
+            f"netpart plan {c['model']} x {c['workers']}: {c['wall_s']:.1f} s, "
+            f"{c['peak_rss_gib']:.2f} GiB"
+        )
+    print(
+        f"\n{'model':<12} {'P':>4} {'candidate':<20} {'vol/bound':>10} {'imbalance':>10} "
+        f"{'step ms':>9}"
+    )
     quality = [r for r in timed if r["model"] in IMAGE_MODELS and r["workers"] in QUALITY_WORKERS]
     for r in quality:
         print("\n".join(_quality_lines(r)))
@@ -209,10 +239,16 @@ def main() -> int:
     for line in checks:
         print("  " + line)
     result = {
-        "machine": {"python": platform.python_version(), "platform": platform.platform(),
-                    "load": os.getloadavg()},
-        "timed": timed, "commands": commands, "speech_stripe": stripe, "acceptance": checks,
-    }  # fmt: skip
+        "machine": {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "load": os.getloadavg(),
+        },
+        "timed": timed,
+        "commands": commands,
+        "speech_stripe": stripe,
+        "acceptance": checks,
+    }
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))

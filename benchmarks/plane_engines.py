@@ -93,11 +93,19 @@ def _one(mk, model: str, workers: int) -> dict:
     return {
         "model": model,
         "workers": workers,
-        "metis": {"volume_ratio": metis.volume_ratio, "imbalance": metis.max_layer_imbalance,
-                  "step_s": metis.predicted_step_s, "plan_wall_s": metis_wall},
-        "mtkahypar": {"volume_ratio": km1.volume_ratio, "imbalance": km1.max_layer_imbalance,
-                      "step_s": km1.predicted_step_s, "partition_wall_s": wall},
-    }  # fmt: skip
+        "metis": {
+            "volume_ratio": metis.volume_ratio,
+            "imbalance": metis.max_layer_imbalance,
+            "step_s": metis.predicted_step_s,
+            "plan_wall_s": metis_wall,
+        },
+        "mtkahypar": {
+            "volume_ratio": km1.volume_ratio,
+            "imbalance": km1.max_layer_imbalance,
+            "step_s": km1.predicted_step_s,
+            "partition_wall_s": wall,
+        },
+    }
 
 
 def main() -> int:

@@ -136,8 +136,18 @@ def shard_throughput(
     namespaces joined by a link tbf-limited to `rate` each way (None if they cannot be made)."""
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         result = Path(tmp) / "r.json"
-        argv = [sys.executable, __file__, "--iters", str(iters), "--rounds", str(rounds),
-                "--optimizer", optimizer, "--result", str(result)]  # fmt: skip
+        argv = [
+            sys.executable,
+            __file__,
+            "--iters",
+            str(iters),
+            "--rounds",
+            str(rounds),
+            "--optimizer",
+            optimizer,
+            "--result",
+            str(result),
+        ]
 
         def peer(rank: int, addr: str, port: int) -> list[str]:
             return [*argv, "--peer", str(rank), "--addr", addr, "--port", str(port)]
@@ -162,8 +172,11 @@ def shard_throughput(
             ]
         with reaped([subprocess.Popen(c) for c in commands]) as procs:
             wait_all(procs, 900, f"a peer of (a) ({optimizer}, link {rate})")
-        return {"optimizer": optimizer, "link": rate or "loopback",
-                **json.loads(result.read_text())}  # fmt: skip
+        return {
+            "optimizer": optimizer,
+            "link": rate or "loopback",
+            **json.loads(result.read_text()),
+        }
 
 
 def _median_step(run: Path, skip: int) -> float:
@@ -204,8 +217,18 @@ def _own_sgd(steps: int, batch: int, lr: float) -> list[float]:
     """Each step's seconds (slower worker) of the own-SGD baseline, two processes here."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
-        argv = [sys.executable, __file__, "--own-sgd", tmp, "--steps", str(steps),
-                "--batches", str(batch), "--lr", str(lr)]  # fmt: skip
+        argv = [
+            sys.executable,
+            __file__,
+            "--own-sgd",
+            tmp,
+            "--steps",
+            str(steps),
+            "--batches",
+            str(batch),
+            "--lr",
+            str(lr),
+        ]
         with reaped([subprocess.Popen([*argv, "--peer", str(r)]) for r in (0, 1)]) as procs:
             wait_all(procs, 600, "a worker of the own-SGD baseline")
         return json.loads(out.read_text())
@@ -275,8 +298,11 @@ def main() -> None:
         return
     torch.set_num_threads(1)
     out = {
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "torch": torch.__version__},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },
         "shard_throughput": [
             got
             for rate in [None, *filter(None, args.links.split(","))]
@@ -286,9 +312,10 @@ def main() -> None:
         ],
         "downpour_step": [
             downpour_step(args.pairs, args.steps, int(b))
-            for b in args.batches.split(",") if args.only in (None, "b")
+            for b in args.batches.split(",")
+            if args.only in (None, "b")
         ],
-    }  # fmt: skip
+    }
     print(json.dumps(out, indent=1))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

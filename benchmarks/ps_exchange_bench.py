@@ -60,11 +60,18 @@ def role_out(bed: str, role: str, world: int, args: list[str], what: str) -> str
     first rank that failed, its exit code and its stderr's tail if any rank fails."""
     testbed = read(bed)
     procs = [
-        subprocess.Popen(testbed.command(r, [sys.executable, "-c", role, str(r), *args],
-                                         {"GLOO_SOCKET_IFNAME": testbed.hosts[r].device}),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            testbed.command(
+                r,
+                [sys.executable, "-c", role, str(r), *args],
+                {"GLOO_SOCKET_IFNAME": testbed.hosts[r].device},
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for r in range(world)
-    ]  # fmt: skip
+    ]
     outs = [p.communicate(timeout=600) for p in procs]
     failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
     if failed:
@@ -73,8 +80,9 @@ def role_out(bed: str, role: str, world: int, args: list[str], what: str) -> str
     return outs[0][0].strip().splitlines()[-1]
 
 
-def run(bed: str, config: tuple[int, int], repeats: int, share: float, tmp: Path,
-        sizes: tuple[int, ...]) -> dict:  # fmt: skip
+def run(
+    bed: str, config: tuple[int, int], repeats: int, share: float, tmp: Path, sizes: tuple[int, ...]
+) -> dict:
     """{mode: (seconds per size, busy per size)} of client 0 of `config` (clients, shards)."""
     clients, shards = config
     world = clients + shards
@@ -101,9 +109,14 @@ def _rows(seen: dict, ps, sizes: tuple[int, ...]) -> list[dict]:
     for (clients, shards), runs in seen.items():
         for mode in MODES:
             for i, size in enumerate(sizes):
-                row = {"clients": clients, "shards": shards, "mode": mode, "bytes": size,
-                       "seconds": statistics.median(r[mode][0][i] for r in runs),
-                       "busy": statistics.median(r[mode][1][i] for r in runs)}  # fmt: skip
+                row = {
+                    "clients": clients,
+                    "shards": shards,
+                    "mode": mode,
+                    "bytes": size,
+                    "seconds": statistics.median(r[mode][0][i] for r in runs),
+                    "busy": statistics.median(r[mode][1][i] for r in runs),
+                }
                 said = ""
                 read = _profile_s(ps, mode, clients, shards, size) if ps is not None else None
                 if read is not None:
@@ -111,8 +124,10 @@ def _rows(seen: dict, ps, sizes: tuple[int, ...]) -> list[dict]:
                     said = f", profile {read * 1e3:6.2f} ms"
                 rows.append(row)
                 ms, busy = row["seconds"] * 1e3, row["busy"] * 1e3
-                print(f"{clients} client(s) {shards} shard(s) {mode:<8} {size >> 10:5} KB: "
-                      f"{ms:6.2f} ms, busy {busy:6.2f} ms{said}")  # fmt: skip
+                print(
+                    f"{clients} client(s) {shards} shard(s) {mode:<8} {size >> 10:5} KB: "
+                    f"{ms:6.2f} ms, busy {busy:6.2f} ms{said}"
+                )
     return rows
 
 
@@ -157,9 +172,14 @@ def main(argv=None) -> int:
         ps = NetworkModel.from_profile(args.profile.read_text(), str(args.profile)).ps
     rows = _rows(seen, ps, sizes)
     if args.out is not None:
-        result = {"cpu": args.cpu, "link": args.link, "repeats": args.repeats,
-                  "rounds": args.rounds, "profile": str(args.profile) if args.profile else None,
-                  "rows": rows}  # fmt: skip
+        result = {
+            "cpu": args.cpu,
+            "link": args.link,
+            "repeats": args.repeats,
+            "rounds": args.rounds,
+            "profile": str(args.profile) if args.profile else None,
+            "rows": rows,
+        }
         write_atomic(args.out, json.dumps(result, indent=1).encode())
         print(f"wrote {args.out}")
     return 0

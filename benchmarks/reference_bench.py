@@ -63,8 +63,13 @@ def main(argv=None) -> int:
             f"{name:<17} {cpu * 1e3:8.2f} ms CPU a step, {cpu / medians['netpart']:.2f}x netpart's"
         )
     if args.out is not None:
-        result = {"model": args.model, "steps": args.steps, "rounds": args.rounds,
-                  "cpu_s": medians, "rounds_cpu_s": seen}  # fmt: skip
+        result = {
+            "model": args.model,
+            "steps": args.steps,
+            "rounds": args.rounds,
+            "cpu_s": medians,
+            "rounds_cpu_s": seen,
+        }
         write_atomic(args.out, json.dumps(result, indent=1).encode())
     return 0
 

@@ -105,12 +105,17 @@ def beside(bed: str, what: str | None, machines: int, tmp: Path) -> list[subproc
         return [subprocess.Popen([sys.executable, "-c", WAKER])]
     testbed, store = read(bed), tmp / f"g{time.monotonic_ns()}"
     procs = [
-        subprocess.Popen(testbed.command(r, [sys.executable, "-c", IDLE_GROUPS, str(r),
-                                             str(machines), str(store)],
-                                         {"GLOO_SOCKET_IFNAME": testbed.hosts[r].device}),
-                         stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            testbed.command(
+                r,
+                [sys.executable, "-c", IDLE_GROUPS, str(r), str(machines), str(store)],
+                {"GLOO_SOCKET_IFNAME": testbed.hosts[r].device},
+            ),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         for r in range(machines)
-    ]  # fmt: skip
+    ]
     for p in procs:  # every group made before the ring starts
         if p.stdout.readline().strip() != "ready":
             raise SystemExit("idle groups: a machine's process failed to start")
@@ -127,8 +132,14 @@ def run(bed: str, case: str, args, tmp: Path) -> dict:
         shutil.rmtree(at, ignore_errors=True)
         return {k: got[k] for k in ("step_s", "backward_s", "cpu_s")}
     idle, policy, aside = RINGS[case]
-    argv = [str(args.machines), str(args.repeats), str(idle), str(at), policy,
-            json.dumps(list(SIZES))]  # fmt: skip
+    argv = [
+        str(args.machines),
+        str(args.repeats),
+        str(idle),
+        str(at),
+        policy,
+        json.dumps(list(SIZES)),
+    ]
     others = beside(bed, aside, args.machines, tmp)
     try:
         out = json.loads(role_out(bed, ROLE, args.machines, argv, case))
@@ -161,21 +172,33 @@ def main(argv=None) -> int:
     finally:
         down(name)
         shutil.rmtree(tmp, ignore_errors=True)
-    result = {"machines": args.machines, "cpu": args.cpu, "link": args.link,
-              "repeats": args.repeats, "steps": args.steps, "rounds": args.rounds,
-              "sizes": list(SIZES), "cases": {}}  # fmt: skip
+    result = {
+        "machines": args.machines,
+        "cpu": args.cpu,
+        "link": args.link,
+        "repeats": args.repeats,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "sizes": list(SIZES),
+        "cases": {},
+    }
     for case, got in seen.items():
         keys = got[0].keys()
         medians = {
-            k: ([statistics.median(g[k][i] for g in got) for i in range(len(SIZES))]
-                if isinstance(got[0][k], list) else statistics.median(g[k] for g in got))
+            k: (
+                [statistics.median(g[k][i] for g in got) for i in range(len(SIZES))]
+                if isinstance(got[0][k], list)
+                else statistics.median(g[k] for g in got)
+            )
             for k in keys
-        }  # fmt: skip
+        }
         result["cases"][case] = {"median": medians, "rounds": got}
         if case == "DDP":
-            print(f"{case}: step {medians['step_s'] * 1e3:.2f} ms, backward with its "
-                  f"all-reduce {medians['backward_s'] * 1e3:.2f} ms, CPU "
-                  f"{medians['cpu_s'] * 1e3:.2f} ms")  # fmt: skip
+            print(
+                f"{case}: step {medians['step_s'] * 1e3:.2f} ms, backward with its "
+                f"all-reduce {medians['backward_s'] * 1e3:.2f} ms, CPU "
+                f"{medians['cpu_s'] * 1e3:.2f} ms"
+            )
             continue
         pairs = zip(SIZES, medians["seconds"], medians["cpu"], strict=True)
         each = ", ".join(

@@ -114,10 +114,14 @@ def run(system: str, replicas: int, iters: int, tmp: Path, baseline: Path | None
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", ROLE, system, str(rank), str(world), str(store), str(iters)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=cwd,
         )
         for rank in range(world)
-    ]  # fmt: skip
+    ]
     try:
         outs = [p.communicate(timeout=TIMEOUT)[0] for p in procs]
     except subprocess.TimeoutExpired:
@@ -173,15 +177,23 @@ def main() -> int:
                 b / n for b, n in pairs
             )
         med = summary[key]["ms_median"]
-        print(f"{key}: netpart {med['netpart']:.3f} ms, all-reduce {med['allreduce']:.3f} ms, "
-              f"raw {med['raw']:.3f} ms; all-reduce / netpart "
-              f"{summary[key]['allreduce_over_netpart_median']:.2f}x (per round "
-              + ", ".join(f"{v:.2f}" for v in vs_allreduce) + ")"
-              + (f"; baseline {med['baseline']:.3f} ms" if "baseline" in med else ""))  # fmt: skip
+        print(
+            f"{key}: netpart {med['netpart']:.3f} ms, all-reduce {med['allreduce']:.3f} ms, "
+            f"raw {med['raw']:.3f} ms; all-reduce / netpart "
+            f"{summary[key]['allreduce_over_netpart_median']:.2f}x (per round "
+            + ", ".join(f"{v:.2f}" for v in vs_allreduce)
+            + ")"
+            + (f"; baseline {med['baseline']:.3f} ms" if "baseline" in med else "")
+        )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        job = {"values": 85002, "dtype": "float32", "iters": args.iters, "rounds": args.rounds,
-               "baseline": None if args.baseline is None else str(args.baseline)}  # fmt: skip
+        job = {
+            "values": 85002,
+            "dtype": "float32",
+            "iters": args.iters,
+            "rounds": args.rounds,
+            "baseline": None if args.baseline is None else str(args.baseline),
+        }
         args.out.write_text(json.dumps({"job": job, "results": summary}, indent=1))
         print(f"wrote {args.out}")
     return 0

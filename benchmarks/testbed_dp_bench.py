@@ -118,18 +118,49 @@ os._exit(0)
 
 def run_netpart(bed: str, layout, mode: str, steps: int, tmp: Path, seed: int) -> dict:
     run = tmp / f"np-{mode}-{time.monotonic_ns()}"
-    argv = [sys.executable, "-m", "netpart", "train", "--testbed", bed, "--model", "digits-mlp",
-            "--mode", mode, "--replicas", str(layout.replicas), "--workers",
-            str(layout.workers), "--ps-shards", str(layout.shards), "--optimizer", "sgd",
-            "--lr", str(LR), "--n-push", "1", "--n-fetch", "1", "--steps", str(steps),
-            "--data", "digits", "--batch", str(BATCH), "--seed", str(seed), "--timeout", "60",
-            "--out", str(run)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "netpart",
+        "train",
+        "--testbed",
+        bed,
+        "--model",
+        "digits-mlp",
+        "--mode",
+        mode,
+        "--replicas",
+        str(layout.replicas),
+        "--workers",
+        str(layout.workers),
+        "--ps-shards",
+        str(layout.shards),
+        "--optimizer",
+        "sgd",
+        "--lr",
+        str(LR),
+        "--n-push",
+        "1",
+        "--n-fetch",
+        "1",
+        "--steps",
+        str(steps),
+        "--data",
+        "digits",
+        "--batch",
+        str(BATCH),
+        "--seed",
+        str(seed),
+        "--timeout",
+        "60",
+        "--out",
+        str(run),
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise SystemExit(f"netpart {mode}: exit {done.returncode}: {done.stderr[-600:]}")
     held = json.loads((run / "summary.json").read_text())["held_out"]
-    out = {"samples_s": measured_samples_per_s(run, layout.replicas),
-           "accuracy": held["accuracy"]}  # fmt: skip
+    out = {"samples_s": measured_samples_per_s(run, layout.replicas), "accuracy": held["accuracy"]}
     shutil.rmtree(run, ignore_errors=True)
     return out
 
@@ -149,8 +180,7 @@ def run_ddp(bed: str, machines: int, steps: int, data: Path, tmp: Path, seed: in
             raise SystemExit(f"ddp: exit {p.returncode}: {err.decode()[-600:]}")
     ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(machines)]
     span = max(r["end"] for r in ranks) - min(r["start"] for r in ranks)
-    return {"samples_s": sum(r["samples"] for r in ranks) / span,
-            "accuracy": ranks[0]["accuracy"]}  # fmt: skip
+    return {"samples_s": sum(r["samples"] for r in ranks) / span, "accuracy": ranks[0]["accuracy"]}
 
 
 def ensure_tf() -> Path:
@@ -163,27 +193,45 @@ def ensure_tf() -> Path:
     return python
 
 
-def run_tf(bed: str, machines: int, steps: int, data: Path, tmp: Path, seed: int,
-           per_call: int) -> dict:  # fmt: skip
+def run_tf(
+    bed: str, machines: int, steps: int, data: Path, tmp: Path, seed: int, per_call: int
+) -> dict:
     """The chief and the ps task on machine 0, a worker on each other machine."""
     testbed, python = read(bed), ensure_tf()
     hosts = [h.address for h in testbed.hosts]
-    cluster = {"chief": [f"{hosts[0]}:{TF_PORT}"], "ps": [f"{hosts[0]}:{TF_PORT + 1}"],
-               "worker": [f"{a}:{TF_PORT}" for a in hosts[1:]]}  # fmt: skip
+    cluster = {
+        "chief": [f"{hosts[0]}:{TF_PORT}"],
+        "ps": [f"{hosts[0]}:{TF_PORT + 1}"],
+        "worker": [f"{a}:{TF_PORT}" for a in hosts[1:]],
+    }
     out = tmp / f"tf{time.monotonic_ns()}.json"
     roles = [("ps", 0, 0)] + [("worker", i - 1, i) for i in range(1, machines)]
     args = [str(data), str(steps), str(BATCH), str(LR), str(seed)]
 
     def task(role: str, k: int) -> list[str]:
-        return [str(python), "-c", TF, *args, role, str(k), json.dumps(cluster), str(out),
-                str(per_call)]  # fmt: skip
+        return [
+            str(python),
+            "-c",
+            TF,
+            *args,
+            role,
+            str(k),
+            json.dumps(cluster),
+            str(out),
+            str(per_call),
+        ]
 
-    servers = [subprocess.Popen(testbed.command(m, task(role, k)), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL) for role, k, m in roles]  # fmt: skip
+    servers = [
+        subprocess.Popen(
+            testbed.command(m, task(role, k)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        for role, k, m in roles
+    ]
     before = [h.tx_bytes() for h in testbed.hosts]
     try:
-        done = subprocess.run(testbed.command(0, task("chief", 0)), capture_output=True,
-                              text=True, timeout=900)  # fmt: skip
+        done = subprocess.run(
+            testbed.command(0, task("chief", 0)), capture_output=True, text=True, timeout=900
+        )
         if done.returncode != 0:
             raise SystemExit(f"tensorflow: exit {done.returncode}: {done.stderr[-600:]}")
     finally:
@@ -194,8 +242,11 @@ def run_tf(bed: str, machines: int, steps: int, data: Path, tmp: Path, seed: int
     # what it claims, checked: bytes each machine sent per step (the ps machine: variables
     # read by the workers; each worker: its gradients), over the whole run
     sent = [(h.tx_bytes() - b) / steps for h, b in zip(testbed.hosts, before, strict=True)]
-    return {"samples_s": got["samples"] / (got["end"] - got["start"]),
-            "accuracy": got["accuracy"], "sent_per_step": sent}  # fmt: skip
+    return {
+        "samples_s": got["samples"] / (got["end"] - got["start"]),
+        "accuracy": got["accuracy"],
+        "sent_per_step": sent,
+    }
 
 
 def main(argv=None) -> int:
@@ -211,11 +262,14 @@ def main(argv=None) -> int:
     advice = advise(load_spec("digits-mlp"), m, network, batch=BATCH)
     layout = trainable(advice).layout
     steps_np = SAMPLES // (layout.replicas * BATCH)
-    systems = [f"netpart {layout.mode} {layout.replicas}x{layout.workers}+{layout.shards}",
-               f"netpart {'sync' if layout.mode == 'downpour' else 'downpour'} "
-               f"{layout.replicas}x{layout.workers}+{layout.shards}", f"ddp x{m}",
-               f"tf-ps {m - 1}+1 (1 step a call)",
-               f"tf-ps {m - 1}+1 (10 steps a call)"]  # fmt: skip
+    systems = [
+        f"netpart {layout.mode} {layout.replicas}x{layout.workers}+{layout.shards}",
+        f"netpart {'sync' if layout.mode == 'downpour' else 'downpour'} "
+        f"{layout.replicas}x{layout.workers}+{layout.shards}",
+        f"ddp x{m}",
+        f"tf-ps {m - 1}+1 (1 step a call)",
+        f"tf-ps {m - 1}+1 (10 steps a call)",
+    ]
     name = f"tdp{os.getpid() % 100000}"
     tmp = Path(tempfile.mkdtemp(prefix="testbed-dp-"))
     data = tmp / "digits.npz"
@@ -233,21 +287,39 @@ def main(argv=None) -> int:
                 else:
                     got = run_netpart(name, layout, system.split()[1], steps_np, tmp, k)
                 seen[system].append(got)
-                print(f"round {k + 1}: {system:<34} {got['samples_s']:9,.0f} samples/s, "
-                      f"held-out {got['accuracy']:.3f}", flush=True)  # fmt: skip
+                print(
+                    f"round {k + 1}: {system:<34} {got['samples_s']:9,.0f} samples/s, "
+                    f"held-out {got['accuracy']:.3f}",
+                    flush=True,
+                )
     finally:
         down(name)
         shutil.rmtree(tmp, ignore_errors=True)
-    summary = {s: {"samples_s_median": statistics.median(r["samples_s"] for r in v),
-                   "accuracy_median": statistics.median(r["accuracy"] for r in v), "runs": v}
-               for s, v in seen.items()}  # fmt: skip
+    summary = {
+        s: {
+            "samples_s_median": statistics.median(r["samples_s"] for r in v),
+            "accuracy_median": statistics.median(r["accuracy"] for r in v),
+            "runs": v,
+        }
+        for s, v in seen.items()
+    }
     ddp = summary[systems[2]]["samples_s_median"]
     for s, v in summary.items():
-        print(f"{s:<34} {v['samples_s_median']:9,.0f} samples/s ({v['samples_s_median'] / ddp:.2f}"
-              f"x DDP), held-out {v['accuracy_median']:.3f}")  # fmt: skip
+        print(
+            f"{s:<34} {v['samples_s_median']:9,.0f} samples/s ({v['samples_s_median'] / ddp:.2f}"
+            f"x DDP), held-out {v['accuracy_median']:.3f}"
+        )
     if args.out is not None:
-        result = {"machines": m, "cpu": args.cpu, "link": args.link, "samples": SAMPLES,
-                  "batch": BATCH, "lr": LR, "layout": str(layout), "results": summary}  # fmt: skip
+        result = {
+            "machines": m,
+            "cpu": args.cpu,
+            "link": args.link,
+            "samples": SAMPLES,
+            "batch": BATCH,
+            "lr": LR,
+            "layout": str(layout),
+            "results": summary,
+        }
         write_atomic(args.out, json.dumps(result, indent=1).encode())
         print(f"wrote {args.out}")
     return 0

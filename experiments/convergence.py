@@ -48,22 +48,57 @@ SANDBLASTER_ITERATIONS = 15  # full-batch L-BFGS iterations (Armijo line search)
 
 def algorithms(replicas: list[int]) -> list[dict]:
     """The runs: one replica (plain SGD), then sync SGD, Downpour SGD and Downpour Adagrad."""
-    runs = [{"name": "1 replica SGD", "mode": "sync", "optimizer": "sgd", "lr": 0.1,
-             "replicas": 1}]  # fmt: skip
+    runs = [{"name": "1 replica SGD", "mode": "sync", "optimizer": "sgd", "lr": 0.1, "replicas": 1}]
     for r in (r for r in replicas if r > 1):
-        runs.append({"name": f"sync SGD R={r}", "mode": "sync", "optimizer": "sgd", "lr": 0.1,
-                     "replicas": r})  # fmt: skip
-        runs.append({"name": f"Downpour SGD R={r}", "mode": "downpour", "optimizer": "sgd",
-                     "lr": 0.1, "replicas": r})  # fmt: skip
+        runs.append(
+            {
+                "name": f"sync SGD R={r}",
+                "mode": "sync",
+                "optimizer": "sgd",
+                "lr": 0.1,
+                "replicas": r,
+            }
+        )
+        runs.append(
+            {
+                "name": f"Downpour SGD R={r}",
+                "mode": "downpour",
+                "optimizer": "sgd",
+                "lr": 0.1,
+                "replicas": r,
+            }
+        )
     for r in (r for r in replicas if r > 1):  # DC-ASGD: Downpour SGD, stale pushes corrected
-        runs.append({"name": f"Downpour DC-ASGD R={r}", "mode": "downpour", "optimizer": "sgd",
-                     "lr": 0.1, "replicas": r, "dc_lambda": 0.5})  # fmt: skip
+        runs.append(
+            {
+                "name": f"Downpour DC-ASGD R={r}",
+                "mode": "downpour",
+                "optimizer": "sgd",
+                "lr": 0.1,
+                "replicas": r,
+                "dc_lambda": 0.5,
+            }
+        )
     for r in replicas:
-        runs.append({"name": f"Downpour Adagrad R={r}", "mode": "downpour",
-                     "optimizer": "adagrad", "lr": 0.05, "replicas": r})  # fmt: skip
+        runs.append(
+            {
+                "name": f"Downpour Adagrad R={r}",
+                "mode": "downpour",
+                "optimizer": "adagrad",
+                "lr": 0.05,
+                "replicas": r,
+            }
+        )
     for r in (r for r in replicas if r > 1):  # full-batch L-BFGS, the batch in 16 work units
-        runs.append({"name": f"Sandblaster L-BFGS R={r}", "mode": "sandblaster",
-                     "optimizer": "lbfgs", "lr": 1.0, "replicas": r})  # fmt: skip
+        runs.append(
+            {
+                "name": f"Sandblaster L-BFGS R={r}",
+                "mode": "sandblaster",
+                "optimizer": "lbfgs",
+                "lr": 1.0,
+                "replicas": r,
+            }
+        )
     return runs
 
 
@@ -75,11 +110,21 @@ def run_one(spec, p, layout, algo: dict, steps: int, batch: int, seed: int, out:
     if blaster:  # one update per evaluation of the whole training set
         batch, steps, updates = load_data(DATA, spec, seed).n, SANDBLASTER_ITERATIONS, SNAPSHOTS
     config = TrainConfig(
-        replicas=r, shards=WORKERS, mode=algo["mode"], optimizer=algo["optimizer"],
-        lr=algo["lr"], steps=steps, batch=batch, data=DATA, timeout=60,
-        checkpoint_every=10**9, snapshot_every=max(1, updates // SNAPSHOTS),
-        dc_lambda=algo.get("dc_lambda", 0.0), seed=seed, units=16,
-    )  # fmt: skip
+        replicas=r,
+        shards=WORKERS,
+        mode=algo["mode"],
+        optimizer=algo["optimizer"],
+        lr=algo["lr"],
+        steps=steps,
+        batch=batch,
+        data=DATA,
+        timeout=60,
+        checkpoint_every=10**9,
+        snapshot_every=max(1, updates // SNAPSHOTS),
+        dc_lambda=algo.get("dc_lambda", 0.0),
+        seed=seed,
+        units=16,
+    )
     run = out / (algo["name"].replace(" ", "_").replace("=", "") + f"_seed{seed}")
     shutil.rmtree(run, ignore_errors=True)
     summary = train(spec, p, config, run)
@@ -96,12 +141,18 @@ def run_one(spec, p, layout, algo: dict, steps: int, batch: int, seed: int, out:
         if len(metas) != WORKERS:
             continue  # a snapshot some shard did not reach
         state = model_from_shards(spec, p, config, snap, layout)
-        rows.append({
-            "time_s": float(np.mean([m["time"] for m in metas])) - t0,
-            "samples": batch * (int(metas[0]["updates"]) if blaster
-                                else sum(int(v) for v in metas[0]["progress"].values())),
-            **_scores(spec, held, state),
-        })  # fmt: skip
+        rows.append(
+            {
+                "time_s": float(np.mean([m["time"] for m in metas])) - t0,
+                "samples": batch
+                * (
+                    int(metas[0]["updates"])
+                    if blaster
+                    else sum(int(v) for v in metas[0]["progress"].values())
+                ),
+                **_scores(spec, held, state),
+            }
+        )
     done = len(lines) * batch if blaster else batch * steps * r
     end = {"time_s": max(x["time"] for x in lines) - t0, "samples": done}
     rows.append({**end, "loss": summary.held_out["loss"], "accuracy": summary.held_out["accuracy"]})
@@ -121,12 +172,17 @@ def summarise(rows: list[dict]) -> list[dict]:
     for key in dict.fromkeys((r["run"], r["seed"]) for r in rows):
         pts = [r for r in rows if (r["run"], r["seed"]) == key]
         hit = next((r for r in pts if r["accuracy"] >= TARGET), None)
-        out.append({
-            "run": key[0], "seed": key[1], "accuracy": pts[-1]["accuracy"],
-            "time_s": pts[-1]["time_s"], "samples": pts[-1]["samples"],
-            "time_to_target_s": hit["time_s"] if hit else None,
-            "samples_to_target": hit["samples"] if hit else None,
-        })  # fmt: skip
+        out.append(
+            {
+                "run": key[0],
+                "seed": key[1],
+                "accuracy": pts[-1]["accuracy"],
+                "time_s": pts[-1]["time_s"],
+                "samples": pts[-1]["samples"],
+                "time_to_target_s": hit["time_s"] if hit else None,
+                "samples_to_target": hit["samples"] if hit else None,
+            }
+        )
     return out
 
 
@@ -151,8 +207,14 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         style = styles.get(pts[0]["mode"], "-") if pts[0]["replicas"] > 1 else ":"
         marker = {"adagrad": "o", "lbfgs": "^"}.get(pts[0]["optimizer"], "s")
         for ax, key in zip(axes, ("time_s", "samples"), strict=True):
-            ax.plot([r[key] for r in pts], [r["accuracy"] for r in pts], style, marker=marker,
-                    markersize=3, label=name)  # fmt: skip
+            ax.plot(
+                [r[key] for r in pts],
+                [r["accuracy"] for r in pts],
+                style,
+                marker=marker,
+                markersize=3,
+                label=name,
+            )
     axes[0].set(xlabel="wall time (s)", ylabel="held-out accuracy")
     axes[1].set(xlabel="training examples processed (all replicas)")
     for ax in axes:
@@ -184,16 +246,26 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "convergence.csv", rows)
     summary = summarise(rows)
-    doc = {"steps": args.steps, "batch": args.batch, "target": TARGET, "summary": summary,
-           "rows": rows}  # fmt: skip
+    doc = {
+        "steps": args.steps,
+        "batch": args.batch,
+        "target": TARGET,
+        "summary": summary,
+        "rows": rows,
+    }
     write_atomic(args.out / "convergence.json", json.dumps(doc, indent=1).encode())
     title = f"{MODEL} on {WORKERS} model workers, digits: held-out accuracy (2-core machine)"
     plot(rows, args.out / "convergence.png", title)
     for f in summary:
-        hit = (f"{f['time_to_target_s']:.1f} s, {f['samples_to_target']:,} samples"
-               if f["samples_to_target"] is not None else "never")  # fmt: skip
-        print(f"{f['run']:<22} seed {f['seed']}: accuracy {f['accuracy']:.3f} after "
-              f"{f['time_s']:5.1f} s; {TARGET:.0%} after {hit}")  # fmt: skip
+        hit = (
+            f"{f['time_to_target_s']:.1f} s, {f['samples_to_target']:,} samples"
+            if f["samples_to_target"] is not None
+            else "never"
+        )
+        print(
+            f"{f['run']:<22} seed {f['seed']}: accuracy {f['accuracy']:.3f} after "
+            f"{f['time_s']:5.1f} s; {TARGET:.0%} after {hit}"
+        )
     print(f"wrote {args.out}/convergence.csv, convergence.json, convergence.png")
     return 0
 

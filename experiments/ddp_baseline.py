@@ -79,8 +79,10 @@ def run_ddp(replicas: int, steps: int) -> tuple[list[float], list]:
     port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_ddp_worker, args=(r, replicas, port, steps, queue))
-             for r in range(replicas)]  # fmt: skip
+    procs = [
+        ctx.Process(target=_ddp_worker, args=(r, replicas, port, steps, queue))
+        for r in range(replicas)
+    ]
     for p in procs:
         p.start()
     try:
@@ -98,9 +100,18 @@ def run_netpart(replicas: int, workers: int, steps: int, out: Path):
     """(step times of replica 0, held-out curve rows, final held-out figures)."""
     spec = load_spec(MODEL)
     p = plan(spec, workers, "metis", seed=0, batch=BATCH)
-    config = TrainConfig(replicas=replicas, shards=1, mode="sync", optimizer="sgd", lr=LR,
-                         steps=steps, batch=BATCH, data=DATA, checkpoint_every=10**9,
-                         snapshot_every=max(1, steps // POINTS))  # fmt: skip
+    config = TrainConfig(
+        replicas=replicas,
+        shards=1,
+        mode="sync",
+        optimizer="sgd",
+        lr=LR,
+        steps=steps,
+        batch=BATCH,
+        data=DATA,
+        checkpoint_every=10**9,
+        snapshot_every=max(1, steps // POINTS),
+    )
     run = out / f"netpart_sync_R{replicas}_N{workers}"
     shutil.rmtree(run, ignore_errors=True)
     summary = train(spec, p, config, run)
@@ -127,8 +138,9 @@ def plot(curves: list[dict], rows: list[dict], path: Path) -> None:
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.4))
     for name in dict.fromkeys(c["system"] for c in curves):
         pts = [c for c in curves if c["system"] == name]
-        ax.plot([c["time_s"] for c in pts], [c["accuracy"] for c in pts], "-o", markersize=3,
-                label=name)  # fmt: skip
+        ax.plot(
+            [c["time_s"] for c in pts], [c["accuracy"] for c in pts], "-o", markersize=3, label=name
+        )
     ax.set(xlabel="wall time (s)", ylabel="held-out accuracy", ylim=(0, 1))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -157,25 +169,39 @@ def main(argv=None) -> int:
         for t, step, arrays in snaps:
             res = evaluate(spec, {k: torch.from_numpy(v) for k, v in arrays.items()}, *held)
             curves.append({"system": f"DDP R={r}", "time_s": t, "step": step, **res})
-        rows.append({"system": "DDP (all-reduce)", "replicas": r, "workers": 1,
-                     "step_ms": 1e3 * float(np.median(times[3:])),
-                     "epoch_s": float(np.median(times[3:])) * per_epoch,
-                     "accuracy": curves[-1]["accuracy"]})  # fmt: skip
+        rows.append(
+            {
+                "system": "DDP (all-reduce)",
+                "replicas": r,
+                "workers": 1,
+                "step_ms": 1e3 * float(np.median(times[3:])),
+                "epoch_s": float(np.median(times[3:])) * per_epoch,
+                "accuracy": curves[-1]["accuracy"],
+            }
+        )
         for n in (1, 2):
             step_s, curve, held_out = run_netpart(r, n, args.steps, args.out / "runs")
             name = f"netpart sync R={r} N={n}"
             curves += [{"system": name, **c} for c in curve]
-            rows.append({"system": f"netpart sync, {n} worker(s)/replica", "replicas": r,
-                         "workers": n, "step_ms": 1e3 * float(np.median(step_s[3:])),
-                         "epoch_s": float(np.median(step_s[3:])) * per_epoch,
-                         "accuracy": held_out["accuracy"]})  # fmt: skip
+            rows.append(
+                {
+                    "system": f"netpart sync, {n} worker(s)/replica",
+                    "replicas": r,
+                    "workers": n,
+                    "step_ms": 1e3 * float(np.median(step_s[3:])),
+                    "epoch_s": float(np.median(step_s[3:])) * per_epoch,
+                    "accuracy": held_out["accuracy"],
+                }
+            )
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "ddp.csv", rows)
     doc = {"steps": args.steps, "batch": BATCH, "lr": LR, "rows": rows, "ddp_curves": curves}
     write_atomic(args.out / "ddp.json", json.dumps(doc, indent=1).encode())
     for row in rows:
-        print(f"R={row['replicas']} {row['system']:<32} step {row['step_ms']:6.1f} ms, epoch "
-              f"{row['epoch_s']:5.2f} s, held-out accuracy {row['accuracy']:.3f}")  # fmt: skip
+        print(
+            f"R={row['replicas']} {row['system']:<32} step {row['step_ms']:6.1f} ms, epoch "
+            f"{row['epoch_s']:5.2f} s, held-out accuracy {row['accuracy']:.3f}"
+        )
     plot(curves, rows, args.out / "ddp.png")
     print(f"wrote {args.out}/ddp.csv, ddp.json, ddp.png")
     return 0

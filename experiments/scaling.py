@@ -50,25 +50,35 @@ PAPER = (
 def curves(machine: Machine, models, counts, batch: int = 32, band: float = BAND) -> list[dict]:
     """One row per model and worker count: the predicted step on `machine`, its speedup over
     1 worker, and the speedups with the compute rate x/÷ `band` (the same plans)."""
-    nets = {"": machine.to_network(), "slow": machine.faster(1 / band).to_network(),
-            "fast": machine.faster(band).to_network()}  # fmt: skip
+    nets = {
+        "": machine.to_network(),
+        "slow": machine.faster(1 / band).to_network(),
+        "fast": machine.faster(band).to_network(),
+    }
     rows = []
     for model in models:
         spec = load_spec(model)
         one: dict[str, float] = {}
         for n in sorted(counts):
             p = plan(spec, n, seed=0, batch=batch, network=nets[""])
-            steps = {k: reevaluate(spec, p, batch, net).metrics.predicted_step_s
-                     for k, net in nets.items()}  # fmt: skip
+            steps = {
+                k: reevaluate(spec, p, batch, net).metrics.predicted_step_s
+                for k, net in nets.items()
+            }
             if n == 1:
                 one = steps
-            rows.append({
-                "model": model, "workers": n, "method": p.method, "step_s": steps[""],
-                "speedup": one[""] / steps[""],
-                "band_low": min(one[k] / steps[k] for k in nets),
-                "band_high": max(one[k] / steps[k] for k in nets),
-                "halo_mb": 2 * p.metrics.volume * batch * 4 / 1e6,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "model": model,
+                    "workers": n,
+                    "method": p.method,
+                    "step_s": steps[""],
+                    "speedup": one[""] / steps[""],
+                    "band_low": min(one[k] / steps[k] for k in nets),
+                    "band_high": max(one[k] / steps[k] for k in nets),
+                    "halo_mb": 2 * p.metrics.volume * batch * 4 / 1e6,
+                }
+            )
     return rows
 
 
@@ -104,10 +114,15 @@ def table(rows: list[dict]) -> str:
     for p in PAPER:
         r = at.get((p["model"], p["workers"]))
         if r is not None:
-            lines.append(f"| {p['model']} | {p['claim']} | {r['speedup']:.2f}x | "
-                         f"{r['band_low']:.2f}-{r['band_high']:.2f}x |")  # fmt: skip
-    lines += ["", "| model | " + " | ".join(str(n) for n in _counts(rows)) + " | peak |",
-              "|---|" + "---|" * (len(_counts(rows)) + 1)]  # fmt: skip
+            lines.append(
+                f"| {p['model']} | {p['claim']} | {r['speedup']:.2f}x | "
+                f"{r['band_low']:.2f}-{r['band_high']:.2f}x |"
+            )
+    lines += [
+        "",
+        "| model | " + " | ".join(str(n) for n in _counts(rows)) + " | peak |",
+        "|---|" + "---|" * (len(_counts(rows)) + 1),
+    ]
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
         best = max(mine, key=lambda r: r["speedup"])
@@ -131,8 +146,14 @@ def plot(rows: list[dict], machine: Machine, path: Path) -> None:
         mine = [r for r in rows if r["model"] == model]
         ns = [r["workers"] for r in mine]
         (line,) = ax.plot(ns, [r["speedup"] for r in mine], "-o", markersize=3, label=model)
-        ax.fill_between(ns, [r["band_low"] for r in mine], [r["band_high"] for r in mine],
-                        color=line.get_color(), alpha=0.15, linewidth=0)  # fmt: skip
+        ax.fill_between(
+            ns,
+            [r["band_low"] for r in mine],
+            [r["band_high"] for r in mine],
+            color=line.get_color(),
+            alpha=0.15,
+            linewidth=0,
+        )
         for p in PAPER:
             if p["model"] == model:
                 ax.plot(
@@ -151,13 +172,18 @@ def plot(rows: list[dict], machine: Machine, path: Path) -> None:
                     xytext=(-150, 10),
                     fontsize=8,
                 )
-    ax.set(xscale="log", yscale="log", xlabel="machines per model instance (model workers)",
-           ylabel="speedup of one step over 1 machine")  # fmt: skip
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="machines per model instance (model workers)",
+        ylabel="speedup of one step over 1 machine",
+    )
     ax.set_xticks(_counts(rows), [str(n) for n in _counts(rows)])
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8, loc="upper left")
-    ax.set_title(f"Figure 3 on {machine.name} (band: compute rate x/÷ {BAND:g}; stars: paper)",
-                 fontsize=10)  # fmt: skip
+    ax.set_title(
+        f"Figure 3 on {machine.name} (band: compute rate x/÷ {BAND:g}; stars: paper)", fontsize=10
+    )
     fig.tight_layout()
     save_figure(fig, path)
 
@@ -176,8 +202,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", default=",".join(map(str, WORKERS)))
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--fit", default=None, metavar="MODEL@N=S")
-    ap.add_argument("--write-machine", type=Path, default=None,
-                    help="--fit: write the fitted machine here")  # fmt: skip
+    ap.add_argument(
+        "--write-machine", type=Path, default=None, help="--fit: write the fitted machine here"
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     machine = read_machine(args.machine)
@@ -188,15 +215,16 @@ def main(argv=None) -> int:
             write_atomic(args.write_machine, machine_toml(machine).encode())
             machine = read_machine(args.write_machine)
             print(f"wrote {args.write_machine}")
-        print(f"fitted: {machine.flops_per_s / 1e9:.4g} GFLOP/s per worker puts {model} at "
-              f"{speedup_at(machine, model, n, args.batch):.3f}x on {n}")  # fmt: skip
+        print(
+            f"fitted: {machine.flops_per_s / 1e9:.4g} GFLOP/s per worker puts {model} at "
+            f"{speedup_at(machine, model, n, args.batch):.3f}x on {n}"
+        )
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     counts = [int(n) for n in args.workers.split(",")]
     rows = curves(machine, models, counts, args.batch)
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "figure3.csv", rows)
-    result = {"machine": machine.to_dict(), "batch": args.batch, "paper": list(PAPER),
-              "rows": rows}  # fmt: skip
+    result = {"machine": machine.to_dict(), "batch": args.batch, "paper": list(PAPER), "rows": rows}
     write_atomic(args.out / "figure3.json", json.dumps(result, indent=1).encode())
     write_atomic(args.out / "figure3.md", table(rows).encode())
     plot(rows, machine, args.out / "figure3.png")

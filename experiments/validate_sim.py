@@ -127,10 +127,17 @@ def main(argv=None) -> int:
         _say(f"calibrated in {time.monotonic() - t0:.0f} s: {model.describe()}")
         for run in range(1, args.runs + 1):
             rows += _run(runner, model, models, counts, run, args.launches, args.via)
-    doc = {"share": args.share, "rate": args.rate, "batch": BATCH, "steps": STEPS,
-           "launches": args.launches,
-           "machines": machines, "calibrated_via": args.via,
-           "profile": json.loads(profile)["model"], "rows": rows}  # fmt: skip
+    doc = {
+        "share": args.share,
+        "rate": args.rate,
+        "batch": BATCH,
+        "steps": STEPS,
+        "launches": args.launches,
+        "machines": machines,
+        "calibrated_via": args.via,
+        "profile": json.loads(profile)["model"],
+        "rows": rows,
+    }
     write_atomic(args.out / "validation.json", json.dumps(doc, indent=1).encode())
     write_csv(args.out / "validation.csv", [_flat(r) for r in rows])
     _summary(rows)
@@ -157,9 +164,11 @@ def _run(runner, model, models, counts, run: int, launches: int, via: str) -> li
                 times, cpu = runner.run(spec, p, BATCH, steps)
             slow = probe.median() / model.probe_s if beside else None
             seen[(name, n)].append((float(np.median(times)), cpu, slow))
-            _say(f"run {run} launch {k + 1}  {name:<17} N={n}  {np.median(times) * 1e3:7.1f} "
-                 f"ms  (predicted {predicted.predicted_step_s * 1e3:.1f})"
-                 + (f"; probe {slow:.2f}x" if slow else ""))  # fmt: skip
+            _say(
+                f"run {run} launch {k + 1}  {name:<17} N={n}  {np.median(times) * 1e3:7.1f} "
+                f"ms  (predicted {predicted.predicted_step_s * 1e3:.1f})"
+                + (f"; probe {slow:.2f}x" if slow else "")
+            )
     rows = []
     for (name, n), (_, _, predicted) in cases.items():
         times, cpus, slows = zip(*seen[(name, n)], strict=True)
@@ -181,23 +190,52 @@ def _calibrate_torchrun(hosts, groups, models: str, share: float, out: Path) -> 
     torchrun, port = str(Path(sys.executable).with_name("torchrun")), free_port()
     with reaped([]) as procs:
         for rank, host in enumerate(hosts):
-            argv = [torchrun, "--nnodes", str(len(hosts)), "--nproc-per-node", "1",
-                    "--node-rank", str(rank), "--master-addr", hosts[0].address,
-                    "--master-port", str(port), "--local-addr", host.address,
-                    "-m", "netpart", "calibrate", "--models", models,
-                    "--repeats", str(REPEATS), "--share", str(share),
-                    "--out", str(out)]  # fmt: skip
-            env = {"PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": host.device,
-                   "TORCH_CPP_LOG_LEVEL": "ERROR"}  # fmt: skip
+            argv = [
+                torchrun,
+                "--nnodes",
+                str(len(hosts)),
+                "--nproc-per-node",
+                "1",
+                "--node-rank",
+                str(rank),
+                "--master-addr",
+                hosts[0].address,
+                "--master-port",
+                str(port),
+                "--local-addr",
+                host.address,
+                "-m",
+                "netpart",
+                "calibrate",
+                "--models",
+                models,
+                "--repeats",
+                str(REPEATS),
+                "--share",
+                str(share),
+                "--out",
+                str(out),
+            ]
+            env = {
+                "PYTHONPATH": str(ROOT),
+                "GLOO_SOCKET_IFNAME": host.device,
+                "TORCH_CPP_LOG_LEVEL": "ERROR",
+            }
             procs.append(subprocess.Popen(cgroups.command(groups[rank], host.command(argv, env))))
         wait_all(procs, 3 * TIMEOUT, "`netpart calibrate` under torchrun on a machine")
 
 
 def _row(run: int, model: str, n: int, measured: float, m) -> dict:
-    return {"run": run, "model": model, "workers": n, "measured_ms": measured * 1e3,
-            "predicted_ms": m.predicted_step_s * 1e3, "error": m.predicted_step_s / measured - 1,
-            "predicted_compute_ms": m.compute_s * 1e3,
-            "predicted_exchange_ms": m.exchange_s * 1e3}  # fmt: skip
+    return {
+        "run": run,
+        "model": model,
+        "workers": n,
+        "measured_ms": measured * 1e3,
+        "predicted_ms": m.predicted_step_s * 1e3,
+        "error": m.predicted_step_s / measured - 1,
+        "predicted_compute_ms": m.compute_s * 1e3,
+        "predicted_exchange_ms": m.exchange_s * 1e3,
+    }
 
 
 def _line(r: dict) -> str:
@@ -212,8 +250,9 @@ def _line(r: dict) -> str:
 
 def _flat(row: dict) -> dict:
     """`row` for CSV: a list of per-launch figures as one space-separated field."""
-    return {k: " ".join(f"{x:.4g}" for x in v) if isinstance(v, list) else v
-            for k, v in row.items()}  # fmt: skip
+    return {
+        k: " ".join(f"{x:.4g}" for x in v) if isinstance(v, list) else v for k, v in row.items()
+    }
 
 
 def _summary(rows: list[dict]) -> None:

@@ -59,7 +59,7 @@ def test_imports_run_downward_and_no_private_name_crosses_a_module():
 
 
 FLOOR = ("errors", "files", "faults")  # modules every room may import; they import none
-LONGEST_FUNCTION, LONGEST_MODULE = 60, 460
+LONGEST_FUNCTION, LONGEST_MODULE = 60, 600
 
 
 def test_the_bottom_floor_imports_no_room():

@@ -75,9 +75,31 @@ def test_the_quick_start_runs_and_the_model_loads_in_plain_pytorch(tmp_path, cap
     assert main(["check", "--model", spec, "--workers", "2"]) == 0
     assert main(["plan", "--model", spec, "--workers", "2", "--out", str(plans)]) == 0
     capsys.readouterr()
-    train = ["train", "--model", spec, "--workers", "2", "--replicas", "2", "--plan", str(plans),
-             "--data", images, "--steps", "40", "--batch", "8", "--eval-every", "10",
-             "--log", "csv", "--progress-every", "0", "--out", str(run)]  # fmt: skip
+    train = [
+        "train",
+        "--model",
+        spec,
+        "--workers",
+        "2",
+        "--replicas",
+        "2",
+        "--plan",
+        str(plans),
+        "--data",
+        images,
+        "--steps",
+        "40",
+        "--batch",
+        "8",
+        "--eval-every",
+        "10",
+        "--log",
+        "csv",
+        "--progress-every",
+        "0",
+        "--out",
+        str(run),
+    ]
     assert main(train) == 0
     out = capsys.readouterr().out
     assert out.count("run directory") == 1  # the banner, once
@@ -98,9 +120,19 @@ def test_the_quick_start_runs_and_the_model_loads_in_plain_pytorch(tmp_path, cap
     mean, std = data.standardised
     pixels = (x * std + mean).reshape(len(x), 1, 16, 16).astype(np.float32)
     np.save(tmp_path / "x.npy", pixels)
-    subprocess.run([sys.executable, "-c", PLAIN_TORCH, str(run / "model.pt2"),
-                    str(tmp_path / "x.npy"), str(tmp_path / "logits.npy")],
-                   check=True, timeout=120, cwd=tmp_path)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            PLAIN_TORCH,
+            str(run / "model.pt2"),
+            str(tmp_path / "x.npy"),
+            str(tmp_path / "logits.npy"),
+        ],
+        check=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     logits = torch.from_numpy(np.load(tmp_path / "logits.npy"))
     job, state = run_model(run, from_shards=True)
     from netpart.models.reference import build_reference

@@ -104,8 +104,13 @@ class EmulatedRunner:
         """Every worker's `load_worker_result` of `steps` + WARMUP steps of `p` on machines
         0..N-1 (`split`: programs hide halo behind compute, as across real machines)."""
         x, y = make_batch(spec, batch, 0)
-        options = StepOptions(dtype="float32", timeout=120, split=split, steps=steps + WARMUP,
-                              exchange_only=exchange_only)  # fmt: skip
+        options = StepOptions(
+            dtype="float32",
+            timeout=120,
+            split=split,
+            steps=steps + WARMUP,
+            exchange_only=exchange_only,
+        )
         with tempfile.TemporaryDirectory(prefix="netpart-emulated-") as tmp:
             job = Path(tmp)
             step_job(job, spec, p, (x.float(), y), options)
@@ -118,8 +123,13 @@ class EmulatedRunner:
         with reaped([]) as procs:
             for rank in range(n):
                 device = self.hosts[rank].device
-                env = self._env(RANK=str(rank), WORLD_SIZE=str(n), MASTER_ADDR=master,
-                                MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=device)  # fmt: skip
+                env = self._env(
+                    RANK=str(rank),
+                    WORLD_SIZE=str(n),
+                    MASTER_ADDR=master,
+                    MASTER_PORT=str(port),
+                    GLOO_SOCKET_IFNAME=device,
+                )
                 argv = [sys.executable, "-m", "netpart.runtime.step", "--job", str(job)]
                 procs.append(subprocess.Popen(self._argv(rank, argv, env)))
             wait_all(procs, TIMEOUT, f"a worker of {what}")

@@ -95,8 +95,9 @@ def _two_process_terms(plans: Plans, runs, batch: int, model: NetworkModel):
     rows, rest, measured = [], [], []
     for (spec, _, two), run in zip(plans, runs, strict=True):
         p = reevaluate(spec, two, batch, model).metrics
-        phases = (reevaluate(spec, two, batch, shifted).metrics.predicted_step_s
-                  - p.predicted_step_s) / delta  # fmt: skip
+        phases = (
+            reevaluate(spec, two, batch, shifted).metrics.predicted_step_s - p.predicted_step_s
+        ) / delta
         rows.append([1.0, p.compute_s, phases])
         rest.append(run["two"]["step_s"] - p.predicted_step_s)
         measured.append(run["two"]["step_s"])
@@ -129,8 +130,12 @@ def _link_terms(link: dict, runs: list[dict], in_step: float = 0.0) -> dict:
     b, secs = np.array(tables[1]).T
     latency, per_byte = _lstsq([[1.0, x] for x in b], list(secs), list(secs))
     gather = tuple(sorted((float(n), float(t)) for n, t in link.get("gather_s", {}).items()))
-    return {"link": tables, "latency_s": latency, "bandwidth_bps": 8.0 / max(per_byte, 1e-15),
-            "gather": gather}  # fmt: skip
+    return {
+        "link": tables,
+        "latency_s": latency,
+        "bandwidth_bps": 8.0 / max(per_byte, 1e-15),
+        "gather": gather,
+    }
 
 
 def fit(
@@ -155,21 +160,31 @@ def fit(
     # One process: step - slices = fixed - saving x joined layers.
     step_fixed, saving = _lstsq(
         [[1.0, -x["joined"]] for x in one],
-        [x["step_s"] - x["compute_s"] for x in one], measured,
-    )  # fmt: skip
+        [x["step_s"] - x["compute_s"] for x in one],
+        measured,
+    )
     model = replace(
-        base, link=terms["link"], bandwidth_bps=terms["bandwidth_bps"], gather=terms["gather"],
-        latency_s=terms["latency_s"], step_fixed_s=step_fixed, joined_saving_s=saving,
-    )  # fmt: skip
+        base,
+        link=terms["link"],
+        bandwidth_bps=terms["bandwidth_bps"],
+        gather=terms["gather"],
+        latency_s=terms["latency_s"],
+        step_fixed_s=step_fixed,
+        joined_saving_s=saving,
+    )
     model = anchored(model, plans, [r["one"]["step_s"] for r in runs], batch)
     # Two: what is left is the collective, compute slowed by sharing the machine, and
     # each exchange phase's cost in a step beyond the exchange-only runs' (into the tables).
     collective, slowdown, per_phase = _two_process_terms(plans, runs, batch, model)
     terms = _link_terms(link, runs, per_phase)
     model = replace(
-        model, link=terms["link"], latency_s=terms["latency_s"],
-        bandwidth_bps=terms["bandwidth_bps"], collective_s=collective, parallel_slowdown=slowdown,
-    )  # fmt: skip
+        model,
+        link=terms["link"],
+        latency_s=terms["latency_s"],
+        bandwidth_bps=terms["bandwidth_bps"],
+        collective_s=collective,
+        parallel_slowdown=slowdown,
+    )
     return replace(model, crowd=crowd_terms(model, crowd, batch)) if crowd else model
 
 
@@ -192,10 +207,9 @@ def anchored(model: NetworkModel, plans: Plans, one_s: list[float], batch: int) 
         for key in keys:
             factors.setdefault(key, []).append(float(np.clip(factor, ANCHOR_LOW, ANCHOR_HIGH)))
     layers = {
-        key: cost.scaled(float(np.exp(np.mean(np.log(factors[key])))))
-        if key in factors else cost
+        key: cost.scaled(float(np.exp(np.mean(np.log(factors[key]))))) if key in factors else cost
         for key, cost in model.layers.items()
-    }  # fmt: skip
+    }
     return replace(model, layers=layers)
 
 

@@ -65,8 +65,9 @@ class _Commands:
     def receive(self) -> dict:
         size = self._broadcast(torch.zeros(1, dtype=torch.int64))
         if not 0 <= int(size[0]) <= MAX_COMMAND:
-            raise ProtocolError(f"calibration rank {self.rank}: rank 0 announced a command of "
-                                f"{int(size[0])} bytes")  # fmt: skip
+            raise ProtocolError(
+                f"calibration rank {self.rank}: rank 0 announced a command of {int(size[0])} bytes"
+            )
         data = self._broadcast(torch.empty(int(size[0]), dtype=torch.uint8))
         try:
             doc = json.loads(data.numpy().tobytes().decode())
@@ -75,8 +76,10 @@ class _Commands:
                 f"calibration rank {self.rank}: rank 0 sent a malformed command ({exc})"
             ) from None
         if not isinstance(doc, dict) or doc.get("op") not in OPS:
-            raise ProtocolError(f"calibration rank {self.rank}: not a calibration command from "
-                                f"rank 0: {str(doc)[:80]}")  # fmt: skip
+            raise ProtocolError(
+                f"calibration rank {self.rank}: not a calibration command from "
+                f"rank 0: {str(doc)[:80]}"
+            )
         return doc
 
     def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -123,25 +126,51 @@ class HostsRunner:
         self._commands.send(cmd)
         return self._link(cmd)
 
-    def ps(self, mode: str, clients: int, sizes: tuple[int, ...], repeats: int, shards: int = 1,
-           stand_in: float = 0.0):  # fmt: skip
+    def ps(
+        self,
+        mode: str,
+        clients: int,
+        sizes: tuple[int, ...],
+        repeats: int,
+        shards: int = 1,
+        stand_in: float = 0.0,
+    ):
         """(seconds, CPU seconds) per exchange of the parameter server's clients, each size
         (`netpart.ps.measure`): `clients` ranks and `shards` shards on the next; `stand_in`
         (> 0): each client runs a step of that much CPU before each request. The all-reduce
         is timed after the group is left (`close`)."""
-        cmd = {"op": "ps", "mode": mode, "clients": clients, "sizes": [int(b) for b in sizes],
-               "repeats": repeats, "shards": shards, "stand_in": float(stand_in)}  # fmt: skip
+        cmd = {
+            "op": "ps",
+            "mode": mode,
+            "clients": clients,
+            "sizes": [int(b) for b in sizes],
+            "repeats": repeats,
+            "shards": shards,
+            "stand_in": float(stand_in),
+        }
         self._commands.send(cmd)
         return self._ps(cmd)
 
     def step(self, spec, p, batch, steps, exchange_only=False) -> tuple[float, float]:
         key = _key(spec, p)
         if key not in self._plans:
-            self._commands.send({"op": "plan", "key": key, "spec": spec.to_json(),
-                                 "plan": p.to_json(), "node_map": p.node_map.tolist()})  # fmt: skip
+            self._commands.send(
+                {
+                    "op": "plan",
+                    "key": key,
+                    "spec": spec.to_json(),
+                    "plan": p.to_json(),
+                    "node_map": p.node_map.tolist(),
+                }
+            )
             self._plans[key] = (spec, p)
-        cmd = {"op": "step", "key": key, "batch": batch, "steps": steps,
-               "exchange_only": exchange_only}  # fmt: skip
+        cmd = {
+            "op": "step",
+            "key": key,
+            "batch": batch,
+            "steps": steps,
+            "exchange_only": exchange_only,
+        }
         self._commands.send(cmd)
         return self._step(cmd)
 
@@ -184,8 +213,12 @@ class HostsRunner:
         self._commands = None
         gc.collect()
         if awake := gloo_io_threads():
-            log.warning("calibration rank %d: %d gloo I/O threads still run beside the "
-                        "all-reduce: it may read fast", self.rank, len(awake))  # fmt: skip
+            log.warning(
+                "calibration rank %d: %d gloo I/O threads still run beside the "
+                "all-reduce: it may read fast",
+                self.rank,
+                len(awake),
+            )
 
     def _rings(self, ring: dict | None) -> Tables:
         if ring is None:
@@ -228,8 +261,9 @@ class HostsRunner:
         seconds, cpu = [], []
         for size in cmd["sizes"]:  # a loop a size: a stand-in writes that size's gradients
             beside = stand_in(cpu_s, int(size) // 4) if cpu_s else None
-            t, c = ps_loop(group, self.rank, cmd["mode"], [size], repeats, shards=shards,
-                           beside=beside)  # fmt: skip
+            t, c = ps_loop(
+                group, self.rank, cmd["mode"], [size], repeats, shards=shards, beside=beside
+            )
             seconds += t
             cpu += c
         slowest = torch.tensor([*seconds, *cpu], dtype=torch.float64)
@@ -280,6 +314,8 @@ def read_ring_plan(ring, rank: int) -> dict | None:
         and all(isinstance(v, int) and v > 0 for v in ring["sizes"] + ring["repeats"])
     )
     if not ok:
-        raise ProtocolError(f"calibration rank {rank}: rank 0's done command names no "
-                            f"all-reduce to time: {str(ring)[:80]}")  # fmt: skip
+        raise ProtocolError(
+            f"calibration rank {rank}: rank 0's done command names no "
+            f"all-reduce to time: {str(ring)[:80]}"
+        )
     return {"sizes": ring["sizes"], "repeats": ring["repeats"]}

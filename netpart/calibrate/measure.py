@@ -268,8 +268,18 @@ def crowd_counts(machines: int) -> list[int]:
     return sorted({n for n in (3, 4, 6, 8, top) if 2 < n <= top})
 
 
-def _runs(plans: Plans, wide: dict, batch: int, steps: int, repeats: int, runner, base, say,
-          load: list[LoadSample], between: Callable[[int], None] = lambda done: None):  # fmt: skip
+def _runs(
+    plans: Plans,
+    wide: dict,
+    batch: int,
+    steps: int,
+    repeats: int,
+    runner,
+    base,
+    say,
+    load: list[LoadSample],
+    between: Callable[[int], None] = lambda done: None,
+):
     """Each model's steps on 1 and 2 processes (and 2 exchanging only; and on each count of
     `wide`: {workers: each model's plan}), with their figures, and the speed probe of
     every run (`netpart.calibrate.speed`: the machine as it was calibrated). The runs go
@@ -287,8 +297,13 @@ def _runs(plans: Plans, wide: dict, batch: int, steps: int, repeats: int, runner
     cases = []
     for spec, one, two in plans:
         n_two = count(spec, two)  # the exchange-only runs take the two-process plan's count
-        cases.append({"one": (one, False, count(spec, one)), "two": (two, False, n_two),
-                      "exchange": (two, True, n_two)})  # fmt: skip
+        cases.append(
+            {
+                "one": (one, False, count(spec, one)),
+                "two": (two, False, n_two),
+                "exchange": (two, True, n_two),
+            }
+        )
     for n, wide_plans in wide.items():
         for (spec, *_), case, p in zip(plans, cases, wide_plans, strict=True):
             case[n] = (p, False, count(spec, p))
@@ -299,22 +314,34 @@ def _runs(plans: Plans, wide: dict, batch: int, steps: int, repeats: int, runner
                 runs_of[key].append(_probed_step(runner, spec, p, batch, count, exchange_only))
         counts = "/".join(str(n) for n in (1, 2, *wide))
         load.append(sample(LOAD_SAMPLE_S))  # the machine while calibration runs nothing
-        say(f"runtime: round {r + 1} of {repeats}: stepped every model on {counts} processes "
-            f"({load[-1].describe()})")  # fmt: skip
+        say(
+            f"runtime: round {r + 1} of {repeats}: stepped every model on {counts} processes "
+            f"({load[-1].describe()})"
+        )
         between(r + 1)
     probes = [q for runs_of in done for v in runs_of.values() for *_, q in v]
+    return _figured_runs(plans, done, wide, batch, base), probes
+
+
+def _figured_runs(plans: Plans, done: list[dict], wide: dict, batch: int, base) -> list[dict]:
+    """Each model's cases (`done`: its runs per case) with the figures of their plans."""
     runs = []
     for (spec, one, two), runs_of in zip(plans, done, strict=True):
         case = {k: _case(v) for k, v in runs_of.items()}
-        runs.append({
-            "model": spec.name,
-            "one": {**_figures(spec, one, batch, base), **case["one"]},
-            "two": {**_figures(spec, two, batch, base), **case["two"],
+        runs.append(
+            {
+                "model": spec.name,
+                "one": {**_figures(spec, one, batch, base), **case["one"]},
+                "two": {
+                    **_figures(spec, two, batch, base),
+                    **case["two"],
                     "exchange_s": case["exchange"]["step_s"],
-                    "exchange_runs_s": case["exchange"]["runs_s"]},
-            "crowd": {str(n): case[n] for n in wide},
-        })  # fmt: skip
-    return runs, probes
+                    "exchange_runs_s": case["exchange"]["runs_s"],
+                },
+                "crowd": {str(n): case[n] for n in wide},
+            }
+        )
+    return runs
 
 
 def _probed_step(runner: Runner, spec, p, batch, count, exchange_only) -> tuple[float, ...]:
@@ -333,8 +360,27 @@ def _case(runs: list[tuple[float, float, float]]) -> dict:
     """A case's runs (seconds, CPU seconds, probe): the medians of seconds and CPU, and
     every run's seconds and probe."""
     seconds, cpu, probes = (list(x) for x in zip(*runs, strict=True))
-    return {"step_s": float(np.median(seconds)), "cpu_s": float(np.median(cpu)),
-            "runs_s": seconds, "probe_runs_s": probes}  # fmt: skip
+    return {
+        "step_s": float(np.median(seconds)),
+        "cpu_s": float(np.median(cpu)),
+        "runs_s": seconds,
+        "probe_runs_s": probes,
+    }
+
+
+def _plans(specs: list[ModelSpec], batch: int, machines: int) -> tuple[Plans, dict]:
+    """Each model's plans on 1 and 2 workers, and on each count `crowd_counts` gives."""
+    plans = [(s, plan(s, 1, "metis", batch=batch), plan(s, 2, "metis", batch=batch)) for s in specs]
+    wide = {n: [plan(s, n, "metis", batch=batch) for s in specs] for n in crowd_counts(machines)}
+    return plans, wide
+
+
+def _crowd(specs: list[ModelSpec], wide: dict, runs: list[dict]) -> Crowd:
+    """Per worker count above 2: each model, its plan and its measured step."""
+    return [
+        (n, [(s, p, r["crowd"][str(n)]["step_s"]) for s, p, r in zip(specs, ps, runs, strict=True)])
+        for n, ps in wide.items()
+    ]
 
 
 def calibrate(
@@ -364,30 +410,36 @@ def calibrate(
     ps_timer = PsTables(runner, say, wire_bps=wire_bps, runs=repeats)
     ps_timer.time_pass()
     ps_timer.time_after()
-    plans = [(s, plan(s, 1, "metis", batch=batch), plan(s, 2, "metis", batch=batch)) for s in specs]
-    wide = {n: [plan(s, n, "metis", batch=batch) for s in specs]
-            for n in crowd_counts(runner.machines)}  # fmt: skip
-    runs, probes = _runs(plans, wide, batch, steps, repeats, runner, base, say, load,
-                         between=ps_timer.between_rounds(repeats))  # fmt: skip
+    plans, wide = _plans(specs, batch, runner.machines)
+    between = ps_timer.between_rounds(repeats)
+    runs, probes = _runs(plans, wide, batch, steps, repeats, runner, base, say, load, between)
     ps, ps_raw = ps_timer.result()
     if ps_raw is not None:  # machines of its own: a DDP replica's step too, on one of them
-        ps_raw["replica"] = replica_steps(specs, batch=batch, steps=steps, seconds=CALIBRATION_S,
-                                          runs=repeats, say=say)  # fmt: skip
+        ps_raw["replica"] = replica_steps(
+            specs, batch=batch, steps=steps, seconds=CALIBRATION_S, runs=repeats, say=say
+        )
         ps = PsExchange.from_dict(ps_raw)
     probe = float(np.median(probes))
-    crowd: Crowd = [
-        (n, [(s, p, r["crowd"][str(n)]["step_s"]) for s, p, r in zip(specs, ps, runs, strict=True)])
-        for n, ps in wide.items()
-    ]
+    crowd = _crowd(specs, wide, runs)
     model = replace(fit(base, plans, runs, batch, link, crowd), probe_s=probe, ps=ps)
     slices = {k: [[float(x) for x in pt] for pt in v] for k, v in sorted(points.items())}
-    spread = [float(np.percentile(probes, q) / probe) for q in (10, 90)]
     check = _check(plans, runs, model, batch, (runner, steps, repeats), check_model)
-    details = {"batch": batch, "repeats": repeats, "share": runner.share,
-               "machines": runner.machines, "overlap": runner.overlap, "slices": slices,
-               "link": link, "runs": runs, "anchored": _anchors(specs, base, model),
-               "probe_spread": spread, "load": [asdict(x) for x in load],
-               "run_spreads": run_spreads(runs), "check": check, "ps": ps_raw}  # fmt: skip
+    details = {
+        "batch": batch,
+        "repeats": repeats,
+        "share": runner.share,
+        "machines": runner.machines,
+        "overlap": runner.overlap,
+        "slices": slices,
+        "link": link,
+        "runs": runs,
+        "anchored": _anchors(specs, base, model),
+        "probe_spread": [float(np.percentile(probes, q) / probe) for q in (10, 90)],
+        "load": [asdict(x) for x in load],
+        "run_spreads": run_spreads(runs),
+        "check": check,
+        "ps": ps_raw,
+    }
     return model, details
 
 
@@ -419,8 +471,9 @@ def run_spreads(runs: list[dict]) -> list[float]:
     return out
 
 
-def _check(plans: Plans, runs: list[dict], model: NetworkModel, batch: int, how,
-           check_model: str | None) -> list[dict]:  # fmt: skip
+def _check(
+    plans: Plans, runs: list[dict], model: NetworkModel, batch: int, how, check_model: str | None
+) -> list[dict]:
     """Predicted against measured steps: the calibration models' (their runs) and, on 1 and
     2 processes, `check_model`'s, which the model was not fitted on (its median of
     `repeats` runs)."""
@@ -428,8 +481,15 @@ def _check(plans: Plans, runs: list[dict], model: NetworkModel, batch: int, how,
     for (spec, one, two), r in zip(plans, runs, strict=True):
         for p, case in ((one, r["one"]), (two, r["two"])):
             predicted = reevaluate(spec, p, batch, model).metrics.predicted_step_s
-            rows.append({"model": spec.name, "workers": p.workers, "fitted": True,
-                         "predicted_s": predicted, "measured_s": case["step_s"]})  # fmt: skip
+            rows.append(
+                {
+                    "model": spec.name,
+                    "workers": p.workers,
+                    "fitted": True,
+                    "predicted_s": predicted,
+                    "measured_s": case["step_s"],
+                }
+            )
     if check_model is None:
         return rows
     runner, steps, repeats = how
@@ -439,8 +499,15 @@ def _check(plans: Plans, runs: list[dict], model: NetworkModel, batch: int, how,
         predicted = reevaluate(spec, p, batch, model).metrics.predicted_step_s
         count = timed_steps(predicted, steps, CALIBRATION_S)[0]
         measured = float(np.median([runner.step(spec, p, batch, count)[0] for _ in range(repeats)]))
-        rows.append({"model": spec.name, "workers": workers, "fitted": False,
-                     "predicted_s": predicted, "measured_s": measured})  # fmt: skip
+        rows.append(
+            {
+                "model": spec.name,
+                "workers": workers,
+                "fitted": False,
+                "predicted_s": predicted,
+                "measured_s": measured,
+            }
+        )
     return rows
 
 

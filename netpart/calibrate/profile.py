@@ -65,13 +65,17 @@ def host_machine(model: NetworkModel) -> Machine:
     """This host as `model` measured it: a machine description (absolute figures) named
     after the host, stating when and with which torch."""
     when = time.strftime("%Y-%m-%d %H:%M %Z")
-    about = (f"{platform.node()} as `netpart calibrate` measured it on {when} (torch "
-             f"{torch.__version__}): one worker on one thread; the link between two "
-             "processes of this host")  # fmt: skip
+    about = (
+        f"{platform.node()} as `netpart calibrate` measured it on {when} (torch "
+        f"{torch.__version__}): one worker on one thread; the link between two "
+        "processes of this host"
+    )
     return Machine.from_network(
-        model, name=platform.node() or "this-host", about=about,
+        model,
+        name=platform.node() or "this-host",
+        about=about,
         memory_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
-    )  # fmt: skip
+    )
 
 
 def profile_json(model: NetworkModel, details: dict) -> str:
@@ -97,12 +101,13 @@ def check_lines(details: dict) -> list[str]:
     rows = details.get("check", [])
     if not rows:
         return []
-    out = ["predicted vs measured step (ms), batch "
-           f"{details.get('batch')}:"]  # fmt: skip
+    out = [f"predicted vs measured step (ms), batch {details.get('batch')}:"]
     for r in rows:
         ratio = r["measured_s"] / r["predicted_s"] if r["predicted_s"] else float("nan")
         tag = "" if r["fitted"] else "  (not fitted on)"
         case = f"{r['model']} x {r['workers']}"
-        out.append(f"  {case:<20} predicted {r['predicted_s'] * 1e3:8.2f}, measured "
-                   f"{r['measured_s'] * 1e3:8.2f}, ratio {ratio:.2f}{tag}")  # fmt: skip
+        out.append(
+            f"  {case:<20} predicted {r['predicted_s'] * 1e3:8.2f}, measured "
+            f"{r['measured_s'] * 1e3:8.2f}, ratio {ratio:.2f}{tag}"
+        )
     return out

@@ -26,10 +26,22 @@ from netpart.cost.exchange import PS_MODES, PsExchange
 from netpart.testbed.cgroups import MIN_QUOTA_US
 
 __all__ = [
-    "AFTER_SIZES", "PS_CLIENTS", "PS_PASSES", "PS_RUNS", "PS_SHARDS", "PS_SIZES", "STAND_IN_S",
-    "PsTables", "pass_spread", "per_size", "ps_repeats", "ps_sizes", "ps_tables", "ring_plan",
+    "AFTER_SIZES",
+    "PS_CLIENTS",
+    "PS_PASSES",
+    "PS_RUNS",
+    "PS_SHARDS",
+    "PS_SIZES",
+    "STAND_IN_S",
+    "PsTables",
+    "pass_spread",
+    "per_size",
+    "ps_repeats",
+    "ps_sizes",
+    "ps_tables",
+    "ring_plan",
     "with_rings",
-]  # fmt: skip
+]
 
 # bytes a client pushes and fetches, and timed exchanges of each: more of the short ones (on
 # a fraction of a core, the periods a machine is throttled move the mean of a few), fewer
@@ -41,8 +53,18 @@ __all__ = [
 # where a shard's message reaches 64 KiB, and a point at exactly 64 KiB a message (128 KiB
 # over 2 shards, 256 KiB over 4) read several times the next size up, pricing every size
 # between off it (benchmarks/beside_bench.py; docs/planning.md)
-PS_SIZES = (16_000, 64_000, 125_000, 250_000, 375_000, 500_000, 1_000_000, 4_000_000,
-            16_000_000, 40_000_000)  # fmt: skip
+PS_SIZES = (
+    16_000,
+    64_000,
+    125_000,
+    250_000,
+    375_000,
+    500_000,
+    1_000_000,
+    4_000_000,
+    16_000_000,
+    40_000_000,
+)
 PS_REPEATS = (30, 30, 30, 30, 30, 30, 20, 10, 5, 3)
 PS_PASSES = 3  # passes over every pair and size (at most; at most one a run of a step measurement)
 PS_RUNS = 5  # the calibration's runs of a step measurement (`--repeats`) PS_REPEATS are for
@@ -104,8 +126,15 @@ class PsTables:
     `passes`: PS_PASSES, or as many as `runs` where fewer (a quicker, noisier calibration).
     Inert where `runner` cannot measure them (no `ps`, or one machine)."""
 
-    def __init__(self, runner: Any, say: Callable[[str], None], *, wire_bps: float = 0.0,
-                 runs: int = PS_RUNS, passes: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        runner: Any,
+        say: Callable[[str], None],
+        *,
+        wire_bps: float = 0.0,
+        runs: int = PS_RUNS,
+        passes: int | None = None,
+    ) -> None:
         passes = min(PS_PASSES, runs) if passes is None else passes
         if passes < 1:
             raise ValueError(f"passes {passes}: 1 or more")
@@ -113,8 +142,12 @@ class PsTables:
         self._runner, self._say, self._wire_bps, self._runs = runner, say, wire_bps, runs
         self.passes = passes
         self.sizes = ps_sizes(wire_bps)
-        self.pairs = [(c, s) for c in range(1, PS_CLIENTS + 1) for s in range(1, PS_SHARDS + 1)
-                      if c + s <= getattr(runner, "machines", 0)]  # fmt: skip
+        self.pairs = [
+            (c, s)
+            for c in range(1, PS_CLIENTS + 1)
+            for s in range(1, PS_SHARDS + 1)
+            if c + s <= getattr(runner, "machines", 0)
+        ]
         self._done: list[dict] = []  # each pass's raw tables
         self._after: dict | None = None
 
@@ -126,14 +159,17 @@ class PsTables:
         raw: dict = {t: {m: {} for m in PS_MODES} for t in _TABLES}
         for mode in PS_MODES:
             for clients, shards in self.pairs:
-                seconds, cpu = _measure(self._runner, mode, clients, shards, self.sizes,
-                                        repeats=self.repeats)  # fmt: skip
+                seconds, cpu = _measure(
+                    self._runner, mode, clients, shards, self.sizes, repeats=self.repeats
+                )
                 wall, busy, key = _keys(clients, shards)
                 raw[wall][mode][key] = [float(t) for t in seconds]
                 raw[busy][mode][key] = [float(c) / self._runner.share for c in cpu]
-                self._say(f"parameter server, pass {k} of {self.passes}, {mode}, {clients} "
-                          f"client(s) of {shards} shard(s), per exchange: "
-                          f"{per_size(self.sizes, seconds)}")  # fmt: skip
+                self._say(
+                    f"parameter server, pass {k} of {self.passes}, {mode}, {clients} "
+                    f"client(s) of {shards} shard(s), per exchange: "
+                    f"{per_size(self.sizes, seconds)}"
+                )
         self._done.append(raw)
 
     @property
@@ -156,8 +192,9 @@ class PsTables:
     def time_after(self) -> None:
         """Time every pair after a stand-in step (`ps.after`), once."""
         if self.able and self._after is None:
-            self._after = _after(self._runner, self._say, self.pairs, wire_bps=self._wire_bps,
-                                 runs=self._runs)  # fmt: skip
+            self._after = _after(
+                self._runner, self._say, self.pairs, wire_bps=self._wire_bps, runs=self._runs
+            )
 
     def result(self) -> tuple[PsExchange | None, dict | None]:
         """The tables (each size's median over the passes) and their raw JSON, every pass's
@@ -195,18 +232,30 @@ def _keys(clients: int, shards: int) -> tuple[str, str, str]:
 def _medians(passes: list[dict]) -> dict:
     """Each table's median over `passes` (raw tables of the same pairs and sizes), per size."""
     first = passes[0]
-    return {t: {m: {key: [float(x) for x in np.median([p[t][m][key] for p in passes], axis=0)]
-                    for key in first[t][m]}
-                for m in first[t]}
-            for t in first}  # fmt: skip
+    return {
+        t: {
+            m: {
+                key: [float(x) for x in np.median([p[t][m][key] for p in passes], axis=0)]
+                for key in first[t][m]
+            }
+            for m in first[t]
+        }
+        for t in first
+    }
 
 
 def pass_spread(raw: dict) -> str:
     """One line: how far a single pass's wall-clock tables of `raw` (with `passes`) read
     from their median, over every mode, pair and size (10th-90th percentile and the extremes)."""
-    ratios = [t / m for p in raw["passes"] for wall, by_mode in p.items()
-              for mode, by_key in by_mode.items() for key, ts in by_key.items()
-              for t, m in zip(ts, raw[wall][mode][key], strict=True) if m > 0]  # fmt: skip
+    ratios = [
+        t / m
+        for p in raw["passes"]
+        for wall, by_mode in p.items()
+        for mode, by_key in by_mode.items()
+        for key, ts in by_key.items()
+        for t, m in zip(ts, raw[wall][mode][key], strict=True)
+        if m > 0
+    ]
     lo, p10, p90, hi = np.percentile(ratios, [0, 10, 90, 100])
     return (
         f"parameter server: each size's median of {len(raw['passes'])} passes; a pass read "
@@ -223,8 +272,9 @@ def ring_plan(raw: dict | None, runs: int = PS_RUNS) -> dict | None:
     return {"sizes": sizes, "repeats": [ps_repeats(b, runs) for b in sizes]}
 
 
-def with_rings(raw: dict, rings: dict[int, tuple[list, list]], say: Callable[[str], None]
-               ) -> tuple[PsExchange, dict]:  # fmt: skip
+def with_rings(
+    raw: dict, rings: dict[int, tuple[list, list]], say: Callable[[str], None]
+) -> tuple[PsExchange, dict]:
     """The tables `raw` with the all-reduce among each number of machines timed (`rings`:
     seconds and CPU seconds per size, `netpart.calibrate.ring.rings`), its busy time the CPU
     over the machines' share."""
@@ -237,8 +287,14 @@ def with_rings(raw: dict, rings: dict[int, tuple[list, list]], say: Callable[[st
     return PsExchange.from_dict(raw), raw
 
 
-def _after(runner: Any, say: Callable[[str], None], pairs: list[tuple[int, int]], *,
-           wire_bps: float, runs: int) -> dict:  # fmt: skip
+def _after(
+    runner: Any,
+    say: Callable[[str], None],
+    pairs: list[tuple[int, int]],
+    *,
+    wire_bps: float,
+    runs: int,
+) -> dict:
     """`ps.after` (`netpart.cost.exchange`): each mode and pair's exchanges, each client
     running the stand-in step before each request; a call per size and pair."""
     timed = ps_sizes(wire_bps)
@@ -260,8 +316,9 @@ def _after(runner: Any, say: Callable[[str], None], pairs: list[tuple[int, int]]
     return after
 
 
-def _measure(runner: Any, mode: str, clients: int, shards: int, sizes, *,
-             repeats: dict[int, int]) -> tuple[list, list]:  # fmt: skip
+def _measure(
+    runner: Any, mode: str, clients: int, shards: int, sizes, *, repeats: dict[int, int]
+) -> tuple[list, list]:
     """(seconds, CPU seconds) per exchange at each of `sizes` (`repeats` of each), a call
     per repeat count."""
     at: dict[int, tuple[float, float]] = {}

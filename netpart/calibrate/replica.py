@@ -61,8 +61,15 @@ def replica_step(spec: ModelSpec, batch: int, steps: int, seconds: float) -> tup
         torch.set_num_threads(threads)
 
 
-def replica_steps(specs: list[ModelSpec], *, batch: int, steps: int, seconds: float,
-                  runs: int, say: Callable[[str], None] = log.info) -> dict:  # fmt: skip
+def replica_steps(
+    specs: list[ModelSpec],
+    *,
+    batch: int,
+    steps: int,
+    seconds: float,
+    runs: int,
+    say: Callable[[str], None] = log.info,
+) -> dict:
     """`ps.replica` (`netpart.cost.exchange`): per model of `specs`, the median over `runs`
     (at most REPLICA_RUNS) of `replica_step`'s seconds and CPU seconds, at `batch`."""
     runs = max(1, min(runs, REPLICA_RUNS))
@@ -71,6 +78,8 @@ def replica_steps(specs: list[ModelSpec], *, batch: int, steps: int, seconds: fl
         timed = [replica_step(spec, batch, steps, seconds) for _ in range(runs)]
         wall, cpu = (float(np.median(t)) for t in zip(*timed, strict=True))
         out["seconds"][spec.name], out["cpu_s"][spec.name] = wall, cpu
-        say(f"a DDP replica's step of {spec.name} (its reference module and update, no ring): "
-            f"{wall * 1e3:.2f} ms, {cpu * 1e3:.2f} ms CPU")  # fmt: skip
+        say(
+            f"a DDP replica's step of {spec.name} (its reference module and update, no ring): "
+            f"{wall * 1e3:.2f} ms, {cpu * 1e3:.2f} ms CPU"
+        )
     return out

@@ -39,8 +39,7 @@ START_S = 120.0  # a process's start (torch's import on a share of a core) and r
 Tables = dict[int, tuple[list[float], list[float]]]
 
 
-def rings(rank: int, machines: int, sizes: list[int], repeats: list[int],
-          timeout: float) -> Tables:  # fmt: skip
+def rings(rank: int, machines: int, sizes: list[int], repeats: list[int], timeout: float) -> Tables:
     """On rank `rank` of `machines`, none of them in a process group: the all-reduce among K
     machines for every K from 2 to `machines`, one ring after another, each of `sizes`
     timed `repeats` (one per size) times. Rank 0: {K: (seconds, CPU seconds) per size, the
@@ -66,29 +65,41 @@ def rings(rank: int, machines: int, sizes: list[int], repeats: list[int],
     return out
 
 
-def timed(rank: int, world: int, key: str, sizes: list[int], repeats: list[int],
-          timeout: float) -> tuple[list[float], list[float]]:  # fmt: skip
+def timed(
+    rank: int, world: int, key: str, sizes: list[int], repeats: list[int], timeout: float
+) -> tuple[list[float], list[float]]:
     """On rank `rank` of the `world` ranks a ring spans (each on its machine): the ring's
     (seconds, CPU seconds) per all-reduce of each of `sizes` (`repeats`: how many of each),
     timed in processes of their own that meet under `key` (the same on every rank, new for
     each ring); rank 0's are the slowest rank's, the others' zeros. CalibrationError (one
     line) if the process fails or outlives `timeout` seconds plus its start; it dies with
     this process."""
-    argv = [sys.executable, "-m", "netpart.calibrate.ring", str(rank), str(world), key,
-            json.dumps([int(n) for n in repeats]), json.dumps([int(b) for b in sizes]),
-            str(timeout)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "netpart.calibrate.ring",
+        str(rank),
+        str(world),
+        key,
+        json.dumps([int(n) for n in repeats]),
+        json.dumps([int(b) for b in sizes]),
+        str(timeout),
+    ]
     limit = timeout + START_S
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=limit,
-                              preexec_fn=die_with_parent)  # fmt: skip
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=limit, preexec_fn=die_with_parent
+        )
     except subprocess.TimeoutExpired:
         raise CalibrationError(
             f"calibration rank {rank}: the all-reduce's own process took longer than {limit:.0f} s"
         ) from None
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise CalibrationError(f"calibration rank {rank}: the all-reduce's own process "
-                               f"failed (exit {done.returncode}): {last}")  # fmt: skip
+        raise CalibrationError(
+            f"calibration rank {rank}: the all-reduce's own process "
+            f"failed (exit {done.returncode}): {last}"
+        )
     if rank != 0:
         return [0.0] * len(sizes), [0.0] * len(sizes)
     got = json.loads(done.stdout.strip().splitlines()[-1])
@@ -100,8 +111,9 @@ def _store(key: str, world: int, timeout: datetime.timedelta) -> dist.Store:
     path = os.environ.get(STORE_ENV)
     if path:
         return dist.FileStore(f"{path}.{key}", world)
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                           is_master=False, timeout=timeout)  # fmt: skip
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
     return dist.PrefixStore(f"netpart/attempt{torchrun_attempt()}/{key}/", client)
 
 
@@ -110,8 +122,9 @@ def main(argv: list[str]) -> int:
     repeats, sizes, timeout = json.loads(argv[3]), json.loads(argv[4]), float(argv[5])
     wait = datetime.timedelta(seconds=timeout)
     torch.set_num_threads(1)  # as every worker process
-    dist.init_process_group("gloo", store=_store(key, world, wait), rank=rank,
-                            world_size=world, timeout=wait)  # fmt: skip
+    dist.init_process_group(
+        "gloo", store=_store(key, world, wait), rank=rank, world_size=world, timeout=wait
+    )
     try:
         seconds, cpu = [], []
         for size, n in zip(sizes, repeats, strict=True):

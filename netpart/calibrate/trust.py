@@ -59,8 +59,10 @@ class LoadSample:
         return self.others_cores > BUSY_CORES or self.steal > BUSY_STEAL
 
     def describe(self) -> str:
-        return (f"{self.others_cores:.2f} cores busy with other work, {self.steal:.0%} stolen, "
-                f"load average {self.loadavg:.2f}")  # fmt: skip
+        return (
+            f"{self.others_cores:.2f} cores busy with other work, {self.steal:.0%} stolen, "
+            f"load average {self.loadavg:.2f}"
+        )
 
 
 def _cpu_jiffies() -> tuple[float, float, float] | None:
@@ -127,13 +129,18 @@ def verdict(samples: list[LoadSample], spreads: list[float], model: NetworkModel
         cores = float(np.median([s.others_cores for s in samples]))
         steal = float(np.median([s.steal for s in samples]))
         if cores > BUSY_CORES:
-            reasons.append(f"other processes kept {cores:.2f} cores busy (median of "
-                           f"{len(samples)} samples; at most {BUSY_CORES:g})")  # fmt: skip
+            reasons.append(
+                f"other processes kept {cores:.2f} cores busy (median of "
+                f"{len(samples)} samples; at most {BUSY_CORES:g})"
+            )
         if steal > BUSY_STEAL:
-            reasons.append(f"the hypervisor stole {steal:.0%} of CPU time (at most "
-                           f"{BUSY_STEAL:.0%})")  # fmt: skip
+            reasons.append(
+                f"the hypervisor stole {steal:.0%} of CPU time (at most {BUSY_STEAL:.0%})"
+            )
     if spreads and float(np.median(spreads)) > RUN_SPREAD:
-        reasons.append(f"repeated runs of a step differed {float(np.median(spreads)):.2f}x "
-                       f"(median slowest over fastest; at most {RUN_SPREAD:g}x)")  # fmt: skip
+        reasons.append(
+            f"repeated runs of a step differed {float(np.median(spreads)):.2f}x "
+            f"(median slowest over fastest; at most {RUN_SPREAD:g}x)"
+        )
     reasons += [f"implausible {x}" for x in implausible(model)]
     return Verdict(tuple(reasons))

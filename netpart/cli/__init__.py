@@ -58,9 +58,15 @@ def build_parser() -> Parser:
 
 # errno values that name a path the user gave (exit 2); any other OSError is a failure (exit 1)
 _PATH_ERRORS = {
-    errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR, errno.ENOENT,
-    errno.ENAMETOOLONG, errno.ELOOP,
-}  # fmt: skip
+    errno.EROFS,
+    errno.EACCES,
+    errno.EPERM,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.ENOENT,
+    errno.ENAMETOOLONG,
+    errno.ELOOP,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

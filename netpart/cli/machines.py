@@ -79,8 +79,10 @@ def _within_model(spec, counts: list[int], blocks_per_worker: int) -> list[int]:
         raise PlanError(f"--sweep: {spec.name} cannot spread over {counts[0]} workers or more")
     if len(kept) < len(counts):
         size = widest(counts[len(kept)])
-        echo(f"counts above {kept[-1]} skipped: {spec.name}'s widest layer, "
-             f"{size.widest_layer}, has at most {size.widest} blocks")  # fmt: skip
+        echo(
+            f"counts above {kept[-1]} skipped: {spec.name}'s widest layer, "
+            f"{size.widest_layer}, has at most {size.widest} blocks"
+        )
     return kept
 
 
@@ -107,12 +109,21 @@ def sweep(spec, args: argparse.Namespace, network) -> int:
     steps = []
     for n in tqdm(counts, desc="sweep", disable=not sys.stderr.isatty(), leave=False):
         granularity = Granularity.for_workers(n, args.blocks_per_worker)
-        p = plan(spec, n, args.method, seed=args.seed, batch=args.batch, network=network,
-                 granularity=granularity, memory=available_memory())  # fmt: skip
+        p = plan(
+            spec,
+            n,
+            args.method,
+            seed=args.seed,
+            batch=args.batch,
+            network=network,
+            granularity=granularity,
+            memory=available_memory(),
+        )
         steps.append(p.metrics.predicted_step_s)
     k, peak = knee(counts, steps, args.gain)
-    sweep = SweepResult(spec.name, tuple(counts), tuple(steps), args.gain, k, peak,
-                        network.describe())  # fmt: skip
+    sweep = SweepResult(
+        spec.name, tuple(counts), tuple(steps), args.gain, k, peak, network.describe()
+    )
     echo(f"{spec.name}, {args.method}, batch {args.batch} ({network.describe()}):")
     echo(sweep_table(sweep))
     why = (
@@ -130,8 +141,9 @@ def sweep(spec, args: argparse.Namespace, network) -> int:
     return 0
 
 
-def _advice(spec, network, machines: int, machine_file, *,
-            blocks_per_worker: int | None = None, **given):  # fmt: skip
+def _advice(
+    spec, network, machines: int, machine_file, *, blocks_per_worker: int | None = None, **given
+):
     """`cluster.advise` for `machines` machines: the memory of the --machine description
     (if given) per machine, and no more workers a replica than the model's widest layer has
     blocks; `given` passes batch, n_push, n_fetch (and examples) on."""
@@ -144,11 +156,13 @@ def _advice(spec, network, machines: int, machine_file, *,
         from netpart.cost.machine import read_machine
 
         memory = read_machine(machine_file).memory_bytes
-    granularity = (Granularity.for_workers(machines) if blocks_per_worker is None
-                   else Granularity.for_workers(machines, blocks_per_worker))  # fmt: skip
+    granularity = (
+        Granularity.for_workers(machines)
+        if blocks_per_worker is None
+        else Granularity.for_workers(machines, blocks_per_worker)
+    )
     widest = graph_size(spec, granularity).widest
-    return advise(spec, machines, network, memory_per_machine=memory, max_workers=widest,
-                  **given)  # fmt: skip
+    return advise(spec, machines, network, memory_per_machine=memory, max_workers=widest, **given)
 
 
 def plan_cluster(spec, args: argparse.Namespace, network) -> int:
@@ -161,9 +175,16 @@ def plan_cluster(spec, args: argparse.Namespace, network) -> int:
 
     _check_out(args.out, "cluster.json")
     advice = _advice(
-        spec, network, args.machines, args.machine, batch=args.batch, n_push=args.n_push,
-        n_fetch=args.n_fetch, examples=args.examples, blocks_per_worker=args.blocks_per_worker,
-    )  # fmt: skip
+        spec,
+        network,
+        args.machines,
+        args.machine,
+        batch=args.batch,
+        n_push=args.n_push,
+        n_fetch=args.n_fetch,
+        examples=args.examples,
+        blocks_per_worker=args.blocks_per_worker,
+    )
     echo(f"{spec.name} on {args.machines} machines, batch {args.batch} ({advice.prediction}):")
     echo(cluster_table(advice))
     echo(f"recommended: {advice.why}")
@@ -187,9 +208,14 @@ def train_layout(args: argparse.Namespace) -> None:
     from netpart.planning.cluster import trainable
     from netpart.train.config import TrainConfig
 
-    chosen = {"--workers": args.workers, "--replicas": args.replicas,
-              "--ps-shards": args.shards, "--mode": args.mode, "--resume": args.resume,
-              "--plan": args.plan}  # fmt: skip
+    chosen = {
+        "--workers": args.workers,
+        "--replicas": args.replicas,
+        "--ps-shards": args.shards,
+        "--mode": args.mode,
+        "--resume": args.resume,
+        "--plan": args.plan,
+    }
     if clash := [name for name, value in chosen.items() if value is not None]:
         raise PlanError(f"--machines chooses the layout: drop {', '.join(clash)} (or --machines)")
     if args.model is None:
@@ -197,19 +223,29 @@ def train_layout(args: argparse.Namespace) -> None:
     spec, defaults = load_spec(args.model), TrainConfig()
     network = load_network(args.profile, machine=args.machine)
     advice = _advice(
-        spec, network, args.machines, args.machine, batch=args.batch or defaults.batch,
-        n_push=args.n_push or defaults.n_push, n_fetch=args.n_fetch or defaults.n_fetch,
-    )  # fmt: skip
+        spec,
+        network,
+        args.machines,
+        args.machine,
+        batch=args.batch or defaults.batch,
+        n_push=args.n_push or defaults.n_push,
+        n_fetch=args.n_fetch or defaults.n_fetch,
+    )
     choice = trainable(advice)
     lay = choice.layout
     args.workers, args.replicas, args.shards, args.mode = (
-        lay.workers, lay.replicas, lay.shards, lay.mode,
-    )  # fmt: skip
+        lay.workers,
+        lay.replicas,
+        lay.shards,
+        lay.mode,
+    )
     faster = ""
     if advice.best is not choice:
         best = advice.best
-        faster = (f"; {best.layout} is predicted faster ({best.samples_per_s:,.0f} samples/s): "
-                  "that is DistributedDataParallel's, not netpart's")  # fmt: skip
+        faster = (
+            f"; {best.layout} is predicted faster ({best.samples_per_s:,.0f} samples/s): "
+            "that is DistributedDataParallel's, not netpart's"
+        )
     flags = f"--workers {lay.workers} --replicas {lay.replicas} --ps-shards {lay.shards}"
     rate = f"{choice.samples_per_s:,.0f} samples/s predicted ({advice.prediction})"
     echo(f"--machines {args.machines}: training {lay} ({flags} --mode {lay.mode}), {rate}{faster}")

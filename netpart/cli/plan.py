@@ -333,8 +333,17 @@ def _make_plans(spec, args: argparse.Namespace, options: dict, common: dict) -> 
                 bar.set_postfix_str(name)
                 bar.update(1)
 
-            plans.append(plan(spec, args.workers, method, on_phase=phase,
-                              memory=available_memory(), **common, **opts))  # fmt: skip
+            plans.append(
+                plan(
+                    spec,
+                    args.workers,
+                    method,
+                    on_phase=phase,
+                    memory=available_memory(),
+                    **common,
+                    **opts,
+                )
+            )
     return plans
 
 

@@ -254,9 +254,15 @@ def _trusted_calibration(args, models, extra, runner):
     attempts = 1 if args.force else 2  # --force: its user accepted a busy machine
     for attempt in range(attempts):
         model, details = calibrate(
-            models, args.batch, args.steps, say=echo, repeats=args.repeats, slice_models=extra,
-            runner=runner, check_model=args.check_model or None,
-        )  # fmt: skip
+            models,
+            args.batch,
+            args.steps,
+            say=echo,
+            repeats=args.repeats,
+            slice_models=extra,
+            runner=runner,
+            check_model=args.check_model or None,
+        )
         load = [LoadSample(**x) for x in details["load"]]
         judged = verdict(load, run_spreads(details["runs"]), model)
         details["verdict"] = list(judged.reasons)
@@ -288,9 +294,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         steps, warmup = args.steps, min(3, args.steps - 1) if args.steps > 1 else 0
     with SpeedProbe() as probe:
         options = StepOptions(
-            seed=args.seed, dtype="float32", timeout=args.timeout, threads=args.threads,
-            steps=steps + warmup, overlap=not args.no_overlap, split=args.split,
-        )  # fmt: skip
+            seed=args.seed,
+            dtype="float32",
+            timeout=args.timeout,
+            threads=args.threads,
+            steps=steps + warmup,
+            overlap=not args.no_overlap,
+            split=args.split,
+        )
         result = run_step(spec, p, x.float(), y, options)
     per_step = result.slowest_steps()[warmup:]
     measured = float(np.median(per_step))
@@ -315,15 +326,29 @@ def cmd_run(args: argparse.Namespace) -> int:
     echo(f"bytes moved per step: {sent:,} (plan: {2 * p.metrics.volume * args.batch * 4:,})")
     if args.stats is not None:
         stats = {
-            "model": spec.name, "workers": args.workers, "method": p.method,
-            "batch": args.batch, "threads": args.threads, "overlap": not args.no_overlap,
-            "split": args.split, "step_s": per_step.tolist(), "step_s_median": measured,
-            "predicted_step_s": predicted, "prediction": p.network.describe(),
-            "probe_s": probe.median(), "slowdown": slowdown,
+            "step_s": per_step.tolist(),
+            "step_s_median": measured,
+            "predicted_step_s": predicted,
+            "probe_s": probe.median(),
+            "slowdown": slowdown,
             "per_worker": per_worker_stats(result),
-        }  # fmt: skip
-        write_atomic(args.stats, json.dumps(stats, indent=1).encode())
+        }
+        write_atomic(args.stats, json.dumps(_run_stats(args, p) | stats, indent=1).encode())
     return 0
+
+
+def _run_stats(args: argparse.Namespace, p) -> dict:
+    """What `netpart run --stats` records of the run's set-up."""
+    return {
+        "model": p.model,
+        "workers": args.workers,
+        "method": p.method,
+        "batch": args.batch,
+        "threads": args.threads,
+        "overlap": not args.no_overlap,
+        "split": args.split,
+        "prediction": p.network.describe(),
+    }
 
 
 def _run_plan(args: argparse.Namespace):
@@ -336,8 +361,15 @@ def _run_plan(args: argparse.Namespace):
 
     spec, p = plan_for_run(args)
     network = replace(load_network(args.profile, machine=args.machine), overlap=args.split)
-    p = p or plan(spec, args.workers, args.method, seed=args.seed, batch=args.batch,
-                  network=network, memory=available_memory())  # fmt: skip
+    p = p or plan(
+        spec,
+        args.workers,
+        args.method,
+        seed=args.seed,
+        batch=args.batch,
+        network=network,
+        memory=available_memory(),
+    )
     if p.network != network or p.batch != args.batch:  # the prediction for this run
         p = reevaluate(spec, p, args.batch, network)
     return spec, p, network
@@ -362,8 +394,10 @@ def _layer_table(spec, result, split_plan=None) -> None:
         exposed = max(both(e, i) for e in result.exchange_s)
         hidden = max(both(h, i) for h in result.hidden_s) if result.hidden_s else 0.0
         split = split_label(split_plan.layers[i]) if split_plan else "off (one host)"
-        echo(f"{spec.layer_name(i):<10} {comp * 1e3:>11.2f} {exposed * 1e3:>11.2f} "
-             f"{hidden * 1e3:>10.2f} {split:>14}")  # fmt: skip
+        echo(
+            f"{spec.layer_name(i):<10} {comp * 1e3:>11.2f} {exposed * 1e3:>11.2f} "
+            f"{hidden * 1e3:>10.2f} {split:>14}"
+        )
     loss = max(e.get((len(spec.layers), "loss"), 0.0) for e in result.exchange_s)
     echo(f"{'loss':<10} {'':>11} {loss * 1e3:>11.2f}")
 

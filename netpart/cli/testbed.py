@@ -44,10 +44,14 @@ def register(sub) -> None:
     u = verbs.add_parser("up", help="make testbed NAME")
     u.add_argument("name", help="its name (lower-case letters, digits, '-')")
     u.add_argument("--machines", type=positive_int, required=True, help="how many machines")
-    u.add_argument("--cpu", type=float, default=0.45,
-                   help="each machine's share of one core (default 0.45)")  # fmt: skip
-    u.add_argument("--link", default="1gbit",
-                   help="each machine's link, each way, in tc's units (default 1gbit)")  # fmt: skip
+    u.add_argument(
+        "--cpu", type=float, default=0.45, help="each machine's share of one core (default 0.45)"
+    )
+    u.add_argument(
+        "--link",
+        default="1gbit",
+        help="each machine's link, each way, in tc's units (default 1gbit)",
+    )
     u.set_defaults(func=cmd_up)
     d = verbs.add_parser("down", help="remove testbed NAME (and whatever runs in it)")
     d.add_argument("name")
@@ -73,8 +77,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     from netpart.testbed.bed import up
 
     bed = up(args.name, args.machines, cpu=args.cpu, rate=args.link)
-    echo(f"testbed {bed.name}: {bed.machines} machines at {bed.cpu:g} core, {bed.rate} links "
-         f"({', '.join(h.address for h in bed.hosts)})")  # fmt: skip
+    echo(
+        f"testbed {bed.name}: {bed.machines} machines at {bed.cpu:g} core, {bed.rate} links "
+        f"({', '.join(h.address for h in bed.hosts)})"
+    )
     return 0
 
 
@@ -91,8 +97,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
     beds = list_testbeds()
     for bed in beds:
-        echo(f"{bed.name}: {bed.machines} machines at {bed.cpu:g} core, {bed.rate}; "
-             f"{health(bed)}")  # fmt: skip
+        echo(f"{bed.name}: {bed.machines} machines at {bed.cpu:g} core, {bed.rate}; {health(bed)}")
     if not beds:
         echo("no testbed is up")
     return 0
@@ -114,7 +119,6 @@ def on_testbed(name: str, argv: list[str], processes: int | None = None) -> int:
             f"processes, one a machine; make one of {processes} (`netpart testbed up NAME "
             f"--machines {processes}`) or change the job"
         )
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
     with open(STATE / f"{name}.json") as record:
         try:
             fcntl.flock(record, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -124,16 +128,20 @@ def on_testbed(name: str, argv: list[str], processes: int | None = None) -> int:
         relays: list[threading.Thread] = []
         try:
             for i, host in enumerate(bed.hosts):
-                cmd = [torchrun, "--nnodes", str(bed.machines), "--nproc-per-node", "1",
-                       "--node-rank", str(i), "--master-addr", bed.hosts[0].address,
-                       "--master-port", str(PORT), "--local-addr", host.address,
-                       "-m", "netpart", *argv]  # fmt: skip
                 env = {"GLOO_SOCKET_IFNAME": host.device, "TORCH_CPP_LOG_LEVEL": "ERROR"}
-                procs.append(subprocess.Popen(bed.command(i, cmd, env), stderr=subprocess.PIPE,
-                                              text=True, errors="replace"))  # fmt: skip
+                procs.append(
+                    subprocess.Popen(
+                        bed.command(i, _torchrun(bed, i, argv), env),
+                        stderr=subprocess.PIPE,
+                        text=True,
+                        errors="replace",
+                    )
+                )
             # each machine's stderr (its agent's and its process's) passes on line by line
-            relays += [threading.Thread(target=_relay, args=(p.stderr, sys.stderr), daemon=True)
-                       for p in procs]  # fmt: skip
+            relays += [
+                threading.Thread(target=_relay, args=(p.stderr, sys.stderr), daemon=True)
+                for p in procs
+            ]
             for relay in relays:
                 relay.start()
             return _wait(procs)
@@ -141,6 +149,17 @@ def on_testbed(name: str, argv: list[str], processes: int | None = None) -> int:
             cgroups.kill_inside([Path(g) for g in bed.groups])
             for relay in relays:  # every machine's pipe closes with what ran there
                 relay.join(GRACE_S)
+
+
+def _torchrun(bed, rank: int, argv: list[str]) -> list[str]:
+    """The torchrun command of machine `rank` of `bed`: one process, rendezvous on machine 0."""
+    return [
+        str(Path(sys.executable).with_name("torchrun")),
+        *("--nnodes", str(bed.machines), "--nproc-per-node", "1", "--node-rank", str(rank)),
+        *("--master-addr", bed.hosts[0].address, "--master-port", str(PORT)),
+        *("--local-addr", bed.hosts[rank].address),
+        *("-m", "netpart", *argv),
+    ]
 
 
 def without_exit_barrier_race(lines: Iterable[str]) -> Iterable[str]:

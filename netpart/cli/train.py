@@ -94,6 +94,13 @@ def _train_parser(sub) -> None:
         "--plan", type=Path, default=None, help="use this plan directory (default: plan afresh)"
     )
     add_profile_arg(t)
+    _where_flags(t)
+    add_testbed_arg(t, processes=_processes)
+    t.set_defaults(func=cmd_train, torch=True)
+
+
+def _where_flags(t: argparse.ArgumentParser) -> None:
+    """Where `netpart train` writes, how it reports, what it resumes, how many machines."""
     t.add_argument(
         "--out",
         type=Path,
@@ -109,17 +116,21 @@ def _train_parser(sub) -> None:
         help="off a terminal (CI, nohup, > log): a progress line on stdout this often",
     )
     t.add_argument(
-        "--resume", type=Path, default=None, metavar="DIR",
+        "--resume",
+        type=Path,
+        default=None,
+        metavar="DIR",
         help="continue this run (in DIR) up to --steps; --out is refused",
-    )  # fmt: skip
+    )
     t.add_argument(
-        "--machines", type=positive_int, default=None, metavar="M",
+        "--machines",
+        type=positive_int,
+        default=None,
+        metavar="M",
         help="instead of --workers, --replicas, --ps-shards and --mode: train the fastest "
         "parameter-server layout `netpart plan --machines M` predicts for M machines like "
         "this one (or --profile/--machine)",
-    )  # fmt: skip
-    add_testbed_arg(t, processes=_processes)
-    t.set_defaults(func=cmd_train, torch=True)
+    )
 
 
 def _config_flags(t: argparse.ArgumentParser) -> None:
@@ -257,9 +268,13 @@ def _config_flag(parser, defaults):
         default = getattr(defaults, field)
         extra = "" if field == "shards" or default is None else f" (default {default})"
         parser.add_argument(
-            name or "--" + field.replace("_", "-"), *aliases, dest=field, type=kind,
-            default=None, help=text + extra,
-        )  # fmt: skip
+            name or "--" + field.replace("_", "-"),
+            *aliases,
+            dest=field,
+            type=kind,
+            default=None,
+            help=text + extra,
+        )
 
     return add
 
@@ -294,9 +309,15 @@ def _request(args: argparse.Namespace):
     if args.resume is None and args.plan is None:
         network = load_network(args.profile, machine=args.machine)
     return TrainRequest(
-        model=args.model, workers=args.workers, given=given, method=args.method, plan=args.plan,
-        network=network, out=args.out, resume=args.resume,
-    )  # fmt: skip
+        model=args.model,
+        workers=args.workers,
+        given=given,
+        method=args.method,
+        plan=args.plan,
+        network=network,
+        out=args.out,
+        resume=args.resume,
+    )
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -332,8 +353,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         job, summary = train_here(request, on_start=tqdm.write, on_progress=progress)
     for line in summary_lines(summary, job.config.data):
         echo(line)
-    echo(f"wrote {job.run}/model.pt and shard checkpoints ({summary.wall_s:.1f} s); "
-         f"report: {job.run}/report.md")  # fmt: skip
+    echo(
+        f"wrote {job.run}/model.pt and shard checkpoints ({summary.wall_s:.1f} s); "
+        f"report: {job.run}/report.md"
+    )
     return 130 if summary.stopped else 0
 
 
@@ -365,8 +388,10 @@ def summary_lines(summary, data: str) -> list[str]:
     from netpart.train.launch import held_out_line
     from netpart.train.report import restart_line
 
-    lines = [f"replica {r}: step {summary.steps[r]}, loss {summary.final_loss[r]:.4g}"
-             for r in sorted(summary.final_loss)]  # fmt: skip
+    lines = [
+        f"replica {r}: step {summary.steps[r]}, loss {summary.final_loss[r]:.4g}"
+        for r in sorted(summary.final_loss)
+    ]
     lines += [f"replica {r} was lost: {why}" for r, why in summary.lost.items()]
     lines += [restart_line(restart) for restart in summary.restarts]
     if summary.held_out:
@@ -387,8 +412,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     x, y = data.held_out_set()
     result = evaluate(spec, state, x, y, seed=config.seed, batch=args.batch)
     accuracy = f", accuracy {result['accuracy']:.4f}" if "accuracy" in result else ""
-    echo(f"{spec.name} from {run} on {source} (held-out, {len(x)} examples): "
-         f"loss {result['loss']:.4f}{accuracy}")  # fmt: skip
+    echo(
+        f"{spec.name} from {run} on {source} (held-out, {len(x)} examples): "
+        f"loss {result['loss']:.4f}{accuracy}"
+    )
     return 0
 
 
@@ -429,6 +456,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     torch.export.save(exported_program(job.spec, state, data.standardised), buf)
     write_atomic(out, buf.getvalue())
     takes = "pixels in [0, 1], standardised inside" if data.standardised else "inputs as trained"
-    echo(f"wrote {out}: {job.spec.name}, {count}, takes {takes}; load it with "
-         f"torch.export.load({str(out)!r}).module()")  # fmt: skip
+    echo(
+        f"wrote {out}: {job.spec.name}, {count}, takes {takes}; load it with "
+        f"torch.export.load({str(out)!r}).module()"
+    )
     return 0

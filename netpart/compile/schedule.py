@@ -305,30 +305,7 @@ def build_schedule(
     owned = owned_units(graph, node_map, workers)
     sends: list[dict[tuple[int, int], np.ndarray]] = [{}]
     for index in range(1, len(graph.layers)):
-        source = graph.layers[index - 1]
-        shape = source.shape
-        n = shape.size
-        owner = np.empty(n, dtype=np.int64)
-        for w in range(workers):
-            owner[owned[index - 1][w]] = w
-        if spec.layers[index].is_spatial:
-            covered, slab_bounds = coverage(graph, index, node_map, workers)
-            # Expand slabs to channels: needed[w, c, y, x].
-            needed = np.repeat(covered, np.diff(slab_bounds), axis=1).reshape(workers, n)
-        else:
-            readers = np.bincount(node_map[graph.layers[index].ids], minlength=workers) > 0
-            needed = np.broadcast_to(readers[:, None], (workers, n))
-        msgs: dict[tuple[int, int], np.ndarray] = {}
-        for d in range(workers):
-            units = np.nonzero(needed[d] & (owner != d))[0]
-            if len(units) == 0:
-                continue
-            src = owner[units]
-            order = np.argsort(src, kind="stable")
-            cuts = np.searchsorted(src[order], np.arange(workers + 1))
-            for s in np.nonzero(np.diff(cuts))[0]:
-                msgs[(int(s), d)] = units[order[cuts[s] : cuts[s + 1]]]
-        sends.append(msgs)
+        sends.append(_layer_sends(graph, index, owned, node_map, workers))
     kinds = tuple(layer.kind for layer in spec.layers)
     interior = tuple(
         tuple(interior_units(graph, owned, index, w) for w in range(workers))
@@ -340,9 +317,47 @@ def build_schedule(
     if overlap:
         early, chains = producer_chains(spec, owned, tuple(sends), flops, split_min_flops, split)
     return HaloSchedule(
-        workers, owned, tuple(sends), kinds, interior, overlap, flops, split_min_flops, split,
-        early, chains,
-    )  # fmt: skip
+        workers,
+        owned,
+        tuple(sends),
+        kinds,
+        interior,
+        overlap,
+        flops,
+        split_min_flops,
+        split,
+        early,
+        chains,
+    )
+
+
+def _layer_sends(
+    graph: UnitGraph, index: int, owned: tuple, node_map: np.ndarray, workers: int
+) -> dict[tuple[int, int], np.ndarray]:
+    """The halo of layer `index`'s input: (sender, receiver) -> the units the receiver reads
+    from the sender's part of layer `index - 1` (sorted)."""
+    n = graph.layers[index - 1].shape.size
+    owner = np.empty(n, dtype=np.int64)
+    for w in range(workers):
+        owner[owned[index - 1][w]] = w
+    if graph.spec.layers[index].is_spatial:
+        covered, slab_bounds = coverage(graph, index, node_map, workers)
+        # Expand slabs to channels: needed[w, c, y, x].
+        needed = np.repeat(covered, np.diff(slab_bounds), axis=1).reshape(workers, n)
+    else:
+        readers = np.bincount(node_map[graph.layers[index].ids], minlength=workers) > 0
+        needed = np.broadcast_to(readers[:, None], (workers, n))
+    msgs: dict[tuple[int, int], np.ndarray] = {}
+    for d in range(workers):
+        units = np.nonzero(needed[d] & (owner != d))[0]
+        if len(units) == 0:
+            continue
+        src = owner[units]
+        order = np.argsort(src, kind="stable")
+        cuts = np.searchsorted(src[order], np.arange(workers + 1))
+        for s in np.nonzero(np.diff(cuts))[0]:
+            msgs[(int(s), d)] = units[order[cuts[s] : cuts[s + 1]]]
+    return msgs
 
 
 def interior_units(graph: UnitGraph, owned: tuple, index: int, worker: int) -> np.ndarray:
@@ -396,9 +411,13 @@ def plan_schedule(
     plan.check_model(spec)
     graph = build_unit_graph(spec, plan.granularity)
     schedule = build_schedule(
-        graph, plan.node_map, plan.workers, overlap=overlap, split_min_flops=split_min_flops,
+        graph,
+        plan.node_map,
+        plan.workers,
+        overlap=overlap,
+        split_min_flops=split_min_flops,
         split=tuple(layer.split for layer in plan.layers) if split is None else split,
-    )  # fmt: skip
+    )
     if validate:
         schedule.validate(plan)
     return graph, schedule

@@ -190,11 +190,16 @@ class PsExchange:
 
     def to_dict(self) -> dict[str, Any]:
         def lists(tables: Tables | Mesh) -> dict:
-            return {m: {_name(k): [t for _, t in p] for k, p in sorted(t.items())}
-                    for m, t in tables.items()}  # fmt: skip
+            return {
+                m: {_name(k): [t for _, t in p] for k, p in sorted(t.items())}
+                for m, t in tables.items()
+            }
 
-        out = {"sizes": _sizes(self.seconds), "seconds": lists(self.seconds),
-               "busy": lists(self.busy)}  # fmt: skip
+        out = {
+            "sizes": _sizes(self.seconds),
+            "seconds": lists(self.seconds),
+            "busy": lists(self.busy),
+        }
         if self.share < 1:
             out.update(share=self.share, quota_s=self.quota_s)
         for what in ("spread", "spread_busy", "mesh", "mesh_busy"):
@@ -204,8 +209,11 @@ class PsExchange:
             if getattr(self, what):
                 out[what] = lists({ALL: getattr(self, what)})[ALL]
         if self.after:
-            out["after"] = {"sizes": _sizes(self.after), "stand_in_s": self.stand_in_s,
-                            "seconds": lists(self.after)}  # fmt: skip
+            out["after"] = {
+                "sizes": _sizes(self.after),
+                "stand_in_s": self.stand_in_s,
+                "seconds": lists(self.after),
+            }
         if self.replica:
             out["replica"] = {"batch": self.replica_batch, "seconds": dict(self.replica)}
         return out
@@ -220,11 +228,16 @@ class PsExchange:
             _tables(data.get(what), sizes, what, "clients >= 1") for what in ("seconds", "busy")
         )
         pair = ("<clients>x<shards>, both >= 2", _pair)
-        readers = {"spread": ("shards >= 1", _count), "spread_busy": ("shards >= 1", _count),
-                   "mesh": pair, "mesh_busy": pair}  # fmt: skip
-        optional = {what: {} if data.get(what) is None
-                    else _tables(data[what], sizes, what, count, key)
-                    for what, (count, key) in readers.items()}  # fmt: skip
+        readers = {
+            "spread": ("shards >= 1", _count),
+            "spread_busy": ("shards >= 1", _count),
+            "mesh": pair,
+            "mesh_busy": pair,
+        }
+        optional = {
+            what: {} if data.get(what) is None else _tables(data[what], sizes, what, count, key)
+            for what, (count, key) in readers.items()
+        }
         for what in ("allreduce", "allreduce_busy"):  # one table for every mode: ALL's
             if data.get(what) is not None:
                 raw = {ALL: data[what]}
@@ -238,8 +251,7 @@ class PsExchange:
             0 < share <= 1 and quota >= 0
         ):
             raise ValueError("ps.share is a fraction of a core (0 < share <= 1), quota_s >= 0")
-        return cls(seconds=seconds, busy=busy, **optional, share=float(share),
-                   quota_s=float(quota))  # fmt: skip
+        return cls(seconds=seconds, busy=busy, **optional, share=float(share), quota_s=float(quota))
 
 
 def _sizes(tables: Tables | Mesh) -> list[float]:
@@ -316,8 +328,14 @@ def _machines(key: Any) -> int | None:
     return int(key) if str(key).isdigit() and int(key) >= 2 else None
 
 
-def _tables(raw: Any, sizes: list[float], what: str, count: str, key=_count,
-            modes: tuple[str, ...] = PS_MODES) -> Any:  # fmt: skip
+def _tables(
+    raw: Any,
+    sizes: list[float],
+    what: str,
+    count: str,
+    key=_count,
+    modes: tuple[str, ...] = PS_MODES,
+) -> Any:
     """`ps.<what>`: mode (of `modes`) -> "<count>" -> a time per size, checked (ValueError);
     `key` reads a count (None: not one)."""
     if not isinstance(raw, dict) or set(raw) != set(modes):

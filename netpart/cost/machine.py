@@ -123,11 +123,15 @@ class Machine:
             points = ((1.0, float(r.seconds(1.0))), (_LARGEST, float(r.seconds(_LARGEST))))
             kinds[kind] = KindCost(points, per_value=r.per_value_s)
         return NetworkModel(
-            bandwidth_bps=self.bandwidth_bps, latency_s=self.latency_s,
-            message_s=self.message_s, flops_per_s=self.flops_per_s, kinds=kinds,
-            step_fixed_s=self.step_overhead_s, overlap=True,
+            bandwidth_bps=self.bandwidth_bps,
+            latency_s=self.latency_s,
+            message_s=self.message_s,
+            flops_per_s=self.flops_per_s,
+            kinds=kinds,
+            step_fixed_s=self.step_overhead_s,
+            overlap=True,
             machine=f"machine {self.name}" + (f" ({source})" if source else ""),
-        )  # fmt: skip
+        )
 
     @classmethod
     def from_network(
@@ -152,11 +156,17 @@ class Machine:
             else KindRate(model.flops_per_s)
         )
         return cls(
-            name=name, about=about, flops_per_s=base.flops_per_s, overhead_s=base.overhead_s,
+            name=name,
+            about=about,
+            flops_per_s=base.flops_per_s,
+            overhead_s=base.overhead_s,
             per_value_s=base.per_value_s,
-            kinds=kinds, bandwidth_bps=model.bandwidth_bps, latency_s=model.latency_s,
-            step_overhead_s=model.step_fixed_s, memory_bytes=memory_bytes,
-        )  # fmt: skip
+            kinds=kinds,
+            bandwidth_bps=model.bandwidth_bps,
+            latency_s=model.latency_s,
+            step_overhead_s=model.step_fixed_s,
+            memory_bytes=memory_bytes,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The file's content in SI units (JSON; `machine_toml` writes the TOML form)."""
@@ -165,15 +175,24 @@ class Machine:
             for k, r in self.kinds.items()
         }
         return {
-            "schema_version": MACHINE_SCHEMA, "name": self.name, "about": self.about,
-            "compute": {"rate": self.flops_per_s, "overhead": self.overhead_s,
-                        "per_value": self.per_value_s,
-                        "threads": self.threads, "kinds": kinds},
-            "network": {"bandwidth": self.bandwidth_bps, "latency": self.latency_s,
-                        "message": self.message_s},
+            "schema_version": MACHINE_SCHEMA,
+            "name": self.name,
+            "about": self.about,
+            "compute": {
+                "rate": self.flops_per_s,
+                "overhead": self.overhead_s,
+                "per_value": self.per_value_s,
+                "threads": self.threads,
+                "kinds": kinds,
+            },
+            "network": {
+                "bandwidth": self.bandwidth_bps,
+                "latency": self.latency_s,
+                "message": self.message_s,
+            },
             "step": {"overhead": self.step_overhead_s},
             "memory": {"per_worker": self.memory_bytes},
-        }  # fmt: skip
+        }
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "machine", *, si: bool = True) -> Machine:
@@ -195,8 +214,10 @@ class Machine:
         kinds = {}
         for kind, raw in _table(compute.get("kinds", {}), "compute.kinds", where).items():
             if kind not in LAYER_KINDS:
-                raise PlanError(f"{where}: compute.kinds.{kind}: unknown layer kind; use one "
-                                f"of {', '.join(LAYER_KINDS)}")  # fmt: skip
+                raise PlanError(
+                    f"{where}: compute.kinds.{kind}: unknown layer kind; use one "
+                    f"of {', '.join(LAYER_KINDS)}"
+                )
             k = _table(raw, "kind", where, f"compute.kinds.{kind}")
             kinds[kind] = KindRate(
                 fig(k.get("rate"), "rate", f"compute.kinds.{kind}.rate", positive=True),
@@ -213,17 +234,21 @@ class Machine:
         if not isinstance(about, str):
             raise PlanError(f"{where}: 'about' must be a string")
         return cls(
-            name=name, about=about, threads=threads, kinds=kinds,
+            name=name,
+            about=about,
+            threads=threads,
+            kinds=kinds,
             flops_per_s=fig(compute["rate"], "rate", "compute.rate", positive=True),
             overhead_s=fig(compute.get("overhead", 0), "time", "compute.overhead"),
             per_value_s=fig(compute.get("per_value", 0), "time", "compute.per_value"),
-            bandwidth_bps=fig(net.get("bandwidth", "1 Gbit/s"), "bits", "network.bandwidth",
-                              positive=True),
+            bandwidth_bps=fig(
+                net.get("bandwidth", "1 Gbit/s"), "bits", "network.bandwidth", positive=True
+            ),
             latency_s=fig(net.get("latency", "50 us"), "time", "network.latency"),
             message_s=fig(net.get("message", 0), "time", "network.message"),
             step_overhead_s=fig(step.get("overhead", 0), "time", "step.overhead"),
             memory_bytes=fig(memory.get("per_worker", 0), "bytes", "memory.per_worker"),
-        )  # fmt: skip
+        )
 
 
 def _table(raw: Any, kind: str, where: str, key: str | None = None) -> dict:
@@ -236,8 +261,9 @@ def _table(raw: Any, kind: str, where: str, key: str | None = None) -> dict:
         for k in raw:
             if k not in allowed:
                 dotted = f"{key}.{k}" if key else k
-                raise PlanError(f"{where}: unknown key {dotted!r}; allowed: "
-                                f"{', '.join(sorted(allowed))}")  # fmt: skip
+                raise PlanError(
+                    f"{where}: unknown key {dotted!r}; allowed: {', '.join(sorted(allowed))}"
+                )
     return raw
 
 
@@ -254,8 +280,11 @@ def _figure(
     if isinstance(raw, int | float):
         value = float(raw)
     else:
-        m = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([kmgtpµu]?)\s*(" + pattern + r")\s*",
-                         str(raw), flags=re.IGNORECASE)  # fmt: skip
+        m = re.fullmatch(
+            r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([kmgtpµu]?)\s*(" + pattern + r")\s*",
+            str(raw),
+            flags=re.IGNORECASE,
+        )
         if not m:
             raise PlanError(f"{where}: {key} = {raw!r}: give {example}")
         number, prefix, suffix = float(m.group(1)), m.group(2).lower(), m.group(3).lower()
@@ -292,21 +321,35 @@ def read_machine(path: Path) -> Machine:
 def machine_toml(machine: Machine) -> str:
     """The TOML form of `machine`, each figure with its unit."""
     lines = [
-        f"schema_version = {MACHINE_SCHEMA}", f"name = {json.dumps(machine.name)}",
-        f"about = {json.dumps(machine.about)}", "", "[compute]",
+        f"schema_version = {MACHINE_SCHEMA}",
+        f"name = {json.dumps(machine.name)}",
+        f"about = {json.dumps(machine.about)}",
+        "",
+        "[compute]",
         f'rate = "{machine.flops_per_s / 1e9:.6g} GFLOP/s"',
         f'overhead = "{machine.overhead_s * 1e6:.6g} us"',
-        f'per_value = "{machine.per_value_s * 1e9:.6g} ns"', f"threads = {machine.threads}",
-    ]  # fmt: skip
+        f'per_value = "{machine.per_value_s * 1e9:.6g} ns"',
+        f"threads = {machine.threads}",
+    ]
     for kind, r in sorted(machine.kinds.items()):
-        lines += ["", f"[compute.kinds.{kind}]", f'rate = "{r.flops_per_s / 1e9:.6g} GFLOP/s"',
-                  f'overhead = "{r.overhead_s * 1e6:.6g} us"',
-                  f'per_value = "{r.per_value_s * 1e9:.6g} ns"']  # fmt: skip
+        lines += [
+            "",
+            f"[compute.kinds.{kind}]",
+            f'rate = "{r.flops_per_s / 1e9:.6g} GFLOP/s"',
+            f'overhead = "{r.overhead_s * 1e6:.6g} us"',
+            f'per_value = "{r.per_value_s * 1e9:.6g} ns"',
+        ]
     lines += [
-        "", "[network]", f'bandwidth = "{machine.bandwidth_bps / 1e9:.6g} Gbit/s"',
+        "",
+        "[network]",
+        f'bandwidth = "{machine.bandwidth_bps / 1e9:.6g} Gbit/s"',
         f'latency = "{machine.latency_s * 1e6:.6g} us"',
         f'message = "{machine.message_s * 1e6:.6g} us"',
-        "", "[step]", f'overhead = "{machine.step_overhead_s * 1e3:.6g} ms"',
-        "", "[memory]", f'per_worker = "{machine.memory_bytes / 2**30:.6g} GiB"',
-    ]  # fmt: skip
+        "",
+        "[step]",
+        f'overhead = "{machine.step_overhead_s * 1e3:.6g} ms"',
+        "",
+        "[memory]",
+        f'per_worker = "{machine.memory_bytes / 2**30:.6g} GiB"',
+    ]
     return "\n".join(lines) + "\n"

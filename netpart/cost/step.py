@@ -118,8 +118,15 @@ class NetworkModel:
         gather = [list(p) for p in self.gather]
         crowd = [list(p) for p in self.crowd]
         ps = self.ps.to_dict() if self.ps is not None else None
-        return {**out, "kinds": kinds, "layers": layers, "link": link, "gather": gather,
-                "crowd": crowd, "ps": ps}  # fmt: skip
+        return {
+            **out,
+            "kinds": kinds,
+            "layers": layers,
+            "link": link,
+            "gather": gather,
+            "crowd": crowd,
+            "ps": ps,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> NetworkModel:
@@ -146,9 +153,18 @@ class NetworkModel:
             raise ValueError("overlap is true or false")
         floats = {k: float(v) for k, v in data.items()}
         return cls(
-            **floats, kinds=kinds, layers=layers, overlap=overlap, link=link, gather=gather,
-            crowd=crowd, ps=ps, profile=profile, machine=machine, caveat=caveat,
-        )  # fmt: skip
+            **floats,
+            kinds=kinds,
+            layers=layers,
+            overlap=overlap,
+            link=link,
+            gather=gather,
+            crowd=crowd,
+            ps=ps,
+            profile=profile,
+            machine=machine,
+            caveat=caveat,
+        )
 
     @classmethod
     def from_profile(cls, text: str, source: str) -> NetworkModel:

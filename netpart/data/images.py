@@ -26,9 +26,17 @@ __all__ = ["SHAPE_CLASSES", "load_image_folder", "render_shapes"]
 log = logging.getLogger(__name__)
 
 SHAPE_CLASSES = (
-    "disk", "square", "triangle", "ring", "cross",
-    "hstripes", "vstripes", "checker", "dots", "diamond",
-)  # fmt: skip
+    "disk",
+    "square",
+    "triangle",
+    "ring",
+    "cross",
+    "hstripes",
+    "vstripes",
+    "checker",
+    "dots",
+    "diamond",
+)
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
 NOISE = 0.25
 
@@ -44,9 +52,13 @@ def render_shapes(
     for j, i in enumerate(ids.tolist()):  # one stream per example: a batch is a pure function
         gen = np.random.default_rng([seed, 4, i])
         params[j] = [
-            gen.uniform(0.35, 0.65), gen.uniform(0.35, 0.65), gen.uniform(0.18, 0.3),
-            gen.uniform(-np.pi / 8, np.pi / 8), gen.uniform(0.6, 1.0), gen.uniform(2.0, 3.5),
-        ]  # fmt: skip
+            gen.uniform(0.35, 0.65),
+            gen.uniform(0.35, 0.65),
+            gen.uniform(0.18, 0.3),
+            gen.uniform(-np.pi / 8, np.pi / 8),
+            gen.uniform(0.6, 1.0),
+            gen.uniform(2.0, 3.5),
+        ]
         gains[j] = gen.uniform(0.5, 1.0, channels)
         noise[j] = gen.standard_normal((channels, height, width), dtype=np.float32)
     ys = (np.arange(height) + 0.5) / height
@@ -109,9 +121,10 @@ def load_image_folder(
     xs, ys = [], []
     for label, name in enumerate(names):
         files = sorted(
-            p for p in (root / name).iterdir()
+            p
+            for p in (root / name).iterdir()
             if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".")
-        )  # fmt: skip
+        )
         if not files:
             kinds = ", ".join(sorted(IMAGE_SUFFIXES))
             raise DataError(f"{root / name}: class folder holds no images ({kinds})")

@@ -101,9 +101,10 @@ class Dataset:
         order = self._cache.get(key)
         if order is None:
             stale = [
-                k for k in self._cache
+                k
+                for k in self._cache
                 if isinstance(k, tuple) and k[1] == replica and k[3] < epoch - 1
-            ]  # fmt: skip
+            ]
             for old in stale:
                 del self._cache[old]
             gen = np.random.default_rng([self.seed, replica, epoch])
@@ -231,8 +232,10 @@ def _laid_out(path: Path, name: str, x: np.ndarray, spec: ModelSpec, layout: str
     chw, hwc = (i.channels, i.height, i.width), (i.height, i.width, i.channels)
     if layout == "nhwc":
         if x.shape[1:] != hwc:
-            raise DataError(f"{path}: --layout nhwc needs {name} [n, {i.height}, {i.width}, "
-                            f"{i.channels}]; it is {x.shape}")  # fmt: skip
+            raise DataError(
+                f"{path}: --layout nhwc needs {name} [n, {i.height}, {i.width}, "
+                f"{i.channels}]; it is {x.shape}"
+            )
         return x.transpose(0, 3, 1, 2)
     if x.shape[1:] == hwc and hwc != chw:
         raise DataError(

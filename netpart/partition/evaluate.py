@@ -122,11 +122,14 @@ def screen(
     share = _shares(workers, capacities)
     edge_cut = int(graph.reads[2][node_map[graph.reads[0]] != node_map[graph.reads[1]]].sum())
     return PlanMetrics(
-        edge_cut=edge_cut, volume=int(traffic.sum()),
+        edge_cut=edge_cut,
+        volume=int(traffic.sum()),
         lower_bound=int(layer_lower_bounds(graph.spec, used).sum()),
         max_layer_imbalance=float(_imbalance(graph, flops, share).max()),
-        predicted_step_s=floor, compute_s=floor, exchange_s=0.0,
-    )  # fmt: skip
+        predicted_step_s=floor,
+        compute_s=floor,
+        exchange_s=0.0,
+    )
 
 
 def _shares(workers: int, capacities: list[float] | None) -> np.ndarray:
@@ -336,6 +339,10 @@ def reevaluate(
         graph, plan_.node_map, plan_.workers, batch, network, plan_.options.get("capacities")
     )
     return replace(
-        plan_, batch=batch, network=network, metrics=metrics, layers=layers,
+        plan_,
+        batch=batch,
+        network=network,
+        metrics=metrics,
+        layers=layers,
         per_worker=per_worker,
-    )  # fmt: skip
+    )

@@ -264,9 +264,15 @@ def _build(spec: ModelSpec, granularity: Granularity) -> UnitGraph:
     parts = [list(read_edges(spec, layers[i], layers[i - 1], box)) for i in range(1, len(layers))]
     rd, sr, wt = (_joined(parts, k) for k in range(3))
     graph = UnitGraph(
-        spec=spec, granularity=granularity, layers=layers, layer_of=layer_of, box=box,
-        flops=flops, units=units, reads=(rd, sr, wt),
-    )  # fmt: skip
+        spec=spec,
+        granularity=granularity,
+        layers=layers,
+        layer_of=layer_of,
+        box=box,
+        flops=flops,
+        units=units,
+        reads=(rd, sr, wt),
+    )
     for array in (layer_of, box, flops, units, rd, sr, wt):
         array.flags.writeable = False
     return graph

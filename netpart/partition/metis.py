@@ -178,8 +178,8 @@ def part_graph(
     objval = np.zeros(1, dtype=_IDX)
     part = np.zeros(n, dtype=_IDX)
     fn = _LIB.METIS_PartGraphKway if algorithm == "kway" else _LIB.METIS_PartGraphRecursive
-    arrays = (nvtxs, ncon_a, xadj, adjncy, vwgt.ravel(), _arr(vsize, _IDX), _arr(adjwgt, _IDX),
-              nparts_a, tp, ub, opts, objval, part)  # fmt: skip
+    graph = (nvtxs, ncon_a, xadj, adjncy, vwgt.ravel(), _arr(vsize, _IDX), _arr(adjwgt, _IDX))
+    arrays = (*graph, nparts_a, tp, ub, opts, objval, part)
     with _quiet():
         status = fn(*(None if a is None else a.ctypes.data_as(ctypes.c_void_p) for a in arrays))
     if status != 1:

@@ -23,8 +23,15 @@ from netpart.partition.methods import ALIGNED, METHOD_OPTIONS, METHODS, assign, 
 from netpart.partition.plans import Candidate, PartitionPlan
 
 __all__ = [
-    "AUTO", "AUTO_RULE", "TIE", "Planner", "auto_candidates", "check_size", "choose", "plan",
-]  # fmt: skip
+    "AUTO",
+    "AUTO_RULE",
+    "TIE",
+    "Planner",
+    "auto_candidates",
+    "check_size",
+    "choose",
+    "plan",
+]
 
 TIE = 0.02  # predicted steps this close count as equal: the model is not finer than that
 AUTO_RULE = (
@@ -176,8 +183,10 @@ class Planner:
         if np.isfinite(beat):
             floor = step_floor(graph, node_map, self.workers, self.batch, self.network, caps)
             if floor > beat:
-                why = (f"its compute alone, {floor * 1e3:.2f} ms a step, is more than the tie "
-                       f"with the best so far allows ({beat * 1e3:.2f} ms)")  # fmt: skip
+                why = (
+                    f"its compute alone, {floor * 1e3:.2f} ms a step, is more than the tie "
+                    f"with the best so far allows ({beat * 1e3:.2f} ms)"
+                )
                 cheap = screen(graph, node_map, self.workers, caps, floor)
                 return Candidate(method, options, cheap, skipped=why)
         metrics, layers, per_worker = evaluate(

@@ -124,8 +124,9 @@ def symmetric_csr(
         into = forward[rows]
         adjncy[rows][into], adjwgt[rows][into] = sr[begin:end], wt[begin:end]
         local = sr[begin:end] - source.first
-        order = np.argsort(local.astype(np.uint16 if source.count <= 1 << 16 else np.int64),
-                           kind="stable")  # fmt: skip
+        order = np.argsort(
+            local.astype(np.uint16 if source.count <= 1 << 16 else np.int64), kind="stable"
+        )
         del local
         rows = slice(xadj[source.first], xadj[source.first + source.count])
         into = ~forward[rows]

@@ -232,8 +232,9 @@ def advise(
             lay = ShardLayout.build(mp.graph, mp.node_map, n, shards)
             for mode in ("downpour", "sync"):
                 push, fetch = (n_push, n_fetch) if mode == "downpour" else (1, 1)
-                rows.append(_ps(spec, Layout(mode, r, n, shards), mp, lay, network, batch,
-                                (push, fetch)))  # fmt: skip
+                rows.append(
+                    _ps(spec, Layout(mode, r, n, shards), mp, lay, network, batch, (push, fetch))
+                )
         n *= 2
     rows = [_fits(f, memory_per_machine) for f in rows]
     rows.sort(key=lambda f: (not f.fits, -f.samples_per_s, f.layout.machines, str(f.layout)))
@@ -243,10 +244,16 @@ def advise(
             f"machine; the smallest needs {min(f.memory_bytes for f in rows) / 2**30:.3g} GiB"
         )
     return ClusterAdvice(
-        model=spec.name, machines=machines, batch=batch, examples=examples, n_push=n_push,
-        n_fetch=n_fetch, prediction=network.describe(), layouts=tuple(rows),
+        model=spec.name,
+        machines=machines,
+        batch=batch,
+        examples=examples,
+        n_push=n_push,
+        n_fetch=n_fetch,
+        prediction=network.describe(),
+        layouts=tuple(rows),
         why=_why(rows),
-    )  # fmt: skip
+    )
 
 
 @dataclass(frozen=True)
@@ -269,8 +276,15 @@ def _mp_step(spec: ModelSpec, n: int, batch: int, network: NetworkModel) -> _Mod
     return _ModelParallel(step, cpu, graph, p.node_map, one_shard, acts)
 
 
-def _ps(spec, layout: Layout, mp: _ModelParallel, shards: ShardLayout, network, batch: int,
-        every: tuple[int, int]) -> LayoutFigures:  # fmt: skip
+def _ps(
+    spec,
+    layout: Layout,
+    mp: _ModelParallel,
+    shards: ShardLayout,
+    network,
+    batch: int,
+    every: tuple[int, int],
+) -> LayoutFigures:
     """A parameter-server layout's figures (module docstring)."""
     n_push, n_fetch = every
     r, n = layout.replicas, layout.workers
@@ -284,12 +298,19 @@ def _ps(spec, layout: Layout, mp: _ModelParallel, shards: ShardLayout, network, 
     busiest = int(np.argmax(held))
     link_bytes = float(r * held[busiest] / min(n_push, n_fetch))
     staleness = 0.0 if layout.mode == "sync" else (r - 1) * max(n_push, n_fetch) / n_push
-    return LayoutFigures(layout, step, r * batch / step, link_bytes, f"shard {busiest}",
-                         memory, staleness, True)  # fmt: skip
+    return LayoutFigures(
+        layout, step, r * batch / step, link_bytes, f"shard {busiest}", memory, staleness, True
+    )
 
 
-def _linked(network: NetworkModel, layout: Layout, mp: _ModelParallel, shards: ShardLayout,
-            bytes_: tuple[np.ndarray, np.ndarray], every: tuple[int, int]) -> float:  # fmt: skip
+def _linked(
+    network: NetworkModel,
+    layout: Layout,
+    mp: _ModelParallel,
+    shards: ShardLayout,
+    bytes_: tuple[np.ndarray, np.ndarray],
+    every: tuple[int, int],
+) -> float:
     """A replica's step priced off the link tables (`bytes_`: each worker's, each shard's)."""
     mp_s = mp.step_s
     (n_push, n_fetch), (nbytes, held), r = every, bytes_, layout.replicas
@@ -310,8 +331,14 @@ def _linked(network: NetworkModel, layout: Layout, mp: _ModelParallel, shards: S
     return max(own, float(np.maximum(np.maximum(shard_in, shard_out), update).max()))
 
 
-def _measured(network: NetworkModel, layout: Layout, mp: _ModelParallel, shards: ShardLayout,
-              bytes_: tuple[np.ndarray, np.ndarray], every: tuple[int, int]) -> float:  # fmt: skip
+def _measured(
+    network: NetworkModel,
+    layout: Layout,
+    mp: _ModelParallel,
+    shards: ShardLayout,
+    bytes_: tuple[np.ndarray, np.ndarray],
+    every: tuple[int, int],
+) -> float:
     """A replica's step priced off the parameter server's measured exchange (`_exchange`),
     corrected where calibration timed its exchanges after a stand-in step (`ps.after`): the
     stand-in priced the same way on this layout, against what it measured, that miss carried
@@ -322,8 +349,10 @@ def _measured(network: NetworkModel, layout: Layout, mp: _ModelParallel, shards:
     peers = [max(1, len(shards.peers(s))) for s in range(layout.shards)]
     clients = [layout.replicas * p for p in peers]
     routes = [shards.routes(w) for w in range(layout.workers)]
-    talks = [(float(b), len(r), max((clients[s] for s in r), default=1))
-             for b, r in zip(nbytes, routes, strict=True)]  # fmt: skip
+    talks = [
+        (float(b), len(r), max((clients[s] for s in r), default=1))
+        for b, r in zip(nbytes, routes, strict=True)
+    ]
     served = max(ps.exchange_s(layout.mode, c, k, b) for b, k, c in talks)
     for s in range(layout.shards):  # a few shards
         served = max(served, ps.seconds_s(layout.mode, clients[s], float(held[s]) / peers[s]))
@@ -339,8 +368,15 @@ def _measured(network: NetworkModel, layout: Layout, mp: _ModelParallel, shards:
     return price + per * min(1.0, ps.step_cpu_s(mp.cpu_s) / ps.stand_in_s) * missed
 
 
-def _exchange(ps: PsExchange, mode: str, step: tuple[float, float],
-              measured: tuple[float, float], per: float, *, loop: float) -> float:  # fmt: skip
+def _exchange(
+    ps: PsExchange,
+    mode: str,
+    step: tuple[float, float],
+    measured: tuple[float, float],
+    per: float,
+    *,
+    loop: float,
+) -> float:
     """A step of `step` (seconds, and of them CPU on a whole core) with `per` exchanges a
     step of `measured` (seconds: the longer of the worker's and the shards'; and the time
     it keeps the worker's machine busy). Sync adds it to the step (its measured time holds
@@ -370,8 +406,16 @@ def _allreduce(spec, machines: int, step_one: float, values: int, network, batch
     link = 2 * (machines - 1) / machines * BYTES_PER_VALUE * values if machines > 1 else 0.0
     acts = sum(s.size for s in spec.shapes)
     memory = BYTES_PER_VALUE * (3 * values + 2 * batch * acts)
-    return LayoutFigures(Layout("allreduce", machines, 1, 0), step, machines * batch / step,
-                         float(link), "every machine (ring)", float(memory), 0.0, True)  # fmt: skip
+    return LayoutFigures(
+        Layout("allreduce", machines, 1, 0),
+        step,
+        machines * batch / step,
+        float(link),
+        "every machine (ring)",
+        float(memory),
+        0.0,
+        True,
+    )
 
 
 def _replica_s(spec, step_one: float, values: int, network, batch: int) -> float:

@@ -67,8 +67,9 @@ def _partition_map(graph: UnitGraph, plan: PartitionPlan) -> bytes:
         ax.set_xticks([])
         ax.set_yticks([])
     note = "; grey: positions no window of the layer above reads" if dead_any else ""
-    fig.suptitle(f"{plan.model}: owner of each unit ({workers} workers, {plan.method}){note}",
-                 fontsize=10)  # fmt: skip
+    fig.suptitle(
+        f"{plan.model}: owner of each unit ({workers} workers, {plan.method}){note}", fontsize=10
+    )
     _key(fig, cmap, workers)
     return _png(fig)
 
@@ -104,12 +105,17 @@ def _unread(graph: UnitGraph, index: int, node_map: np.ndarray, workers: int):
 def _key(fig, cmap, workers: int) -> None:
     """The colour of each worker: a legend up to 20 workers, a colour bar beyond."""
     if workers <= 20:
-        handles = [Patch(color=cmap(w / max(workers - 1, 1)), label=f"worker {w}")
-                   for w in range(workers)]  # fmt: skip
+        handles = [
+            Patch(color=cmap(w / max(workers - 1, 1)), label=f"worker {w}") for w in range(workers)
+        ]
         fig.legend(handles=handles, loc="lower center", ncol=min(workers, 10), fontsize=8)
         return
-    bar = fig.colorbar(plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(0, workers - 1)),
-                       ax=fig.axes, orientation="horizontal", fraction=0.03)  # fmt: skip
+    bar = fig.colorbar(
+        plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(0, workers - 1)),
+        ax=fig.axes,
+        orientation="horizontal",
+        fraction=0.03,
+    )
     bar.set_label("worker")
     bar.ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
@@ -190,10 +196,17 @@ def cluster_png(advice) -> bytes:
     fig, ax = plt.subplots(figsize=(7, 0.25 * len(rows) + 1.5))
     colors = {"downpour": "tab:blue", "sync": "tab:orange", "allreduce": "tab:green"}
     y = np.arange(len(rows))[::-1]
-    ax.barh(y, [f.samples_per_s for f in rows], color=[colors[f.layout.mode] for f in rows],
-            hatch=["" if f.fits else "//" for f in rows])  # fmt: skip
-    ax.set_yticks(y, [str(f.layout) + (" (recommended)" if i == 0 else "")
-                      for i, f in enumerate(rows)], fontsize=7)  # fmt: skip
+    ax.barh(
+        y,
+        [f.samples_per_s for f in rows],
+        color=[colors[f.layout.mode] for f in rows],
+        hatch=["" if f.fits else "//" for f in rows],
+    )
+    ax.set_yticks(
+        y,
+        [str(f.layout) + (" (recommended)" if i == 0 else "") for i, f in enumerate(rows)],
+        fontsize=7,
+    )
     ax.set_xlabel("predicted samples/s")
     ax.set_title(f"{advice.model} on {advice.machines} machines", fontsize=10)
     fig.tight_layout()

@@ -288,27 +288,49 @@ def cluster_table(advice) -> str:
     rows = []
     for i, f in enumerate(advice.layouts):
         epoch = advice.epoch_s(f)
-        rows.append([
-            str(f.layout), f"{f.step_s * 1e3:.2f}", f"{f.samples_per_s:,.0f}",
-            f"{epoch / 60:.1f} min" if epoch >= 60 else f"{epoch:.1f} s",
-            f"{_si(f.link_bytes, 'B')} ({f.link})", _si(f.memory_bytes, "B"),
-            f"{f.staleness:g}" if f.layout.mode == "downpour" else "-",
-            "<- recommended" if i == 0 else ("does not fit" if not f.fits else ""),
-        ])  # fmt: skip
-    heads = ["layout", "step ms", "samples/s", f"epoch ({advice.examples:,} examples)",
-             "busiest link / step", "memory / machine", "staleness", ""]  # fmt: skip
+        rows.append(
+            [
+                str(f.layout),
+                f"{f.step_s * 1e3:.2f}",
+                f"{f.samples_per_s:,.0f}",
+                f"{epoch / 60:.1f} min" if epoch >= 60 else f"{epoch:.1f} s",
+                f"{_si(f.link_bytes, 'B')} ({f.link})",
+                _si(f.memory_bytes, "B"),
+                f"{f.staleness:g}" if f.layout.mode == "downpour" else "-",
+                "<- recommended" if i == 0 else ("does not fit" if not f.fits else ""),
+            ]
+        )
+    heads = [
+        "layout",
+        "step ms",
+        "samples/s",
+        f"epoch ({advice.examples:,} examples)",
+        "busiest link / step",
+        "memory / machine",
+        "staleness",
+        "",
+    ]
     return _table(heads, rows)
 
 
 def cluster_markdown(advice) -> str:
     """report.md of `plan --machines`: what was weighed, the table, the recommendation."""
-    return "\n".join([
-        f"# {advice.model} on {advice.machines} machines", "",
-        f"Batch {advice.batch} a replica, Downpour pushing every {advice.n_push} and fetching "
-        f"every {advice.n_fetch} steps; predicted with {advice.prediction}.", "",
-        f"**Recommended**: {advice.why}.", "", cluster_table(advice), "",
-        "Layouts: `mode RxN+S` is R replicas of N model workers and S parameter-server shards; "
-        "`all-reduce xM` is M replicas of one worker each exchanging gradients by a ring "
-        "all-reduce. How each is predicted: `netpart/planning/cluster.py`.", "",
-        "![samples per second by layout](cluster.png)", "",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"# {advice.model} on {advice.machines} machines",
+            "",
+            f"Batch {advice.batch} a replica, Downpour pushing every {advice.n_push} and fetching "
+            f"every {advice.n_fetch} steps; predicted with {advice.prediction}.",
+            "",
+            f"**Recommended**: {advice.why}.",
+            "",
+            cluster_table(advice),
+            "",
+            "Layouts: `mode RxN+S` is R replicas of N model workers and S parameter-server shards; "
+            "`all-reduce xM` is M replicas of one worker each exchanging gradients by a ring "
+            "all-reduce. How each is predicted: `netpart/planning/cluster.py`.",
+            "",
+            "![samples per second by layout](cluster.png)",
+            "",
+        ]
+    )

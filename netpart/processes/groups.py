@@ -110,8 +110,9 @@ def _probe(
     group.set_timeout(datetime.timedelta(seconds=PROBE_S))
     got = [torch.zeros((), dtype=torch.int64) for _ in expected]
     try:
-        work = dist.all_gather(got, torch.tensor(token, dtype=torch.int64), group=group,
-                               async_op=True)  # fmt: skip
+        work = dist.all_gather(
+            got, torch.tensor(token, dtype=torch.int64), group=group, async_op=True
+        )
         work.wait(timeout=datetime.timedelta(seconds=PROBE_S + 1))
         ok = [int(t) for t in got] == expected
     except RuntimeError as exc:

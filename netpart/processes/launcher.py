@@ -298,9 +298,12 @@ def _env_store(world: int, timeout: datetime.timedelta) -> dist.Store:
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     rank = int(os.environ["RANK"])
     return dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-        is_master=not agent and rank == 0, timeout=timeout,
-    )  # fmt: skip
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=not agent and rank == 0,
+        timeout=timeout,
+    )
 
 
 def yield_io_threads(policy: int = os.SCHED_BATCH) -> int:

@@ -21,8 +21,14 @@ import tempfile
 from pathlib import Path
 
 __all__ = [
-    "is_stopped", "job_pss", "joined", "mark_joined", "private_tmpdir", "pss", "sweep_stale",
-]  # fmt: skip
+    "is_stopped",
+    "job_pss",
+    "joined",
+    "mark_joined",
+    "private_tmpdir",
+    "pss",
+    "sweep_stale",
+]
 
 _TMP = re.compile(r"netpart-(store|job)-(\d+)-")
 

@@ -28,9 +28,15 @@ from netpart.models.spec import ModelSpec
 from netpart.ps.server import ShardState
 
 __all__ = [
-    "export_state_dict", "keep_previous", "load_shard", "restore_previous", "save_model",
-    "save_shard", "shard_meta", "shard_path",
-]  # fmt: skip
+    "export_state_dict",
+    "keep_previous",
+    "load_shard",
+    "restore_previous",
+    "save_model",
+    "save_shard",
+    "shard_meta",
+    "shard_path",
+]
 
 
 def shard_path(run: Path, shard: int) -> Path:

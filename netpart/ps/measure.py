@@ -79,8 +79,14 @@ def flat_layout(values: int, shards: int = 1) -> ShardLayout:
     rows = np.arange(values, dtype=np.int64)
     piece = ParamPiece(0, "weight", "dense", 0, 1, rows, values)
     bounds = np.linspace(0, values, shards + 1).round().astype(np.int64)
-    return ShardLayout(1, shards, ((piece,),), (np.zeros(1, dtype=np.int64),),
-                       np.array([values], dtype=np.int64), bounds)  # fmt: skip
+    return ShardLayout(
+        1,
+        shards,
+        ((piece,),),
+        (np.zeros(1, dtype=np.int64),),
+        np.array([values], dtype=np.int64),
+        bounds,
+    )
 
 
 def ps_loop(
@@ -131,9 +137,16 @@ def _client(layout, group, rank: int, mode: str, repeats: int, beside=None) -> t
     from request to request: Downpour's last requests, still in flight, are not its pace."""
     clients = group.size() - layout.shards
     downpour = mode == "downpour"
-    client = ShardClient(layout, worker=0, replica=rank, rank=rank,
-                         shard_ranks=list(range(clients, group.size())), dtype=torch.float32,
-                         background=downpour, group=group)  # fmt: skip
+    client = ShardClient(
+        layout,
+        worker=0,
+        replica=rank,
+        rank=rank,
+        shard_ranks=list(range(clients, group.size())),
+        dtype=torch.float32,
+        background=downpour,
+        group=group,
+    )
     grads = client.push_buffers(2)
     for g in grads:
         g.normal_()
@@ -169,8 +182,9 @@ def warm_exchanges(mode: str, size: int) -> int:
     return 2 if mode == "downpour" else 1
 
 
-def _allreduce(group, sizes: list[int], repeats: int,
-               beside: Callable[[], None] | None) -> tuple[list[float], list[float]]:  # fmt: skip
+def _allreduce(
+    group, sizes: list[int], repeats: int, beside: Callable[[], None] | None
+) -> tuple[list[float], list[float]]:
     """(seconds, CPU seconds) per all-reduce of each size's float32 values over `group`, the
     means of `repeats` (at least 2) back to back after WARM untimed, as a training step's
     all-reduce follows the last one; `beside` before each, its time included."""

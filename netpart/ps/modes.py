@@ -308,8 +308,9 @@ class Sandblaster(Mode):
         lost = len(view.lost) > self.lost_at_begin
         if now - since > (self.LOSS_GRACE if lost else self.timeout):
             self._waiting = None
-            log.warning("shard %d: evaluation %d misses %d unit parts", view.shard, self.eval_id,
-                        missing)  # fmt: skip
+            log.warning(
+                "shard %d: evaluation %d misses %d unit parts", view.shard, self.eval_id, missing
+            )
             return Response(value=float(missing))
         self._waiting = (seen, since)
         return Response()

@@ -62,9 +62,16 @@ class Adagrad:
         s = self.state[lo : lo + grad.numel()]
         if _FUSED is not None:  # one pass over memory; the same arithmetic per element
             _FUSED(
-                [p], [grad], [s], [self._steps], lr=self.lr, lr_decay=0.0, weight_decay=0.0,
-                eps=self.eps, maximize=False,
-            )  # fmt: skip
+                [p],
+                [grad],
+                [s],
+                [self._steps],
+                lr=self.lr,
+                lr_decay=0.0,
+                weight_decay=0.0,
+                eps=self.eps,
+                maximize=False,
+            )
             return
         s.addcmul_(grad, grad, value=1.0)
         p.addcdiv_(grad, s.sqrt().add_(self.eps), value=-self.lr)

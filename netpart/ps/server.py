@@ -197,10 +197,14 @@ class ShardServer:
         n = segments_length(self.routes[worker])
         dtype = self.state.values.dtype
         return Link(
-            replica, worker, self.setup.rank_of(replica, worker), self.routes[worker],
-            request_buffer(n, dtype), torch.empty(n, dtype=dtype),
+            replica,
+            worker,
+            self.setup.rank_of(replica, worker),
+            self.routes[worker],
+            request_buffer(n, dtype),
+            torch.empty(n, dtype=dtype),
             request_buffer(n, dtype) if combined_reply(n) else None,
-        )  # fmt: skip
+        )
 
     def take(self, link: Link) -> tuple[int, int, int]:
         """A request received in `link.request`: check its header and take in its push (the

@@ -25,10 +25,15 @@ def serving_threads(server: Any) -> list[threading.Thread]:
         threads = [threading.Thread(target=serve_rounds, args=(server,), daemon=True, name="peers")]
     else:
         threads = [
-            threading.Thread(target=serve_peer, args=(server, server.link(r, w)), daemon=True,
-                             name=f"peer-{r}-{w}")
-            for r in range(server.replicas) for w in server.workers
-        ]  # fmt: skip
+            threading.Thread(
+                target=serve_peer,
+                args=(server, server.link(r, w)),
+                daemon=True,
+                name=f"peer-{r}-{w}",
+            )
+            for r in range(server.replicas)
+            for w in server.workers
+        ]
     if server.mode.commands:
         threads.append(
             threading.Thread(target=_commands, args=(server,), daemon=True, name="commands")
@@ -104,8 +109,9 @@ def serve_rounds(server: Any) -> None:
         waiting = _answer_ready(server, waiting, links, drop)
         if waiting and len(waiting) == len(links):
             link, _, step, _ = waiting[0]
-            server.fail(f"replica {link.replica} waits for step {step}, which no peer left "
-                        "can complete")  # fmt: skip
+            server.fail(
+                f"replica {link.replica} waits for step {step}, which no peer left can complete"
+            )
             return
 
 
@@ -132,7 +138,8 @@ def _answer_ready(server: Any, waiting: list, links: list, drop) -> list:
 def _commands(server: Any) -> None:
     """Sandblaster: serve the coordinator's operations until it stops (or is gone)."""
     try:
-        serve_commands(server.group, server.setup.coordinator, server.rank, server.shard,
-                       server.command)  # fmt: skip
+        serve_commands(
+            server.group, server.setup.coordinator, server.rank, server.shard, server.command
+        )
     finally:
         server.end_commands()

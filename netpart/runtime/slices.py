@@ -181,10 +181,12 @@ class _GroupedSlice(LayerSlice):
                 for g, idx in enumerate(out_index)
                 for a, b in _runs(inner[idx[:, 0]] == want)
             ]
-        self._set_orders({
-            part: [out_index[g][a:b].reshape(-1) for g, a, b in runs]
-            for part, runs in self._part_runs.items()
-        })  # fmt: skip
+        self._set_orders(
+            {
+                part: [out_index[g][a:b].reshape(-1) for g, a, b in runs]
+                for part, runs in self._part_runs.items()
+            }
+        )
 
     def compute(self, x: torch.Tensor, part: str) -> list[torch.Tensor]:
         runs = self._part_runs[part]
@@ -231,10 +233,14 @@ class LocalSlice(_GroupedSlice):
             nn.Parameter(self._values[2 * g + 1][a:b]) for g, a, b in self._atoms
         )
         self._part_atoms = {
-            part: [k for g, a, b in runs for k, (h, c, d) in enumerate(self._atoms)
-                   if h == g and a <= c and d <= b]
+            part: [
+                k
+                for g, a, b in runs
+                for k, (h, c, d) in enumerate(self._atoms)
+                if h == g and a <= c and d <= b
+            ]
             for part, runs in self._part_runs.items()
-        }  # fmt: skip
+        }
 
     def compute(self, x: torch.Tensor, part: str) -> list[torch.Tensor]:
         atoms = self._part_atoms[part]

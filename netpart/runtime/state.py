@@ -105,9 +105,13 @@ class Ledger:
     def figures(self) -> dict:
         """The ledger as `WorkerResult`'s fields."""
         return {
-            "sent": self.sent, "received": self.received, "compute_s": self.compute,
-            "exchange_s": self.exchange, "hidden_s": self.hidden, "breakdown": self.breakdown,
-        }  # fmt: skip
+            "sent": self.sent,
+            "received": self.received,
+            "compute_s": self.compute,
+            "exchange_s": self.exchange,
+            "hidden_s": self.hidden,
+            "breakdown": self.breakdown,
+        }
 
 
 @dataclass

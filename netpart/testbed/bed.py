@@ -20,9 +20,16 @@ from netpart.files import write_atomic
 from netpart.testbed import cgroups, netns
 
 __all__ = [
-    "STATE", "Testbed", "TestbedError", "down", "health", "list_testbeds", "read", "unavailable",
+    "STATE",
+    "Testbed",
+    "TestbedError",
+    "down",
+    "health",
+    "list_testbeds",
+    "read",
+    "unavailable",
     "up",
-]  # fmt: skip
+]
 
 STATE = Path("/run/netpart/testbeds")
 NAME = re.compile(r"[a-z][a-z0-9-]{0,15}")
@@ -72,13 +79,22 @@ def unavailable() -> str | None:
     return netns.unavailable() or cgroups.unavailable()
 
 
-def up(name: str, machines: int, *, cpu: float, rate: str, burst: str | None = None,
-       queue: str = "100ms") -> Testbed:  # fmt: skip
+def up(
+    name: str,
+    machines: int,
+    *,
+    cpu: float,
+    rate: str,
+    burst: str | None = None,
+    queue: str = "100ms",
+) -> Testbed:
     """Make testbed `name` (links' token bucket `burst`, default `netns.burst_for(rate)`);
     TestbedError (one line) if it cannot be made here."""
     if not NAME.fullmatch(name):
-        raise TestbedError(f"testbed name {name!r}: lower-case letters, digits and '-', "
-                           "at most 16, starting with a letter")  # fmt: skip
+        raise TestbedError(
+            f"testbed name {name!r}: lower-case letters, digits and '-', "
+            "at most 16, starting with a letter"
+        )
     if not 1 <= machines <= 64:
         raise TestbedError(f"--machines {machines}: give 1 to 64")
     if not 0 < cpu <= 1:
@@ -121,8 +137,9 @@ def read(name: str) -> Testbed:
         have = ", ".join(tb.name for tb in list_testbeds()) or "none"
         raise TestbedError(f"no testbed {name!r} (up: {have}); `netpart testbed up`") from None
     except (ValueError, KeyError, TypeError) as exc:
-        raise TestbedError(f"{path}: not a testbed record ({exc}); `netpart testbed down "
-                           f"{name}` removes it") from None  # fmt: skip
+        raise TestbedError(
+            f"{path}: not a testbed record ({exc}); `netpart testbed down {name}` removes it"
+        ) from None
 
 
 def list_testbeds() -> list[Testbed]:

@@ -97,9 +97,12 @@ def remove_stale() -> list[Path]:
     """Remove the groups `cpu_shares` made for a process that no longer runs (the pid in the
     name); returns them."""
     stale = [
-        g for root in (CPU, CPUSET) if root.is_dir() for g in root.iterdir()
+        g
+        for root in (CPU, CPUSET)
+        if root.is_dir()
+        for g in root.iterdir()
         if (m := OURS.fullmatch(g.name)) and not Path(f"/proc/{m.group(1)}").exists()
-    ]  # fmt: skip
+    ]
     remove(stale)
     return stale
 

@@ -57,11 +57,22 @@ def torchrun_on(
     procs = []
     for k, host in enumerate(hosts):
         argv = [
-            torchrun, "--nnodes", str(len(hosts)), "--nproc-per-node", str(nproc),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0].address}:{port}",
-            "--rdzv-id", run_id, "--local-addr", host.address,
-            *(["--rdzv-conf", "is_host=1"] if k == 0 else []), *args,
-        ]  # fmt: skip
+            torchrun,
+            "--nnodes",
+            str(len(hosts)),
+            "--nproc-per-node",
+            str(nproc),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{hosts[0].address}:{port}",
+            "--rdzv-id",
+            run_id,
+            "--local-addr",
+            host.address,
+            *(["--rdzv-conf", "is_host=1"] if k == 0 else []),
+            *args,
+        ]
         env = {"GLOO_SOCKET_IFNAME": host.device, "PYTHONPATH": str(Path.cwd())}
         pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
         procs.append(subprocess.Popen(host.command(argv, env), **pipes))
@@ -104,8 +115,23 @@ def two_hosts(
             _run(["ip", "netns", "add", h.netns])
             made.append(h.netns)
         a, b = hosts
-        _run(["ip", "link", "add", a.device, "netns", a.netns, "type", "veth",
-              "peer", "name", b.device, "netns", b.netns])  # fmt: skip
+        _run(
+            [
+                "ip",
+                "link",
+                "add",
+                a.device,
+                "netns",
+                a.netns,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                b.device,
+                "netns",
+                b.netns,
+            ]
+        )
         for h in hosts:
             _bring_up(h, rate, burst)
         yield a, b
@@ -170,8 +196,23 @@ def build_switch(
     _run([*sw, "link", "set", "br0", "up"])
     for i, h in enumerate(hosts):
         port = f"port{i}"
-        _run(["ip", "link", "add", h.device, "netns", h.netns, "type", "veth",
-              "peer", "name", port, "netns", switch])  # fmt: skip
+        _run(
+            [
+                "ip",
+                "link",
+                "add",
+                h.device,
+                "netns",
+                h.netns,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                port,
+                "netns",
+                switch,
+            ]
+        )
         _run([*sw, "link", "set", port, "master", "br0"])
         _run([*sw, "link", "set", port, "up"])
         _bring_up(h, rate, burst, queue)
@@ -205,8 +246,25 @@ def _bring_up(h: Host, rate: str, burst: str | None, queue: str = "100ms") -> No
 def _shape(netns: str, device: str, rate: str, burst: str | None, queue: str = "100ms") -> None:
     """A token bucket on what `device` sends: `rate`, `burst` bytes (default
     `burst_for(rate)`), `queue` of queue."""
-    _run(["tc", "-n", netns, "qdisc", "add", "dev", device, "root", "tbf",
-          "rate", rate, "burst", burst or burst_for(rate), "latency", queue])  # fmt: skip
+    _run(
+        [
+            "tc",
+            "-n",
+            netns,
+            "qdisc",
+            "add",
+            "dev",
+            device,
+            "root",
+            "tbf",
+            "rate",
+            rate,
+            "burst",
+            burst or burst_for(rate),
+            "latency",
+            queue,
+        ]
+    )
 
 
 def teardown(namespaces: list[str]) -> None:

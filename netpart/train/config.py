@@ -30,9 +30,16 @@ START_MIN_S = 10.0  # s the start-up deadline is at least (--timeout above it: t
 MAX_SEED = 2**63 - 1  # seeds key Philox streams as unsigned 64-bit integers
 
 __all__ = [
-    "DEFAULT_LR", "MAX_SEED", "MAX_TIMEOUT", "MIN_TIMEOUT", "MODES", "SCHEMA_VERSION",
-    "TrainConfig", "TrainError", "layout_key",
-]  # fmt: skip
+    "DEFAULT_LR",
+    "MAX_SEED",
+    "MAX_TIMEOUT",
+    "MIN_TIMEOUT",
+    "MODES",
+    "SCHEMA_VERSION",
+    "TrainConfig",
+    "TrainError",
+    "layout_key",
+]
 
 SCHEMA_VERSION = 1
 MODES = ("downpour", "sync", "sandblaster")
@@ -79,9 +86,15 @@ class TrainConfig:
         if self.lr is None and self.optimizer in DEFAULT_LR:
             object.__setattr__(self, "lr", DEFAULT_LR[self.optimizer])
         for name in (
-            "replicas", "shards", "n_fetch", "n_push", "batch", "checkpoint_every", "units",
+            "replicas",
+            "shards",
+            "n_fetch",
+            "n_push",
+            "batch",
+            "checkpoint_every",
+            "units",
             "history",
-        ):  # fmt: skip
+        ):
             _at_least(name, getattr(self, name), 1)
         for name in ("steps", "warm_start", "snapshot_every", "restarts", "eval_every"):
             _at_least(name, getattr(self, name), 0)
@@ -133,8 +146,10 @@ class TrainConfig:
         if self.line_search not in ("armijo", "none"):
             raise TrainError(f"--line-search {self.line_search}: choose armijo or none")
         if self.mode == "sandblaster" and self.eval_every:
-            raise TrainError("--eval-every applies to downpour and sync (sandblaster.jsonl "
-                             "has every L-BFGS evaluation's loss)")  # fmt: skip
+            raise TrainError(
+                "--eval-every applies to downpour and sync (sandblaster.jsonl "
+                "has every L-BFGS evaluation's loss)"
+            )
         if self.mode == "sandblaster" and self.units > self.batch:
             raise TrainError(f"--units {self.units}: at most --batch {self.batch} units")
         if not MIN_TIMEOUT <= self.timeout <= MAX_TIMEOUT:

@@ -41,10 +41,12 @@ class HeldOut:
         count -= count % size
         labels = torch.long if spec.loss == "cross_entropy" else dtype
         self.batches = [
-            (torch.from_numpy(np.ascontiguousarray(x[lo : lo + size])).to(dtype),
-             torch.from_numpy(np.ascontiguousarray(y[lo : lo + size])).to(labels))
+            (
+                torch.from_numpy(np.ascontiguousarray(x[lo : lo + size])).to(dtype),
+                torch.from_numpy(np.ascontiguousarray(y[lo : lo + size])).to(labels),
+            )
             for lo in range(0, count, size)
-        ]  # fmt: skip
+        ]
         self.examples, self.path = count, path
 
     def __call__(self, step: int, model: ModelWorker, transport: Transport) -> dict:
@@ -54,8 +56,13 @@ class HeldOut:
             batch_loss, accuracy = model.evaluate(x, y, transport)
             loss += batch_loss * len(x)
             correct += (accuracy or 0.0) * len(x)
-        line = {"step": step, "time": time.time(), "replica": 0, "examples": self.examples,
-                "loss": loss / self.examples}  # fmt: skip
+        line = {
+            "step": step,
+            "time": time.time(),
+            "replica": 0,
+            "examples": self.examples,
+            "loss": loss / self.examples,
+        }
         if model.spec.loss == "cross_entropy":
             line["accuracy"] = correct / self.examples
         if self.path is not None:

@@ -40,11 +40,35 @@ __all__ = [
 
 # The TrainConfig fields a command line may give.
 FIELDS = (
-    "replicas", "shards", "mode", "optimizer", "lr", "n_fetch", "n_push", "steps", "batch",
-    "warm_start", "checkpoint_every", "snapshot_every", "data", "seed", "dtype", "timeout",
-    "threads", "placement", "push_norm", "dc_lambda", "units", "history", "line_search",
-    "restarts", "local_update", "data_layout", "eval_every", "log",
-)  # fmt: skip
+    "replicas",
+    "shards",
+    "mode",
+    "optimizer",
+    "lr",
+    "n_fetch",
+    "n_push",
+    "steps",
+    "batch",
+    "warm_start",
+    "checkpoint_every",
+    "snapshot_every",
+    "data",
+    "seed",
+    "dtype",
+    "timeout",
+    "threads",
+    "placement",
+    "push_norm",
+    "dc_lambda",
+    "units",
+    "history",
+    "line_search",
+    "restarts",
+    "local_update",
+    "data_layout",
+    "eval_every",
+    "log",
+)
 FIXED_ON_RESUME = ("mode", "shards", "optimizer", "dtype", "seed", "data", "data_layout")
 DEFAULT_OUT = Path("out/train")
 
@@ -103,8 +127,15 @@ def make_job(request: TrainRequest, *, local: bool = True) -> Job:
         check_process_count(config.world(request.workers), what)
     from netpart.partition import plan
 
-    p = plan(spec, request.workers, request.method, seed=config.seed, batch=config.batch,
-             network=request.network, memory=available_memory())  # fmt: skip
+    p = plan(
+        spec,
+        request.workers,
+        request.method,
+        seed=config.seed,
+        batch=config.batch,
+        network=request.network,
+        memory=available_memory(),
+    )
     return Job(spec, p, config, request.out or DEFAULT_OUT)
 
 
@@ -200,8 +231,15 @@ def train_here(
                 on_progress(done, stats, total)
 
         with RunLock(job.run):  # one job in a run directory at a time
-            summary = train(job.spec, job.plan, job.config, job.run, job.resume,
-                            on_progress=progress, preloaded=preloaded)  # fmt: skip
+            summary = train(
+                job.spec,
+                job.plan,
+                job.config,
+                job.run,
+                job.resume,
+                on_progress=progress,
+                preloaded=preloaded,
+            )
     return job, summary
 
 

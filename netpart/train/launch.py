@@ -92,8 +92,17 @@ def train(
     total = sum(config.steps - starts.get(r, 0) for r in range(config.replicas))
     loggers = MetricLoggers(run, config.loggers) if config.loggers else None
     try:
-        _attempts(spec, plan, config, run, (resume, total, starts), summary, on_progress,
-                  preloaded, loggers)  # fmt: skip
+        _attempts(
+            spec,
+            plan,
+            config,
+            run,
+            (resume, total, starts),
+            summary,
+            on_progress,
+            preloaded,
+            loggers,
+        )
     finally:
         if loggers is not None:
             loggers.close()
@@ -108,17 +117,29 @@ def _attempts(spec, plan, config, run, how, summary, on_progress, preloaded, log
     resume, total, starts = how
     for number in range(config.restarts + 1):
         first = preloaded if number == 0 else None  # forks one attempt's processes
-        attempt = Attempt(number, resume=resume or number > 0, total=total,
-                          on_progress=on_progress, preloaded=first, loggers=loggers)  # fmt: skip
+        attempt = Attempt(
+            number,
+            resume=resume or number > 0,
+            total=total,
+            on_progress=on_progress,
+            preloaded=first,
+            loggers=loggers,
+        )
         died = supervise(run, plan.workers, config, summary, attempt)
         if died is None:
             break
         starts = read_progress(run, config.shards, config.replicas, config.mode == "sync", True)
         lost = lost_updates(run, died.shard, starts, config.mode == "sync", exit_text(died.code))
         record_restart(run, lost)
-        log.warning("shard %d %s: restarting the job from the last checkpoints (%d of %d); "
-                    "its lost steps per replica: %s", died.shard, exit_text(died.code),
-                    number + 1, config.restarts, lost["lost_steps"])  # fmt: skip
+        log.warning(
+            "shard %d %s: restarting the job from the last checkpoints (%d of %d); "
+            "its lost steps per replica: %s",
+            died.shard,
+            exit_text(died.code),
+            number + 1,
+            config.restarts,
+            lost["lost_steps"],
+        )
         write_run(spec, plan, config, run, starts, resume=True)
 
 

@@ -24,9 +24,22 @@ __all__ = ["CSV_FIELDS", "EVAL_FIELDS", "LOGGERS", "MetricLoggers", "check_logge
 
 LOGGERS = ("csv", "tensorboard")
 CSV_FIELDS = (
-    "step", "replica", "time", "loss", "accuracy", "staleness", "samples", "step_s",
-    "compute_s", "halo_s", "ps_s", "data_s", "cpu_s", "halo_bytes", "ps_bytes",
-)  # fmt: skip
+    "step",
+    "replica",
+    "time",
+    "loss",
+    "accuracy",
+    "staleness",
+    "samples",
+    "step_s",
+    "compute_s",
+    "halo_s",
+    "ps_s",
+    "data_s",
+    "cpu_s",
+    "halo_bytes",
+    "ps_bytes",
+)
 EVAL_FIELDS = ("step", "replica", "time", "examples", "loss", "accuracy")
 
 

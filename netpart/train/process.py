@@ -137,10 +137,19 @@ def play_role(
     if role.kind == WORKER:
         r = role.replica
         replica = ReplicaJob(
-            spec=spec, graph=graph, schedule=schedule, layout=layout, config=config,
-            replica=r, worker=role.worker, rank=rank, group=groups[r], placement=placement,
-            run=job.run, start=dict(job.starts).get(r, 0),
-        )  # fmt: skip
+            spec=spec,
+            graph=graph,
+            schedule=schedule,
+            layout=layout,
+            config=config,
+            replica=r,
+            worker=role.worker,
+            rank=rank,
+            group=groups[r],
+            placement=placement,
+            run=job.run,
+            start=dict(job.starts).get(r, 0),
+        )
         if config.mode == "sandblaster":
             run_unit_worker(replica)
         else:

@@ -94,10 +94,16 @@ class ReplicaJob:
         # for the GIL and the cores.
         background = self.config.mode == "downpour" and not self.config.local_steps
         client = ShardClient(
-            self.layout, worker=self.worker, replica=self.replica, rank=self.rank,
-            shard_ranks=shard_ranks, dtype=dtype, depth=IN_FLIGHT + 1, background=background,
+            self.layout,
+            worker=self.worker,
+            replica=self.replica,
+            rank=self.rank,
+            shard_ranks=shard_ranks,
+            dtype=dtype,
+            depth=IN_FLIGHT + 1,
+            background=background,
             local_steps=self.config.local_steps,
-        )  # fmt: skip
+        )
         return model, transport, client
 
 
@@ -152,8 +158,9 @@ class _StepLoop:
         apart = local and (config.n_push > 1 or config.push_norm > 0)
         scratch = torch.zeros_like(buffers[0]) if apart else None
         self.grads = GradBuffers(self.model, buffers, scratch)
-        self.requests = Requests(client, self.model, self.grads, config.lr if local else None,
-                                 first)  # fmt: skip
+        self.requests = Requests(
+            client, self.model, self.grads, config.lr if local else None, first
+        )
         self.metrics = _Metrics(job) if job.worker == 0 else None
         self.first_loss = 0.0  # this job's first step's: a loss far above it has diverged
         self.held_out = None
@@ -168,13 +175,13 @@ class _StepLoop:
         t0 = clock()
         self.requests.settle(IN_FLIGHT)  # only what has arrived
         t1 = clock()
-        x, y = self.data.batch(job.replica, config.replicas, t, config.batch,
-                               DTYPES[config.dtype])  # fmt: skip
+        x, y = self.data.batch(job.replica, config.replicas, t, config.batch, DTYPES[config.dtype])
         t2 = clock()
         # A signal reaches a replica's workers at different moments: the flag travels with
         # the loss's collective, so they all stop after the same step.
-        result = self.model.step(x, y, self.transport, collect_grads=False, stop=stop,
-                                 accuracy=job.worker == 0)  # fmt: skip
+        result = self.model.step(
+            x, y, self.transport, collect_grads=False, stop=stop, accuracy=job.worker == 0
+        )
         t3 = clock()
         self.first_loss = self.first_loss or result.loss
         blown = result.loss > LOSS_BLOWUP * max(self.first_loss, 1.0)

@@ -39,9 +39,12 @@ log = logging.getLogger(__name__)
 
 PARTS = ("compute_s", "halo_s", "ps_s", "data_s")
 PART_NAMES = {
-    "compute_s": "compute", "halo_s": "halo exchange (incl. waiting)",
-    "ps_s": "parameter server", "data_s": "data", "other": "other",
-}  # fmt: skip
+    "compute_s": "compute",
+    "halo_s": "halo exchange (incl. waiting)",
+    "ps_s": "parameter server",
+    "data_s": "data",
+    "other": "other",
+}
 
 
 def read_metrics(run: Path) -> list[dict]:

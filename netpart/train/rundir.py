@@ -218,11 +218,24 @@ def prepare_run(
 # What a job writes into its run directory (besides the logs), removed when a run that never
 # wrote a checkpoint is started afresh.
 RUN_OUTPUTS = (
-    "train.json", "spec.json", "plan.json", "node_map.npy", "start.json", "placement.json",
-    "metrics_replica*.jsonl", "metrics.jsonl", "eval.jsonl", "restarts.json", "summary.json",
-    "shard_*.json", "coordinator.json", "sandblaster.jsonl", "metrics.csv", "eval.csv",
+    "train.json",
+    "spec.json",
+    "plan.json",
+    "node_map.npy",
+    "start.json",
+    "placement.json",
+    "metrics_replica*.jsonl",
+    "metrics.jsonl",
+    "eval.jsonl",
+    "restarts.json",
+    "summary.json",
+    "shard_*.json",
+    "coordinator.json",
+    "sandblaster.jsonl",
+    "metrics.csv",
+    "eval.csv",
     "diverged_*.json",
-)  # fmt: skip
+)
 
 
 def write_run(spec, plan, config, run: Path, starts: dict[int, int], resume: bool) -> None:
@@ -252,8 +265,11 @@ def _check_diverged(run: Path, config: TrainConfig) -> None:
     if not notes:
         return
     note = json.loads(notes[0].read_text())
-    what = (f"replica {note['replica']}'s loss was not finite at step {note['step']}"
-            if note["replica"] >= 0 else "a shard's values were not finite")  # fmt: skip
+    what = (
+        f"replica {note['replica']}'s loss was not finite at step {note['step']}"
+        if note["replica"] >= 0
+        else "a shard's values were not finite"
+    )
     if not all(shard_path(run, s).exists() for s in range(config.shards)):
         raise RuntimeFailure(
             f"training diverged: {what}, before the first checkpoint; start again with a "

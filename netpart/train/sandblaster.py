@@ -98,9 +98,15 @@ class Coordinator:
         self.units = UnitChannel(rank, ranks)
         self.lost: set[int] = set()
         self.busy: dict[int, tuple[int, int, bool]] = {}  # replica -> (unit, evaluation, backup)
-        self.stats = {"units_by_replica": [0] * config.replicas, "backups_sent": 0,
-                      "backups_won": 0, "evaluations": 0, "reissued": 0, "redone": 0,
-                      "lost_replicas": []}  # fmt: skip
+        self.stats = {
+            "units_by_replica": [0] * config.replicas,
+            "backups_sent": 0,
+            "backups_won": 0,
+            "evaluations": 0,
+            "reissued": 0,
+            "redone": 0,
+            "lost_replicas": [],
+        }
         self.eval_id = 0
         self.t0 = time.time()
         self.metrics = (run / "sandblaster.jsonl").open("a")
@@ -108,10 +114,13 @@ class Coordinator:
     def run(self) -> dict:
         config = self.config
         driver = LBFGSDriver(
-            self.shards, self.evaluate, lr=config.lr, history=config.history,
+            self.shards,
+            self.evaluate,
+            lr=config.lr,
+            history=config.history,
             line_search=None if config.line_search == "none" else "armijo",
             should_stop=None if self.stop is None else self.stop.is_set,
-        )  # fmt: skip
+        )
         try:
             result = driver.run(config.steps)
         finally:
@@ -126,12 +135,20 @@ class Coordinator:
                 self._assign(r, bye=True)
         self.shards.call(Op.STOP)
         self.stats.update(
-            iterations=result.iterations, stopped=result.stopped, losses=result.losses,
-            coordinator_bytes_in=self.shards.bytes_in, coordinator_scalars=self.shards.scalars,
-        )  # fmt: skip
-        log.info("L-BFGS: %d iterations, %d evaluations, stopped by %s; loss %.4g -> %.4g",
-                 result.iterations, result.evaluations, result.stopped, result.losses[0],
-                 result.losses[-1])  # fmt: skip
+            iterations=result.iterations,
+            stopped=result.stopped,
+            losses=result.losses,
+            coordinator_bytes_in=self.shards.bytes_in,
+            coordinator_scalars=self.shards.scalars,
+        )
+        log.info(
+            "L-BFGS: %d iterations, %d evaluations, stopped by %s; loss %.4g -> %.4g",
+            result.iterations,
+            result.evaluations,
+            result.stopped,
+            result.losses[0],
+            result.losses[-1],
+        )
         return self.stats
 
     def evaluate(self) -> float:
@@ -143,11 +160,20 @@ class Coordinator:
             if not missing:
                 break
             self.stats["redone"] += 1
-            log.warning("evaluation %d: %d unit parts never reached the shards (a replica "
-                        "was lost); evaluating again", self.eval_id, int(missing))  # fmt: skip
+            log.warning(
+                "evaluation %d: %d unit parts never reached the shards (a replica "
+                "was lost); evaluating again",
+                self.eval_id,
+                int(missing),
+            )
         self.stats["evaluations"] += 1
-        line = {"evaluation": self.eval_id, "time": time.time(),
-                "elapsed_s": time.time() - self.t0, "loss": loss, **self.stats}  # fmt: skip
+        line = {
+            "evaluation": self.eval_id,
+            "time": time.time(),
+            "elapsed_s": time.time() - self.t0,
+            "loss": loss,
+            **self.stats,
+        }
         self.metrics.write(json.dumps(line) + "\n")
         self.metrics.flush()
         return loss
@@ -184,8 +210,12 @@ class Coordinator:
         unit, eval_id, _ = self.busy.pop(replica, (-1, -1, False))
         again = ev is not None and eval_id == self.eval_id and ev.release(replica, unit)
         self.stats["reissued"] += int(again)
-        log.warning("replica %d lost (%s)%s", replica, why,
-                    f"; unit {unit} goes to another replica" if again else "")  # fmt: skip
+        log.warning(
+            "replica %d lost (%s)%s",
+            replica,
+            why,
+            f"; unit {unit} goes to another replica" if again else "",
+        )
 
     def _hand_out(self, ev: _Evaluation, free: collections.deque) -> None:
         """Give every free replica a unit (or a backup copy) while there is one to give."""

@@ -96,9 +96,11 @@ def serve_shard(job, layout: ShardLayout, shard: int, rank: int, stop, placement
         raise RuntimeFailure(f"shard {shard}: {failed}")
     log.info(
         "done after %d updates (%.1f MB in, %.1f MB out); lost replicas: %s",
-        server.state.updates, server.bytes_in / 1e6, server.bytes_out / 1e6,
+        server.state.updates,
+        server.bytes_in / 1e6,
+        server.bytes_out / 1e6,
         sorted(server.lost) or "none",
-    )  # fmt: skip
+    )
     return server
 
 

@@ -58,11 +58,14 @@ def supervise(
     read = Progress(run, config.replicas, attempt.loggers)
     watch = Watch(config, workers, summary)
     job = Processes(
-        "netpart.train.process", args, logs,
+        "netpart.train.process",
+        args,
+        logs,
         grace=config.timeout + STOP_MARGIN,  # shards wait `timeout` for workers, then write
-        new_session=True, preloaded=attempt.preloaded,
+        new_session=True,
+        preloaded=attempt.preloaded,
         env={RESTART_ENV: str(attempt.number)},
-    )  # fmt: skip
+    )
     with job as procs:
         while procs.running() and not watch.poll(procs):
             if attempt.on_progress is not None:

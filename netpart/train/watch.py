@@ -190,8 +190,9 @@ class Watch:
         self.summary.stopped = self.user_stop
         if self.user_stop:
             if not any(run.glob("shard_*.pt")):
-                raise KeyboardInterrupt(f"stopped before the first checkpoint; {run} is reused "
-                                        "by the next job")  # fmt: skip
+                raise KeyboardInterrupt(
+                    f"stopped before the first checkpoint; {run} is reused by the next job"
+                )
             return None
         if self.startup is not None:
             k, code = self.startup
@@ -199,22 +200,28 @@ class Watch:
             missing = [r for r in self.unjoined if r != k]
             if missing and code == REPORTED_ERROR:  # it gave up waiting for them
                 why += f" ({', '.join(self.name(r) for r in missing)} never joined)"
-            raise WorkerFailure(f"{self.name(k)} {exit_text(code)} while the job was starting"
-                                f"{why}; nothing was trained in this attempt; "
-                                f"{resume_hint(run, config)}")  # fmt: skip
+            raise WorkerFailure(
+                f"{self.name(k)} {exit_text(code)} while the job was starting"
+                f"{why}; nothing was trained in this attempt; "
+                f"{resume_hint(run, config)}"
+            )
         if self.late:
             who = ", ".join(self.name(k) for k in self.late) + " had not"
             if len(self.late) == len(procs.procs) > 1:
                 who = f"none of the job's {len(self.late)} processes had"
             hint = resume_hint(run, config)
-            raise WorkerFailure(f"{who} finished starting {config.start_timeout:g} s after "
-                                "the job started (stopped, or stuck in a start-up exchange); "
-                                f"nothing was trained in this attempt; {hint}")  # fmt: skip
+            raise WorkerFailure(
+                f"{who} finished starting {config.start_timeout:g} s after "
+                "the job started (stopped, or stuck in a start-up exchange); "
+                f"nothing was trained in this attempt; {hint}"
+            )
         if self.frozen is not None:
             k, seconds = self.frozen
-            raise WorkerFailure(f"{self.name(k)} was stopped (SIGSTOP) for {seconds:.0f} s, "
-                                f"longer than --timeout {config.timeout:g}; "
-                                f"{resume_hint(run, config)}")  # fmt: skip
+            raise WorkerFailure(
+                f"{self.name(k)} was stopped (SIGSTOP) for {seconds:.0f} s, "
+                f"longer than --timeout {config.timeout:g}; "
+                f"{resume_hint(run, config)}"
+            )
         return self._shard_verdict(procs, run, attempt)
 
     def _shard_verdict(self, procs: Processes, run: Path, attempt: int) -> Died | None:

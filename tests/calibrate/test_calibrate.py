@@ -27,13 +27,20 @@ from netpart.planning.sweep import knee, parse_counts
 from tests.conftest import chain_specs
 
 CALIBRATED = NetworkModel(
-    bandwidth_bps=8e9, latency_s=1e-4,
+    bandwidth_bps=8e9,
+    latency_s=1e-4,
     kinds={"dense": KindCost(((1e4, 1e-4), (1e6, 2e-4), (1e8, 5e-3)))},
-    fill_s_per_value=1e-9, step_fixed_s=3e-4, collective_s=5e-4, parallel_slowdown=0.2,
-    slice_scale=0.9, joined_saving_s=5e-5, probe_s=2e-3, profile="p.json",
+    fill_s_per_value=1e-9,
+    step_fixed_s=3e-4,
+    collective_s=5e-4,
+    parallel_slowdown=0.2,
+    slice_scale=0.9,
+    joined_saving_s=5e-5,
+    probe_s=2e-3,
+    profile="p.json",
     link={1: ((1e3, 1e-4), (1e4, 2e-4), (1e5, 1.2e-3)), 3: ((3e3, 4e-4), (3e5, 6e-3))},
     gather=((2.0, 1e-3), (4.0, 3e-3)),
-)  # fmt: skip
+)
 
 
 def _profile_text(model: NetworkModel) -> str:
@@ -212,17 +219,24 @@ def test_fit_recovers_the_terms_that_made_the_runs():
     plans = [(s, plan(s, 1, "metis", batch=batch), plan(s, 2, "metis", batch=batch)) for s in specs]
     base = NetworkModel(kinds={"dense": CALIBRATED.kinds["dense"]}, overlap=False)
     sizes, seconds = [1e3, 1e4, 1e5, 1e6], [1e-4, 2e-4, 1.1e-3, 1.0e-2]
-    link = {"sizes": sizes, "seconds": {"1": seconds, "2": [2 * t for t in seconds]},
-            "gather_s": {"2": 6e-4, "3": 9e-4}}  # fmt: skip
+    link = {
+        "sizes": sizes,
+        "seconds": {"1": seconds, "2": [2 * t for t in seconds]},
+        "gather_s": {"2": 6e-4, "3": 9e-4},
+    }
     overhead, in_step = 5e-5, 8e-5  # per phase beyond the link: exchanging only, in a step
     table = tuple((b, t + overhead) for b, t in zip(sizes, seconds, strict=True))
     two_peers = tuple((2 * b, 2 * t + overhead) for b, t in zip(sizes, seconds, strict=True))
     truth = replace(
-        base, link={1: table, 2: two_peers}, step_fixed_s=3e-4, joined_saving_s=4e-5,
+        base,
+        link={1: table, 2: two_peers},
+        step_fixed_s=3e-4,
+        joined_saving_s=4e-5,
         gather=((2.0, 6e-4), (3.0, 9e-4)),
-    )  # fmt: skip
-    stepping = replace(truth, link={k: tuple((b, t + in_step) for b, t in v)
-                                    for k, v in truth.link.items()})  # fmt: skip
+    )
+    stepping = replace(
+        truth, link={k: tuple((b, t + in_step) for b, t in v) for k, v in truth.link.items()}
+    )
     runs = []
     for k, (spec, _, two) in enumerate(plans):
         phase_bytes = [2e3 * (k + 1), 5e4 * (k + 1)]
@@ -230,12 +244,20 @@ def test_fit_recovers_the_terms_that_made_the_runs():
         p = reevaluate(spec, two, batch, truth).metrics
         step = reevaluate(spec, two, batch, stepping).metrics.predicted_step_s
         compute, joined = 1e-3 * (k + 1) ** 2, k + 1
-        runs.append({
-            "one": {"joined": joined, "compute_s": compute,
-                    "step_s": compute + 3e-4 - 4e-5 * joined},
-            "two": {"phase_bytes": phase_bytes, "exchange_s": wire,
-                    "step_s": step + 2e-3 + 0.3 * p.compute_s},
-        })  # fmt: skip
+        runs.append(
+            {
+                "one": {
+                    "joined": joined,
+                    "compute_s": compute,
+                    "step_s": compute + 3e-4 - 4e-5 * joined,
+                },
+                "two": {
+                    "phase_bytes": phase_bytes,
+                    "exchange_s": wire,
+                    "step_s": step + 2e-3 + 0.3 * p.compute_s,
+                },
+            }
+        )
     model = fit(base, plans, runs, batch, link)
     assert model.link.keys() == {1, 2}  # bytes each way in all: per peer x peers
     assert all(np.allclose(model.link[k], stepping.link[k], rtol=1e-6) for k in (1, 2))
@@ -250,8 +272,9 @@ def test_fit_recovers_the_terms_that_made_the_runs():
 
     def steps_at_4(slowdown: float, seconds: float) -> list:  # as `model` + those terms at 4
         held = replace(model, crowd=((4.0, slowdown, seconds),))
-        return [(4, [(s, p, reevaluate(s, p, batch, held).metrics.predicted_step_s)
-                     for s, p in wide])]  # fmt: skip
+        return [
+            (4, [(s, p, reevaluate(s, p, batch, held).metrics.predicted_step_s) for s, p in wide])
+        ]
 
     # Steps at 4 workers that held 1.5 ms and 0.4 x compute more than the model fitted at 2.
     again = fit(base, plans, runs, batch, link, steps_at_4(0.4, 1.5e-3))
@@ -345,9 +368,11 @@ def test_interior_shares_err_low_against_the_units_the_runtime_splits():
     graph, schedule = plan_schedule(spec, p, validate=False)
     shares = interior_shares(graph, p.node_map, 3)
     units = np.array(
-        [[len(i) / max(len(o), 1) for i, o in zip(ins, own, strict=True)]
-         for ins, own in zip(schedule.interior, schedule.owned, strict=True)]
-    )  # fmt: skip
+        [
+            [len(i) / max(len(o), 1) for i, o in zip(ins, own, strict=True)]
+            for ins, own in zip(schedule.interior, schedule.owned, strict=True)
+        ]
+    )
     assert (shares <= units + 1e-12).all() and (shares[0] == 1).all()
     assert 0 < shares[2:4].mean() < 1  # the cut layers have interiors and boundaries
     one = plan(spec, 1, "metis", batch=32)
@@ -432,8 +457,11 @@ def test_calibrate_writes_a_profile_that_plan_and_run_use(tmp_path, capsys, monk
     assert model.caveat == "calibrated on a busy machine: a stand-in reason"
     kinds = {layer.kind for name in ("tiny-mlp", "tiny-local") for layer in load_spec(name).layers}
     assert set(model.kinds) == kinds  # a slice table for every kind measured
-    keys = {s.layer_key(i) for s in map(load_spec, ("tiny-mlp", "tiny-local", "digits-mlp"))
-            for i in range(len(s.layers))}  # fmt: skip
+    keys = {
+        s.layer_key(i)
+        for s in map(load_spec, ("tiny-mlp", "tiny-local", "digits-mlp"))
+        for i in range(len(s.layers))
+    }
     assert model.layers and set(model.layers) <= keys  # and for layers timed at two sizes
     measured = json.loads(out.read_text())["measurements"]
     # Dense slices of 1-, 2- and 3-worker plans: tiny-mlp's 2 layers, tiny-local's 1 and the

@@ -16,8 +16,21 @@ from tests.conftest import finish
 pytestmark = pytest.mark.timeout(300)
 
 REASON = netns.unavailable()
-CALIBRATE = ["-m", "netpart", "calibrate", "--models", "tiny-mlp", "--slice-models", "",
-             "--repeats", "1", "--steps", "3", "--check-model", ""]  # fmt: skip
+CALIBRATE = [
+    "-m",
+    "netpart",
+    "calibrate",
+    "--models",
+    "tiny-mlp",
+    "--slice-models",
+    "",
+    "--repeats",
+    "1",
+    "--steps",
+    "3",
+    "--check-model",
+    "",
+]
 # The link between the two hosts: a tenth of loopback's rate here, and fast enough that the
 # parameter server's exchanges up to 40 MB (all timed: the wire takes under 2 s) take
 # under a second each: the exchanges' minutes grow as the link slows.
@@ -58,8 +71,10 @@ def test_calibrate_under_torchrun_measures_the_link_between_the_hosts(tmp_path):
     # request before it answers): all of a 1 MB push, the first MB of a larger one.
     ps = details["ps"]
     assert {10**6, 4 * 10**6, 16 * 10**6} <= set(ps["sizes"]) and model.ps is not None
-    sync, downpour = ({b: t for b, t in zip(ps["sizes"], ps["seconds"][m]["1"], strict=True)}
-                      for m in ("sync", "downpour"))  # fmt: skip
+    sync, downpour = (
+        {b: t for b, t in zip(ps["sizes"], ps["seconds"][m]["1"], strict=True)}
+        for m in ("sync", "downpour")
+    )
     mb = 10**6
     assert 1.7 < sync[4 * mb] / wire(4 * mb) < 6 and 4 * sync[4 * mb] < 1.2 * sync[16 * mb]
     assert downpour[4 * mb] / wire(4 * mb) > 0.9 and downpour[4 * mb] < 0.95 * sync[4 * mb]
@@ -79,9 +94,15 @@ def test_a_host_that_dies_ends_calibration_with_one_line(tmp_path):
         port = s.getsockname()[1]
     out, procs = tmp_path / "p.json", []
     for rank in (0, 1):
-        env = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "NETPART_TEST_FAULT": "die:1@2",
-               "PYTHONPATH": str(Path.cwd()), "PATH": "/usr/bin:/bin"}  # fmt: skip
+        env = {
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "NETPART_TEST_FAULT": "die:1@2",
+            "PYTHONPATH": str(Path.cwd()),
+            "PATH": "/usr/bin:/bin",
+        }
         argv = [sys.executable, *CALIBRATE, "--out", str(out), "--timeout", "20"]
         pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
         procs.append(subprocess.Popen(argv, env=env, **pipes))

@@ -43,8 +43,11 @@ def test_every_pair_of_clients_and_shards_the_machines_allow():
     runner = Runner(machines=4)
     ps, raw = ps_tables(runner, lambda line: None, passes=1)
     configs = {(m, k, s) for m, k, s, _, _ in runner.calls}
-    assert configs == {(m, k, s) for m in ("sync", "downpour")
-                       for k, s in ((1, 1), (2, 1), (3, 1), (1, 2), (1, 3), (2, 2))}  # fmt: skip
+    assert configs == {
+        (m, k, s)
+        for m in ("sync", "downpour")
+        for k, s in ((1, 1), (2, 1), (3, 1), (1, 2), (1, 3), (2, 2))
+    }
     for _, _, _, sizes, repeats in runner.calls:
         assert all(PS_REPEATS[PS_SIZES.index(b)] == repeats for b in sizes)
     assert set(raw["seconds"]["sync"]) == {"1", "2", "3"}
@@ -124,8 +127,10 @@ def test_the_all_reduce_is_timed_last_at_the_tables_sizes_and_joins_them():
     assert plan == {"sizes": list(PS_SIZES[:-1]), "repeats": [2 * n for n in PS_REPEATS[:-1]]}
     assert ring_plan(None) is None  # no machines of their own: no tables, no ring
     said: list[str] = []
-    rings = {k: ([1e-9 * b * k for b in plan["sizes"]], [1e-9 * b for b in plan["sizes"]])
-             for k in (2, 3, 4)}  # fmt: skip
+    rings = {
+        k: ([1e-9 * b * k for b in plan["sizes"]], [1e-9 * b for b in plan["sizes"]])
+        for k in (2, 3, 4)
+    }
     ps, joined = with_rings(raw, rings, said.append)
     assert joined["allreduce"]["3"] == [1e-9 * b * 3 for b in PS_SIZES[:-1]]
     assert joined["allreduce_busy"]["4"] == [1e-9 * b / 0.5 for b in PS_SIZES[:-1]]  # / share

@@ -32,8 +32,11 @@ def test_each_model_s_median_of_at_most_three_runs_in_the_profile_s_schema(monke
     said = []
     specs = [load_spec("bench-local"), load_spec("tiny-mlp")]
     got = replica.replica_steps(specs, batch=32, steps=15, seconds=0.3, runs=5, say=said.append)
-    assert got == {"batch": 32, "seconds": {"bench-local": 0.2, "tiny-mlp": 2e-3},
-                   "cpu_s": {"bench-local": 0.2, "tiny-mlp": 2e-3}}  # fmt: skip
+    assert got == {
+        "batch": 32,
+        "seconds": {"bench-local": 0.2, "tiny-mlp": 2e-3},
+        "cpu_s": {"bench-local": 0.2, "tiny-mlp": 2e-3},
+    }
     assert len(said) == 2 and "bench-local" in said[0] and "200.00 ms" in said[0]
     sizes = [1e3, 1e4]
     tables = {m: {"1": [1e-3, 2e-3]} for m in ("sync", "downpour")}

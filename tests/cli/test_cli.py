@@ -176,9 +176,17 @@ def test_out_that_holds_something_else_is_refused_and_left_alone(tmp_path, capsy
     assert code == 2 and "not a plan directory (holds notes.txt)" in err
     for out in (foreign, plan):
         code, _, err = run(
-            capsys, "train", "--model", "tiny-mlp", "--workers", "2", "--steps", "1",
-            "--out", str(out),
-        )  # fmt: skip
+            capsys,
+            "train",
+            "--model",
+            "tiny-mlp",
+            "--workers",
+            "2",
+            "--steps",
+            "1",
+            "--out",
+            str(out),
+        )
         assert code == 2 and "not a training run" in err and err.count("\n") == 1
     assert (foreign / "notes.txt").read_text() == "keep me"
     assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]

@@ -54,8 +54,13 @@ def test_the_tables_round_trip_and_read_beyond_what_was_measured():
 
 def test_the_all_reduce_alone_is_read_off_its_table_and_a_layout_s_ring_costs_that_and_its_cpu():
     ring = {str(m): [2 * (m - 1) * (1e-3 + b / m * 1e-8) for b in SIZES] for m in (2, 3)}
-    ps = PsExchange.from_dict({**tables().to_dict(), "allreduce": ring,
-                               "allreduce_busy": {"2": [1e-9 * b for b in SIZES]}})  # fmt: skip
+    ps = PsExchange.from_dict(
+        {
+            **tables().to_dict(),
+            "allreduce": ring,
+            "allreduce_busy": {"2": [1e-9 * b for b in SIZES]},
+        }
+    )
     assert PsExchange.from_dict(json.loads(json.dumps(ps.to_dict()))) == ps
     assert ps.allreduce_s(3, 1e5) == pytest.approx(4 * (1e-3 + 1e5 / 3 * 1e-8))
     assert ps.allreduce_s(2, 1e5, busy=True) == pytest.approx(1e-4)
@@ -142,8 +147,10 @@ def test_a_ddp_replica_s_step_timed_by_calibration_prices_the_all_reduce_replica
     # at another, netpart's price carried over by what the timed step made of it at 32
     update = values * UPDATE_S_PER_VALUE
     spec = load_spec("tiny-mlp")
-    at = {b: plan(spec, 1, seed=0, batch=b, network=model).metrics.predicted_step_s + update
-          for b in (16, 32)}  # fmt: skip
+    at = {
+        b: plan(spec, 1, seed=0, batch=b, network=model).metrics.predicted_step_s + update
+        for b in (16, 32)
+    }
     assert replica_s("tiny-mlp", 16) == pytest.approx(at[16] * 0.05 / at[32])
     # a model calibration did not time: netpart's step and the update, as before
     digits = load_spec("digits-mlp")
@@ -162,13 +169,19 @@ def test_a_ddp_replica_s_step_timed_by_calibration_prices_the_all_reduce_replica
     "bad",
     [
         {"sizes": SIZES, "seconds": {"sync": {"1": [1, 2, 3, 4]}}, "busy": {}},
-        {"sizes": SIZES, "seconds": {"sync": {"1": [1, 2, 3]}, "downpour": {"1": [1, 2, 3, 4]}},
-         "busy": {"sync": {"1": [1, 2, 3, 4]}, "downpour": {"1": [1, 2, 3, 4]}}},
-        {"sizes": SIZES, "seconds": {"sync": {"0": [1, 2, 3, 4]}, "downpour": {"1": [1, 2, 3, 4]}},
-         "busy": {"sync": {"1": [1, 2, 3, 4]}, "downpour": {"1": [1, 2, 3, 4]}}},
+        {
+            "sizes": SIZES,
+            "seconds": {"sync": {"1": [1, 2, 3]}, "downpour": {"1": [1, 2, 3, 4]}},
+            "busy": {"sync": {"1": [1, 2, 3, 4]}, "downpour": {"1": [1, 2, 3, 4]}},
+        },
+        {
+            "sizes": SIZES,
+            "seconds": {"sync": {"0": [1, 2, 3, 4]}, "downpour": {"1": [1, 2, 3, 4]}},
+            "busy": {"sync": {"1": [1, 2, 3, 4]}, "downpour": {"1": [1, 2, 3, 4]}},
+        },
         {"seconds": {}},
     ],
-)  # fmt: skip
+)
 def test_a_malformed_table_is_refused_in_one_line(tmp_path, bad):
     profile = tmp_path / "p.json"
     model = NetworkModel(kinds={}, profile="p", ps=tables()).to_dict()
@@ -263,12 +276,17 @@ def test_replicas_of_several_shards_are_priced_off_the_mesh_of_clients_and_shard
     spec = load_spec("tiny-mlp")
     base = tables(sync_s=1e-6, down_s=1e-6, busy_s=1e-9)
     spread = {m: {"2": [0.5e-6 * b for b in SIZES]} for m in ("sync", "downpour")}
-    mesh = {m: {"2x2": [3e-6 * b for b in SIZES], "3x2": [4e-6 * b for b in SIZES]}
-            for m in ("sync", "downpour")}  # fmt: skip
-    busy = {m: {"2x2": [2e-9 * b for b in SIZES], "3x2": [2e-9 * b for b in SIZES]}
-            for m in ("sync", "downpour")}  # fmt: skip
-    ps = PsExchange.from_dict({**base.to_dict(), "spread": spread, "spread_busy": spread,
-                               "mesh": mesh, "mesh_busy": busy})  # fmt: skip
+    mesh = {
+        m: {"2x2": [3e-6 * b for b in SIZES], "3x2": [4e-6 * b for b in SIZES]}
+        for m in ("sync", "downpour")
+    }
+    busy = {
+        m: {"2x2": [2e-9 * b for b in SIZES], "3x2": [2e-9 * b for b in SIZES]}
+        for m in ("sync", "downpour")
+    }
+    ps = PsExchange.from_dict(
+        {**base.to_dict(), "spread": spread, "spread_busy": spread, "mesh": mesh, "mesh_busy": busy}
+    )
     assert PsExchange.from_dict(json.loads(json.dumps(ps.to_dict()))) == ps
     assert ps.exchange_s("sync", 2, 2, 1e5) == pytest.approx(0.3)
     assert ps.exchange_s("sync", 3, 2, 1e5) == pytest.approx(0.4)
@@ -304,8 +322,10 @@ def test_on_a_share_of_a_core_a_step_pays_its_cpu_over_the_share_and_the_exchang
     assert quota.step_cpu_s(0.5) == 0.5  # within the quota: its time
     assert quota.step_cpu_s(8.0) == 2.0 and quota.step_cpu_s(2.0) == 1.0  # x share, >= quota
     assert whole.step_cpu_s(8.0) == 8.0
-    by = {name: {str(f.layout): f for f in advise(spec, 2, NetworkModel(ps=ps), batch=16).layouts}
-          for name, ps in (("whole", whole), ("quota", quota))}  # fmt: skip
+    by = {
+        name: {str(f.layout): f for f in advise(spec, 2, NetworkModel(ps=ps), batch=16).layouts}
+        for name, ps in (("whole", whole), ("quota", quota))
+    }
     busy = by["whole"]["downpour 1x1+1"].step_s - step - LOOP_CPU_S  # the loop's own CPU too
     assert busy > 0
     cpu = (step + LOOP_CPU_S) / 0.25
@@ -326,8 +346,10 @@ def test_exchanges_timed_after_a_stand_in_step_carry_what_their_price_missed_to_
     base = tables(sync_s=1e-6, down_s=1e-12, busy_s=1e-9)
     # the stand-in's price (whole cores): sync its step, the loop and the exchange; Downpour
     # its step, the exchange's busy time and the loop, the exchange beside them (shorter)
-    priced = {"sync": lambda s, b: s + LOOP_CPU_S + 1e-6 * b,
-              "downpour": lambda s, b: s + 1e-9 * b + LOOP_CPU_S}  # fmt: skip
+    priced = {
+        "sync": lambda s, b: s + LOOP_CPU_S + 1e-6 * b,
+        "downpour": lambda s, b: s + 1e-9 * b + LOOP_CPU_S,
+    }
 
     def after(stand_in_s: float, extra: float) -> PsExchange:
         seconds = {m: {"1x1": [f(stand_in_s, b) + extra for b in SIZES]} for m, f in priced.items()}
@@ -354,8 +376,11 @@ def test_exchanges_timed_after_a_stand_in_step_carry_what_their_price_missed_to_
     by, was = ({str(f.layout): f.step_s for f in rows} for rows in (three, before))
     assert by["sync 2x1+1"] == was["sync 2x1+1"]  # 2 clients of 1 shard not measured: as before
     assert by["sync 1x1+2"] == was["sync 1x1+2"]  # 1x2 neither
-    for bad in ({"sizes": SIZES, "seconds": {}}, {"sizes": [], "stand_in_s": 0.1},
-                {"sizes": SIZES, "stand_in_s": 0, "seconds": ps.to_dict()["after"]["seconds"]},
-                {**ps.to_dict()["after"], "seconds": {"sync": {"0x1": [1.0] * 4}}}):  # fmt: skip
+    for bad in (
+        {"sizes": SIZES, "seconds": {}},
+        {"sizes": [], "stand_in_s": 0.1},
+        {"sizes": SIZES, "stand_in_s": 0, "seconds": ps.to_dict()["after"]["seconds"]},
+        {**ps.to_dict()["after"], "seconds": {"sync": {"0x1": [1.0] * 4}}},
+    ):
         with pytest.raises(ValueError, match=r"ps\.after"):
             PsExchange.from_dict({**base.to_dict(), "after": bad})

@@ -104,8 +104,7 @@ def test_the_command_line_refuses_a_bad_machine_in_one_line(tmp_path, capsys):
 
 
 def test_a_machine_predicts_overhead_plus_flops_over_its_rate():
-    m = Machine(name="m", flops_per_s=50e9, overhead_s=1e-4,
-                kinds={"dense": KindRate(100e9, 2e-5)})  # fmt: skip
+    m = Machine(name="m", flops_per_s=50e9, overhead_s=1e-4, kinds={"dense": KindRate(100e9, 2e-5)})
     net = m.to_network()
     flops = np.array([[1e6, 2e7], [3e5, 0.0]])
     got = net.worker_compute_s(flops, 32, kinds=["dense", "local"])
@@ -120,8 +119,10 @@ def test_a_calibrated_model_becomes_absolute_rates():
     """Each kind's rate is its largest slices', its overhead what its smallest take beyond
     that rate, its cost per value the profile's."""
     f = np.array([1e3, 1e4, 1e5, 1e10, 1e11, 1e12])
-    kinds = {"dense": KindCost(tuple(zip(f, 3e-5 + f / 40e9, strict=True)), per_value=1e-9),
-             "local": KindCost(tuple(zip(f, 1e-5 + f / 10e9, strict=True)))}  # fmt: skip
+    kinds = {
+        "dense": KindCost(tuple(zip(f, 3e-5 + f / 40e9, strict=True)), per_value=1e-9),
+        "local": KindCost(tuple(zip(f, 1e-5 + f / 10e9, strict=True))),
+    }
     net = NetworkModel(kinds=kinds, bandwidth_bps=2e9, latency_s=7e-5, step_fixed_s=2e-3)
     m = Machine.from_network(net, name="host")
     assert m.flops_per_s == pytest.approx(40e9, rel=1e-4)

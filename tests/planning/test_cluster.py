@@ -93,18 +93,37 @@ def test_train_machines_trains_the_fastest_parameter_server_layout(tmp_path, cap
     advice = advise(load_spec("digits-mlp"), 4, NetworkModel(), batch=32, max_workers=4)
     choice = trainable(advice)
     assert choice.layout.mode != "allreduce" and choice.fits
-    assert all(f.samples_per_s <= choice.samples_per_s for f in advice.layouts
-               if f.layout.mode != "allreduce")  # fmt: skip
+    assert all(
+        f.samples_per_s <= choice.samples_per_s
+        for f in advice.layouts
+        if f.layout.mode != "allreduce"
+    )
     run = tmp_path / "run"
-    argv = ["train", "--model", "digits-mlp", "--machines", "4", "--data", "digits",
-            "--steps", "10", "--batch", "32", "--out", str(run)]  # fmt: skip
+    argv = [
+        "train",
+        "--model",
+        "digits-mlp",
+        "--machines",
+        "4",
+        "--data",
+        "digits",
+        "--steps",
+        "10",
+        "--batch",
+        "32",
+        "--out",
+        str(run),
+    ]
     assert main(argv) == 0
     assert f"--machines 4: training {choice.layout}" in capsys.readouterr().out
     job, lay = json.loads((run / "train.json").read_text()), choice.layout
     config = job["config"]
     assert (job["workers"], config["replicas"], config["shards"], config["mode"]) == (
-        lay.workers, lay.replicas, lay.shards, lay.mode,
-    )  # fmt: skip
+        lay.workers,
+        lay.replicas,
+        lay.shards,
+        lay.mode,
+    )
     assert main([*argv[:-2], "--workers", "2", "--out", str(tmp_path / "b")]) == 2
     assert "--machines chooses the layout: drop --workers" in capsys.readouterr().err
     with pytest.raises(PlanError, match="no parameter-server layout"):

@@ -22,8 +22,9 @@ def test_gloo_loop_threads_yield_and_are_put_back():
         named.wait(10)
         done.wait(30)
 
-    threads = [threading.Thread(target=run, args=(n,), daemon=True)
-               for n in ("gloo_tcp_loop", "worker")]  # fmt: skip
+    threads = [
+        threading.Thread(target=run, args=(n,), daemon=True) for n in ("gloo_tcp_loop", "worker")
+    ]
     for t in threads:
         t.start()
     try:
@@ -49,8 +50,9 @@ def test_a_destroyed_group_s_io_thread_runs_until_nothing_holds_it(tmp_path):
     import torch.distributed as dist
 
     before = len(gloo_io_threads())
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0,
-                            world_size=1)  # fmt: skip
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0, world_size=1
+    )
     held = [dist.new_group([0]) for _ in range(2)]
     assert len(gloo_io_threads()) > before
     dist.destroy_process_group()

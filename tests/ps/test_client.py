@@ -43,8 +43,16 @@ def _layout(shards):
 
 def _client(layout, group, **kw):
     ranks = [10 + s for s in range(layout.shards)]
-    return ShardClient(layout, worker=0, replica=1, rank=3, shard_ranks=ranks,
-                       dtype=torch.float64, group=group, **kw)  # fmt: skip
+    return ShardClient(
+        layout,
+        worker=0,
+        replica=1,
+        rank=3,
+        shard_ranks=ranks,
+        dtype=torch.float64,
+        group=group,
+        **kw,
+    )
 
 
 def _params(shard, version, values, kind=K.PARAMS):

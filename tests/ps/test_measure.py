@@ -54,10 +54,14 @@ def test_clients_time_their_exchanges_and_the_shards_serve_them(tmp_path, client
     world = clients + shards
     store = str(tmp_path / "s")
     procs = [
-        subprocess.Popen([sys.executable, "-c", ROLE, str(r), str(world), store, str(shards)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", ROLE, str(r), str(world), store, str(shards)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for r in range(world)
-    ]  # fmt: skip
+    ]
     outs = finish(procs, 120)
     for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-2000:]

@@ -19,10 +19,17 @@ def _view(replicas=2, workers=(0, 1), lost=(), done=(), pushed=None, clock=0, up
     """A read-only view of bookkeeping, as the server hands it to its mode."""
     pushed = pushed or {(r, w): 0 for r in range(replicas) for w in workers}
     return SimpleNamespace(
-        shard=0, replicas=replicas, workers=workers, size=10, values=torch.zeros(10),
-        lost=MappingProxyType(dict.fromkeys(lost, "gone")), done=frozenset(done),
-        pushed=MappingProxyType(pushed), clock=clock, updates=updates,
-    )  # fmt: skip
+        shard=0,
+        replicas=replicas,
+        workers=workers,
+        size=10,
+        values=torch.zeros(10),
+        lost=MappingProxyType(dict.fromkeys(lost, "gone")),
+        done=frozenset(done),
+        pushed=MappingProxyType(pushed),
+        clock=clock,
+        updates=updates,
+    )
 
 
 def test_downpour_asks_for_the_whole_push_through_its_segments_as_one_update():

@@ -248,8 +248,10 @@ def test_sandblaster_wait_ends_when_a_part_will_not_come(lost):
     how many are missing — LOSS_GRACE after a replica was lost, else after the timeout."""
     server, mode = _sandblaster(timeout=30.0 if lost else 0.6)
     w0, w1 = server.workers
-    ones = {w: torch.ones(sum(g.length for g in server.routes[w]), dtype=torch.float64)
-            for w in server.workers}  # fmt: skip
+    ones = {
+        w: torch.ones(sum(g.length for g in server.routes[w]), dtype=torch.float64)
+        for w in server.workers
+    }
     server.command(protocol.Op.BEGIN, (1.0, 0, 0, 0))
     for unit, w in [(0, w0), (1, w0), (0, w1)]:  # unit 1's part of w1 never comes
         _push(server, 0, w, unit, ones[w], version=1)
@@ -267,8 +269,10 @@ def test_sync_never_applies_a_step_a_stopped_replica_did_not_push():
     """Replica 1 stops (says goodbye) after step 1 while replica 0 pushes step 2: step 2 is
     not applied, and replica 0's fetch for it is answered with the step-1 values."""
     server = _server("sync")
-    ones = {w: torch.ones(sum(g.length for g in server.routes[w]), dtype=torch.float64)
-            for w in server.workers}  # fmt: skip
+    ones = {
+        w: torch.ones(sum(g.length for g in server.routes[w]), dtype=torch.float64)
+        for w in server.workers
+    }
     for r in (0, 1):
         for w in server.workers:
             _push(server, r, w, 1, ones[w])

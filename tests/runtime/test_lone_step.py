@@ -23,8 +23,12 @@ dist.destroy_process_group()
 
 
 def test_lone_step_runs_back_to_back(tmp_path):
-    done = subprocess.run([sys.executable, "-c", ROLE, str(tmp_path / "store")],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", ROLE, str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-600:]
     seconds, cpu = json.loads(done.stdout.strip().splitlines()[-1])
     assert seconds > 0 and cpu > 0

@@ -214,24 +214,31 @@ def test_a_chain_through_a_channel_wise_reader_equals_the_reference():
     """Found by the test above: a pool reads one channel per unit, so the units a peer reads
     of the conv below were some channels of a position; the conv's slice computes a
     position's channels together (the chain's early units now hold them all)."""
-    spec = ModelSpec.from_dict({
-        "name": "random",
-        "input": {"channels": 2, "height": 7, "width": 10},
-        "layers": [
-            {"kind": "conv", "channels": 3, "kernel": 3, "stride": 2, "activation": "tanh"},
-            {"kind": "pool", "mode": "l2", "kernel": 2, "stride": 1},
-            {"kind": "local", "channels": 2, "kernel": 1, "stride": 1},
-            {"kind": "dense", "units": 1, "activation": "tanh"},
-        ],
-    })  # fmt: skip
+    spec = ModelSpec.from_dict(
+        {
+            "name": "random",
+            "input": {"channels": 2, "height": 7, "width": 10},
+            "layers": [
+                {"kind": "conv", "channels": 3, "kernel": 3, "stride": 2, "activation": "tanh"},
+                {"kind": "pool", "mode": "l2", "kernel": 2, "stride": 1},
+                {"kind": "local", "channels": 2, "kernel": 1, "stride": 1},
+                {"kind": "dense", "units": 1, "activation": "tanh"},
+            ],
+        }
+    )
     p = plan(spec, 4, "metis", granularity=Granularity(spatial_blocks=8, dense_blocks=4))
     x, y = make_batch(spec, 3, 7)
     result = run_step_threads(spec, p, x, y, overlap=True, split_min_flops=0.0, split=())
     assert_equal_to_reference(spec, result, x, y)
 
 
-@given(small_specs(), st.integers(1, 4), st.sampled_from(["metis", "tiles", "stripe"]),
-       st.integers(1, 3), st.integers(0, 1000))  # fmt: skip
+@given(
+    small_specs(),
+    st.integers(1, 4),
+    st.sampled_from(["metis", "tiles", "stripe"]),
+    st.integers(1, 3),
+    st.integers(0, 1000),
+)
 @settings(max_examples=30, deadline=None)
 def test_a_forward_only_evaluation_equals_the_reference_and_leaves_no_gradient(
     spec, workers, method, batch, seed

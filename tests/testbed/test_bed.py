@@ -14,8 +14,7 @@ from netpart.testbed import netns
 from netpart.testbed.bed import STATE, TestbedError, down, read, unavailable, up
 
 REASON = unavailable()
-pytestmark = [pytest.mark.skipif(REASON is not None, reason=str(REASON)),
-              pytest.mark.timeout(240)]  # fmt: skip
+pytestmark = [pytest.mark.skipif(REASON is not None, reason=str(REASON)), pytest.mark.timeout(240)]
 
 
 def _worker_of(group: Path) -> int | None:
@@ -38,16 +37,27 @@ def test_a_job_runs_one_worker_on_each_machine_and_down_leaves_nothing(capsys):
         with pytest.raises(TestbedError, match="exists"):
             up(name, 2, cpu=0.5, rate="1gbit")
         assert read(name) == bed
-        argv = [sys.executable, "-m", "netpart", "check", "--testbed", name,
-                "--model", "tiny-local", "--workers", "2"]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "netpart",
+            "check",
+            "--testbed",
+            name,
+            "--model",
+            "tiny-local",
+            "--workers",
+            "2",
+        ]
         job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         seen: dict[int, int] = {}
         while job.poll() is None and len(seen) < 2:
             for i, g in enumerate(bed.groups):
                 pid = _worker_of(Path(g))
                 if pid is not None and i not in seen:
-                    ns = subprocess.run(["ip", "netns", "identify", str(pid)],
-                                        capture_output=True, text=True).stdout.strip()  # fmt: skip
+                    ns = subprocess.run(
+                        ["ip", "netns", "identify", str(pid)], capture_output=True, text=True
+                    ).stdout.strip()
                     if ns:  # identified once the worker has started inside it
                         assert ns == bed.hosts[i].netns
                         seen[i] = pid
@@ -57,8 +67,21 @@ def test_a_job_runs_one_worker_on_each_machine_and_down_leaves_nothing(capsys):
         assert "OK: all within" in out
         assert sorted(seen) == [0, 1] and seen[0] != seen[1]
         # a job of another size is refused in one line before anything starts
-        train = ["train", "--testbed", name, "--model", "tiny-mlp", "--workers", "1",
-                 "--replicas", "1", "--ps-shards", "2", "--out", "/nonexistent/never"]  # fmt: skip
+        train = [
+            "train",
+            "--testbed",
+            name,
+            "--model",
+            "tiny-mlp",
+            "--workers",
+            "1",
+            "--replicas",
+            "1",
+            "--ps-shards",
+            "2",
+            "--out",
+            "/nonexistent/never",
+        ]
         assert main(train) == 2 and main(["check", *train[1:5], "--workers", "3"]) == 2
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 2 and all("2 machines and this job takes 3 processes" in e for e in err)

@@ -20,8 +20,9 @@ def test_a_command_runs_inside_its_group_and_the_groups_go_with_the_context():
         quota = int((groups[0] / "cpu.cfs_quota_us").read_text())
         assert quota >= cgroups.MIN_QUOTA_US and quota / period == pytest.approx(0.45, abs=0.01)
         argv = [sys.executable, "-c", "print(open('/proc/self/cgroup').read())"]
-        out = subprocess.run(cgroups.command(groups[1], argv), capture_output=True, text=True,
-                             timeout=60, check=True).stdout  # fmt: skip
+        out = subprocess.run(
+            cgroups.command(groups[1], argv), capture_output=True, text=True, timeout=60, check=True
+        ).stdout
         assert f"cpu:/{groups[1].name}" in out.replace("cpu,cpuacct", "cpu")
         sleeper = subprocess.Popen(cgroups.command(groups[0], ["sleep", "60"]))
         procs = groups[0] / "cgroup.procs"
@@ -58,8 +59,9 @@ def test_whole_cores_pin_each_group_to_a_core_of_its_own():
     with cgroups.whole_cores(2) as groups:
         assert [(g / "cpuset.cpus").read_text().strip() for g in groups] == ["0", "1"]
         argv = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
-        out = subprocess.run(cgroups.command(groups[1], argv), capture_output=True, text=True,
-                             timeout=60, check=True).stdout  # fmt: skip
+        out = subprocess.run(
+            cgroups.command(groups[1], argv), capture_output=True, text=True, timeout=60, check=True
+        ).stdout
         assert out.strip() == "[1]"
     assert not any(g.exists() for g in groups)
     with pytest.raises(ValueError, match="whole cores"), cgroups.whole_cores(99):

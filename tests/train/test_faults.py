@@ -42,8 +42,22 @@ def no_orphans():
 
 
 def _args(out: Path, *extra: str) -> list[str]:
-    return ["train", "--model", "tiny-local", "--workers", "2", "--replicas", "2", "--ps-shards",
-            "2", "--batch", "8", *extra, "--out", str(out)]  # fmt: skip
+    return [
+        "train",
+        "--model",
+        "tiny-local",
+        "--workers",
+        "2",
+        "--replicas",
+        "2",
+        "--ps-shards",
+        "2",
+        "--batch",
+        "8",
+        *extra,
+        "--out",
+        str(out),
+    ]
 
 
 def _stopped_run(out: Path, steps: int = 40) -> None:
@@ -79,8 +93,9 @@ def test_a_second_job_on_a_run_directory_is_refused_naming_the_holder(tmp_path, 
         holder.wait()
 
 
-def test_a_process_that_dies_or_hangs_while_the_job_starts_ends_it_at_once(tmp_path, capsys,
-                                                                          monkeypatch):  # fmt: skip
+def test_a_process_that_dies_or_hangs_while_the_job_starts_ends_it_at_once(
+    tmp_path, capsys, monkeypatch
+):
     """2, 10: a worker killed before the job's group formed used to leave every other
     process waiting in the rendezvous; one stuck there held it for good. Now the job ends in
     one line naming it, and the directory is reused by the next job."""
@@ -158,8 +173,11 @@ def test_a_diverged_resume_keeps_the_last_good_checkpoint(tmp_path, capsys):
 def test_a_stopped_shard_ends_the_job_naming_it(tmp_path):
     """6: SIGSTOP on a shard: not blamed on the worker that noticed, and the job ends."""
     run = tmp_path / "run"
-    proc = subprocess.Popen([*NETPART, *_args(run, "--steps", "100000", "--timeout", "3")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen(
+        [*NETPART, *_args(run, "--steps", "100000", "--timeout", "3")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         wait_for_lines(run / "metrics_replica0.jsonl", 10, timeout=60)
         log = str((run / "logs" / "rank5.log").resolve())
@@ -190,8 +208,12 @@ def test_a_stop_while_the_job_starts_or_runs_is_exit_130_without_a_traceback(tmp
     env = {**os.environ}
     if sig == signal.SIGINT:
         env["NETPART_TEST_FAULT"] = "hang:1@-1"
-    proc = subprocess.Popen([*NETPART, *_args(run, "--steps", "100000")], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen(
+        [*NETPART, *_args(run, "--steps", "100000")],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         if sig == signal.SIGINT:
             deadline = time.monotonic() + 60
@@ -216,8 +238,9 @@ def test_training_data_deleted_during_the_run_loses_nothing_trained(tmp_path):
     skipped with a warning."""
     rng = np.random.default_rng(0)
     data = tmp_path / "d.npz"
-    np.savez(data, x=rng.standard_normal((200, 1, 16, 16)).astype(np.float32),
-             y=rng.integers(0, 10, 200))  # fmt: skip
+    np.savez(
+        data, x=rng.standard_normal((200, 1, 16, 16)).astype(np.float32), y=rng.integers(0, 10, 200)
+    )
     run = tmp_path / "run"
     threading.Thread(
         target=lambda: (wait_for_lines(run / "metrics_replica0.jsonl", 1), data.unlink()),
@@ -250,19 +273,35 @@ def test_one_line_errors_for_what_a_user_can_type(tmp_path, capsys):
     profile = tmp_path / "bin.json"
     profile.write_bytes(bytes(range(256)))
     cases = [
-        (["plan", "--model", "tiny-local", "--workers", "2", "--profile", str(profile)], 2,
-         "not a text file"),
+        (
+            ["plan", "--model", "tiny-local", "--workers", "2", "--profile", str(profile)],
+            2,
+            "not a text file",
+        ),
         (["calibrate", "--models", ",,,"], 2, "name at least one zoo model"),
-        (["plan", "--model", "tiny-local", "--workers", "2", "--out", str(tmp_path / ("x" * 300))],
-         2, "too long"),
-    ]  # fmt: skip
+        (
+            [
+                "plan",
+                "--model",
+                "tiny-local",
+                "--workers",
+                "2",
+                "--out",
+                str(tmp_path / ("x" * 300)),
+            ],
+            2,
+            "too long",
+        ),
+    ]
     for argv, code, text in cases:
         assert main(argv) == code, argv
         err = capsys.readouterr().err
         assert text in err and err.count("\n") == 1, err
-    for argv in (["train", "--model", "tiny-local", "--workers", "2", "--seed", "-1"],
-                 ["train", "--model", "tiny-local", "--workers", "2", "--timeout", "1e-9"],
-                 ["calibrate", "--timeout", "nan"]):  # fmt: skip
+    for argv in (
+        ["train", "--model", "tiny-local", "--workers", "2", "--seed", "-1"],
+        ["train", "--model", "tiny-local", "--workers", "2", "--timeout", "1e-9"],
+        ["calibrate", "--timeout", "nan"],
+    ):
         with pytest.raises(SystemExit) as exc:
             main(argv)
         assert exc.value.code == 2 and capsys.readouterr().err.count("\n") == 1

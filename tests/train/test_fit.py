@@ -57,11 +57,32 @@ def test_the_estimate_is_within_1_5x_of_a_real_job_s_peak(tmp_path):
     from netpart.processes.liveness import job_pss
 
     marker = uuid.uuid4().hex
-    argv = [sys.executable, "-m", "netpart", "train", "--model", "tiny-local", "--workers", "2",
-            "--replicas", "2", "--ps-shards", "2", "--steps", "6", "--batch", "512",
-            "--out", str(tmp_path / "run")]  # fmt: skip
-    proc = subprocess.Popen(argv, env={**os.environ, "NETPART_FIT_TEST": marker},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "netpart",
+        "train",
+        "--model",
+        "tiny-local",
+        "--workers",
+        "2",
+        "--replicas",
+        "2",
+        "--ps-shards",
+        "2",
+        "--steps",
+        "6",
+        "--batch",
+        "512",
+        "--out",
+        str(tmp_path / "run"),
+    ]
+    proc = subprocess.Popen(
+        argv,
+        env={**os.environ, "NETPART_FIT_TEST": marker},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     peak = [0]
 
     def sample() -> None:

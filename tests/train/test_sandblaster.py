@@ -36,10 +36,20 @@ def no_orphans():
 def exact_lbfgs(replicas: int, steps: int, units: int, timeout: float) -> TrainConfig:
     """Full-batch L-BFGS on digits in float64 with torch's fixed step, on 2 shards."""
     return TrainConfig(
-        replicas=replicas, shards=2, mode="sandblaster", optimizer="lbfgs", lr=1.0,
-        steps=steps, batch=load_data("digits", SPEC).n, units=units, history=10,
-        line_search="none", data="digits", dtype="float64", timeout=timeout,
-    )  # fmt: skip
+        replicas=replicas,
+        shards=2,
+        mode="sandblaster",
+        optimizer="lbfgs",
+        lr=1.0,
+        steps=steps,
+        batch=load_data("digits", SPEC).n,
+        units=units,
+        history=10,
+        line_search="none",
+        data="digits",
+        dtype="float64",
+        timeout=timeout,
+    )
 
 
 def assert_equals_torch_lbfgs(run, iterations: int):
@@ -68,9 +78,17 @@ def test_distributed_sandblaster_equals_torch_lbfgs_and_sends_only_scalars(tmp_p
 def test_a_slow_replica_gets_fewer_units_and_backups_finish_the_batch(tmp_path, monkeypatch):
     monkeypatch.setenv("NETPART_TEST_FAULT", "slow:1@0.4")  # rank 1 = replica 1: 0.4 s a unit
     cfg = TrainConfig(
-        replicas=2, shards=1, mode="sandblaster", optimizer="lbfgs", lr=1.0, steps=2,
-        batch=256, units=8, data="digits", timeout=60,
-    )  # fmt: skip
+        replicas=2,
+        shards=1,
+        mode="sandblaster",
+        optimizer="lbfgs",
+        lr=1.0,
+        steps=2,
+        batch=256,
+        units=8,
+        data="digits",
+        timeout=60,
+    )
     train(SPEC, plan(SPEC, 1, "metis"), cfg, tmp_path / "run")
     stats = json.loads((tmp_path / "run" / "coordinator.json").read_text())
     fast, slow = stats["units_by_replica"]
@@ -122,10 +140,24 @@ def test_a_second_sigint_kills_a_hung_job_at_once(tmp_path):
 def sandblaster_cmd(run, *flags):
     """`netpart train` of Sandblaster on tiny-mlp, 2 replicas of 1 worker, into `run`."""
     return [
-        sys.executable, "-m", "netpart", "train", "--mode", "sandblaster", "--optimizer",
-        "lbfgs", "--model", "tiny-mlp", "--workers", "1", "--replicas", "2", "--out",
-        str(run), *flags,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "netpart",
+        "train",
+        "--mode",
+        "sandblaster",
+        "--optimizer",
+        "lbfgs",
+        "--model",
+        "tiny-mlp",
+        "--workers",
+        "1",
+        "--replicas",
+        "2",
+        "--out",
+        str(run),
+        *flags,
+    ]
 
 
 def finish_after(proc, lines, sig, twice=False):

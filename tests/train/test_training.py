@@ -51,9 +51,17 @@ def no_orphans():
 
 def _sync(steps):
     return TrainConfig(
-        replicas=2, shards=3, mode="sync", optimizer="sgd", lr=0.1, steps=steps, batch=8,
-        dtype="float64", timeout=30, checkpoint_every=1,
-    )  # fmt: skip
+        replicas=2,
+        shards=3,
+        mode="sync",
+        optimizer="sgd",
+        lr=0.1,
+        steps=steps,
+        batch=8,
+        dtype="float64",
+        timeout=30,
+        checkpoint_every=1,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -139,9 +147,17 @@ def test_downpour_with_local_steps_and_one_replica_is_single_process_sgd(
     p = plan(SPEC, 2, "metis")
     steps = 9
     cfg = TrainConfig(
-        replicas=1, shards=shards, optimizer="sgd", lr=0.1, steps=steps, batch=8,
-        dtype="float64", n_push=n_push, n_fetch=n_fetch, timeout=30,
-    )  # fmt: skip
+        replicas=1,
+        shards=shards,
+        optimizer="sgd",
+        lr=0.1,
+        steps=steps,
+        batch=8,
+        dtype="float64",
+        n_push=n_push,
+        n_fetch=n_fetch,
+        timeout=30,
+    )
     assert cfg.local_steps
     run = tmp_path / "run"
     train(SPEC, p, cfg, run)
@@ -227,9 +243,23 @@ def test_a_diverging_run_fails_in_one_line_and_writes_no_model(tmp_path, capsys)
 def test_sigterm_stops_cleanly_with_a_final_checkpoint(tmp_path):
     run = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "netpart", "train", "--model", "tiny-local", "--workers", "2",
-        "--replicas", "1", "--steps", "100000", "--out", str(run), "--timeout", "20",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "netpart",
+        "train",
+        "--model",
+        "tiny-local",
+        "--workers",
+        "2",
+        "--replicas",
+        "1",
+        "--steps",
+        "100000",
+        "--out",
+        str(run),
+        "--timeout",
+        "20",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         wait_for_lines(run / "metrics_replica0.jsonl", 3)
@@ -311,10 +341,28 @@ def test_torchrun_runs_the_same_job_and_export_loads_back(tmp_path):
     run = tmp_path / "run"
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [
-        str(torchrun), "--standalone", "--nproc-per-node", "5", "-m", "netpart", "train",
-        "--model", "tiny-local", "--workers", "2", "--replicas", "2", "--ps-shards", "1",
-        "--steps", "12", "--out", str(run), "--timeout", "30",
-    ]  # fmt: skip
+        str(torchrun),
+        "--standalone",
+        "--nproc-per-node",
+        "5",
+        "-m",
+        "netpart",
+        "train",
+        "--model",
+        "tiny-local",
+        "--workers",
+        "2",
+        "--replicas",
+        "2",
+        "--ps-shards",
+        "1",
+        "--steps",
+        "12",
+        "--out",
+        str(run),
+        "--timeout",
+        "30",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "replica 0: step 12" in out.stdout and "replica 1: step 12" in out.stdout
@@ -339,11 +387,32 @@ def test_torchrun_restarts_a_dead_shard_from_its_checkpoint(tmp_path, restarts):
     run = tmp_path / "run"
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [
-        str(torchrun), "--standalone", "--nproc-per-node", "4", "--max-restarts",
-        str(restarts), "-m", "netpart", "train", "--model", "tiny-local", "--workers", "2",
-        "--replicas", "1", "--ps-shards", "2", "--steps", "40", "--checkpoint-every", "4",
-        "--out", str(run), "--timeout", "20",
-    ]  # fmt: skip
+        str(torchrun),
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "--max-restarts",
+        str(restarts),
+        "-m",
+        "netpart",
+        "train",
+        "--model",
+        "tiny-local",
+        "--workers",
+        "2",
+        "--replicas",
+        "1",
+        "--ps-shards",
+        "2",
+        "--steps",
+        "40",
+        "--checkpoint-every",
+        "4",
+        "--out",
+        str(run),
+        "--timeout",
+        "20",
+    ]
     env = {**os.environ, "NETPART_TEST_FAULT": "die:3@9"}  # shard 1 (rank 3), 9th update
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     if not restarts:  # torchrun's failure summary lists rank 2 (shard 0) with exit code 1
@@ -364,10 +433,28 @@ def test_sigint_to_torchrun_stops_every_process_with_a_final_checkpoint(tmp_path
     run = tmp_path / "run"
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [
-        str(torchrun), "--standalone", "--nproc-per-node", "3", "-m", "netpart", "train",
-        "--model", "tiny-local", "--workers", "2", "--replicas", "1", "--ps-shards", "1",
-        "--steps", "100000", "--out", str(run), "--timeout", "20",
-    ]  # fmt: skip
+        str(torchrun),
+        "--standalone",
+        "--nproc-per-node",
+        "3",
+        "-m",
+        "netpart",
+        "train",
+        "--model",
+        "tiny-local",
+        "--workers",
+        "2",
+        "--replicas",
+        "1",
+        "--ps-shards",
+        "1",
+        "--steps",
+        "100000",
+        "--out",
+        str(run),
+        "--timeout",
+        "20",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         wait_for_lines(run / "metrics_replica0.jsonl", 3, timeout=90)
@@ -472,9 +559,15 @@ def test_norm_triggered_pushes_and_dc_asgd_train(tmp_path):
     updates = {}
     for name, norm in (("eager", 1e-9), ("lazy", 1e9)):  # every step; every 5th step
         cfg = TrainConfig(
-            replicas=2, shards=2, steps=40, n_push=5, push_norm=norm, dc_lambda=0.5,
-            lr=0.05, timeout=30,
-        )  # fmt: skip
+            replicas=2,
+            shards=2,
+            steps=40,
+            n_push=5,
+            push_norm=norm,
+            dc_lambda=0.5,
+            lr=0.05,
+            timeout=30,
+        )
         summary = train(SPEC, p, cfg, tmp_path / name)
         first = metrics(tmp_path / name)[0]
         assert summary.final_loss[0] < 0.5 * first["loss"]
@@ -557,8 +650,23 @@ def test_tensorboard_logs_hold_the_run_s_curves(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run = tmp_path / "run"
-    argv = ["train", "--model", "tiny-local", "--workers", "2", "--replicas", "1", "--steps", "20",
-            "--eval-every", "10", "--log", "tensorboard", "--out", str(run)]  # fmt: skip
+    argv = [
+        "train",
+        "--model",
+        "tiny-local",
+        "--workers",
+        "2",
+        "--replicas",
+        "1",
+        "--steps",
+        "20",
+        "--eval-every",
+        "10",
+        "--log",
+        "tensorboard",
+        "--out",
+        str(run),
+    ]
     assert main(argv) == 0
     events = EventAccumulator(str(run / "tensorboard"))
     events.Reload()
@@ -581,8 +689,9 @@ def test_a_process_role_flushes_subnormals_in_the_threads_it_makes():
         "t.start(); t.join()\n"
         "print(before, (tiny * 1e-10).item(), seen[0], torch.get_num_threads())\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=True).stdout.split()  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.split()
     before, after, in_thread, threads = map(float, out)
     assert before > 0  # a subnormal product, unflushed
     assert after == 0 and in_thread == 0

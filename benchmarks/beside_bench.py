@@ -6,7 +6,7 @@ time steps with the size of a shard's message.
    step, as a Downpour (and a sync) worker does: alone (what `netpart calibrate` times), and with
    digits-mlp's step (64-256-256-10, batch 32: netpart's runtime, one worker) run before each
    request, as a training step runs (sync: then the exchange; Downpour: beside the request in
-   flight: `netpart.ps.measure.ps_loop`'s `beside`); and that step alone on one machine.
+   flight: `netpart.ps.timed_exchange.ps_loop`'s `beside`); and that step alone on one machine.
    Beside it, what `netpart plan --machines` prices (`netpart.planning.cluster`, with
    `--profile`): the longer of the exchange and the step's CPU over the share plus the
    exchange's busy time.
@@ -59,7 +59,7 @@ import json, sys
 import torch, torch.distributed as dist
 from netpart.models import load_spec
 from netpart.partition.planner import plan
-from netpart.ps.measure import ps_loop, timed_calls
+from netpart.ps.timed_exchange import ps_loop, timed_calls
 from netpart.runtime.check import lone_step
 
 rank, world, shards, repeats, nbytes = map(int, sys.argv[1:6])

@@ -2,7 +2,7 @@
 on emulated machines (issue 47).
 
 `netpart calibrate` times C clients of S shards exchanging back to back, every client at
-once (`netpart.ps.measure.ps_loop`, no `beside`), and since 2026-11-28 again after a stand-in
+once (`netpart.ps.timed_exchange.ps_loop`, no `beside`), and since 2026-11-28 again after a stand-in
 step (its `ps.after`). In training each client first runs its replica's step, and on
 0.3-core testbed machines bench-local's sync 2x1+2 exchange took 1.22-1.26x what the first
 table reads and 3x1+1's 0.79-0.86x (docs/planning.md). This times, per (clients, shards),
@@ -10,7 +10,7 @@ client 0's request-to-request seconds and its process's CPU: `alone` (as the cal
 first tables) and `beside` (every client runs the model's one-worker step, netpart's
 runtime, before each request, as a sync training step does), and the step alone on one
 machine; with `--stand-in CPU_S` also after the calibration's stand-in step
-(`netpart.ps.measure.stand_in`: that much CPU, not the model's). Each run is one process per
+(`netpart.ps.timed_exchange.stand_in`: that much CPU, not the model's). Each run is one process per
 machine of a testbed of its own (`netpart testbed`), file rendezvous, gloo over the
 machines' links; `--rounds` rounds, the cases rotated, medians. With `--rings K,...`, the
 all-reduce among K machines (DDP's ring, `ps_loop`'s mode `allreduce`) the same three ways,
@@ -43,7 +43,7 @@ import json, sys
 import torch, torch.distributed as dist
 from netpart.models import load_spec
 from netpart.partition.planner import plan
-from netpart.ps.measure import ALLREDUCE, ps_loop, stand_in, timed_calls
+from netpart.ps.timed_exchange import ALLREDUCE, ps_loop, stand_in, timed_calls
 from netpart.runtime.check import lone_step
 
 rank, world, shards, repeats, nbytes = map(int, sys.argv[1:6])
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
         default=0.0,
         metavar="CPU_S",
         help="also time each pair after a stand-in step of this much CPU "
-        "(netpart.ps.measure.stand_in) in place of the model's",
+        "(netpart.ps.timed_exchange.stand_in) in place of the model's",
     )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)

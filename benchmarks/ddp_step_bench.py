@@ -12,7 +12,7 @@ float32, subnormals flushed (as netpart's processes and `cluster_bench.py`'s DDP
   forward, backward and fused Adagrad's update, on every machine at once, no ring: a DDP
   replica's step without its all-reduce;
 - **reference alone, one machine**: the same on machine 0 only, as `netpart calibrate` times
-  it (`netpart.calibrate.replica`, the profile's `ps.replica`);
+  it (`netpart.calibrate.ddp_step`, the profile's `ps.replica`);
 - **step, then all-reduce**: the reference step with the all-reduce of its gradients (one
   flat tensor) between backward and update, every machine: the step and the ring apart;
 - **DDP**: `DistributedDataParallel`, its all-reduce in backward's hooks (`cluster_bench.py`'s

@@ -4,7 +4,7 @@ For each (model, batch) case, `netpart train` runs a few steps on this machine w
 benchmark samples the memory of the job's processes (the children of its preloaded
 interpreter: their proportional set sizes, `netpart.processes.liveness.job_pss`) every
 20 ms; the peak of their sum is set against
-`netpart.train.fit.estimate` for the same job. The estimate must not be low by more than
+`netpart.planning.memory.estimate` for the same job. The estimate must not be low by more than
 1.5x (a job it passes must fit), and is reported with its parts.
 
     python benchmarks/memory_bench.py --out benchmarks/results/memory_bench.json
@@ -84,12 +84,12 @@ def measure(model: str, batch: int) -> dict:
 def _estimate(model: str, batch: int) -> dict:
     from netpart.models import load_spec
     from netpart.partition import plan
+    from netpart.planning.memory import BASE_BYTES, estimate
     from netpart.train.config import TrainConfig
-    from netpart.train.fit import BASE_BYTES, estimate
 
     spec = load_spec(model)
     config = TrainConfig(replicas=REPLICAS, shards=WORKERS, batch=batch, steps=STEPS)
-    est = estimate(spec, plan(spec, WORKERS, seed=0, batch=batch), config)
+    est = estimate(spec, plan(spec, WORKERS, seed=0, batch=batch), **config.memory_job(WORKERS))
     workers = REPLICAS * WORKERS
     return {
         "estimate_bytes": est.total,

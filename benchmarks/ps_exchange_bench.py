@@ -1,5 +1,5 @@
 """The parameter server's exchange on emulated machines (issue 47): what `netpart calibrate`
-measures (`netpart.ps.measure`: clients of one shard, one client of several shards, several
+measures (`netpart.ps.timed_exchange`: clients of one shard, one client of several shards, several
 of several) side by side on one testbed, with the profile's reading where one is given.
 
 Each configuration (clients, shards) runs one process per machine of a testbed (`netpart
@@ -42,7 +42,7 @@ MODES = ("sync", "downpour")
 ROLE = r"""
 import json, sys
 import torch, torch.distributed as dist
-from netpart.ps.measure import ps_loop
+from netpart.ps.timed_exchange import ps_loop
 rank, world, shards, repeats = map(int, (sys.argv[1], sys.argv[2], sys.argv[4], sys.argv[5]))
 store, sizes = sys.argv[3], json.loads(sys.argv[6])
 torch.set_num_threads(1)

@@ -4,7 +4,7 @@ forward and backward, and with fused Adagrad's update, against netpart's one-wor
 (`netpart.runtime.check.lone_step`, the step `netpart plan --machines` prices an all-reduce
 layout's replica with), on one thread of this host, batch 32, float32. CPU seconds a step,
 the cases alternated in `--rounds` rounds of `--steps` steps after untimed ones
-(`netpart.ps.measure.timed_calls`), medians.
+(`netpart.ps.timed_exchange.timed_calls`), medians.
 
     python benchmarks/reference_bench.py --out benchmarks/results/reference_bench.json
 """
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from netpart.files import write_atomic
 from netpart.models import build_reference, load_spec
 from netpart.partition.planner import plan
-from netpart.ps.measure import timed_calls
+from netpart.ps.timed_exchange import timed_calls
 from netpart.runtime.check import lone_step, make_batch
 
 

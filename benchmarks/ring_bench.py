@@ -4,7 +4,7 @@ else on the host moves it.
 
 On a testbed of `--machines` machines (`netpart testbed`: `--cpu` of a core, `--link`), in
 `--rounds` rounds, the cases rotated, medians. Every machine all-reduces each of `--sizes`,
-back to back (`netpart.ps.measure.ps_loop`, mode `allreduce`, as the calibration runs it):
+back to back (`netpart.ps.timed_exchange.ps_loop`, mode `allreduce`, as the calibration runs it):
 
 - **ring alone**: over the process's only group, as DDP's processes run it, gloo's I/O
   threads as gloo starts them, nothing else of the bench's awake: as `netpart calibrate`
@@ -55,7 +55,7 @@ ROLE = r"""
 import json, os, sys
 import torch, torch.distributed as dist
 from netpart.processes.launcher import yield_io_threads
-from netpart.ps.measure import ps_loop
+from netpart.ps.timed_exchange import ps_loop
 rank, world, repeats, idle = map(int, sys.argv[1:5])
 store, policy, sizes = sys.argv[5], sys.argv[6], json.loads(sys.argv[7])
 torch.set_num_threads(1)

@@ -35,7 +35,7 @@ from netpart.models import build_reference, load_spec
 from netpart.partition import build_unit_graph, plan
 from netpart.train import train
 from netpart.train.config import TrainConfig
-from netpart.train.report import evaluate, read_metrics
+from netpart.train.run_report import evaluate, read_metrics
 from netpart.train.rundir import model_from_shards
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # experiments._common

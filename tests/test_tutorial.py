@@ -15,7 +15,7 @@ import torch
 from netpart.cli import main
 from netpart.data import load_data
 from netpart.models import load_spec
-from netpart.train.report import evaluate
+from netpart.train.run_report import evaluate
 from netpart.train.rundir import run_model
 
 pytestmark = pytest.mark.timeout(300)

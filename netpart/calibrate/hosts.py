@@ -34,7 +34,7 @@ from netpart.models.spec import ModelSpec
 from netpart.partition.plans import PartitionPlan
 from netpart.processes.groups import new_groups
 from netpart.processes.launcher import gloo_io_threads, join_group, yield_io_threads
-from netpart.ps.measure import ps_loop, stand_in
+from netpart.ps.timed_exchange import ps_loop, stand_in
 from netpart.runtime.check import make_batch
 from netpart.runtime.step import exchange_loop, link_loop, step_loop, warmup_steps
 from netpart.runtime.transport import PEER_LOST, GlooTransport
@@ -136,7 +136,7 @@ class HostsRunner:
         stand_in: float = 0.0,
     ):
         """(seconds, CPU seconds) per exchange of the parameter server's clients, each size
-        (`netpart.ps.measure`): `clients` ranks and `shards` shards on the next; `stand_in`
+        (`netpart.ps.timed_exchange`): `clients` ranks and `shards` shards on the next; `stand_in`
         (> 0): each client runs a step of that much CPU before each request. The all-reduce
         is timed after the group is left (`close`)."""
         cmd = {

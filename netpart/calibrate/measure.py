@@ -39,7 +39,7 @@ probe is the profile's `probe_s`, against which `netpart run` says how fast the 
    median of passes timed before, between and after the rounds of steps 4-6; then every
    pair again with a stand-in step before each request, as training runs its step
    (`ps.after`); and each calibration model's step as a DDP replica runs it, in this process
-   (`netpart.calibrate.replica`, the profile's `ps.replica`).
+   (`netpart.calibrate.ddp_step`, the profile's `ps.replica`).
 
 The fitting itself is `netpart.calibrate.fitting` (pure).
 
@@ -61,9 +61,9 @@ import numpy as np
 import torch
 
 from netpart.calibrate import CALIBRATION_MODELS, CHECK_MODEL, SLICE_MODELS
+from netpart.calibrate.ddp_step import replica_steps
 from netpart.calibrate.fitting import Crowd, Plans, fit, kind_cost, layer_costs
 from netpart.calibrate.pstables import PsTables, per_size
-from netpart.calibrate.replica import replica_steps
 from netpart.calibrate.speed import SpeedProbe, probe_once
 from netpart.calibrate.trace import SliceTimes, measure_slices
 from netpart.calibrate.trust import LoadSample, sample

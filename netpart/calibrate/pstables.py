@@ -1,5 +1,5 @@
 """Step 7 of the calibration (`netpart.calibrate.measure`): the parameter server's exchange,
-measured with its own code (`netpart.ps.measure`) where the runner has machines of their own
+measured with its own code (`netpart.ps.timed_exchange`) where the runner has machines of their own
 (a `ps` method: the hosts of a torchrun job or a testbed). Per mode (sync, Downpour), C clients
 whose values S shards hold in even parts, every pair with C <= PS_CLIENTS, S <= PS_SHARDS
 and C + S at most the machines, push and fetch each of PS_SIZES that the link carries within
@@ -74,7 +74,7 @@ PS_RUNS = 5  # the calibration's runs of a step measurement (`--repeats`) PS_REP
 # Sizes up to PS_ALWAYS are timed on any link.
 PS_WIRE_S = 2.0
 PS_ALWAYS = 4_000_000
-# The exchanges timed after a stand-in step (`netpart.ps.measure.stand_in`, STAND_IN_S CPU
+# The exchanges timed after a stand-in step (`netpart.ps.timed_exchange.stand_in`, STAND_IN_S CPU
 # seconds: of the order of an image model's one-worker step at batch 32 on one thread;
 # bench-local's took 0.09-0.11), at a few sizes (each such exchange takes the step's time
 # too), AFTER_REPEATS of each at PS_RUNS runs: the profile's `ps.after`.

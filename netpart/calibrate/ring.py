@@ -11,7 +11,7 @@ rings last (`rings`), once every rank has left its groups.
 `rings(...)` on every rank: for K = 2 to all machines, ranks 0..K-1 each start `python -m
 netpart.calibrate.ring` beside themselves (`timed`), in their machine's namespace and cgroup;
 the processes meet through the job's own store (its file, or torchrun's store at MASTER_ADDR
-/ MASTER_PORT, as a client, under a key of their own) and run `netpart.ps.measure.ps_loop`
+/ MASTER_PORT, as a client, under a key of their own) and run `netpart.ps.timed_exchange.ps_loop`
 over their default group; rank 0 prints the slowest rank's seconds and CPU seconds per size as
 one JSON line. Every rank waits at the store until all have finished ring K before ring K + 1
 starts: a process waiting for its peers would be awake beside the ring."""
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from netpart.errors import CalibrationError
 from netpart.processes.launcher import STORE_ENV, torchrun_attempt
 from netpart.processes.zygote import die_with_parent
-from netpart.ps.measure import ALLREDUCE, ps_loop
+from netpart.ps.timed_exchange import ALLREDUCE, ps_loop
 
 __all__ = ["rings", "timed"]
 

@@ -149,10 +149,12 @@ def plan_for_run(args: argparse.Namespace):
     """The spec and plan `run` and `check` use: --plan (checked), or None to plan afresh."""
     from netpart.models import load_spec
     from netpart.partition.plans import load_plan
-    from netpart.train.fit import check_process_count
+    from netpart.planning.memory import check_process_count
+    from netpart.processes.memory import available_memory
 
     spec = load_spec(args.model)
-    check_process_count(args.workers, f"--workers {args.workers}")  # before any planning
+    # before any planning
+    check_process_count(args.workers, f"--workers {args.workers}", available=available_memory())
     if args.plan is None:
         return spec, None
     p = load_plan(args.plan, spec)

@@ -386,7 +386,7 @@ def summary_lines(summary, data: str) -> list[str]:
     """What a finished job says: each replica's last step and loss, lost replicas, restarts,
     held-out figures."""
     from netpart.train.launch import held_out_line
-    from netpart.train.report import restart_line
+    from netpart.train.run_report import restart_line
 
     lines = [
         f"replica {r}: step {summary.steps[r]}, loss {summary.final_loss[r]:.4g}"
@@ -401,7 +401,7 @@ def summary_lines(summary, data: str) -> list[str]:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from netpart.data import load_data
-    from netpart.train.report import evaluate
+    from netpart.train.run_report import evaluate
     from netpart.train.rundir import run_model
 
     run = args.run
@@ -420,7 +420,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from netpart.train.report import write_report
+    from netpart.train.run_report import write_report
     from netpart.train.rundir import read_job
 
     read_job(args.run)  # a clear error for a directory that is not a run

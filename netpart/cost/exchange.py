@@ -1,4 +1,4 @@
-"""The parameter server's exchange as calibration measured it (`netpart.ps.measure`, run by
+"""The parameter server's exchange as calibration measured it (`netpart.ps.timed_exchange`, run by
 `netpart calibrate` on machines of their own): per training mode and number of clients of
 one shard, the seconds of an exchange (a client's push of B bytes and its fetch of B bytes)
 at each B, and the CPU seconds it took the client's machine to run one, divided by the
@@ -35,7 +35,7 @@ the most measured K's time for the bytes each of M's 2(M - 1) phases moves, time
 
 And, where calibration timed it (`replica`), the step a DistributedDataParallel replica runs
 without its ring, per model it calibrated: the model's reference module, forward, backward
-and a whole model's update, on one of the machines (`netpart.calibrate.replica`), at the
+and a whole model's update, on one of the machines (`netpart.calibrate.ddp_step`), at the
 calibration's batch.
 
 A shard with more clients than were measured serves their bytes as the most clients
@@ -43,7 +43,7 @@ measured would (the same bytes through the shard: `seconds_s` reads that table a
 times the bytes); a client of more shards than were measured, as the most shards measured.
 
 And, where calibration timed them (`after`), the exchanges as training runs them: each
-client runs a stand-in step (`netpart.ps.measure.stand_in`: `stand_in_s` CPU seconds of
+client runs a stand-in step (`netpart.ps.timed_exchange.stand_in`: `stand_in_s` CPU seconds of
 compute, and its gradients written) before each request, C clients of S shards (both >= 1,
 keyed "CxS"), their own sizes: a client's seconds from request to request, the step
 included (sync: the step, then the exchange; Downpour: the step beside the exchange in

@@ -64,9 +64,9 @@ bandwidth):
   reading that in a step a machine that has spent its quota (on the step, on the ring's own
   threads) takes part in the next phase in its next period (docs/planning.md has DDP's ring
   in a step against it, and the ring timed alone). Only where one machine holds the model.
-- **memory per machine**: a worker holds its values, their gradients and a fetched copy, and
-  its activations (every layer's outputs, forward and backward, `batch` examples, / N); a
-  shard its values and Adagrad's accumulator; all-reduce a whole replica and its gradients.
+- **memory per machine**: `netpart.planning.memory`'s estimate, the one `netpart train`
+  checks: a worker or a shard (Adagrad's state) with its interpreter, whichever is larger;
+  all-reduce a whole replica.
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ from netpart.models.spec import BYTES_PER_VALUE, ModelSpec
 from netpart.partition.blocks import Granularity
 from netpart.partition.graph import build_unit_graph
 from netpart.partition.planner import plan
+from netpart.planning.memory import BASE_BYTES, activation_values, shard_bytes, worker_bytes
 
 __all__ = [
     "CLUSTER_SCHEMA",
@@ -263,13 +264,13 @@ class _ModelParallel:
     graph: object
     node_map: np.ndarray
     layout: ShardLayout  # one shard: the replica's values, per worker
-    activations: float  # values per example, every layer's output
+    activations: float  # values per example a replica holds at its peak (`planning.memory`)
 
 
 def _mp_step(spec: ModelSpec, n: int, batch: int, network: NetworkModel) -> _ModelParallel:
     p = plan(spec, n, seed=0, batch=batch, network=network)
     graph = build_unit_graph(spec, p.granularity or Granularity.for_workers(n))
-    acts = float(sum(s.size for s in spec.shapes))
+    acts = float(activation_values(spec))
     one_shard = ShardLayout.build(graph, p.node_map, n, 1)
     step = p.metrics.predicted_step_s
     cpu = max(0.0, step - p.metrics.exchange_s)
@@ -293,8 +294,13 @@ def _ps(
     held = BYTES_PER_VALUE * shards.shard_sizes().astype(np.float64)
     price = _linked if network.ps is None else _measured
     step = price(network, layout, mp, shards, (nbytes, held), every)
-    worker_mem = BYTES_PER_VALUE * (3 * sizes.max() + 2 * batch * mp.activations / n)
-    memory = max(worker_mem, float(2 * held.max()))
+    worker = worker_bytes(
+        params=sizes.max(), activations=mp.activations / n, batch=batch, value_bytes=BYTES_PER_VALUE
+    )
+    shard = shard_bytes(
+        values=held.max() / BYTES_PER_VALUE, optimizer="adagrad", value_bytes=BYTES_PER_VALUE
+    )
+    memory = BASE_BYTES + max(worker, shard)
     busiest = int(np.argmax(held))
     link_bytes = float(r * held[busiest] / min(n_push, n_fetch))
     staleness = 0.0 if layout.mode == "sync" else (r - 1) * max(n_push, n_fetch) / n_push
@@ -404,8 +410,10 @@ def _allreduce(spec, machines: int, step_one: float, values: int, network, batch
         ring = max(ring, timed, 2 * (machines - 1) * ps.period_s)
     step = _replica_s(spec, step_one, values, network, batch) + ring
     link = 2 * (machines - 1) / machines * BYTES_PER_VALUE * values if machines > 1 else 0.0
-    acts = sum(s.size for s in spec.shapes)
-    memory = BYTES_PER_VALUE * (3 * values + 2 * batch * acts)
+    acts = activation_values(spec)
+    memory = BASE_BYTES + worker_bytes(
+        params=values, activations=acts, batch=batch, value_bytes=BYTES_PER_VALUE
+    )
     return LayoutFigures(
         Layout("allreduce", machines, 1, 0),
         step,

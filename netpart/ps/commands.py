@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from netpart.errors import RuntimeFailure, transport_reason
-from netpart.ps.lbfgs import name_code
+from netpart.ps.lbfgs_vectors import name_code
 from netpart.ps.protocol import (
     HEADER_LEN,
     TAG_DONE,
@@ -70,7 +70,7 @@ def serve_commands(
 
 class ShardCommands:
     """The coordinator's view of the shard processes (`ranks`): one command to each, one float
-    back (what `netpart.train.lbfgs.LBFGSDriver` calls, as on `LocalShards`)."""
+    back (what `netpart.train.lbfgs_driver.LBFGSDriver` calls, as on `LocalShards`)."""
 
     def __init__(self, ranks: list[int], me: int) -> None:
         self.ranks, self.me = ranks, me

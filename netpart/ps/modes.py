@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 
 from netpart.compile.shards import Segment
-from netpart.ps.lbfgs import ShardVectors, code_name
+from netpart.ps.lbfgs_vectors import ShardVectors, code_name
 from netpart.ps.protocol import Op, overlaps
 from netpart.ps.rules import DelayCompensation
 

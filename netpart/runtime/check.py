@@ -72,7 +72,7 @@ def lone_step(spec: ModelSpec, p: PartitionPlan, group, rank: int) -> Callable[[
     """A one-worker replica's step as training runs it (netpart's runtime, float32, no
     gradients gathered) on a fixed batch of 32 (`make_batch`, seed `rank`), its transport
     over `group`, this rank's own: what a measurement runs where a training step would be
-    (`netpart.ps.measure.ps_loop`'s `beside`)."""
+    (`netpart.ps.timed_exchange.ps_loop`'s `beside`)."""
     graph, schedule = plan_schedule(spec, p)
     x, y = make_batch(spec, 32, rank)
     x = x.float()

@@ -198,6 +198,17 @@ class TrainConfig:
     def world(self, workers: int) -> int:
         return self.replicas * workers + self.shards + self.coordinators
 
+    def memory_job(self, workers: int) -> dict[str, Any]:
+        """This job on `workers` workers as `netpart.planning.memory.estimate` reads it."""
+        return {
+            "batch": self.batch,
+            "replicas": self.replicas,
+            "processes": self.world(workers),
+            "dtype": self.dtype,
+            "optimizer": self.optimizer,
+            "history": self.history,
+        }
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -22,9 +22,8 @@ from netpart.errors import PlanError, TrainError
 from netpart.models import load_spec
 from netpart.processes.memory import available_memory
 from netpart.train.config import TrainConfig
-from netpart.train.lock import RunLock
 from netpart.train.loggers import check_loggers
-from netpart.train.rundir import Job, TrainSummary, read_job, read_progress
+from netpart.train.rundir import Job, RunLock, TrainSummary, read_job, read_progress
 
 __all__ = [
     "DEFAULT_OUT",
@@ -121,10 +120,10 @@ def make_job(request: TrainRequest, *, local: bool = True) -> Job:
             )
         return Job(spec, p, config, request.out or DEFAULT_OUT)
     if local:  # thousands of processes are refused before minutes of planning
-        from netpart.train.fit import check_process_count
+        from netpart.planning.memory import check_process_count
 
         what = f"--workers {request.workers} x --replicas {config.replicas}"
-        check_process_count(config.world(request.workers), what)
+        check_process_count(config.world(request.workers), what, available=available_memory())
     from netpart.partition import plan
 
     p = plan(
@@ -211,15 +210,17 @@ def train_here(
     by an interpreter that imports torch while this one applies the rules and plans.
     `on_start(banner)` once the job is validated and its processes start; `on_progress` as
     `netpart.train.launch.train` calls it."""
+    from netpart.planning.memory import check_fits
     from netpart.processes.zygote import Preloaded
-    from netpart.train.fit import check_fits
     from netpart.train.launch import train
 
     with Preloaded("netpart.train.process", new_session=True) as preloaded:
         job = make_job(request)
         if job.run.exists() and not job.run.is_dir():
             raise TrainError(f"--out {job.run}: exists and is not a directory")
-        check_fits(job.spec, job.plan, job.config)  # before any process or any file
+        # before any process or any file
+        job_memory = job.config.memory_job(job.plan.workers)
+        check_fits(job.spec, job.plan, available=available_memory(), **job_memory)
         started = False
 
         def progress(done: int, stats: dict, total: int) -> None:

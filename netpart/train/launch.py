@@ -36,7 +36,6 @@ from netpart.partition.plans import PartitionPlan
 from netpart.processes.launcher import join_group, torchrun_attempt
 from netpart.processes.zygote import Preloaded
 from netpart.train.config import TrainConfig
-from netpart.train.lock import RunLock
 from netpart.train.loggers import MetricLoggers
 from netpart.train.placement import SHARD, WORKER
 from netpart.train.process import (
@@ -47,9 +46,10 @@ from netpart.train.process import (
     play_role,
     stop_on_signals,
 )
-from netpart.train.report import preload_plotting, restart_line
+from netpart.train.run_report import preload_plotting, restart_line
 from netpart.train.rundir import (
     Job,
+    RunLock,
     TrainSummary,
     finish_run,
     prepare_run,

@@ -6,13 +6,22 @@ Files (written atomically): `train.json` (schema in `netpart.train.config`), `sp
 `summary.json` and the report. `prepare_run` refuses, before anything is written, a resume of
 another model, layout or optimizer, a corrupt checkpoint, or a fresh run into a directory that
 holds one already; `finish_run` writes what a finished (or stopped) job leaves behind.
+
+A run directory has one owner at a time: the job that trains in it holds an exclusive
+`flock` on the directory itself for the job's life (the launcher on one machine; under
+torchrun the first shard, which writes the run files). The lock is on the directory's own
+file descriptor, so no file is added to it; the kernel drops it when the holder exits,
+however it exits. A second job on the same directory is refused in one line naming the
+holder's pid (read from /proc/locks).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,14 +44,16 @@ from netpart.ps.checkpoint import (
     shard_path,
 )
 from netpart.train.config import SCHEMA_VERSION, TrainConfig, layout_key
-from netpart.train.report import evaluate, read_metrics, write_report
+from netpart.train.run_report import evaluate, read_metrics, write_report
 
 __all__ = [
     "Job",
     "Progress",
+    "RunLock",
     "TrainSummary",
     "checkpoint_meta",
     "finish_run",
+    "holder",
     "model_from_shards",
     "prepare_run",
     "read_job",
@@ -370,3 +381,52 @@ class Progress:
                 "mb": self.bytes / 1e6,
             }
         return self.steps, stats
+
+
+def holder(run: Path) -> int | None:
+    """The pid holding a flock on directory `run` (from /proc/locks), or None."""
+    try:
+        st = os.stat(run)
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in lines:
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 12345 08:01:1234567 0 EOF" (a "->" marks a waiter)
+        if "->" in fields or len(fields) < 6 or fields[1] != "FLOCK":
+            continue
+        if fields[5].lower() == want:
+            return int(fields[4])
+    return None
+
+
+class RunLock:
+    """Hold run directory `run` (created if missing) for a `with` block; TrainError, one
+    line, if another job holds it."""
+
+    def __init__(self, run: Path) -> None:
+        self.run = run
+        self.fd: int | None = None
+
+    def __enter__(self) -> RunLock:
+        self.run.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.run, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            pid = holder(self.run)
+            who = f"netpart pid {pid}" if pid is not None else "another netpart job"
+            raise TrainError(
+                f"{self.run}: in use by {who}, which trains in it now; wait for it to end (or "
+                "stop it), or choose another --out directory"
+            ) from None
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor releases the lock
+            self.fd = None

@@ -33,7 +33,7 @@ from netpart.errors import RuntimeFailure
 from netpart.models.reference import DTYPES
 from netpart.ps.commands import ShardCommands, UnitChannel, next_unit, report_unit
 from netpart.ps.protocol import Op
-from netpart.train.lbfgs import LBFGSDriver
+from netpart.train.lbfgs_driver import LBFGSDriver
 from netpart.train.placement import Placement
 from netpart.train.replica import ReplicaJob
 

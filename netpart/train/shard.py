@@ -25,7 +25,7 @@ from netpart.files import write_atomic
 from netpart.models.reference import DTYPES
 from netpart.models.spec import ModelSpec
 from netpart.ps.checkpoint import keep_previous, load_shard, restore_previous, save_shard
-from netpart.ps.lbfgs import ShardVectors
+from netpart.ps.lbfgs_vectors import ShardVectors
 from netpart.ps.modes import Downpour, Mode, Sandblaster, Sync
 from netpart.ps.rules import DelayCompensation, UpdateRule, make_rule
 from netpart.ps.server import ShardServer, ShardSetup, ShardState

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from netpart.compile.shards import Segment
-from netpart.ps.lbfgs import ShardVectors
+from netpart.ps.lbfgs_vectors import ShardVectors
 from netpart.ps.modes import Downpour, Push, Sandblaster, Sync
 from netpart.ps.protocol import Op
 from netpart.ps.rules import DelayCompensation

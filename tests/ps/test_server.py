@@ -17,7 +17,7 @@ from netpart.models import build_reference, load_spec
 from netpart.partition import build_unit_graph, plan
 from netpart.ps import protocol, serving
 from netpart.ps.checkpoint import export_state_dict
-from netpart.ps.lbfgs import ShardVectors
+from netpart.ps.lbfgs_vectors import ShardVectors
 from netpart.ps.rules import DelayCompensation, Optimizer, make_rule
 from netpart.ps.server import ShardServer, ShardSetup, ShardState
 from netpart.train.shard import initial_values

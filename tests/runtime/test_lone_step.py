@@ -12,7 +12,7 @@ import json, sys
 import torch.distributed as dist
 from netpart.models import load_spec
 from netpart.partition.planner import plan
-from netpart.ps.measure import timed_calls
+from netpart.ps.timed_exchange import timed_calls
 from netpart.runtime.check import lone_step
 dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
 spec = load_spec("tiny-mlp")

@@ -1,6 +1,7 @@
 import pytest
 
-import netpart.train.fit as fit
+import netpart.planning.memory as fit
+import netpart.train.job
 from netpart.cli import main
 from netpart.errors import TrainError
 from netpart.models import load_spec
@@ -11,29 +12,29 @@ from netpart.train.config import TrainConfig
 def test_the_estimate_grows_with_replicas_and_precision():
     spec = load_spec("digits-mlp")
     p = plan(spec, 2, "metis")
-    one = fit.estimate(spec, p, TrainConfig(replicas=1, shards=2))
-    two = fit.estimate(spec, p, TrainConfig(replicas=2, shards=2))
-    wide = fit.estimate(spec, p, TrainConfig(replicas=2, shards=2, dtype="float64"))
+    one = fit.estimate(spec, p, **TrainConfig(replicas=1, shards=2).memory_job(p.workers))
+    two = fit.estimate(spec, p, **TrainConfig(replicas=2, shards=2).memory_job(p.workers))
+    wide = fit.estimate(
+        spec, p, **TrainConfig(replicas=2, shards=2, dtype="float64").memory_job(p.workers)
+    )
     assert two.workers_bytes == 2 * one.workers_bytes and two.processes == one.processes + 2
     assert wide.total > two.total > one.total > 0
     params = sum(w.params for w in p.per_worker)
     assert one.workers_bytes >= 4 * params * 4  # values, gradients, fetched copy, buffers
 
 
-def test_a_job_that_cannot_fit_is_refused_with_its_figures(monkeypatch):
+def test_a_job_that_cannot_fit_is_refused_with_its_figures():
     spec = load_spec("digits-mlp")
     p = plan(spec, 2, "metis")
     config = TrainConfig(replicas=2, shards=2)
-    need = fit.estimate(spec, p, config).total
-    monkeypatch.setattr(fit, "available_memory", lambda: need + 1)
-    fit.check_fits(spec, p, config)
-    monkeypatch.setattr(fit, "available_memory", lambda: need - 1)
+    need = fit.estimate(spec, p, **config.memory_job(p.workers)).total
+    fit.check_fits(spec, p, available=need + 1, **config.memory_job(p.workers))
     with pytest.raises(TrainError, match=r"needs about .* GiB on this machine \(6 processes"):
-        fit.check_fits(spec, p, config)
+        fit.check_fits(spec, p, available=need - 1, **config.memory_job(p.workers))
 
 
 def test_thousands_of_processes_are_refused_before_planning(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(fit, "available_memory", lambda: 8 * 2**30)
+    monkeypatch.setattr(netpart.train.job, "available_memory", lambda: 8 * 2**30)
     out = tmp_path / "run"
     argv = ["train", "--model", "tiny-local", "--workers", "1000", "--out", str(out)]
     assert main(argv) == 2
@@ -100,5 +101,6 @@ def test_the_estimate_is_within_1_5x_of_a_real_job_s_peak(tmp_path):
         watcher.join()
     assert proc.returncode == 0, err.decode()[-500:]
     spec = load_spec("tiny-local")
-    est = fit.estimate(spec, plan(spec, 2), TrainConfig(replicas=2, shards=2, batch=512))
+    p = plan(spec, 2)
+    est = fit.estimate(spec, p, **TrainConfig(replicas=2, shards=2, batch=512).memory_job(2))
     assert peak[0] / 1.5 <= est.total <= peak[0] * 1.5, (est.total, peak[0])

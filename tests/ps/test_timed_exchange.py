@@ -15,13 +15,13 @@ import time
 import pytest
 
 from netpart.compile.shards import Segment
-from netpart.ps.measure import WARM, flat_layout, stand_in, timed_calls, warm_exchanges
+from netpart.ps.timed_exchange import WARM, flat_layout, stand_in, timed_calls, warm_exchanges
 from tests.conftest import finish
 
 ROLE = """
 import json, sys, time
 import torch, torch.distributed as dist
-from netpart.ps.measure import ps_loop
+from netpart.ps.timed_exchange import ps_loop
 rank, world, store, shards = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
 group = dist.new_group(list(range(world)))

@@ -1,4 +1,5 @@
-"""Will the job fit this machine? A memory estimate per process, checked before anything starts.
+"""How much memory does a job need? The one memory estimate: `netpart train`, `run` and `check`
+refuse a job with it before anything starts, and `plan --machines` weighs layouts with it.
 
 A job that cannot fit must be refused in one line with its figures, not started: thousands of
 processes, or a few that each try to allocate tens of GiB, take the machine down before any
@@ -18,10 +19,17 @@ from dataclasses import dataclass
 from netpart.errors import TrainError
 from netpart.models.spec import ModelSpec
 from netpart.partition.plans import PartitionPlan
-from netpart.processes.memory import available_memory
-from netpart.train.config import TrainConfig
 
-__all__ = ["BASE_BYTES", "Estimate", "activation_values", "check_fits", "check_process_count"]
+__all__ = [
+    "BASE_BYTES",
+    "Estimate",
+    "activation_values",
+    "check_fits",
+    "check_process_count",
+    "estimate",
+    "shard_bytes",
+    "worker_bytes",
+]
 
 BASE_BYTES = 80 * 2**20  # one process with torch imported, resident (rounded down)
 _GIB = 2**30
@@ -55,21 +63,44 @@ def activation_values(spec: ModelSpec) -> int:
     return total
 
 
-def estimate(spec: ModelSpec, plan: PartitionPlan, config: TrainConfig) -> Estimate:
+def worker_bytes(*, params: float, activations: float, batch: int, value_bytes: int) -> float:
+    """A model worker's bytes beyond its interpreter: its `params` about four times (values,
+    gradients, the fetched copy, the optimizer's buffers) and `activations` values per
+    example of its batch."""
+    return 4 * params * value_bytes + batch * activations * value_bytes
+
+
+def shard_bytes(*, values: float, optimizer: str, value_bytes: int, history: int = 10) -> float:
+    """A parameter-server shard's bytes beyond its interpreter: its values and the optimizer's
+    state (Adagrad's accumulator and its gradient buffer; L-BFGS's `history` pairs)."""
+    slots = {"adagrad": 2, "lbfgs": 2 * history + 3}.get(optimizer, 1)
+    return (1 + slots) * values * value_bytes
+
+
+def estimate(
+    spec: ModelSpec,
+    plan: PartitionPlan,
+    *,
+    batch: int,
+    replicas: int,
+    processes: int,
+    dtype: str = "float32",
+    optimizer: str = "adagrad",
+    history: int = 10,
+) -> Estimate:
     """The job's memory on one machine (every process local)."""
-    value = 8 if config.dtype == "float64" else 4
+    value = 8 if dtype == "float64" else 4
     halo = sum(w.halo_in_bytes for w in plan.per_worker) // 4  # received values per example
     params = sum(w.params for w in plan.per_worker)
     acts = activation_values(spec) + 2 * halo
-    per_replica = 4 * params * value + config.batch * acts * value
-    optimizer = {"adagrad": 2, "lbfgs": 2 * config.history + 3}.get(config.optimizer, 1)
-    shards = (1 + optimizer) * params * value
-    return Estimate(config.world(plan.workers), config.replicas * per_replica, shards)
+    per_replica = worker_bytes(params=params, activations=acts, batch=batch, value_bytes=value)
+    shards = shard_bytes(values=params, optimizer=optimizer, value_bytes=value, history=history)
+    return Estimate(processes, int(replicas * per_replica), int(shards))
 
 
-def check_process_count(processes: int, what: str) -> None:
-    """Refuse, before planning, a job whose processes alone cannot fit in memory."""
-    free = available_memory()
+def check_process_count(processes: int, what: str, *, available: int) -> None:
+    """Refuse, before planning, a job whose processes alone cannot fit in `available` bytes."""
+    free = available
     if processes * BASE_BYTES > free:
         raise TrainError(
             f"{what}: {processes:,} processes need at least {processes * BASE_BYTES / _GIB:.1f} "
@@ -82,10 +113,11 @@ def check_process_count(processes: int, what: str) -> None:
         raise TrainError(f"{what}: {processes:,} processes exceed this user's limit of {limit:,}")
 
 
-def check_fits(spec: ModelSpec, plan: PartitionPlan, config: TrainConfig) -> Estimate:
-    """Refuse (TrainError, one line with the figures) a job that would not fit in memory."""
-    est = estimate(spec, plan, config)
-    free = available_memory()
+def check_fits(spec: ModelSpec, plan: PartitionPlan, *, available: int, **job) -> Estimate:
+    """Refuse (TrainError, one line with the figures) a job that would not fit in `available`
+    bytes (`job`: `estimate`'s keywords)."""
+    est = estimate(spec, plan, **job)
+    free = available
     if est.total > free:
         raise TrainError(
             f"the job needs about {est.total / _GIB:.1f} GiB on this machine ({est.processes} "

@@ -2,7 +2,8 @@
 
 The vectors — the parameters `x`, the batch gradient `g`, the previous gradient, the
 direction `d`, the line-search base `x0`, the two-loop temporary `q` and the last m curvature
-pairs (s_i, y_i) — live in the parameter-server shards (`netpart.ps.lbfgs.ShardVectors`). The
+pairs (s_i, y_i) — live in the parameter-server shards
+(`netpart.ps.lbfgs_vectors.ShardVectors`). The
 driver (`LBFGSDriver`) issues vector operations on them and receives only the results of
 reductions (dot products, sums and maxima of magnitudes), so no parameter vector ever
 reaches it.
@@ -24,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from netpart.ps.lbfgs import ShardVectors
+from netpart.ps.lbfgs_vectors import ShardVectors
 
 __all__ = ["LBFGSDriver", "LBFGSResult", "LocalShards"]
 

@@ -7,9 +7,9 @@ import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from netpart.models import build_reference, load_spec
-from netpart.ps.lbfgs import ShardVectors
+from netpart.ps.lbfgs_vectors import ShardVectors
 from netpart.runtime.check import make_batch
-from netpart.train.lbfgs import LBFGSDriver, LocalShards
+from netpart.train.lbfgs_driver import LBFGSDriver, LocalShards
 from tests.conftest import torch_lbfgs
 
 

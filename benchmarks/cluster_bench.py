@@ -25,7 +25,6 @@ model-parallel step the planner predicted for its N, so a miss shows its cause. 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -35,6 +34,8 @@ import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
+
+from harness import parser, role_out, write_results
 
 from netpart.calibrate.speed import SpeedProbe
 from netpart.cost.machine import Machine, read_machine
@@ -46,9 +47,6 @@ from netpart.planning.cluster import advise
 from netpart.testbed import netns
 from netpart.testbed.bed import down, up
 from netpart.train.config import DEFAULT_LR
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ps_exchange_bench import role_out  # a sibling script
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = ROOT / "experiments" / "machines" / "this-host.toml"
@@ -307,15 +305,15 @@ def repredict(path: Path, out: Path, profile: Path | None = None) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def _parser():
+    ap = parser("cluster_bench", __doc__)
+    ap.set_defaults(rounds=2)
     ap.add_argument("--machines", type=int, default=4)
     ap.add_argument("--cpu", type=float, default=0.3)
     ap.add_argument("--link", default="1gbit")
     ap.add_argument("--model", default="digits-mlp")
     ap.add_argument("--data", default="digits")
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--profile", type=Path, default=None)
     ap.add_argument(
         "--layouts",
@@ -324,7 +322,6 @@ def main(argv=None) -> int:
         "them (e.g. 'downpour 1x1+3,sync 3x1+1'): to measure a few again, in more "
         "rounds",
     )
-    ap.add_argument("--out", type=Path, default=None)
     ap.add_argument(
         "--repredict",
         type=Path,
@@ -333,7 +330,31 @@ def main(argv=None) -> int:
         "model (same machines and model; its profile, or --profile), keep its "
         "measurements",
     )
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _rows(layouts, seen: dict, split: dict, mp: dict) -> list[dict]:
+    """Each layout's prediction beside its measured rounds (samples/s)."""
+    rows = []
+    for f in layouts:
+        got = statistics.median(seen[str(f.layout)])
+        rows.append(
+            {
+                "layout": str(f.layout),
+                "predicted": f.samples_per_s,
+                "measured": got,
+                "rounds": seen[str(f.layout)],
+                "ratio": got / f.samples_per_s,
+                "parts": split[str(f.layout)],
+                "predicted_step_s": f.step_s,
+                "predicted_mp_step_s": mp[f.layout.workers],
+            }
+        )
+    return rows
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     if args.repredict is not None:
         return repredict(args.repredict, args.out or args.repredict, args.profile)
     link = netns.rate_bps(args.link)
@@ -359,38 +380,22 @@ def main(argv=None) -> int:
             "speed probe per round / the profile's: "
             + ", ".join(f"{p / network.probe_s:.2f}" for p in probes)
         )
-    mp = mp_steps(spec, layouts, network)
-    rows = []
-    for f in layouts:
-        got = statistics.median(seen[str(f.layout)])
-        rows.append(
-            {
-                "layout": str(f.layout),
-                "predicted": f.samples_per_s,
-                "measured": got,
-                "rounds": seen[str(f.layout)],
-                "ratio": got / f.samples_per_s,
-                "parts": split[str(f.layout)],
-                "predicted_step_s": f.step_s,
-                "predicted_mp_step_s": mp[f.layout.workers],
-            }
-        )
+    rows = _rows(layouts, seen, split, mp_steps(spec, layouts, network))
     _verdict(rows, advice)
-    if args.out is not None:
-        result = {
-            "machines": args.machines,
-            "cpu": args.cpu,
-            "link": args.link,
-            "model": args.model,
-            "steps": args.steps,
-            "machine": machine.to_dict(),
-            "profile": str(args.profile) if args.profile else None,
-            "recommended": str(advice.best.layout),
-            "probes": probes,
-            "profile_probe": network.probe_s,
-            "rows": rows,
-        }
-        write_atomic(args.out, json.dumps(result, indent=1).encode())
+    result = {
+        "machines": args.machines,
+        "cpu": args.cpu,
+        "link": args.link,
+        "model": args.model,
+        "steps": args.steps,
+        "machine": machine.to_dict(),
+        "profile": str(args.profile) if args.profile else None,
+        "recommended": str(advice.best.layout),
+        "probes": probes,
+        "profile_probe": network.probe_s,
+        "rows": rows,
+    }
+    write_results(args.out, result)
     return 0
 
 

@@ -27,7 +27,6 @@ left (its exit ends the server; netpart's shards apply every push before a run e
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import statistics
@@ -38,6 +37,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from harness import parser, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT / "benchmarks" / ".peers-venv"  # gitignored: the peers' own environment
@@ -350,10 +350,9 @@ def print_table(summary: dict) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (default 2)")
+    ap = parser("dp_bench", __doc__)
+    ap.set_defaults(rounds=2)
     ap.add_argument("--replicas", default="1,2,4")
-    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     python = ensure_peers()
     results: dict = {}
@@ -377,14 +376,8 @@ def main() -> int:
                     )
     summary = {key: summarise(runs) for key, runs in results.items()}
     print_table(summary)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(
-            json.dumps(
-                {"job": {"steps": STEPS, "batch": BATCH, "lr": LR}, "results": summary}, indent=1
-            )
-        )
-        print(f"wrote {args.out}")
+    write_results(args.out, {"job": {"steps": STEPS, "batch": BATCH, "lr": LR}, "results": summary})
+    print(f"wrote {args.out}")
     return 0
 
 

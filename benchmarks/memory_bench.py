@@ -12,8 +12,6 @@ interpreter: their proportional set sizes, `netpart.processes.liveness.job_pss`)
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import subprocess
 import sys
@@ -22,6 +20,8 @@ import threading
 import time
 import uuid
 from pathlib import Path
+
+from harness import parser, write_results
 
 CASES = [
     ("digits-mlp", 32),
@@ -100,9 +100,7 @@ def _estimate(model: str, batch: int) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--quick", action="store_true", help="two small cases only")
+    ap = parser("memory_bench", __doc__)  # --quick: two small cases only
     args = ap.parse_args()
     rows = []
     print(f"{'case':<22} {'peak GiB':>9} {'estimate GiB':>13} {'estimate/peak':>14}")
@@ -118,11 +116,7 @@ def main() -> int:
     print(
         f"lowest estimate/peak: {low:.2f} (must be >= {1 / 1.5:.2f}: the estimate at most 1.5x low)"
     )
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(
-            json.dumps({"workers": WORKERS, "replicas": REPLICAS, "rows": rows}, indent=1)
-        )
+    write_results(args.out, {"workers": WORKERS, "replicas": REPLICAS, "rows": rows})
     return 0
 
 

@@ -28,9 +28,7 @@ effect falls on every case alike). Needs root.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -38,6 +36,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+from harness import parser, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -170,14 +169,13 @@ def _summary(runs: dict[str, list[dict]], plans: dict, rate_bps: float) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser("overlap_bench", __doc__)
+    ap.set_defaults(rounds=3)
     ap.add_argument("--models", default="bench-local,bench-local-wide")
     ap.add_argument("--share", type=float, default=0.45, help="a quota machine's share of a core")
     ap.add_argument("--rates", default="1gbit,100mbit", help="each machine's link (tc units)")
     ap.add_argument("--cpus", default="quota,cores", help="emulations: quota and/or cores")
     ap.add_argument("--workers", default="2,4", help="model workers to compare with one")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     why = unavailable()
     if why is not None:
@@ -194,10 +192,8 @@ def main(argv=None) -> int:
                 print(f"{name}, {rate}, {cpu}:", flush=True)
                 spec = load_spec(name)
                 results["runs"][f"{name}/{rate}/{cpu}"] = _bench(spec, rate, cpu, counts, args)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=1))
-        print(f"wrote {args.out}")
+    write_results(args.out, results)
+    print(f"wrote {args.out}")
     return 0
 
 

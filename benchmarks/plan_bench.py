@@ -22,12 +22,13 @@ import dataclasses
 import hashlib
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from harness import parser, write_results
 
 IMAGE_MODELS = ["image-80m", "image-330m", "image-1.7b"]
 IMAGE_WORKERS = [16, 64, 128, 512]
@@ -195,9 +196,7 @@ def _compare(timed: list[dict], baseline: Path) -> list[str]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=None, help="write results as JSON here")
-    ap.add_argument("--quick", action="store_true", help="only image-80m x 16 and speech x 8")
+    ap = parser("plan_bench", __doc__)  # --quick: only image-80m x 16 and speech x 8
     ap.add_argument("--baseline", type=Path, default=None, help="a checkout to compare with")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -239,20 +238,13 @@ def main() -> int:
     for line in checks:
         print("  " + line)
     result = {
-        "machine": {
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "load": os.getloadavg(),
-        },
         "timed": timed,
         "commands": commands,
         "speech_stripe": stripe,
         "acceptance": checks,
     }
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out}")
+    write_results(args.out, result)
+    print(f"wrote {args.out}")
     return 0
 
 

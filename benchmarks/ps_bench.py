@@ -25,7 +25,6 @@ import datetime
 import itertools
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from harness import parser, write_results
 
 from netpart.compile.schedule import NO_SPLITS, plan_schedule
 from netpart.compile.shards import ShardLayout
@@ -268,10 +268,9 @@ def downpour_step(pairs: int, steps: int, batch: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=None)
+    ap = parser("ps_bench", __doc__)
+    ap.set_defaults(rounds=7)  # alternating raw/PS rounds
     ap.add_argument("--iters", type=int, default=10, help="push+fetch round trips per round")
-    ap.add_argument("--rounds", type=int, default=7, help="alternating raw/PS rounds")
     ap.add_argument(
         "--links",
         default="1gbit,10gbit",
@@ -298,11 +297,6 @@ def main() -> None:
         return
     torch.set_num_threads(1)
     out = {
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-        },
         "shard_throughput": [
             got
             for rate in [None, *filter(None, args.links.split(","))]
@@ -317,9 +311,7 @@ def main() -> None:
         ],
     }
     print(json.dumps(out, indent=1))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(out, indent=1))
+    write_results(args.out, out)
 
 
 if __name__ == "__main__":

@@ -20,15 +20,12 @@ pairs), one thread per process, batch 32, float32:
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
+from harness import alternate, parser, write_results
 
 from netpart.calibrate.trace import measure_slices
 from netpart.compile.schedule import plan_schedule
@@ -72,19 +69,13 @@ def overhead(name: str, batch: int, repeat: int) -> dict:
         worker.zero_grad()
         worker.step(x, y, transport, collect_grads=False, accuracy=False)
 
-    for _ in range(3):
-        ref_step(), worker_step()  # warm-up
-    ratios, ref_t, work_t = [], [], []
-    for _ in range(repeat):
-        (a,) = _timeit(worker_step, 1)
-        (b,) = _timeit(ref_step, 1)
-        ratios.append(a / b)
-        work_t.append(a)
-        ref_t.append(b)
+    runs = alternate(
+        {"worker": worker_step, "reference": ref_step}, rounds=repeat, warmup=3, probe=False
+    )
     return {
-        "worker_step_s": statistics.median(work_t),
-        "reference_step_s": statistics.median(ref_t),
-        "ratio_median": statistics.median(ratios),
+        "worker_step_s": runs["worker"].median_s,
+        "reference_step_s": runs["reference"].median_s,
+        "ratio_median": statistics.median(runs.round_ratios("worker", "reference")),
     }
 
 
@@ -104,14 +95,19 @@ def _step_s(result) -> float:
 def scaling(name: str, batch: int, steps: int, pairs: int) -> dict:
     """(b) N=1 and N=2 runs alternate `pairs` times; medians of the per-pair ratios."""
     spec = load_spec(name)
-    ones, twos = [], []
-    for _ in range(pairs):
-        ones.append(_step_s(_run(spec, 1, batch, steps)))
-        twos.append(_step_s(_run(spec, 2, batch, steps)))
-    ratios = [a / b for a, b in zip(ones, twos, strict=True)]
+    runs = alternate(
+        {
+            "n1": lambda: _step_s(_run(spec, 1, batch, steps)),
+            "n2": lambda: _step_s(_run(spec, 2, batch, steps)),
+        },
+        rounds=pairs,
+        warmup=0,
+        probe=False,
+    )
+    ratios = runs.round_ratios("n1", "n2")
     return {
-        "n1_step_s": statistics.median(ones),
-        "n2_step_s": statistics.median(twos),
+        "n1_step_s": runs["n1"].median_s,
+        "n2_step_s": runs["n2"].median_s,
         "speedup": statistics.median(ratios),
         "n2_over_n1": statistics.median(1 / r for r in ratios),
         "speedup_per_pair": ratios,
@@ -122,17 +118,23 @@ def efficiency(name: str, batch: int, steps: int, pairs: int) -> dict:
     """(c) measured N=2 step / (slowest isolated compute + raw messages), alternated."""
     spec = load_spec(name)
     p = plan(spec, 2)
-    measured, raw = [], []
-    for _ in range(pairs):
-        measured.append(_step_s(_run(spec, 2, batch, steps)))
-        raw.append(_step_s(_run(spec, 2, batch, steps, exchange_only=True)))
+    runs = alternate(
+        {
+            "measured": lambda: _step_s(_run(spec, 2, batch, steps)),
+            "raw": lambda: _step_s(_run(spec, 2, batch, steps, exchange_only=True)),
+        },
+        rounds=pairs,
+        warmup=0,
+        probe=False,
+    )
     times = measure_slices(spec, p, batch)
     compute = float((times.forward + times.backward).sum(axis=0).max())
+    measured, raw = runs["measured"].seconds, runs["raw"].seconds
     ratios = [m / (compute + r) for m, r in zip(measured, raw, strict=True)]
     return {
-        "measured_step_s": statistics.median(measured),
+        "measured_step_s": runs["measured"].median_s,
         "isolated_compute_s": compute,
-        "raw_messages_s": statistics.median(raw),
+        "raw_messages_s": runs["raw"].median_s,
         "efficiency": statistics.median(ratios),
         "per_pair": ratios,
     }
@@ -146,14 +148,19 @@ def _exposed(result) -> float:
 def overlap(name: str, batch: int, steps: int, pairs: int) -> dict:
     """(d) exposed exchange with overlap / exchange without it, alternated."""
     spec = load_spec(name)
-    with_, without = [], []
-    for _ in range(pairs):
-        with_.append(_exposed(_run(spec, 2, batch, steps, split=True)))
-        without.append(_exposed(_run(spec, 2, batch, steps, overlap=False)))
-    ratios = [a / b for a, b in zip(with_, without, strict=True)]
+    runs = alternate(
+        {
+            "with": lambda: float(_exposed(_run(spec, 2, batch, steps, split=True))),
+            "without": lambda: float(_exposed(_run(spec, 2, batch, steps, overlap=False))),
+        },
+        rounds=pairs,
+        warmup=0,
+        probe=False,
+    )
+    ratios = runs.round_ratios("with", "without")
     return {
-        "exposed_with_overlap_s": statistics.median(with_),
-        "exchange_without_overlap_s": statistics.median(without),
+        "exposed_with_overlap_s": runs["with"].median_s,
+        "exchange_without_overlap_s": runs["without"].median_s,
         "exposed_share": statistics.median(ratios),
         "hidden_share": 1 - statistics.median(ratios),
         "per_pair": ratios,
@@ -243,8 +250,7 @@ def _report(result: dict) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=None)
+    ap = parser("runtime_bench", __doc__)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=41, help="alternations for (a), (e)")
     ap.add_argument("--steps", type=int, default=12, help="timed steps per run (at least)")
@@ -255,7 +261,6 @@ def main() -> int:
     run = {k: args.only in (None, k) for k in "abcde"}
     b, steps, pairs = args.batch, args.steps, args.pairs
     result = {
-        "machine": {"python": platform.python_version(), "torch": torch.__version__},
         "batch": b,
         "overhead": {m: overhead(m, b, args.repeat) for m in MODELS[:2]} if run["a"] else {},
         "scaling": {m: scaling(m, b, steps, pairs) for m in MODELS} if run["b"] else {},
@@ -266,10 +271,8 @@ def main() -> int:
     if args.breakdown:
         result["breakdown"] = breakdown(args.batch, args.steps)
     _report({k: v for k, v in result.items() if v or k == "breakdown"})
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out}")
+    write_results(args.out, result)
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -59,7 +59,7 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", default="2,3,4", help="machine counts to validate")
     ap.add_argument("--share", type=float, default=0.45, help="each machine's share of a core")
@@ -90,6 +90,11 @@ def main(argv=None) -> int:
         "`torchrun ... -m netpart calibrate` with one process on every emulated machine",
     )
     ap.add_argument("--out", type=Path, default=RESULTS)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     from netpart.testbed import cgroups, netns
     from netpart.testbed.bed import unavailable
@@ -112,18 +117,9 @@ def main(argv=None) -> int:
     ):
         runner = EmulatedRunner(hosts, groups, args.share, env={"PYTHONPATH": str(ROOT)})
         t0 = time.monotonic()
-        cal = tuple(args.calibrate.split(","))
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / "emulated_profile.json"
-        if args.via == "torchrun":
-            _calibrate_torchrun(hosts, groups, args.calibrate, args.share, path)
-            profile = path.read_text()
-            model = NetworkModel.from_profile(profile, str(path))
-        else:
-            model, details = calibrate(cal, say=_say, runner=runner, repeats=REPEATS)
-            profile = profile_json(model, details)
-            write_atomic(path, profile.encode())
-            model = replace(model, profile=str(path))
+        model, profile = _profile(args, hosts, groups, runner, path)
         _say(f"calibrated in {time.monotonic() - t0:.0f} s: {model.describe()}")
         for run in range(1, args.runs + 1):
             rows += _run(runner, model, models, counts, run, args.launches, args.via)
@@ -142,6 +138,20 @@ def main(argv=None) -> int:
     write_csv(args.out / "validation.csv", [_flat(r) for r in rows])
     _summary(rows)
     return 0
+
+
+def _profile(args, hosts, groups, runner, path: Path) -> tuple[NetworkModel, str]:
+    """The emulated machines calibrated (through the runner or torchrun) into `path`: the
+    model and the profile's text."""
+    if args.via == "torchrun":
+        _calibrate_torchrun(hosts, groups, args.calibrate, args.share, path)
+        profile = path.read_text()
+        return NetworkModel.from_profile(profile, str(path)), profile
+    cal = tuple(args.calibrate.split(","))
+    model, details = calibrate(cal, say=_say, runner=runner, repeats=REPEATS)
+    profile = profile_json(model, details)
+    write_atomic(path, profile.encode())
+    return replace(model, profile=str(path)), profile
 
 
 def _run(runner, model, models, counts, run: int, launches: int, via: str) -> list[dict]:

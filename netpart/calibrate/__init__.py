@@ -1,4 +1,5 @@
-"""Measuring a machine and fitting the step-time model to it: `netpart calibrate`.
+"""Measuring a machine: what are this machine's figures, written as a profile the cost model
+reads? (`netpart calibrate`)
 
 `measure` runs the calibration (slices, link, steps) through a `Runner` (this machine, or
 `hosts`' torchrun job over several), `fitting` turns what it measured into a calibrated

@@ -1,4 +1,5 @@
-"""The `netpart` command: parse, call the library, write the results. Thin on purpose.
+"""The `netpart` command: what did the user ask for? Parse, call the library, write the
+results. Thin on purpose.
 
 One module per command group (`plan`, `run`, `train`), each registering its subcommands with
 `set_defaults(func=...)`; every command returns its exit code. Errors a user can cause end in

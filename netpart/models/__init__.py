@@ -1,4 +1,5 @@
-"""Model specs (TOML/JSON/zoo), their validation, initial weights, and the reference model.
+"""Models: what is the network? Specs (TOML/JSON/zoo), their validation, initial weights,
+and the reference model.
 
 `netpart.models.spec`, `zoo` and `init` need only numpy; the reference `nn.Module`
 (`netpart.models.reference`) needs torch and is imported on first use, so planning a model

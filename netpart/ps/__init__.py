@@ -1,4 +1,5 @@
-"""The parameter server: wire protocol, shard server (and how it serves its peers), the
+"""The parameter server: where do a model's parameters live between replicas, and how are
+they updated? Wire protocol, shard server (and how it serves its peers), the
 policy of each mode (Downpour, sync, Sandblaster), update rules, the worker's client,
 Sandblaster's coordinator messages, checkpoints, and shard-side L-BFGS vectors.
 

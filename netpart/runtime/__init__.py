@@ -1,5 +1,5 @@
-"""Model-parallel execution: layer slices, the worker that interprets a schedule's program,
-transports, the one process launcher (and its preloaded interpreter), `run_step` and `check`.
+"""Model-parallel execution: how do N workers run one step of a split model? Layer slices,
+the worker that interprets its compiled program, transports, `run_step` and `check`.
 
 Names are imported on first use: the launcher's preloaded interpreter starts before torch is
 loaded.

@@ -1,4 +1,5 @@
-"""Training jobs: config, placement of roles on hosts, the replica's step loop, the shard and
+"""Training jobs: how does a job of replicas, workers and shards train, stop and resume?
+Config, placement of roles on hosts, the replica's step loop, the shard and
 Sandblaster roles, the run directory, launching (locally or under torchrun), run reports.
 
 Names are imported on first use, so the command line's `--help` does not load torch.

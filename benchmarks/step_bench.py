@@ -1,0 +1,62 @@
+"""A step against the plain module: netpart's one-worker training step against the plain
+PyTorch module of the same model (`netpart.models.build_reference`, what a user would train or
+wrap in DDP), its forward and backward, and with fused Adagrad's update.
+
+One thread of this host, batch 32, float32; CPU seconds a step, the cases alternated in
+`--rounds` rounds of `--steps` steps after a warm-up (`benchmarks/harness.py`), medians.
+
+    python benchmarks/step_bench.py --model bench-local
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from harness import alternate, parser, write_results
+
+from netpart.models import build_reference, load_spec
+from netpart.partition.planner import plan
+from netpart.runtime.check import lone_step, make_batch
+
+
+def main(argv=None) -> int:
+    ap = parser("step_bench", __doc__)
+    ap.add_argument("--model", default="bench-local")
+    ap.add_argument("--steps", type=int, default=5, help="steps a round (default 5)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)  # as netpart's training processes
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    spec = load_spec(args.model)
+    netpart_step = lone_step(spec, plan(spec, 1, seed=0, batch=32), dist.group.WORLD, 0)
+    model = build_reference(spec).float()
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.01, fused=True)
+    x, y = make_batch(spec, 32, 0)
+    x = x.float()
+
+    def backward() -> None:
+        opt.zero_grad()
+        model.loss(model(x), y).backward()
+
+    def with_update() -> None:
+        backward()
+        opt.step()
+
+    def steps(fn):
+        return lambda: [fn() for _ in range(args.steps)]
+
+    cases = {"netpart": netpart_step, "reference": backward, "reference+update": with_update}
+    rounds = alternate({k: steps(f) for k, f in cases.items()}, rounds=args.rounds, probe=False)
+    dist.destroy_process_group()
+    base = rounds.cases[0].median_cpu_s
+    for case in rounds.cases:
+        cpu = case.median_cpu_s / args.steps
+        ratio = case.median_cpu_s / base
+        print(f"{case.name:<17} {cpu * 1e3:8.2f} ms CPU a step, {ratio:.2f}x netpart's")
+    results = {"model": args.model, "steps": args.steps, **rounds.to_dict()}
+    write_results(args.out, results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -43,16 +43,15 @@ __all__ = [
     "with_rings",
 ]
 
-# bytes a client pushes and fetches, and timed exchanges of each: more of the short ones (on
-# a fraction of a core, the periods a machine is throttled move the mean of a few), fewer
-# of the large ones (seconds on a slow link). Up to 40 MB, a replica's bytes for a model of
-# 10M values: above the last size the table is read off its last segment, and from 4 and
-# 16 MB that segment priced bench-local's 40 MB up to 1.4x what it took (docs/planning.md).
-# Closer below 1 MB, where a message's cost steps as it outgrows a link's token bucket (80
-# KiB on a testbed). Round in decimal, not in powers of two: an exchange's time steps up
-# where a shard's message reaches 64 KiB, and a point at exactly 64 KiB a message (128 KiB
-# over 2 shards, 256 KiB over 4) read several times the next size up, pricing every size
-# between off it (benchmarks/beside_bench.py; docs/planning.md)
+# bytes a client pushes and fetches, and timed exchanges of each: more of the short ones (on a
+# fraction of a core, the periods a machine is throttled move the mean of a few), fewer of the
+# large ones (seconds on a slow link). Up to 40 MB, a replica's bytes for a model of 10M values:
+# above the last size the table is read off its last segment, and a segment ending below 40 MB
+# mispriced bench-local's 40 MB. Closer below 1 MB, where a message's cost steps as it outgrows a
+# link's token bucket (80 KiB on a testbed). Round in decimal, not in powers of two: an exchange's
+# time steps up where a shard's message reaches 64 KiB, and a point at exactly 64 KiB a message
+# (128 KiB over 2 shards, 256 KiB over 4) read several times the next size up, pricing every size
+# between off it.
 PS_SIZES = (
     16_000,
     64_000,
@@ -69,8 +68,8 @@ PS_REPEATS = (30, 30, 30, 30, 30, 30, 20, 10, 5, 3)
 PS_PASSES = 3  # passes over every pair and size (at most; at most one a run of a step measurement)
 PS_RUNS = 5  # the calibration's runs of a step measurement (`--repeats`) PS_REPEATS are for
 # A size whose bytes alone take longer than this on the measured link is not timed: there the
-# exchange is the wire's, which the table's last segment carries on (on 100 Mbit/s, 40 MB a
-# way is 3.2 s, and its repeats for every pair of a 6-machine cluster would take minutes).
+# exchange is the wire's, which the table's last segment carries on (repeats of such sizes
+# for every pair of a 6-machine cluster on a slow link would take minutes).
 # Sizes up to PS_ALWAYS are timed on any link.
 PS_WIRE_S = 2.0
 PS_ALWAYS = 4_000_000

@@ -4,8 +4,8 @@ them, and nothing else of the calibration's awake on the machines.
 
 The last matters on machines held to a share of a core that share a host's CPUs (a testbed):
 each gloo group keeps an I/O thread that wakes 100 times a second, and threads waking anywhere
-on the host, whatever their policy or cgroup, made the same ring up to twice as fast as DDP's
-ring in a step (`benchmarks/ring_bench.py`; docs/planning.md). So the calibration times the
+on the host, whatever their policy or cgroup, made the same ring faster than DDP's ring in a
+step. So the calibration times the
 rings last (`rings`), once every rank has left its groups.
 
 `rings(...)` on every rank: for K = 2 to all machines, ranks 0..K-1 each start `python -m

@@ -12,10 +12,9 @@ work on its S messages.
 
 And C >= 2 clients each of whose bytes S >= 2 shards hold (`mesh`, keyed "CxS", and the
 client's busy time, `mesh_busy`): what a replica's worker takes where every shard also
-serves the other replicas. Neither side alone shows it: on 6 machines at 0.3 of a core
-(benchmarks/results/testbed_profile_m6_c0.3.json), 3 sync clients of 3 shards exchanged 384
-KB in 8.5 ms where one client of 3 shards took 5.4 ms and 3 clients of one shard 6.5 ms at
-the same bytes per shard (likely: a pause on any machine holds up all of them). A layout
+serves the other replicas. Neither side alone shows it: several clients of several shards
+take longer than either a client of several shards or several clients of one (a pause on any
+machine holds up all of them). A layout
 beyond the measured pairs is priced as the smallest measured one that covers it, or the
 nearest.
 
@@ -47,10 +46,9 @@ client runs a stand-in step (`netpart.ps.timed_exchange.stand_in`: `stand_in_s` 
 compute, and its gradients written) before each request, C clients of S shards (both >= 1,
 keyed "CxS"), their own sizes: a client's seconds from request to request, the step
 included (sync: the step, then the exchange; Downpour: the step beside the exchange in
-flight). Timed alone, an exchange misses what a step before it changes: on 0.3-core testbed
-machines a sync 3x1 step was about its exchange alone (the step hid behind the shard's
-serving of the other clients), and a 2x2 step took its step and its exchange alone plus a
-third (docs/planning.md). `netpart.planning.cluster` prices its stand-in with these tables'
+flight). Timed alone, an exchange misses what a step before it changes: a step before it
+staggers the clients of a shard and changes what each client spends.
+`netpart.planning.cluster` prices its stand-in with these tables'
 layouts as it prices a model's, and carries what that price missed over to the model, where
 the layout's own pair was measured.
 
@@ -181,8 +179,8 @@ class PsExchange:
         """The CPU a step that took `step_s` alone is charged on a measured machine's quota.
         Within the quota a step runs at a whole core's speed: its time. That over-counts its
         own CPU, and the excess stands for what a step and an exchange cost the machine
-        together beyond the two apart: the total is what `benchmarks/beside_bench.py`
-        measured on testbed machines, its split is not (docs/planning.md). A longer step was
+        together beyond the two apart: the total is what a step beside an exchange took on
+        testbed machines, its split is not. A longer step was
         throttled as it went: its time x the share, at least the quota."""
         if self.share >= 1 or step_s <= self.quota_s:
             return step_s

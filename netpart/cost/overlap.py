@@ -11,9 +11,8 @@ they travel, both ways. What can hide an exchange is that work (`hiding`).
 A split is not free: its parts are smaller kernels and more calls, a chain's outputs are put
 back in order, and the transport's threads run between the parts on the same core. On
 emulated dedicated machines the work a split runs beside a halo grew by about `SPLIT_COST`
-of itself (0.26-0.72, median 0.47: benchmarks/results/overlap_bench.json, `split_cost` of
-each case), so splitting every layer that can made the step 4-13% slower than not splitting
-at 1 Gbit/s, and between 0.5% slower and 15% faster at 100 Mbit/s. A layer is
+of itself (docs/measurements.md), so splitting every layer that can made the step slower
+than not splitting at 1 Gbit/s, and faster at 100 Mbit/s for some layers only. A layer is
 split only when what it hides, summed over the workers, exceeds what it costs
 (`choose_splits`); the plan records the choice per layer (`LayerFigures.split`), the
 programs follow it (`netpart.compile.schedule`) and the prediction prices it (`apply`).

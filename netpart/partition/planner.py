@@ -101,7 +101,7 @@ def plan(
 
 AUTO = "auto"
 # Peak bytes of a plan per read edge of its graph, and per (layer, worker, worker) entry of
-# its traffic tables: benchmarks/results/plan_bench.json, image-1.7b on 512 workers.
+# its traffic tables, read off the planner's largest benchmark (benchmarks/plan_bench.py).
 BYTES_PER_EDGE, BYTES_PER_PAIR = 110, 64
 
 

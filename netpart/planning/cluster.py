@@ -1,72 +1,22 @@
 """How to spend M machines: R replicas x N model workers + S parameter-server shards (Downpour
 or synchronous SGD), or M data-parallel replicas that all-reduce their gradients (DDP's way),
-each layout predicted on one machine model, and the fastest recommended.
+each layout predicted on one machine model, and the fastest that fits recommended.
 
-A layout's figures, per replica step of `batch` examples (every machine alike, its link full
-duplex; `NetworkModel.phase_s` prices a transfer: latency, a cost per message, bytes over
-bandwidth):
+docs/planning.md ("How to spend M machines") says in words how a layout is priced. In short,
+per replica step of `batch` examples (every machine alike, its link full duplex;
+`NetworkModel.phase_s` prices a transfer):
 
-- **the model-parallel step**: the plan's predicted step for N workers (`plan`), halos and all.
-- **parameter-server traffic**: every n_push steps a worker pushes the gradients of the values
-  it holds (4 bytes each) to the shards that hold them, every n_fetch steps it fetches them;
-  a shard's link carries the pushes and fetches of every replica's workers (the shard's values
-  x R, each way), and the shard applies each push (`UPDATE_S_PER_VALUE` a value).
-- **Downpour**: replicas do not wait for each other. A worker's push and fetch travel at
-  once, both ways, beside its next step (the client's courier keeps two requests in
-  flight), so a replica's step is the longer of its model-parallel step and its workers'
-  push-and-fetch; the busiest shard serves R such steps in the time of one of its own, so a
-  replica's effective step is the longer of the two. Staleness: the pushes of other
-  replicas applied between a replica's fetch and the push it feeds,
-  (R - 1) x max(n_push, n_fetch) / n_push.
-- **sync**: every replica computes, pushes, the shards apply, every replica fetches: the step
-  is the model-parallel step plus the pushes (the longer of a worker's and the busiest
-  shard's R in), its update, and the fetches likewise (n_push = n_fetch = 1).
-- **measured exchange** (a profile holding `ps`: calibration on machines of their own ran
-  the parameter server's exchange itself, `netpart.cost.exchange`): the exchange is the
-  longer of a worker's exchange with the shards that hold its values (a client of that
-  many shards, each serving as many clients as the busiest of them: R x its peers) and its
-  busiest shard's exchange (those clients, its values split among them); a sync step is the
-  model-parallel step plus it (its measured time holds the client's CPU); a Downpour step
-  the longer of it and the model-parallel step plus the time the exchange keeps the worker's
-  machine busy (where a core is the limit, the courier's work does not run beside the
-  step's). On a share of a core (a cpu quota), a step shorter than the quota ran alone at a
-  whole core's speed, but a machine's quota holds all it runs: a step of either mode is at
-  least the step's CPU (`PsExchange.step_cpu_s` of the step less its halo exchange) over
-  the share, plus the busy time (sync: the step's CPU leaves the exchange less of the
-  quota; `benchmarks/beside_bench.py` measures a step beside an exchange against this
-  price). Where calibration also timed the layout's pair of clients and shards after a
-  stand-in step (`ps.after`: a step of known CPU before each request, as training runs its
-  own), the stand-in is priced the same way on the layout and what that price missed is
-  added, in proportion to the model's step CPU up to the stand-in's, and to its exchanges
-  a step: a step before the exchange staggers the clients of a shard and changes what the
-  client spends, which the exchange timed alone does not show (docs/planning.md). The
-  pricing above is for machines without such a measurement.
-- **the training loop's own CPU** (`loop_cpu_s` a step, either pricing): what a worker's
-  loop does beside its step and its exchange (binding fetched values, the gradient buffers,
-  the batch, the metrics line), on the worker's machine: in sync after the step; in
-  Downpour beside the exchange on the machine's core (over the share, on a quota). It is
-  Python and small torch calls, so it is priced in the machine's own figures: as many of
-  its smallest dense slices (their fixed cost) as it took on the machine it was measured on
-  (`LOOP_DENSE_SLICES`); a machine with no dense figures pays `LOOP_CPU_S`.
-- **all-reduce**: M replicas of one worker; a ring all-reduce moves 2(M-1)/M of the model
-  through each machine's link in 2(M-1) phases, then every replica applies the update to its
-  whole model (`UPDATE_S_PER_VALUE` a value, over the share of a core a measured profile's
-  machines had). A replica's step is netpart's one-worker step and that update; where
-  calibration timed the step DDP's replica runs (the model's reference module and its
-  update, `PsExchange.replica`), that instead: a plain module's step is not netpart's. The
-  ring's phases are priced off the link (`phase_s`, with the cost a phase has in a step),
-  and at least at what the ring took where a profile measured it on its
-  machines as DistributedDataParallel runs it (`PsExchange.allreduce_s`) and the time its
-  CPU kept a machine busy (`busy=True`): timed alone, the ring's own work ran in its waits
-  on the link, which in a step the replica's compute takes (docs/planning.md has the runs
-  priced either way). On machines held
-  to a share of a core by a quota (`PsExchange.period_s`), at least a period a phase, on the
-  reading that in a step a machine that has spent its quota (on the step, on the ring's own
-  threads) takes part in the next phase in its next period (docs/planning.md has DDP's ring
-  in a step against it, and the ring timed alone). Only where one machine holds the model.
-- **memory per machine**: `netpart.planning.memory`'s estimate, the one `netpart train`
-  checks: a worker or a shard (Adagrad's state) with its interpreter, whichever is larger;
-  all-reduce a whole replica.
+- the model-parallel step is the plan's predicted step for N workers;
+- the parameter-server exchange is read off the profile's measured tables (`PsExchange`,
+  `_measured`) where calibration ran it on machines of their own, else priced off the link
+  (`_linked`): Downpour's push and fetch beside the next step, sync's after it;
+- a worker's training loop costs `loop_cpu_s` a step beside them;
+- on a share of a core (a cpu quota) a step is at least its CPU over the share plus the
+  exchange's busy time, and a ring phase at least a quota period;
+- all-reduce: each replica's step alone (DDP's replica step where calibration timed it),
+  then the ring (`allreduce_s`, at least what the profile measured of it with its busy
+  time), then every replica's update (`UPDATE_S_PER_VALUE` a value);
+- memory per machine is `netpart.planning.memory`'s estimate, the one `netpart train` checks.
 """
 
 from __future__ import annotations
@@ -100,17 +50,15 @@ __all__ = [
 ]
 
 CLUSTER_SCHEMA = 1
-# A shard's Adagrad update of one value, on one core of this host (torch's fused kernel,
-# 16M values; benchmarks/update_bench.py). A machine description does not state it.
+# A shard's Adagrad update of one value, on one core (torch's fused kernel). A machine
+# description does not state it. Where it was measured: docs/measurements.md.
 UPDATE_S_PER_VALUE = 0.8e-9
-# A worker's training loop beyond its step and its exchange, CPU seconds a step (digits-mlp,
-# one worker, 1 and 3 shards, both modes, on 0.3-core testbed machines: the training job's
-# CPU less the step's beside the exchange; benchmarks/results/beside_bench_train_s*.json).
+# A worker's training loop beyond its step and its exchange, CPU seconds a step, for a
+# machine without dense figures (docs/measurements.md).
 LOOP_CPU_S = 0.4e-3
-# That loop in the smallest dense slices of the machine it ran on (0.237 ms, the profile
-# beside_bench ran with: benchmarks/results/testbed_profile_m6_c0.3.json): the loop's CPU
-# follows the machine's speed, where a constant would price a slower host's loop at a faster
-# one's (docs/planning.md, "How to spend M machines").
+# That loop in the smallest dense slices of the machine it was measured on: the loop's CPU
+# follows the machine's speed, where a constant would price a slower host's loop at a
+# faster one's.
 LOOP_DENSE_SLICES = 1.7
 
 

@@ -7,8 +7,7 @@ error can be reported. Every process pays the interpreter with torch loaded; a w
 its parameters about four times (values, gradients, the fetched copy, the optimizer's
 buffers) and, per example of its batch, what `activation_values` counts; a shard holds its
 values and its optimizer state. The weights of `activation_values` are fitted to measured
-peaks (`benchmarks/memory_bench.py`: the estimate within 1.5x of the job's peak, both ways,
-from digits-mlp at batch 32 to bench-local at 1024).
+peaks (`benchmarks/memory_bench.py`; how close, in docs/measurements.md).
 """
 
 from __future__ import annotations

@@ -132,8 +132,8 @@ def ps_loop(
 def _client(layout, group, rank: int, mode: str, repeats: int, beside=None) -> tuple[float, float]:
     """(seconds, CPU seconds) per exchange of one client, means over `repeats` (at least 2)
     after WARM untimed. A training step's throughput is its mean, and on a fraction of a core
-    the periods a machine is throttled lengthen some exchanges (in training on 0.3-core
-    testbed machines, 2026-11-27, a step's mean was 1.00-1.26x its median). The seconds are
+    the periods a machine is throttled lengthen some exchanges, so a step's mean can sit well
+    above its median. The seconds are
     from request to request: Downpour's last requests, still in flight, are not its pace."""
     clients = group.size() - layout.shards
     downpour = mode == "downpour"

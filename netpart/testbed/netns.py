@@ -27,7 +27,7 @@ RATE = re.compile(r"(\d+(?:\.\d+)?)([kmgt]?)(bit|bps)")
 BURST_S = 0.5e-3  # a link's token bucket holds this long of its rate, and at least
 # a segmentation-offload packet (64 KiB and its headers): tbf cuts a packet larger than its
 # bucket into frames in software and releases each on a timer tick of its own, which the
-# receiving machine's CPU pays for frame by frame (benchmarks/results/link_bench.json)
+# receiving machine's CPU pays for frame by frame (docs/multi-node.md)
 GSO_BYTES = 81920
 OURS = re.compile(r"np(\d+)(?:a|b|sw|h\d+)")  # np<pid % 100000><role>
 
@@ -175,10 +175,9 @@ def rate_bps(rate: str) -> float:
 def burst_for(rate: str) -> str:
     """A token bucket that lets a link carry its rate: `BURST_S` of it, at least `GSO_BYTES`.
     tbf releases at most a bucket per timer tick, and a packet larger than the bucket one
-    frame at a time: between two machines at 0.3 of a core over 1 Gbit/s, 0.95 MB each way
-    carried 42-45% of the rate with half a millisecond's bucket (62.5 KB, the testbeds' until
-    2026-11-27) and 97-99% with 80 KiB (benchmarks/results/link_bench.json). A message
-    within the bucket crosses an idle link at once."""
+    frame at a time: with half a millisecond's bucket a 1 Gbit/s port between 0.3-core
+    machines carried under half its rate, with `GSO_BYTES` nearly all of it
+    (docs/measurements.md). A message within the bucket crosses an idle link at once."""
     return str(max(GSO_BYTES, round(rate_bps(rate) / 8 * BURST_S)))
 
 

@@ -5,7 +5,8 @@ worker's program (its validated list of instructions), the gather/scatter indice
 slices, and the parameter-server shard layout. Pure: no files, sockets or torch.
 """
 
+from netpart.compile.compiled import CompiledPlan, compile_plan
 from netpart.compile.schedule import HaloSchedule, plan_schedule
 from netpart.compile.shards import ShardLayout
 
-__all__ = ["HaloSchedule", "ShardLayout", "plan_schedule"]
+__all__ = ["CompiledPlan", "HaloSchedule", "ShardLayout", "compile_plan", "plan_schedule"]

@@ -273,6 +273,25 @@ class NetworkModel:
             return np.full(layers, FORWARD_SHARE)
         return np.array([getattr(self.kinds.get(k), "forward_share", FORWARD_SHARE) for k in kinds])
 
+    def allreduce_s(self, values: int, machines: int) -> float:
+        """The one price of a ring all-reduce of `values` float32 among `machines`, DDP's
+        collective: 2(M-1) phases, each moving 1/M of them to one peer, priced off the link
+        (`phase_s`); where a profile measured the ring on its machines (`ps`), at least what
+        it took there plus the time its CPU kept a machine busy (in a step the replica's
+        compute takes the waits the ring's own work ran in alone), and on machines held to a
+        share of a core, at least a quota period a phase."""
+        if machines <= 1:
+            return 0.0
+        chunk = BYTES_PER_VALUE * values / machines
+        ring = float(2 * (machines - 1) * self.phase_s(np.array([chunk]), 1)[0])
+        if self.ps is None:
+            return ring
+        nbytes = BYTES_PER_VALUE * values
+        timed = self.ps.allreduce_s(machines, nbytes) + self.ps.allreduce_s(
+            machines, nbytes, busy=True
+        )
+        return max(ring, timed, 2 * (machines - 1) * self.ps.period_s)
+
     def phase_s(self, nbytes: np.ndarray, peers: np.ndarray | int = 1) -> np.ndarray:
         """Seconds of an exchange phase in which a worker moves `nbytes` (> 0) each way with
         `peers` others: read off the `link` table of the most peers measured up to `peers`

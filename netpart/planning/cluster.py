@@ -14,8 +14,8 @@ per replica step of `batch` examples (every machine alike, its link full duplex;
 - on a share of a core (a cpu quota) a step is at least its CPU over the share plus the
   exchange's busy time, and a ring phase at least a quota period;
 - all-reduce: each replica's step alone (DDP's replica step where calibration timed it),
-  then the ring (`allreduce_s`, at least what the profile measured of it with its busy
-  time), then every replica's update (`UPDATE_S_PER_VALUE` a value);
+  then the ring (`NetworkModel.allreduce_s`, the one price of an all-reduce), then every
+  replica's update (`UPDATE_S_PER_VALUE` a value);
 - memory per machine is `netpart.planning.memory`'s estimate, the one `netpart train` checks.
 """
 
@@ -44,7 +44,6 @@ __all__ = [
     "Layout",
     "LayoutFigures",
     "advise",
-    "allreduce_s",
     "loop_cpu_s",
     "trainable",
 ]
@@ -142,15 +141,6 @@ class ClusterAdvice:
         d = {k: v for k, v in d.items() if k != "schema_version"}
         layouts = tuple(LayoutFigures.from_dict(f) for f in d.pop("layouts"))
         return cls(**d, layouts=layouts)
-
-
-def allreduce_s(values: int, machines: int, network: NetworkModel) -> float:
-    """A ring all-reduce of `values` float32 among `machines`: 2(M-1) phases, each moving
-    1/M of them to one peer."""
-    if machines <= 1:
-        return 0.0
-    chunk = BYTES_PER_VALUE * values / machines
-    return float(2 * (machines - 1) * network.phase_s(np.array([chunk]), 1)[0])
 
 
 def advise(
@@ -350,13 +340,9 @@ def _exchange(
 
 def _allreduce(spec, machines: int, step_one: float, values: int, network, batch: int):
     """All-reduce with `machines` replicas of one worker each."""
-    ps: PsExchange | None = network.ps
-    ring = allreduce_s(values, machines, network)
-    if ps is not None:  # at least what it took alone and its CPU, on a quota a period a phase
-        nbytes = BYTES_PER_VALUE * values
-        timed = ps.allreduce_s(machines, nbytes) + ps.allreduce_s(machines, nbytes, busy=True)
-        ring = max(ring, timed, 2 * (machines - 1) * ps.period_s)
-    step = _replica_s(spec, step_one, values, network, batch) + ring
+    step = _replica_s(spec, step_one, values, network, batch) + network.allreduce_s(
+        values, machines
+    )
     link = 2 * (machines - 1) / machines * BYTES_PER_VALUE * values if machines > 1 else 0.0
     acts = activation_values(spec)
     memory = BASE_BYTES + worker_bytes(

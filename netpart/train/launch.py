@@ -27,11 +27,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from netpart.compile.shards import ShardLayout
+from netpart.compile.compiled import compile_plan
 from netpart.errors import TrainError
 from netpart.files import write_atomic
 from netpart.models.spec import ModelSpec
-from netpart.partition.graph import build_unit_graph
 from netpart.partition.plans import PartitionPlan
 from netpart.processes.launcher import join_group, torchrun_attempt
 from netpart.processes.zygote import Preloaded
@@ -44,6 +43,7 @@ from netpart.train.process import (
     job_placement,
     log_as,
     play_role,
+    split_min_flops,
     stop_on_signals,
 )
 from netpart.train.run_report import preload_plotting, restart_line
@@ -84,7 +84,8 @@ def train(
     restarts) or every replica is lost. `preloaded` (started early, on
     `netpart.train.process`) forks the first attempt's processes; without it one is started.
     """
-    layout, starts = prepare_run(spec, plan, config, run, resume)
+    compiled = compile_plan(spec, plan, shards=config.shards)
+    starts = prepare_run(compiled, config, run, resume)
     write_run(spec, plan, config, run, starts, resume)
     preload_plotting()  # for the report, on whatever core the job leaves idle
     summary = TrainSummary(run=run)
@@ -107,7 +108,7 @@ def train(
         if loggers is not None:
             loggers.close()
     summary.wall_s = time.monotonic() - t0
-    finish_run(spec, plan, config, run, layout, summary)
+    finish_run(compiled, config, run, summary)
     return summary
 
 
@@ -166,7 +167,9 @@ def train_under_torchrun(
     restarted = torchrun_attempt() > 0
     resume = resume or (restarted and any(run.glob("shard_*.pt")))
     mine = rank == first_shard
-    _prepare_on_first_shard(spec, plan, config, run, (resume, restarted), mine, placement)
+    splits = split_min_flops(placement, rank)
+    compiled = compile_plan(spec, plan, shards=config.shards, validate=mine, split_min_flops=splits)
+    _prepare_on_first_shard(compiled, config, run, (resume, restarted), mine, placement)
     sync = config.mode == "sync"
     starts = read_progress(run, config.shards, config.replicas, sync, restarted) if resume else {}
     job = Job(spec, plan, config, run, resume, tuple(starts.items()))
@@ -174,7 +177,7 @@ def train_under_torchrun(
     role = placement.roles[rank]
     bar, on_step = _bar(config, starts.get(0, 0), rank, placement)
     try:
-        server = play_role(job, rank, stop, placement, on_step=on_step)
+        server = play_role(job, compiled, rank, stop, placement, on_step=on_step)
     finally:
         if bar is not None:
             bar.close()
@@ -184,10 +187,8 @@ def train_under_torchrun(
         last = json.loads(lines[-1]) if lines else {"step": 0, "loss": float("nan")}
         echo(f"replica {role.replica}: step {last['step']}, loss {last['loss']:.4g}")
     elif rank == first_shard and server is not None:
-        graph = build_unit_graph(spec, plan.granularity)
-        layout = ShardLayout.build(graph, plan.node_map, plan.workers, config.shards)
         summary = TrainSummary(run=run, stopped=stop.is_set(), wall_s=time.monotonic() - t0)
-        finish_run(spec, plan, config, run, layout, summary)
+        finish_run(compiled, config, run, summary)
         if config.loggers:  # no launcher followed the lines: write them now
             loggers = MetricLoggers(run, config.loggers)
             loggers.replay()
@@ -204,7 +205,7 @@ def train_under_torchrun(
     return 0
 
 
-def _prepare_on_first_shard(spec, plan, config, run, how, mine: bool, placement) -> None:
+def _prepare_on_first_shard(compiled, config, run, how, mine: bool, placement) -> None:
     """Shard 0 validates the run directory and writes the run files (`how`: resume, restarted
     by torchrun); its verdict reaches every rank as UTF-8 bytes in a tensor (nothing received
     is unpickled), so none waits for ever."""
@@ -213,14 +214,14 @@ def _prepare_on_first_shard(spec, plan, config, run, how, mine: bool, placement)
     if mine:
         try:
             _HELD.append(RunLock(run).__enter__())  # held until this process ends
-            _, starts = prepare_run(spec, plan, config, run, resume, newest=restarted)
+            starts = prepare_run(compiled, config, run, resume, newest=restarted)
             if restarted:  # what each shard restored from an older checkpoint lost
                 sync = config.mode == "sync"
                 for s in range(config.shards):
                     lost = lost_updates(run, s, starts, sync, "died (torchrun restarted the job)")
                     if any(lost["lost_steps"].values()):
                         record_restart(run, lost)
-            write_run(spec, plan, config, run, starts, resume)
+            write_run(compiled.spec, compiled.plan, config, run, starts, resume)
             write_atomic(run / "placement.json", json.dumps(placement.to_dict(), indent=1).encode())
         except Exception as exc:  # every rank must hear of it, or it would wait for ever
             status = str(exc).encode()[:4000] or type(exc).__name__.encode()

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from netpart import faults
-from netpart.compile.schedule import NO_SPLITS, SPLIT_MIN_FLOPS, plan_schedule
-from netpart.compile.shards import ShardLayout
+from netpart.compile.compiled import CompiledPlan, compile_plan
+from netpart.compile.schedule import NO_SPLITS, SPLIT_MIN_FLOPS
 from netpart.files import write_atomic
 from netpart.processes.groups import new_groups, wait_bounded
 from netpart.processes.launcher import join_group, mark_started, yield_io_threads
@@ -42,7 +42,15 @@ from netpart.train.rundir import Job, read_job
 from netpart.train.sandblaster import run_coordinator, run_unit_worker
 from netpart.train.shard import serve_shard
 
-__all__ = ["PS_TIMEOUT", "compute_setup", "job_placement", "log_as", "play_role", "stop_on_signals"]
+__all__ = [
+    "PS_TIMEOUT",
+    "compute_setup",
+    "job_placement",
+    "log_as",
+    "play_role",
+    "split_min_flops",
+    "stop_on_signals",
+]
 
 log = logging.getLogger(__name__)
 
@@ -103,33 +111,38 @@ def compute_setup(threads: int) -> None:
     torch.set_flush_denormal(True)
 
 
+def split_min_flops(placement: Placement, rank: int) -> float:
+    """What a layer's work must reach to be split on `rank`: a replica whose workers share a
+    host exchanges halos as memory copies on the cores that compute, so splitting layers to
+    hide them costs what it saves; across hosts it pays."""
+    role = placement.roles[rank]
+    across = role.kind == WORKER and len(placement.hosts_of_replica(role.replica)) > 1
+    return SPLIT_MIN_FLOPS if across else NO_SPLITS
+
+
 def play_role(
     job: Job,
+    compiled: CompiledPlan,
     rank: int,
     stop: threading.Event,
     placement: Placement,
     on_step: Callable[[dict], None] | None = None,
 ) -> ShardServer | None:
-    """The role of `rank` in the job. A shard returns its server once every shard has written
-    its final checkpoint (None if one failed); other roles return None.
+    """The role of `rank` in the job, with the plan compiled for it (`split_min_flops`). A shard
+    returns its server once every shard has written its final checkpoint (None if one
+    failed); other roles return None.
 
     `on_step(line)` is called with every metrics line this process writes (worker 0 of each
     replica writes them), for a progress bar.
     """
-    spec, plan, config = job.spec, job.plan, job.config
+    spec, config = job.spec, job.config
     halo_timeout = datetime.timedelta(seconds=config.timeout)
     shard_ranks = [placement.shard_rank(s) for s in range(config.shards)]
     members = [placement.replica_ranks(r) for r in range(config.replicas)] + [shard_ranks]
     *groups, shard_group = new_groups(members, timeout=halo_timeout)  # checked before use
     role = placement.roles[rank]
     yield_io_threads()  # the new groups' I/O threads
-    # A replica whose workers share a host exchanges halos as memory copies on the cores that
-    # compute: splitting layers to hide them costs what it saves. Across hosts it pays.
-    across = role.kind == WORKER and len(placement.hosts_of_replica(role.replica)) > 1
-    splits = SPLIT_MIN_FLOPS if across else NO_SPLITS
-    # the launcher validated it
-    graph, schedule = plan_schedule(spec, plan, validate=False, split_min_flops=splits)
-    layout = ShardLayout.build(graph, plan.node_map, plan.workers, config.shards)
+    graph, schedule, layout = compiled.graph, compiled.schedule, compiled.layout
     if role.kind == COORDINATOR:
         stats = run_coordinator(config, placement, rank, job.run, stop)
         write_atomic(job.run / "coordinator.json", json.dumps(stats, indent=1).encode())
@@ -184,7 +197,15 @@ def main() -> int:
         mark_started()
         stop = stop_on_signals()  # from here a stop is graceful: the step ends, shards write
         log_as(f"{placement.name(rank)} (rank {rank})")
-        play_role(job, rank, stop, placement)
+        # the launcher validated the plan
+        compiled = compile_plan(
+            job.spec,
+            job.plan,
+            shards=job.config.shards,
+            validate=False,
+            split_min_flops=split_min_flops(placement, rank),
+        )
+        play_role(job, compiled, rank, stop, placement)
     except Exception as exc:  # one line for the launcher, which reports the last error line
         logging.getLogger("netpart.train").error("error: %s", exc)
         sys.stderr.flush()

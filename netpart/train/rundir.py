@@ -28,13 +28,12 @@ from pathlib import Path
 
 import torch
 
-from netpart.compile.schedule import plan_schedule
+from netpart.compile.compiled import CompiledPlan, compile_plan
 from netpart.compile.shards import ShardLayout
 from netpart.data import load_data
 from netpart.errors import DataError, RuntimeFailure, TrainError, WorkerFailure
 from netpart.files import foreign_entries, write_atomic, write_files
 from netpart.models.spec import ModelSpec
-from netpart.partition.graph import build_unit_graph
 from netpart.partition.plans import PartitionPlan, load_plan, plan_files
 from netpart.ps.checkpoint import (
     export_state_dict,
@@ -166,11 +165,8 @@ def run_model(run: Path, from_shards: bool = False) -> tuple[Job, dict[str, torc
                 f"{run / 'model.pt'}: not a model file netpart wrote ({type(exc).__name__} from "
                 f"torch.load); rebuild it from the shard checkpoints with `netpart export {run}`"
             ) from None
-    spec, plan, config = job.spec, job.plan, job.config
-    layout = ShardLayout.build(
-        build_unit_graph(spec, plan.granularity), plan.node_map, plan.workers, config.shards
-    )
-    return job, model_from_shards(spec, plan, config, run, layout)
+    compiled = compile_plan(job.spec, job.plan, shards=job.config.shards, validate=False)
+    return job, model_from_shards(job.spec, job.plan, job.config, run, compiled.layout)
 
 
 def model_from_shards(
@@ -183,20 +179,18 @@ def model_from_shards(
 
 
 def prepare_run(
-    spec: ModelSpec,
-    plan: PartitionPlan,
+    compiled: CompiledPlan,
     config: TrainConfig,
     run: Path,
     resume: bool,
     newest: bool = False,
-) -> tuple[ShardLayout, dict[int, int]]:
-    """Check the job and the run directory; return the layout and each replica's start step.
+) -> dict[int, int]:
+    """Check the job and the run directory; return each replica's start step.
 
     Raises TrainError (nothing written) for a resume directory of another model, layout or
     optimizer, a corrupt checkpoint, or a fresh run into a directory holding one already.
     """
-    graph, _ = plan_schedule(spec, plan)
-    layout = ShardLayout.build(graph, plan.node_map, plan.workers, config.shards)
+    spec, plan, layout = compiled.spec, compiled.plan, compiled.layout
     if resume:
         old = read_job(run).config
         meta = checkpoint_meta(spec, plan, config)
@@ -223,7 +217,7 @@ def prepare_run(
                 for path in run.glob(name):
                     path.unlink(missing_ok=True)
         starts = dict.fromkeys(range(config.replicas), 0)
-    return layout, starts
+    return starts
 
 
 # What a job writes into its run directory (besides the logs), removed when a run that never
@@ -294,8 +288,9 @@ def _check_diverged(run: Path, config: TrainConfig) -> None:
     )
 
 
-def finish_run(spec, plan, config, run: Path, layout, summary: TrainSummary) -> None:
+def finish_run(compiled: CompiledPlan, config, run: Path, summary: TrainSummary) -> None:
     """After the job: model.pt from the shards, held-out figures, summary.json, the report."""
+    spec, plan, layout = compiled.spec, compiled.plan, compiled.layout
     _check_diverged(run, config)
     for line in read_metrics(run):  # time order: the last line of a replica wins
         summary.steps[line["replica"]] = line["step"]

@@ -21,7 +21,6 @@ from netpart.planning.cluster import (
     LOOP_DENSE_SLICES,
     UPDATE_S_PER_VALUE,
     advise,
-    allreduce_s,
     loop_cpu_s,
 )
 
@@ -82,9 +81,11 @@ def test_the_all_reduce_alone_is_read_off_its_table_and_a_layout_s_ring_costs_th
     for link in (10e-6, 5e-3):  # the ring alone is measured slower, then faster, than priced
         model = replace(model, latency_s=link)
         row = next(f for f in advise(spec, 3, model).layouts if f.layout.mode == "allreduce")
-        ring = max(measured, allreduce_s(values, 3, model))
+        link_priced = replace(model, ps=None).allreduce_s(values, 3)
+        ring = max(measured, link_priced)
+        assert model.allreduce_s(values, 3) == pytest.approx(ring)  # the one price
         assert row.step_s == pytest.approx(one + ring + update)
-        assert (ring == allreduce_s(values, 3, model)) == (link == 5e-3)
+        assert (ring == link_priced) == (link == 5e-3)
 
 
 def test_a_ring_that_runs_faster_at_a_larger_size_as_a_rule_prices_smaller_ones_at_their_mean():
@@ -137,7 +138,7 @@ def test_a_ddp_replica_s_step_timed_by_calibration_prices_the_all_reduce_replica
     model = NetworkModel(kinds={}, profile="p.json", ps=ps, latency_s=10e-6)
     assert "DDP's replica step of tiny-mlp" in model.describe()
     values = load_spec("tiny-mlp").num_params
-    ring_3 = max(ps.allreduce_s(3, 4.0 * values), allreduce_s(values, 3, model))
+    ring_3 = max(ps.allreduce_s(3, 4.0 * values), replace(model, ps=None).allreduce_s(values, 3))
 
     def replica_s(name: str, batch: int) -> float:
         rows = advise(load_spec(name), 3, model, batch=batch).layouts
@@ -156,7 +157,7 @@ def test_a_ddp_replica_s_step_timed_by_calibration_prices_the_all_reduce_replica
     digits = load_spec("digits-mlp")
     one = plan(digits, 1, seed=0, batch=32, network=model).metrics.predicted_step_s
     n = digits.num_params
-    ring_3 = max(ps.allreduce_s(3, 4.0 * n), allreduce_s(n, 3, model))
+    ring_3 = max(ps.allreduce_s(3, 4.0 * n), replace(model, ps=None).allreduce_s(n, 3))
     rows = advise(digits, 3, model, batch=32).layouts
     row = next(f for f in rows if f.layout.mode == "allreduce")
     assert row.step_s == pytest.approx(one + ring_3 + n * UPDATE_S_PER_VALUE)

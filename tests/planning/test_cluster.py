@@ -16,7 +16,6 @@ from netpart.planning.cluster import (
     UPDATE_S_PER_VALUE,
     ClusterAdvice,
     advise,
-    allreduce_s,
     trainable,
 )
 
@@ -26,8 +25,8 @@ NET = NetworkModel(bandwidth_bps=1e9, latency_s=50e-6, message_s=20e-6)
 def test_a_ring_all_reduce_is_2_m_minus_1_phases_of_a_machines_share():
     values, m = 1_000_000, 4
     phase = NET.latency_s + NET.message_s + BYTES_PER_VALUE * values / m * 8 / NET.bandwidth_bps
-    assert allreduce_s(values, m, NET) == pytest.approx(2 * (m - 1) * phase)
-    assert allreduce_s(values, 1, NET) == 0.0
+    assert NET.allreduce_s(values, m) == pytest.approx(2 * (m - 1) * phase)
+    assert NET.allreduce_s(values, 1) == 0.0
 
 
 def test_an_all_reduce_step_is_one_workers_step_the_ring_and_a_whole_models_update():
@@ -38,7 +37,7 @@ def test_an_all_reduce_step_is_one_workers_step_the_ring_and_a_whole_models_upda
         ring = next(
             f for f in advise(spec, m, NET, batch=16).layouts if f.layout.mode == "allreduce"
         )
-        priced = step + allreduce_s(values, m, NET) + values * UPDATE_S_PER_VALUE
+        priced = step + NET.allreduce_s(values, m) + values * UPDATE_S_PER_VALUE
         assert ring.step_s == pytest.approx(priced)
 
 

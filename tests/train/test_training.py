@@ -1,6 +1,7 @@
 """Training jobs in real processes (gloo): few, bounded, and none leaves a process behind."""
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from netpart.cli import main
+from netpart.compile.compiled import COMPILED
 from netpart.compile.shards import ShardLayout
 from netpart.data import load_data
 from netpart.models import build_reference, load_spec
@@ -64,13 +66,37 @@ def _sync(steps):
     )
 
 
+LAUNCHER_COMPILES: list[logging.LogRecord] = []  # the sync run's launcher's compilations
+
+
 @pytest.fixture(scope="module")
 def sync_run(tmp_path_factory):
     """Sync SGD, 2 replicas x 2 workers + 3 shards, float64, 4 steps."""
     run = tmp_path_factory.mktemp("sync") / "run"
     p = plan(SPEC, 2, "metis")
-    train(SPEC, p, _sync(4), run)
+    counter = logging.Handler()
+    counter.emit = LAUNCHER_COMPILES.append
+    compiled_log = logging.getLogger("netpart.compile.compiled")
+    level = compiled_log.level
+    compiled_log.addHandler(counter)
+    compiled_log.setLevel(logging.INFO)
+    try:
+        train(SPEC, p, _sync(4), run)
+    finally:
+        compiled_log.removeHandler(counter)
+        compiled_log.setLevel(level)
     return p, run
+
+
+def test_a_job_compiles_its_plan_once_per_process(sync_run):
+    """The graph, the schedule and the shard layout are built once in the launcher and once
+    in each of the job's processes (`netpart.compile.compiled.COMPILED` in its log)."""
+    _, run = sync_run
+    assert [r.getMessage().split(":")[0] for r in LAUNCHER_COMPILES] == [COMPILED]
+    logs = sorted((run / "logs").glob("rank*.log"))
+    assert len(logs) == 2 * 2 + 3
+    for path in logs:
+        assert path.read_text().count(COMPILED) == 1, path.name
 
 
 def test_sync_equals_single_process_sgd_on_the_concatenated_batch(sync_run):

@@ -20,7 +20,6 @@ __all__ = [
     "capacities",
     "check_writable",
     "echo",
-    "load_network",
     "per_worker_stats",
     "plan_for_run",
     "positive_int",
@@ -201,29 +200,3 @@ def add_profile_arg(parser: argparse.ArgumentParser) -> None:
         "experiments/machines/ has some; `netpart calibrate` writes one beside its profile) "
         "(default: none)",
     )
-
-
-def load_network(profile: Path | None, net: str = "", machine: Path | None = None):
-    """The NetworkModel of --profile FILE or --machine FILE (checked, one-line errors) with
-    --net's figures over it (the cluster's links, this machine's compute), or of --net alone."""
-    from netpart.cost import NetworkModel
-
-    if machine is not None:
-        from netpart.cost.machine import read_machine
-
-        if profile is not None:
-            raise PlanError("give --profile or --machine, not both (a profile holds a machine)")
-        model = read_machine(machine).to_network(str(machine))
-        return NetworkModel.parse(net, base=model) if net else model
-    if profile is None:
-        return NetworkModel.parse(net) if net else NetworkModel()
-    try:
-        text = profile.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise PlanError(f"--profile {profile}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise PlanError(
-            f"--profile {profile}: not a text file; give a profile `netpart calibrate` wrote"
-        ) from None
-    model = NetworkModel.from_profile(text, str(profile))
-    return NetworkModel.parse(net, base=model) if net else model  # --net: the cluster's links

@@ -203,7 +203,7 @@ def train_layout(args: argparse.Namespace) -> None:
     """`train --machines M`: set --workers, --replicas, --ps-shards and --mode to the fastest
     parameter-server layout `plan --machines M` predicts for the same machine (--profile,
     --machine, or the built-in model), and say which and why."""
-    from netpart.cli.common import load_network
+    from netpart.cost.machine import load_network
     from netpart.models import load_spec
     from netpart.planning.cluster import trainable
     from netpart.train.config import TrainConfig

@@ -11,11 +11,11 @@ from netpart.cli.common import (
     capacities,
     check_writable,
     echo,
-    load_network,
     positive_int,
     seed_int,
 )
 from netpart.cli.machines import machines_options, plan_cluster, sweep
+from netpart.cost.machine import load_network
 from netpart.errors import PlanError
 from netpart.processes.memory import available_memory
 

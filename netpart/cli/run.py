@@ -12,13 +12,13 @@ from netpart.cli.common import (
     add_profile_arg,
     check_writable,
     echo,
-    load_network,
     per_worker_stats,
     plan_for_run,
     positive_int,
     timeout_s,
 )
 from netpart.cli.testbed import add_testbed_arg
+from netpart.cost.machine import load_network
 from netpart.files import write_atomic
 from netpart.processes.memory import available_memory
 

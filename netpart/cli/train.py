@@ -12,12 +12,12 @@ from netpart.cli.common import (
     add_profile_arg,
     check_writable,
     echo,
-    load_network,
     positive_int,
     seed_int,
     timeout_s,
 )
 from netpart.cli.testbed import add_testbed_arg
+from netpart.cost.machine import load_network
 
 __all__ = ["register"]
 

@@ -31,7 +31,6 @@ the key. `to_network` gives the `NetworkModel` the planner predicts with.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -46,21 +45,20 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 from netpart.cost.step import NetworkModel
 from netpart.cost.tables import KindCost
+from netpart.cost.units import EXAMPLES, quantity
 from netpart.models.spec import LAYER_KINDS
 
-__all__ = ["MACHINE_SCHEMA", "KindRate", "Machine", "machine_toml", "read_machine"]
+__all__ = [
+    "MACHINE_SCHEMA",
+    "KindRate",
+    "Machine",
+    "load_network",
+    "machine_toml",
+    "read_machine",
+]
 
 MACHINE_SCHEMA = 1
 _LARGEST = 1e18  # FLOPs: the far end of a rate's two-point table (read linearly in between)
-_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
-_BINARY = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-_TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
-_UNIT_RE = {
-    "rate": (r"flop/s", "a compute rate, e.g. '95 GFLOP/s'"),
-    "bits": (r"bit/s", "a bandwidth, e.g. '1 Gbit/s'"),
-    "time": (r"s|ms|us|µs|ns", "a time, e.g. '50 us'"),
-    "bytes": (r"i?b", "a size, e.g. '48 GiB'"),
-}
 _KEYS = {
     "": {"schema_version", "name", "about", "compute", "network", "step", "memory"},
     "compute": {"rate", "overhead", "per_value", "threads", "kinds"},
@@ -272,7 +270,7 @@ def _figure(
 ) -> float:
     """A figure with its unit ('95 GFLOP/s', '50 us'), in SI units; a plain number is an SI
     figure only where `si` (JSON written by `to_dict`); 0 needs no unit."""
-    pattern, example = _UNIT_RE[unit]
+    example = EXAMPLES[unit]
     if isinstance(raw, bool) or raw is None:
         raise PlanError(f"{where}: {key} must be {example}")
     if isinstance(raw, int | float) and not si and raw != 0:
@@ -280,20 +278,10 @@ def _figure(
     if isinstance(raw, int | float):
         value = float(raw)
     else:
-        m = re.fullmatch(
-            r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([kmgtpµu]?)\s*(" + pattern + r")\s*",
-            str(raw),
-            flags=re.IGNORECASE,
-        )
-        if not m:
-            raise PlanError(f"{where}: {key} = {raw!r}: give {example}")
-        number, prefix, suffix = float(m.group(1)), m.group(2).lower(), m.group(3).lower()
-        if unit == "time":
-            value = number * _TIME[(prefix + suffix).replace("µ", "u")]
-        elif unit == "bytes":
-            value = number * (_BINARY if suffix == "ib" else _PREFIX)[prefix]
-        else:
-            value = number * _PREFIX[prefix]
+        try:
+            value = quantity(str(raw), unit)
+        except ValueError:
+            raise PlanError(f"{where}: {key} = {raw!r}: give {example}") from None
     if not np.isfinite(value) or value < 0 or (positive and value == 0):
         raise PlanError(f"{where}: {key} = {raw!r}: must be {'> 0' if positive else '>= 0'}")
     return value
@@ -353,3 +341,26 @@ def machine_toml(machine: Machine) -> str:
         f'per_worker = "{machine.memory_bytes / 2**30:.6g} GiB"',
     ]
     return "\n".join(lines) + "\n"
+
+
+def load_network(profile: Path | None, net: str = "", machine: Path | None = None) -> NetworkModel:
+    """The one reader of a prediction's machine: the NetworkModel of --profile FILE or
+    --machine FILE (checked, one-line errors) with --net's figures over it (the cluster's
+    links, this machine's compute), or of --net alone."""
+    if machine is not None:
+        if profile is not None:
+            raise PlanError("give --profile or --machine, not both (a profile holds a machine)")
+        model = read_machine(machine).to_network(str(machine))
+        return NetworkModel.parse(net, base=model) if net else model
+    if profile is None:
+        return NetworkModel.parse(net) if net else NetworkModel()
+    try:
+        text = profile.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PlanError(f"--profile {profile}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise PlanError(
+            f"--profile {profile}: not a text file; give a profile `netpart calibrate` wrote"
+        ) from None
+    model = NetworkModel.from_profile(text, str(profile))
+    return NetworkModel.parse(net, base=model) if net else model  # --net: the cluster's links

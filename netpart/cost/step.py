@@ -43,7 +43,6 @@ chain's late units, forward and backward. Only the rest of each exchange is expo
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -52,6 +51,7 @@ import numpy as np
 from netpart.cost.exchange import PsExchange
 from netpart.cost.overlap import SPLIT_COST, SPLIT_MIN_FLOPS, apply, choose_splits, hiding
 from netpart.cost.tables import FORWARD_SHARE, KindCost, LayerCost, read_table, table_points
+from netpart.cost.units import quantity
 from netpart.errors import PlanError
 from netpart.models.spec import BYTES_PER_VALUE
 
@@ -67,9 +67,6 @@ __all__ = [
 ]
 
 PROFILE_SCHEMA = 2  # 2: a kind's per_value counts the values a slice reads (1: its input buffer)
-
-_UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-_TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 
 
 @dataclass(frozen=True)
@@ -343,20 +340,11 @@ class NetworkModel:
             key, raw = key.strip().lower(), raw.strip().lower()
             try:
                 if key == "bandwidth":
-                    m = re.fullmatch(r"([0-9.e+-]+)\s*([kmgt]?)(bit|b)?(/s|ps)?", raw)
-                    if not m:
-                        raise ValueError
-                    values["bandwidth_bps"] = float(m.group(1)) * _UNITS[m.group(2)]
+                    values["bandwidth_bps"] = quantity(raw, "bits", named=False)
                 elif key == "latency":
-                    m = re.fullmatch(r"([0-9.e+-]+)\s*(s|ms|us|µs|ns)?", raw)
-                    if not m:
-                        raise ValueError
-                    values["latency_s"] = float(m.group(1)) * _TIME[m.group(2) or "s"]
+                    values["latency_s"] = quantity(raw, "time", named=False)
                 elif key == "flops":
-                    m = re.fullmatch(r"([0-9.e+-]+)\s*([kmgt]?)(flops?)?(/s)?", raw)
-                    if not m:
-                        raise ValueError
-                    values["flops_per_s"] = float(m.group(1)) * _UNITS[m.group(2)]
+                    values["flops_per_s"] = quantity(raw, "rate", named=False)
                 elif key == "speed":  # machines this many times as fast as the profile's
                     speed = float(raw.removesuffix("x"))
                 else:

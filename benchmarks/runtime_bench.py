@@ -21,11 +21,10 @@ pairs), one thread per process, batch 32, float32:
 from __future__ import annotations
 
 import statistics
-import time
 
 import numpy as np
 import torch
-from harness import alternate, parser, write_results
+from harness import parser, write_results
 
 from netpart.calibrate.trace import measure_slices
 from netpart.compile.schedule import plan_schedule
@@ -36,19 +35,11 @@ from netpart.runtime.check import make_batch
 from netpart.runtime.inprocess import ThreadTransport
 from netpart.runtime.step import StepOptions, run_step
 from netpart.runtime.worker import ModelWorker
+from netpart.timing import alternate, each_call
 
 MODELS = ("digits-mlp", "bench-local", "bench-local-wide")
 WARMUP = 5
 STEPS = {"digits-mlp": 300, "bench-local": 20, "bench-local-wide": 12}  # timed steps a run
-
-
-def _timeit(fn, repeat: int) -> list[float]:
-    out = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - start)
-    return out
 
 
 def overhead(name: str, batch: int, repeat: int) -> dict:
@@ -69,12 +60,10 @@ def overhead(name: str, batch: int, repeat: int) -> dict:
         worker.zero_grad()
         worker.step(x, y, transport, collect_grads=False, accuracy=False)
 
-    runs = alternate(
-        {"worker": worker_step, "reference": ref_step}, rounds=repeat, warmup=3, probe=False
-    )
+    runs = alternate({"worker": worker_step, "reference": ref_step}, rounds=repeat, warm=3)
     return {
-        "worker_step_s": runs["worker"].median_s,
-        "reference_step_s": runs["reference"].median_s,
+        "worker_step_s": runs.median("worker"),
+        "reference_step_s": runs.median("reference"),
         "ratio_median": statistics.median(runs.round_ratios("worker", "reference")),
     }
 
@@ -101,13 +90,12 @@ def scaling(name: str, batch: int, steps: int, pairs: int) -> dict:
             "n2": lambda: _step_s(_run(spec, 2, batch, steps)),
         },
         rounds=pairs,
-        warmup=0,
-        probe=False,
+        warm=0,
     )
     ratios = runs.round_ratios("n1", "n2")
     return {
-        "n1_step_s": runs["n1"].median_s,
-        "n2_step_s": runs["n2"].median_s,
+        "n1_step_s": runs.median("n1"),
+        "n2_step_s": runs.median("n2"),
         "speedup": statistics.median(ratios),
         "n2_over_n1": statistics.median(1 / r for r in ratios),
         "speedup_per_pair": ratios,
@@ -124,17 +112,16 @@ def efficiency(name: str, batch: int, steps: int, pairs: int) -> dict:
             "raw": lambda: _step_s(_run(spec, 2, batch, steps, exchange_only=True)),
         },
         rounds=pairs,
-        warmup=0,
-        probe=False,
+        warm=0,
     )
     times = measure_slices(spec, p, batch)
     compute = float((times.forward + times.backward).sum(axis=0).max())
-    measured, raw = runs["measured"].seconds, runs["raw"].seconds
+    measured, raw = runs.seconds["measured"], runs.seconds["raw"]
     ratios = [m / (compute + r) for m, r in zip(measured, raw, strict=True)]
     return {
-        "measured_step_s": runs["measured"].median_s,
+        "measured_step_s": runs.median("measured"),
         "isolated_compute_s": compute,
-        "raw_messages_s": runs["raw"].median_s,
+        "raw_messages_s": runs.median("raw"),
         "efficiency": statistics.median(ratios),
         "per_pair": ratios,
     }
@@ -154,13 +141,12 @@ def overlap(name: str, batch: int, steps: int, pairs: int) -> dict:
             "without": lambda: float(_exposed(_run(spec, 2, batch, steps, overlap=False))),
         },
         rounds=pairs,
-        warmup=0,
-        probe=False,
+        warm=0,
     )
     ratios = runs.round_ratios("with", "without")
     return {
-        "exposed_with_overlap_s": runs["with"].median_s,
-        "exchange_without_overlap_s": runs["without"].median_s,
+        "exposed_with_overlap_s": runs.median("with"),
+        "exchange_without_overlap_s": runs.median("without"),
         "exposed_share": statistics.median(ratios),
         "hidden_share": 1 - statistics.median(ratios),
         "per_pair": ratios,
@@ -196,11 +182,11 @@ def kernel_rate(batch: int, repeat: int) -> dict:
     flops = 2.0 * spec.layer_params(layer) * batch  # multiply-adds of every weight, per example
     with torch.no_grad():
         sl(x)
-        local_t = statistics.median(_timeit(lambda: sl(x), repeat))
+        local_t = statistics.median(r.seconds for r in each_call(lambda: sl(x), repeat))
     n = 1024
     a, b = torch.randn(n, n), torch.randn(n, n)
     torch.mm(a, b)
-    mm_t = statistics.median(_timeit(lambda: torch.mm(a, b), repeat))
+    mm_t = statistics.median(r.seconds for r in each_call(lambda: torch.mm(a, b), repeat))
     mm_rate = 2.0 * n**3 / mm_t / 1e9
     local_rate = flops / local_t / 1e9
     return {

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from harness import alternate, parser, write_results
+from harness import parser, write_results
 
 from netpart.models import build_reference, load_spec
 from netpart.partition.planner import plan
 from netpart.runtime.check import lone_step, make_batch
+from netpart.timing import alternate
 
 
 def main(argv=None) -> int:
@@ -46,13 +47,13 @@ def main(argv=None) -> int:
         return lambda: [fn() for _ in range(args.steps)]
 
     cases = {"netpart": netpart_step, "reference": backward, "reference+update": with_update}
-    rounds = alternate({k: steps(f) for k, f in cases.items()}, rounds=args.rounds, probe=False)
+    rounds = alternate({k: steps(f) for k, f in cases.items()}, rounds=args.rounds)
     dist.destroy_process_group()
-    base = rounds.cases[0].median_cpu_s
-    for case in rounds.cases:
-        cpu = case.median_cpu_s / args.steps
-        ratio = case.median_cpu_s / base
-        print(f"{case.name:<17} {cpu * 1e3:8.2f} ms CPU a step, {ratio:.2f}x netpart's")
+    base = rounds.median_cpu("netpart")
+    for name in rounds.names:
+        cpu = rounds.median_cpu(name) / args.steps
+        ratio = rounds.median_cpu(name) / base
+        print(f"{name:<17} {cpu * 1e3:8.2f} ms CPU a step, {ratio:.2f}x netpart's")
     results = {"model": args.model, "steps": args.steps, **rounds.to_dict()}
     write_results(args.out, results)
     return 0

@@ -14,7 +14,6 @@ replica runs it alone; the profile keeps each calibrated model's median step
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -24,6 +23,7 @@ from netpart.models import build_reference
 from netpart.models.spec import ModelSpec
 from netpart.runtime.check import make_batch
 from netpart.runtime.step import timed_steps
+from netpart.timing import each_call, time_call
 
 __all__ = ["REPLICA_RUNS", "replica_step", "replica_steps"]
 
@@ -45,17 +45,14 @@ def replica_step(spec: ModelSpec, batch: int, steps: int, seconds: float) -> tup
         x, y = make_batch(spec, batch, 0)
         x = x.float()
 
-        def step() -> tuple[float, float]:
-            t0, c0 = time.perf_counter(), time.process_time()
+        def step() -> None:
             opt.zero_grad()
             model.loss(model(x), y).backward()
             opt.step()
-            return time.perf_counter() - t0, time.process_time() - c0
 
-        count, warm = timed_steps(step()[0], steps, seconds)
-        for _ in range(warm):
-            step()
-        wall, cpu = zip(*(step() for _ in range(count)), strict=True)
+        count, warm = timed_steps(time_call(step)[0].seconds, steps, seconds)
+        runs = each_call(step, count, warm=warm)
+        wall, cpu = [r.seconds for r in runs], [r.cpu for r in runs]
         return float(np.median(wall)), float(np.median(cpu))
     finally:
         torch.set_num_threads(threads)

@@ -12,7 +12,6 @@ take longer than timing it); the arithmetic is the same.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +23,7 @@ from netpart.models.spec import ModelSpec
 from netpart.partition.plans import PartitionPlan
 from netpart.processes.memory import keep_freed_memory
 from netpart.runtime.slices import build_slice
+from netpart.timing import time_call
 
 __all__ = ["SliceTimes", "measure_slices"]
 
@@ -103,13 +103,12 @@ def _time_slice(layer_slice, x: torch.Tensor, share: float = 1.0) -> tuple[float
     runs: list[tuple[float, float]] = []
     while len(runs) <= MOST_RUNS:
         x.grad = None
-        c0, t0 = time.thread_time(), time.perf_counter()
-        out = layer_slice(x)
-        c1, t1 = time.thread_time(), time.perf_counter()
-        if out.requires_grad:
-            torch.autograd.backward(out, torch.ones_like(out))
-        c2, t2 = time.thread_time(), time.perf_counter()
-        runs.append((max(t1 - t0, (c1 - c0) / share), max(t2 - t1, (c2 - c1) / share)))
+        forward, out = time_call(lambda: layer_slice(x), thread=True)
+        backward, _ = time_call(
+            lambda o=out: o.requires_grad and torch.autograd.backward(o, torch.ones_like(o)),
+            thread=True,
+        )
+        runs.append(tuple(max(t.seconds, t.cpu / share) for t in (forward, backward)))
         del out
         for p in layer_slice.parameters():
             p.grad = None

@@ -33,6 +33,7 @@ from netpart.ps.modes import Downpour, Sync
 from netpart.ps.optimizer import Optimizer
 from netpart.ps.rules import make_rule
 from netpart.ps.server import ShardServer, ShardSetup, ShardState
+from netpart.timing import mean_call
 
 __all__ = ["ALLREDUCE", "flat_layout", "ps_loop", "stand_in", "timed_calls", "warm_exchanges"]
 
@@ -48,12 +49,8 @@ ALLREDUCE = "allreduce"  # the mode of every rank all-reducing (no shards)
 def timed_calls(fn: Callable[[], None], repeats: int) -> tuple[float, float]:
     """(seconds, CPU seconds of the process, all threads) per call of `fn`, means over
     `repeats` back-to-back calls after WARM untimed: what `ps_loop`'s `beside` costs alone."""
-    for _ in range(WARM):
-        fn()
-    t0, c0 = time.perf_counter(), time.process_time()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - t0) / repeats, (time.process_time() - c0) / repeats
+    timed = mean_call(fn, repeats, warm=WARM)
+    return timed.seconds, timed.cpu
 
 
 def stand_in(cpu_s: float, values: int) -> Callable[[], None]:
@@ -197,12 +194,8 @@ def _allreduce(
 
     for size in sizes:
         grads = torch.zeros(max(int(size) // 4, 1))  # sums stay 0: no overflow, no subnormals
-        for _ in range(WARM):
-            once(grads)
-        start, used = time.perf_counter(), time.process_time()
-        for _ in range(repeats):
-            once(grads)
-        seconds.append((time.perf_counter() - start) / repeats)
-        cpu.append((time.process_time() - used) / repeats)
+        timed = mean_call(lambda g=grads: once(g), repeats, warm=WARM)
+        seconds.append(timed.seconds)
+        cpu.append(timed.cpu)
         dist.barrier(group=group)
     return seconds, cpu

@@ -44,6 +44,7 @@ from netpart.runtime.result import StepResult, assemble, load_worker_result, sav
 from netpart.runtime.state import WorkerResult
 from netpart.runtime.transport import PEER_LOST, GlooTransport
 from netpart.runtime.worker import ModelWorker
+from netpart.timing import each_call, mean_call
 
 __all__ = [
     "GATHER_VALUES",
@@ -210,21 +211,17 @@ def link_loop(transport, sizes, repeats: int) -> tuple[list[float], float]:
     for size in sizes:
         out = torch.zeros(max(int(size) // 4, 1))
         into = [torch.empty_like(out) for _ in peers]
-        times = []
-        for _ in range(repeats + 1):
-            transport.barrier()
-            start = time.perf_counter()
+
+        def exchange(out=out, into=into) -> None:
             posted = [transport.recv(0, p, b) for p, b in zip(peers, into, strict=True)]
             transport.wait(posted + [transport.send(0, p, out) for p in peers])
-            times.append(time.perf_counter() - start)
-        seconds.append(float(np.median(times[1:])))
-    values, times = torch.zeros(GATHER_VALUES), []
+
+        runs = each_call(exchange, repeats, warm=1, before=transport.barrier)
+        seconds.append(float(np.median([r.seconds for r in runs])))
+    values = torch.zeros(GATHER_VALUES)
     transport.barrier()
-    for _ in range(GATHER_REPEATS + 1):
-        start = time.perf_counter()
-        transport.all_gather(values)
-        times.append(time.perf_counter() - start)
-    return seconds, float(np.mean(times[1:]))
+    gather = mean_call(lambda: transport.all_gather(values), GATHER_REPEATS, warm=1)
+    return seconds, gather.seconds
 
 
 def _watch(procs: Processes, timeout: float) -> None:

@@ -57,8 +57,11 @@ class LocallyConnected2d(nn.Module):
         positions, fan_in = out.height * out.width, src.channels * layer.kernel**2
         self.weight = nn.Parameter(torch.empty(positions, fan_in, out.channels))
         self.bias = nn.Parameter(torch.zeros(out.channels, out.height, out.width))
-        # each patch's input rows, in unfold's (channel, ky, kx) order; src.size: padding
-        ids = torch.arange(1, src.size + 1, dtype=torch.float64)
+        # each patch's input rows, in unfold's (channel, ky, kx) order; src.size: padding.
+        # Always on the CPU: a model built on the meta device for its shapes alone (the
+        # exported state_dict's) would otherwise run unfold's decompositions there, whose
+        # imports cost seconds.
+        ids = torch.arange(1, src.size + 1, dtype=torch.float64, device="cpu")
         ids = ids.reshape(1, src.channels, src.height, src.width)
         rows = F.unfold(ids, layer.kernel, padding=layer.padding, stride=layer.stride)[0]
         rows = torch.where(rows > 0, rows - 1, src.size).long().t().reshape(-1)  # [L*K]

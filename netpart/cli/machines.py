@@ -65,27 +65,6 @@ def _check_out(out, name: str) -> None:
         check_writable(out, "--out")
 
 
-def _within_model(spec, counts: list[int], blocks_per_worker: int) -> list[int]:
-    """The counts the model can spread over (each worker owning part of its widest layer);
-    the rest are dropped with a note, PlanError if none is left."""
-    from netpart.partition import Granularity
-    from netpart.partition.graph import graph_size
-
-    def widest(n: int):
-        return graph_size(spec, Granularity.for_workers(n, blocks_per_worker))
-
-    kept = [n for n in counts if n <= widest(n).widest]
-    if not kept:
-        raise PlanError(f"--sweep: {spec.name} cannot spread over {counts[0]} workers or more")
-    if len(kept) < len(counts):
-        size = widest(counts[len(kept)])
-        echo(
-            f"counts above {kept[-1]} skipped: {spec.name}'s widest layer, "
-            f"{size.widest_layer}, has at most {size.widest} blocks"
-        )
-    return kept
-
-
 def sweep(spec, args: argparse.Namespace, network) -> int:
     """`plan --sweep`: one plan per worker count, its predicted step, the knee."""
     import json
@@ -93,37 +72,32 @@ def sweep(spec, args: argparse.Namespace, network) -> int:
     from tqdm import tqdm
 
     from netpart.files import write_files
-    from netpart.partition import Granularity, plan
     from netpart.planning.pictures import sweep_png
     from netpart.planning.report import sweep_table
-    from netpart.planning.sweep import SweepResult, knee, parse_counts
+    from netpart.planning.sweep import parse_counts, spreadable
+    from netpart.planning.sweep import sweep as run_sweep
 
     try:
         counts = parse_counts(args.sweep)
     except ValueError as exc:
         raise PlanError(f"--sweep {exc}") from None
-    if not args.gain > 1:
-        raise PlanError(f"--gain {args.gain}: must be > 1 (a doubling that buys nothing)")
     _check_out(args.out, "sweep.json")
-    counts = _within_model(spec, counts, args.blocks_per_worker)
-    steps = []
-    for n in tqdm(counts, desc="sweep", disable=not sys.stderr.isatty(), leave=False):
-        granularity = Granularity.for_workers(n, args.blocks_per_worker)
-        p = plan(
-            spec,
-            n,
-            args.method,
-            seed=args.seed,
-            batch=args.batch,
-            network=network,
-            granularity=granularity,
-            memory=available_memory(),
-        )
-        steps.append(p.metrics.predicted_step_s)
-    k, peak = knee(counts, steps, args.gain)
-    sweep = SweepResult(
-        spec.name, tuple(counts), tuple(steps), args.gain, k, peak, network.describe()
+    counts, note = spreadable(spec, counts, args.blocks_per_worker)
+    if note is not None:
+        echo(note)
+    sweep = run_sweep(
+        spec,
+        counts,
+        network,
+        method=args.method,
+        seed=args.seed,
+        batch=args.batch,
+        blocks_per_worker=args.blocks_per_worker,
+        gain=args.gain,
+        memory=available_memory(),
+        progress=lambda c: tqdm(c, desc="sweep", disable=not sys.stderr.isatty(), leave=False),
     )
+    k, peak = sweep.knee, sweep.peak
     echo(f"{spec.name}, {args.method}, batch {args.batch} ({network.describe()}):")
     echo(sweep_table(sweep))
     why = (
@@ -141,28 +115,16 @@ def sweep(spec, args: argparse.Namespace, network) -> int:
     return 0
 
 
-def _advice(
-    spec, network, machines: int, machine_file, *, blocks_per_worker: int | None = None, **given
-):
-    """`cluster.advise` for `machines` machines: the memory of the --machine description
-    (if given) per machine, and no more workers a replica than the model's widest layer has
-    blocks; `given` passes batch, n_push, n_fetch (and examples) on."""
-    from netpart.partition.blocks import Granularity
-    from netpart.partition.graph import graph_size
-    from netpart.planning.cluster import advise
+def _advice(spec, network, machines: int, machine_file, **given):
+    """`advise_for_machines` with the memory of the --machine description (if given)."""
+    from netpart.planning.cluster import advise_for_machines
 
     memory = 0.0
     if machine_file is not None:
         from netpart.cost.machine import read_machine
 
         memory = read_machine(machine_file).memory_bytes
-    granularity = (
-        Granularity.for_workers(machines)
-        if blocks_per_worker is None
-        else Granularity.for_workers(machines, blocks_per_worker)
-    )
-    widest = graph_size(spec, granularity).widest
-    return advise(spec, machines, network, memory_per_machine=memory, max_workers=widest, **given)
+    return advise_for_machines(spec, machines, network, memory_per_machine=memory, **given)
 
 
 def plan_cluster(spec, args: argparse.Namespace, network) -> int:

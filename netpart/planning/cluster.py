@@ -31,7 +31,7 @@ from netpart.cost.step import NetworkModel
 from netpart.errors import PlanError
 from netpart.models.spec import BYTES_PER_VALUE, ModelSpec
 from netpart.partition.blocks import Granularity
-from netpart.partition.graph import build_unit_graph
+from netpart.partition.graph import build_unit_graph, graph_size
 from netpart.partition.planner import plan
 from netpart.planning.memory import BASE_BYTES, activation_values, shard_bytes, worker_bytes
 
@@ -44,6 +44,7 @@ __all__ = [
     "Layout",
     "LayoutFigures",
     "advise",
+    "advise_for_machines",
     "loop_cpu_s",
     "trainable",
 ]
@@ -141,6 +142,35 @@ class ClusterAdvice:
         d = {k: v for k, v in d.items() if k != "schema_version"}
         layouts = tuple(LayoutFigures.from_dict(f) for f in d.pop("layouts"))
         return cls(**d, layouts=layouts)
+
+
+def advise_for_machines(
+    spec: ModelSpec,
+    machines: int,
+    network: NetworkModel,
+    *,
+    memory_per_machine: float = 0.0,
+    blocks_per_worker: int | None = None,
+    **given,
+) -> ClusterAdvice:
+    """`advise` as `plan --machines` and `train --machines` ask it: no more workers a replica
+    than the model's widest layer has blocks at that granularity (`blocks_per_worker`, the
+    plan's default where None), the machines' stated memory; `given`: batch, n_push, n_fetch,
+    examples."""
+    granularity = (
+        Granularity.for_workers(machines)
+        if blocks_per_worker is None
+        else Granularity.for_workers(machines, blocks_per_worker)
+    )
+    widest = graph_size(spec, granularity).widest
+    return advise(
+        spec,
+        machines,
+        network,
+        memory_per_machine=memory_per_machine,
+        max_workers=widest,
+        **given,
+    )
 
 
 def advise(

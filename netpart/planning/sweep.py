@@ -12,9 +12,17 @@ the peak they cost time too.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
-__all__ = ["DEFAULT_GAIN", "SweepResult", "knee", "parse_counts"]
+from netpart.cost.step import NetworkModel
+from netpart.errors import PlanError
+from netpart.models.spec import ModelSpec
+from netpart.partition.blocks import Granularity
+from netpart.partition.graph import graph_size
+from netpart.partition.planner import plan
+
+__all__ = ["DEFAULT_GAIN", "SweepResult", "knee", "parse_counts", "spreadable", "sweep"]
 
 DEFAULT_GAIN = 1.25  # a doubling of the workers must make the step this much faster
 
@@ -71,3 +79,61 @@ def parse_counts(text: str) -> list[int]:
     if not counts or counts[0] < 1:
         raise ValueError(f"{text!r}: worker counts must be integers >= 1")
     return counts
+
+
+def spreadable(
+    spec: ModelSpec, counts: list[int], blocks_per_worker: int
+) -> tuple[list[int], str | None]:
+    """The counts the model can spread over (each worker owning part of its widest layer),
+    and a note naming the first count dropped and why (None if none was); PlanError if none
+    is left."""
+
+    def widest(n: int):
+        return graph_size(spec, Granularity.for_workers(n, blocks_per_worker))
+
+    kept = [n for n in counts if n <= widest(n).widest]
+    if not kept:
+        raise PlanError(f"--sweep: {spec.name} cannot spread over {counts[0]} workers or more")
+    if len(kept) == len(counts):
+        return kept, None
+    size = widest(counts[len(kept)])
+    note = (
+        f"counts above {kept[-1]} skipped: {spec.name}'s widest layer, "
+        f"{size.widest_layer}, has at most {size.widest} blocks"
+    )
+    return kept, note
+
+
+def sweep(
+    spec: ModelSpec,
+    counts: list[int],
+    network: NetworkModel,
+    *,
+    method: str,
+    seed: int,
+    batch: int,
+    blocks_per_worker: int,
+    gain: float,
+    memory: int,
+    progress: Callable[[Iterable[int]], Iterable[int]] = lambda counts: counts,
+) -> SweepResult:
+    """One plan per worker count of `counts` (`progress` wraps their iteration), its
+    predicted step, and the knee."""
+    if not gain > 1:
+        raise PlanError(f"--gain {gain}: must be > 1 (a doubling that buys nothing)")
+    steps = []
+    for n in progress(counts):
+        granularity = Granularity.for_workers(n, blocks_per_worker)
+        p = plan(
+            spec,
+            n,
+            method,
+            seed=seed,
+            batch=batch,
+            network=network,
+            granularity=granularity,
+            memory=memory,
+        )
+        steps.append(p.metrics.predicted_step_s)
+    k, peak = knee(counts, steps, gain)
+    return SweepResult(spec.name, tuple(counts), tuple(steps), gain, k, peak, network.describe())

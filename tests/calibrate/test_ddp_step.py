@@ -4,7 +4,7 @@ update on one thread, each model's median of at most REPLICA_RUNS runs, in the p
 
 import torch
 
-from netpart.calibrate import replica
+from netpart.calibrate import ddp_step
 from netpart.cost.exchange import PsExchange
 from netpart.models import load_spec
 
@@ -19,7 +19,7 @@ def test_a_replica_step_runs_the_reference_module_and_its_update_on_one_thread(m
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.Adagrad, "step", counted)
-    seconds, cpu = replica.replica_step(load_spec("tiny-mlp"), 8, 5, 0.0)
+    seconds, cpu = ddp_step.replica_step(load_spec("tiny-mlp"), 8, 5, 0.0)
     assert seconds > 0 and cpu > 0
     # the first step sizes the run: then warm-up steps (at least 3) and 5 timed ones
     assert len(steps) >= 1 + 3 + 5 and set(steps) == {1}
@@ -28,10 +28,10 @@ def test_a_replica_step_runs_the_reference_module_and_its_update_on_one_thread(m
 
 def test_each_model_s_median_of_at_most_three_runs_in_the_profile_s_schema(monkeypatch):
     times = iter([(0.3, 0.1), (0.1, 0.2), (0.2, 0.3), (1e-3, 1e-3), (3e-3, 3e-3), (2e-3, 2e-3)])
-    monkeypatch.setattr(replica, "replica_step", lambda spec, batch, steps, seconds: next(times))
+    monkeypatch.setattr(ddp_step, "replica_step", lambda spec, batch, steps, seconds: next(times))
     said = []
     specs = [load_spec("bench-local"), load_spec("tiny-mlp")]
-    got = replica.replica_steps(specs, batch=32, steps=15, seconds=0.3, runs=5, say=said.append)
+    got = ddp_step.replica_steps(specs, batch=32, steps=15, seconds=0.3, runs=5, say=said.append)
     assert got == {
         "batch": 32,
         "seconds": {"bench-local": 0.2, "tiny-mlp": 2e-3},

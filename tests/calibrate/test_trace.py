@@ -14,11 +14,12 @@ def test_a_slice_on_a_share_of_a_core_counts_its_cpu_time_over_the_share(monkeyp
     pair)."""
     import itertools
 
+    from netpart import timing
     from netpart.calibrate import trace
 
     cpu, wall = itertools.count(0, 1e-3), itertools.count(0, 1.5e-3)
-    monkeypatch.setattr(trace.time, "thread_time", lambda: next(cpu))
-    monkeypatch.setattr(trace.time, "perf_counter", lambda: next(wall))
+    monkeypatch.setattr(timing.time, "thread_time", lambda: next(cpu))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(wall))
     spec = load_spec("tiny-local")
     blocks = build_unit_graph(spec, plan(spec, 1, "metis").granularity).layers[1]
     layer_slice = trace.build_slice(spec, 1, np.arange(8), blocks, None, torch.float32)

@@ -98,6 +98,10 @@ def sweep(spec, args: argparse.Namespace, network) -> int:
         progress=lambda c: tqdm(c, desc="sweep", disable=not sys.stderr.isatty(), leave=False),
     )
     k, peak = sweep.knee, sweep.peak
+    if args.out is not None:  # written before anything is shown: a closed stdout loses nothing
+        files = {"sweep.json": json.dumps(sweep.to_dict(), indent=1).encode()}
+        files["sweep.png"] = sweep_png(sweep)
+        write_files(args.out, files)
     echo(f"{spec.name}, {args.method}, batch {args.batch} ({network.describe()}):")
     echo(sweep_table(sweep))
     why = (
@@ -108,9 +112,6 @@ def sweep(spec, args: argparse.Namespace, network) -> int:
     workers = f"{k} worker{'s' if k != 1 else ''}"
     echo(f"book {workers}: {why}; the fastest predicted step is at {peak}")
     if args.out is not None:
-        files = {"sweep.json": json.dumps(sweep.to_dict(), indent=1).encode()}
-        files["sweep.png"] = sweep_png(sweep)
-        write_files(args.out, files)
         echo(f"wrote sweep.json, sweep.png to {args.out}")
     return 0
 
@@ -147,16 +148,18 @@ def plan_cluster(spec, args: argparse.Namespace, network) -> int:
         examples=args.examples,
         blocks_per_worker=args.blocks_per_worker,
     )
-    echo(f"{spec.name} on {args.machines} machines, batch {args.batch} ({advice.prediction}):")
-    echo(cluster_table(advice))
-    echo(f"recommended: {advice.why}")
-    if args.out is not None:
+    files = {}
+    if args.out is not None:  # written before anything is shown: a closed stdout loses nothing
         files = {
             "cluster.json": json.dumps(advice.to_dict(), indent=1).encode(),
             "cluster.png": cluster_png(advice),
             "report.md": cluster_markdown(advice).encode(),
         }
         write_files(args.out, files)
+    echo(f"{spec.name} on {args.machines} machines, batch {args.batch} ({advice.prediction}):")
+    echo(cluster_table(advice))
+    echo(f"recommended: {advice.why}")
+    if files:
         echo(f"wrote {', '.join(files)} to {args.out}")
     return 0
 

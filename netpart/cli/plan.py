@@ -230,16 +230,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     shards = ShardLayout.build(
         graph, main_plan.node_map, args.workers, args.ps_shards or args.workers
     )
+    files = {}
+    if args.out is not None:  # written before anything is shown: a closed stdout loses nothing
+        files = plan_files(main_plan)
+        figs = {} if args.no_figures else figures(graph, main_plan, comparison)
+        report = report_markdown(spec, main_plan, comparison, list(figs), shards)
+        files["report.md"] = report.encode()
+        files.update(figs)
+        write_files(args.out, files)
     _show(main_plan, shards, comparison)
-    if args.out is None:
-        return 0
-    files = plan_files(main_plan)
-    figs = {} if args.no_figures else figures(graph, main_plan, comparison)
-    report = report_markdown(spec, main_plan, comparison, list(figs), shards)
-    files["report.md"] = report.encode()
-    files.update(figs)
-    write_files(args.out, files)
-    echo(f"wrote {', '.join(files)} to {args.out}")
+    if files:
+        echo(f"wrote {', '.join(files)} to {args.out}")
     return 0
 
 

@@ -250,3 +250,22 @@ def test_a_testbed_job_s_stderr_passes_on_less_torchrun_s_exit_barrier_race():
     ]
     assert list(without_exit_barrier_race(lines)) == [lines[0], *lines[-2:]]
     assert list(without_exit_barrier_race(lines[2:4])) == lines[2:4]  # a record of its own
+
+
+@pytest.mark.parametrize("what", [["--workers", "2"], ["--machines", "2"]])
+def test_a_plan_piped_into_head_is_written_before_its_output(tmp_path, what):
+    """The reader of the output may close it after one line: the files are written first,
+    and the command exits 0 only once they are (issue 80, item 1)."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "netpart", "plan", "--model", "tiny-local", *what]
+    pipeline = " ".join([*cmd, "--out", str(out), "--no-figures" if "--workers" in what else ""])
+    done = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", f"{pipeline} | head -1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(done.stdout.splitlines()) == 1
+    written = "plan.json" if "--workers" in what else "cluster.json"
+    assert (out / written).exists(), sorted(p.name for p in out.iterdir()) if out.exists() else None

@@ -117,9 +117,8 @@ def load_image_folder(
         )
     if len(names) > classes:
         raise DataError(f"{root}: {len(names)} class folders, but the model has {classes} outputs")
-    mode = "RGB" if channels == 3 else "L"
-    xs, ys = [], []
-    for label, name in enumerate(names):
+    listed = []
+    for name in names:
         files = sorted(
             p
             for p in (root / name).iterdir()
@@ -128,18 +127,61 @@ def load_image_folder(
         if not files:
             kinds = ", ".join(sorted(IMAGE_SUFFIXES))
             raise DataError(f"{root / name}: class folder holds no images ({kinds})")
+        listed.append(files)
+    if len(names) < 2:
+        raise DataError(
+            f"{root}: one class folder ({names[0]}); a classifier needs at least two classes"
+        )
+    if len(names) < classes:
+        log.warning(
+            "%s: %d classes for a model of %d outputs: outputs %s are never a label",
+            root,
+            len(names),
+            classes,
+            _span(len(names), classes - 1),
+        )
+    mode = "RGB" if channels == 3 else "L"
+    xs, ys, bad = [], [], []
+    for label, files in enumerate(listed):
         for path in files:
+            rel = path.relative_to(root)
+            if not path.is_file():  # a FIFO or a device would block or never end
+                bad.append(f"{rel}: not a regular file")
+                continue
             try:
                 with Image.open(path) as im:
                     im = im.convert(mode).resize((width, height), Image.Resampling.BILINEAR)
                     a = np.asarray(im, dtype=np.float32) / 255.0
+            except Image.DecompressionBombError:
+                most = f"{Image.MAX_IMAGE_PIXELS:,}"
+                bad.append(f"{rel}: cannot read image (more pixels than {most})")
+                continue
             except (OSError, UnidentifiedImageError, ValueError) as exc:
-                raise DataError(f"{path}: cannot read image ({exc})") from None
+                bad.append(f"{rel}: cannot read image ({_short(exc)})")
+                continue
             a = a.transpose(2, 0, 1) if a.ndim == 3 else a[None]
             xs.append(np.repeat(a, channels, axis=0) if a.shape[0] != channels else a)
             ys.append(label)
+    if len(bad) == 1:
+        raise DataError(f"{root / bad[0]}; remove or replace it")
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise DataError(
+            f"{root}: {len(bad)} images cannot be read: {'; '.join(bad[:3])}{more}; remove or "
+            "replace them"
+        )
     x = np.stack(xs).reshape(len(xs), -1)
     mean, std = float(x.mean()), float(x.std()) + 1e-8
     x = (x - mean) / std
     log.info("%s: %d images in %d classes", root, len(xs), len(names))
     return x.astype(np.float32), np.asarray(ys, dtype=np.int64), names, (mean, std)
+
+
+def _span(first: int, last: int) -> str:
+    return str(first) if first == last else f"{first}-{last}"
+
+
+def _short(exc: BaseException) -> str:
+    """An exception's first line, short enough to sit in a one-line error."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return text[:120]

@@ -195,6 +195,8 @@ def load_data(
     path = Path(source)
     if path.is_dir():
         return _folder(spec, seed, path)
+    if not path.exists() and (path.suffix == ".npz" or source.endswith("/")):
+        raise DataError(f"--data {source}: no such file or directory")
     if path.suffix != ".npz":
         raise DataError(
             f"--data {source}: expected synthetic, shapes, digits, a .npz file with x and y, "
@@ -205,6 +207,8 @@ def load_data(
             arrays = {k: f[k] for k in ("x", "y", "x_test", "y_test") if k in f.files}
     except (OSError, ValueError) as exc:
         raise DataError(f"{path}: cannot read it as .npz ({exc})") from None
+    except MemoryError:  # a header that claims more than this machine holds
+        raise DataError(f"{path}: its arrays are larger than this machine's memory") from None
     missing = sorted({"x", "y"} - set(arrays))
     if missing:
         raise DataError(f"{path}: no array {missing[0]!r}; save x [n, ...] and y [n]")

@@ -195,6 +195,8 @@ class ModelSpec:
     def from_json(cls, text: str, source: str = "<json>") -> ModelSpec:
         try:
             data = json.loads(text)
+        except RecursionError:
+            raise SpecError(f"{source}: nested too deeply to be a spec") from None
         except json.JSONDecodeError as exc:
             raise SpecError(
                 f"{source}:{exc.lineno}:{exc.colno}: malformed JSON: {exc.msg}"

@@ -131,4 +131,6 @@ def load_spec(name_or_path: str | Path) -> ModelSpec:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"{key}: malformed TOML: {exc}") from None
+    except RecursionError:
+        raise SpecError(f"{key}: nested too deeply to be a spec") from None
     return ModelSpec.from_dict(data, key)

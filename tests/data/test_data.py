@@ -175,3 +175,58 @@ def test_digits_are_resized_standardised_and_hold_out_a_fixed_fifth():
     assert load_data("digits", load_spec("tiny-mlp")).x.shape[1] == 64  # flat 64 features
     with pytest.raises(DataError, match="takes 440 features, not 64"):
         load_data("digits", load_spec("speech"))
+
+
+def test_a_folder_the_model_cannot_learn_from_is_refused_or_warned_about(tmp_path, caplog):
+    """Issue 80, item 3: one class trains to 'accuracy 1.0' and says nothing; fewer classes
+    than outputs leave outputs that are never a label; a missing path is missing."""
+    with pytest.raises(DataError, match=r"one class folder \(class_0\); a classifier needs"):
+        load_data(str(_folder(tmp_path / "one", classes=1)), SPEC)
+    with caplog.at_level("WARNING", logger="netpart.data.images"):
+        load_data(str(_folder(tmp_path / "three", classes=3)), SPEC)
+    assert "3 classes for a model of 10 outputs: outputs 3-9 are never a label" in caplog.text
+    with pytest.raises(DataError, match="no_such_dir/: no such file or directory"):
+        load_data(str(tmp_path / "no_such_dir") + "/", SPEC)
+
+
+def test_every_unreadable_image_is_named_and_a_fifo_is_not_opened(tmp_path):
+    import os
+
+    root = _folder(tmp_path / "imgs")
+    (root / "class_1" / "9.png").write_bytes(b"not a png")
+    (root / "class_2" / "8.png").write_bytes(b"nor this")
+    os.mkfifo(root / "class_0" / "pipe.png")  # opened, it would block for ever
+    with pytest.raises(DataError) as err:
+        load_data(str(root), SPEC)
+    text = str(err.value)
+    assert "3 images cannot be read" in text and "\n" not in text
+    assert "class_0/pipe.png: not a regular file" in text
+    assert "class_1/9.png: cannot read image" in text and "class_2/8.png" in text
+
+
+def test_a_decompression_bomb_and_an_npz_larger_than_memory_are_one_line_errors(tmp_path):
+    import io
+    import zipfile
+
+    from PIL import Image
+
+    root = _folder(tmp_path / "imgs")
+    Image.new("L", (9000, 9000)).save(root / "class_1" / "big.png")  # 81M pixels
+    limit = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = 1_000_000  # the guard raises above twice this
+    try:
+        with pytest.raises(DataError, match=r"big.png: cannot read image \(more pixels than"):
+            load_data(str(root), SPEC)
+    finally:
+        Image.MAX_IMAGE_PIXELS = limit
+    # an .npy header claiming 2 TiB of float64, with no data behind it
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "<f8", "fortran_order": False, "shape": (2**38,)}
+    )
+    path = tmp_path / "huge.npz"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("x.npy", header.getvalue())
+        z.writestr("y.npy", header.getvalue())
+    with pytest.raises(DataError, match="larger than this machine's memory"):
+        load_data(str(path), SPEC)

@@ -148,3 +148,13 @@ def test_a_layer_key_is_its_kind_options_and_shapes_not_its_model():
     renamed = ModelSpec.from_json(narrow.to_json().replace('"bench-local"', '"other"'))
     assert renamed.name == "other"
     assert [renamed.layer_key(i) for i in range(6)] == [narrow.layer_key(i) for i in range(6)]
+
+
+@pytest.mark.parametrize(
+    "name, text", [("deep.json", "[" * 100000), ("deep.toml", "a = " + "[" * 100000)]
+)
+def test_a_spec_nested_too_deeply_is_a_one_line_error(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text + ("]" * 100000))
+    with pytest.raises(SpecError, match="nested too deeply to be a spec"):
+        load_spec(path)

@@ -6,11 +6,23 @@ so a reader never sees a half-written file and a failed run leaves the old file 
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import tempfile
+import time
 from pathlib import Path
 
-__all__ = ["foreign_entries", "write_atomic", "write_files"]
+__all__ = ["foreign_entries", "is_temporary", "write_atomic", "write_files"]
+
+# `write_atomic`'s temporary files: ".NAME.RANDOM.tmp" beside NAME
+_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.[A-Za-z0-9_]{8}\.tmp$")
+
+
+def is_temporary(name: str) -> bool:
+    """Whether `name` is one of `write_atomic`'s temporary files (a killed command's leftover
+    where no writer is running)."""
+    return _TEMPORARY.match(name) is not None
 
 
 def foreign_entries(out_dir: Path, marker: str, forbidden: tuple[str, ...] = ()) -> list[str]:
@@ -19,7 +31,7 @@ def foreign_entries(out_dir: Path, marker: str, forbidden: tuple[str, ...] = ())
     command's); else the names found there (at most five), for the refusal."""
     if not out_dir.is_dir():
         return []
-    names = sorted(p.name for p in out_dir.iterdir())
+    names = sorted(p.name for p in out_dir.iterdir() if not is_temporary(p.name))
     if not names or (marker in names and not set(forbidden) & set(names)):
         return []
     return names[:5]
@@ -31,7 +43,12 @@ os.umask(_UMASK)
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Write `data` to `path` through a temp file in the same directory and a rename (the
-    file gets the permissions the umask gives a new file, as `open` would)."""
+    file gets the permissions the umask gives a new file, as `open` would). Temporary files
+    of `path` that a killed writer left, older than this write, are swept once it is done.
+    Every error names `path`, never the temporary file."""
+    if path.is_dir():
+        raise OSError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    started = time.time()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -46,12 +63,29 @@ def write_atomic(path: Path, data: bytes) -> None:
         os.replace(tmp, path)
     except OSError as exc:  # name the file: a full disk's error carries no path
         Path(tmp).unlink(missing_ok=True)
-        if exc.filename is None:
+        if exc.filename in (None, tmp):
             raise OSError(exc.errno, exc.strerror, str(path)) from exc
         raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    _sweep(path, before=started)
+
+
+def _sweep(path: Path, before: float) -> None:
+    """Remove `path`'s temporary files last modified before `before` (a killed writer's)."""
+    for left in path.parent.glob(f".{_glob_escape(path.name)}.*.tmp"):
+        m = _TEMPORARY.match(left.name)
+        try:
+            if m and m["name"] == path.name and left.lstat().st_mtime < before:
+                left.unlink()
+        except OSError:  # gone already, or not ours to remove
+            continue
+
+
+def _glob_escape(name: str) -> str:
+    """`name` with the characters glob reads as patterns bracketed."""
+    return re.sub(r"([*?\[])", r"[\1]", name)
 
 
 def write_files(out_dir: Path, files: dict[str, bytes]) -> None:

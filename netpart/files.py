@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["foreign_entries", "is_temporary", "write_atomic", "write_files"]
+__all__ = ["foreign_entries", "is_temporary", "open_append", "write_atomic", "write_files"]
 
 # `write_atomic`'s temporary files: ".NAME.RANDOM.tmp" beside NAME
 _TEMPORARY = re.compile(r"^\.(?P<name>.+)\.[A-Za-z0-9_]{8}\.tmp$")
@@ -92,3 +92,35 @@ def write_files(out_dir: Path, files: dict[str, bytes]) -> None:
     """Write every file atomically; all content is prepared before the first write."""
     for name, data in files.items():
         write_atomic(out_dir / name, data)
+
+
+def open_append(path: Path, *, lines: bool = False) -> int:
+    """A descriptor that appends to `path` (made if missing), never through a symbolic link
+    (OSError ELOOP: a run directory's files are its own). With `lines` (a file of one record
+    a line), a torn last line a killed writer left is cut off first, so the next line
+    starts a line of its own."""
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        if lines:
+            _cut_torn_line(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _cut_torn_line(fd: int) -> None:
+    """Truncate the file behind `fd` after its last newline, if it does not end in one."""
+    size = os.fstat(fd).st_size
+    end = size
+    while end > 0:
+        start = max(0, end - 65536)
+        chunk = os.pread(fd, end - start, start)
+        if end == size and chunk.endswith(b"\n"):
+            return
+        at = chunk.rfind(b"\n")
+        if at >= 0:
+            os.ftruncate(fd, start + at + 1)
+            return
+        end = start
+    os.ftruncate(fd, 0)

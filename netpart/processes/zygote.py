@@ -36,6 +36,7 @@ import traceback
 from pathlib import Path
 
 from netpart.errors import RuntimeFailure
+from netpart.files import open_append
 from netpart.processes.liveness import is_stopped
 from netpart.processes.private_net import enter_private_network
 
@@ -231,7 +232,7 @@ def _child(module: str, args: list[str], env: dict[str, str], log: str) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)  # one sent since the fork lands now
         os.environ.update(env)
-        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = open_append(Path(log))
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from netpart.data import Dataset
+from netpart.files import open_append
 from netpart.models.spec import ModelSpec
 from netpart.runtime.transport import Transport
 from netpart.runtime.worker import ModelWorker
@@ -66,7 +67,7 @@ class HeldOut:
         if model.spec.loss == "cross_entropy":
             line["accuracy"] = correct / self.examples
         if self.path is not None:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = open_append(self.path, lines=True)
             try:
                 os.write(fd, (json.dumps(line) + "\n").encode())
             finally:

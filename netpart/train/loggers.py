@@ -16,9 +16,11 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 from netpart.errors import TrainError
+from netpart.files import open_append
 
 __all__ = ["CSV_FIELDS", "EVAL_FIELDS", "LOGGERS", "MetricLoggers", "check_loggers"]
 
@@ -108,7 +110,7 @@ class MetricLoggers:
     def _append(self, name: str, fields: tuple[str, ...], line: dict) -> None:
         path = self.run / name
         new = not path.exists()
-        with open(path, "a", newline="") as f:
+        with os.fdopen(open_append(path, lines=True), "a", newline="") as f:
             out = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
             if new:
                 out.writeheader()

@@ -32,6 +32,7 @@ from netpart.compile.schedule import HaloSchedule
 from netpart.compile.shards import ShardLayout
 from netpart.data import load_data
 from netpart.errors import RuntimeFailure
+from netpart.files import open_append
 from netpart.models.reference import DTYPES
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import UnitGraph
@@ -311,7 +312,7 @@ class _Metrics:
         # Lines are appended in one write call every FLUSH_S seconds (and at the end): a line
         # is on disk within FLUSH_S of its step. A write per line slows a small model's
         # step loop, and a writer thread more (it contends for the GIL; docs/training.md).
-        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.fd = open_append(path, lines=True)
         self._lines: list[str] = []
         self._flushed = time.monotonic()
         self._cpu = time.process_time()

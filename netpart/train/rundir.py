@@ -32,7 +32,7 @@ from netpart.compile.compiled import CompiledPlan, compile_plan
 from netpart.compile.shards import ShardLayout
 from netpart.data import load_data
 from netpart.errors import DataError, RuntimeFailure, TrainError, WorkerFailure
-from netpart.files import foreign_entries, write_atomic, write_files
+from netpart.files import foreign_entries, open_append, write_atomic, write_files
 from netpart.models.spec import ModelSpec
 from netpart.partition.plans import PartitionPlan, load_plan, plan_files
 from netpart.ps.checkpoint import (
@@ -191,7 +191,9 @@ def prepare_run(
     optimizer, a corrupt checkpoint, or a fresh run into a directory holding one already.
     """
     spec, plan, layout = compiled.spec, compiled.plan, compiled.layout
+    _refuse_links(run)
     if resume:
+        _cut_torn_lines(run)
         old = read_job(run).config
         meta = checkpoint_meta(spec, plan, config)
         for s in range(config.shards):  # every checkpoint must load before anything is written
@@ -218,6 +220,29 @@ def prepare_run(
                     path.unlink(missing_ok=True)
         starts = dict.fromkeys(range(config.replicas), 0)
     return starts
+
+
+def _cut_torn_lines(run: Path) -> None:
+    """Cut the torn last line a killed writer left in a line file of the run (the metrics,
+    the held-out evaluations), before any process appends to it or the launcher reads it."""
+    for pattern in ("metrics_replica*.jsonl", "eval.jsonl", "sandblaster.jsonl", "*.csv"):
+        for path in run.glob(pattern):
+            os.close(open_append(path, lines=True))
+
+
+def _refuse_links(run: Path) -> None:
+    """TrainError if the run directory, or its logs, hold a symbolic link: a job writes and
+    appends only to files of its own, and following a link would write outside it."""
+    logs = run / "logs"
+    entries = list(run.iterdir()) if run.is_dir() else []
+    if logs.is_dir() and not logs.is_symlink():
+        entries += logs.iterdir()
+    links = sorted(str(p) for p in entries if p.is_symlink())
+    if links:
+        raise TrainError(
+            f"{links[0]}: a symbolic link in the run directory; netpart writes only files of "
+            "its own there: replace it with the file itself or remove it"
+        )
 
 
 # What a job writes into its run directory (besides the logs), removed when a run that never
@@ -355,7 +380,10 @@ class Progress:
             self.offsets[i] += len(new)
             *complete, self.partial[i] = (self.partial[i] + new).split(b"\n")
             for raw in filter(bytes.strip, complete):
-                line = json.loads(raw)
+                try:
+                    line = json.loads(raw)
+                except json.JSONDecodeError:  # a line a killed writer tore: not a step
+                    continue
                 if i == len(self.paths) - 1:
                     if self.loggers is not None:
                         self.loggers.eval_line(line)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ from pathlib import Path
 from netpart import faults
 from netpart.data import load_data
 from netpart.errors import RuntimeFailure
+from netpart.files import open_append
 from netpart.models.reference import DTYPES
 from netpart.ps.commands import ShardCommands, UnitChannel, next_unit, report_unit
 from netpart.ps.protocol import Op
@@ -109,7 +111,7 @@ class Coordinator:
         }
         self.eval_id = 0
         self.t0 = time.time()
-        self.metrics = (run / "sandblaster.jsonl").open("a")
+        self.metrics = os.fdopen(open_append(run / "sandblaster.jsonl", lines=True), "a")
 
     def run(self) -> dict:
         config = self.config

@@ -722,3 +722,27 @@ def test_a_process_role_flushes_subnormals_in_the_threads_it_makes():
     assert before > 0  # a subnormal product, unflushed
     assert after == 0 and in_thread == 0
     assert threads == 1
+
+
+def test_a_resume_refuses_links_and_cuts_a_torn_metrics_line(sync_run, tmp_path, capsys):
+    """Issue 80, items 9 and 16: a run directory's file replaced by a symbolic link to a file
+    outside it is refused before anything is written, the outside file untouched; a metrics
+    file whose last line a killed writer tore goes on with whole lines."""
+    _, straight = sync_run
+    run = tmp_path / "copy"
+    shutil.copytree(straight, run)
+    outside = tmp_path / "outside.jsonl"
+    outside.write_text("mine\n")
+    metrics_file = run / "metrics_replica0.jsonl"
+    metrics_file.unlink()
+    metrics_file.symlink_to(outside)
+    assert main(["train", "--resume", str(run), "--steps", "6"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "metrics_replica0.jsonl: a symbolic link" in err[0], err
+    assert outside.read_text() == "mine\n"
+    metrics_file.unlink()
+    lines = (straight / "metrics_replica0.jsonl").read_text().splitlines()
+    metrics_file.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])
+    assert main(["train", "--resume", str(run), "--steps", "6"]) == 0
+    steps = [json.loads(x)["step"] for x in metrics_file.read_text().splitlines()]
+    assert steps == [1, 2, 3, 5, 6]  # step 4's torn line cut, the resume's lines whole

@@ -103,7 +103,8 @@ def test_the_quick_start_runs_and_the_model_loads_in_plain_pytorch(tmp_path, cap
     assert main(train) == 0
     out = capsys.readouterr().out
     assert out.count("run directory") == 1  # the banner, once
-    assert "steps 80/80 (all replicas)" in out  # progress lines off a terminal
+    assert "replica steps 40/40: loss" in out  # progress lines off a terminal, per replica
+    assert "MB moved" in out
     evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [10, 20, 30, 40]
     assert (run / "metrics.csv").read_text().startswith("step,replica,time,loss")

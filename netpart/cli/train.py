@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 from netpart.cli.common import (
@@ -337,13 +336,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         os._exit(code)  # peers' gloo threads may still block: do not wait for them
     from tqdm import tqdm
 
-    from netpart.train.launch import postfix
+    from netpart.train.launch import ProgressLines, postfix
 
-    lines = None if sys.stdout.isatty() else ProgressLines(args.progress_every)
+    lines = None if sys.stdout.isatty() else ProgressLines(args.progress_every, say=echo)
     with tqdm(total=0, desc="train", unit="step", disable=not sys.stderr.isatty()) as bar:
 
         def progress(done: int, stats: dict, total: int) -> None:
-            bar.total, bar.n = total, done
+            replicas = stats.get("replicas", 1) if stats else 1
+            bar.total, bar.n = total // replicas, done // replicas  # steps per replica
             if stats:
                 bar.set_postfix_str(postfix(stats), refresh=False)
             bar.refresh()
@@ -357,29 +357,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"wrote {job.run}/model.pt and shard checkpoints ({summary.wall_s:.1f} s); "
         f"report: {job.run}/report.md"
     )
+    if summary.stopped:  # Ctrl-C or SIGTERM: say how to go on
+        from netpart.train.watch import resume_hint
+
+        echo(f"stopped at a step boundary: {resume_hint(job.run, job.config)}")
     return 130 if summary.stopped else 0
-
-
-class ProgressLines:
-    """Progress where no bar can be drawn (CI, nohup, `> log`): one line on stdout every
-    `every` seconds, and at the last step: step, loss, samples/s, ETA."""
-
-    def __init__(self, every: float, clock=time.monotonic) -> None:
-        self.every, self.clock = every, clock
-        self.start = self.last = clock()
-        self.ended = False
-
-    def __call__(self, done: int, stats: dict, total: int) -> None:
-        from netpart.train.launch import postfix
-
-        now = self.clock()
-        final = done >= total and not self.ended
-        if not stats or (now - self.last < self.every and not final):
-            return
-        self.last, self.ended = now, done >= total
-        eta = (now - self.start) / done * (total - done) if done else float("nan")
-        echo(f"steps {done}/{total} (all replicas): {postfix(stats)}, ETA {eta:.0f} s")
-        sys.stdout.flush()
 
 
 def summary_lines(summary, data: str) -> list[str]:

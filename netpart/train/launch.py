@@ -59,11 +59,12 @@ from netpart.train.rundir import (
 from netpart.train.supervise import Attempt, lost_updates, record_restart, supervise
 from netpart.train.watch import exit_text, resume_hint
 
-__all__ = ["TrainSummary", "train", "train_under_torchrun"]
+__all__ = ["ProgressLines", "TrainSummary", "postfix", "train", "train_under_torchrun"]
 
 log = logging.getLogger(__name__)
 
 Echo = Callable[[str], None]
+PROGRESS_EVERY_S = 10.0  # a progress line under torchrun, where no bar can be drawn
 _HELD: list[RunLock] = []  # under torchrun, the first shard's lock on the run directory
 
 
@@ -175,7 +176,7 @@ def train_under_torchrun(
     job = Job(spec, plan, config, run, resume, tuple(starts.items()))
     t0 = time.monotonic()
     role = placement.roles[rank]
-    bar, on_step = _bar(config, starts.get(0, 0), rank, placement)
+    bar, on_step = _bar(config, starts.get(0, 0), rank, placement, echo)
     try:
         server = play_role(job, compiled, rank, stop, placement, on_step=on_step)
     finally:
@@ -234,16 +235,17 @@ def _prepare_on_first_shard(compiled, config, run, how, mine: bool, placement) -
         raise TrainError(text)
 
 
-def _bar(config: TrainConfig, start: int, rank: int, placement):
+def _bar(config: TrainConfig, start: int, rank: int, placement, echo: Echo):
     """The progress bar: on the process that is worker 0 of replica 0 (it writes that
-    replica's metrics; on one machine, and usually on several, it is rank 0)."""
+    replica's metrics; on one machine, and usually on several, it is rank 0); where no bar
+    can be drawn, a `ProgressLines` line every PROGRESS_EVERY_S through `echo`."""
     if rank != placement.worker_rank(0, 0) or config.mode == "sandblaster":
         return None, None
     from tqdm import tqdm
 
-    bar = tqdm(total=config.steps - start, desc="train", unit="step", disable=None)
-    if bar.disable:  # not a terminal: no figures to format every step
-        return bar, None
+    total = config.steps - start
+    bar = tqdm(total=total, desc="train", unit="step", disable=None)
+    lines = ProgressLines(PROGRESS_EVERY_S, say=echo) if bar.disable else None
     done = [0]
 
     def on_step(line: dict) -> None:  # replica 0's steps
@@ -253,7 +255,11 @@ def _bar(config: TrainConfig, start: int, rank: int, placement):
             "samples_s": config.replicas * config.batch / max(line["step_s"], 1e-9),
             "step_ms": line["step_s"] * 1e3,
             "mb": (line["halo_bytes"] + line["ps_bytes"]) * done[0] / 1e6,
+            "replicas": 1,  # replica 0's own steps
         }
+        if lines is not None:  # not a terminal (torchrun, a testbed): a line now and then
+            lines(done[0], stats, total)
+            return
         bar.set_postfix_str(postfix(stats), refresh=False)
         bar.update(1)
 
@@ -261,11 +267,39 @@ def _bar(config: TrainConfig, start: int, rank: int, placement):
 
 
 def postfix(stats: dict) -> str:
-    """A progress bar's figures: loss, samples/s, ms/step, MB moved."""
+    """A progress bar's figures, each labelled: loss, samples/s, ms/step, the bytes the job
+    has moved between its processes (halo and parameter server)."""
     return (
         f"loss {stats['loss']:.4g}, {stats['samples_s']:.0f} samples/s, "
-        f"{stats['step_ms']:.0f} ms/step, {stats['mb']:.0f} MB"
+        f"{stats['step_ms']:.0f} ms/step, {stats['mb']:,.0f} MB moved"
     )
+
+
+ETA_AFTER = 0.05  # of the steps: an ETA before them says more of start-up than of steps
+
+
+class ProgressLines:
+    """Progress where no bar can be drawn (CI, nohup, `> log`): one line on stdout every
+    `every` seconds, and at the last step: steps per replica, loss, samples/s, the bytes
+    moved, and once `ETA_AFTER` of the steps are done (at least 3 a replica), the ETA."""
+
+    def __init__(self, every: float, *, say: Callable[[str], None], clock=time.monotonic) -> None:
+        self.every, self.clock, self.say = every, clock, say
+        self.start = self.last = clock()
+        self.ended = False
+
+    def __call__(self, done: int, stats: dict, total: int) -> None:
+        now = self.clock()
+        final = done >= total and not self.ended
+        if not stats or (now - self.last < self.every and not final):
+            return
+        self.last, self.ended = now, done >= total
+        replicas = stats.get("replicas", 1)
+        line = f"replica steps {done // replicas}/{total // replicas}: {postfix(stats)}"
+        if done < total and done >= max(ETA_AFTER * total, 3 * replicas):
+            line += f", ETA {(now - self.start) / done * (total - done):.0f} s"
+        self.say(line)
+        sys.stdout.flush()
 
 
 def held_out_line(held: dict, source: str) -> str:

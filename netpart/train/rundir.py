@@ -402,6 +402,7 @@ class Progress:
                 "samples_s": self.samples / elapsed,
                 "step_ms": 1e3 * sum(self.step_s.values()) / len(self.step_s),
                 "mb": self.bytes / 1e6,
+                "replicas": len(self.paths) - 1,
             }
         return self.steps, stats
 

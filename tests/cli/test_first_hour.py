@@ -131,3 +131,21 @@ def test_tensorboard_without_its_package_is_one_line_before_anything_runs(
     assert not out.exists()
     code, _, err = run(capsys, *argv[:-1], "csv,wandb", "--out", str(out))
     assert code == 2 and "--log wandb: choose from csv, tensorboard" in err
+
+
+def test_progress_lines_count_steps_per_replica_label_bytes_and_wait_for_an_eta(capsys):
+    """Issue 80, item 6: '--steps 500' with 2 replicas read 'steps 1000/1000', the bytes
+    moved read as an unlabelled (leaking) 'MB', and the first ETA was start-up's."""
+    from netpart.train.launch import ProgressLines
+
+    now = [0.0]
+    lines = ProgressLines(0, say=print, clock=lambda: now[0])
+    stats = {"loss": 1.0, "samples_s": 10.0, "step_ms": 5.0, "mb": 2289.4, "replicas": 2}
+    for done in (2, 100, 1000):
+        now[0] += 10
+        lines(done, stats, 1000)
+    first, second, last = capsys.readouterr().out.splitlines()
+    assert first.startswith("replica steps 1/500: ") and "ETA" not in first
+    assert "2,289 MB moved" in first
+    assert second.startswith("replica steps 50/500: ") and second.endswith("ETA 180 s")
+    assert last.startswith("replica steps 500/500: ") and "ETA" not in last

@@ -290,12 +290,14 @@ def test_sigterm_stops_cleanly_with_a_final_checkpoint(tmp_path):
     try:
         wait_for_lines(run / "metrics_replica0.jsonl", 3)
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     assert proc.returncode == 130, err.decode()[-2000:]
+    last = out.decode().strip().splitlines()[-1]  # how to go on (issue 80, item 7)
+    assert last.startswith("stopped at a step boundary: ") and f"--resume {run}" in last, last
     steps = len(metrics(run))
     for s in range(2):
         meta = json.loads((run / f"shard_{s}.json").read_text())

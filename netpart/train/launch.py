@@ -131,16 +131,21 @@ def _attempts(spec, plan, config, run, how, summary, on_progress, preloaded, log
         if died is None:
             break
         starts = read_progress(run, config.shards, config.replicas, config.mode == "sync", True)
-        lost = lost_updates(run, died.shard, starts, config.mode == "sync", exit_text(died.code))
-        record_restart(run, lost)
+        lost_steps = []
+        for s in died.shards:
+            lost = lost_updates(run, s, starts, config.mode == "sync", died.exit_text(s))
+            record_restart(run, lost)
+            lost_steps.append(lost["lost_steps"])
         log.warning(
-            "shard %d %s: restarting the job from the last checkpoints (%d of %d); "
-            "its lost steps per replica: %s",
-            died.shard,
-            exit_text(died.code),
+            "%s %s: restarting the job from the last checkpoints (%d of %d); "
+            "the lost steps per replica: %s",
+            died.blame,
+            "died" if died.blame.startswith("the") else exit_text(died.code),
             number + 1,
             config.restarts,
-            lost["lost_steps"],
+            "; ".join(
+                f"shard {s}: {steps}" for s, steps in zip(died.shards, lost_steps, strict=True)
+            ),
         )
         write_run(spec, plan, config, run, starts, resume=True)
 

@@ -42,11 +42,20 @@ SETTLE = 0.3  # s a worker's death waits before it counts as its replica's loss
 
 @dataclass(frozen=True)
 class Died:
-    """A shard that died and is to be restarted: which, its exit code, its last error line."""
+    """Shards that died and are to be restarted from their checkpoints: which (every one
+    that died, in order), the first one's exit code, its last error line, and what to
+    blame: the shard itself, or the preloaded interpreter that forked them all."""
 
-    shard: int
+    shards: tuple[int, ...]
     code: int
     why: str
+    blame: str
+
+    def exit_text(self, shard: int) -> str:
+        """How `shard` ended, as the restart record says it."""
+        if self.blame.startswith("the"):  # not the shard's own failure
+            return f"was killed when {self.blame} died"
+        return exit_text(self.code)
 
 
 def exit_text(code: int) -> str:
@@ -235,14 +244,18 @@ class Watch:
             return None
         s, code = failed
         is_shard = s < config.shards
+        # every shard that died, the first failure first: each is named, each restarted
+        others = [k for k, c in enumerate(codes[: config.shards]) if c not in (0, None)]
+        dead = (s, *(k for k in others if k != s)) if is_shard else (s,)
         why = procs.last_error(n + s) if code == REPORTED_ERROR else "no error in its log"
+        who = _shards_named(dead) if is_shard else "the coordinator"
         if procs.zygote_gone():
-            why = "the preloaded interpreter that forked the job's processes died with them"
+            who = "the job's preloaded interpreter (zygote)"
+            why = "it forked the job's processes, which died with it"
         died = is_shard and code != REPORTED_ERROR
-        has_checkpoint = (run / f"shard_{s}.pt").exists()
+        has_checkpoint = all((run / f"shard_{k}.pt").exists() for k in dead)
         if died and config.mode != "sandblaster" and has_checkpoint and attempt < config.restarts:
-            return Died(s, code, why)
-        who = f"shard {s}" if is_shard else "the coordinator"
+            return Died(dead, code, why, who)
         if died and config.mode == "sandblaster":
             why += " (Sandblaster does not restart shards)"
         elif died and not has_checkpoint:
@@ -251,7 +264,16 @@ class Watch:
             why += (
                 f" (all {config.restarts} restarts used)" if config.restarts else " (--restarts 0)"
             )
-        raise WorkerFailure(f"{who} {exit_text(code)}: {why}; {resume_hint(run, config)}")
+        ended = "died" if procs.zygote_gone() else exit_text(code)
+        raise WorkerFailure(f"{who} {ended}: {why}; {resume_hint(run, config)}")
+
+
+def _shards_named(shards: tuple[int, ...]) -> str:
+    """'shard 1', 'shards 0 and 2', 'shards 0, 1 and 2'."""
+    if len(shards) == 1:
+        return f"shard {shards[0]}"
+    *most, last = (str(s) for s in sorted(shards))
+    return f"shards {', '.join(most)} and {last}"
 
 
 def _stop_overdue(procs: Processes) -> bool:

@@ -516,14 +516,22 @@ def test_a_dead_shard_stops_the_job_with_its_last_checkpoint_intact(tmp_path, mo
     assert not list((tmp_path / "run").glob(".*.tmp"))
 
 
-def test_a_dead_shard_is_restarted_from_its_checkpoint_and_training_goes_on(tmp_path, monkeypatch):
-    monkeypatch.setenv("NETPART_TEST_FAULT", "die:3@9")  # shard 1 dies after its 9th update
+@pytest.mark.parametrize("fault, dead", [("die:3@9", [1]), ("die:2@9,die:3@9", [0, 1])])
+def test_a_dead_shard_is_restarted_from_its_checkpoint_and_training_goes_on(
+    tmp_path, monkeypatch, fault, dead
+):
+    """Shard 1 dies after its 9th update; or both shards at once, and both are named and
+    restarted, not only the first (issue 80, item 13)."""
+    monkeypatch.setenv("NETPART_TEST_FAULT", fault)
     p = plan(SPEC, 2, "metis")
     cfg = TrainConfig(replicas=1, shards=2, steps=60, lr=0.05, timeout=10, checkpoint_every=4)
     summary = train(SPEC, p, cfg, tmp_path / "run")
-    (restart,) = summary.restarts
-    assert restart["shard"] == 1 and restart["exit"] == "exited with code 17"
-    assert restart["checkpoint_updates"] == 8 and restart["lost_steps"]["0"] >= 1
+    assert sorted(r["shard"] for r in summary.restarts) == dead
+    for restart in summary.restarts:
+        assert restart["exit"] == "exited with code 17" and restart["checkpoint_updates"] == 8
+    restart = summary.restarts[-1]
+    if dead == [1]:  # both at once: the replica goes on from what both kept
+        assert restart["lost_steps"]["0"] >= 1
     assert not summary.lost and not summary.stopped
     lines = metrics(tmp_path / "run")
     assert lines[-1]["step"] == 60  # every step was trained, once each after the restart
@@ -535,6 +543,52 @@ def test_a_dead_shard_is_restarted_from_its_checkpoint_and_training_goes_on(tmp_
         "Shard 1 exited with code 17 and was restarted"
         in (tmp_path / "run" / "report.md").read_text()
     )
+    assert restart["shard"] == 1
+
+
+def test_a_killed_zygote_is_blamed_and_the_job_restarted_from_its_checkpoints(tmp_path):
+    """The preloaded interpreter that forked the job's processes is killed: its children die
+    with it, and the restart names it, not shard 0 (issue 80, item 13)."""
+    import threading
+
+    run = tmp_path / "run"
+    p = plan(SPEC, 2, "metis")
+    cfg = TrainConfig(replicas=1, shards=2, steps=400, lr=0.05, timeout=10, checkpoint_every=4)
+    out = {}
+    job = threading.Thread(target=lambda: out.update(summary=train(SPEC, p, cfg, run)))
+    job.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not (run / "shard_1.pt").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        zygotes = [
+            int(proc.name)
+            for proc in Path("/proc").iterdir()
+            if proc.name.isdigit() and _is_zygote(proc)
+        ]
+        assert len(zygotes) == 1, zygotes
+        os.kill(zygotes[0], signal.SIGKILL)
+    finally:
+        job.join(timeout=120)
+    assert not job.is_alive() and "summary" in out
+    restarts = out["summary"].restarts
+    assert sorted(r["shard"] for r in restarts) == [0, 1]
+    blame = "was killed when the job's preloaded interpreter (zygote) died"
+    assert all(r["exit"] == blame for r in restarts), restarts
+    assert metrics(run)[-1]["step"] == 400
+
+
+def _is_zygote(proc: Path) -> bool:
+    """This test's zygote: the process of that command line whose parent is this one (its
+    forked children share its command line)."""
+    try:
+        stat = (proc / "stat").read_text()
+        parent = int(stat[stat.rfind(")") + 2 :].split()[1])
+        return (
+            parent == os.getpid() and b"netpart.processes.zygote" in (proc / "cmdline").read_bytes()
+        )
+    except OSError:
+        return False
 
 
 def test_eval_reports_held_out_digits_accuracy(tmp_path, capsys):

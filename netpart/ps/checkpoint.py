@@ -87,6 +87,15 @@ def restore_previous(run: Path, shard: int) -> bool:
     return True
 
 
+def _missing(run: Path, shard: int) -> TrainError:
+    """A shard checkpoint a resume needs and does not find: not a dead end."""
+    return TrainError(
+        f"{shard_path(run, shard)}: missing: shard {shard} ended before its first checkpoint, "
+        f"so {run} cannot be resumed; start it over with the same command and --out {run} "
+        "instead of --resume"
+    )
+
+
 def shard_meta(run: Path, shard: int) -> dict[str, Any]:
     """The metadata inside shard `shard`'s checkpoint (its progress, clock, updates, lost
     replicas): the authority on where the shard stands, read without loading its values (a
@@ -94,7 +103,7 @@ def shard_meta(run: Path, shard: int) -> dict[str, Any]:
     crash between the two renames) changes nothing. TrainError (one line) if unreadable."""
     path = shard_path(run, shard)
     if not path.exists():
-        raise TrainError(f"{path}: missing; this run has no checkpoint for shard {shard}")
+        raise _missing(run, shard)
     try:
         meta = json.loads(torch.load(path, weights_only=True, mmap=True)["meta"])
         int(meta["clock"]), int(meta["updates"]), dict(meta["progress"])
@@ -107,7 +116,7 @@ def load_shard(run: Path, shard: int, expect: dict[str, Any], size: int) -> Shar
     """Read and check one shard checkpoint; TrainError names what does not fit."""
     path = shard_path(run, shard)
     if not path.exists():
-        raise TrainError(f"{path}: missing; this run has no checkpoint for shard {shard}")
+        raise _missing(run, shard)
     try:  # torch.load does not check the zip's CRC-32s: flipped bytes would load as values
         with zipfile.ZipFile(path) as zf:
             bad = zf.testzip()

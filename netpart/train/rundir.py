@@ -31,7 +31,7 @@ import torch
 from netpart.compile.compiled import CompiledPlan, compile_plan
 from netpart.compile.shards import ShardLayout
 from netpart.data import load_data
-from netpart.errors import DataError, RuntimeFailure, TrainError, WorkerFailure
+from netpart.errors import DataError, NetpartError, RuntimeFailure, TrainError, WorkerFailure
 from netpart.files import foreign_entries, open_append, write_atomic, write_files
 from netpart.models.spec import ModelSpec
 from netpart.partition.plans import PartitionPlan, load_plan, plan_files
@@ -203,7 +203,7 @@ def prepare_run(
         sync = config.mode == "sync"
         starts = read_progress(run, config.shards, config.replicas, sync, newest)
     else:
-        if any(run.glob("shard_*.pt")):
+        if _resumable(run):
             raise TrainError(
                 f"--out {run}: already holds a training run; continue it with --resume {run} "
                 "or choose another --out directory"
@@ -213,13 +213,23 @@ def prepare_run(
                 f"--out {run}: not empty and not a training run (holds {', '.join(found)}); "
                 "choose a new or empty directory"
             )
-        if (run / "train.json").exists():  # a job that ended before its first checkpoint
-            log.warning("%s: its run never wrote a checkpoint; starting it afresh", run)
+        if (run / "train.json").exists():  # a job that ended before every shard's checkpoint
+            log.warning("%s: its run has no checkpoint of every shard; starting it afresh", run)
             for name in RUN_OUTPUTS:
                 for path in run.glob(name):
                     path.unlink(missing_ok=True)
         starts = dict.fromkeys(range(config.replicas), 0)
     return starts
+
+
+def _resumable(run: Path) -> bool:
+    """Whether `run` holds a run every shard of which wrote a checkpoint (one that did not
+    cannot be resumed, and a new job may start over in it)."""
+    try:
+        shards = read_job(run).config.shards
+    except (NetpartError, OSError, ValueError):
+        return any(run.glob("shard_*.pt"))  # unreadable: leave it to the other checks
+    return any(run.glob("shard_*.pt")) and all(shard_path(run, s).exists() for s in range(shards))
 
 
 def _cut_torn_lines(run: Path) -> None:
@@ -265,6 +275,7 @@ RUN_OUTPUTS = (
     "metrics.csv",
     "eval.csv",
     "diverged_*.json",
+    "shard_*.pt",  # a shard's checkpoint where not every shard wrote one
 )
 
 

@@ -72,6 +72,11 @@ def resume_hint(run: Path, config: TrainConfig) -> str:
     """Where the last checkpoint is and how to go on from it — only what is true."""
     if not any(run.glob("shard_*.pt")):
         return f"no checkpoint was written in {run} (a new job may reuse it)"
+    if not all((run / f"shard_{s}.pt").exists() for s in range(config.shards)):
+        return (
+            f"not every shard wrote a checkpoint in {run}, so it cannot be resumed (a new job "
+            f"may start over in it: the same command with --out {run})"
+        )
     if config.mode == "sandblaster":
         return f"the last checkpoint's parameters are in {run} (Sandblaster cannot resume)"
     return f"the last checkpoint is in {run} (continue with --resume {run})"

@@ -309,9 +309,19 @@ def test_one_line_errors_for_what_a_user_can_type(tmp_path, capsys):
 
 def test_a_shard_dead_before_its_first_checkpoint_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("NETPART_TEST_FAULT", "die:4@2")  # shard 0 after its 2nd update
-    assert main(_args(tmp_path / "run", "--steps", "50", "--checkpoint-every", "40")) == 1
+    run = tmp_path / "run"
+    args = _args(run, "--steps", "50", "--checkpoint-every", "40")
+    assert main(args) == 1
     err = capsys.readouterr().err
     assert "shard 0 exited with code 17" in err and "no checkpoint to restart it from" in err
+    # not a dead end (issue 80, item 11): the other shard's final checkpoint does not make
+    # the directory resumable, and the hint, a resume's refusal and a new job agree
+    assert "--resume" not in err.splitlines()[-1]
+    monkeypatch.delenv("NETPART_TEST_FAULT")
+    assert main(["train", "--resume", str(run)]) == 2
+    refusal = capsys.readouterr().err.strip()
+    assert "cannot be resumed; start it over with the same command" in refusal, refusal
+    assert main(args) == 0  # the same command starts over in it
 
 
 def test_atomic_files_have_the_permissions_of_any_new_file(tmp_path):

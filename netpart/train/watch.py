@@ -260,6 +260,10 @@ class Watch:
         died = is_shard and code != REPORTED_ERROR
         has_checkpoint = all((run / f"shard_{k}.pt").exists() for k in dead)
         if died and config.mode != "sandblaster" and has_checkpoint and attempt < config.restarts:
+            if procs.signalled.is_set():  # the user's stop came as it died: stop, not restart
+                log.warning("%s %s as the job was stopped: not restarting it", who, exit_text(code))
+                self.summary.stopped = True
+                return None
             return Died(dead, code, why, who)
         if died and config.mode == "sandblaster":
             why += " (Sandblaster does not restart shards)"

@@ -332,3 +332,37 @@ def test_atomic_files_have_the_permissions_of_any_new_file(tmp_path):
     old = os.umask(0)
     os.umask(old)
     assert (tmp_path / "f.json").stat().st_mode & 0o777 == 0o666 & ~old
+
+
+def test_a_stop_that_comes_as_a_shard_dies_stops_the_job_instead_of_restarting_it(tmp_path):
+    """Issue 80, item 10: SIGINT to the launcher a moment after a shard was killed logged
+    'stopping every process', then restarted the shard and trained on to the end."""
+    import threading
+    from types import SimpleNamespace
+
+    from netpart.train.config import TrainConfig
+    from netpart.train.launch import TrainSummary
+    from netpart.train.watch import Watch
+
+    run = tmp_path / "run"
+    run.mkdir()
+    for s in range(2):
+        (run / f"shard_{s}.pt").write_bytes(b"")  # every shard has a checkpoint to restart from
+    config = TrainConfig(replicas=1, shards=2, restarts=3)
+    summary = TrainSummary(run=run)
+    signalled = threading.Event()
+    procs = SimpleNamespace(
+        codes=lambda: [0, 0, 0, -9],  # 2 workers done, shard 0 done, shard 1 killed
+        signalled=signalled,
+        zygote_gone=lambda: False,
+        last_error=lambda rank: "",
+    )
+    watch = Watch(config, 2, summary)
+    watch.failed = (1, -9)
+    died = watch.verdict(procs, run, 0)
+    assert died is not None and died.shards == (1,)  # no stop: restarted
+    signalled.set()  # the user's Ctrl-C, as it died
+    summary = TrainSummary(run=run)
+    watch = Watch(config, 2, summary)
+    watch.failed = (1, -9)
+    assert watch.verdict(procs, run, 0) is None and summary.stopped

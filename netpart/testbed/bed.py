@@ -108,7 +108,10 @@ def up(
     if (STATE / f"{name}.json").exists():
         raise TestbedError(f"testbed {name} exists; `netpart testbed down {name}` first")
     used = {tb.subnet for tb in list_testbeds()}
-    subnet = next((k for k in SUBNETS if k not in used), None)
+    present = set(netns.namespaces())  # another's namespaces: never made over, never removed
+    subnet = next(
+        (k for k in SUBNETS if k not in used and not present & _namespaces(k, machines)), None
+    )
     if subnet is None:
         raise TestbedError(f"{len(used)} testbeds are up; take one down first")
     names = [f"tb{subnet}h{i}" for i in range(machines)]  # a device name: at most 15 chars
@@ -118,14 +121,23 @@ def up(
     STATE.mkdir(parents=True, exist_ok=True)
     write_atomic(STATE / f"{name}.json", json.dumps(bed.to_dict(), indent=1).encode())
     made: list[str] = []
+    groups_made: list[Path] = []
     try:
         netns.build_switch(bed.switch, list(hosts), made, rate=rate, burst=burst, queue=queue)
         for g in groups:
             cgroups.make_group(Path(g), cpu)
-    except (OSError, ValueError) as exc:
-        down(name)
+            groups_made.append(Path(g))
+    except (OSError, ValueError) as exc:  # undo what this call made, and nothing else
+        netns.teardown(made)
+        cgroups.remove(groups_made)
+        (STATE / f"{name}.json").unlink(missing_ok=True)
         raise TestbedError(f"testbed {name}: {exc}") from None
     return bed
+
+
+def _namespaces(subnet: int, machines: int) -> set[str]:
+    """The namespaces a testbed of `machines` on `subnet` makes."""
+    return {f"tb{subnet}sw", *(f"tb{subnet}h{i}" for i in range(machines))}
 
 
 def read(name: str) -> Testbed:

@@ -97,3 +97,27 @@ def test_a_job_on_a_testbed_that_is_not_up_is_one_line(capsys):
     argv = ["check", "--testbed", "nosuchbed", "--model", "tiny-local", "--workers", "2"]
     assert main(argv) == 2
     assert "no testbed 'nosuchbed'" in capsys.readouterr().err
+
+
+def test_up_leaves_a_namespace_it_did_not_make_and_what_runs_in_it():
+    """Issue 80, item 8: a foreign namespace named like a testbed's part made `up` fail, and
+    its clean-up deleted that namespace and SIGKILLed the process inside."""
+    from netpart.testbed.bed import SUBNETS, list_testbeds
+
+    used = {tb.subnet for tb in list_testbeds()}
+    first = next(k for k in SUBNETS if k not in used)
+    foreign = f"tb{first}sw"
+    subprocess.run(["ip", "netns", "add", foreign], check=True)
+    inside = subprocess.Popen(["ip", "netns", "exec", foreign, "sleep", "60"])
+    name = f"f{os.getpid() % 100000}"
+    try:
+        bed = up(name, 2, cpu=0.5, rate="1gbit")
+        try:
+            assert bed.subnet != first and foreign not in bed.namespaces
+        finally:
+            down(name)
+        assert foreign in netns.namespaces() and inside.poll() is None  # untouched
+    finally:
+        inside.kill()
+        inside.wait()
+        subprocess.run(["ip", "netns", "del", foreign], check=False)

@@ -75,9 +75,12 @@ def plan(
         check_size(spec, workers, granularity, memory)
     phase = on_phase or (lambda _name: None)
     run = Planner(spec, workers, seed, batch, network, granularity, phase)
+    metis_too_big = _metis_too_big(spec, granularity)
     if method != AUTO:
         if method not in METHODS:
             raise PlanError(f"unknown method {method!r}; use one of auto, {', '.join(METHODS)}")
+        if method == "metis" and metis_too_big:
+            raise PlanError(f"--method metis: {metis_too_big}; use auto, stripe or tiles")
         return run(method, dict(options))
     unknown = sorted(set(options) - {"imbalance", "capacities"})
     if unknown:
@@ -87,6 +90,9 @@ def plan(
         )
     plans, best = [], np.inf
     for name, extra in auto_candidates(spec, workers):
+        if name == "metis" and metis_too_big:
+            phase(f"metis: not weighed ({metis_too_big})")
+            continue
         mine = {k: v for k, v in options.items() if k in METHOD_OPTIONS.get(name, ())}
         got = run(name, {**mine, **extra}, beat=best * (1 + TIE))
         plans.append(got)
@@ -103,6 +109,27 @@ AUTO = "auto"
 # Peak bytes of a plan per read edge of its graph, and per (layer, worker, worker) entry of
 # its traffic tables, read off the planner's largest benchmark (benchmarks/plan_bench.py).
 BYTES_PER_EDGE, BYTES_PER_PAIR = 110, 64
+# Peak bytes per unit of the largest layer and its input: the planner's unit-level arrays
+# (owners, coverage, halo units), fitted to plans of one locally connected layer of 1M to
+# 9M units.
+BYTES_PER_UNIT = 32
+# Balance weights (blocks x layers: one constraint per layer) beyond which METIS on the unit
+# graph takes minutes: a chain of 1,000 small dense layers holds 16M and took METIS 4.6 s.
+METIS_MOST_WEIGHTS = 20_000_000
+
+
+def _metis_too_big(spec: ModelSpec, granularity: Granularity) -> str:
+    """Why METIS on the unit graph is not worth running for `spec`, or "" if it is."""
+    if len(spec.layers) <= 32:  # 16,384 blocks a layer at most: under the limit
+        return ""
+    blocks = graph_size(spec, granularity).blocks
+    weights = blocks * len(spec.layers)
+    if weights <= METIS_MOST_WEIGHTS:
+        return ""
+    return (
+        f"{len(spec.layers):,} balance constraints (one a layer) over {blocks:,} blocks are "
+        f"{weights:,} weights, more than METIS weighs in minutes ({METIS_MOST_WEIGHTS:,})"
+    )
 
 
 def check_size(spec: ModelSpec, workers: int, granularity: Granularity, memory: int) -> None:
@@ -116,13 +143,18 @@ def check_size(spec: ModelSpec, workers: int, granularity: Granularity, memory: 
             f"into at most {size.widest} blocks, so at most {size.widest} workers can each own "
             "a part; plan fewer workers"
         )
-    need = size.edges * BYTES_PER_EDGE + len(spec.layers) * workers**2 * BYTES_PER_PAIR
+    units = max(s.size + spec.input_shape(i).size for i, s in enumerate(spec.shapes))
+    need = (
+        size.edges * BYTES_PER_EDGE
+        + len(spec.layers) * workers**2 * BYTES_PER_PAIR
+        + units * BYTES_PER_UNIT
+    )
     if need > memory:
         raise PlanError(
             f"planning {spec.name} on {workers} workers needs about {need / 2**30:.1f} GiB "
-            f"({size.edges:,} read edges between {size.blocks:,} blocks) and this machine "
-            f"has {memory / 2**30:.1f} GiB available; plan fewer workers or lower "
-            "--blocks-per-worker"
+            f"({size.edges:,} read edges between {size.blocks:,} blocks, {units:,} units in "
+            f"its largest layer and its input) and this machine has {memory / 2**30:.1f} GiB "
+            "available; plan fewer workers, lower --blocks-per-worker, or a smaller model"
         )
 
 

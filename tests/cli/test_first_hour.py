@@ -149,3 +149,29 @@ def test_progress_lines_count_steps_per_replica_label_bytes_and_wait_for_an_eta(
     assert "2,289 MB moved" in first
     assert second.startswith("replica steps 50/500: ") and second.endswith("ETA 180 s")
     assert last.startswith("replica steps 500/500: ") and "ETA" not in last
+
+
+def _chain(layers: int, units: int = 8):
+    from netpart.models import ModelSpec
+
+    dense = [{"kind": "dense", "units": units} for _ in range(layers)]
+    return ModelSpec.from_dict({"name": "chain", "input": {"features": 8}, "layer": dense})
+
+
+def test_plan_checks_a_layer_s_units_and_metis_s_constraints_before_it_builds(monkeypatch):
+    """Issue 80, item 12: one layer of 1e9 units, or an image of 3x20000x20000, grew until
+    the OOM killer; a chain of 10,000 layers ran 9 minutes in METIS's 10,000 constraints."""
+    import netpart.partition.planner as planner
+    from netpart.models import ModelSpec
+
+    wide = ModelSpec.from_dict(
+        {"name": "wide", "input": {"features": 10}, "layer": [{"kind": "dense", "units": 10**9}]}
+    )
+    with pytest.raises(PlanError, match=r"1,000,000,010 units in its largest layer"):
+        check_size(wide, 2, Granularity.for_workers(2), memory=16 * 2**30)
+    monkeypatch.setattr(planner, "METIS_MOST_WEIGHTS", 10_000)  # a 40-layer chain is over it
+    chain = _chain(40)
+    with pytest.raises(PlanError, match="--method metis: 40 balance constraints"):
+        plan(chain, 2, "metis")
+    p = plan(chain, 2)
+    assert p.method == "stripe" and [c.method for c in p.candidates] == ["stripe"]

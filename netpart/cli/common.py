@@ -15,6 +15,7 @@ from netpart.errors import PlanError
 from netpart.train.config import MAX_SEED, MAX_TIMEOUT, MIN_TIMEOUT
 
 __all__ = [
+    "add_force_arg",
     "add_launch_args",
     "add_profile_arg",
     "capacities",
@@ -110,6 +111,14 @@ def capacities(text: str) -> list[float]:
     return caps
 
 
+def add_force_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="start even with more than 8 processes a core on this machine (default: refused)",
+    )
+
+
 def add_launch_args(parser: argparse.ArgumentParser, batch: int, stats_help: str) -> None:
     """The options `run` and `check` share: what to run, how to split it, where to report."""
     from netpart.partition.methods import METHODS
@@ -139,6 +148,7 @@ def add_launch_args(parser: argparse.ArgumentParser, batch: int, stats_help: str
         default=60.0,
         help="seconds a worker waits for a peer before giving up (default 60)",
     )
+    add_force_arg(parser)
     parser.add_argument(
         "--stats", type=Path, default=None, metavar="FILE", help=stats_help + " (default: none)"
     )
@@ -148,12 +158,14 @@ def plan_for_run(args: argparse.Namespace):
     """The spec and plan `run` and `check` use: --plan (checked), or None to plan afresh."""
     from netpart.models import load_spec
     from netpart.partition.plans import load_plan
-    from netpart.planning.memory import check_process_count
+    from netpart.planning.memory import check_crowding, check_process_count
     from netpart.processes.memory import available_memory
 
     spec = load_spec(args.model)
     # before any planning
-    check_process_count(args.workers, f"--workers {args.workers}", available=available_memory())
+    what = f"--workers {args.workers}"
+    check_process_count(args.workers, what, available=available_memory())
+    check_crowding(args.workers, what, cores=os.cpu_count() or 1, force=args.force)
     if args.plan is None:
         return spec, None
     p = load_plan(args.plan, spec)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from netpart.cli.common import (
+    add_force_arg,
     add_profile_arg,
     check_writable,
     echo,
@@ -94,6 +95,7 @@ def _train_parser(sub) -> None:
     )
     add_profile_arg(t)
     _where_flags(t)
+    add_force_arg(t)
     add_testbed_arg(t, processes=_processes)
     t.set_defaults(func=cmd_train, torch=True)
 
@@ -316,6 +318,7 @@ def _request(args: argparse.Namespace):
         network=network,
         out=args.out,
         resume=args.resume,
+        force=args.force,
     )
 
 

@@ -85,6 +85,7 @@ class TrainRequest:
     network: NetworkModel | None = None  # what `auto` predicts with (--profile)
     out: Path | None = None  # a new run's directory (default DEFAULT_OUT); not on a resume
     resume: Path | None = None
+    force: bool = False  # start even far more processes than this machine has cores
 
 
 def flag(name: str) -> str:
@@ -120,10 +121,13 @@ def make_job(request: TrainRequest, *, local: bool = True) -> Job:
             )
         return Job(spec, p, config, request.out or DEFAULT_OUT)
     if local:  # thousands of processes are refused before minutes of planning
-        from netpart.planning.memory import check_process_count
+        from netpart.planning.memory import check_crowding, check_process_count
 
         what = f"--workers {request.workers} x --replicas {config.replicas}"
-        check_process_count(config.world(request.workers), what, available=available_memory())
+        processes = config.world(request.workers)
+        check_process_count(processes, what, available=available_memory())
+        # refused far beyond the cores; short of that, the banner says how they share them
+        check_crowding(processes, what, cores=os.cpu_count() or 1, force=request.force)
     from netpart.partition import plan
 
     p = plan(
@@ -189,9 +193,11 @@ def _resumed(request: TrainRequest) -> Job:
 def banner(job: Job) -> str:
     """One line: what is about to run, and where."""
     c = job.config
+    processes, cores = c.world(job.plan.workers), os.cpu_count() or 1
+    shared = f" on {cores} cores" if processes > cores else ""
     return (
         f"{job.spec.name}: {c.replicas} replica(s) x {job.plan.workers} worker(s) + {c.shards} "
-        f"shard(s) = {c.world(job.plan.workers)} processes, {c.mode}, {c.optimizer} lr {c.lr}; "
+        f"shard(s) = {processes} processes{shared}, {c.mode}, {c.optimizer} lr {c.lr}; "
         f"run directory {job.run}"
     )
 

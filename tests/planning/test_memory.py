@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 import netpart.planning.memory as fit
@@ -104,3 +106,24 @@ def test_the_estimate_is_within_1_5x_of_a_real_job_s_peak(tmp_path):
     p = plan(spec, 2)
     est = fit.estimate(spec, p, **TrainConfig(replicas=2, shards=2, batch=512).memory_job(2))
     assert peak[0] / 1.5 <= est.total <= peak[0] * 1.5, (est.total, peak[0])
+
+
+def test_a_job_far_beyond_the_machine_s_cores_is_refused_unless_forced(
+    tmp_path, capsys, monkeypatch
+):
+    """Issue 80, item 2: `train --workers 16 --replicas 2` started 48 processes on 2 cores
+    without a word."""
+    assert fit.check_crowding(2, "x", cores=2, force=False) is None
+    warning = fit.check_crowding(5, "--workers 2", cores=2, force=False)
+    assert "5 processes on this machine's 2 cores, about 0.4 of a core each" in warning
+    assert fit.check_crowding(33, "x", cores=2, force=True).startswith("x: 33 processes")
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    out = tmp_path / "run"
+    argv = ["train", "--model", "tiny-local", "--workers", "16", "--replicas", "2"]
+    assert main([*argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "48 processes on this machine's 2 cores" in err[0], err
+    assert "more than 8 a core is refused" in err[0] and "--force" in err[0]
+    assert not out.exists()
+    assert main(["check", "--model", "tiny-local", "--workers", "17"]) == 2
+    assert "17 processes on this machine's 2 cores" in capsys.readouterr().err

@@ -102,12 +102,9 @@ def load_image_folder(
     was standardised by: of the pixels in [0, 1]) of a folder.
 
     Raises an error naming the folder or file for a missing or empty folder, a class folder
-    without images, more classes than the model has outputs, or an unreadable image.
+    without images, one class, more classes than the model has outputs, or unreadable
+    images (every one named, up to three); fewer classes than outputs is a warning.
     """
-    try:
-        from PIL import Image, UnidentifiedImageError
-    except ImportError:  # pragma: no cover - Pillow comes with matplotlib
-        raise DataError(f"--data {root}: reading image folders needs Pillow") from None
     if not root.is_dir():
         raise DataError(f"--data {root}: no such directory")
     names = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
@@ -117,17 +114,7 @@ def load_image_folder(
         )
     if len(names) > classes:
         raise DataError(f"{root}: {len(names)} class folders, but the model has {classes} outputs")
-    listed = []
-    for name in names:
-        files = sorted(
-            p
-            for p in (root / name).iterdir()
-            if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".")
-        )
-        if not files:
-            kinds = ", ".join(sorted(IMAGE_SUFFIXES))
-            raise DataError(f"{root / name}: class folder holds no images ({kinds})")
-        listed.append(files)
+    listed = [_class_files(root / name) for name in names]
     if len(names) < 2:
         raise DataError(
             f"{root}: one class folder ({names[0]}); a classifier needs at least two classes"
@@ -140,12 +127,43 @@ def load_image_folder(
             classes,
             _span(len(names), classes - 1),
         )
+    xs, ys = _read_images(root, listed, channels, height, width)
+    x = np.stack(xs).reshape(len(xs), -1)
+    mean, std = float(x.mean()), float(x.std()) + 1e-8
+    x = (x - mean) / std
+    log.info("%s: %d images in %d classes", root, len(xs), len(names))
+    return x.astype(np.float32), np.asarray(ys, dtype=np.int64), names, (mean, std)
+
+
+def _class_files(folder: Path) -> list[Path]:
+    """A class folder's image files, sorted; DataError if it holds none."""
+    files = sorted(
+        p
+        for p in folder.iterdir()
+        if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".")
+    )
+    if not files:
+        kinds = ", ".join(sorted(IMAGE_SUFFIXES))
+        raise DataError(f"{folder}: class folder holds no images ({kinds})")
+    return files
+
+
+def _read_images(
+    root: Path, listed: list[list[Path]], channels: int, height: int, width: int
+) -> tuple[list[np.ndarray], list[int]]:
+    """Every image of every class, resized, as [channels, height, width] in [0, 1], and its
+    label; DataError naming every file that cannot be read (a non-regular file is not
+    opened: a FIFO would block)."""
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError:  # pragma: no cover - Pillow comes with matplotlib
+        raise DataError(f"--data {root}: reading image folders needs Pillow") from None
     mode = "RGB" if channels == 3 else "L"
     xs, ys, bad = [], [], []
     for label, files in enumerate(listed):
         for path in files:
             rel = path.relative_to(root)
-            if not path.is_file():  # a FIFO or a device would block or never end
+            if not path.is_file():
                 bad.append(f"{rel}: not a regular file")
                 continue
             try:
@@ -170,11 +188,7 @@ def load_image_folder(
             f"{root}: {len(bad)} images cannot be read: {'; '.join(bad[:3])}{more}; remove or "
             "replace them"
         )
-    x = np.stack(xs).reshape(len(xs), -1)
-    mean, std = float(x.mean()), float(x.std()) + 1e-8
-    x = (x - mean) / std
-    log.info("%s: %d images in %d classes", root, len(xs), len(names))
-    return x.astype(np.float32), np.asarray(ys, dtype=np.int64), names, (mean, std)
+    return xs, ys
 
 
 def _span(first: int, last: int) -> str:

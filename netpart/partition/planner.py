@@ -82,6 +82,14 @@ def plan(
         if method == "metis" and metis_too_big:
             raise PlanError(f"--method metis: {metis_too_big}; use auto, stripe or tiles")
         return run(method, dict(options))
+    return _auto(run, spec, workers, options, metis_too_big)
+
+
+def _auto(
+    run: Planner, spec: ModelSpec, workers: int, options: dict[str, Any], metis_too_big: str
+) -> PartitionPlan:
+    """`auto`: every candidate of `auto_candidates` planned (METIS on the unit graph not
+    where `metis_too_big` says why), the fastest kept (AUTO_RULE), every candidate recorded."""
     unknown = sorted(set(options) - {"imbalance", "capacities"})
     if unknown:
         raise PlanError(
@@ -91,7 +99,7 @@ def plan(
     plans, best = [], np.inf
     for name, extra in auto_candidates(spec, workers):
         if name == "metis" and metis_too_big:
-            phase(f"metis: not weighed ({metis_too_big})")
+            run.phase(f"metis: not weighed ({metis_too_big})")
             continue
         mine = {k: v for k, v in options.items() if k in METHOD_OPTIONS.get(name, ())}
         got = run(name, {**mine, **extra}, beat=best * (1 + TIE))

@@ -39,10 +39,12 @@ activation = "softmax"
 """
 
 PLAIN_TORCH = """\
-import sys, numpy as np, torch
-model = torch.export.load(sys.argv[1]).module()
+import json, sys, numpy as np, torch
+about = {"netpart.json": ""}
+model = torch.export.load(sys.argv[1], extra_files=about).module()
 x = torch.from_numpy(np.load(sys.argv[2]))
 np.save(sys.argv[3], model(x).detach().numpy())
+print(json.dumps(json.loads(about["netpart.json"])["classes"]))
 assert "netpart" not in sys.modules
 """
 
@@ -121,7 +123,7 @@ def test_the_quick_start_runs_and_the_model_loads_in_plain_pytorch(tmp_path, cap
     mean, std = data.standardised
     pixels = (x * std + mean).reshape(len(x), 1, 16, 16).astype(np.float32)
     np.save(tmp_path / "x.npy", pixels)
-    subprocess.run(
+    plain = subprocess.run(
         [
             sys.executable,
             "-c",
@@ -133,7 +135,15 @@ def test_the_quick_start_runs_and_the_model_loads_in_plain_pytorch(tmp_path, cap
         check=True,
         timeout=120,
         cwd=tmp_path,
+        capture_output=True,
+        text=True,
     )
+    # the run records what a user needs to use it (issue 80, item 4): the class names in
+    # label order, and the standardisation, also inside the exported program
+    assert json.loads(plain.stdout) == ["across", "blob", "down"]  # the folders, sorted
+    fed = json.loads((run / "data.json").read_text())
+    assert fed["classes"] == ["across", "blob", "down"]
+    assert fed["standardised"] == pytest.approx({"mean": mean, "std": std})
     logits = torch.from_numpy(np.load(tmp_path / "logits.npy"))
     job, state = run_model(run, from_shards=True)
     from netpart.models.reference import build_reference

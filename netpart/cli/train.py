@@ -416,9 +416,11 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     import io
+    import json
 
     import torch
 
+    from netpart.data import load_data
     from netpart.files import write_atomic
     from netpart.models.reference import exported_program
     from netpart.ps.checkpoint import save_model
@@ -427,22 +429,34 @@ def cmd_export(args: argparse.Namespace) -> int:
     job, state = run_model(args.run, from_shards=True)
     config = job.config
     count = f"{sum(v.numel() for v in state.values()):,} parameters"
+    recorded = args.run / "data.json"  # how the model was fed, what its outputs mean
+    if recorded.is_file():
+        fed = json.loads(recorded.read_text())
+    else:  # a run that ended before writing it
+        data = load_data(config.data, job.spec, config.seed, config.examples, config.data_layout)
+        fed = data.preprocessing()
+    about = json.dumps({"model": job.spec.name, **fed}, indent=1)
     if args.format == "state_dict":
         out = args.out or args.run / "model.pt"
         save_model(out, state)
-        echo(f"wrote {out}: {job.spec.name}'s reference state_dict, {count}")
+        write_atomic(out.with_name(out.name + ".json"), about.encode())
+        echo(
+            f"wrote {out}: {job.spec.name}'s reference state_dict, {count}; how it was fed "
+            f"({fed['input']}) and its class names: {out}.json"
+        )
         return 0
     out = args.out or args.run / "model.pt2"
     check_writable(out, "--out")
     buf = io.BytesIO()
-    from netpart.data import load_data
-
-    data = load_data(config.data, job.spec, config.seed, config.examples, config.data_layout)
-    torch.export.save(exported_program(job.spec, state, data.standardised), buf)
+    standard = fed["standardised"]
+    standardised = (standard["mean"], standard["std"]) if standard else None
+    program = exported_program(job.spec, state, standardised)
+    torch.export.save(program, buf, extra_files={"netpart.json": about})
     write_atomic(out, buf.getvalue())
-    takes = "pixels in [0, 1], standardised inside" if data.standardised else "inputs as trained"
+    takes = "pixels in [0, 1], standardised inside" if standardised else "inputs as trained"
     echo(
         f"wrote {out}: {job.spec.name}, {count}, takes {takes}; load it with "
-        f"torch.export.load({str(out)!r}).module()"
+        f"torch.export.load({str(out)!r}).module(); its class names and standardisation: "
+        "the extra file netpart.json"
     )
     return 0

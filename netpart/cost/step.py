@@ -66,6 +66,10 @@ __all__ = [
     "step_times",
 ]
 
+# What a prediction from figures no machine measured says of itself: a calibrated profile
+# predicted steps within 15% in most cases measured (docs/measurements.md), the defaults
+# are a guess at a machine.
+CALIBRATE_FOR = "calibrate (`netpart calibrate`) for figures within about 15%"
 PROFILE_SCHEMA = 2  # 2: a kind's per_value counts the values a slice reads (1: its input buffer)
 
 
@@ -228,8 +232,8 @@ class NetworkModel:
                 f"{_duration(self.latency_s)}{link}{caveat}"
             )
         return (
-            f"defaults/--net: {self.bandwidth_bps / 1e9:g} Gbit/s, "
-            f"{self.latency_s * 1e6:g} µs, {self.flops_per_s / 1e9:g} GFLOP/s"
+            f"uncalibrated: {self.bandwidth_bps / 1e9:g} Gbit/s, {self.latency_s * 1e6:g} µs, "
+            f"{self.flops_per_s / 1e9:g} GFLOP/s (defaults or --net); {CALIBRATE_FOR}"
         )
 
     def worker_compute_s(

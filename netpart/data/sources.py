@@ -58,7 +58,23 @@ class Dataset:
     render: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None  # ids -> x, y
     # Image folders: (mean, std) the pixels in [0, 1] were standardised by
     standardised: tuple[float, float] | None = None
+    classes: tuple[str, ...] | None = None  # each label's name (image folders: folder order)
     _cache: dict = field(default_factory=dict, repr=False)  # class -> prototype
+
+    def preprocessing(self) -> dict:
+        """What a user's own model must be fed, and what its outputs mean: the source, the
+        input it takes, the standardisation applied (None: inputs as the source gives them)
+        and each output's class name (None: the labels are the output indices)."""
+        mean_std = None
+        if self.standardised is not None:
+            mean_std = {"mean": self.standardised[0], "std": self.standardised[1]}
+        take = "pixels in [0, 1], then (x - mean) / std" if mean_std else "inputs as trained"
+        return {
+            "source": self.source,
+            "input": take,
+            "standardised": mean_std,
+            "classes": list(self.classes) if self.classes is not None else None,
+        }
 
     def held_out_set(self) -> tuple[np.ndarray, np.ndarray]:
         """(x [m, features], y) of the held-out examples (generated sources: ids n .. n+999)."""
@@ -317,14 +333,15 @@ def _shapes(spec: ModelSpec, seed: int, examples: int) -> Dataset:
         x = render_shapes(ids, labels[ids], seed, c, h, w)
         return x.reshape(len(ids), -1), labels[ids]
 
-    return Dataset(spec, examples, seed, "shapes", render=render)
+    return Dataset(spec, examples, seed, "shapes", render=render, classes=tuple(SHAPE_CLASSES))
 
 
 def _folder(spec: ModelSpec, seed: int, root: Path) -> Dataset:
     c, h, w = _image_input(spec, str(root))
     classes = _classes(spec, str(root), 1)
-    x, y, _, standard = load_image_folder(root, c, h, w, classes)
-    return dataclasses.replace(_split(spec, seed, str(root), x, y), standardised=standard)
+    x, y, names, standard = load_image_folder(root, c, h, w, classes)
+    data = _split(spec, seed, str(root), x, y)
+    return dataclasses.replace(data, standardised=standard, classes=tuple(names))
 
 
 def _digits(spec: ModelSpec, seed: int) -> Dataset:
@@ -342,7 +359,8 @@ def _digits(spec: ModelSpec, seed: int) -> Dataset:
             images, size=(inp.height, inp.width), mode="bilinear", align_corners=False
         ).repeat(1, inp.channels, 1, 1)
     x = ((x - x.mean()) / x.std()).reshape(len(x), -1).numpy()
-    return _split(spec, seed, "digits", x, target)
+    digits = tuple(str(d) for d in range(10))
+    return dataclasses.replace(_split(spec, seed, "digits", x, target), classes=digits)
 
 
 def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:

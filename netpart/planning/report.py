@@ -49,13 +49,23 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([line, sep, *body])
 
 
+def weighted_imbalance(plan: PartitionPlan) -> float:
+    """The slowest workers' compute summed over layers over the mean worker's: each layer's
+    imbalance weighted by what it costs (a 10-unit output layer that costs nothing does not
+    set it, as it sets the worst layer's)."""
+    slowest = sum(ly.compute_s for ly in plan.layers)
+    mean = sum(ly.compute_s / ly.imbalance for ly in plan.layers if ly.imbalance > 0)
+    return slowest / mean if mean > 0 else plan.metrics.max_layer_imbalance
+
+
 def summary_line(plan: PartitionPlan) -> str:
     m = plan.metrics
     return (
         f"{plan.model} on {plan.workers} workers ({plan.method}): "
         f"volume {m.volume:,} values/example "
         f"({_fmt_ratio(m.volume_ratio)} x lower bound {m.lower_bound:,}), "
-        f"max layer imbalance {m.max_layer_imbalance:.3f}, "
+        f"imbalance {weighted_imbalance(plan):.3f} weighted by layer cost "
+        f"(worst layer {m.max_layer_imbalance:.3f}), "
         f"predicted step {m.predicted_step_s * 1e3:.1f} ms at batch {plan.batch} "
         f"({plan.network.describe()})"
     )
@@ -223,8 +233,10 @@ def _summary_lines(spec: ModelSpec, plan: PartitionPlan) -> list[str]:
         f"- **volume**: {m.volume:,} activation values per example per forward pass "
         f"({m.volume * BYTES_PER_VALUE * plan.batch / 1e6:.2f} MB per step each way)",
         f"- **lower bound**: {m.lower_bound:,} (volume / bound = {_fmt_ratio(m.volume_ratio)})",
-        f"- **max layer imbalance**: {m.max_layer_imbalance:.3f} (max over layers of the "
-        "slowest worker's FLOPs over the mean)",
+        f"- **imbalance**: {weighted_imbalance(plan):.3f} (the slowest workers' compute over "
+        "the mean worker's, summed over layers: each layer weighted by its cost); the worst "
+        f"layer's, unweighted: {m.max_layer_imbalance:.3f} (its slowest worker's FLOPs over "
+        "the mean)",
         f"- **edge cut**: {m.edge_cut:,} units read across workers",
         f"- **predicted step time**: {m.predicted_step_s * 1e3:.2f} ms "
         f"(compute {m.compute_s * 1e3:.2f} ms + exchange {m.exchange_s * 1e3:.2f} ms)",
@@ -328,7 +340,8 @@ def cluster_markdown(advice) -> str:
             "",
             "Layouts: `mode RxN+S` is R replicas of N model workers and S parameter-server shards; "
             "`all-reduce xM` is M replicas of one worker each exchanging gradients by a ring "
-            "all-reduce. How each is predicted: `netpart/planning/cluster.py`.",
+            'all-reduce. How each is priced, in words: docs/planning.md, "How to spend M '
+            'machines".',
             "",
             "![samples per second by layout](cluster.png)",
             "",

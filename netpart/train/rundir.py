@@ -275,6 +275,7 @@ RUN_OUTPUTS = (
     "metrics.csv",
     "eval.csv",
     "diverged_*.json",
+    "data.json",
     "shard_*.pt",  # a shard's checkpoint where not every shard wrote one
 )
 
@@ -353,6 +354,8 @@ def finish_run(compiled: CompiledPlan, config, run: Path, summary: TrainSummary)
     write_atomic(run / "summary.json", json.dumps(summary.to_dict(), indent=1).encode())
     try:
         data = load_data(config.data, spec, config.seed, config.examples, config.data_layout)
+        # how a user's own model is fed and what its outputs mean (`netpart export` states it)
+        write_atomic(run / "data.json", json.dumps(data.preprocessing(), indent=1).encode())
         summary.held_out = evaluate(spec, state, *data.held_out_set(), seed=config.seed)
     except (DataError, OSError) as exc:  # the data went away during the run
         log.warning("no held-out evaluation: %s", exc)

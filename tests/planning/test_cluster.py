@@ -139,3 +139,20 @@ def test_downpour_carries_push_and_fetch_beside_its_step_and_sync_waits_for_each
     phase = float(slow.phase_s(down.link_bytes, 1))
     assert down.step_s == pytest.approx(phase)
     assert 2 * phase < sync.step_s < 2.05 * phase
+
+
+def test_layouts_predicted_within_the_tie_are_reported_as_a_tie():
+    """Issue 80, item 5: 'downpour 3x1+3 ... 1.00x the next (all-reduce x6)' read as a
+    recommendation the model cannot make."""
+    from netpart.planning.cluster import TIE, Layout, LayoutFigures, _why
+
+    def row(mode, r, n, s, speed, link):
+        layout = Layout(mode, r, n, s)
+        return LayoutFigures(layout, 1 / speed, speed, link, "shard 0", 1e6, 0.0, True)
+
+    tie = [row("downpour", 3, 1, 3, 1000.0, 2e5), row("allreduce", 6, 1, 0, 990.0, 5e5)]
+    said = _why(tie)
+    assert said.startswith("downpour 3x1+3 and all-reduce x6 are a tie") and "1.010x" in said
+    assert "0.2 MB a step, all-reduce x6's 0.5 MB" in said
+    apart = [tie[0], row("allreduce", 6, 1, 0, 1000.0 / (1 + 2 * TIE), 5e5)]
+    assert "1.10x the next (all-reduce x6)" in _why(apart)

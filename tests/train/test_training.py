@@ -398,6 +398,8 @@ def test_torchrun_runs_the_same_job_and_export_loads_back(tmp_path):
     assert "[shard 0 (rank 4)]" in out.stderr  # logs name role and rank
     m = tmp_path / "m.pt"
     assert main(["export", str(run), "--format", "state_dict", "--out", str(m)]) == 0
+    about = json.loads((tmp_path / "m.pt.json").read_text())  # beside it: how it was fed
+    assert about["model"] == "tiny-local" and about["source"] == "synthetic"
     assert main(["eval", str(run), "--data", "digits"]) == 0  # from the shards
     state = torch.load(tmp_path / "m.pt", weights_only=True)
     model = build_reference(SPEC, 0)

@@ -135,13 +135,18 @@ def _where_flags(t: argparse.ArgumentParser) -> None:
 
 
 def _config_flags(t: argparse.ArgumentParser) -> None:
-    """The TrainConfig fields as flags whose absence means "the default, or the run's"."""
+    """The TrainConfig fields as flags whose absence means "the default, or the run's",
+    grouped in `--help` by what they set."""
     from netpart.train.config import TrainConfig
 
-    flag = _config_flag(t, TrainConfig())
+    defaults = TrainConfig()
+    flag = _config_flag(t.add_argument_group("replicas, shards and processes"), defaults)
     flag("replicas", int, "replicas of the model (R)")
     flag("shards", int, "parameter-server shards (S; default: N)", name="--ps-shards")
     flag("mode", str, "downpour | sync | sandblaster (batch L-BFGS with a coordinator)")
+    flag("placement", str, "pack | spread | ordered: which ranks play which role")
+    flag("threads", int, "torch threads per process")
+    flag = _config_flag(t.add_argument_group("the optimizer"), defaults)
     flag("optimizer", str, "adagrad | sgd | lbfgs (with --mode sandblaster)")
     flag("lr", float, "learning rate (default: 0.01 for adagrad, 0.05 for sgd, 1 for lbfgs)")
     flag("n_fetch", int, "downpour: fetch parameters every K steps")
@@ -155,19 +160,17 @@ def _config_flags(t: argparse.ArgumentParser) -> None:
         "parameters (the paper's client), and fetched values get its pushes they do not "
         "reflect yet; with one replica that is exactly single-process SGD (auto: on for sgd)",
     )
-    _job_flags(flag)
-
-
-def _job_flags(flag) -> None:
-    """The TrainConfig fields of Sandblaster, the job's length, data and processes."""
-    flag("units", int, "sandblaster: work units per batch", "--units", "--units-per-batch")
-    flag("history", int, "sandblaster: L-BFGS curvature pairs kept in the shards")
-    flag("line_search", str, "sandblaster: armijo | none (torch.optim.LBFGS's fixed step)")
-    flag("steps", int, "total steps per replica (a resume continues up to it)")
-    flag("batch", int, "examples per step and replica")
     flag("warm_start", int, "downpour: steps replica 0 trains alone first")
-    flag("checkpoint_every", int, "shard updates between checkpoints")
-    flag("snapshot_every", int, "keep a copy of every shard each K updates in snapshots/ (0: off)")
+    flag = _config_flag(t.add_argument_group("Sandblaster L-BFGS"), defaults)
+    flag("units", int, "work units per batch", "--units", "--units-per-batch")
+    flag("history", int, "L-BFGS curvature pairs kept in the shards")
+    flag("line_search", str, "armijo | none (torch.optim.LBFGS's fixed step)")
+    _data_flags(_config_flag(t.add_argument_group("the data"), defaults))
+    _run_flags(_config_flag(t.add_argument_group("the run"), defaults))
+
+
+def _data_flags(flag) -> None:
+    """The TrainConfig fields of the data a job reads."""
     flag(
         "data",
         str,
@@ -182,6 +185,15 @@ def _job_flags(flag) -> None:
         "transposed to channels first)",
         "--layout",
     )
+    flag("batch", int, "examples per step and replica")
+    flag("seed", seed_int, "weights, data and partitioner seed")
+
+
+def _run_flags(flag) -> None:
+    """The TrainConfig fields of the job's length, checkpoints, evaluation and faults."""
+    flag("steps", int, "total steps per replica (a resume continues up to it)")
+    flag("checkpoint_every", int, "shard updates between checkpoints")
+    flag("snapshot_every", int, "keep a copy of every shard each K updates in snapshots/ (0: off)")
     flag(
         "eval_every",
         int,
@@ -194,7 +206,6 @@ def _job_flags(flag) -> None:
         "loggers besides the run's JSON lines, comma-separated: csv (metrics.csv, eval.csv), "
         "tensorboard (RUN/tensorboard; needs the tensorboard package)",
     )
-    flag("seed", seed_int, "weights, data and partitioner seed")
     flag("dtype", str, "float32 | float64")
     flag("timeout", timeout_s, "seconds a worker waits for a peer before giving up")
     flag(
@@ -204,8 +215,6 @@ def _job_flags(flag) -> None:
         "last checkpoint with the whole job (downpour, sync; under torchrun, torchrun's "
         "--max-restarts restarts it)",
     )
-    flag("threads", int, "torch threads per process")
-    flag("placement", str, "pack | spread | ordered: which ranks play which role")
 
 
 def _run_parsers(sub) -> None:

@@ -52,7 +52,7 @@ def _partition_map(graph: UnitGraph, plan: PartitionPlan) -> bytes:
     fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.3 * rows + 0.8), squeeze=False)
     for ax in axes.ravel()[len(spatial) :]:
         ax.axis("off")
-    cmap = plt.get_cmap("tab20" if workers <= 20 else "nipy_spectral")
+    cmap = _worker_colours(workers)
     dead_any = False
     for ax, lb in zip(axes.ravel(), spatial, strict=False):
         shown, title = _groups(lb, plan.node_map)
@@ -102,9 +102,20 @@ def _unread(graph: UnitGraph, index: int, node_map: np.ndarray, workers: int):
     return ~covered.any(axis=(0, 1))
 
 
+def _worker_colours(workers: int):
+    """A colour a worker: tab20's without its two greys (grey marks the positions no window
+    reads) up to 18 workers, a spectrum beyond."""
+    if workers > 18:
+        return plt.get_cmap("nipy_spectral")
+    from matplotlib.colors import ListedColormap
+
+    colours = [c for i, c in enumerate(plt.get_cmap("tab20").colors) if i not in (14, 15)]
+    return ListedColormap(colours[: max(workers, 2)])
+
+
 def _key(fig, cmap, workers: int) -> None:
-    """The colour of each worker: a legend up to 20 workers, a colour bar beyond."""
-    if workers <= 20:
+    """The colour of each worker: a legend up to 18 workers, a colour bar beyond."""
+    if workers <= 18:
         handles = [
             Patch(color=cmap(w / max(workers - 1, 1)), label=f"worker {w}") for w in range(workers)
         ]

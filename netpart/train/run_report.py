@@ -224,7 +224,7 @@ def _curves(plt, run: Path, lines: list[dict], reps: dict) -> str:
             axes[1].plot(x, _smooth(acc, 20), color=ln.get_color(), label=f"replica {r}")
     if held:
         x = samples_at(np.array([h["time"] for h in held]))
-        label = f"held-out ({held[-1]['examples']} examples)"
+        label = f"held-out during training ({held[-1]['examples']} examples)"
         axes[0].plot(x, [h["loss"] for h in held], "ko-", markersize=3, label=label)
         if has_acc and "accuracy" in held[0]:
             axes[1].plot(x, [h["accuracy"] for h in held], "ko-", markersize=3, label=label)

@@ -269,3 +269,19 @@ def test_a_plan_piped_into_head_is_written_before_its_output(tmp_path, what):
     assert len(done.stdout.splitlines()) == 1
     written = "plan.json" if "--workers" in what else "cluster.json"
     assert (out / written).exists(), sorted(p.name for p in out.iterdir()) if out.exists() else None
+
+
+def test_a_testbed_job_s_benign_torch_warnings_stay_out_of_the_console():
+    """Issue 80, item 6: a run that exits 0 filled its console with these."""
+    from netpart.cli.testbed import without_exit_barrier_race
+
+    lines = [
+        "[W1201 10:00:00.1 socket.cpp:759] [c10d] The hostname of the client socket cannot be "
+        "retrieved. err=-3\n",
+        "W1201 10:00:01.000000 77 torch/distributed/elastic/rendezvous/dynamic_rendezvous.py:"
+        "1346] The node 'n' has failed to send a keep-alive heartbeat to the rendezvous 'r' due "
+        "to an error of type RendezvousConnectionError.\n",
+        "replica steps 12/12: loss 0.1, 100 samples/s, 5 ms/step, 1 MB moved\n",
+        "W1201 10:00:02.000000 77 torch/x.py:1] a warning of another kind\n",
+    ]
+    assert list(without_exit_barrier_race(lines)) == lines[2:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from netpart.cli.common import (
@@ -18,6 +19,11 @@ from netpart.cli.machines import machines_options, plan_cluster, sweep
 from netpart.cost.machine import load_network
 from netpart.errors import PlanError
 from netpart.processes.memory import available_memory
+
+QUIET_S = 5.0  # off a terminal, planning says what it is doing after this long without a word
+# Units a worker owns of the widest layer below which, on more than a few workers, every
+# slice is mostly its fixed costs
+SMALLEST_SLICE, FEW_WORKERS = 32, 8
 
 __all__ = ["register"]
 
@@ -226,6 +232,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plans = _make_plans(spec, args, options, {**common, "granularity": granularity})
     main_plan = plans[0]
     comparison = plans if args.compare else []
+    widest = max(s.size for s in spec.shapes)
+    if args.workers > FEW_WORKERS and widest / args.workers < SMALLEST_SLICE:
+        print(
+            f"netpart: warning: {args.workers} workers own about {widest / args.workers:.0f} "
+            f"units each of {spec.name}'s widest layer ({widest:,} units), fewer than "
+            f"{SMALLEST_SLICE}: each slice's fixed costs outweigh its arithmetic, which "
+            "uncalibrated figures do not price; plan fewer workers, or calibrate",
+            file=sys.stderr,
+        )
     graph = build_unit_graph(spec, main_plan.granularity)
     shards = ShardLayout.build(
         graph, main_plan.node_map, args.workers, args.ps_shards or args.workers
@@ -326,6 +341,7 @@ def _make_plans(spec, args: argparse.Namespace, options: dict, common: dict) -> 
     )
     plans = []
     show = sys.stderr.isatty()
+    said = [time.monotonic()]  # off a terminal: a line once planning has been quiet a while
     with tqdm(total=steps, desc="plan", disable=not show, leave=False) as bar:
         for method in methods:
             opts = options if method == args.method else {}
@@ -333,6 +349,12 @@ def _make_plans(spec, args: argparse.Namespace, options: dict, common: dict) -> 
             def phase(name: str) -> None:
                 bar.set_postfix_str(name)
                 bar.update(1)
+                now = time.monotonic()
+                if not show and now - said[0] >= QUIET_S:
+                    print(
+                        f"netpart: planning {spec.name} on {args.workers}: {name}", file=sys.stderr
+                    )
+                    said[0] = now
 
             plans.append(
                 plan(

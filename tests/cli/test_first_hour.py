@@ -175,3 +175,12 @@ def test_plan_checks_a_layer_s_units_and_metis_s_constraints_before_it_builds(mo
         plan(chain, 2, "metis")
     p = plan(chain, 2)
     assert p.method == "stripe" and [c.method for c in p.candidates] == ["stripe"]
+
+
+def test_a_plan_of_slices_too_small_to_mean_much_says_so(capsys):
+    """Issue 80, item 2: `plan --workers 1000` on a small CNN predicted 4.0 ms, no warning."""
+    code, out, err = run(capsys, "plan", "--model", "tiny-local", "--workers", "64")
+    assert code == 0 and out
+    assert "64 workers own about 24 units each of tiny-local's widest layer" in err
+    code, _, err = run(capsys, "plan", "--model", "tiny-local", "--workers", "4")
+    assert code == 0 and "warning" not in err

@@ -30,7 +30,7 @@ BELOW = {
     "compile": {"partition", "cost", "models"},
     "partition": {"cost", "models"},
     "cost": {"models"},
-    "data": {"models"},
+    "data": {"models", "processes"},  # what memory the machine has, before a large read
     "models": set(),
 }
 

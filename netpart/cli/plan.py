@@ -380,7 +380,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         raise PlanError(
             f"{args.plan}: plan is for {plan.model!r}, not a zoo model; pass --model FILE"
         )
-    plan.check_model(load_spec(args.model or plan.model))
+    spec = load_spec(args.model or plan.model)
+    plan.check_model(spec)
+    from netpart.compile.schedule import plan_schedule
+
+    plan_schedule(spec, plan)  # what `train --plan` checks: the two files belong together
     echo(summary_line(plan))
     echo(layer_table(plan))
     return 0

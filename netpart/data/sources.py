@@ -218,6 +218,7 @@ def load_data(
             f"--data {source}: expected synthetic, shapes, digits, a .npz file with x and y, "
             "or a folder of class subfolders"
         )
+    _check_npz_sizes(path)
     try:
         with np.load(path, allow_pickle=False) as f:
             arrays = {k: f[k] for k in ("x", "y", "x_test", "y_test") if k in f.files}
@@ -236,6 +237,37 @@ def load_data(
         test = _checked(path, "x_test", "y_test", x_test, arrays["y_test"], spec)
         return Dataset(spec, len(x), seed, str(path), x=x, y=y, held_out=test)
     return _split(spec, seed, str(path), x, y)
+
+
+def _check_npz_sizes(path: Path) -> None:
+    """DataError, before anything is decompressed, for an .npz whose arrays' headers declare
+    more bytes than this machine has available (a deflate bomb declares what it inflates to)."""
+    import zipfile
+
+    from netpart.processes.memory import available_memory
+
+    try:
+        with zipfile.ZipFile(path) as zf:
+            declared = 0
+            for info in zf.infolist():
+                if not info.filename.endswith(".npy"):
+                    continue
+                with zf.open(info) as member:
+                    version = np.lib.format.read_magic(member)
+                    read = (
+                        np.lib.format.read_array_header_1_0
+                        if version == (1, 0)
+                        else np.lib.format.read_array_header_2_0
+                    )
+                    shape, _, dtype = read(member)
+                declared += int(np.prod(shape, dtype=np.float64)) * dtype.itemsize
+    except (OSError, ValueError, zipfile.BadZipFile):
+        return  # np.load says what is wrong with it
+    if declared > available_memory():
+        raise DataError(
+            f"{path}: its arrays declare {declared / 2**30:,.1f} GiB, more than this machine's "
+            f"{available_memory() / 2**30:.1f} GiB available"
+        )
 
 
 def _laid_out(path: Path, name: str, x: np.ndarray, spec: ModelSpec, layout: str) -> np.ndarray:

@@ -285,3 +285,16 @@ def test_a_testbed_job_s_benign_torch_warnings_stay_out_of_the_console():
         "W1201 10:00:02.000000 77 torch/x.py:1] a warning of another kind\n",
     ]
     assert list(without_exit_barrier_race(lines)) == lines[2:]
+
+
+def test_inspect_checks_what_train_plan_checks(tmp_path, capsys):
+    """Issue 80, item 17: `inspect` printed 'on 3 workers' for a directory whose node map
+    was another plan's (one killed between its two files), which `train --plan` refuses."""
+    two, three = tmp_path / "two", tmp_path / "three"
+    for out, n in ((two, "2"), (three, "3")):
+        assert main(["plan", "--model", "tiny-local", "--workers", n, "--out", str(out)]) == 0
+    (three / "node_map.npy").write_bytes((two / "node_map.npy").read_bytes())
+    capsys.readouterr()
+    assert main(["inspect", str(three)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the plan files do not belong together" in err

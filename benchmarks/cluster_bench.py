@@ -149,10 +149,7 @@ def train(bed: str, layout, args, run: Path) -> float:
         return _ddp(bed, layout.replicas, args, run)
     argv = [
         sys.executable,
-        "-m",
-        "netpart",
-        "train",
-        "--testbed",
+        *"-m netpart train --testbed".split(),
         bed,
         "--model",
         args.model,
@@ -170,9 +167,7 @@ def train(bed: str, layout, args, run: Path) -> float:
         args.data,
         "--batch",
         str(BATCH),
-        "--timeout",
-        "60",
-        "--out",
+        *"--timeout 60 --out".split(),
         str(run),
     ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=900)

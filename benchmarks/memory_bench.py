@@ -44,10 +44,7 @@ def measure(model: str, batch: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         argv = [
             sys.executable,
-            "-m",
-            "netpart",
-            "train",
-            "--model",
+            *"-m netpart train --model".split(),
             model,
             "--workers",
             str(WORKERS),
@@ -59,9 +56,7 @@ def measure(model: str, batch: int) -> dict:
             str(STEPS),
             "--batch",
             str(batch),
-            "--checkpoint-every",
-            "1000",
-            "--out",
+            *"--checkpoint-every 1000 --out".split(),
             str(Path(tmp) / "run"),
         ]
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

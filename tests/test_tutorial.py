@@ -78,28 +78,14 @@ def test_the_quick_start_runs_and_the_model_loads_in_plain_pytorch(tmp_path, cap
     assert main(["plan", "--model", spec, "--workers", "2", "--out", str(plans)]) == 0
     capsys.readouterr()
     train = [
-        "train",
-        "--model",
+        *"train --model".split(),
         spec,
-        "--workers",
-        "2",
-        "--replicas",
-        "2",
-        "--plan",
+        *"--workers 2 --replicas 2 --plan".split(),
         str(plans),
         "--data",
         images,
-        "--steps",
-        "40",
-        "--batch",
-        "8",
-        "--eval-every",
-        "10",
-        "--log",
-        "csv",
-        "--progress-every",
-        "0",
-        "--out",
+        *"--steps 40 --batch 8 --eval-every 10 --log csv".split(),
+        *"--progress-every 0 --out".split(),
         str(run),
     ]
     assert main(train) == 0

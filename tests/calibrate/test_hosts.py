@@ -17,18 +17,9 @@ pytestmark = pytest.mark.timeout(300)
 
 REASON = netns.unavailable()
 CALIBRATE = [
-    "-m",
-    "netpart",
-    "calibrate",
-    "--models",
-    "tiny-mlp",
-    "--slice-models",
+    *"-m netpart calibrate --models tiny-mlp --slice-models".split(),
     "",
-    "--repeats",
-    "1",
-    "--steps",
-    "3",
-    "--check-model",
+    *"--repeats 1 --steps 3 --check-model".split(),
     "",
 ]
 # The link between the two hosts: a tenth of loopback's rate here, and fast enough that the

@@ -99,18 +99,8 @@ def test_train_machines_trains_the_fastest_parameter_server_layout(tmp_path, cap
     )
     run = tmp_path / "run"
     argv = [
-        "train",
-        "--model",
-        "digits-mlp",
-        "--machines",
-        "4",
-        "--data",
-        "digits",
-        "--steps",
-        "10",
-        "--batch",
-        "32",
-        "--out",
+        *"train --model digits-mlp --machines 4 --data digits --steps".split(),
+        *"10 --batch 32 --out".split(),
         str(run),
     ]
     assert main(argv) == 0

@@ -62,22 +62,8 @@ def test_the_estimate_is_within_1_5x_of_a_real_job_s_peak(tmp_path):
     marker = uuid.uuid4().hex
     argv = [
         sys.executable,
-        "-m",
-        "netpart",
-        "train",
-        "--model",
-        "tiny-local",
-        "--workers",
-        "2",
-        "--replicas",
-        "2",
-        "--ps-shards",
-        "2",
-        "--steps",
-        "6",
-        "--batch",
-        "512",
-        "--out",
+        *"-m netpart train --model tiny-local --workers 2 --replicas 2".split(),
+        *"--ps-shards 2 --steps 6 --batch 512 --out".split(),
         str(tmp_path / "run"),
     ]
     proc = subprocess.Popen(

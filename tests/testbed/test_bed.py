@@ -39,15 +39,9 @@ def test_a_job_runs_one_worker_on_each_machine_and_down_leaves_nothing(capsys):
         assert read(name) == bed
         argv = [
             sys.executable,
-            "-m",
-            "netpart",
-            "check",
-            "--testbed",
+            *"-m netpart check --testbed".split(),
             name,
-            "--model",
-            "tiny-local",
-            "--workers",
-            "2",
+            *"--model tiny-local --workers 2".split(),
         ]
         job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         seen: dict[int, int] = {}
@@ -68,19 +62,10 @@ def test_a_job_runs_one_worker_on_each_machine_and_down_leaves_nothing(capsys):
         assert sorted(seen) == [0, 1] and seen[0] != seen[1]
         # a job of another size is refused in one line before anything starts
         train = [
-            "train",
-            "--testbed",
+            *"train --testbed".split(),
             name,
-            "--model",
-            "tiny-mlp",
-            "--workers",
-            "1",
-            "--replicas",
-            "1",
-            "--ps-shards",
-            "2",
-            "--out",
-            "/nonexistent/never",
+            *"--model tiny-mlp --workers 1 --replicas 1 --ps-shards 2".split(),
+            *"--out /nonexistent/never".split(),
         ]
         assert main(train) == 2 and main(["check", *train[1:5], "--workers", "3"]) == 2
         err = capsys.readouterr().err.splitlines()

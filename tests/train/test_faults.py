@@ -43,17 +43,8 @@ def no_orphans():
 
 def _args(out: Path, *extra: str) -> list[str]:
     return [
-        "train",
-        "--model",
-        "tiny-local",
-        "--workers",
-        "2",
-        "--replicas",
-        "2",
-        "--ps-shards",
-        "2",
-        "--batch",
-        "8",
+        *"train --model tiny-local --workers 2 --replicas 2".split(),
+        *"--ps-shards 2 --batch 8".split(),
         *extra,
         "--out",
         str(out),

@@ -23,25 +23,12 @@ REASON = netns.unavailable()
 def test_two_machines_train_with_replicas_on_their_own_hosts(tmp_path):
     run, steps = tmp_path / "run", 40
     args = [
-        "-m",
-        "netpart",
-        "train",
-        "--model",
-        "tiny-local",
-        "--workers",
-        "2",
-        "--replicas",
-        "2",
-        "--ps-shards",
-        "2",
-        "--data",
-        "digits",
-        "--steps",
+        *"-m netpart train --model tiny-local --workers 2 --replicas 2".split(),
+        *"--ps-shards 2 --data digits --steps".split(),
         str(steps),
         "--out",
         str(run),
-        "--timeout",
-        "30",
+        *"--timeout 30".split(),
     ]
     with netns.two_hosts(rate="100mbit") as (a, b):
         procs = netns.torchrun_on([a, b], 29561, "netns-test", 3, args)

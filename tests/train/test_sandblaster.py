@@ -141,20 +141,8 @@ def sandblaster_cmd(run, *flags):
     """`netpart train` of Sandblaster on tiny-mlp, 2 replicas of 1 worker, into `run`."""
     return [
         sys.executable,
-        "-m",
-        "netpart",
-        "train",
-        "--mode",
-        "sandblaster",
-        "--optimizer",
-        "lbfgs",
-        "--model",
-        "tiny-mlp",
-        "--workers",
-        "1",
-        "--replicas",
-        "2",
-        "--out",
+        *"-m netpart train --mode sandblaster --optimizer lbfgs".split(),
+        *"--model tiny-mlp --workers 1 --replicas 2 --out".split(),
         str(run),
         *flags,
     ]

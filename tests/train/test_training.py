@@ -270,21 +270,10 @@ def test_sigterm_stops_cleanly_with_a_final_checkpoint(tmp_path):
     run = tmp_path / "run"
     cmd = [
         sys.executable,
-        "-m",
-        "netpart",
-        "train",
-        "--model",
-        "tiny-local",
-        "--workers",
-        "2",
-        "--replicas",
-        "1",
-        "--steps",
-        "100000",
-        "--out",
+        *"-m netpart train --model tiny-local --workers 2 --replicas 1".split(),
+        *"--steps 100000 --out".split(),
         str(run),
-        "--timeout",
-        "20",
+        *"--timeout 20".split(),
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -317,16 +306,7 @@ def test_bad_resume_input_exits_2_and_overwrites_nothing(sync_run, tmp_path, cap
         ["--resume", str(run), "--optimizer", "adagrad"],
         ["--resume", str(tmp_path / "nothing")],
         ["--model", "tiny-local", "--workers", "2", "--out", str(run)],
-        [
-            "--model",
-            "tiny-local",
-            "--workers",
-            "2",
-            "--replicas",
-            "0",
-            "--out",
-            str(tmp_path / "x"),
-        ],
+        [*"--model tiny-local --workers 2 --replicas 0 --out".split(), str(tmp_path / "x")],
         ["--model", "tiny-local", "--workers", "2", "--n-push", "0", "--out", x],
     ]
     for args in cases:
@@ -370,26 +350,11 @@ def test_torchrun_runs_the_same_job_and_export_loads_back(tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [
         str(torchrun),
-        "--standalone",
-        "--nproc-per-node",
-        "5",
-        "-m",
-        "netpart",
-        "train",
-        "--model",
-        "tiny-local",
-        "--workers",
-        "2",
-        "--replicas",
-        "2",
-        "--ps-shards",
-        "1",
-        "--steps",
-        "12",
+        *"--standalone --nproc-per-node 5 -m netpart train --model".split(),
+        *"tiny-local --workers 2 --replicas 2 --ps-shards 1 --steps 12".split(),
         "--out",
         str(run),
-        "--timeout",
-        "30",
+        *"--timeout 30".split(),
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -418,30 +383,12 @@ def test_torchrun_restarts_a_dead_shard_from_its_checkpoint(tmp_path, restarts):
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [
         str(torchrun),
-        "--standalone",
-        "--nproc-per-node",
-        "4",
-        "--max-restarts",
+        *"--standalone --nproc-per-node 4 --max-restarts".split(),
         str(restarts),
-        "-m",
-        "netpart",
-        "train",
-        "--model",
-        "tiny-local",
-        "--workers",
-        "2",
-        "--replicas",
-        "1",
-        "--ps-shards",
-        "2",
-        "--steps",
-        "40",
-        "--checkpoint-every",
-        "4",
-        "--out",
+        *"-m netpart train --model tiny-local --workers 2 --replicas 1".split(),
+        *"--ps-shards 2 --steps 40 --checkpoint-every 4 --out".split(),
         str(run),
-        "--timeout",
-        "20",
+        *"--timeout 20".split(),
     ]
     env = {**os.environ, "NETPART_TEST_FAULT": "die:3@9"}  # shard 1 (rank 3), 9th update
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
@@ -464,26 +411,11 @@ def test_sigint_to_torchrun_stops_every_process_with_a_final_checkpoint(tmp_path
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [
         str(torchrun),
-        "--standalone",
-        "--nproc-per-node",
-        "3",
-        "-m",
-        "netpart",
-        "train",
-        "--model",
-        "tiny-local",
-        "--workers",
-        "2",
-        "--replicas",
-        "1",
-        "--ps-shards",
-        "1",
-        "--steps",
-        "100000",
-        "--out",
+        *"--standalone --nproc-per-node 3 -m netpart train --model".split(),
+        *"tiny-local --workers 2 --replicas 1 --ps-shards 1 --steps".split(),
+        *"100000 --out".split(),
         str(run),
-        "--timeout",
-        "20",
+        *"--timeout 20".split(),
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -735,20 +667,8 @@ def test_tensorboard_logs_hold_the_run_s_curves(tmp_path):
 
     run = tmp_path / "run"
     argv = [
-        "train",
-        "--model",
-        "tiny-local",
-        "--workers",
-        "2",
-        "--replicas",
-        "1",
-        "--steps",
-        "20",
-        "--eval-every",
-        "10",
-        "--log",
-        "tensorboard",
-        "--out",
+        *"train --model tiny-local --workers 2 --replicas 1 --steps 20".split(),
+        *"--eval-every 10 --log tensorboard --out".split(),
         str(run),
     ]
     assert main(argv) == 0

@@ -1,7 +1,7 @@
 """gloo's I/O threads: netpart's processes make them SCHED_BATCH, and `policy` SCHED_OTHER
-puts them back as gloo starts them (`benchmarks/ring_bench.py` times the all-reduce both
-ways); no other thread is touched. A group's I/O thread outlives its destruction while the
-group is held."""
+puts them back as gloo starts them (the all-reduce was timed both ways by
+`benchmarks/ring_bench.py`, in git at 8cf7780); no other thread is touched. A group's I/O
+thread outlives its destruction while the group is held."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ def test_rates_read_as_tc_reads_them():
 
 def test_a_bucket_holds_half_a_millisecond_of_the_rate_and_at_least_an_offload_packet():
     """A bucket smaller than a 64 KiB offload packet makes tbf release it frame by frame
-    (benchmarks/results/link_bench.json)."""
+    (docs/measurements.md, the emulated link's token bucket)."""
     assert netns.burst_for("10gbit") == "625000"
     assert netns.burst_for("1gbit") == "81920"
     assert netns.burst_for("100mbit") == "81920"

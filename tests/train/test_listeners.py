@@ -54,7 +54,7 @@ def descendants(pid: int) -> list[int]:
 @pytest.mark.parametrize(
     "argv",
     [
-        ["train", "--model", "tiny-local", "--workers", "2", "--steps", "300"],
+        ["train", "--model", "tiny-local", "--workers", "2", "--steps", "80"],
         ["check", "--model", "tiny-local", "--workers", "2"],
     ],
 )

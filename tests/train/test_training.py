@@ -487,7 +487,7 @@ def test_a_killed_zygote_is_blamed_and_the_job_restarted_from_its_checkpoints(tm
 
     run = tmp_path / "run"
     p = plan(SPEC, 2, "metis")
-    cfg = TrainConfig(replicas=1, shards=2, steps=400, lr=0.05, timeout=10, checkpoint_every=4)
+    cfg = TrainConfig(replicas=1, shards=2, steps=120, lr=0.05, timeout=10, checkpoint_every=4)
     out = {}
     job = threading.Thread(target=lambda: out.update(summary=train(SPEC, p, cfg, run)))
     job.start()
@@ -509,7 +509,7 @@ def test_a_killed_zygote_is_blamed_and_the_job_restarted_from_its_checkpoints(tm
     assert sorted(r["shard"] for r in restarts) == [0, 1]
     blame = "was killed when the job's preloaded interpreter (zygote) died"
     assert all(r["exit"] == blame for r in restarts), restarts
-    assert metrics(run)[-1]["step"] == 400
+    assert metrics(run)[-1]["step"] == 120
 
 
 def _is_zygote(proc: Path) -> bool:

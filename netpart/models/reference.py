@@ -14,12 +14,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from netpart.models.init import init_rows
-from netpart.models.spec import DTYPE_NAMES, LayerSpec, ModelSpec, Shape
+from netpart.models.spec import DTYPE_NAMES, LayerSpec, ModelSpec
+from netpart.nn import L2Pool2d, LocalContrastNorm, LocallyConnected2d
 
 __all__ = [
     "DTYPES",
-    "LocalContrastNorm",
-    "LocallyConnected2d",
     "Pool2d",
     "ReferenceModel",
     "activation",
@@ -28,7 +27,6 @@ __all__ = [
 ]
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # the one table of them
-L2_POOL_EPS = 1e-6  # sqrt(sum x^2 + eps): keeps the gradient finite where a window is all zero
 
 
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -42,42 +40,8 @@ def activation(name: str, x: torch.Tensor) -> torch.Tensor:
     return x  # none, and softmax (the loss takes logits)
 
 
-class LocallyConnected2d(nn.Module):
-    """Untied filters: out[n, o, y, x] = sum_k W[y*Wo+x, k, o] * patch[n, k, y, x] + b[o, y, x].
-
-    Patches are gathered units-major, [L*K, N] rows of the input's [C*H*W + 1, N] transpose
-    (the last row zero: the padding), as the runtime's slices gather them: `F.unfold`'s
-    patches [N, K, L] need a transposed copy for the batched matmul over positions, which
-    `torch.bmm` makes matrix by matrix, forward and backward (the figures: docs/runtime.md).
-    """
-
-    def __init__(self, src: Shape, out: Shape, layer: LayerSpec) -> None:
-        super().__init__()
-        self.out_shape = out
-        positions, fan_in = out.height * out.width, src.channels * layer.kernel**2
-        self.weight = nn.Parameter(torch.empty(positions, fan_in, out.channels))
-        self.bias = nn.Parameter(torch.zeros(out.channels, out.height, out.width))
-        # each patch's input rows, in unfold's (channel, ky, kx) order; src.size: padding.
-        # Always on the CPU: a model built on the meta device for its shapes alone (the
-        # exported state_dict's) would otherwise run unfold's decompositions there, whose
-        # imports cost seconds.
-        ids = torch.arange(1, src.size + 1, dtype=torch.float64, device="cpu")
-        ids = ids.reshape(1, src.channels, src.height, src.width)
-        rows = F.unfold(ids, layer.kernel, padding=layer.padding, stride=layer.stride)[0]
-        rows = torch.where(rows > 0, rows - 1, src.size).long().t().reshape(-1)  # [L*K]
-        self.register_buffer("rows", rows, persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n, (positions, fan_in, _) = x.shape[0], self.weight.shape
-        units = torch.cat([x.reshape(n, -1).t(), x.new_zeros(1, n)])  # [C*H*W + 1, N]
-        patches = units.index_select(0, self.rows).view(positions, fan_in, n)
-        y = torch.bmm(patches.transpose(1, 2), self.weight)  # [L, N, out]
-        o = self.out_shape
-        return y.permute(1, 2, 0).reshape(n, o.channels, o.height, o.width) + self.bias
-
-
 class Pool2d(nn.Module):
-    """Per-channel max, average (zero padding counted) or L2 (sqrt(sum x^2 + eps)) pooling."""
+    """Per-channel max or average (zero padding counted) pooling; L2 is `netpart.nn.L2Pool2d`."""
 
     def __init__(self, layer: LayerSpec) -> None:
         super().__init__()
@@ -90,26 +54,7 @@ class Pool2d(nn.Module):
             x = F.pad(x, (p, p, p, p), value=float("-inf") if self.mode == "max" else 0.0)
         if self.mode == "max":
             return F.max_pool2d(x, k, s)
-        if self.mode == "avg":
-            return F.avg_pool2d(x, k, s)
-        return torch.sqrt(F.avg_pool2d(x * x, k, s) * (k * k) + L2_POOL_EPS)
-
-
-class LocalContrastNorm(nn.Module):
-    """y = (x - m) / sqrt(v + eps); m, v = mean and variance over a k x k window and all channels.
-
-    Windows are zero padded at the border (the zeros count), so output size equals input size.
-    """
-
-    def __init__(self, layer: LayerSpec) -> None:
-        super().__init__()
-        self.kernel, self.eps = layer.kernel, layer.eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        k = self.kernel
-        mean = F.avg_pool2d(x.mean(1, keepdim=True), k, 1, k // 2, count_include_pad=True)
-        sq = F.avg_pool2d((x * x).mean(1, keepdim=True), k, 1, k // 2, count_include_pad=True)
-        return (x - mean) / torch.sqrt(sq - mean * mean + self.eps)
+        return F.avg_pool2d(x, k, s)
 
 
 class _Dense(nn.Linear):
@@ -127,17 +72,24 @@ class ReferenceModel(nn.Module):
         for i, layer in enumerate(spec.layers):
             src, out = spec.input_shape(i), spec.shapes[i]
             if layer.kind == "local":
-                mods.append(LocallyConnected2d(src, out, layer))
+                size = (src.height, src.width)
+                mods.append(
+                    LocallyConnected2d(
+                        src.channels, out.channels, size, layer.kernel, layer.stride, layer.padding
+                    )
+                )
             elif layer.kind == "conv":
                 mods.append(
                     nn.Conv2d(src.channels, out.channels, layer.kernel, layer.stride, layer.padding)
                 )
             elif layer.kind == "dense":
                 mods.append(_Dense(src.size, layer.units))
+            elif layer.kind == "pool" and layer.mode == "l2":
+                mods.append(L2Pool2d(layer.kernel, layer.stride, layer.padding))
             elif layer.kind == "pool":
                 mods.append(Pool2d(layer))
             else:
-                mods.append(LocalContrastNorm(layer))
+                mods.append(LocalContrastNorm(layer.kernel, layer.eps))
         self.layers = nn.ModuleList(mods)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,8 @@ from netpart.compile.shards import (
     piece_index,
     piece_initial,
 )
-from netpart.models.reference import L2_POOL_EPS, activation
+from netpart.models.reference import activation
+from netpart.nn import L2_POOL_EPS
 from netpart.models.spec import ModelSpec
 from netpart.partition.blocks import LayerBlocks
 from netpart.partition.reads import read_window

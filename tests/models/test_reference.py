@@ -4,8 +4,7 @@ import torch
 from hypothesis import given, settings
 
 from netpart.models import ZOO, build_reference, init_rows
-from netpart.models.reference import LocallyConnected2d
-from netpart.models.spec import LayerSpec, Shape
+from netpart.nn import LocallyConnected2d
 from tests.conftest import small_specs
 
 
@@ -44,9 +43,8 @@ def test_a_slice_of_rows_equals_the_same_rows_of_the_whole_layer():
 
 def test_locally_connected_matches_explicit_loops():
     torch.manual_seed(0)
-    src, layer = Shape(2, 6, 5), LayerSpec("local", channels=3, kernel=3, stride=2, padding=1)
-    out = Shape(3, 3, 3)
-    mod = LocallyConnected2d(src, out, layer).double()
+    mod = LocallyConnected2d(2, 3, (6, 5), kernel_size=3, stride=2, padding=1).double()
+    assert mod.out_shape == (3, 3, 3)
     with torch.no_grad():
         mod.weight.normal_()
         mod.bias.normal_()
@@ -81,3 +79,44 @@ def test_loss_is_cross_entropy_on_softmax_models(name):
     targets = torch.tensor([0, 1, 2, 3])
     loss = model.loss(model(x), targets)
     assert torch.isclose(loss, torch.nn.functional.cross_entropy(model(x), targets))
+
+
+def test_a_model_built_from_netpart_nn_is_the_reference_of_its_spec():
+    """`netpart.nn`'s layers, composed with torch's own as a user writes a model, compute the
+    reference model of the same spec exactly, given the same weights (issue 78)."""
+    from torch import nn
+
+    from netpart.models import ModelSpec
+    from netpart.nn import L2Pool2d, LocalContrastNorm
+
+    spec = ModelSpec.from_dict(
+        {
+            "name": "user",
+            "input": {"channels": 2, "height": 12, "width": 12},
+            "layer": [
+                {"kind": "local", "channels": 4, "kernel": 3, "activation": "relu"},
+                {"kind": "pool", "mode": "l2", "kernel": 2},
+                {"kind": "lcn", "kernel": 3},
+                {"kind": "dense", "units": 5, "activation": "softmax"},
+            ],
+        }
+    )
+    user = nn.Sequential(
+        LocallyConnected2d(2, 4, (12, 12), kernel_size=3),
+        nn.ReLU(),
+        L2Pool2d(2),
+        LocalContrastNorm(3),
+        nn.Flatten(),
+        nn.Linear(4 * 5 * 5, 5),
+    ).double()
+    reference = build_reference(spec, seed=3, dtype=torch.float64)
+    index = {"0": "layers.0", "3": "layers.2", "5": "layers.3"}  # the user's -> the spec's
+
+    def named(key: str) -> str:
+        module, name = key.split(".")
+        return f"{index[module]}.{name}"
+
+    assert {named(k) for k in user.state_dict()} == set(reference.state_dict())
+    user.load_state_dict({k: reference.state_dict()[named(k)] for k in user.state_dict()})
+    x = torch.randn(3, 2, 12, 12, dtype=torch.float64)
+    assert torch.allclose(user(x), reference(x), rtol=0, atol=1e-12)

@@ -1,0 +1,121 @@
+"""The DistBelief layers PyTorch lacks, as plain `nn.Module`s a user composes with torch's own:
+`LocallyConnected2d` (untied weights: each output position has its own filters),
+`LocalContrastNorm` and `L2Pool2d`. They are netpart's reference for those layer kinds: the
+single-process reference model (`netpart.models.reference`) is built from them, and every
+partitioned step is checked against it.
+
+    from torch import nn
+    from netpart.nn import LocallyConnected2d, L2Pool2d, LocalContrastNorm
+
+    model = nn.Sequential(
+        LocallyConnected2d(3, 8, (32, 32), kernel_size=5), nn.ReLU(),
+        L2Pool2d(2), LocalContrastNorm(5),
+        nn.Flatten(), nn.Linear(8 * 14 * 14, 10),
+    )
+
+Square windows, one stride and one padding for both axes, as netpart's spec has them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+__all__ = ["L2_POOL_EPS", "L2Pool2d", "LocalContrastNorm", "LocallyConnected2d", "out_size"]
+
+L2_POOL_EPS = 1e-6  # sqrt(sum x^2 + eps): keeps the gradient finite where a window is all zero
+
+
+def out_size(size: int, kernel: int, stride: int, padding: int) -> int:
+    """Positions a window of `kernel` at `stride` over `size` padded by `padding` takes."""
+    return (size + 2 * padding - kernel) // stride + 1
+
+
+class LocallyConnected2d(nn.Module):
+    """Untied filters: out[n, o, y, x] = sum_k W[y*Wo+x, k, o] * patch[n, k, y, x] + b[o, y, x].
+
+    `in_size` is the input's (height, width): untied filters are one bank a position, so the
+    layer knows its plane. Patches are gathered units-major, [L*K, N] rows of the input's
+    [C*H*W + 1, N] transpose (the last row zero: the padding), as netpart's partitioned slices
+    gather them (`F.unfold`'s patches [N, K, L] would need a transposed copy for the batched
+    matmul over positions).
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        in_size: int | tuple[int, int],
+        kernel_size: int,
+        stride: int = 1,
+        padding: int = 0,
+    ) -> None:
+        super().__init__()
+        h, w = (in_size, in_size) if isinstance(in_size, int) else in_size
+        self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
+        self.out_shape = (
+            out_channels,
+            out_size(h, kernel_size, stride, padding),
+            out_size(w, kernel_size, stride, padding),
+        )
+        _, oh, ow = self.out_shape
+        fan_in = in_channels * kernel_size**2
+        self.weight = nn.Parameter(torch.empty(oh * ow, fan_in, out_channels))
+        self.bias = nn.Parameter(torch.zeros(out_channels, oh, ow))
+        # each patch's input rows, in unfold's (channel, ky, kx) order; size: the padding.
+        # Always on the CPU: a model built on the meta device for its shapes alone (an
+        # exported state_dict's) would otherwise run unfold's decompositions there, whose
+        # imports cost seconds.
+        size = in_channels * h * w
+        ids = torch.arange(1, size + 1, dtype=torch.float64, device="cpu")
+        ids = ids.reshape(1, in_channels, h, w)
+        rows = F.unfold(ids, kernel_size, padding=padding, stride=stride)[0]
+        rows = torch.where(rows > 0, rows - 1, size).long().t().reshape(-1)  # [L*K]
+        self.register_buffer("rows", rows, persistent=False)
+        bound = fan_in**-0.5  # as torch's Linear and Conv2d start: U(-1/sqrt(fan_in), ...)
+        nn.init.uniform_(self.weight, -bound, bound)
+        nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, (positions, fan_in, _) = x.shape[0], self.weight.shape
+        units = torch.cat([x.reshape(n, -1).t(), x.new_zeros(1, n)])  # [C*H*W + 1, N]
+        patches = units.index_select(0, self.rows).view(positions, fan_in, n)
+        y = torch.bmm(patches.transpose(1, 2), self.weight)  # [L, N, out]
+        c, oh, ow = self.out_shape
+        return y.permute(1, 2, 0).reshape(n, c, oh, ow) + self.bias
+
+
+class L2Pool2d(nn.Module):
+    """Per-channel L2 pooling: sqrt(sum of x^2 over the window + L2_POOL_EPS), zero padding
+    counted (netpart's `pool` of mode `l2`; torch's `LPPool2d(2)` has neither the eps nor the
+    padding)."""
+
+    def __init__(self, kernel_size: int, stride: int | None = None, padding: int = 0) -> None:
+        super().__init__()
+        self.kernel_size, self.padding = kernel_size, padding
+        self.stride = kernel_size if stride is None else stride
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k, s, p = self.kernel_size, self.stride, self.padding
+        if p:  # explicit padding: torch's pools limit padding to half the kernel
+            x = F.pad(x, (p, p, p, p))
+        return torch.sqrt(F.avg_pool2d(x * x, k, s) * (k * k) + L2_POOL_EPS)
+
+
+class LocalContrastNorm(nn.Module):
+    """y = (x - m) / sqrt(v + eps); m, v = mean and variance over a k x k window (k odd) and
+    every channel. Windows are zero padded at the border (the zeros count), so the output
+    has the input's size."""
+
+    def __init__(self, kernel_size: int, eps: float = 0.01) -> None:
+        super().__init__()
+        if kernel_size % 2 != 1:
+            raise ValueError(f"LocalContrastNorm's kernel_size must be odd, not {kernel_size}")
+        self.kernel_size, self.eps = kernel_size, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = self.kernel_size
+        mean = F.avg_pool2d(x.mean(1, keepdim=True), k, 1, k // 2, count_include_pad=True)
+        sq = F.avg_pool2d((x * x).mean(1, keepdim=True), k, 1, k // 2, count_include_pad=True)
+        return (x - mean) / torch.sqrt(sq - mean * mean + self.eps)

@@ -54,6 +54,18 @@ def register(sub) -> None:
         "and layers. Any of them is a --model; so is a .toml or .json spec of your own.",
     ).set_defaults(func=cmd_models)
     _plan_parser(sub)
+    m = sub.add_parser(
+        "import",
+        help="read your own nn.Module into a spec you can read, edit and plan",
+        description="Trace MODULE (FILE.py:NAME or package.module:NAME: an nn.Module class "
+        "built with no arguments, or a function returning a module) with one example input of "
+        "shape --input, and write it as netpart's spec (TOML): the layers netpart knows, in "
+        "order. A module netpart cannot represent yet is named in one line (exit 2).",
+    )
+    m.add_argument("module", metavar="MODULE", help="FILE.py:NAME or package.module:NAME")
+    m.add_argument("--input", required=True, help="one example's shape: CxHxW (3x32x32) or N (440)")
+    m.add_argument("--out", type=Path, default=None, help="the .toml to write (default: stdout)")
+    m.set_defaults(func=cmd_import, torch=True)
     i = sub.add_parser(
         "inspect",
         help="check a plan directory against its model and print its summary",
@@ -368,6 +380,27 @@ def _make_plans(spec, args: argparse.Namespace, options: dict, common: dict) -> 
                 )
             )
     return plans
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from netpart.files import write_atomic
+    from netpart.models.importer import import_model, load_module, parse_input, spec_toml
+
+    shape = parse_input(args.input)  # before importing anything of the user's
+    if args.out is not None:
+        check_writable(args.out, "--out")
+    name = args.module.rpartition(":")[2]
+    imported = import_model(load_module(args.module), shape, name)
+    text = spec_toml(imported.spec)
+    if args.out is None:
+        sys.stdout.write(text)
+        return 0
+    write_atomic(args.out, text.encode())
+    spec = imported.spec
+    echo(
+        f"wrote {args.out}: {spec.name}, {len(spec.layers)} layers, {spec.num_params:,} parameters"
+    )
+    return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

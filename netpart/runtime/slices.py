@@ -25,8 +25,8 @@ from netpart.compile.shards import (
     piece_initial,
 )
 from netpart.models.reference import activation
-from netpart.nn import L2_POOL_EPS
 from netpart.models.spec import ModelSpec
+from netpart.nn import L2_POOL_EPS
 from netpart.partition.blocks import LayerBlocks
 from netpart.partition.reads import read_window
 from netpart.runtime.rows import rows

@@ -1,0 +1,343 @@
+"""A user's `nn.Module` read into a spec: `netpart import net.py:Net --input 3x32x32`.
+
+The module is traced with `torch.fx.symbolic_trace` (netpart.nn's layers kept whole as leaf
+modules), its shapes propagated with one example input (`ShapeProp`), and its nodes walked in
+order: each layer netpart knows becomes a layer of the spec, an activation after a weighted
+layer becomes that layer's activation, a flatten leads into the dense layers. Why torch.fx and
+not torch.export: fx keeps the user's modules as they are written (`call_module` nodes with
+their paths, `nn.Conv2d` rather than its ATen convolution), which is what maps a user's layer
+to a spec layer and, later, its parameters to the user's names; a forward that branches on
+data cannot be traced symbolically and is refused in one line.
+
+What is recognised (anything else ends in one line naming the module's path, its type and
+what is supported): `Conv2d` (square kernel, one stride and padding for both axes, with
+bias), `Linear` (with bias), `MaxPool2d`, `AvgPool2d` (zero padding counted), netpart.nn's
+`LocallyConnected2d`, `LocalContrastNorm` and `L2Pool2d`, `ReLU`, `Sigmoid`, `Tanh` and their
+functional forms, `Flatten`, `torch.flatten`, `view` and `reshape` into a dense layer. A
+network whose last layer is dense is read as a classifier: its outputs are logits, trained
+with cross-entropy (the spec's `softmax`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import io
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from netpart.errors import SpecError
+from netpart.models.spec import ModelSpec
+
+__all__ = ["ImportedModel", "import_model", "load_module", "parse_input", "spec_toml"]
+
+SUPPORTED = (
+    "Conv2d, Linear, MaxPool2d, AvgPool2d, ReLU, Sigmoid, Tanh, Flatten, "
+    "netpart.nn.LocallyConnected2d, netpart.nn.LocalContrastNorm, netpart.nn.L2Pool2d"
+)
+ACTIVATIONS = {"relu": "relu", "sigmoid": "sigmoid", "tanh": "tanh"}
+
+
+@dataclass(frozen=True)
+class ImportedModel:
+    """A user's module as netpart reads it: the spec, and each spec layer's module path in
+    the user's model ("" for a functional layer, which has no parameters)."""
+
+    spec: ModelSpec
+    paths: tuple[str, ...]
+
+
+def parse_input(text: str) -> dict[str, int]:
+    """'3x32x32' (an image) or '440' (features) as a spec's input; SpecError otherwise."""
+    try:
+        sizes = [int(v) for v in text.lower().split("x")]
+    except ValueError:
+        sizes = []
+    if len(sizes) == 1 and sizes[0] > 0:
+        return {"features": sizes[0]}
+    if len(sizes) == 3 and min(sizes) > 0:
+        return dict(zip(("channels", "height", "width"), sizes, strict=True))
+    raise SpecError(f"--input {text}: give one example's shape, CxHxW (3x32x32) or N (440)")
+
+
+def load_module(target: str) -> Any:
+    """The `nn.Module` `target` names: 'path/to/net.py:Name' or 'package.module:Name', Name a
+    module class built with no arguments or a function returning a module."""
+    import torch
+
+    where, _, name = target.rpartition(":")
+    if not where or not name:
+        raise SpecError(f"--model {target}: give FILE.py:NAME or package.module:NAME")
+    source = _source(where, target)
+    if not hasattr(source, name):
+        raise SpecError(f"--model {target}: {where} defines no {name!r}")
+    made = getattr(source, name)
+    try:
+        module = made() if callable(made) else made
+    except TypeError as exc:
+        raise SpecError(
+            f"--model {target}: {name}() cannot be built without arguments ({_line(exc)})"
+        ) from None
+    if not isinstance(module, torch.nn.Module):
+        got = type(module).__name__
+        raise SpecError(f"--model {target}: {name} gives a {got}, not a torch.nn.Module")
+    return module
+
+
+def _source(where: str, target: str) -> Any:
+    """The Python module of FILE.py or package.module."""
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise SpecError(f"--model {target}: {where}: no such file")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules.setdefault(path.stem, module)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            raise SpecError(f"--model {target}: {where} fails to import ({_line(exc)})") from None
+        return module
+    try:
+        return importlib.import_module(where)
+    except Exception as exc:
+        raise SpecError(f"--model {target}: cannot import {where} ({_line(exc)})") from None
+
+
+def import_model(module: Any, input_shape: dict[str, int], name: str) -> ImportedModel:
+    """`module` (an `nn.Module`) read into a spec of input `input_shape` (`parse_input`);
+    SpecError (one line) for what netpart cannot represent."""
+    import torch
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    torch_layer = type(module).__module__.startswith("torch.nn")  # given alone, not a model
+    if torch_layer and not isinstance(module, (*_known(), torch.nn.Sequential)):
+        raise SpecError(
+            f"{name}: a {type(module).__name__} is not a layer netpart reads yet; it reads "
+            f"{SUPPORTED}"
+        )
+    graph = _trace(module, name)
+    walk = _Walk(graph, name)
+    walk.check_modules()  # an unsupported module is named before anything runs
+    dtype = next((q.dtype for q in module.parameters() if q.is_floating_point()), torch.float32)
+    example = torch.zeros(1, *input_shape.values(), dtype=dtype)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # ShapeProp prints its traceback
+            ShapeProp(graph).propagate(example)
+    except Exception as exc:
+        raise SpecError(
+            f"{name}: its forward fails on an input of {_shape(input_shape)} "
+            f"({_line(exc.__cause__ or exc)}); is --input one example's shape?"
+        ) from None
+    layers, paths = walk.layers()
+    if not layers:
+        raise SpecError(f"{name}: no layer netpart knows ({SUPPORTED})")
+    if layers[-1]["kind"] == "dense" and layers[-1]["activation"] == "none":
+        layers[-1]["activation"] = "softmax"  # its outputs are logits
+    spec = ModelSpec.from_dict({"name": name, "input": input_shape, "layer": layers}, name)
+    return ImportedModel(spec, tuple(paths))
+
+
+def _trace(module: Any, name: str) -> Any:
+    import torch.fx
+
+    from netpart import nn as netpart_nn
+
+    keep = (netpart_nn.LocallyConnected2d, netpart_nn.LocalContrastNorm, netpart_nn.L2Pool2d)
+
+    class Tracer(torch.fx.Tracer):
+        def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
+            return isinstance(m, keep) or super().is_leaf_module(m, qualname)
+
+    try:
+        return torch.fx.GraphModule(module, Tracer().trace(module))
+    except Exception as exc:
+        raise SpecError(
+            f"{name}: its forward cannot be traced ({_line(exc)}); netpart reads a forward "
+            "without control flow on the data"
+        ) from None
+
+
+class _Walk:
+    """The traced nodes in order, as spec layers (see the module docstring)."""
+
+    def __init__(self, graph: Any, name: str) -> None:
+        self.graph, self.name = graph, name
+        self.modules = dict(graph.named_modules())
+        self.out: list[dict] = []
+        self.paths: list[str] = []
+        self.last = None  # the node whose value the next layer must read
+
+    def check_modules(self) -> None:
+        """SpecError naming the first module call netpart does not read."""
+        for node in self.graph.graph.nodes:
+            if node.op == "call_module" and not isinstance(self.modules[node.target], _known()):
+                m = self.modules[node.target]
+                raise SpecError(
+                    f"{self.name}: {node.target} ({type(m).__name__}) is not a layer netpart "
+                    f"reads yet; it reads {SUPPORTED}"
+                )
+
+    def layers(self) -> tuple[list[dict], list[str]]:
+        for node in self.graph.graph.nodes:
+            if node.op == "placeholder":
+                self.last = node
+            elif node.op in ("call_module", "call_function", "call_method"):
+                self._node(node)
+        return self.out, self.paths
+
+    def _node(self, node: Any) -> None:
+        meta = node.meta.get("tensor_meta")
+        if meta is None or not hasattr(meta, "shape"):
+            return  # x.size(0) and the like: not a layer
+        reads = [a for a in node.all_input_nodes if "tensor_meta" in a.meta]
+        if reads != [self.last]:
+            raise SpecError(
+                f"{self.name}: {node.name} reads {', '.join(r.name for r in reads)}, not the "
+                "layer before it: branching networks are not read yet"
+            )
+        self.last = node
+        if node.op == "call_module":
+            self._module(node.target, self.modules[node.target])
+        else:
+            self._function(node)
+
+    def _module(self, path: str, m: Any) -> None:
+        from torch import nn
+
+        from netpart import nn as netpart_nn
+
+        kind = type(m).__name__
+        if isinstance(m, nn.Conv2d):
+            self._add(path, "conv", _conv(path, m), m.bias is not None, kind)
+        elif isinstance(m, nn.Linear):
+            self._add(path, "dense", {"units": m.out_features}, m.bias is not None, kind)
+        elif isinstance(m, netpart_nn.LocallyConnected2d):
+            keys = {"channels": m.out_shape[0], "kernel": m.kernel_size}
+            keys |= {"stride": m.stride, "padding": m.padding}
+            self._add(path, "local", keys, True, kind)
+        elif isinstance(m, nn.MaxPool2d | nn.AvgPool2d):
+            self._add(path, "pool", _pool(path, m), True, kind)
+        elif isinstance(m, netpart_nn.L2Pool2d):
+            keys = {"mode": "l2", "kernel": m.kernel_size, "stride": m.stride}
+            self._add(path, "pool", keys | {"padding": m.padding}, True, kind)
+        elif isinstance(m, netpart_nn.LocalContrastNorm):
+            self._add(path, "lcn", {"kernel": m.kernel_size, "eps": m.eps}, True, kind)
+        elif isinstance(m, nn.ReLU | nn.Sigmoid | nn.Tanh):
+            self._activation(path, kind.lower())
+        elif not isinstance(m, nn.Flatten | nn.Identity):
+            raise SpecError(
+                f"{self.name}: {path} ({kind}) is not a layer netpart reads yet; it reads "
+                f"{SUPPORTED}"
+            )
+
+    def _function(self, node: Any) -> None:
+        name = getattr(node.target, "__name__", str(node.target))
+        if name in ACTIVATIONS:
+            self._activation(node.name, ACTIVATIONS[name])
+        elif name not in ("flatten", "view", "reshape", "contiguous"):
+            raise SpecError(
+                f"{self.name}: {node.name} ({name}) is not an operation netpart reads yet; it "
+                f"reads {SUPPORTED} and their functional forms"
+            )
+
+    def _add(self, path: str, kind: str, keys: dict, bias: bool, type_name: str) -> None:
+        if not bias:
+            raise SpecError(
+                f"{self.name}: {path} ({type_name}) has no bias; netpart's {kind} layers have "
+                "one (bias=True)"
+            )
+        weighted = kind in ("conv", "local", "dense")
+        self.out.append({"kind": kind, **keys, **({"activation": "none"} if weighted else {})})
+        self.paths.append(path)
+
+    def _activation(self, where: str, name: str) -> None:
+        before = self.out[-1] if self.out else None
+        if before is None or before.get("activation") != "none":
+            raise SpecError(
+                f"{self.name}: {where} ({name}) follows no conv, locally connected or linear "
+                "layer without one; netpart applies an activation to such a layer's output"
+            )
+        before["activation"] = name
+
+
+def _known() -> tuple[type, ...]:
+    """The module types `_Walk` reads."""
+    from torch import nn
+
+    from netpart import nn as netpart_nn
+
+    return (
+        nn.Conv2d,
+        nn.Linear,
+        nn.MaxPool2d,
+        nn.AvgPool2d,
+        nn.ReLU,
+        nn.Sigmoid,
+        nn.Tanh,
+        nn.Flatten,
+        nn.Identity,
+        netpart_nn.LocallyConnected2d,
+        netpart_nn.LocalContrastNorm,
+        netpart_nn.L2Pool2d,
+    )
+
+
+def _conv(path: str, m: Any) -> dict:
+    square = {m.kernel_size[0], m.kernel_size[1]}
+    strides, pads = {m.stride[0], m.stride[1]}, m.padding
+    if isinstance(pads, str) or len(square) > 1 or len(strides) > 1 or len(set(pads)) > 1:
+        raise SpecError(
+            f"{path} (Conv2d): kernel {m.kernel_size}, stride {m.stride}, padding {m.padding}; "
+            "netpart reads square kernels with one stride and one padding for both axes yet"
+        )
+    if m.groups != 1 or set(m.dilation) != {1} or m.padding_mode != "zeros":
+        raise SpecError(f"{path} (Conv2d): groups, dilation and padding_mode are not read yet")
+    return {
+        "channels": m.out_channels,
+        "kernel": m.kernel_size[0],
+        "stride": m.stride[0],
+        "padding": pads[0],
+    }
+
+
+def _pool(path: str, m: Any) -> dict:
+    from torch import nn
+
+    def one(v):
+        return v if isinstance(v, int) else (v[0] if len(set(v)) == 1 else None)
+
+    kernel, stride, padding = one(m.kernel_size), one(m.stride), one(m.padding)
+    if None in (kernel, stride, padding) or m.ceil_mode:
+        raise SpecError(f"{path} ({type(m).__name__}): square windows, floor mode only, yet")
+    if isinstance(m, nn.AvgPool2d) and (not m.count_include_pad or m.divisor_override):
+        raise SpecError(f"{path} (AvgPool2d): netpart's average counts the zero padding")
+    if isinstance(m, nn.MaxPool2d) and one(m.dilation) != 1:
+        raise SpecError(f"{path} (MaxPool2d): dilation is not read yet")
+    mode = "max" if isinstance(m, nn.MaxPool2d) else "avg"
+    return {"mode": mode, "kernel": kernel, "stride": stride, "padding": padding}
+
+
+def _shape(input_shape: dict[str, int]) -> str:
+    return "x".join(str(v) for v in input_shape.values())
+
+
+def _line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:200]
+
+
+def spec_toml(spec: ModelSpec) -> str:
+    """`spec` as the TOML a user reads and edits (docs/spec.md)."""
+
+    def value(v: Any) -> str:
+        return f'"{v}"' if isinstance(v, str) else repr(v)
+
+    inp = ", ".join(f"{k} = {v}" for k, v in spec.input.to_dict().items())
+    lines = [f"name = {value(spec.name)}", f"input = {{ {inp} }}"]
+    for layer in spec.to_dict()["layer"]:
+        lines += ["", "[[layer]]", *(f"{k} = {value(v)}" for k, v in layer.items())]
+    return "\n".join(lines) + "\n"

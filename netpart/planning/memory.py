@@ -133,19 +133,13 @@ def check_fits(spec: ModelSpec, plan: PartitionPlan, *, available: int, **job) -
 CROWDED = 8  # processes a core beyond which a job on one machine is refused unless forced
 
 
-def check_crowding(processes: int, what: str, *, cores: int, force: bool) -> str | None:
-    """A job of `processes` on `cores`: None if each has a core; a warning (one line) if they
-    share them; TrainError above CROWDED a core, unless `force`."""
-    if processes <= cores:
-        return None
-    line = (
+def check_crowding(processes: int, what: str, *, cores: int, force: bool) -> None:
+    """TrainError (one line) for a job of more than CROWDED processes a core on this machine,
+    unless `force` (short of that, train's banner says the processes share the cores)."""
+    if processes <= CROWDED * cores or force:
+        return
+    raise TrainError(
         f"{what}: {processes:,} processes on this machine's {cores} cores, about "
-        f"{cores / processes:.2g} of a core each: steps run slower than on machines of "
-        "their own"
+        f"{cores / processes:.2g} of a core each, and more than {CROWDED} a core is refused; "
+        "use fewer workers or replicas, spread the job over machines with torchrun, or --force"
     )
-    if processes > CROWDED * cores and not force:
-        raise TrainError(
-            f"{line}, and more than {CROWDED} a core is refused; use fewer workers or "
-            "replicas, spread the job over machines with torchrun, or --force"
-        )
-    return line

@@ -23,7 +23,7 @@ from netpart.processes.memory import available_memory
 QUIET_S = 5.0  # off a terminal, planning says what it is doing after this long without a word
 # Units a worker owns of the widest layer below which, on more than a few workers, every
 # slice is mostly its fixed costs
-SMALLEST_SLICE, FEW_WORKERS = 32, 8
+SMALLEST_SLICE, FEW_WORKERS = 64, 8
 
 __all__ = ["register"]
 
@@ -364,7 +364,8 @@ def _make_plans(spec, args: argparse.Namespace, options: dict, common: dict) -> 
                 now = time.monotonic()
                 if not show and now - said[0] >= QUIET_S:
                     print(
-                        f"netpart: planning {spec.name} on {args.workers}: {name}", file=sys.stderr
+                        f"netpart: planning {spec.name} on {args.workers} workers: {name}",
+                        file=sys.stderr,
                     )
                     said[0] = now
 

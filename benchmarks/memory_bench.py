@@ -77,9 +77,10 @@ def measure(model: str, batch: int) -> dict:
 
 
 def _estimate(model: str, batch: int) -> dict:
+    from netpart.cost.memory import BASE_BYTES
     from netpart.models import load_spec
     from netpart.partition import plan
-    from netpart.planning.memory import BASE_BYTES, estimate
+    from netpart.planning.memory import estimate
     from netpart.train.config import TrainConfig
 
     spec = load_spec(model)

@@ -1,5 +1,5 @@
 """The cost model: how long will a step, a halo exchange or a parameter-server exchange take
-on a given machine?
+on a given machine, and how much memory does training hold?
 
 The machine's figures (`NetworkModel`: rates per layer kind and slice size, per-message and
 per-phase costs, link tables, the parameter server's exchange tables), read from `--net`,

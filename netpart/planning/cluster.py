@@ -16,7 +16,7 @@ per replica step of `batch` examples (every machine alike, its link full duplex;
 - all-reduce: each replica's step alone (DDP's replica step where calibration timed it),
   then the ring (`NetworkModel.allreduce_s`, the one price of an all-reduce), then every
   replica's update (`UPDATE_S_PER_VALUE` a value);
-- memory per machine is `netpart.planning.memory`'s estimate, the one `netpart train` checks.
+- memory per machine is `netpart.cost.memory`'s estimate, the one `netpart train` checks.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ import numpy as np
 
 from netpart.compile.shards import ShardLayout
 from netpart.cost.exchange import PsExchange
+from netpart.cost.memory import BASE_BYTES, activation_values, shard_bytes, worker_bytes
 from netpart.cost.step import NetworkModel
 from netpart.errors import PlanError
 from netpart.models.spec import BYTES_PER_VALUE, ModelSpec
 from netpart.partition.blocks import Granularity
 from netpart.partition.graph import build_unit_graph, graph_size
 from netpart.partition.planner import plan
-from netpart.planning.memory import BASE_BYTES, activation_values, shard_bytes, worker_bytes
 
 __all__ = [
     "CLUSTER_SCHEMA",
@@ -235,7 +235,7 @@ class _ModelParallel:
     graph: object
     node_map: np.ndarray
     layout: ShardLayout  # one shard: the replica's values, per worker
-    activations: float  # values per example a replica holds at its peak (`planning.memory`)
+    activations: float  # values per example a replica holds at its peak (`cost.memory`)
 
 
 def _mp_step(spec: ModelSpec, n: int, batch: int, network: NetworkModel) -> _ModelParallel:

@@ -1,5 +1,6 @@
-"""How much memory does a job need? The one memory estimate: `netpart train`, `run` and `check`
-refuse a job with it before anything starts, and `plan --machines` weighs layouts with it.
+"""Will a job fit this machine? A job's memory on one machine, from the one estimate of what a
+worker and a shard hold (`netpart.cost.memory`): `netpart train` refuses a job with it before
+anything starts, and `plan --machines` weighs layouts with the same formulas.
 
 A job that cannot fit must be refused in one line with its figures, not started: thousands of
 processes, or a few that each try to allocate tens of GiB, take the machine down before any
@@ -15,23 +16,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from netpart.cost.memory import BASE_BYTES, activation_values, shard_bytes, worker_bytes
 from netpart.errors import TrainError
 from netpart.models.spec import ModelSpec
 from netpart.partition.plans import PartitionPlan
 
-__all__ = [
-    "BASE_BYTES",
-    "Estimate",
-    "activation_values",
-    "check_crowding",
-    "check_fits",
-    "check_process_count",
-    "estimate",
-    "shard_bytes",
-    "worker_bytes",
-]
+__all__ = ["Estimate", "check_crowding", "check_fits", "check_process_count", "estimate"]
 
-BASE_BYTES = 80 * 2**20  # one process with torch imported, resident (rounded down)
 _GIB = 2**30
 
 
@@ -46,35 +37,6 @@ class Estimate:
     @property
     def total(self) -> int:
         return self.processes * BASE_BYTES + self.workers_bytes + self.shards_bytes
-
-
-def activation_values(spec: ModelSpec) -> int:
-    """Values per example a replica's workers hold at the peak of a step: each layer's
-    outputs (forward values, activations, their gradients and copies), its inputs (buffers
-    and their gradients), and the windows a locally connected or conv layer unfolds (the
-    patches and their gradient) or an LCN reads."""
-    total = 0
-    for i, layer in enumerate(spec.layers):
-        src, out = spec.input_shape(i), spec.shapes[i]
-        total += 6 * out.size + 2 * src.size
-        if layer.kind in ("local", "conv", "lcn"):
-            windows = src.channels * layer.kernel**2 * out.height * out.width
-            total += (3 if layer.kind != "lcn" else 1) * windows
-    return total
-
-
-def worker_bytes(*, params: float, activations: float, batch: int, value_bytes: int) -> float:
-    """A model worker's bytes beyond its interpreter: its `params` about four times (values,
-    gradients, the fetched copy, the optimizer's buffers) and `activations` values per
-    example of its batch."""
-    return 4 * params * value_bytes + batch * activations * value_bytes
-
-
-def shard_bytes(*, values: float, optimizer: str, value_bytes: int, history: int = 10) -> float:
-    """A parameter-server shard's bytes beyond its interpreter: its values and the optimizer's
-    state (Adagrad's accumulator and its gradient buffer; L-BFGS's `history` pairs)."""
-    slots = {"adagrad": 2, "lbfgs": 2 * history + 3}.get(optimizer, 1)
-    return (1 + slots) * values * value_bytes
 
 
 def estimate(

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from netpart.compile.schedule import plan_schedule
+from netpart.cost.memory import activation_values, worker_bytes
 from netpart.errors import PlanError
 from netpart.models.reference import build_reference
 from netpart.models.spec import ModelSpec
@@ -86,10 +87,12 @@ def lone_step(spec: ModelSpec, p: PartitionPlan, group, rank: int) -> Callable[[
 
 
 def estimate_check_bytes(spec: ModelSpec, batch: int) -> int:
-    """Memory a float64 check needs: reference and workers each hold params + grads +
-    activations (workers also a full-size input buffer per layer)."""
-    acts = sum(s.size for s in spec.shapes) + spec.input.shape.size
-    return 8 * (2 * 2 * spec.num_params + 4 * batch * acts)
+    """Memory a float64 check needs: the reference model and the workers, each holding the
+    whole model's values as a worker does (`netpart.cost.memory.worker_bytes`)."""
+    acts = activation_values(spec)
+    return int(
+        2 * worker_bytes(params=spec.num_params, activations=acts, batch=batch, value_bytes=8)
+    )
 
 
 def require_memory(spec: ModelSpec, batch: int, doing: str = "checking") -> None:

@@ -4,8 +4,8 @@ and writes its results.
 Every benchmark answers one question a user asks. On a host whose speed moves within minutes,
 a speed figure is a ratio of cases timed side by side in one run: `netpart.timing.alternate`
 (the timing helper calibration uses too) runs the cases in rounds, warm-up first, the order
-reversed every other round, with `speed_probe` sampled beside each run where asked.
-`write_results` stores a benchmark's figures as JSON with what the run ran on (commit, date,
+reversed every other round, with a probe (netpart's `SpeedProbe`) sampled beside each run where
+asked. `write_results` stores a benchmark's figures as JSON with what the run ran on (commit, date,
 host load, torch) so that docs/measurements.md can cite the file.
 """
 
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["RESULTS", "host", "parser", "role_out", "speed_probe", "write_results"]
+__all__ = ["RESULTS", "host", "parser", "role_out", "write_results"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -40,14 +40,6 @@ def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
     ap.add_argument("--rounds", type=int, default=5, help="alternated rounds (default 5)")
     ap.add_argument("--quick", action="store_true", help="the smallest cases, a smoke run")
     return ap
-
-
-def speed_probe():
-    """netpart's speed probe, to sample beside each run (`netpart.timing.alternate`'s
-    `probe`): how fast the host ran while a case ran."""
-    from netpart.calibrate.speed import SpeedProbe
-
-    return SpeedProbe()
 
 
 def host() -> dict:

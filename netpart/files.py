@@ -7,6 +7,7 @@ so a reader never sees a half-written file and a failed run leaves the old file 
 from __future__ import annotations
 
 import errno
+import glob
 import os
 import re
 import tempfile
@@ -74,18 +75,13 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 def _sweep(path: Path, before: float) -> None:
     """Remove `path`'s temporary files last modified before `before` (a killed writer's)."""
-    for left in path.parent.glob(f".{_glob_escape(path.name)}.*.tmp"):
+    for left in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
         m = _TEMPORARY.match(left.name)
         try:
             if m and m["name"] == path.name and left.lstat().st_mtime < before:
                 left.unlink()
         except OSError:  # gone already, or not ours to remove
             continue
-
-
-def _glob_escape(name: str) -> str:
-    """`name` with the characters glob reads as patterns bracketed."""
-    return re.sub(r"([*?\[])", r"[\1]", name)
 
 
 def write_files(out_dir: Path, files: dict[str, bytes]) -> None:

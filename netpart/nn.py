@@ -87,20 +87,25 @@ class LocallyConnected2d(nn.Module):
 
 
 class L2Pool2d(nn.Module):
-    """Per-channel L2 pooling: sqrt(sum of x^2 over the window + L2_POOL_EPS), zero padding
-    counted (netpart's `pool` of mode `l2`; torch's `LPPool2d(2)` has neither the eps nor the
-    padding)."""
+    """Per-channel L2 pooling: sqrt(sum of x^2 over the window + eps), zero padding counted
+    (netpart's `pool` of mode `l2`; torch's `LPPool2d(2)` is eps 0 without padding)."""
 
-    def __init__(self, kernel_size: int, stride: int | None = None, padding: int = 0) -> None:
+    def __init__(
+        self,
+        kernel_size: int,
+        stride: int | None = None,
+        padding: int = 0,
+        eps: float = L2_POOL_EPS,
+    ) -> None:
         super().__init__()
-        self.kernel_size, self.padding = kernel_size, padding
+        self.kernel_size, self.padding, self.eps = kernel_size, padding, eps
         self.stride = kernel_size if stride is None else stride
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k, s, p = self.kernel_size, self.stride, self.padding
         if p:  # explicit padding: torch's pools limit padding to half the kernel
             x = F.pad(x, (p, p, p, p))
-        return torch.sqrt(F.avg_pool2d(x * x, k, s) * (k * k) + L2_POOL_EPS)
+        return torch.sqrt(F.avg_pool2d(x * x, k, s) * (k * k) + self.eps)
 
 
 class LocalContrastNorm(nn.Module):

@@ -15,6 +15,14 @@ from netpart.errors import SpecError
 from netpart.models import ModelSpec
 from netpart.partition.graph import UnitGraph
 
+# A weighted layer's activation, leaky_relu with its slope.
+ACTIVATIONS = st.one_of(
+    st.sampled_from(["relu", "tanh", "sigmoid", "gelu", "silu", "none"]).map(
+        lambda a: {"activation": a}
+    ),
+    st.floats(-0.5, 0.5).map(lambda s: {"activation": "leaky_relu", "negative_slope": s}),
+)
+
 
 @st.composite
 def small_specs(draw: st.DrawFn, max_layers: int = 4) -> ModelSpec:
@@ -31,6 +39,7 @@ def small_specs(draw: st.DrawFn, max_layers: int = 4) -> ModelSpec:
         }
     layers = []
     spatial = not flat
+    named = draw(st.booleans())  # an imported spec's layers carry their module paths
     for _ in range(draw(st.integers(1, max_layers))):
         kinds = ["local", "conv", "pool", "lcn", "dense"] if spatial else ["dense"]
         kind = draw(st.sampled_from(kinds))
@@ -42,7 +51,7 @@ def small_specs(draw: st.DrawFn, max_layers: int = 4) -> ModelSpec:
                     "kernel": (k := draw(st.integers(1, 3))),
                     "stride": draw(st.integers(1, min(k, 2))),
                     "padding": draw(st.integers(0, 1)),
-                    "activation": draw(st.sampled_from(["relu", "tanh", "sigmoid", "none"])),
+                    **draw(ACTIVATIONS),
                 }
             )
         elif kind == "pool":
@@ -59,8 +68,10 @@ def small_specs(draw: st.DrawFn, max_layers: int = 4) -> ModelSpec:
         elif kind == "lcn":
             layers.append({"kind": "lcn", "kernel": draw(st.sampled_from([1, 3]))})
         else:
-            layers.append({"kind": "dense", "units": draw(st.integers(1, 6)), "activation": "tanh"})
+            layers.append({"kind": "dense", "units": draw(st.integers(1, 6)), **draw(ACTIVATIONS)})
             spatial = False
+    if named:
+        layers = [{**layer, "name": f"net.{i}"} for i, layer in enumerate(layers)]
     try:
         return ModelSpec.from_dict({"name": "random", "input": inp, "layer": layers})
     except SpecError:

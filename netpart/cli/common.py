@@ -119,11 +119,30 @@ def add_force_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
+MODEL_HELP = (
+    "zoo name (see `netpart models`), a .toml/.json spec, or your nn.Module as FILE.py:NAME "
+    "or package.module:NAME (a class built with no arguments, or a function returning a "
+    "module; give --input)"
+)
+
+
+def add_model_args(parser: argparse.ArgumentParser, *, required: bool, default: str = "") -> None:
+    """--model and --input: the network, as a zoo name, a spec file or a user's module."""
+    when = " (required)" if required else default
+    parser.add_argument("--model", required=required, default=None, help=MODEL_HELP + when)
+    parser.add_argument(
+        "--input",
+        default=None,
+        metavar="SHAPE",
+        help="with a module --model: one example's shape, CxHxW (3x32x32) or N features (440)",
+    )
+
+
 def add_launch_args(parser: argparse.ArgumentParser, batch: int, stats_help: str) -> None:
     """The options `run` and `check` share: what to run, how to split it, where to report."""
     from netpart.partition.methods import METHODS
 
-    parser.add_argument("--model", required=True, help="zoo name or .toml/.json (required)")
+    add_model_args(parser, required=True)
     parser.add_argument(
         "--workers", required=True, type=positive_int, help="model worker processes (required)"
     )
@@ -161,7 +180,7 @@ def plan_for_run(args: argparse.Namespace):
     from netpart.planning.memory import check_crowding, check_process_count
     from netpart.processes.memory import available_memory
 
-    spec = load_spec(args.model)
+    spec = load_spec(args.model, input=args.input)
     # before any planning
     what = f"--workers {args.workers}"
     check_process_count(args.workers, what, available=available_memory())

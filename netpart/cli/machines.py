@@ -185,7 +185,7 @@ def train_layout(args: argparse.Namespace) -> None:
         raise PlanError(f"--machines chooses the layout: drop {', '.join(clash)} (or --machines)")
     if args.model is None:
         raise PlanError("--machines needs --model (the model whose layouts it weighs)")
-    spec, defaults = load_spec(args.model), TrainConfig()
+    spec, defaults = load_spec(args.model, input=args.input), TrainConfig()
     network = load_network(args.profile, machine=args.machine)
     advice = _advice(
         spec,

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from netpart.cli.common import (
+    add_model_args,
     add_profile_arg,
     capacities,
     check_writable,
@@ -73,7 +74,9 @@ def register(sub) -> None:
         "(default: the zoo model the plan names) and print its summary and layer table.",
     )
     i.add_argument("plan", type=Path, help="plan directory written by `netpart plan --out`")
-    i.add_argument("--model", default=None, help="zoo name or .toml/.json the plan must match")
+    add_model_args(
+        i, required=False, default=" the plan must match (default: the zoo model it names)"
+    )
     i.set_defaults(func=cmd_inspect)
 
     g = sub.add_parser(
@@ -82,7 +85,7 @@ def register(sub) -> None:
         description="Build the unit graph of MODEL at the granularity a plan for WORKERS uses "
         "and write it as METIS .graph text (one weight per layer) or GraphML (small graphs).",
     )
-    g.add_argument("--model", required=True, help="zoo name or .toml/.json")
+    add_model_args(g, required=True)
     g.add_argument("--workers", type=positive_int, default=1, help="granularity as for N workers")
     g.add_argument(
         "--format",
@@ -107,7 +110,7 @@ def _plan_parser(sub) -> None:
         ),
         epilog=EPILOG_PLAN,
     )
-    p.add_argument("--model", required=True, help="zoo name (see `netpart models`) or .toml/.json")
+    add_model_args(p, required=True)
     p.add_argument(
         "--workers", type=positive_int, default=None, help="number of model workers (or --sweep)"
     )
@@ -226,7 +229,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from netpart.planning.pictures import figures
     from netpart.planning.report import report_markdown
 
-    spec = load_spec(args.model)
+    spec = load_spec(args.model, input=args.input)
     network = load_network(args.profile, args.net, args.machine)
     if [args.workers, args.sweep, args.machines].count(None) != 2:
         raise PlanError(
@@ -391,13 +394,12 @@ def cmd_import(args: argparse.Namespace) -> int:
     if args.out is not None:
         check_writable(args.out, "--out")
     name = args.module.rpartition(":")[2]
-    imported = import_model(load_module(args.module), shape, name)
-    text = spec_toml(imported.spec)
+    spec = import_model(load_module(args.module), shape, name)
+    text = spec_toml(spec)
     if args.out is None:
         sys.stdout.write(text)
         return 0
     write_atomic(args.out, text.encode())
-    spec = imported.spec
     echo(
         f"wrote {args.out}: {spec.name}, {len(spec.layers)} layers, {spec.num_params:,} parameters"
     )
@@ -414,7 +416,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         raise PlanError(
             f"{args.plan}: plan is for {plan.model!r}, not a zoo model; pass --model FILE"
         )
-    spec = load_spec(args.model or plan.model)
+    spec = load_spec(args.model or plan.model, input=args.input)
     plan.check_model(spec)
     from netpart.compile.schedule import plan_schedule
 
@@ -431,7 +433,7 @@ def cmd_graph(args: argparse.Namespace) -> int:
     from netpart.models import load_spec
     from netpart.partition import Granularity, build_unit_graph
 
-    spec = load_spec(args.model)
+    spec = load_spec(args.model, input=args.input)
     graph = build_unit_graph(spec, Granularity.for_workers(args.workers))
     if args.format == "metis":
         data = graph.to_metis_text().encode()

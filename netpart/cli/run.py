@@ -433,6 +433,7 @@ def _show_schedule(spec, p) -> None:
 def cmd_check(args: argparse.Namespace) -> int:
     import json
 
+    from netpart.models.importer import is_module_target, load_module
     from netpart.partition import plan
     from netpart.runtime.check import (
         check_step,
@@ -443,19 +444,21 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     spec, p = plan_for_run(args)
     require_memory(spec, args.batch)
+    # a user's module is the reference itself (its spec was read from it)
+    module = load_module(args.model) if is_module_target(args.model) else None
     p = p or plan(spec, args.workers, args.method, seed=args.seed, memory=available_memory())
     if args.show_schedule and os.environ.get("RANK", "0") == "0":
         _show_schedule(spec, p)
+    how = {"tolerance": args.tolerance, "timeout": args.timeout, "module": module}
     if under_torchrun():
-        report = check_step_distributed(
-            spec, p, args.batch, args.seed, args.tolerance, args.timeout
-        )
+        report = check_step_distributed(spec, p, args.batch, args.seed, **how)
         if report is None:  # not rank 0: rank 0 prints the verdict
             return 0
         result = None
     else:
-        report, result = check_step(spec, p, args.batch, args.seed, args.tolerance, args.timeout)
-    echo(f"{spec.name}: {args.workers} worker processes ({p.method}) vs reference, float64")
+        report, result = check_step(spec, p, args.batch, args.seed, **how)
+    against = f"your {type(module).__name__}" if module is not None else "reference"
+    echo(f"{spec.name}: {args.workers} worker processes ({p.method}) vs {against}, float64")
     echo(f"{'quantity':<28} {'max abs diff':>14} {'max rel diff':>14}  ok")
     for d in report.differences:
         echo(f"{d.name:<28} {d.max_abs:>14.3e} {d.max_rel:>14.3e}  {'yes' if d.ok else 'NO'}")

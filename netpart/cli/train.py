@@ -9,6 +9,7 @@ from pathlib import Path
 
 from netpart.cli.common import (
     add_force_arg,
+    add_model_args,
     add_profile_arg,
     check_writable,
     echo,
@@ -38,7 +39,9 @@ in --out DIR:
   metrics_replica<r>.jsonl one line per step of replica r: time, loss, accuracy, staleness,
                            samples, step time split into compute / halo / ps / data, bytes
   metrics.jsonl            all replicas' lines in time order (written at the end)
-  model.pt                 the reference module's state_dict (torch.load weights_only=True)
+  model.pt                 the trained state_dict (torch.load weights_only=True): your
+                           module's, under its names (--model net.py:Net), else the
+                           reference module's
   summary.json             last step and loss per replica, lost replicas, held-out figures
   report.md, curves.png, step_time.png, staleness.png   (`netpart report DIR` redraws them)
   sandblaster.jsonl, coordinator.json   Sandblaster: loss, units per replica and backups
@@ -76,7 +79,7 @@ def _train_parser(sub) -> None:
         "with a final checkpoint.",
         epilog=EPILOG_TRAIN,
     )
-    t.add_argument("--model", default=None, help="zoo name or .toml/.json (default on --resume)")
+    add_model_args(t, required=False, default=" (default on --resume: the run's)")
     t.add_argument(
         "--workers",
         type=int,
@@ -251,15 +254,18 @@ def _run_parsers(sub) -> None:
         "loads and runs without netpart:\n\n"
         "    model = torch.export.load('RUN/model.pt2').module()\n"
         "    logits = model(x)   # x: [batch, C, H, W] (or [batch, features]), float32\n\n"
-        "--format state_dict writes the single-process reference module's state_dict "
-        "(torch.load(weights_only=True); netpart.models.build_reference builds the module).",
+        "--format state_dict writes a state_dict (torch.load(weights_only=True)): for a run "
+        "of your own nn.Module (--model net.py:Net) under its parameter names, so that "
+        "Net().load_state_dict(torch.load(path)) loads it without netpart; for a zoo or spec "
+        "model, the reference module's (netpart.models.build_reference builds it).",
     )
     e.add_argument("run", type=Path, help="run directory of `netpart train`")
     e.add_argument(
         "--format",
         choices=["program", "state_dict"],
         default="program",
-        help="program: a torch.export program (.pt2); state_dict: the reference module's",
+        help="program: a torch.export program (.pt2); state_dict: your module's (or the "
+        "reference module's)",
     )
     e.add_argument(
         "--out",
@@ -320,6 +326,7 @@ def _request(args: argparse.Namespace):
         network = load_network(args.profile, machine=args.machine)
     return TrainRequest(
         model=args.model,
+        input=args.input,
         workers=args.workers,
         given=given,
         method=args.method,
@@ -433,7 +440,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from netpart.files import write_atomic
     from netpart.models.reference import exported_program
     from netpart.ps.checkpoint import save_model
-    from netpart.train.rundir import run_model
+    from netpart.train.rundir import run_model, user_state
 
     job, state = run_model(args.run, from_shards=True)
     config = job.config
@@ -447,11 +454,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     about = json.dumps({"model": job.spec.name, **fed}, indent=1)
     if args.format == "state_dict":
         out = args.out or args.run / "model.pt"
-        save_model(out, state)
+        save_model(out, user_state(job.spec, state))  # an imported model's: in its names
         write_atomic(out.with_name(out.name + ".json"), about.encode())
+        whose = (
+            f"your {job.spec.name}'s state_dict (load_state_dict into it)"
+            if job.spec.state_names()
+            else f"{job.spec.name}'s reference state_dict"
+        )
         echo(
-            f"wrote {out}: {job.spec.name}'s reference state_dict, {count}; how it was fed "
-            f"({fed['input']}) and its class names: {out}.json"
+            f"wrote {out}: {whose}, {count}; how it was fed ({fed['input']}) and its class "
+            f"names: {out}.json"
         )
         return 0
     out = args.out or args.run / "model.pt2"

@@ -11,11 +11,13 @@ data cannot be traced symbolically and is refused in one line.
 
 What is recognised (anything else ends in one line naming the module's path, its type and
 what is supported): `Conv2d` (square kernel, one stride and padding for both axes, with
-bias), `Linear` (with bias), `MaxPool2d`, `AvgPool2d` (zero padding counted), netpart.nn's
-`LocallyConnected2d`, `LocalContrastNorm` and `L2Pool2d`, `ReLU`, `Sigmoid`, `Tanh` and their
-functional forms, `Flatten`, `torch.flatten`, `view` and `reshape` into a dense layer. A
-network whose last layer is dense is read as a classifier: its outputs are logits, trained
-with cross-entropy (the spec's `softmax`).
+bias), `Linear` (with bias, on a flattened input), `MaxPool2d`, `AvgPool2d` (zero padding
+counted), `LPPool2d(2)`, netpart.nn's `LocallyConnected2d`, `LocalContrastNorm` and
+`L2Pool2d`, `ReLU`, `LeakyReLU` (its slope), `GELU` (exact), `SiLU`, `Sigmoid`, `Tanh` and
+their functional forms, `Flatten`, `torch.flatten`, `view` and `reshape` into a dense layer.
+Each layer of the spec is named by its module's path (`features.0`), so the parameters map
+to the user's names (`ModelSpec.state_names`). A network whose last layer is dense is read as
+a classifier: its outputs are logits, trained with cross-entropy (the spec's `softmax`).
 """
 
 from __future__ import annotations
@@ -25,29 +27,49 @@ import importlib
 import importlib.util
 import io
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from netpart.errors import SpecError
 from netpart.models.spec import ModelSpec
 
-__all__ = ["ImportedModel", "import_model", "load_module", "parse_input", "spec_toml"]
+__all__ = [
+    "import_model",
+    "import_target",
+    "is_module_target",
+    "load_module",
+    "parse_input",
+    "spec_toml",
+]
 
 SUPPORTED = (
-    "Conv2d, Linear, MaxPool2d, AvgPool2d, ReLU, Sigmoid, Tanh, Flatten, "
-    "netpart.nn.LocallyConnected2d, netpart.nn.LocalContrastNorm, netpart.nn.L2Pool2d"
+    "Conv2d, Linear, MaxPool2d, AvgPool2d, LPPool2d(2), ReLU, LeakyReLU, GELU, SiLU, Sigmoid, "
+    "Tanh, Flatten, netpart.nn.LocallyConnected2d, netpart.nn.LocalContrastNorm, "
+    "netpart.nn.L2Pool2d"
 )
-ACTIVATIONS = {"relu": "relu", "sigmoid": "sigmoid", "tanh": "tanh"}
+ACTIVATIONS = ("relu", "leaky_relu", "gelu", "silu", "sigmoid", "tanh")  # functions' names
 
 
-@dataclass(frozen=True)
-class ImportedModel:
-    """A user's module as netpart reads it: the spec, and each spec layer's module path in
-    the user's model ("" for a functional layer, which has no parameters)."""
+def is_module_target(key: str) -> bool:
+    """True when `key` names a module ('FILE.py:NAME', 'package.module:NAME') rather than a
+    zoo model or a spec file."""
+    where, colon, name = key.rpartition(":")
+    if not colon or not name.isidentifier() or Path(key).exists():
+        return False
+    return where.endswith(".py") or all(part.isidentifier() for part in where.split("."))
 
-    spec: ModelSpec
-    paths: tuple[str, ...]
+
+def import_target(target: str, input: str | None) -> ModelSpec:
+    """The module `target` names (`load_module`), read at one example's shape `input`
+    ('3x32x32' or '440'); SpecError (one line) for a missing --input or what netpart cannot
+    represent."""
+    if input is None:
+        raise SpecError(
+            f"--model {target} is a module: give one example's shape with --input "
+            "(CxHxW, e.g. 3x32x32, or N features)"
+        )
+    shape = parse_input(input)  # before importing anything of the user's
+    return import_model(load_module(target), shape, target.rpartition(":")[2])
 
 
 def parse_input(text: str) -> dict[str, int]:
@@ -107,9 +129,10 @@ def _source(where: str, target: str) -> Any:
         raise SpecError(f"--model {target}: cannot import {where} ({_line(exc)})") from None
 
 
-def import_model(module: Any, input_shape: dict[str, int], name: str) -> ImportedModel:
-    """`module` (an `nn.Module`) read into a spec of input `input_shape` (`parse_input`);
-    SpecError (one line) for what netpart cannot represent."""
+def import_model(module: Any, input_shape: dict[str, int], name: str) -> ModelSpec:
+    """`module` (an `nn.Module`) read into a spec of input `input_shape` (`parse_input`),
+    each layer named by its module's path in `module`; SpecError (one line) for what netpart
+    cannot represent."""
     import torch
     from torch.fx.passes.shape_prop import ShapeProp
 
@@ -132,13 +155,12 @@ def import_model(module: Any, input_shape: dict[str, int], name: str) -> Importe
             f"{name}: its forward fails on an input of {_shape(input_shape)} "
             f"({_line(exc.__cause__ or exc)}); is --input one example's shape?"
         ) from None
-    layers, paths = walk.layers()
+    layers = walk.layers()
     if not layers:
         raise SpecError(f"{name}: no layer netpart knows ({SUPPORTED})")
     if layers[-1]["kind"] == "dense" and layers[-1]["activation"] == "none":
         layers[-1]["activation"] = "softmax"  # its outputs are logits
-    spec = ModelSpec.from_dict({"name": name, "input": input_shape, "layer": layers}, name)
-    return ImportedModel(spec, tuple(paths))
+    return ModelSpec.from_dict({"name": name, "input": input_shape, "layer": layers}, name)
 
 
 def _trace(module: Any, name: str) -> Any:
@@ -168,7 +190,6 @@ class _Walk:
         self.graph, self.name = graph, name
         self.modules = dict(graph.named_modules())
         self.out: list[dict] = []
-        self.paths: list[str] = []
         self.last = None  # the node whose value the next layer must read
 
     def check_modules(self) -> None:
@@ -181,13 +202,13 @@ class _Walk:
                     f"reads yet; it reads {SUPPORTED}"
                 )
 
-    def layers(self) -> tuple[list[dict], list[str]]:
+    def layers(self) -> list[dict]:
         for node in self.graph.graph.nodes:
             if node.op == "placeholder":
                 self.last = node
             elif node.op in ("call_module", "call_function", "call_method"):
                 self._node(node)
-        return self.out, self.paths
+        return self.out
 
     def _node(self, node: Any) -> None:
         meta = node.meta.get("tensor_meta")
@@ -201,9 +222,24 @@ class _Walk:
             )
         self.last = node
         if node.op == "call_module":
+            self._flat_into(node, reads[0])
             self._module(node.target, self.modules[node.target])
         else:
             self._function(node)
+
+    def _flat_into(self, node: Any, read: Any) -> None:
+        """A Linear must read a flat [batch, features] input: netpart's dense layer reads the
+        whole of the layer before it."""
+        from torch import nn
+
+        if isinstance(self.modules[node.target], nn.Linear):
+            shape = tuple(read.meta["tensor_meta"].shape)
+            if len(shape) != 2:
+                raise SpecError(
+                    f"{self.name}: {node.target} (Linear) reads a {'x'.join(map(str, shape))} "
+                    "tensor; netpart's dense layer reads a flattened [batch, features] input "
+                    "(flatten before it)"
+                )
 
     def _module(self, path: str, m: Any) -> None:
         from torch import nn
@@ -223,10 +259,17 @@ class _Walk:
             self._add(path, "pool", _pool(path, m), True, kind)
         elif isinstance(m, netpart_nn.L2Pool2d):
             keys = {"mode": "l2", "kernel": m.kernel_size, "stride": m.stride}
-            self._add(path, "pool", keys | {"padding": m.padding}, True, kind)
+            keys |= {"padding": m.padding}
+            self._add(path, "pool", keys | _eps(m.eps), True, kind)
+        elif isinstance(m, nn.LPPool2d):
+            self._add(path, "pool", _lp_pool(path, m), True, kind)
         elif isinstance(m, netpart_nn.LocalContrastNorm):
             self._add(path, "lcn", {"kernel": m.kernel_size, "eps": m.eps}, True, kind)
-        elif isinstance(m, nn.ReLU | nn.Sigmoid | nn.Tanh):
+        elif isinstance(m, nn.LeakyReLU):
+            self._activation(path, "leaky_relu", m.negative_slope)
+        elif isinstance(m, nn.GELU):
+            self._activation(path, _gelu(path, m.approximate))
+        elif isinstance(m, nn.ReLU | nn.SiLU | nn.Sigmoid | nn.Tanh):
             self._activation(path, kind.lower())
         elif not isinstance(m, nn.Flatten | nn.Identity):
             raise SpecError(
@@ -235,9 +278,14 @@ class _Walk:
             )
 
     def _function(self, node: Any) -> None:
-        name = getattr(node.target, "__name__", str(node.target))
-        if name in ACTIVATIONS:
-            self._activation(node.name, ACTIVATIONS[name])
+        name = getattr(node.target, "__name__", str(node.target)).removesuffix("_")
+        if name == "leaky_relu":
+            slope = node.args[1] if len(node.args) > 1 else node.kwargs.get("negative_slope")
+            self._activation(node.name, name, 0.01 if slope is None else slope)
+        elif name == "gelu":
+            self._activation(node.name, _gelu(node.name, node.kwargs.get("approximate", "none")))
+        elif name in ACTIVATIONS:
+            self._activation(node.name, name)
         elif name not in ("flatten", "view", "reshape", "contiguous"):
             raise SpecError(
                 f"{self.name}: {node.name} ({name}) is not an operation netpart reads yet; it "
@@ -251,10 +299,10 @@ class _Walk:
                 "one (bias=True)"
             )
         weighted = kind in ("conv", "local", "dense")
-        self.out.append({"kind": kind, **keys, **({"activation": "none"} if weighted else {})})
-        self.paths.append(path)
+        activation = {"activation": "none"} if weighted else {}
+        self.out.append({"kind": kind, "name": path, **keys, **activation})
 
-    def _activation(self, where: str, name: str) -> None:
+    def _activation(self, where: str, name: str, slope: float | None = None) -> None:
         before = self.out[-1] if self.out else None
         if before is None or before.get("activation") != "none":
             raise SpecError(
@@ -262,6 +310,8 @@ class _Walk:
                 "layer without one; netpart applies an activation to such a layer's output"
             )
         before["activation"] = name
+        if slope is not None:
+            before["negative_slope"] = float(slope)
 
 
 def _known() -> tuple[type, ...]:
@@ -275,7 +325,11 @@ def _known() -> tuple[type, ...]:
         nn.Linear,
         nn.MaxPool2d,
         nn.AvgPool2d,
+        nn.LPPool2d,
         nn.ReLU,
+        nn.LeakyReLU,
+        nn.GELU,
+        nn.SiLU,
         nn.Sigmoid,
         nn.Tanh,
         nn.Flatten,
@@ -319,6 +373,37 @@ def _pool(path: str, m: Any) -> dict:
         raise SpecError(f"{path} (MaxPool2d): dilation is not read yet")
     mode = "max" if isinstance(m, nn.MaxPool2d) else "avg"
     return {"mode": mode, "kernel": kernel, "stride": stride, "padding": padding}
+
+
+def _lp_pool(path: str, m: Any) -> dict:
+    """`LPPool2d(2, k, s)`: the L2 pool without eps or padding (sqrt(sum x^2))."""
+    kernel, stride = m.kernel_size, m.stride if m.stride is not None else m.kernel_size
+    square = all(isinstance(v, int) or len(set(v)) == 1 for v in (kernel, stride))
+    if float(m.norm_type) != 2.0 or not square or m.ceil_mode:
+        raise SpecError(
+            f"{path} (LPPool2d): norm_type {m.norm_type}; netpart reads LPPool2d(2) with square "
+            "windows, floor mode"
+        )
+
+    def one(v):
+        return v if isinstance(v, int) else v[0]
+
+    return {"mode": "l2", "kernel": one(kernel), "stride": one(stride), "padding": 0, "eps": 0.0}
+
+
+def _eps(eps: float) -> dict:
+    """A pool's eps key: written only where it differs from netpart.nn's default."""
+    from netpart.nn import L2_POOL_EPS
+
+    return {} if eps == L2_POOL_EPS else {"eps": float(eps)}
+
+
+def _gelu(where: str, approximate: str) -> str:
+    if approximate != "none":
+        raise SpecError(
+            f"{where} (GELU): approximate={approximate!r}; netpart reads the exact GELU"
+        )
+    return "gelu"
 
 
 def _shape(input_shape: dict[str, int]) -> str:

@@ -24,15 +24,24 @@ __all__ = [
     "activation",
     "build_reference",
     "exported_program",
+    "reference_loss",
 ]
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # the one table of them
 
 
-def activation(name: str, x: torch.Tensor) -> torch.Tensor:
-    """Apply a spec activation; softmax is left to the loss, which takes logits."""
+def activation(layer: LayerSpec, x: torch.Tensor) -> torch.Tensor:
+    """Apply `layer`'s activation (torch's own function for each); softmax is left to the
+    loss, which takes logits."""
+    name = layer.activation
     if name == "relu":
         return torch.relu(x)
+    if name == "leaky_relu":
+        return F.leaky_relu(x, layer.negative_slope)
+    if name == "gelu":
+        return F.gelu(x)
+    if name == "silu":
+        return F.silu(x)
     if name == "sigmoid":
         return torch.sigmoid(x)
     if name == "tanh":
@@ -85,7 +94,8 @@ class ReferenceModel(nn.Module):
             elif layer.kind == "dense":
                 mods.append(_Dense(src.size, layer.units))
             elif layer.kind == "pool" and layer.mode == "l2":
-                mods.append(L2Pool2d(layer.kernel, layer.stride, layer.padding))
+                eps = {} if layer.eps is None else {"eps": layer.eps}
+                mods.append(L2Pool2d(layer.kernel, layer.stride, layer.padding, **eps))
             elif layer.kind == "pool":
                 mods.append(Pool2d(layer))
             else:
@@ -93,20 +103,21 @@ class ReferenceModel(nn.Module):
         self.layers = nn.ModuleList(mods)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.spec.input.flat:
-            x = x.reshape(x.shape[0], -1)
-        else:
-            i = self.spec.input
-            x = x.reshape(x.shape[0], i.channels, i.height, i.width)
+        x = x.reshape(x.shape[0], *self.spec.input.dims)
         for layer, mod in zip(self.spec.layers, self.layers, strict=True):
-            x = activation(layer.activation, mod(x))
+            x = activation(layer, mod(x))
         return x
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy on logits (softmax output) or mean squared error."""
-        if self.spec.loss == "cross_entropy":
-            return F.cross_entropy(outputs.flatten(1), targets)
-        return F.mse_loss(outputs.flatten(1), targets.flatten(1))
+        return reference_loss(self.spec, outputs, targets)
+
+
+def reference_loss(spec: ModelSpec, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy on logits (a softmax last layer) or mean squared error: the loss
+    of `spec`'s outputs, from whichever module computed them."""
+    if spec.loss == "cross_entropy":
+        return F.cross_entropy(outputs.flatten(1), targets)
+    return F.mse_loss(outputs.flatten(1), targets.flatten(1))
 
 
 @torch.no_grad()
@@ -152,7 +163,6 @@ def exported_program(
     model = model.float().eval()
     if standardised is not None:
         model = _Standardised(model, *standardised)
-    i = spec.input
-    example = torch.zeros((2, i.channels) if i.flat else (2, i.channels, i.height, i.width))
+    example = torch.zeros(2, *spec.input.dims)
     batch = torch.export.Dim("batch", min=1)
     return torch.export.export(model, (example,), dynamic_shapes=({0: batch},))

@@ -10,15 +10,22 @@ Schema (TOML, or the same structure as JSON)::
     input = { channels = 3, height = 32, width = 32 }   # or: input = { features = 440 }
     [[layer]]
     kind = "local"       # local (untied weights) | conv (tied) | dense | pool | lcn
+    name = "features.0"  # optional, any layer: its path in the user's module (an imported
+                         # spec's layers have one); a weighted layer's parameters export as
+                         # features.0.weight and features.0.bias
     channels = 8         # local, conv: output channels
     kernel = 5           # local, conv, pool, lcn: square receptive field
     stride = 1           # local, conv (default 1), pool (default = kernel)
     padding = 0          # local, conv, pool (zeros; never sent between workers)
-    activation = "relu"  # relu | sigmoid | tanh | none; softmax on the last dense layer only
+    activation = "relu"  # relu | leaky_relu | gelu | silu | sigmoid | tanh | none;
+                         # softmax on the last dense layer only
+    negative_slope = 0.2 # leaky_relu only (default 0.01, torch's)
     [[layer]]
     kind = "pool"
     mode = "l2"          # max | avg | l2
     kernel = 2
+    eps = 0.0            # l2 only: sqrt(sum x^2 + eps) (default netpart.nn.L2_POOL_EPS, 1e-6;
+                         # 0 is torch's LPPool2d(2))
     [[layer]]
     kind = "lcn"         # local contrast normalisation over a kernel x kernel window (odd kernel)
     kernel = 5
@@ -33,7 +40,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from netpart.errors import SpecError
@@ -51,19 +59,21 @@ __all__ = [
 
 LAYER_KINDS = ("local", "conv", "dense", "pool", "lcn")
 DTYPE_NAMES = ("float32", "float64")  # what a model may run in (`reference.DTYPES`)
-ACTIVATIONS = ("relu", "sigmoid", "tanh", "none", "softmax")
+ACTIVATIONS = ("relu", "leaky_relu", "gelu", "silu", "sigmoid", "tanh", "none", "softmax")
+DEFAULT_SLOPE = 0.01  # leaky_relu's negative slope when a spec names none (torch's default)
 POOL_MODES = ("max", "avg", "l2")
 SPATIAL_KINDS = ("local", "conv", "pool", "lcn")
 BYTES_PER_VALUE = 4  # activations travel between workers as float32
 
 # Keys each layer kind accepts (besides "kind").
 _ALLOWED_KEYS = {
-    "local": ("channels", "kernel", "stride", "padding", "activation"),
-    "conv": ("channels", "kernel", "stride", "padding", "activation"),
-    "dense": ("units", "activation"),
-    "pool": ("mode", "kernel", "stride", "padding"),
+    "local": ("channels", "kernel", "stride", "padding", "activation", "negative_slope"),
+    "conv": ("channels", "kernel", "stride", "padding", "activation", "negative_slope"),
+    "dense": ("units", "activation", "negative_slope"),
+    "pool": ("mode", "kernel", "stride", "padding", "eps"),
     "lcn": ("kernel", "eps"),
 }
+_OPTIONAL_KEYS = ("negative_slope", "eps")
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,11 @@ class InputSpec:
     def shape(self) -> Shape:
         return Shape(self.channels, self.height, self.width)
 
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """One example's tensor shape: (features,) or (channels, height, width)."""
+        return (self.channels,) if self.flat else (self.channels, self.height, self.width)
+
     def to_dict(self) -> dict[str, int]:
         if self.flat:
             return {"features": self.channels}
@@ -115,16 +130,24 @@ class LayerSpec:
     padding: int = 0
     activation: str = "none"
     mode: str | None = None
-    eps: float | None = None
+    eps: float | None = None  # lcn; pool l2 (None: netpart.nn.L2_POOL_EPS)
+    negative_slope: float | None = None  # leaky_relu only
+    name: str | None = None  # the layer's path in the user's module (an imported spec)
 
     @property
     def is_spatial(self) -> bool:
         return self.kind in SPATIAL_KINDS
 
     def to_dict(self) -> dict[str, Any]:
+        """The layer's keys; the optional ones (`negative_slope`, a pool's `eps`) only when
+        set, so a spec written before they existed keeps its fingerprint."""
         out: dict[str, Any] = {"kind": self.kind}
+        if self.name is not None:
+            out["name"] = self.name
         for key in _ALLOWED_KEYS[self.kind]:
-            out[key] = getattr(self, key)
+            value = getattr(self, key)
+            if value is not None or key not in _OPTIONAL_KEYS:
+                out[key] = value
         return out
 
 
@@ -139,6 +162,15 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shapes", _infer_shapes(self))
+        weighted = range(len(self.layers))
+        names = [self.layers[i].name for i in weighted if self.layer_params(i)]
+        names = [name for name in names if name is not None]
+        if len(set(names)) < len(names):  # a layer without weights may be used twice
+            again = next(n for i, n in enumerate(names) if n in names[:i])
+            raise SpecError(
+                f"layer name {again!r} is given to two layers with weights; each holds its "
+                "own (weights shared between layers are not read)"
+            )
 
     # ---- derived figures -------------------------------------------------------------------
     def input_shape(self, index: int) -> Shape:
@@ -165,6 +197,16 @@ class ModelSpec:
         """`cross_entropy` when the last layer is softmax (trained on logits), else `mse`."""
         return "cross_entropy" if self.layers[-1].activation == "softmax" else "mse"
 
+    def state_names(self) -> dict[str, str]:
+        """The reference module's parameter names (`layers.3.weight`) -> the names they have
+        in the user's module (`features.3.weight`) for the layers that carry a `name`."""
+        return {
+            f"layers.{i}.{param}": f"{layer.name}.{param}"
+            for i, layer in enumerate(self.layers)
+            if layer.name is not None and self.layer_params(i)
+            for param in ("weight", "bias")
+        }
+
     def layer_name(self, index: int) -> str:
         return f"{index}:{self.layers[index].kind}"
 
@@ -173,7 +215,8 @@ class ModelSpec:
         input and output shapes (`local 3x48x48->24x44x44 channels=24 kernel=5 ...`); layers
         of two models with equal keys run at the same rate."""
         layer = self.layers[index]
-        options = " ".join(f"{k}={v}" for k, v in layer.to_dict().items() if k != "kind")
+        keys = layer.to_dict().items()
+        options = " ".join(f"{k}={v}" for k, v in keys if k not in ("kind", "name"))
         return f"{layer.kind} {self.input_shape(index)}->{self.shapes[index]} {options}"
 
     def layer_keys(self) -> list[str]:
@@ -230,11 +273,10 @@ class ModelSpec:
             raise SpecError(f"{source}: {exc}") from None
 
     def fingerprint(self) -> str:
-        """A digest of the architecture (input and layers, not the name): plans are tied to it."""
-        body = json.dumps(
-            {"input": self.input.to_dict(), "layer": [ly.to_dict() for ly in self.layers]},
-            sort_keys=True,
-        )
+        """A digest of the architecture (input and layers, not the names of the network or
+        its layers): plans are tied to it."""
+        layers = [{k: v for k, v in ly.to_dict().items() if k != "name"} for ly in self.layers]
+        body = json.dumps({"input": self.input.to_dict(), "layer": layers}, sort_keys=True)
         return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 
@@ -278,48 +320,82 @@ def _parse_layer(raw: Any, index: int, source: str) -> LayerSpec:
     where = f"{where} ({kind})"
     allowed = _ALLOWED_KEYS[kind]
     for key in raw:
-        if key != "kind" and key not in allowed:
-            raise SpecError(f"{where}: unknown key {key!r}; allowed: kind, {', '.join(allowed)}")
+        if key not in ("kind", "name") and key not in allowed:
+            raise SpecError(
+                f"{where}: unknown key {key!r}; allowed: kind, name, {', '.join(allowed)}"
+            )
     try:
-        if kind in ("local", "conv"):
-            return LayerSpec(
-                kind,
-                channels=_positive_int(raw.get("channels"), "channels"),
-                kernel=_positive_int(raw.get("kernel"), "kernel"),
-                stride=_positive_int(raw.get("stride", 1), "stride"),
-                padding=_positive_int(raw.get("padding", 0), "padding", minimum=0),
-                activation=_activation(raw.get("activation", "relu")),
-            )
-        if kind == "dense":
-            return LayerSpec(
-                kind,
-                units=_positive_int(raw.get("units"), "units"),
-                activation=_activation(raw.get("activation", "relu")),
-            )
-        if kind == "pool":
-            mode = raw.get("mode", "max")
-            if mode not in POOL_MODES:
-                raise SpecError(f"mode {mode!r} is not one of {', '.join(POOL_MODES)}")
-            kernel = _positive_int(raw.get("kernel"), "kernel")
-            return LayerSpec(
-                kind,
-                kernel=kernel,
-                stride=_positive_int(raw.get("stride", kernel), "stride"),
-                padding=_positive_int(raw.get("padding", 0), "padding", minimum=0),
-                mode=mode,
-            )
-        eps = raw.get("eps", 0.01)
-        if isinstance(eps, bool) or not isinstance(eps, int | float) or eps <= 0:
-            raise SpecError(f"eps must be a positive number, got {eps!r}")
-        return LayerSpec(kind, kernel=_positive_int(raw.get("kernel"), "kernel"), eps=float(eps))
+        return replace(_parse_kind(raw, kind), name=_layer_name(raw.get("name")))
     except SpecError as exc:
         raise SpecError(f"{where}: {exc}") from None
 
 
-def _activation(value: Any) -> str:
+def _layer_name(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not all(
+        p.isidentifier() or p.isdigit() for p in value.split(".")
+    ):
+        raise SpecError(f"name {value!r} must be a module path such as features.0 or fc1")
+    return value
+
+
+def _parse_kind(raw: dict, kind: str) -> LayerSpec:
+    """The layer of `kind` the keys of `raw` describe."""
+    if kind in ("local", "conv"):
+        return LayerSpec(
+            kind,
+            channels=_positive_int(raw.get("channels"), "channels"),
+            kernel=_positive_int(raw.get("kernel"), "kernel"),
+            stride=_positive_int(raw.get("stride", 1), "stride"),
+            padding=_positive_int(raw.get("padding", 0), "padding", minimum=0),
+            **_activation(raw),
+        )
+    if kind == "dense":
+        return LayerSpec(kind, units=_positive_int(raw.get("units"), "units"), **_activation(raw))
+    if kind == "pool":
+        mode = raw.get("mode", "max")
+        if mode not in POOL_MODES:
+            raise SpecError(f"mode {mode!r} is not one of {', '.join(POOL_MODES)}")
+        kernel = _positive_int(raw.get("kernel"), "kernel")
+        if "eps" in raw and mode != "l2":
+            raise SpecError("eps applies to mode l2 only")
+        return LayerSpec(
+            kind,
+            kernel=kernel,
+            stride=_positive_int(raw.get("stride", kernel), "stride"),
+            padding=_positive_int(raw.get("padding", 0), "padding", minimum=0),
+            mode=mode,
+            eps=_number(raw["eps"], "eps", positive=False) if "eps" in raw else None,
+        )
+    eps = _number(raw.get("eps", 0.01), "eps", positive=True)
+    return LayerSpec(kind, kernel=_positive_int(raw.get("kernel"), "kernel"), eps=eps)
+
+
+def _number(value: Any, what: str, positive: bool) -> float:
+    """A finite float > 0 (`positive`) or >= 0; SpecError otherwise."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise SpecError(
+            f"{what} must be a {'positive' if positive else 'non-negative'} number, got {value!r}"
+        )
+    return float(value)
+
+
+def _activation(raw: dict) -> dict[str, Any]:
+    """A weighted layer's `activation` (default relu) and, for leaky_relu, its slope."""
+    value = raw.get("activation", "relu")
     if value not in ACTIVATIONS:
         raise SpecError(f"activation {value!r} is not one of {', '.join(ACTIVATIONS)}")
-    return value
+    if value != "leaky_relu":
+        if "negative_slope" in raw:
+            raise SpecError("negative_slope applies to activation leaky_relu only")
+        return {"activation": value}
+    slope = raw.get("negative_slope", DEFAULT_SLOPE)
+    number = isinstance(slope, int | float) and not isinstance(slope, bool)
+    if not number or not math.isfinite(slope):
+        raise SpecError(f"negative_slope must be a number, got {slope!r}")
+    return {"activation": value, "negative_slope": float(slope)}
 
 
 # ---- geometry --------------------------------------------------------------------------------

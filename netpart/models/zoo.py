@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from netpart.errors import SpecError
+from netpart.models import importer  # torch is imported only when a module is read
 from netpart.models.spec import ModelSpec
 
 if sys.version_info >= (3, 11):
@@ -106,11 +107,15 @@ def zoo_names() -> list[str]:
     return list(ZOO)
 
 
-def load_spec(name_or_path: str | Path) -> ModelSpec:
-    """A zoo name, or a path to a `.toml` or `.json` spec; raises SpecError naming the problem."""
+def load_spec(name_or_path: str | Path, *, input: str | None = None) -> ModelSpec:
+    """A zoo name, a path to a `.toml` or `.json` spec, or a user's `nn.Module`
+    ('FILE.py:NAME' or 'package.module:NAME', read at one example's shape `input`: see
+    `netpart.models.importer`); raises SpecError naming the problem."""
     key = str(name_or_path)
     if key in ZOO:
         return ZOO[key]
+    if importer.is_module_target(key):
+        return importer.import_target(key, input)
     path = Path(key)
     if not path.exists():
         if path.suffix in (".toml", ".json"):

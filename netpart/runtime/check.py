@@ -19,7 +19,7 @@ import torch.distributed as dist
 from netpart.compile.schedule import plan_schedule
 from netpart.cost.memory import activation_values, worker_bytes
 from netpart.errors import PlanError
-from netpart.models.reference import build_reference
+from netpart.models.reference import build_reference, reference_loss
 from netpart.models.spec import ModelSpec
 from netpart.partition.plans import PartitionPlan
 from netpart.processes.launcher import join_group
@@ -33,6 +33,7 @@ __all__ = [
     "CheckReport",
     "check_step",
     "check_step_distributed",
+    "compare_with_reference",
     "estimate_check_bytes",
     "lone_step",
     "make_batch",
@@ -115,18 +116,30 @@ def _diff(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> Diffe
     return Difference(name, max_abs, max_rel, ok)
 
 
-def _against_reference(
+def compare_with_reference(
     spec: ModelSpec,
     x: torch.Tensor,
     y: torch.Tensor,
     seed: int,
     result: StepResult,
     tolerance: float,
+    module: torch.nn.Module | None = None,
 ) -> tuple[Difference, ...]:
-    """Run the reference step on the same batch and compare loss, outputs and every grad."""
-    model = build_reference(spec, seed, torch.float64)
+    """Run the reference step on the same batch and compare loss, outputs and every grad.
+
+    With `module` (the user's own, its spec imported from it) that module is the reference:
+    it gets the same initial weights under its own parameter names, takes the batch in its
+    input shape, and its gradients are compared name by name."""
+    reference = build_reference(spec, seed, torch.float64)
+    names = dict.fromkeys(n for n, _ in reference.named_parameters())  # its names: its own
+    model: torch.nn.Module = reference
+    if module is not None:
+        names = spec.state_names()
+        model = module.double()
+        model.load_state_dict({names[k]: v for k, v in reference.state_dict().items()})
+        x = x.reshape(x.shape[0], *spec.input.dims)
     out = model(x)
-    loss = model.loss(out, y)
+    loss = reference_loss(spec, out, y)
     if loss.requires_grad:
         loss.backward()
     got_loss = torch.tensor([result.loss], dtype=torch.float64)
@@ -134,8 +147,9 @@ def _against_reference(
         _diff("loss", got_loss, loss.detach().reshape(1), tolerance),
         _diff("outputs", result.outputs.reshape(out.shape), out.detach(), tolerance),
     ]
+    grads = {names.get(k) or k: g for k, g in result.grads.items()}
     for name, p in model.named_parameters():
-        diffs.append(_diff(f"grad {name}", result.grads[name], p.grad, tolerance))
+        diffs.append(_diff(f"grad {name}", grads[name], p.grad, tolerance))
     return tuple(diffs)
 
 
@@ -155,12 +169,14 @@ def check_step(
     seed: int = 0,
     tolerance: float = 1e-9,
     timeout: float = 60.0,
+    module: torch.nn.Module | None = None,
 ) -> tuple[CheckReport, StepResult]:
-    """Run the reference and the partitioned step on the same batch and compare everything."""
+    """Run the reference (`module`, the user's own, when given) and the partitioned step on
+    the same batch and compare everything."""
     require_memory(spec, batch)
     x, y = make_batch(spec, batch, seed)
     result = run_step(spec, plan, x, y, StepOptions(seed=seed, dtype="float64", timeout=timeout))
-    diffs = _against_reference(spec, x, y, seed, result, tolerance)
+    diffs = compare_with_reference(spec, x, y, seed, result, tolerance, module)
     _, schedule = plan_schedule(spec, plan, validate=False)  # run_step validated it
     planned = schedule.traffic() * batch * 8
     sent = np.zeros((len(spec.layers), 2), dtype=np.int64)
@@ -194,6 +210,7 @@ def check_step_distributed(
     seed: int = 0,
     tolerance: float = 1e-9,
     timeout: float = 60.0,
+    module: torch.nn.Module | None = None,
 ) -> CheckReport | None:
     """`check_step` for a rank started by torchrun: one step over the env:// process group.
 
@@ -221,7 +238,7 @@ def check_step_distributed(
         dist.all_reduce(sent)
         if rank != 0:
             return None
-        diffs = _against_reference(spec, x, y, seed, result, tolerance)
+        diffs = compare_with_reference(spec, x, y, seed, result, tolerance, module)
         rows = _byte_rows(sent.numpy(), schedule.traffic() * batch * 8)
         return CheckReport(diffs, all(m == p for _, _, m, p in rows), rows)
     finally:

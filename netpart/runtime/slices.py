@@ -73,7 +73,7 @@ class LayerSlice(nn.Module):
         super().__init__()
         self.spec, self.index = spec, index
         self.units = units
-        self.activation = spec.layers[index].activation
+        self.layer = spec.layers[index]  # its activation runs in `place`
         out = spec.shapes[index]
         self.hw = out.height * out.width
         self.channel, self.position = np.divmod(units, self.hw)
@@ -95,7 +95,7 @@ class LayerSlice(nn.Module):
             return x[:0]
         batch = x.shape[1]
         placed = rows(torch.cat([p.reshape(-1, batch) for p in pieces]), self._orders[split])
-        return activation(self.activation, placed)
+        return activation(self.layer, placed)
 
     def order(self, split: bool) -> torch.Tensor:
         """The permutation of the pieces' rows (all; or first then rest) into units order."""
@@ -312,7 +312,7 @@ class DenseSlice(LayerSlice):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] != self.n_in:  # a buffer with padding rows (a joined input has none):
             x = x[: self.n_in]  # slicing adds a node to autograd's graph, so only when needed
-        return activation(self.activation, torch.addmm(self.bias, self.weight, x))
+        return activation(self.layer, torch.addmm(self.bias, self.weight, x))
 
     def compute(self, x: torch.Tensor, part: str) -> list[torch.Tensor]:
         return [self.forward(x)]
@@ -345,6 +345,7 @@ class PoolSlice(_UnitSlice):
         super().__init__(spec, index, units, first)
         layer = spec.layers[index]
         self.mode, self.k2 = layer.mode, layer.kernel**2
+        self.eps = L2_POOL_EPS if layer.eps is None else layer.eps  # l2
         pad = self.n_in + 1 if self.mode == "max" else self.n_in
         idx = window_index(spec, index, self.position, self.channel, pad)
         self._index = {p: torch.from_numpy(idx[sel]) for p, sel in self._part_units.items()}
@@ -355,7 +356,7 @@ class PoolSlice(_UnitSlice):
             return win.max(dim=1).values  # torch's max_pool2d (amax would share it)
         if self.mode == "avg":
             return win.sum(dim=1) / self.k2
-        return torch.sqrt((win * win).sum(dim=1) + L2_POOL_EPS)
+        return torch.sqrt((win * win).sum(dim=1) + self.eps)
 
 
 class LcnSlice(_UnitSlice):

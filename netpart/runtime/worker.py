@@ -268,7 +268,7 @@ class ModelWorker:
         t1 = clock()
         first = part == Part.EARLY
         pieces = sl.compute(x, "first" if first else "rest")
-        out = activation(sl.activation, torch.cat([p.reshape(-1, batch) for p in pieces]))
+        out = activation(sl.layer, torch.cat([p.reshape(-1, batch) for p in pieces]))
         st.fwd.parts[(layer, part)] = out
         if first:
             st.fwd.early_out[layer] = rows(out.detach(), self._orders[(layer, "first")])

@@ -78,6 +78,7 @@ class TrainRequest:
     a resume), the config fields given (`FIELDS`), how to plan, where the run goes."""
 
     model: str | None = None
+    input: str | None = None  # one example's shape, when `model` names a user's module
     workers: int | None = None
     given: dict[str, Any] = field(default_factory=dict)
     method: str = "auto"
@@ -103,7 +104,7 @@ def make_job(request: TrainRequest, *, local: bool = True) -> Job:
         raise TrainError("--model and --workers are required (or --resume DIR)")
     if request.workers < 1:
         raise TrainError(f"--workers {request.workers}: must be an integer >= 1")
-    spec = load_spec(request.model)
+    spec = load_spec(request.model, input=request.input)
     config = TrainConfig.from_dict({"shards": request.workers, **request.given}, "command line")
     check_loggers(config.loggers)  # a missing package fails before planning
     from netpart.data import load_data
@@ -163,7 +164,7 @@ def _resumed(request: TrainRequest) -> Job:
         )
     if (
         request.model is not None
-        and load_spec(request.model).fingerprint() != old.spec.fingerprint()
+        and load_spec(request.model, input=request.input).fingerprint() != old.spec.fingerprint()
     ):
         raise TrainError(f"--resume {run}: the run trained {old.spec.name}, not {request.model}")
     if request.workers is not None and request.workers != old.plan.workers:

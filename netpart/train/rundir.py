@@ -58,6 +58,7 @@ __all__ = [
     "read_job",
     "read_progress",
     "run_model",
+    "user_state",
     "write_run",
 ]
 
@@ -159,7 +160,9 @@ def run_model(run: Path, from_shards: bool = False) -> tuple[Job, dict[str, torc
     job = read_job(run)
     if not from_shards and (run / "model.pt").exists():
         try:
-            return job, torch.load(run / "model.pt", weights_only=True)
+            saved = torch.load(run / "model.pt", weights_only=True)
+            reference = {user: ours for ours, user in job.spec.state_names().items()}
+            return job, {reference.get(k, k): v for k, v in saved.items()}
         except Exception as exc:  # a torn or foreign file: torch's message runs to many lines
             raise TrainError(
                 f"{run / 'model.pt'}: not a model file netpart wrote ({type(exc).__name__} from "
@@ -167,6 +170,13 @@ def run_model(run: Path, from_shards: bool = False) -> tuple[Job, dict[str, torc
             ) from None
     compiled = compile_plan(job.spec, job.plan, shards=job.config.shards, validate=False)
     return job, model_from_shards(job.spec, job.plan, job.config, run, compiled.layout)
+
+
+def user_state(spec: ModelSpec, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A reference `state_dict` under the names of the module `spec` was imported from (the
+    reference's own for a zoo or spec model): what a run's model.pt holds."""
+    names = spec.state_names()
+    return {names.get(k, k): v for k, v in state.items()}
 
 
 def model_from_shards(
@@ -350,7 +360,8 @@ def finish_run(compiled: CompiledPlan, config, run: Path, summary: TrainSummary)
             f"the trained parameters are not finite: training diverged; try a lower --lr "
             f"(model.pt and summary.json were not written to {run})"
         )
-    save_model(run / "model.pt", state)  # the result first: nothing after it can lose it
+    # the result first: nothing after it can lose it (an imported model's, in its names)
+    save_model(run / "model.pt", user_state(compiled.spec, state))
     write_atomic(run / "summary.json", json.dumps(summary.to_dict(), indent=1).encode())
     try:
         data = load_data(config.data, spec, config.seed, config.examples, config.data_layout)

@@ -58,17 +58,15 @@ def test_a_user_s_module_reads_into_a_spec_whose_reference_computes_what_it_does
     make, shape, kinds
 ):
     user = make().double()
-    imported = import_model(user, parse_input(shape), "net")
-    spec = imported.spec
+    spec = import_model(user, parse_input(shape), "net")
     assert [layer.kind for layer in spec.layers] == kinds
     assert spec.layers[-1].activation == "softmax"  # logits: a classifier
     # The spec's reference module with the user's weights computes the user's logits.
     reference = build_reference(spec, dtype=torch.float64)
-    theirs = dict(user.named_parameters())
+    theirs, names = dict(user.named_parameters()), spec.state_names()
     with torch.no_grad():
-        for i, path in enumerate(imported.paths):
-            for name, value in reference.layers[i].named_parameters():
-                value.copy_(theirs[f"{path}.{name}"])
+        for name, value in reference.named_parameters():
+            value.copy_(theirs[names[name]])
     x = torch.randn(4, *(int(v) for v in shape.split("x")), dtype=torch.float64)
     assert torch.allclose(reference(x), user(x), rtol=0, atol=1e-12)
 
@@ -127,6 +125,9 @@ def test_what_netpart_cannot_read_is_one_line_naming_it(tmp_path, capsys):
             def lstm():
                 return nn.LSTM(4, 4)
 
+            def unflattened():
+                return nn.Sequential(nn.Conv2d(3, 2, 3), nn.Linear(6, 4))
+
             not_a_module = 3
             """
         )
@@ -135,6 +136,7 @@ def test_what_netpart_cannot_read_is_one_line_naming_it(tmp_path, capsys):
         "Normed": "norm (BatchNorm2d) is not a layer netpart reads yet; it reads Conv2d",
         "lstm": "a LSTM is not a layer netpart reads yet",
         "Looping": "its forward cannot be traced",
+        "unflattened": "reads a 1x2x6x6 tensor; netpart's dense layer reads a flattened",
         "not_a_module": "not_a_module gives a int, not a torch.nn.Module",
         "Nope": "defines no 'Nope'",
     }

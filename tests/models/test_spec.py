@@ -158,3 +158,45 @@ def test_a_spec_nested_too_deeply_is_a_one_line_error(tmp_path, name, text):
     path.write_text(text + ("]" * 100000))
     with pytest.raises(SpecError, match="nested too deeply to be a spec"):
         load_spec(path)
+
+
+def test_an_imported_spec_s_layer_names_map_its_parameters_and_leave_the_fingerprint():
+    layers = [
+        {"kind": "conv", "name": "features.0", "channels": 2, "kernel": 3},
+        {"kind": "pool", "name": "pool", "kernel": 2, "mode": "l2", "eps": 0.0},
+        {"kind": "pool", "name": "pool", "kernel": 1, "mode": "l2"},  # reused: no weights
+        {"kind": "dense", "name": "fc", "units": 3, "activation": "leaky_relu"},
+    ]
+    data = {"name": "net", "input": {"channels": 1, "height": 6, "width": 6}, "layer": layers}
+    spec = ModelSpec.from_dict(data)
+    assert spec.layers[3].negative_slope == 0.01  # torch's default slope
+    assert spec.layers[1].eps == 0.0 and spec.layers[2].eps is None
+    assert spec.state_names() == {
+        "layers.0.weight": "features.0.weight",
+        "layers.0.bias": "features.0.bias",
+        "layers.3.weight": "fc.weight",
+        "layers.3.bias": "fc.bias",
+    }
+    unnamed = [{k: v for k, v in layer.items() if k != "name"} for layer in layers]
+    assert ModelSpec.from_dict({**data, "layer": unnamed}).fingerprint() == spec.fingerprint()
+    assert ModelSpec.from_json(spec.to_json()) == spec
+    # a zoo spec's dict has none of the optional keys: its fingerprint is what it was
+    assert "negative_slope" not in str(ZOO["tiny-local"].to_dict())
+
+
+@pytest.mark.parametrize(
+    ("layer", "message"),
+    [
+        ({"kind": "dense", "units": 2, "negative_slope": 0.1}, "applies to activation leaky_relu"),
+        ({"kind": "pool", "kernel": 2, "eps": 0.1}, "eps applies to mode l2 only"),
+        ({"kind": "pool", "kernel": 2, "mode": "l2", "eps": -1}, "eps must be a non-negative"),
+        ({"kind": "dense", "units": 2, "name": "a b"}, "must be a module path"),
+    ],
+)
+def test_the_new_keys_refuse_what_they_cannot_mean(layer, message):
+    data = {"name": "bad", "input": {"channels": 1, "height": 4, "width": 4}, "layer": [layer]}
+    with pytest.raises(SpecError, match=message):
+        ModelSpec.from_dict(data, "bad.toml")
+    twice = [{"kind": "dense", "units": 2, "name": "fc"}] * 2
+    with pytest.raises(SpecError, match="given to two layers with weights"):
+        ModelSpec.from_dict({**data, "layer": twice})

@@ -1,0 +1,83 @@
+"""Issue 78's acceptance on models as a PyTorch user writes them (`user_models.py`): each
+imports, plans on 2, 4 and 8 workers, and its split step equals the user's own module under
+its own parameter names (float64, 1e-9) at N = 2 in worker processes and N = 3 in threads; a
+LeNet-5 trains on 2 workers x 2 replicas and its exported state_dict loads into the user's
+class in a process that never imports netpart, giving the same logits."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from netpart.cli import main
+from netpart.models import build_reference
+from netpart.models.importer import import_model, parse_input
+from netpart.partition import plan
+from netpart.runtime.check import check_step, compare_with_reference, make_batch
+from netpart.runtime.inprocess import run_step_threads
+
+from .user_models import MODELS
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_user_s_model_plans_and_its_split_step_equals_the_module_itself(name):
+    make, shape = MODELS[name]
+    spec = import_model(make(), parse_input(shape), name)
+    for workers in (2, 4, 8):
+        assert plan(spec, workers).workers == workers
+    report, _ = check_step(spec, plan(spec, 2), batch=4, seed=1, module=make())
+    assert report.ok, [d for d in report.differences if not d.ok]
+    names = [d.name for d in report.differences]
+    user_names = {f"grad {n}" for n, _ in make().named_parameters()}
+    assert user_names == set(names) - {"loss", "outputs"}  # every gradient, in its names
+    x, y = make_batch(spec, 4, seed=2)
+    result = run_step_threads(spec, plan(spec, 3, "metis"), x, y, seed=2)
+    diffs = compare_with_reference(spec, x, y, 2, result, 1e-9, module=make())
+    assert all(d.ok for d in diffs), [d for d in diffs if not d.ok]
+
+
+def test_a_user_s_lenet_trains_and_loads_back_into_its_class_without_netpart(tmp_path, capsys):
+    model, run = f"{HERE / 'plain_lenet.py'}:LeNet5", tmp_path / "run"
+    args = f"--input 1x28x28 --workers 2 --replicas 2 --steps 8 --batch 8 --out {run}"
+    assert main(["train", "--model", model, *args.split()]) == 0
+    out = tmp_path / "lenet.pt"
+    assert main(["export", str(run), "--format", "state_dict", "--out", str(out)]) == 0
+    assert "your LeNet5's state_dict" in capsys.readouterr().out
+    x = torch.linspace(-1, 1, 2 * 28 * 28).reshape(2, 1, 28, 28)
+    torch.save(x, tmp_path / "x.pt")
+    plain = textwrap.dedent(
+        f"""
+        import importlib.util, sys, torch
+        spec = importlib.util.spec_from_file_location("user", {str(HERE / "plain_lenet.py")!r})
+        user = importlib.util.module_from_spec(spec); spec.loader.exec_module(user)
+        net = user.LeNet5()
+        net.load_state_dict(torch.load({str(out)!r}, weights_only=True))  # strict
+        torch.save(net(torch.load({str(tmp_path / "x.pt")!r})), {str(tmp_path / "y.pt")!r})
+        assert not any(m.startswith("netpart") for m in sys.modules)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run([sys.executable, "-c", plain], check=True, timeout=120, env=env, cwd=tmp_path)
+    from netpart.train.rundir import run_model
+
+    job, state = run_model(run)  # the run's own model.pt, in the user's names, read back
+    reference = build_reference(job.spec)
+    reference.load_state_dict(state)
+    theirs = torch.load(tmp_path / "y.pt")
+    assert torch.allclose(reference(x), theirs, rtol=0, atol=1e-6)
+
+
+def test_a_module_without_its_input_shape_is_one_line_and_nothing_written(tmp_path, capsys):
+    model = f"{HERE / 'plain_lenet.py'}:LeNet5"
+    for command, writes in (("plan", "--out"), ("check", "--stats"), ("train", "--out")):
+        out = tmp_path / command
+        assert main([command, "--model", model, "--workers", "2", writes, str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "is a module: give one example's shape" in err, err
+        assert not out.exists()

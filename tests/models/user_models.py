@@ -1,0 +1,67 @@
+"""Models as a PyTorch user writes them (issue 78's acceptance): a LeNet-5, a VGG-style CNN,
+the DistBelief locally connected network built from netpart.nn, and an MLP; each with the
+one example's shape netpart reads it at (`--input`)."""
+
+from torch import nn
+from torch.nn import functional as F
+
+from netpart.nn import LocalContrastNorm, LocallyConnected2d
+
+from .plain_lenet import LeNet5
+
+
+class VGGish(nn.Module):
+    """Two VGG blocks of 3x3 convolutions at 3x32x32, then a classifier (narrow widths)."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.LeakyReLU(0.1),
+            nn.MaxPool2d(2),
+            nn.Conv2d(8, 16, 3, padding=1),
+            nn.GELU(),
+            nn.MaxPool2d(2, stride=2),
+        )
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Linear(16 * 8 * 8, 32), nn.SiLU(), nn.Linear(32, 10)
+        )
+
+    def forward(self, x):
+        return self.classifier(self.features(x))
+
+
+def distbelief():
+    """Le et al. 2012's layer stack: untied filters, L2 pooling (torch's LPPool2d(2)), local
+    contrast norm."""
+    return nn.Sequential(
+        LocallyConnected2d(3, 8, (16, 16), kernel_size=5),
+        nn.Sigmoid(),
+        nn.LPPool2d(2, 2),
+        LocalContrastNorm(3),
+        nn.Flatten(),
+        nn.Linear(8 * 6 * 6, 10),
+    )
+
+
+class MLP(nn.Module):
+    """Features in, classes out (the speech model's shape, small)."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = nn.Linear(40, 64)
+        self.out = nn.Linear(64, 6)
+
+    def forward(self, x):
+        return self.out(F.leaky_relu(self.hidden(x), negative_slope=0.2))
+
+
+# name -> (the module's factory, --input)
+MODELS = {
+    "LeNet5": (LeNet5, "1x28x28"),
+    "VGGish": (VGGish, "3x32x32"),
+    "distbelief": (distbelief, "3x16x16"),
+    "MLP": (MLP, "40"),
+}

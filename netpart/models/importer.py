@@ -26,6 +26,7 @@ import contextlib
 import importlib
 import importlib.util
 import io
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,8 @@ def _source(where: str, target: str) -> Any:
         except Exception as exc:
             raise SpecError(f"--model {target}: {where} fails to import ({_line(exc)})") from None
         return module
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())  # a package of the directory it runs in, as `python -m`
     try:
         return importlib.import_module(where)
     except Exception as exc:

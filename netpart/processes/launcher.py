@@ -98,7 +98,8 @@ class Processes:
             for log_path in self.logs:
                 log_path.parent.mkdir(parents=True, exist_ok=True)
             if self.fork:
-                self._zygote = self.preloaded or Preloaded(self.module, self.new_session)
+                zygote = self.preloaded or Preloaded.kept(self.module, self.new_session)
+                self._zygote = zygote
                 ranks = [(self.rank_env(k), self.logs[k]) for k in range(self.world)]
                 self.procs = list(self._zygote.fork(self.args, ranks, self.stopping.is_set))
             else:
@@ -208,8 +209,8 @@ class Processes:
                 p.kill()
         for p in self.procs:
             p.wait()
-        if self._zygote is not None:  # it ends once every child has been reaped
-            self._zygote.close()
+        if self._zygote is not None:  # it ends once every child has been reaped (a kept
+            self._zygote.release()  # one waits for the next job)
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         if self._tmp is not None:

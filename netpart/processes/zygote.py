@@ -20,6 +20,7 @@ loopback no other process of the machine can reach.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import importlib
@@ -34,6 +35,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import ClassVar
 
 from netpart.errors import RuntimeFailure
 from netpart.files import open_append
@@ -60,10 +62,47 @@ def die_with_parent() -> None:  # pragma: no cover - runs in a child
 class Preloaded:
     """A started zygote that imports `module` (and PRELOAD) while the caller does other work;
     `fork` runs the job's processes from it, once. `close` reaps it (and kills it if no job
-    came): use it as a context manager."""
+    came): use it as a context manager.
+
+    `Preloaded.kept(module)` is one this process keeps between jobs: its `fork` may be called
+    again once every child of the last job has ended, so a launcher that runs job after job
+    (`netpart calibrate`'s steps, a training job's restarts) imports torch once, not once a job;
+    `release` keeps it when it can serve another job, and closes it otherwise."""
+
+    _kept: ClassVar[dict[tuple, Preloaded]] = {}
+
+    @classmethod
+    def kept(cls, module: str, new_session: bool = False) -> Preloaded:
+        """This process's kept zygote of `module`, started now if there is none that can
+        serve a job (one per working directory and environment: children inherit both)."""
+        key = (module, new_session, os.getcwd(), hash(frozenset(os.environ.items())))
+        zygote = cls._kept.get(key)
+        if zygote is not None and not zygote.reusable():
+            zygote.close()
+            zygote = None
+        if zygote is None:
+            if not cls._kept:
+                atexit.register(cls.close_kept)
+            for other in [k for k in cls._kept if k[0] == module]:  # another directory's
+                cls._kept.pop(other).close()
+            zygote = cls._kept[key] = cls(module, new_session)
+            zygote.keep = True
+        return zygote
+
+    @classmethod
+    def kept_pids(cls) -> set[int]:
+        """The process ids of this process's kept zygotes (alive, waiting for a job)."""
+        return {z.proc.pid for z in cls._kept.values()}
+
+    @classmethod
+    def close_kept(cls) -> None:
+        """Close every kept zygote (each ends at once: it has no job)."""
+        while cls._kept:
+            cls._kept.popitem()[1].close()
 
     def __init__(self, module: str, new_session: bool = False) -> None:
         self.module = module
+        self.keep = False  # `kept`: serves job after job
         self.errors = tempfile.TemporaryFile()  # noqa: SIM115 - closed by close()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "netpart.processes.zygote", module, *PRELOAD],
@@ -85,9 +124,10 @@ class Preloaded:
         """Fork one process per (variables, log path); their handles, in rank order.
         RuntimeFailure (one line) if the zygote is stopped or does not answer within
         FORK_TIMEOUT; KeyboardInterrupt once `interrupted()` says so (a signal came)."""
-        if self._ordered:
-            raise RuntimeError("a preloaded interpreter runs one job")
+        if self._ordered and not (self.keep and self.reusable()):
+            raise RuntimeError("a preloaded interpreter runs one job (a kept one, one at a time)")
         self._ordered = True
+        self.codes, self.children = {}, []
         order = {
             "module": self.module,
             "args": args,
@@ -95,7 +135,10 @@ class Preloaded:
         }
         try:
             self.proc.stdin.write((json.dumps(order) + "\n").encode())
-            self.proc.stdin.close()
+            if self.keep:
+                self.proc.stdin.flush()
+            else:
+                self.proc.stdin.close()
         except BrokenPipeError:
             pass  # it died: the answer below is empty
         line, _, self._pending = self._answer(interrupted).partition(b"\n")
@@ -124,7 +167,8 @@ class Preloaded:
         """The zygote's first answer line (raw reads only: a buffered readline could swallow
         exit lines sent right after it), waited for in short slices: a stopped or silent
         zygote, or a signal to the launcher, ends the wait."""
-        fd, answer, deadline = self.proc.stdout.fileno(), b"", time.monotonic() + FORK_TIMEOUT
+        fd, deadline = self.proc.stdout.fileno(), time.monotonic() + FORK_TIMEOUT
+        answer, self._pending = self._pending, b""  # a kept zygote's: nothing, or a part line
         while b"\n" not in answer:
             if interrupted is not None and interrupted():
                 self.proc.kill()
@@ -138,7 +182,10 @@ class Preloaded:
                 )
             if not select.select([fd], [], [], 0.2)[0]:
                 continue
-            chunk = os.read(fd, 65536)
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:  # a kept zygote's pipe is non-blocking after its first job
+                continue
             if not chunk:
                 break
             answer += chunk
@@ -173,8 +220,25 @@ class Preloaded:
             _, pid, code = line.split()
             self.codes[int(pid)] = int(code)
 
+    def reusable(self) -> bool:
+        """Whether it can fork another job: alive, running, and every child reported ended."""
+        if self.gone or self.proc.poll() is not None or is_stopped(self.proc.pid):
+            return False
+        if self._ordered:  # before its first job its pipe is blocking, and says nothing
+            self.drain()
+        return not self.gone and all(c.pid in self.codes for c in self.children)
+
+    def release(self) -> None:
+        """A job is done with it: a kept zygote that can serve another stays, else close."""
+        if not (self.keep and self.reusable()):
+            self.close()
+            for key in [k for k, z in self._kept.items() if z is self]:
+                del self._kept[key]
+
     def close(self) -> None:
-        """Reap the zygote (it ends once every child has ended; at once if no job came)."""
+        """Reap the zygote (it ends once every child has been reaped; at once if no job came)."""
+        with contextlib.suppress(OSError, ValueError):
+            self.proc.stdin.close()  # a kept zygote waits for the next job until then
         if not self._ordered:
             self.proc.kill()
         try:
@@ -266,10 +330,15 @@ def main() -> int:
             importlib.import_module(name)
         except Exception:
             break
-    line = sys.stdin.readline()
-    if not line.strip():
-        return 0
-    order = json.loads(line)
+    while True:  # one job after another (a kept zygote), until an empty line or EOF
+        line = sys.stdin.readline()
+        if not line.strip():
+            return 0
+        _run(json.loads(line))
+
+
+def _run(order: dict) -> None:
+    """Fork one child per rank of `order`, report their pids, then each one's exit."""
     sys.stdout.flush()
     sys.stderr.flush()
     pids = []
@@ -290,7 +359,6 @@ def main() -> int:
         with contextlib.suppress(OSError):  # the launcher is gone: nothing to tell
             out.write(f"exit {pid} {os.waitstatus_to_exitcode(status)}\n")
             out.flush()
-    return 0
 
 
 if __name__ == "__main__":

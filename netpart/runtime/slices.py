@@ -16,6 +16,7 @@ import itertools
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from netpart.compile.shards import (
     ParamPiece,
@@ -156,8 +157,9 @@ def _runs(flags: np.ndarray) -> list[tuple[int, int]]:
 
 
 class _GroupedSlice(LayerSlice):
-    """Local and conv: units grouped by the plan's channel groups, one matmul per group and
-    run of positions (a run keeps the weights of untied filters a view: no gather)."""
+    """Local and conv: units grouped by the plan's channel groups, one matmul (or, conv, one
+    convolution) per group and run of positions (a run keeps the weights of untied filters a
+    view: no gather)."""
 
     def __init__(self, spec, index, units, blocks: LayerBlocks, first=None):
         super().__init__(spec, index, units)
@@ -189,24 +191,11 @@ class _GroupedSlice(LayerSlice):
             }
         )
 
-    def compute(self, x: torch.Tensor, part: str) -> list[torch.Tensor]:
-        runs = self._part_runs[part]
-        if not runs:
-            return []
-        # One gather per part, split into its runs: a gather's backward scatters into a
-        # gradient the size of the whole input, once per gather, not once per run.
-        patches = rows(x, self._gather_index(part, runs)).split([b - a for _, a, b in runs])
-        return [self._run(patch, g, a, b) for patch, (g, a, b) in zip(patches, runs, strict=True)]
-
     def _gather_index(self, part: str, runs: list[tuple[int, int, int]]) -> torch.Tensor:
         index = self._gathers.get(part)
         if index is None:
             index = self._gathers[part] = torch.cat([self._patch_index[g][a:b] for g, a, b in runs])
         return index
-
-    def _run(self, patches: torch.Tensor, g: int, a: int, b: int) -> torch.Tensor:
-        """Outputs [b - a, cg, B] of positions a..b of group g from their patches."""
-        raise NotImplementedError
 
 
 class LocalSlice(_GroupedSlice):
@@ -283,19 +272,147 @@ class LocalSlice(_GroupedSlice):
         return out
 
 
+MIN_CONVOLVED = 16  # output positions a rectangle needs to run as a convolution of its own
+
+
 class ConvSlice(_GroupedSlice):
-    """Tied filters: per group and run, [cg, K] @ [Q, K, B]; each worker holds its groups'
-    kernels."""
+    """Tied filters; each worker holds its groups' kernels. A run's positions are cut into
+    rectangles of the output plane (all of it for a tile or a stripe); each rectangle of at
+    least MIN_CONVOLVED positions runs PyTorch's own convolution on the input rectangle it
+    reads (halo and zero padding included), and the positions left over (an irregular cut's
+    edges) multiply their gathered patches, [cg, K] @ [Q, K, B]. Each part reads `x` through
+    one gather."""
 
     def __init__(self, spec, index, units, blocks, seed, dtype, first=None) -> None:
         super().__init__(spec, index, units, blocks, first)
         self.weights, self.biases = _grouped_params(spec, seed, self.pieces, dtype, local=False)
+        self.kernel, self.stride, _ = read_window(spec, index)
+        self.src = spec.input_shape(index)
+        self._reads: dict[str, tuple[torch.Tensor, list[_RunRead]]] = {}
 
-    def _run(self, patches, g, a, b):
-        return torch.matmul(self.weights[g], patches) + self.biases[g]
+    def compute(self, x: torch.Tensor, part: str) -> list[torch.Tensor]:
+        runs = self._part_runs[part]
+        if not runs:
+            return []
+        index, reads = self._read(part, runs)
+        values = rows(x, index).split([size for r in reads for size in r.sizes(self.n_k)])
+        batch, out, at = x.shape[1], [], 0
+        for (g, _, _), r in zip(runs, reads, strict=True):
+            pieces = []
+            for box in r.boxes:
+                pieces.append(self._convolve(values[at].view(*box, batch), g))
+                at += 1
+            if r.rest:
+                patches = values[at].view(r.rest, self.n_k, batch)
+                pieces.append(torch.matmul(self.weights[g], patches) + self.biases[g])
+                at += 1
+            y = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+            out.append(y if r.order is None else y.index_select(0, r.order))
+        return out
 
     def param_tensors(self):
         return [t for pair in zip(self.weights, self.biases, strict=True) for t in pair]
+
+    def convolved(self) -> float:
+        """The share of the owned outputs torch's convolution computes (the rest: patches)."""
+        runs = self._part_runs["all"]
+        _, reads = self._read("all", runs)
+        total = sum(b - a for _, a, b in runs)
+        return sum(b - a - r.rest for (_, a, b), r in zip(runs, reads, strict=True)) / max(total, 1)
+
+    @property
+    def n_k(self) -> int:
+        """Input values one output position reads (C * k * k)."""
+        return self.src.channels * self.kernel**2
+
+    def _convolve(self, box: torch.Tensor, g: int) -> torch.Tensor:
+        """Outputs [positions, cg, B] of group g over the input rectangle `box` [C, h, w, B]."""
+        cg = self.weights[g].shape[0]
+        weight = self.weights[g].view(cg, self.src.channels, self.kernel, self.kernel)
+        y = F.conv2d(box.permute(3, 0, 1, 2), weight, self.biases[g].view(cg), stride=self.stride)
+        return y.permute(2, 3, 1, 0).reshape(-1, cg, box.shape[-1])  # row-major positions
+
+    def _read(self, part: str, runs: list[tuple[int, int, int]]):
+        """The part's gather index and how each run reads it (cached)."""
+        if part not in self._reads:
+            indices, reads = [], []
+            for g, a, b in runs:
+                positions = self.groups[g][2][a:b]
+                rects, rest = plane_rectangles(positions, self.spec.shapes[self.index].width)
+                boxes = [self._input_box(r) for r in rects]
+                indices += [box.reshape(-1) for box in boxes]
+                if len(rest):
+                    where = np.searchsorted(self.groups[g][2], positions[rest])
+                    indices.append(self._patch_index[g][where].reshape(-1))
+                shapes = [tuple(box.shape) for box in boxes]
+                width = self.spec.shapes[self.index].width
+                reads.append(_RunRead(positions, rects, rest, shapes, width))
+            self._reads[part] = (torch.cat(indices), reads)
+        return self._reads[part]
+
+    def _input_box(self, rect: tuple[int, int, int, int]) -> torch.Tensor:
+        """The input rows [C, h, w] output rectangle (y0, y1, x0, x1) reads (zero padding at
+        `n_in`)."""
+        y0, y1, x0, x1 = rect
+        k, s, p = read_window(self.spec, self.index)
+        src = self.src
+        iy = np.arange(y0 * s - p, (y1 - 1) * s - p + k)
+        ix = np.arange(x0 * s - p, (x1 - 1) * s - p + k)
+        inside = ((iy >= 0) & (iy < src.height))[:, None] & ((ix >= 0) & (ix < src.width))[None, :]
+        plane = iy[:, None] * src.width + ix[None, :]
+        idx = np.arange(src.channels)[:, None, None] * (src.height * src.width) + plane[None]
+        return torch.from_numpy(np.where(inside[None], idx, self.n_in).astype(np.int64))
+
+
+class _RunRead:
+    """How a conv run reads its gather: its rectangles' input boxes (convolved), then the
+    patches of the `rest` positions left over; `order` puts the outputs back in the run's
+    position order (None: they are in it already)."""
+
+    def __init__(self, positions: np.ndarray, rects, rest: np.ndarray, boxes, width: int) -> None:
+        self.boxes, self.rest = boxes, len(rest)
+        made = [
+            (np.arange(y0, y1)[:, None] * width + np.arange(x0, x1)[None, :]).ravel()
+            for y0, y1, x0, x1 in rects
+        ]
+        done = np.concatenate([*made, positions[rest]])
+        order = np.argsort(done, kind="stable")
+        identity = np.array_equal(order, np.arange(len(order)))
+        self.order = None if identity else torch.from_numpy(order)
+
+    def sizes(self, n_k: int) -> list[int]:
+        """The gather's values for this run: each box, then the patches."""
+        return [int(np.prod(b)) for b in self.boxes] + ([self.rest * n_k] if self.rest else [])
+
+
+def plane_rectangles(
+    positions: np.ndarray, width: int, least: int = MIN_CONVOLVED
+) -> tuple[list[tuple[int, int, int, int]], np.ndarray]:
+    """Sorted output positions of a plane `width` wide cut into rectangles (y0, y1, x0, x1)
+    of at least `least` positions: each row's runs of columns, merged down the rows while a
+    run keeps its columns; and the indices (into `positions`) of the positions left over."""
+    if len(positions) == 0:
+        return [], np.zeros(0, dtype=np.int64)
+    y, x = np.divmod(positions, width)
+    new = np.ones(len(positions), dtype=bool)  # a row segment starts here
+    new[1:] = (y[1:] != y[:-1]) | (x[1:] != x[:-1] + 1)
+    starts = np.flatnonzero(new)
+    ends = np.append(starts[1:], len(positions))
+    seg = np.stack([y[starts], x[starts], x[ends - 1] + 1], axis=1)  # [S, (y, x0, x1)]
+    by = np.lexsort((seg[:, 0], seg[:, 2], seg[:, 1]))  # columns, then row
+    seg, first = seg[by], starts[by]
+    cut = np.ones(len(seg), dtype=bool)  # a rectangle starts here
+    cut[1:] = (seg[1:, 1:] != seg[:-1, 1:]).any(axis=1) | (seg[1:, 0] != seg[:-1, 0] + 1)
+    bounds = np.append(np.flatnonzero(cut), len(seg))
+    rects, kept = [], np.zeros(len(positions), dtype=bool)
+    for a, b in itertools.pairwise(bounds.tolist()):  # a loop over rectangles, not units
+        y0, x0, x1 = (int(v) for v in seg[a])
+        y1 = int(seg[b - 1, 0]) + 1
+        if (y1 - y0) * (x1 - x0) >= least:
+            rects.append((y0, y1, x0, x1))
+            for i in range(a, b):  # its rows' segments
+                kept[first[i] : first[i] + (x1 - x0)] = True
+    return rects, np.flatnonzero(~kept)
 
 
 class DenseSlice(LayerSlice):

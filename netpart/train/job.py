@@ -221,33 +221,35 @@ def train_here(
     from netpart.processes.zygote import Preloaded
     from netpart.train.launch import train
 
-    with Preloaded("netpart.train.process", new_session=True) as preloaded:
-        job = make_job(request)
-        if job.run.exists() and not job.run.is_dir():
-            raise TrainError(f"--out {job.run}: exists and is not a directory")
-        # before any process or any file
-        job_memory = job.config.memory_job(job.plan.workers)
-        check_fits(job.spec, job.plan, available=available_memory(), **job_memory)
-        started = False
+    # imports torch while this process plans; kept for the next job (a restart, or the
+    # next job of a process that runs several)
+    preloaded = Preloaded.kept("netpart.train.process", new_session=True)
+    job = make_job(request)
+    if job.run.exists() and not job.run.is_dir():
+        raise TrainError(f"--out {job.run}: exists and is not a directory")
+    # before any process or any file
+    job_memory = job.config.memory_job(job.plan.workers)
+    check_fits(job.spec, job.plan, available=available_memory(), **job_memory)
+    started = False
 
-        def progress(done: int, stats: dict, total: int) -> None:
-            nonlocal started
-            if not started and on_start is not None:
-                on_start(banner(job))
-            started = True
-            if on_progress is not None:
-                on_progress(done, stats, total)
+    def progress(done: int, stats: dict, total: int) -> None:
+        nonlocal started
+        if not started and on_start is not None:
+            on_start(banner(job))
+        started = True
+        if on_progress is not None:
+            on_progress(done, stats, total)
 
-        with RunLock(job.run):  # one job in a run directory at a time
-            summary = train(
-                job.spec,
-                job.plan,
-                job.config,
-                job.run,
-                job.resume,
-                on_progress=progress,
-                preloaded=preloaded,
-            )
+    with RunLock(job.run):  # one job in a run directory at a time
+        summary = train(
+            job.spec,
+            job.plan,
+            job.config,
+            job.run,
+            job.resume,
+            on_progress=progress,
+            preloaded=preloaded,
+        )
     return job, summary
 
 

@@ -1,8 +1,9 @@
 """Issue 78's acceptance on models as a PyTorch user writes them (`user_models.py`): each
 imports, plans on 2, 4 and 8 workers, and its split step equals the user's own module under
 its own parameter names (float64, 1e-9) at N = 2 in worker processes and N = 3 in threads; a
-LeNet-5 trains on 2 workers x 2 replicas and its exported state_dict loads into the user's
-class in a process that never imports netpart, giving the same logits."""
+LeNet-5 goes through the README's "your own model" section (plan, train 2 workers x 2
+replicas, eval) and its weights load into the user's class in a process that never imports
+netpart, giving the same logits."""
 
 import os
 import subprocess
@@ -42,10 +43,18 @@ def test_a_user_s_model_plans_and_its_split_step_equals_the_module_itself(name):
     assert all(d.ok for d in diffs), [d for d in diffs if not d.ok]
 
 
-def test_a_user_s_lenet_trains_and_loads_back_into_its_class_without_netpart(tmp_path, capsys):
-    model, run = f"{HERE / 'plain_lenet.py'}:LeNet5", tmp_path / "run"
-    args = f"--input 1x28x28 --workers 2 --replicas 2 --steps 8 --batch 8 --out {run}"
-    assert main(["train", "--model", model, *args.split()]) == 0
+def test_the_readme_s_own_model_section_runs_and_the_weights_load_back_without_netpart(
+    tmp_path, capsys
+):
+    """README, "Your own model": plan, train (2 workers x 2 replicas) on that plan, eval;
+    the run's model.pt and the exported state_dict load strictly into the user's LeNet-5 in a
+    process that never imports netpart and give the logits netpart's reference gives."""
+    model = ["--model", f"{HERE / 'plain_lenet.py'}:LeNet5", "--input", "1x28x28"]
+    plan_dir, run = tmp_path / "plan", tmp_path / "run"
+    assert main(["plan", *model, "--workers", "2", "--out", str(plan_dir)]) == 0
+    args = f"--workers 2 --replicas 2 --plan {plan_dir} --steps 8 --batch 8 --out {run}"
+    assert main(["train", *model, *args.split()]) == 0
+    assert main(["eval", str(run)]) == 0
     out = tmp_path / "lenet.pt"
     assert main(["export", str(run), "--format", "state_dict", "--out", str(out)]) == 0
     assert "your LeNet5's state_dict" in capsys.readouterr().out
@@ -53,12 +62,17 @@ def test_a_user_s_lenet_trains_and_loads_back_into_its_class_without_netpart(tmp
     torch.save(x, tmp_path / "x.pt")
     plain = textwrap.dedent(
         f"""
-        import importlib.util, sys, torch
-        spec = importlib.util.spec_from_file_location("user", {str(HERE / "plain_lenet.py")!r})
-        user = importlib.util.module_from_spec(spec); spec.loader.exec_module(user)
-        net = user.LeNet5()
-        net.load_state_dict(torch.load({str(out)!r}, weights_only=True))  # strict
-        torch.save(net(torch.load({str(tmp_path / "x.pt")!r})), {str(tmp_path / "y.pt")!r})
+        import sys, torch
+        sys.path.insert(0, {str(HERE)!r})
+        from plain_lenet import LeNet5
+        x = torch.load({str(tmp_path / "x.pt")!r})
+        logits = []
+        for path in ({str(run / "model.pt")!r}, {str(out)!r}):
+            net = LeNet5()
+            net.load_state_dict(torch.load(path, weights_only=True))  # strict
+            logits.append(net(x))
+        assert torch.equal(*logits)
+        torch.save(logits[0], {str(tmp_path / "y.pt")!r})
         assert not any(m.startswith("netpart") for m in sys.modules)
         """
     )
@@ -66,11 +80,10 @@ def test_a_user_s_lenet_trains_and_loads_back_into_its_class_without_netpart(tmp
     subprocess.run([sys.executable, "-c", plain], check=True, timeout=120, env=env, cwd=tmp_path)
     from netpart.train.rundir import run_model
 
-    job, state = run_model(run)  # the run's own model.pt, in the user's names, read back
+    job, state = run_model(run)  # the run's model.pt, in the user's names, read back
     reference = build_reference(job.spec)
     reference.load_state_dict(state)
-    theirs = torch.load(tmp_path / "y.pt")
-    assert torch.allclose(reference(x), theirs, rtol=0, atol=1e-6)
+    assert torch.allclose(reference(x), torch.load(tmp_path / "y.pt"), rtol=0, atol=1e-6)
 
 
 def test_a_module_without_its_input_shape_is_one_line_and_nothing_written(tmp_path, capsys):

@@ -76,3 +76,30 @@ def test_signals_reach_a_forked_process_and_none_outlives_the_interpreter(job_mo
             time.sleep(0.05)
         assert not _alive(procs[1].pid)
         assert procs[1].wait() == -signal.SIGKILL
+
+
+def test_a_kept_zygote_runs_job_after_job_and_is_replaced_once_it_cannot(job_module):
+    """`Preloaded.kept`: one torch import for every step job of a launcher; a zygote that
+    died (or whose job left a child running) is not handed out again."""
+    log = job_module / "kept.log"
+    zygote = Preloaded.kept("zjob")
+    try:
+        for act, code in (("ok", 0), ("exit3", 3), ("raise", 1)):
+            assert Preloaded.kept("zjob") is zygote  # the same interpreter, job after job
+            (proc,) = zygote.fork([act], [({"ACT": act, "RANK": "0"}, log)])
+            assert proc.wait() == code
+            zygote.release()
+        assert log.read_text().count("rank 0") == 2 and zygote.proc.pid in Preloaded.kept_pids()
+        (proc,) = zygote.fork([], [({"ACT": "sleep", "RANK": "0"}, log)])
+        assert not zygote.reusable()  # its job still runs: no second job beside it
+        with pytest.raises(RuntimeError, match="one at a time"):
+            zygote.fork([], [({"ACT": "ok", "RANK": "0"}, log)])
+        zygote.proc.kill()  # it dies, and its child with it
+        assert proc.wait() == -signal.SIGKILL
+        zygote.release()
+        assert zygote.proc.pid not in Preloaded.kept_pids()
+        again = Preloaded.kept("zjob")
+        assert again is not zygote and again.proc.pid != zygote.proc.pid
+    finally:
+        Preloaded.close_kept()
+    assert not _alive(zygote.proc.pid) and not Preloaded.kept_pids()

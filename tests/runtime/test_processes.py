@@ -51,6 +51,8 @@ activation = "none"
 
 
 def workers_alive() -> int:
+    """Step workers of this session still running (not this process's kept zygote, which
+    waits for the next job and ends with it)."""
     return count_processes(b"netpart.runtime.step")
 
 

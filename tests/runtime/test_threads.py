@@ -21,6 +21,7 @@ from netpart.partition import METHODS as ALL_METHODS
 from netpart.partition import Granularity, build_unit_graph, plan
 from netpart.runtime.check import make_batch
 from netpart.runtime.inprocess import ThreadTransport, run_step_threads
+from netpart.runtime.slices import plane_rectangles
 from netpart.runtime.worker import ModelWorker
 from tests.conftest import chain_specs, small_specs
 
@@ -292,3 +293,43 @@ def test_any_choice_of_splits_equals_the_reference(spec, workers, method, choice
     split = tuple(choice[: len(spec.layers)])
     result = run_step_threads(spec, p, x, y, split_min_flops=0.0, split=split)
     assert_equal_to_reference(spec, result, x, y)
+
+
+def test_a_conv_run_that_is_a_rectangle_runs_torch_s_convolution_and_others_gather():
+    """Tiles give every worker (nearly) a rectangle of each conv layer's plane: torch's
+    convolution computes it (halo, stride and zero padding read through the input box); what
+    no rectangle of 16 positions holds (units a balanced cut moved, an irregular cut) is
+    gathered as patches. Both equal the reference."""
+    layers = [
+        {"kind": "conv", "channels": 3, "kernel": 3, "stride": 1, "padding": 1},
+        {"kind": "conv", "channels": 2, "kernel": 3, "stride": 2, "padding": 1},
+        {"kind": "dense", "units": 3, "activation": "softmax"},
+    ]
+    spec = ModelSpec.from_dict(
+        {"name": "c", "input": {"channels": 2, "height": 11, "width": 9}, "layer": layers}
+    )
+    x, y = make_batch(spec, 3, seed=4)
+    shares = {}
+    for method, workers in (("tiles", 4), ("tiles", 1), ("random", 3)):
+        p = plan(spec, workers, method)
+        graph, schedule = plan_schedule(spec, p)
+        convs = [ModelWorker(spec, graph, schedule, w).slices[0] for w in range(workers)]
+        shares[(method, workers)] = [c.convolved() for c in convs if len(c.units)]
+        assert_equal_to_reference(spec, run_step_threads(spec, p, x, y), x, y)
+    assert shares[("tiles", 1)] == [1.0]
+    # 4 tiles of an 11x9 plane, balanced to a unit: rectangles but for a few moved units
+    assert min(shares[("tiles", 4)]) >= 0.75
+    assert max(shares[("random", 3)]) == 0.0  # a random cut leaves no rectangle of 16
+
+
+@given(st.integers(1, 9), st.integers(1, 9), st.integers(0, 2**16), st.integers(1, 6))
+@settings(max_examples=80, deadline=None)
+def test_plane_rectangles_cover_the_positions_once(height, width, seed, least):
+    rng = np.random.default_rng(seed)
+    positions = np.flatnonzero(rng.random(height * width) < rng.random())
+    rects, rest = plane_rectangles(positions, width, least=least)
+    covered = [
+        (y * width + x) for y0, y1, x0, x1 in rects for y in range(y0, y1) for x in range(x0, x1)
+    ]
+    assert all((y1 - y0) * (x1 - x0) >= least for y0, y1, x0, x1 in rects)
+    assert sorted(covered + positions[rest].tolist()) == positions.tolist()  # each once

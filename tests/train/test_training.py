@@ -519,7 +519,9 @@ def _is_zygote(proc: Path) -> bool:
         stat = (proc / "stat").read_text()
         parent = int(stat[stat.rfind(")") + 2 :].split()[1])
         return (
-            parent == os.getpid() and b"netpart.processes.zygote" in (proc / "cmdline").read_bytes()
+            parent == os.getpid()
+            and b"netpart.processes.zygote\0netpart.train.process"
+            in (proc / "cmdline").read_bytes()
         )
     except OSError:
         return False

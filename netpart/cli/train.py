@@ -190,6 +190,12 @@ def _data_flags(flag) -> None:
     )
     flag("batch", int, "examples per step and replica")
     flag("seed", seed_int, "weights, data and partitioner seed")
+    flag(
+        "init",
+        str,
+        "seed | module: start from netpart's seeded weights, or from those your module "
+        "(--model FILE.py:NAME) is built with after torch.manual_seed(--seed)",
+    )
 
 
 def _run_flags(flag) -> None:

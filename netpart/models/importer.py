@@ -39,6 +39,7 @@ __all__ = [
     "import_target",
     "is_module_target",
     "load_module",
+    "module_weights",
     "parse_input",
     "spec_toml",
 ]
@@ -130,6 +131,23 @@ def _source(where: str, target: str) -> Any:
         return importlib.import_module(where)
     except Exception as exc:
         raise SpecError(f"--model {target}: cannot import {where} ({_line(exc)})") from None
+
+
+def module_weights(target: str, spec: ModelSpec, seed: int) -> dict[str, Any]:
+    """The initial weights of the module `target` names, built after
+    `torch.manual_seed(seed)`, under the names of `spec`'s reference module (`spec` was
+    imported from it); float64 tensors."""
+    import torch
+
+    torch.manual_seed(seed)
+    state = load_module(target).state_dict()
+    ours = {user: name for name, user in spec.state_names().items()}
+    missing = sorted(set(ours) - set(state))
+    if missing:
+        raise SpecError(
+            f"--model {target}: its state_dict has no {missing[0]}; was the spec read from it?"
+        )
+    return {ours[k]: v.detach().to(torch.float64).clone() for k, v in state.items() if k in ours}
 
 
 def import_model(module: Any, input_shape: dict[str, int], name: str) -> ModelSpec:

@@ -51,6 +51,9 @@ SHARED_LOOPBACK = "the job shares this machine's loopback"
 FORK_TIMEOUT = 300.0  # s for the zygote to import torch and fork: a slow, busy machine
 # Imported besides the job's module: autograd's first backward imports sympy through it.
 PRELOAD = ("torch.fx.experimental.symbolic_shapes",)
+# Variables read when modules are imported (the zygote's, once): a kept zygote is used only
+# while they are as it was started with.
+IMPORT_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "TORCH", "CUDA")
 
 
 def die_with_parent() -> None:  # pragma: no cover - runs in a child
@@ -74,8 +77,10 @@ class Preloaded:
     @classmethod
     def kept(cls, module: str, new_session: bool = False) -> Preloaded:
         """This process's kept zygote of `module`, started now if there is none that can
-        serve a job (one per working directory and environment: children inherit both)."""
-        key = (module, new_session, os.getcwd(), hash(frozenset(os.environ.items())))
+        serve a job: one per working directory and per value of the variables that act on
+        imports (IMPORT_ENV); a child takes this process's environment as it is at the fork."""
+        imports = frozenset((k, v) for k, v in os.environ.items() if k.startswith(IMPORT_ENV))
+        key = (module, new_session, os.getcwd(), hash(imports))
         zygote = cls._kept.get(key)
         if zygote is not None and not zygote.reusable():
             zygote.close()
@@ -131,6 +136,7 @@ class Preloaded:
         order = {
             "module": self.module,
             "args": args,
+            "environ": dict(os.environ),  # as it is now, not as the zygote was started with
             "ranks": [{"env": env, "log": str(log)} for env, log in ranks],
         }
         try:
@@ -288,13 +294,14 @@ _STOPS = {signal.SIGINT, signal.SIGTERM}
 
 
 def _child(module: str, args: list[str], env: dict[str, str], log: str) -> None:
-    """Become one rank of the job: never returns."""
+    """Become one rank of the job (`env`: its whole environment): never returns."""
     code = 1
     try:
         die_with_parent()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)  # one sent since the fork lands now
+        os.environ.clear()
         os.environ.update(env)
         fd = open_append(Path(log))
         os.dup2(fd, 1)
@@ -348,7 +355,8 @@ def _run(order: dict) -> None:
     for rank in order["ranks"]:
         pid = os.fork()
         if pid == 0:
-            _child(order["module"], order["args"], rank["env"], rank["log"])
+            env = {**order.get("environ", os.environ), **rank["env"]}
+            _child(order["module"], order["args"], env, rank["log"])
         pids.append(pid)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)  # ignored here, as before
     out = sys.stdout

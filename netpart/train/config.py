@@ -44,6 +44,7 @@ __all__ = [
 SCHEMA_VERSION = 1
 MODES = ("downpour", "sync", "sandblaster")
 LOCAL_UPDATE = ("auto", "on", "off")
+INITS = ("seed", "module")  # netpart's seeded initial weights, or the user's module's
 # Adagrad's is torch.optim.Adagrad's: Adagrad's first steps move every weight by about lr
 # at once, and larger rates made image models' losses spike by orders of magnitude before
 # they recovered (docs/training.md). L-BFGS's is torch.optim.LBFGS's.
@@ -81,6 +82,7 @@ class TrainConfig:
     restarts: int = 3  # times a shard that dies is restarted from its last checkpoint
     eval_every: int = 0  # replica 0 evaluates on held-out data every K steps (0: at the end only)
     log: str = ""  # comma-separated loggers besides the run's JSON lines: csv, tensorboard
+    init: str = "seed"  # seed | module: the initial weights (module: the user's, initial.pt)
 
     def __post_init__(self) -> None:
         if self.lr is None and self.optimizer in DEFAULT_LR:
@@ -127,6 +129,8 @@ class TrainConfig:
                 "--dc-lambda and --push-norm apply to --mode downpour (sync pushes every step, "
                 "and its gradients are never stale)"
             )
+        if self.init not in INITS:
+            raise TrainError(f"--init {self.init}: choose seed or module")
         if self.local_update not in LOCAL_UPDATE:
             raise TrainError(f"--local-update {self.local_update}: choose auto, on or off")
         if self.local_update == "on" and not self._local_defined:

@@ -67,6 +67,7 @@ FIELDS = (
     "data_layout",
     "eval_every",
     "log",
+    "init",
 )
 FIXED_ON_RESUME = ("mode", "shards", "optimizer", "dtype", "seed", "data", "data_layout")
 DEFAULT_OUT = Path("out/train")
@@ -106,6 +107,7 @@ def make_job(request: TrainRequest, *, local: bool = True) -> Job:
         raise TrainError(f"--workers {request.workers}: must be an integer >= 1")
     spec = load_spec(request.model, input=request.input)
     config = TrainConfig.from_dict({"shards": request.workers, **request.given}, "command line")
+    initial = _initial_weights(request.model, spec, config)
     check_loggers(config.loggers)  # a missing package fails before planning
     from netpart.data import load_data
 
@@ -120,7 +122,7 @@ def make_job(request: TrainRequest, *, local: bool = True) -> Job:
             raise PlanError(
                 f"{request.plan}: the plan is for {p.workers} workers, not {request.workers}"
             )
-        return Job(spec, p, config, request.out or DEFAULT_OUT)
+        return Job(spec, p, config, request.out or DEFAULT_OUT, initial=initial)
     if local:  # thousands of processes are refused before minutes of planning
         from netpart.planning.memory import check_crowding, check_process_count
 
@@ -140,7 +142,23 @@ def make_job(request: TrainRequest, *, local: bool = True) -> Job:
         network=request.network,
         memory=available_memory(),
     )
-    return Job(spec, p, config, request.out or DEFAULT_OUT)
+    return Job(spec, p, config, request.out or DEFAULT_OUT, initial=initial)
+
+
+def _initial_weights(model: str, spec, config: TrainConfig):
+    """With --init module, the user's module's own initial weights (built after
+    `torch.manual_seed(--seed)`), under the reference's names; else None (netpart's seeded
+    initialisation)."""
+    if config.init != "module":
+        return None
+    from netpart.models import importer
+
+    if not importer.is_module_target(model):
+        raise TrainError(
+            f"--init module: --model {model} is not a module; give --model FILE.py:NAME (or "
+            "start from netpart's seeded weights, --init seed)"
+        )
+    return importer.module_weights(model, spec, seed=config.seed)
 
 
 def _resumed(request: TrainRequest) -> Job:
@@ -249,6 +267,7 @@ def train_here(
             job.resume,
             on_progress=progress,
             preloaded=preloaded,
+            initial=job.initial,
         )
     return job, summary
 
@@ -258,4 +277,6 @@ def train_torchrun(request: TrainRequest, echo: Callable[[str], None]) -> int:
     from netpart.train.launch import train_under_torchrun
 
     job = make_job(request, local=False)
-    return train_under_torchrun(job.spec, job.plan, job.config, job.run, job.resume, echo)
+    return train_under_torchrun(
+        job.spec, job.plan, job.config, job.run, job.resume, echo, initial=job.initial
+    )

@@ -76,6 +76,7 @@ def train(
     resume: bool = False,
     on_progress=None,
     preloaded: Preloaded | None = None,
+    initial: dict | None = None,
 ) -> TrainSummary:
     """Train `spec` partitioned by `plan` with `config` in processes on this machine.
 
@@ -85,9 +86,10 @@ def train(
     restarts) or every replica is lost. `preloaded` (started early, on
     `netpart.train.process`) forks the first attempt's processes; without it one is started.
     """
+    _check_initial(config, initial, resume)
     compiled = compile_plan(spec, plan, shards=config.shards)
     starts = prepare_run(compiled, config, run, resume)
-    write_run(spec, plan, config, run, starts, resume)
+    write_run(spec, plan, config, run, starts, resume, initial)
     preload_plotting()  # for the report, on whatever core the job leaves idle
     summary = TrainSummary(run=run)
     t0 = time.monotonic()
@@ -111,6 +113,15 @@ def train(
     summary.wall_s = time.monotonic() - t0
     finish_run(compiled, config, run, summary)
     return summary
+
+
+def _check_initial(config: TrainConfig, initial: dict | None, resume: bool) -> None:
+    """A new --init module job needs the module's weights (`initial`), and only it does."""
+    if not resume and (config.init == "module") != (initial is not None):
+        raise TrainError(
+            "--init module starts from the module's weights (`initial`), and only it: "
+            f"init {config.init!r} with{'out' if initial is None else ''} them"
+        )
 
 
 def _attempts(spec, plan, config, run, how, summary, on_progress, preloaded, loggers) -> None:
@@ -151,7 +162,13 @@ def _attempts(spec, plan, config, run, how, summary, on_progress, preloaded, log
 
 
 def train_under_torchrun(
-    spec: ModelSpec, plan: PartitionPlan, config: TrainConfig, run: Path, resume: bool, echo: Echo
+    spec: ModelSpec,
+    plan: PartitionPlan,
+    config: TrainConfig,
+    run: Path,
+    resume: bool,
+    echo: Echo,
+    initial: dict | None = None,
 ) -> int:
     """Play this torchrun process's role in the job; returns its exit code. Shard 0 writes
     the run files first and, once every shard has finished, the model, summary and report
@@ -175,7 +192,9 @@ def train_under_torchrun(
     mine = rank == first_shard
     splits = split_min_flops(placement, rank)
     compiled = compile_plan(spec, plan, shards=config.shards, validate=mine, split_min_flops=splits)
-    _prepare_on_first_shard(compiled, config, run, (resume, restarted), mine, placement)
+    _check_initial(config, initial, resume)
+    how = (resume, restarted, initial)
+    _prepare_on_first_shard(compiled, config, run, how, mine, placement)
     sync = config.mode == "sync"
     starts = read_progress(run, config.shards, config.replicas, sync, restarted) if resume else {}
     job = Job(spec, plan, config, run, resume, tuple(starts.items()))
@@ -194,16 +213,7 @@ def train_under_torchrun(
         echo(f"replica {role.replica}: step {last['step']}, loss {last['loss']:.4g}")
     elif rank == first_shard and server is not None:
         summary = TrainSummary(run=run, stopped=stop.is_set(), wall_s=time.monotonic() - t0)
-        finish_run(compiled, config, run, summary)
-        if config.loggers:  # no launcher followed the lines: write them now
-            loggers = MetricLoggers(run, config.loggers)
-            loggers.replay()
-            loggers.close()
-        if summary.held_out:
-            echo(held_out_line(summary.held_out, config.data))
-        for restart in summary.restarts:
-            echo(restart_line(restart))
-        echo(f"wrote {run}/model.pt; report: {run}/report.md")
+        _finish_on_first_shard(compiled, config, run, summary, echo)
     elif role.kind == SHARD and server is None:  # not every shard finished: the job failed
         if rank == first_shard:
             log.error("a shard failed: %s", resume_hint(run, config))
@@ -211,11 +221,25 @@ def train_under_torchrun(
     return 0
 
 
+def _finish_on_first_shard(compiled, config, run: Path, summary: TrainSummary, echo) -> None:
+    """Shard 0, once every shard has finished: the model, summary, report and logs."""
+    finish_run(compiled, config, run, summary)
+    if config.loggers:  # no launcher followed the lines: write them now
+        loggers = MetricLoggers(run, config.loggers)
+        loggers.replay()
+        loggers.close()
+    if summary.held_out:
+        echo(held_out_line(summary.held_out, config.data))
+    for restart in summary.restarts:
+        echo(restart_line(restart))
+    echo(f"wrote {run}/model.pt; report: {run}/report.md")
+
+
 def _prepare_on_first_shard(compiled, config, run, how, mine: bool, placement) -> None:
     """Shard 0 validates the run directory and writes the run files (`how`: resume, restarted
-    by torchrun); its verdict reaches every rank as UTF-8 bytes in a tensor (nothing received
-    is unpickled), so none waits for ever."""
-    resume, restarted = how
+    by torchrun, --init module's weights); its verdict reaches every rank as UTF-8 bytes in a
+    tensor (nothing received is unpickled), so none waits for ever."""
+    resume, restarted, initial = how
     status = b""
     if mine:
         try:
@@ -227,7 +251,7 @@ def _prepare_on_first_shard(compiled, config, run, how, mine: bool, placement) -
                     lost = lost_updates(run, s, starts, sync, "died (torchrun restarted the job)")
                     if any(lost["lost_steps"].values()):
                         record_restart(run, lost)
-            write_run(compiled.spec, compiled.plan, config, run, starts, resume)
+            write_run(compiled.spec, compiled.plan, config, run, starts, resume, initial)
             write_atomic(run / "placement.json", json.dumps(placement.to_dict(), indent=1).encode())
         except Exception as exc:  # every rank must hear of it, or it would wait for ever
             status = str(exc).encode()[:4000] or type(exc).__name__.encode()

@@ -18,6 +18,7 @@ holder's pid (read from /proc/locks).
 from __future__ import annotations
 
 import fcntl
+import io
 import json
 import logging
 import math
@@ -55,6 +56,7 @@ __all__ = [
     "holder",
     "model_from_shards",
     "prepare_run",
+    "read_initial",
     "read_job",
     "read_progress",
     "run_model",
@@ -113,6 +115,8 @@ class Job:
     run: Path
     resume: bool = False
     starts: tuple[tuple[int, int], ...] = ()  # (replica, step it restarts after)
+    # --init module: the user's module's initial weights (reference names), for initial.pt
+    initial: dict[str, torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
 
 def read_job(run: Path, resume: bool = False) -> Job:
@@ -132,6 +136,14 @@ def read_job(run: Path, resume: bool = False) -> Job:
     plan = load_plan(run, spec)
     started = tuple(sorted((int(r), int(s)) for r, s in starts.items()))
     return Job(spec, plan, config, run, resume, started)
+
+
+def read_initial(run: Path) -> dict[str, torch.Tensor]:
+    """initial.pt: the weights a --init module run's shards start from (reference names)."""
+    try:
+        return torch.load(run / "initial.pt", weights_only=True)
+    except Exception as exc:  # torch's message runs to many lines
+        raise TrainError(f"{run / 'initial.pt'}: unreadable ({type(exc).__name__})") from None
 
 
 def read_progress(
@@ -286,11 +298,16 @@ RUN_OUTPUTS = (
     "eval.csv",
     "diverged_*.json",
     "data.json",
+    "initial.pt",
     "shard_*.pt",  # a shard's checkpoint where not every shard wrote one
 )
 
 
-def write_run(spec, plan, config, run: Path, starts: dict[int, int], resume: bool) -> None:
+def write_run(
+    spec, plan, config, run: Path, starts: dict[int, int], resume: bool, initial=None
+) -> None:
+    """The run's files: train.json, spec.json, the plan's, start.json and, with `initial`
+    (--init module, a new run), initial.pt: the weights the shards start from."""
     manifest = {
         "schema_version": SCHEMA_VERSION,
         "model": spec.name,
@@ -302,6 +319,10 @@ def write_run(spec, plan, config, run: Path, starts: dict[int, int], resume: boo
     files = {**plan_files(plan), "spec.json": spec.to_json().encode()}
     files["train.json"] = json.dumps(manifest, indent=1).encode()
     files["start.json"] = json.dumps({str(r): s for r, s in starts.items()}).encode()
+    if initial is not None and not resume:
+        buf = io.BytesIO()
+        torch.save(initial, buf)
+        files["initial.pt"] = buf.getvalue()
     write_files(run, files)
     for note in run.glob("diverged_*.json"):  # a new job: it has not diverged
         note.unlink()

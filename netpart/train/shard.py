@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from netpart import faults
-from netpart.compile.shards import ShardLayout, piece_initial
+from netpart.compile.shards import ShardLayout, piece_index, piece_initial
 from netpart.errors import RuntimeFailure, write_reason
 from netpart.files import write_atomic
 from netpart.models.reference import DTYPES
@@ -30,7 +30,7 @@ from netpart.ps.modes import Downpour, Mode, Sandblaster, Sync
 from netpart.ps.rules import DelayCompensation, UpdateRule, make_rule
 from netpart.ps.server import ShardServer, ShardSetup, ShardState
 from netpart.train.config import TrainConfig
-from netpart.train.rundir import checkpoint_meta
+from netpart.train.rundir import checkpoint_meta, read_initial
 
 __all__ = ["Checkpoints", "initial_values", "serve_shard", "shard_mode"]
 
@@ -38,19 +38,29 @@ log = logging.getLogger(__name__)
 
 
 def initial_values(
-    spec: ModelSpec, layout: ShardLayout, shard: int, seed: int, dtype: torch.dtype
+    spec: ModelSpec,
+    layout: ShardLayout,
+    shard: int,
+    seed: int,
+    dtype: torch.dtype,
+    start: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Shard `shard`'s initial values: the reference initialisation of the pieces it holds."""
+    """Shard `shard`'s initial values: the reference initialisation of the pieces it holds,
+    or, given `start` (reference parameter name -> values: --init module's), those."""
     lo, hi = int(layout.bounds[shard]), int(layout.bounds[shard + 1])
     out = torch.zeros(hi - lo, dtype=dtype)
     done: set[int] = set()
     for w in range(layout.workers):  # loops over pieces (tens per worker), not values
         for piece, off in zip(layout.pieces[w], layout.offsets[w].tolist(), strict=True):
             a, b = max(off, lo), min(off + piece.size, hi)
-            if a >= b or off in done or piece.param == "bias":
+            if a >= b or off in done or (piece.param == "bias" and start is None):
                 continue
             done.add(off)
-            values = torch.from_numpy(piece_initial(spec, seed, piece))
+            if start is None:
+                values = torch.from_numpy(piece_initial(spec, seed, piece))
+            else:
+                flat = start[piece.name].reshape(-1)
+                values = flat[torch.from_numpy(piece_index(spec, piece))]
             out[a - lo : b - lo] = values[a - off : b - off].to(dtype)
     return out
 
@@ -80,7 +90,8 @@ def serve_shard(job, layout: ShardLayout, shard: int, rank: int, stop, placement
         state.values = state.values.to(dtype)
         _catch_up(state, dict(job.starts), config.mode == "sync")
     else:
-        values = initial_values(spec, layout, shard, config.seed, dtype)
+        start = read_initial(run) if config.init == "module" else None
+        values = initial_values(spec, layout, shard, config.seed, dtype, start)
         state = ShardState(values=values, state=None)
     mode, rule = shard_mode(config, state, tuple(layout.peers(shard)))
     coordinator = placement.coordinator_rank() if config.mode == "sandblaster" else -1

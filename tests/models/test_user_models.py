@@ -21,6 +21,7 @@ from netpart.partition import plan
 from netpart.runtime.check import check_step, compare_with_reference, make_batch
 from netpart.runtime.inprocess import run_step_threads
 
+from .plain_lenet import LeNet5
 from .user_models import MODELS
 
 HERE = Path(__file__).resolve().parent
@@ -94,3 +95,20 @@ def test_a_module_without_its_input_shape_is_one_line_and_nothing_written(tmp_pa
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "is a module: give one example's shape" in err, err
         assert not out.exists()
+
+
+def test_init_module_starts_training_from_the_user_s_own_initial_weights(tmp_path, capsys):
+    """--init module: the shards start from the weights the user's module is built with
+    after torch.manual_seed(--seed); a run of no steps writes exactly them back."""
+    model = ["--model", f"{HERE / 'plain_lenet.py'}:LeNet5", "--input", "1x28x28"]
+    run = tmp_path / "run"
+    args = f"--workers 2 --replicas 1 --steps 0 --seed 7 --init module --out {run}"
+    assert main(["train", *model, *args.split()]) == 0
+    torch.manual_seed(7)
+    want = LeNet5().state_dict()
+    got = torch.load(run / "model.pt", weights_only=True)
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    zoo = f"--model tiny-mlp --workers 1 --init module --out {tmp_path / 'zoo'}"
+    assert main(["train", *zoo.split()]) == 2
+    assert "--init module: --model tiny-mlp is not a module" in capsys.readouterr().err

@@ -83,16 +83,25 @@ class Preloaded:
         key = (module, new_session, os.getcwd(), hash(imports))
         zygote = cls._kept.get(key)
         if zygote is not None and not zygote.reusable():
-            zygote.close()
             zygote = None
         if zygote is None:
             if not cls._kept:
                 atexit.register(cls.close_kept)
-            for other in [k for k in cls._kept if k[0] == module]:  # another directory's
-                cls._kept.pop(other).close()
+            for other in [k for k in cls._kept if k[:2] == key[:2]]:  # busy, dead, or stale
+                cls._kept.pop(other).retire()
             zygote = cls._kept[key] = cls(module, new_session)
             zygote.keep = True
         return zygote
+
+    def retire(self) -> None:
+        """No longer kept: closed now, or, while a job of its runs (in another thread), when
+        that job releases it."""
+        self.keep = False
+        if self._ordered:
+            self.drain()
+        idle = all(c.pid in self.codes for c in self.children)
+        if not self._ordered or idle or self.gone or self.proc.poll() is not None:
+            self.close()
 
     @classmethod
     def kept_pids(cls) -> set[int]:

@@ -103,3 +103,23 @@ def test_a_kept_zygote_runs_job_after_job_and_is_replaced_once_it_cannot(job_mod
     finally:
         Preloaded.close_kept()
     assert not _alive(zygote.proc.pid) and not Preloaded.kept_pids()
+
+
+def test_a_kept_zygote_busy_with_a_job_is_not_handed_out_nor_closed_under_it(job_module):
+    """Two jobs of one module at once (threads of one launcher): the second gets a zygote of
+    its own; the first's job runs on, and its zygote closes once that job releases it."""
+    log = job_module / "busy.log"
+    busy = Preloaded.kept("zjob")
+    try:
+        (sleeper,) = busy.fork([], [({"ACT": "sleep", "RANK": "0"}, log)])
+        other = Preloaded.kept("zjob")
+        assert other is not busy and sleeper.poll() is None  # not killed under its job
+        (proc,) = other.fork([], [({"ACT": "ok", "RANK": "1"}, log)])
+        assert proc.wait() == 0
+        other.release()
+        sleeper.kill()
+        assert sleeper.wait() == -signal.SIGKILL
+        busy.release()  # no longer kept: closed now
+        assert busy.proc.poll() is not None and Preloaded.kept("zjob") is other
+    finally:
+        Preloaded.close_kept()

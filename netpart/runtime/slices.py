@@ -81,6 +81,7 @@ class LayerSlice(nn.Module):
         self.n_in = spec.input_shape(index).size
         self.pieces: list[ParamPiece] = []
         self._orders: dict[bool, torch.Tensor] = {}  # split? -> permutation into units order
+        self._in_order: dict[bool, bool] = {}  # split? -> the permutation is the identity
         self.positions: dict[str, torch.Tensor] = {}  # part -> its rows' places in units
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,7 +96,9 @@ class LayerSlice(nn.Module):
         if not pieces:
             return x[:0]
         batch = x.shape[1]
-        placed = rows(torch.cat([p.reshape(-1, batch) for p in pieces]), self._orders[split])
+        placed = torch.cat([p.reshape(-1, batch) for p in pieces])
+        if not self._in_order[split]:  # one worker's layer, a dense slice: already in order
+            placed = rows(placed, self._orders[split])
         return activation(self.layer, placed)
 
     def order(self, split: bool) -> torch.Tensor:
@@ -139,7 +142,9 @@ class LayerSlice(nn.Module):
         for split, parts in ((False, ("all",)), (True, ("first", "rest"))):
             if all(p in self.positions for p in parts):
                 flat = torch.cat([self.positions[p] for p in parts]).numpy()
-                self._orders[split] = torch.from_numpy(np.argsort(flat, kind="stable"))
+                order = np.argsort(flat, kind="stable")
+                self._orders[split] = torch.from_numpy(order)
+                self._in_order[split] = bool(np.array_equal(order, np.arange(len(order))))
 
 
 def _first_mask(units: np.ndarray, first: np.ndarray | None) -> np.ndarray:
@@ -280,109 +285,119 @@ class ConvSlice(_GroupedSlice):
     rectangles of the output plane (all of it for a tile or a stripe); each rectangle of at
     least MIN_CONVOLVED positions runs PyTorch's own convolution on the input rectangle it
     reads (halo and zero padding included), and the positions left over (an irregular cut's
-    edges) multiply their gathered patches, [cg, K] @ [Q, K, B]. Each part reads `x` through
-    one gather."""
+    edges) multiply their gathered patches, [cg, K] @ [K, Q * B]. Each output piece is
+    in the order torch writes it: a convolution's position-major ([Q * cg, B], from its
+    channels-last output), the patches' channel-major ([cg, Q, B]); the placing puts the rows
+    in units order. Each part reads `x` through one gather."""
 
     def __init__(self, spec, index, units, blocks, seed, dtype, first=None) -> None:
         super().__init__(spec, index, units, blocks, first)
         self.weights, self.biases = _grouped_params(spec, seed, self.pieces, dtype, local=False)
         self.kernel, self.stride, _ = read_window(spec, index)
         self.src = spec.input_shape(index)
-        self._reads: dict[str, tuple[torch.Tensor, list[_RunRead]]] = {}
+        # per part: the gather's index, and per output piece (group, the input box [C, h, w]
+        # it convolves or None for patches, its output positions)
+        self._reads: dict[str, tuple[torch.Tensor, list[tuple[int, tuple | None, int]]]] = {}
+        placed = {part: self._plan_part(part, runs) for part, runs in self._part_runs.items()}
+        self._set_orders(placed)  # the pieces' rows are channel-major
 
     def compute(self, x: torch.Tensor, part: str) -> list[torch.Tensor]:
-        runs = self._part_runs[part]
-        if not runs:
+        if part not in self._reads:
             return []
-        index, reads = self._read(part, runs)
-        values = rows(x, index).split([size for r in reads for size in r.sizes(self.n_k)])
-        batch, out, at = x.shape[1], [], 0
-        for (g, _, _), r in zip(runs, reads, strict=True):
-            pieces = []
-            for box in r.boxes:
-                pieces.append(self._convolve(values[at].view(*box, batch), g))
-                at += 1
-            if r.rest:
-                patches = values[at].view(r.rest, self.n_k, batch)
-                pieces.append(torch.matmul(self.weights[g], patches) + self.biases[g])
-                at += 1
-            y = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-            out.append(y if r.order is None else y.index_select(0, r.order))
+        index, pieces = self._reads[part]
+        sizes = [int(np.prod(box)) if box else count * self.n_k for _, box, count in pieces]
+        batch, out = x.shape[1], []
+        for (groups, box, count), values in zip(pieces, rows(x, index).split(sizes), strict=True):
+            if box:  # torch's convolution over the input box, channels last (oneDNN's own)
+                weight, bias = self._kernels(groups)
+                images = values.view(*box, batch).permute(3, 0, 1, 2)
+                images = images.contiguous(memory_format=torch.channels_last)
+                y = F.conv2d(images, weight, bias, stride=self.stride)
+                out.append(y.permute(0, 2, 3, 1).reshape(batch, -1).t())  # [Q * channels, B]
+            else:  # patches [K, Q * B]
+                (g,) = groups
+                y = torch.addmm(self.biases[g], self.weights[g], values.view(self.n_k, -1))
+                out.append(y.view(-1, count, batch))
         return out
 
     def param_tensors(self):
         return [t for pair in zip(self.weights, self.biases, strict=True) for t in pair]
 
+    def _kernels(self, groups: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The groups' kernels [channels, C, k, k] and biases [channels], stacked."""
+        k = self.kernel
+        weights = [self.weights[g].view(-1, self.src.channels, k, k) for g in groups]
+        biases = [self.biases[g].view(-1) for g in groups]
+        if len(groups) == 1:
+            return weights[0], biases[0]
+        return torch.cat(weights), torch.cat(biases)
+
     def convolved(self) -> float:
         """The share of the owned outputs torch's convolution computes (the rest: patches)."""
-        runs = self._part_runs["all"]
-        _, reads = self._read("all", runs)
-        total = sum(b - a for _, a, b in runs)
-        return sum(b - a - r.rest for (_, a, b), r in zip(runs, reads, strict=True)) / max(total, 1)
+        pieces = self._reads["all"][1] if "all" in self._reads else []
+        outputs = [
+            (box is not None, count * sum(self.groups[g][1] - self.groups[g][0] for g in groups))
+            for groups, box, count in pieces
+        ]
+        return sum(n for convolved, n in outputs if convolved) / max(sum(n for _, n in outputs), 1)
 
     @property
     def n_k(self) -> int:
         """Input values one output position reads (C * k * k)."""
         return self.src.channels * self.kernel**2
 
-    def _convolve(self, box: torch.Tensor, g: int) -> torch.Tensor:
-        """Outputs [positions, cg, B] of group g over the input rectangle `box` [C, h, w, B]."""
-        cg = self.weights[g].shape[0]
-        weight = self.weights[g].view(cg, self.src.channels, self.kernel, self.kernel)
-        y = F.conv2d(box.permute(3, 0, 1, 2), weight, self.biases[g].view(cg), stride=self.stride)
-        return y.permute(2, 3, 1, 0).reshape(-1, cg, box.shape[-1])  # row-major positions
-
-    def _read(self, part: str, runs: list[tuple[int, int, int]]):
-        """The part's gather index and how each run reads it (cached)."""
-        if part not in self._reads:
-            indices, reads = [], []
-            for g, a, b in runs:
-                positions = self.groups[g][2][a:b]
-                rects, rest = plane_rectangles(positions, self.spec.shapes[self.index].width)
-                boxes = [self._input_box(r) for r in rects]
-                indices += [box.reshape(-1) for box in boxes]
-                if len(rest):
-                    where = np.searchsorted(self.groups[g][2], positions[rest])
-                    indices.append(self._patch_index[g][where].reshape(-1))
-                shapes = [tuple(box.shape) for box in boxes]
-                width = self.spec.shapes[self.index].width
-                reads.append(_RunRead(positions, rects, rest, shapes, width))
-            self._reads[part] = (torch.cat(indices), reads)
-        return self._reads[part]
-
-    def _input_box(self, rect: tuple[int, int, int, int]) -> torch.Tensor:
-        """The input rows [C, h, w] output rectangle (y0, y1, x0, x1) reads (zero padding at
-        `n_in`)."""
-        y0, y1, x0, x1 = rect
-        k, s, p = read_window(self.spec, self.index)
-        src = self.src
-        iy = np.arange(y0 * s - p, (y1 - 1) * s - p + k)
-        ix = np.arange(x0 * s - p, (x1 - 1) * s - p + k)
-        inside = ((iy >= 0) & (iy < src.height))[:, None] & ((ix >= 0) & (ix < src.width))[None, :]
-        plane = iy[:, None] * src.width + ix[None, :]
-        idx = np.arange(src.channels)[:, None, None] * (src.height * src.width) + plane[None]
-        return torch.from_numpy(np.where(inside[None], idx, self.n_in).astype(np.int64))
+    def _plan_part(self, part: str, runs) -> list[np.ndarray]:
+        """Cut the part's runs into rectangles and patches (`_reads`): the groups whose runs
+        share a rectangle convolve it together (one read of its input box, their kernels
+        stacked); return, per output piece, where its rows are in `units`."""
+        if not runs:
+            return []
+        width, indices, pieces, where = self.spec.shapes[self.index].width, [], [], []
+        shared: dict[tuple[int, int, int, int], list[int]] = {}  # rectangle -> its groups
+        for g, a, b in runs:
+            c0, c1, owned, _ = self.groups[g]
+            positions = owned[a:b]
+            rects, rest = plane_rectangles(positions, width)
+            for rect in rects:
+                shared.setdefault(rect, []).append(g)
+            if len(rest):
+                patches = self._patch_index[g][np.searchsorted(owned, positions[rest])]
+                indices.append(patches.t().reshape(-1))  # [K, Q]
+                pieces.append(((g,), None, len(rest)))
+                units = np.arange(c0, c1)[:, None] * self.hw + positions[rest][None, :]
+                where.append(np.searchsorted(self.units, units.ravel()))  # channel-major
+        for (y0, y1, x0, x1), groups in shared.items():
+            box = _input_box(self.spec, self.index, (y0, y1, x0, x1), None, self.n_in)
+            indices.append(box.reshape(-1))
+            pieces.append((tuple(groups), tuple(box.shape), (y1 - y0) * (x1 - x0)))
+            plane = (np.arange(y0, y1)[:, None] * width + np.arange(x0, x1)[None, :]).ravel()
+            channels = np.concatenate([np.arange(*self.groups[g][:2]) for g in groups])
+            units = plane[:, None] + channels[None, :] * self.hw
+            where.append(np.searchsorted(self.units, units.ravel()))  # position-major
+        self._reads[part] = (torch.cat(indices), pieces)
+        return where
 
 
-class _RunRead:
-    """How a conv run reads its gather: its rectangles' input boxes (convolved), then the
-    patches of the `rest` positions left over; `order` puts the outputs back in the run's
-    position order (None: they are in it already)."""
-
-    def __init__(self, positions: np.ndarray, rects, rest: np.ndarray, boxes, width: int) -> None:
-        self.boxes, self.rest = boxes, len(rest)
-        made = [
-            (np.arange(y0, y1)[:, None] * width + np.arange(x0, x1)[None, :]).ravel()
-            for y0, y1, x0, x1 in rects
-        ]
-        done = np.concatenate([*made, positions[rest]])
-        order = np.argsort(done, kind="stable")
-        identity = np.array_equal(order, np.arange(len(order)))
-        self.order = None if identity else torch.from_numpy(order)
-
-    def sizes(self, n_k: int) -> list[int]:
-        """The gather's values for this run: each box, then the patches."""
-        return [int(np.prod(b)) for b in self.boxes] + ([self.rest * n_k] if self.rest else [])
+def _input_box(
+    spec: ModelSpec,
+    index: int,
+    rect: tuple[int, int, int, int],
+    channels: np.ndarray | None,
+    pad_slot: int,
+) -> torch.Tensor:
+    """The input rows [c, h, w] that output rectangle (y0, y1, x0, x1) of layer `index` reads
+    over `channels` (None: every input channel); reads outside the input point at
+    `pad_slot`."""
+    y0, y1, x0, x1 = rect
+    k, s, p = read_window(spec, index)
+    src = spec.input_shape(index)
+    iy = np.arange(y0 * s - p, (y1 - 1) * s - p + k)
+    ix = np.arange(x0 * s - p, (x1 - 1) * s - p + k)
+    inside = ((iy >= 0) & (iy < src.height))[:, None] & ((ix >= 0) & (ix < src.width))[None, :]
+    plane = iy[:, None] * src.width + ix[None, :]
+    channels = np.arange(src.channels) if channels is None else channels
+    idx = channels[:, None, None] * (src.height * src.width) + plane[None]
+    return torch.from_numpy(np.where(inside[None], idx, pad_slot).astype(np.int64))
 
 
 def plane_rectangles(

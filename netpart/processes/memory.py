@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 
-__all__ = ["available_memory", "keep_freed_memory"]
+__all__ = ["available_memory", "keep_freed_memory", "processes_memory"]
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
@@ -27,6 +27,25 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):  # not glibc
         return False
     return bool(mmap_ok and trim_ok)
+
+
+def processes_memory(pids) -> int:
+    """Bytes the processes `pids` hold between them: the sum of their proportional set sizes
+    (a page shared by k of them counts 1/k to each, so the torch a zygote's children share
+    is counted once), their resident sizes where the kernel has no PSS; 0 for a process that
+    has ended."""
+    total = 0
+    for pid in pids:  # a loop over a job's processes, not its pages
+        for path, key in ((f"/proc/{pid}/smaps_rollup", "Pss:"), (f"/proc/{pid}/status", "VmRSS:")):
+            try:
+                with open(path) as f:
+                    line = next((ln for ln in f if ln.startswith(key)), None)
+            except OSError:
+                continue
+            if line is not None:
+                total += int(line.split()[1]) * 1024
+                break
+    return total
 
 
 def available_memory() -> int:

@@ -297,11 +297,15 @@ def _bar(config: TrainConfig, start: int, rank: int, placement, echo: Echo):
 
 def postfix(stats: dict) -> str:
     """A progress bar's figures, each labelled: loss, samples/s, ms/step, the bytes the job
-    has moved between its processes (halo and parameter server)."""
-    return (
+    has moved between its processes (halo and parameter server) and, for a local job, the
+    memory its processes hold (`processes_memory`)."""
+    text = (
         f"loss {stats['loss']:.4g}, {stats['samples_s']:.0f} samples/s, "
         f"{stats['step_ms']:.0f} ms/step, {stats['mb']:,.0f} MB moved"
     )
+    if stats.get("memory_mb"):  # a local job's (a torchrun process sees its own alone)
+        text += f", memory {stats['memory_mb']:,.0f} MB"
+    return text
 
 
 ETA_AFTER = 0.05  # of the steps: an ETA before them says more of start-up than of steps

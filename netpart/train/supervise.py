@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,17 +19,27 @@ from typing import Any
 from netpart.faults import RESTART_ENV
 from netpart.files import write_atomic
 from netpart.processes.launcher import Processes
+from netpart.processes.memory import processes_memory
 from netpart.processes.zygote import Preloaded
 from netpart.ps.checkpoint import shard_meta
 from netpart.train.config import TrainConfig
 from netpart.train.rundir import Progress, TrainSummary
 from netpart.train.watch import Died, Watch
 
-__all__ = ["STOP_MARGIN", "Attempt", "lost_updates", "record_restart", "supervise"]
+__all__ = [
+    "MEMORY_EVERY_S",
+    "STOP_MARGIN",
+    "Attempt",
+    "JobMemory",
+    "lost_updates",
+    "record_restart",
+    "supervise",
+]
 
 log = logging.getLogger(__name__)
 
 STOP_MARGIN = 10.0  # s beyond --timeout a stopped job gets to write its final checkpoints
+MEMORY_EVERY_S = 2.0  # s between two reads of the job's memory (each reads /proc per process)
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,23 @@ class Attempt:
     on_progress: Callable[[int, dict, int], None] | None = None
     preloaded: Preloaded | None = None
     loggers: Any = None  # netpart.train.loggers.MetricLoggers, fed every new metrics line
+
+
+class JobMemory:
+    """The memory the job's processes hold (`processes_memory`), read every MEMORY_EVERY_S
+    at most, added to the progress figures as `memory_mb`."""
+
+    def __init__(self, procs: Processes) -> None:
+        self.procs, self.at, self.mb = procs, -math.inf, 0.0
+
+    def __call__(self, done: int, stats: dict) -> tuple[int, dict]:
+        now = time.monotonic()
+        if now - self.at >= MEMORY_EVERY_S:
+            alive = [p.pid for p in self.procs.procs if p.poll() is None]
+            self.mb, self.at = processes_memory(alive) / 1e6, now
+        if stats and self.mb:
+            stats = {**stats, "memory_mb": self.mb}
+        return done, stats
 
 
 def supervise(
@@ -67,14 +95,15 @@ def supervise(
         env={RESTART_ENV: str(attempt.number)},
     )
     with job as procs:
+        memory = JobMemory(procs)
         while procs.running() and not watch.poll(procs):
             if attempt.on_progress is not None:
-                attempt.on_progress(*read(), attempt.total)
+                attempt.on_progress(*memory(*read()), attempt.total)
             time.sleep(0.1)
         if watch.failed is not None:  # a failed job does not wait for the stragglers
             procs.kill(list(range(len(logs))))
         if attempt.on_progress is not None:
-            attempt.on_progress(*read(), attempt.total)
+            attempt.on_progress(*memory(*read()), attempt.total)
     if procs.forced.is_set():
         raise KeyboardInterrupt(f"processes killed by a second signal; checkpoints are in {run}")
     return watch.verdict(procs, run, attempt.number)

@@ -1,6 +1,8 @@
 """A newcomer's first hour: what they type works as a PyTorch user expects, or says in one
 line what to do instead (exit 2, nothing written)."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -184,3 +186,37 @@ def test_a_plan_of_slices_too_small_to_mean_much_says_so(capsys):
     assert "64 workers own about 24 units each of tiny-local's widest layer" in err
     code, _, err = run(capsys, "plan", "--model", "tiny-local", "--workers", "4")
     assert code == 0 and "warning" not in err
+
+
+def test_progress_says_the_memory_the_job_s_processes_hold_counting_shared_pages_once():
+    """Issue 80, item 6: the job's memory in the progress line. Pages a zygote's children
+    share count once (proportional set sizes), a process that has ended counts nothing."""
+    import subprocess
+    import sys
+
+    from netpart.processes.memory import processes_memory
+    from netpart.train.launch import postfix
+    from netpart.train.supervise import JobMemory
+
+    mine = processes_memory([os.getpid()])
+    assert 10e6 < mine < 64e9  # this test's interpreter, torch imported
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    assert processes_memory([int(gone.stdout)]) == 0
+
+    class Running:  # what JobMemory reads of a job's process
+        pid = os.getpid()
+
+        def poll(self):
+            return None
+
+    job = type("Job", (), {})()
+    job.procs = [Running()]
+    done, stats = JobMemory(job)(3, {"loss": 1.0, "samples_s": 1.0, "step_ms": 1.0, "mb": 1.0})
+    assert done == 3 and stats["memory_mb"] == pytest.approx(mine / 1e6, rel=0.5)
+    assert postfix(stats).endswith(f", memory {stats['memory_mb']:,.0f} MB")
+    assert "memory" not in postfix({**stats, "memory_mb": 0})  # torchrun: not known

@@ -50,6 +50,7 @@ class LocallyConnected2d(nn.Module):
         kernel_size: int,
         stride: int = 1,
         padding: int = 0,
+        bias: bool = True,
     ) -> None:
         super().__init__()
         h, w = (in_size, in_size) if isinstance(in_size, int) else in_size
@@ -62,7 +63,7 @@ class LocallyConnected2d(nn.Module):
         _, oh, ow = self.out_shape
         fan_in = in_channels * kernel_size**2
         self.weight = nn.Parameter(torch.empty(oh * ow, fan_in, out_channels))
-        self.bias = nn.Parameter(torch.zeros(out_channels, oh, ow))
+        self.bias = nn.Parameter(torch.zeros(out_channels, oh, ow)) if bias else None
         # each patch's input rows, in unfold's (channel, ky, kx) order; size: the padding.
         # Always on the CPU: a model built on the meta device for its shapes alone (an
         # exported state_dict's) would otherwise run unfold's decompositions there, whose
@@ -75,7 +76,8 @@ class LocallyConnected2d(nn.Module):
         self.register_buffer("rows", rows, persistent=False)
         bound = fan_in**-0.5  # as torch's Linear and Conv2d start: U(-1/sqrt(fan_in), ...)
         nn.init.uniform_(self.weight, -bound, bound)
-        nn.init.uniform_(self.bias, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, (positions, fan_in, _) = x.shape[0], self.weight.shape
@@ -83,7 +85,8 @@ class LocallyConnected2d(nn.Module):
         patches = units.index_select(0, self.rows).view(positions, fan_in, n)
         y = torch.bmm(patches.transpose(1, 2), self.weight)  # [L, N, out]
         c, oh, ow = self.out_shape
-        return y.permute(1, 2, 0).reshape(n, c, oh, ow) + self.bias
+        y = y.permute(1, 2, 0).reshape(n, c, oh, ow)
+        return y if self.bias is None else y + self.bias
 
 
 class L2Pool2d(nn.Module):

@@ -16,6 +16,7 @@ from netpart.models import ModelSpec
 from netpart.partition.graph import UnitGraph
 from netpart.processes.zygote import Preloaded
 
+BIAS = st.sampled_from([{}, {}, {"bias": False}])  # a weighted layer without a bias, at times
 # A weighted layer's activation, leaky_relu with its slope.
 ACTIVATIONS = st.one_of(
     st.sampled_from(["relu", "tanh", "sigmoid", "gelu", "silu", "none"]).map(
@@ -53,6 +54,7 @@ def small_specs(draw: st.DrawFn, max_layers: int = 4) -> ModelSpec:
                     "stride": draw(st.integers(1, min(k, 2))),
                     "padding": draw(st.integers(0, 1)),
                     **draw(ACTIVATIONS),
+                    **draw(BIAS),
                 }
             )
         elif kind == "pool":
@@ -69,7 +71,8 @@ def small_specs(draw: st.DrawFn, max_layers: int = 4) -> ModelSpec:
         elif kind == "lcn":
             layers.append({"kind": "lcn", "kernel": draw(st.sampled_from([1, 3]))})
         else:
-            layers.append({"kind": "dense", "units": draw(st.integers(1, 6)), **draw(ACTIVATIONS)})
+            dense = {"kind": "dense", "units": draw(st.integers(1, 6))}
+            layers.append({**dense, **draw(ACTIVATIONS), **draw(BIAS)})
             spatial = False
     if named:
         layers = [{**layer, "name": f"net.{i}"} for i, layer in enumerate(layers)]

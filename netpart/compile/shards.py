@@ -94,12 +94,11 @@ def layer_pieces(
     layer, src = spec.layers[index], spec.input_shape(index)
     kind = layer.kind
     empty = np.zeros(0, dtype=np.int64)
+    bias = layer.has_bias  # a layer without one has weight pieces alone
     if kind == "dense":
         n_in = src.size
-        return [
-            ParamPiece(index, "weight", kind, 0, 0, units, len(units) * n_in),
-            ParamPiece(index, "bias", kind, 0, 0, units, len(units)),
-        ]
+        pieces = [ParamPiece(index, "weight", kind, 0, 0, units, len(units) * n_in)]
+        return pieces + ([ParamPiece(index, "bias", kind, 0, 0, units, len(units))] if bias else [])
     if kind not in ("local", "conv"):
         return []
     k_in = src.channels * layer.kernel**2
@@ -108,12 +107,11 @@ def layer_pieces(
         groups = channel_groups(spec, index, units, blocks)
     for c0, c1, pos, _ in groups:
         cg = c1 - c0
-        if kind == "local":
-            pieces.append(ParamPiece(index, "weight", kind, c0, c1, pos, len(pos) * cg * k_in))
-            pieces.append(ParamPiece(index, "bias", kind, c0, c1, pos, len(pos) * cg))
-        else:
-            pieces.append(ParamPiece(index, "weight", kind, c0, c1, empty, cg * k_in))
-            pieces.append(ParamPiece(index, "bias", kind, c0, c1, empty, cg))
+        rows = pos if kind == "local" else empty  # untied: per position; tied: one kernel
+        count = len(pos) if kind == "local" else 1
+        pieces.append(ParamPiece(index, "weight", kind, c0, c1, rows, count * cg * k_in))
+        if bias:
+            pieces.append(ParamPiece(index, "bias", kind, c0, c1, rows, count * cg))
     return pieces
 
 

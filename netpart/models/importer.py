@@ -10,8 +10,8 @@ to a spec layer and, later, its parameters to the user's names; a forward that b
 data cannot be traced symbolically and is refused in one line.
 
 What is recognised (anything else ends in one line naming the module's path, its type and
-what is supported): `Conv2d` (square kernel, one stride and padding for both axes, with
-bias), `Linear` (with bias, on a flattened input), `MaxPool2d`, `AvgPool2d` (zero padding
+what is supported): `Conv2d` (square kernel, one stride and padding for both axes), `Linear`
+(on a flattened input), each with a bias or without, `MaxPool2d`, `AvgPool2d` (zero padding
 counted), `LPPool2d(2)`, netpart.nn's `LocallyConnected2d`, `LocalContrastNorm` and
 `L2Pool2d`, `ReLU`, `LeakyReLU` (its slope), `GELU` (exact), `SiLU`, `Sigmoid`, `Tanh` and
 their functional forms, `Flatten`, `torch.flatten`, `view` and `reshape` into a dense layer.
@@ -275,7 +275,7 @@ class _Walk:
         elif isinstance(m, netpart_nn.LocallyConnected2d):
             keys = {"channels": m.out_shape[0], "kernel": m.kernel_size}
             keys |= {"stride": m.stride, "padding": m.padding}
-            self._add(path, "local", keys, True, kind)
+            self._add(path, "local", keys, m.bias is not None, kind)
         elif isinstance(m, nn.MaxPool2d | nn.AvgPool2d):
             self._add(path, "pool", _pool(path, m), True, kind)
         elif isinstance(m, netpart_nn.L2Pool2d):
@@ -314,12 +314,9 @@ class _Walk:
             )
 
     def _add(self, path: str, kind: str, keys: dict, bias: bool, type_name: str) -> None:
-        if not bias:
-            raise SpecError(
-                f"{self.name}: {path} ({type_name}) has no bias; netpart's {kind} layers have "
-                "one (bias=True)"
-            )
         weighted = kind in ("conv", "local", "dense")
+        if weighted and not bias:
+            keys = {**keys, "bias": False}
         activation = {"activation": "none"} if weighted else {}
         self.out.append({"kind": kind, "name": path, **keys, **activation})
 

@@ -84,15 +84,28 @@ class ReferenceModel(nn.Module):
                 size = (src.height, src.width)
                 mods.append(
                     LocallyConnected2d(
-                        src.channels, out.channels, size, layer.kernel, layer.stride, layer.padding
+                        src.channels,
+                        out.channels,
+                        size,
+                        layer.kernel,
+                        layer.stride,
+                        layer.padding,
+                        bias=layer.has_bias,
                     )
                 )
             elif layer.kind == "conv":
                 mods.append(
-                    nn.Conv2d(src.channels, out.channels, layer.kernel, layer.stride, layer.padding)
+                    nn.Conv2d(
+                        src.channels,
+                        out.channels,
+                        layer.kernel,
+                        layer.stride,
+                        layer.padding,
+                        bias=layer.has_bias,
+                    )
                 )
             elif layer.kind == "dense":
-                mods.append(_Dense(src.size, layer.units))
+                mods.append(_Dense(src.size, layer.units, bias=layer.has_bias))
             elif layer.kind == "pool" and layer.mode == "l2":
                 eps = {} if layer.eps is None else {"eps": layer.eps}
                 mods.append(L2Pool2d(layer.kernel, layer.stride, layer.padding, **eps))
@@ -135,7 +148,8 @@ def build_reference(
             continue
         values = torch.from_numpy(init_rows(spec, seed, i, rows))
         mod.weight.copy_(values.reshape(mod.weight.shape))
-        mod.bias.zero_()
+        if mod.bias is not None:
+            mod.bias.zero_()
     return model
 
 

@@ -17,6 +17,7 @@ Schema (TOML, or the same structure as JSON)::
     kernel = 5           # local, conv, pool, lcn: square receptive field
     stride = 1           # local, conv (default 1), pool (default = kernel)
     padding = 0          # local, conv, pool (zeros; never sent between workers)
+    bias = false         # local, conv, dense: a layer without a bias (default true)
     activation = "relu"  # relu | leaky_relu | gelu | silu | sigmoid | tanh | none;
                          # softmax on the last dense layer only
     negative_slope = 0.2 # leaky_relu only (default 0.01, torch's)
@@ -67,13 +68,13 @@ BYTES_PER_VALUE = 4  # activations travel between workers as float32
 
 # Keys each layer kind accepts (besides "kind").
 _ALLOWED_KEYS = {
-    "local": ("channels", "kernel", "stride", "padding", "activation", "negative_slope"),
-    "conv": ("channels", "kernel", "stride", "padding", "activation", "negative_slope"),
-    "dense": ("units", "activation", "negative_slope"),
+    "local": ("channels", "kernel", "stride", "padding", "activation", "negative_slope", "bias"),
+    "conv": ("channels", "kernel", "stride", "padding", "activation", "negative_slope", "bias"),
+    "dense": ("units", "activation", "negative_slope", "bias"),
     "pool": ("mode", "kernel", "stride", "padding", "eps"),
     "lcn": ("kernel", "eps"),
 }
-_OPTIONAL_KEYS = ("negative_slope", "eps")
+_OPTIONAL_KEYS = ("negative_slope", "eps", "bias")  # written only when not their default
 
 
 @dataclass(frozen=True)
@@ -133,10 +134,16 @@ class LayerSpec:
     eps: float | None = None  # lcn; pool l2 (None: netpart.nn.L2_POOL_EPS)
     negative_slope: float | None = None  # leaky_relu only
     name: str | None = None  # the layer's path in the user's module (an imported spec)
+    bias: bool | None = None  # local, conv, dense: False for a layer without one (None: has)
 
     @property
     def is_spatial(self) -> bool:
         return self.kind in SPATIAL_KINDS
+
+    @property
+    def has_bias(self) -> bool:
+        """Whether a weighted layer adds a bias (every one does but those given bias = false)."""
+        return self.bias is not False
 
     def to_dict(self) -> dict[str, Any]:
         """The layer's keys; the optional ones (`negative_slope`, a pool's `eps`) only when
@@ -180,12 +187,13 @@ class ModelSpec:
     def layer_params(self, index: int) -> int:
         """Trainable parameters of layer `index` (weights and biases)."""
         layer, src, out = self.layers[index], self.input_shape(index), self.shapes[index]
+        bias = int(layer.has_bias)
         if layer.kind == "local":
-            return out.height * out.width * out.channels * (src.channels * layer.kernel**2 + 1)
+            return out.height * out.width * out.channels * (src.channels * layer.kernel**2 + bias)
         if layer.kind == "conv":
-            return out.channels * (src.channels * layer.kernel**2 + 1)
+            return out.channels * (src.channels * layer.kernel**2 + bias)
         if layer.kind == "dense":
-            return src.size * layer.units + layer.units
+            return (src.size + bias) * layer.units
         return 0
 
     @property
@@ -204,7 +212,7 @@ class ModelSpec:
             f"layers.{i}.{param}": f"{layer.name}.{param}"
             for i, layer in enumerate(self.layers)
             if layer.name is not None and self.layer_params(i)
-            for param in ("weight", "bias")
+            for param in (("weight", "bias") if layer.has_bias else ("weight",))
         }
 
     def layer_name(self, index: int) -> str:
@@ -325,7 +333,11 @@ def _parse_layer(raw: Any, index: int, source: str) -> LayerSpec:
                 f"{where}: unknown key {key!r}; allowed: kind, name, {', '.join(allowed)}"
             )
     try:
-        return replace(_parse_kind(raw, kind), name=_layer_name(raw.get("name")))
+        bias = raw.get("bias", True)
+        if not isinstance(bias, bool):
+            raise SpecError(f"bias must be true or false, got {bias!r}")
+        layer = replace(_parse_kind(raw, kind), name=_layer_name(raw.get("name")))
+        return replace(layer, bias=None if bias else False)
     except SpecError as exc:
         raise SpecError(f"{where}: {exc}") from None
 

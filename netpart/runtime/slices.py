@@ -214,7 +214,9 @@ class LocalSlice(_GroupedSlice):
     def __init__(self, spec, index, units, blocks, seed, dtype, first=None) -> None:
         super().__init__(spec, index, units, blocks, first)
         weights, biases = _grouped_params(spec, seed, self.pieces, dtype, local=True)
-        self._values = [t.detach() for pair in zip(weights, biases, strict=True) for t in pair]
+        self._per = 2 if spec.layers[index].has_bias else 1  # pieces a group: weight (bias)
+        values = zip(weights, biases, strict=True) if self._per == 2 else zip(weights)
+        self._values = [t.detach() for group in values for t in group]
         cuts: dict[int, set[int]] = {}  # per group, where runs of either part start and end
         for g, a, b in (r for p in ("all", "first", "rest") for r in self._part_runs[p]):
             cuts.setdefault(g, set()).update((a, b))
@@ -222,11 +224,14 @@ class LocalSlice(_GroupedSlice):
             (g, a, b) for g, c in sorted(cuts.items()) for a, b in itertools.pairwise(sorted(c))
         ]
         self.run_weights = nn.ParameterList(
-            nn.Parameter(self._values[2 * g][a:b]) for g, a, b in self._atoms
+            nn.Parameter(self._values[self._per * g][a:b]) for g, a, b in self._atoms
         )
-        self.run_biases = nn.ParameterList(
-            nn.Parameter(self._values[2 * g + 1][a:b]) for g, a, b in self._atoms
-        )
+        if self._per == 2:
+            self.run_biases = nn.ParameterList(
+                nn.Parameter(self._values[2 * g + 1][a:b]) for g, a, b in self._atoms
+            )
+        else:  # zeros, not parameters: the layer has no bias
+            self.run_biases = [biases[g][a:b] for g, a, b in self._atoms]
         self._part_atoms = {
             part: [
                 k
@@ -252,28 +257,30 @@ class LocalSlice(_GroupedSlice):
         return self._values
 
     def bind_grads(self, views: list[torch.Tensor]) -> None:
+        per = self._per
         for k, (g, a, b) in enumerate(self._atoms):
-            self.run_weights[k].grad = views[2 * g].view_as(self._values[2 * g])[a:b]
-            self.run_biases[k].grad = views[2 * g + 1].view_as(self._values[2 * g + 1])[a:b]
+            self.run_weights[k].grad = views[per * g].view_as(self._values[per * g])[a:b]
+            if per == 2:
+                self.run_biases[k].grad = views[2 * g + 1].view_as(self._values[2 * g + 1])[a:b]
 
     def bind_values(self, views: list[torch.Tensor]) -> None:
-        self._values = list(views)
+        self._values, per = list(views), self._per
         for k, (g, a, b) in enumerate(self._atoms):
-            self.run_weights[k].data = views[2 * g][a:b]
-            self.run_biases[k].data = views[2 * g + 1][a:b]
+            self.run_weights[k].data = views[per * g][a:b]
+            if per == 2:
+                self.run_biases[k].data = views[2 * g + 1][a:b]
 
     def piece_grads(self) -> list[torch.Tensor]:
-        out = []
+        out, kinds = [], ((0, self.run_weights), (1, self.run_biases))[: self._per]
         for g in range(len(self.groups)):
-            for kind, params in ((0, self.run_weights), (1, self.run_biases)):
+            for kind, params in kinds:
                 parts = [
                     params[k].grad if params[k].grad is not None else torch.zeros_like(params[k])
                     for k, (h, _, _) in enumerate(self._atoms)
                     if h == g
                 ]
-                out.append(
-                    torch.cat(parts) if parts else torch.zeros_like(self._values[2 * g + kind])
-                )
+                empty = torch.zeros_like(self._values[self._per * g + kind])
+                out.append(torch.cat(parts) if parts else empty)
         return out
 
 
@@ -321,6 +328,8 @@ class ConvSlice(_GroupedSlice):
         return out
 
     def param_tensors(self):
+        if not self.spec.layers[self.index].has_bias:
+            return list(self.weights)
         return [t for pair in zip(self.weights, self.biases, strict=True) for t in pair]
 
     def _kernels(self, groups: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -438,7 +447,9 @@ class DenseSlice(LayerSlice):
         self.pieces = layer_pieces(spec, index, units, blocks)
         weight = _initial(spec, seed, self.pieces[0]).reshape(len(units), self.n_in)
         self.weight = nn.Parameter(torch.from_numpy(weight).to(dtype))
-        self.bias = nn.Parameter(torch.zeros(len(units), 1, dtype=dtype))
+        zeros = torch.zeros(len(units), 1, dtype=dtype)
+        self.has_bias = spec.layers[index].has_bias
+        self.bias = nn.Parameter(zeros) if self.has_bias else zeros  # zeros: no bias
         self._set_orders({"all": [np.arange(len(units))]})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -450,7 +461,7 @@ class DenseSlice(LayerSlice):
         return [self.forward(x)]
 
     def param_tensors(self):
-        return [self.weight, self.bias]
+        return [self.weight, self.bias] if self.has_bias else [self.weight]
 
 
 class _UnitSlice(LayerSlice):
@@ -539,15 +550,21 @@ def _initial(spec: ModelSpec, seed: int | None, piece: ParamPiece) -> np.ndarray
 def _grouped_params(
     spec: ModelSpec, seed: int | None, pieces: list[ParamPiece], dtype: torch.dtype, local: bool
 ) -> tuple[nn.ParameterList, nn.ParameterList]:
-    """Weights ([Q, cg, K] local, [cg, K] conv) and zero biases of (weight, bias) piece pairs."""
+    """Weights ([Q, cg, K] local, [cg, K] conv) and zero biases of the groups' pieces (weight
+    and bias, or weight alone: then the biases are zeros, not parameters)."""
     weights, biases = nn.ParameterList(), nn.ParameterList()
-    for w, b in zip(pieces[::2], pieces[1::2], strict=True):
+    bias = bool(pieces) and spec.layers[pieces[0].layer].has_bias
+    zeros = []
+    for w in pieces[:: 2 if bias else 1]:
         cg = w.c1 - w.c0
         shape = (len(w.rows), cg, -1) if local else (cg, -1)
         values = torch.from_numpy(_initial(spec, seed, w)).reshape(shape)
         weights.append(nn.Parameter(values.to(dtype)))
-        bias_shape = (len(b.rows), cg, 1) if local else (cg, 1)
-        biases.append(nn.Parameter(torch.zeros(bias_shape, dtype=dtype)))
+        bias_shape = (len(w.rows), cg, 1) if local else (cg, 1)
+        zeros.append(torch.zeros(bias_shape, dtype=dtype))
+    if not bias:
+        return weights, zeros
+    biases.extend(nn.Parameter(z) for z in zeros)
     return weights, biases
 
 

@@ -200,3 +200,18 @@ def test_the_new_keys_refuse_what_they_cannot_mean(layer, message):
     twice = [{"kind": "dense", "units": 2, "name": "fc"}] * 2
     with pytest.raises(SpecError, match="given to two layers with weights"):
         ModelSpec.from_dict({**data, "layer": twice})
+
+
+def test_a_layer_without_a_bias_counts_and_names_its_weights_alone():
+    layers = [
+        {"kind": "conv", "name": "c", "channels": 2, "kernel": 3, "bias": False},
+        {"kind": "dense", "name": "fc", "units": 3, "bias": True},
+    ]
+    data = {"name": "nb", "input": {"channels": 1, "height": 5, "width": 5}, "layer": layers}
+    spec = ModelSpec.from_dict(data)
+    assert spec.layer_params(0) == 2 * 9 and spec.layer_params(1) == 2 * 9 * 3 + 3
+    assert set(spec.state_names().values()) == {"c.weight", "fc.weight", "fc.bias"}
+    assert "bias" not in spec.to_dict()["layer"][1]  # the default is not written
+    assert ModelSpec.from_json(spec.to_json()) == spec
+    with pytest.raises(SpecError, match="bias must be true or false"):
+        ModelSpec.from_dict({**data, "layer": [{**layers[0], "bias": "no"}]})

@@ -21,7 +21,7 @@ class VGGish(nn.Module):
             nn.Conv2d(8, 8, 3, padding=1),
             nn.LeakyReLU(0.1),
             nn.MaxPool2d(2),
-            nn.Conv2d(8, 16, 3, padding=1),
+            nn.Conv2d(8, 16, 3, padding=1, bias=False),
             nn.GELU(),
             nn.MaxPool2d(2, stride=2),
         )

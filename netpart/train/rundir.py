@@ -51,6 +51,7 @@ __all__ = [
     "Progress",
     "RunLock",
     "TrainSummary",
+    "check_lost",
     "checkpoint_meta",
     "finish_run",
     "holder",
@@ -356,6 +357,17 @@ def _check_diverged(run: Path, config: TrainConfig) -> None:
     )
 
 
+def check_lost(summary: TrainSummary, config) -> None:
+    """WorkerFailure when every replica was lost (what the launcher and the shards saw),
+    unless the user stopped the job: its replicas then end as their links close (a shard
+    killed as the stop came, say), and its checkpoints are what a resume goes on from."""
+    if len(summary.lost) == config.replicas and not summary.stopped:
+        raise WorkerFailure(
+            "every replica was lost: "
+            + "; ".join(f"replica {r}: {why}" for r, why in sorted(summary.lost.items()))
+        )
+
+
 def finish_run(compiled: CompiledPlan, config, run: Path, summary: TrainSummary) -> None:
     """After the job: model.pt from the shards, held-out figures, summary.json, the report."""
     spec, plan, layout = compiled.spec, compiled.plan, compiled.layout
@@ -370,11 +382,7 @@ def finish_run(compiled: CompiledPlan, config, run: Path, summary: TrainSummary)
             continue
         for r, why in shard_meta(run, s).get("lost", {}).items():
             summary.lost.setdefault(int(r), why)
-    if len(summary.lost) == config.replicas:  # what the launcher and the shards saw
-        raise WorkerFailure(
-            "every replica was lost: "
-            + "; ".join(f"replica {r}: {why}" for r, why in sorted(summary.lost.items()))
-        )
+    check_lost(summary, config)
     state = model_from_shards(spec, plan, config, run, layout)
     if not all(bool(torch.isfinite(t).all()) for t in state.values()):
         raise RuntimeFailure(

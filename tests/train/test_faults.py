@@ -357,3 +357,13 @@ def test_a_stop_that_comes_as_a_shard_dies_stops_the_job_instead_of_restarting_i
     watch = Watch(config, 2, summary)
     watch.failed = (1, -9)
     assert watch.verdict(procs, run, 0) is None and summary.stopped
+    # Its second variant: the stop 0.1 s after the kill, every replica's workers ended by
+    # the closed links before the shard's exit was seen; the job was still the user's stop.
+    from netpart.errors import WorkerFailure
+    from netpart.train.rundir import check_lost
+
+    summary.lost = {0: "worker 0 exited with code 1: Connection closed by peer"}
+    check_lost(summary, config)  # stopped: not "every replica was lost"
+    summary.stopped = False
+    with pytest.raises(WorkerFailure, match="every replica was lost"):
+        check_lost(summary, config)

@@ -1,9 +1,10 @@
 """Issue 78's acceptance on models as a PyTorch user writes them (`user_models.py`): each
 imports, plans on 2, 4 and 8 workers, and its split step equals the user's own module under
-its own parameter names (float64, 1e-9) at N = 2 in worker processes and N = 3 in threads; a
-LeNet-5 goes through the README's "your own model" section (plan, train 2 workers x 2
-replicas, eval) and its weights load into the user's class in a process that never imports
-netpart, giving the same logits."""
+its own parameter names (float64, 1e-9) at N = 2 in worker processes and N = 3 in threads;
+each trains on 2 workers x 2 replicas and its weights load strictly into its class; the
+LeNet-5 goes through the README's "your own model" section (plan, train, eval) and its
+weights load in a process that never imports netpart, giving the same logits; --init module
+starts from the module's own weights."""
 
 import os
 import subprocess
@@ -112,3 +113,23 @@ def test_init_module_starts_training_from_the_user_s_own_initial_weights(tmp_pat
     zoo = f"--model tiny-mlp --workers 1 --init module --out {tmp_path / 'zoo'}"
     assert main(["train", *zoo.split()]) == 2
     assert "--init module: --model tiny-mlp is not a module" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["VGGish", "distbelief", "MLP"])
+def test_each_user_model_trains_and_its_weights_load_strictly_into_its_class(tmp_path, name):
+    """The other three models train too (2 workers x 2 replicas on generated examples), and
+    the run's model.pt loads strictly into the user's class, giving the reference's logits."""
+    make, shape = MODELS[name]
+    run = tmp_path / "run"
+    model = ["--model", f"tests.models.user_models:{name}", "--input", shape]
+    args = f"--workers 2 --replicas 2 --steps 4 --batch 8 --out {run}"
+    assert main(["train", *model, *args.split()]) == 0
+    from netpart.train.rundir import run_model
+
+    job, state = run_model(run)
+    reference = build_reference(job.spec)
+    reference.load_state_dict(state)
+    net = make()
+    net.load_state_dict(torch.load(run / "model.pt", weights_only=True))  # strict
+    x = torch.randn(3, *(int(v) for v in shape.split("x")))
+    assert torch.allclose(net(x), reference(x), rtol=0, atol=1e-5)

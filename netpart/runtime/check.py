@@ -131,8 +131,8 @@ def compare_with_reference(
     it gets the same initial weights under its own parameter names, takes the batch in its
     input shape, and its gradients are compared name by name."""
     reference = build_reference(spec, seed, torch.float64)
-    names = dict.fromkeys(n for n, _ in reference.named_parameters())  # its names: its own
     model: torch.nn.Module = reference
+    names: dict[str, str] = {}  # the reference's parameter names -> the module's
     if module is not None:
         names = spec.state_names()
         model = module.double()
@@ -147,7 +147,7 @@ def compare_with_reference(
         _diff("loss", got_loss, loss.detach().reshape(1), tolerance),
         _diff("outputs", result.outputs.reshape(out.shape), out.detach(), tolerance),
     ]
-    grads = {names.get(k) or k: g for k, g in result.grads.items()}
+    grads = {names.get(k, k): g for k, g in result.grads.items()}
     for name, p in model.named_parameters():
         diffs.append(_diff(f"grad {name}", grads[name], p.grad, tolerance))
     return tuple(diffs)

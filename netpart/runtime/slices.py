@@ -172,7 +172,7 @@ class _GroupedSlice(LayerSlice):
         self.pieces = layer_pieces(spec, index, units, blocks, self.groups)
         inner = _first_mask(units, first)
         # Where each (group, position, channel) output lands in `units` order.
-        out_index = [
+        self._out_index = out_index = [
             np.searchsorted(units, (np.arange(c0, c1)[None, :] * self.hw + pos[:, None]))
             for c0, c1, pos, _ in self.groups
         ]
@@ -189,12 +189,6 @@ class _GroupedSlice(LayerSlice):
                 for g, idx in enumerate(out_index)
                 for a, b in _runs(inner[idx[:, 0]] == want)
             ]
-        self._set_orders(
-            {
-                part: [out_index[g][a:b].reshape(-1) for g, a, b in runs]
-                for part, runs in self._part_runs.items()
-            }
-        )
 
     def _gather_index(self, part: str, runs: list[tuple[int, int, int]]) -> torch.Tensor:
         index = self._gathers.get(part)
@@ -213,6 +207,12 @@ class LocalSlice(_GroupedSlice):
 
     def __init__(self, spec, index, units, blocks, seed, dtype, first=None) -> None:
         super().__init__(spec, index, units, blocks, first)
+        self._set_orders(  # each run's rows: (position, channel)
+            {
+                part: [self._out_index[g][a:b].reshape(-1) for g, a, b in runs]
+                for part, runs in self._part_runs.items()
+            }
+        )
         weights, biases = _grouped_params(spec, seed, self.pieces, dtype, local=True)
         self._per = 2 if spec.layers[index].has_bias else 1  # pieces a group: weight (bias)
         values = zip(weights, biases, strict=True) if self._per == 2 else zip(weights)

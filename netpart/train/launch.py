@@ -117,11 +117,11 @@ def train(
 
 def _check_initial(config: TrainConfig, initial: dict | None, resume: bool) -> None:
     """A new --init module job needs the module's weights (`initial`), and only it does."""
-    if not resume and (config.init == "module") != (initial is not None):
-        raise TrainError(
-            "--init module starts from the module's weights (`initial`), and only it: "
-            f"init {config.init!r} with{'out' if initial is None else ''} them"
-        )
+    if resume or (config.init == "module") == (initial is not None):
+        return
+    if initial is None:
+        raise TrainError("--init module: the job was given no weights of the module to start from")
+    raise TrainError("initial weights were given to a job of --init seed (netpart's own)")
 
 
 def _attempts(spec, plan, config, run, how, summary, on_progress, preloaded, loggers) -> None:

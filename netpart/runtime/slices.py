@@ -176,12 +176,7 @@ class _GroupedSlice(LayerSlice):
             np.searchsorted(units, (np.arange(c0, c1)[None, :] * self.hw + pos[:, None]))
             for c0, c1, pos, _ in self.groups
         ]
-        self._patch_index = [
-            torch.from_numpy(window_index(spec, index, pos, None, self.n_in))
-            for _, _, pos, _ in self.groups
-        ]
         # Runs of positions per part: (group, a, b); "all" is one run per group.
-        self._gathers: dict[str, torch.Tensor] = {}
         self._part_runs = {"all": [(g, 0, len(grp[2])) for g, grp in enumerate(self.groups)]}
         for part, want in (("first", True), ("rest", False)):
             self._part_runs[part] = [
@@ -189,12 +184,6 @@ class _GroupedSlice(LayerSlice):
                 for g, idx in enumerate(out_index)
                 for a, b in _runs(inner[idx[:, 0]] == want)
             ]
-
-    def _gather_index(self, part: str, runs: list[tuple[int, int, int]]) -> torch.Tensor:
-        index = self._gathers.get(part)
-        if index is None:
-            index = self._gathers[part] = torch.cat([self._patch_index[g][a:b] for g, a, b in runs])
-        return index
 
 
 class LocalSlice(_GroupedSlice):
@@ -207,6 +196,11 @@ class LocalSlice(_GroupedSlice):
 
     def __init__(self, spec, index, units, blocks, seed, dtype, first=None) -> None:
         super().__init__(spec, index, units, blocks, first)
+        self._gathers: dict[str, torch.Tensor] = {}  # per part: its runs' patches
+        self._patch_index = [  # each owned position's patch: a local slice gathers them all
+            torch.from_numpy(window_index(spec, index, pos, None, self.n_in))
+            for _, _, pos, _ in self.groups
+        ]
         self._set_orders(  # each run's rows: (position, channel)
             {
                 part: [self._out_index[g][a:b].reshape(-1) for g, a, b in runs]
@@ -256,6 +250,12 @@ class LocalSlice(_GroupedSlice):
     def param_tensors(self):
         return self._values
 
+    def _gather_index(self, part: str, runs: list[tuple[int, int, int]]) -> torch.Tensor:
+        index = self._gathers.get(part)
+        if index is None:
+            index = self._gathers[part] = torch.cat([self._patch_index[g][a:b] for g, a, b in runs])
+        return index
+
     def bind_grads(self, views: list[torch.Tensor]) -> None:
         per = self._per
         for k, (g, a, b) in enumerate(self._atoms):
@@ -302,11 +302,11 @@ class ConvSlice(_GroupedSlice):
         self.weights, self.biases = _grouped_params(spec, seed, self.pieces, dtype, local=False)
         self.kernel, self.stride, _ = read_window(spec, index)
         self.src = spec.input_shape(index)
-        # per part: the gather's index, and per output piece (group, the input box [C, h, w]
-        # it convolves or None for patches, its output positions)
-        self._reads: dict[str, tuple[torch.Tensor, list[tuple[int, tuple | None, int]]]] = {}
+        # per part: the gather's index, and per output piece (its groups, the input box
+        # [C, h, w] they convolve or None for patches [K, Q], its output positions)
+        self._reads: dict[str, tuple[torch.Tensor, list[tuple[tuple, tuple | None, int]]]] = {}
         placed = {part: self._plan_part(part, runs) for part, runs in self._part_runs.items()}
-        self._set_orders(placed)  # the pieces' rows are channel-major
+        self._set_orders(placed)  # rectangles' rows position-major, patches' channel-major
 
     def compute(self, x: torch.Tensor, part: str) -> list[torch.Tensor]:
         if part not in self._reads:
@@ -370,8 +370,9 @@ class ConvSlice(_GroupedSlice):
             for rect in rects:
                 shared.setdefault(rect, []).append(g)
             if len(rest):
-                patches = self._patch_index[g][np.searchsorted(owned, positions[rest])]
-                indices.append(patches.t().reshape(-1))  # [K, Q]
+                # the patches of these positions alone (a plan's rectangles need none)
+                patches = window_index(self.spec, self.index, positions[rest], None, self.n_in)
+                indices.append(torch.from_numpy(np.ascontiguousarray(patches.T)).reshape(-1))
                 pieces.append(((g,), None, len(rest)))
                 units = np.arange(c0, c1)[:, None] * self.hw + positions[rest][None, :]
                 where.append(np.searchsorted(self.units, units.ravel()))  # channel-major

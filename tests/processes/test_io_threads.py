@@ -49,6 +49,7 @@ def test_a_destroyed_group_s_io_thread_runs_until_nothing_holds_it(tmp_path):
 
     import torch.distributed as dist
 
+    gc.collect()  # an earlier test's unreferenced group would end its thread during this one
     before = len(gloo_io_threads())
     dist.init_process_group(
         "gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0, world_size=1

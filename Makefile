@@ -24,9 +24,13 @@ demo: $(BIN)/netpart
 	@echo "plan report:     $(DEMO_OUT)/plan/report.md"
 	@echo "training report: $(DEMO_OUT)/train/report.md"
 
+# pip byte-compiles what it installs but not an editable install's own package: compiled once
+# here, the suite's ~150 fresh interpreters (torchrun's workers, `python -m netpart` commands)
+# do not each compile netpart again where PYTHONDONTWRITEBYTECODE keeps them from caching it.
 test: $(BIN)/netpart
 	$(BIN)/ruff check netpart tests benchmarks experiments
 	$(BIN)/ruff format --check netpart tests benchmarks experiments
+	$(BIN)/python -m compileall -q netpart tests
 	$(BIN)/python -m pytest
 
 # Regenerates every CSV/JSON/PNG in experiments/results (validate_sim needs root for its

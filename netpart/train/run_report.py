@@ -173,17 +173,20 @@ def _plots(run: Path, lines: list[dict], hist, mode: str) -> list[str]:
         written.append(_curves(plt, run, lines, reps))
         parts = {r: _breakdown(rows) for r, rows in reps.items()}
         if all(parts.values()):
-            fig, ax = plt.subplots(figsize=(7, 1.6 + 0.5 * len(parts)), layout="constrained")
+            height = 1.6 + 0.5 * len(parts)
+            fig, ax = plt.subplots(figsize=(7, height))
+            fig.subplots_adjust(left=0.14, right=0.97, top=1 - 0.1 / height, bottom=0.85 / height)
             left = np.zeros(len(parts))
             for p in (*PARTS, "other"):
                 ms = np.array([parts[r][p] * 1e3 for r in parts])
                 ax.barh([f"replica {r}" for r in parts], ms, left=left, label=PART_NAMES[p])
                 left += ms
             ax.set(xlabel="mean step time of worker 0 (ms)")
-            fig.legend(ncol=5, fontsize="small", loc="outside lower center")
+            fig.legend(ncol=5, fontsize="small", loc="lower center")
             written.append(_save(fig, run / "step_time.png"))
     if hist:
-        fig, ax = plt.subplots(figsize=(6, 3.5), layout="constrained")
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        fig.subplots_adjust(left=0.13, right=0.97, top=0.9, bottom=0.15)
         ks = np.array(sorted(hist))
         ax.bar(ks, [hist[k] for k in ks], width=0.8)
         mean = sum(k * v for k, v in hist.items()) / sum(hist.values())
@@ -210,8 +213,9 @@ def _curves(plt, run: Path, lines: list[dict], reps: dict) -> str:
 
     held = [json.loads(x) for x in _text(run / "eval.jsonl").splitlines() if x.strip()]
     has_acc = any(x.get("accuracy") is not None for x in lines)
-    fig, axes = plt.subplots(
-        1, 2 if has_acc else 1, figsize=(11 if has_acc else 6, 4), layout="constrained"
+    fig, axes = plt.subplots(1, 2 if has_acc else 1, figsize=(11 if has_acc else 6, 4))
+    fig.subplots_adjust(
+        left=0.085 if has_acc else 0.15, right=0.98, top=0.8, bottom=0.12, wspace=0.2
     )
     axes = np.atleast_1d(axes)
     for r, rows in reps.items():
@@ -260,7 +264,9 @@ def _save(fig, path: Path) -> str:
     import matplotlib.pyplot as plt
 
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)  # constrained layout: one draw, not two
+    # Each figure sets its margins itself: a layout engine (constrained, tight) measures every
+    # text before drawing, and cost more than the drawing on a short job's report.
+    fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
     write_atomic(path, buf.getvalue())
     return path.name

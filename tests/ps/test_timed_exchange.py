@@ -7,37 +7,13 @@ without a step before each."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 
 import pytest
 
 from netpart.compile.shards import Segment
 from netpart.ps.timed_exchange import WARM, flat_layout, stand_in, timed_calls, warm_exchanges
-from tests.conftest import finish
-
-ROLE = """
-import json, sys, time
-import torch, torch.distributed as dist
-from netpart.ps.timed_exchange import ps_loop
-rank, world, store, shards = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
-group = dist.new_group(list(range(world)))
-out = {m: ps_loop(group, rank, m, [4096, 65536], 4, shards) for m in ("sync", "downpour")}
-calls = []  # a step's stand-in before each request: 10 ms
-beside = lambda: (calls.append(1), time.sleep(0.01))
-out["beside"] = ps_loop(group, rank, "downpour", [4096], 4, shards, beside), len(calls)
-for mode in ("sync", "downpour"):  # 4 MB: fewer warm-up exchanges (`warm_exchanges`)
-    calls.clear()
-    out["large_" + mode] = ps_loop(group, rank, mode, [4_000_000], 2, shards, beside), len(calls)
-out["allreduce"] = ps_loop(group, rank, "allreduce", [4096, 65536], 2, 0)
-calls.clear()
-out["ring_beside"] = ps_loop(group, rank, "allreduce", [4096], 3, 0, beside), len(calls)
-dist.destroy_process_group()
-print(json.dumps(out))
-"""
+from tests.ps.roles import run_roles
 
 
 def test_a_flat_layout_is_even_segments_of_its_shards():
@@ -51,21 +27,7 @@ def test_a_flat_layout_is_even_segments_of_its_shards():
 
 @pytest.mark.parametrize("clients,shards", [(2, 1), (1, 2)])
 def test_clients_time_their_exchanges_and_the_shards_serve_them(tmp_path, clients, shards):
-    world = clients + shards
-    store = str(tmp_path / "s")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", ROLE, str(r), str(world), store, str(shards)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    outs = finish(procs, 120)
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err[-2000:]
-    got = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    got = run_roles(tmp_path, clients + shards, ["timed", str(shards)])
     for mode in ("sync", "downpour"):
         for client in got[:clients]:
             seconds, cpu = client[mode]

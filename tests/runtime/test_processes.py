@@ -105,7 +105,7 @@ def test_a_dead_or_stuck_worker_stops_everyone_within_the_timeout(monkeypatch, f
     p = plan(spec, 3)
     x, y = make_batch(spec, 2, 0)
     monkeypatch.setenv("NETPART_TEST_FAULT", fault)
-    timeout = 6.0
+    timeout = 4.0
     start = time.monotonic()
     with pytest.raises(WorkerFailure) as err:
         run_step(spec, p, x, y, StepOptions(timeout=timeout))

@@ -54,7 +54,7 @@ def descendants(pid: int) -> list[int]:
 @pytest.mark.parametrize(
     "argv",
     [
-        ["train", "--model", "tiny-local", "--workers", "2", "--steps", "80"],
+        ["train", "--model", "tiny-local", "--workers", "2", "--steps", "40"],
         ["check", "--model", "tiny-local", "--workers", "2"],
     ],
 )
@@ -75,7 +75,7 @@ def test_a_local_job_listens_on_a_loopback_of_its_own(tmp_path, argv):
                 with pytest.raises(ConnectionRefusedError), socket.socket() as s:
                     s.connect(("127.0.0.1", port))
                 refused += 1
-            time.sleep(0.02)
+            time.sleep(0.05)
     finally:
         _, err = finish([proc], timeout=30)[0]
     assert proc.returncode == 0, err.decode()[-2000:]

@@ -345,20 +345,36 @@ def test_bad_resume_input_exits_2_and_overwrites_nothing(sync_run, tmp_path, cap
     assert not (tmp_path / "x").exists()
 
 
-def test_torchrun_runs_the_same_job_and_export_loads_back(tmp_path):
-    run = tmp_path / "run"
+def _torchrun_train(
+    run: Path, nproc: int, restarts: int, *args: str
+) -> subprocess.CompletedProcess:
+    """`torchrun --standalone` of a tiny-local `netpart train` job into `run`, shard 1 (the
+    last rank) dying at its 9th update."""
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [
         str(torchrun),
-        *"--standalone --nproc-per-node 5 -m netpart train --model".split(),
-        *"tiny-local --workers 2 --replicas 2 --ps-shards 1 --steps 12".split(),
-        "--out",
+        *f"--standalone --nproc-per-node {nproc} --max-restarts {restarts}".split(),
+        *"-m netpart train --model tiny-local --workers 2 --ps-shards 2".split(),
+        *"--steps 40 --checkpoint-every 4 --timeout 20 --out".split(),
         str(run),
-        *"--timeout 30".split(),
+        *args,
     ]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "replica 0: step 12" in out.stdout and "replica 1: step 12" in out.stdout
+    env = {**os.environ, "NETPART_TEST_FAULT": f"die:{nproc - 1}@9"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+
+
+def test_torchrun_runs_the_job_restarts_a_dead_shard_and_export_loads_back(tmp_path):
+    """The same job under torchrun: --max-restarts restarts every process after shard 1
+    dies, the job goes on from the checkpoints (no --resume given) and the summary says
+    what shard 1 lost; the run exports and evaluates as a local one does."""
+    run = tmp_path / "run"
+    out = _torchrun_train(run, 6, 1, "--replicas", "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "replica 0: step 40" in out.stdout and "replica 1: step 40" in out.stdout
+    assert "Shard 1 died" in out.stdout
+    (restart,) = json.loads((run / "summary.json").read_text())["restarts"]
+    assert restart["shard"] == 1 and restart["checkpoint_updates"] == 8
+    assert sum(restart["lost_steps"].values()) >= 1
     assert "held-out synthetic (1000 examples)" in out.stdout and (run / "report.md").exists()
     assert "[shard 0 (rank 4)]" in out.stderr  # logs name role and rank
     m = tmp_path / "m.pt"
@@ -374,33 +390,12 @@ def test_torchrun_runs_the_same_job_and_export_loads_back(tmp_path):
     )
 
 
-@pytest.mark.parametrize("restarts", [1, 0])
-def test_torchrun_restarts_a_dead_shard_from_its_checkpoint(tmp_path, restarts):
-    """torchrun --max-restarts restarts every process after shard 1 dies: the job goes on
-    from the checkpoints (no --resume given) and the summary says what shard 1 lost. With
-    no restart, the healthy shard 0 exits 1 too (a node running only it must not succeed)."""
-    run = tmp_path / "run"
-    torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [
-        str(torchrun),
-        *"--standalone --nproc-per-node 4 --max-restarts".split(),
-        str(restarts),
-        *"-m netpart train --model tiny-local --workers 2 --replicas 1".split(),
-        *"--ps-shards 2 --steps 40 --checkpoint-every 4 --out".split(),
-        str(run),
-        *"--timeout 20".split(),
-    ]
-    env = {**os.environ, "NETPART_TEST_FAULT": "die:3@9"}  # shard 1 (rank 3), 9th update
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
-    if not restarts:  # torchrun's failure summary lists rank 2 (shard 0) with exit code 1
-        assert out.returncode != 0
-        assert re.search(r"rank\s+: 2 \(local_rank: 2\)\s+exitcode\s+: 1 ", out.stderr)
-        return
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "replica 0: step 40" in out.stdout and "Shard 1 died" in out.stdout
-    (restart,) = json.loads((run / "summary.json").read_text())["restarts"]
-    assert restart["shard"] == 1 and restart["checkpoint_updates"] == 8
-    assert restart["lost_steps"]["0"] >= 1
+def test_torchrun_without_restarts_fails_the_healthy_shard_too(tmp_path):
+    """With no restart, the healthy shard 0 exits 1 too (a node running only it must not
+    succeed): torchrun's failure summary lists rank 2 (shard 0) with exit code 1."""
+    out = _torchrun_train(tmp_path / "run", 4, 0, "--replicas", "1")
+    assert out.returncode != 0
+    assert re.search(r"rank\s+: 2 \(local_rank: 2\)\s+exitcode\s+: 1 ", out.stderr)
 
 
 def test_sigint_to_torchrun_stops_every_process_with_a_final_checkpoint(tmp_path):

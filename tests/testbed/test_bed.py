@@ -32,10 +32,10 @@ def _worker_of(group: Path) -> int | None:
 
 def test_a_job_runs_one_worker_on_each_machine_and_down_leaves_nothing(capsys):
     name = f"t{os.getpid() % 100000}"
-    bed = up(name, 2, cpu=0.5, rate="1gbit")
+    bed = up(name, 2, cpu=1.0, rate="1gbit")
     try:
         with pytest.raises(TestbedError, match="exists"):
-            up(name, 2, cpu=0.5, rate="1gbit")
+            up(name, 2, cpu=1.0, rate="1gbit")
         assert read(name) == bed
         argv = [
             sys.executable,

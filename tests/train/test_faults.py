@@ -169,26 +169,19 @@ def test_a_diverged_resume_keeps_the_last_good_checkpoint(tmp_path, capsys):
     assert main(["train", "--resume", str(run), "--lr", "0.01", "--steps", str(steps + 5)]) == 0
 
 
-def test_a_stopped_shard_ends_the_job_naming_it(tmp_path):
+def test_a_stopped_shard_ends_the_job_naming_it(tmp_path, capsys):
     """6: SIGSTOP on a shard: not blamed on the worker that noticed, and the job ends."""
     run = tmp_path / "run"
-    proc = subprocess.Popen(
-        [*NETPART, *_args(run, "--steps", "100000", "--timeout", "3")],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    try:
+
+    def stop_shard_1() -> None:
         wait_for_lines(run / "metrics_replica0.jsonl", 10, timeout=60)
         log = str((run / "logs" / "rank5.log").resolve())
         pid = next(int(d) for d in os.listdir("/proc") if d.isdigit() and _stderr_of(d) == log)
         os.kill(pid, signal.SIGSTOP)
-        _, err = proc.communicate(timeout=60)
-        assert proc.returncode == 1
-        assert b"shard 1 (rank 5) was stopped (SIGSTOP)" in err
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+
+    threading.Thread(target=stop_shard_1, daemon=True).start()
+    assert main(_args(run, "--steps", "100000", "--timeout", "3")) == 1
+    assert "shard 1 (rank 5) was stopped (SIGSTOP)" in capsys.readouterr().err
 
 
 def _stderr_of(pid: str) -> str | None:

@@ -67,6 +67,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+METRICS_TAIL_BYTES = 65536  # of a metrics file, read for its last step (a line is < 1 KB)
+
 
 @dataclass
 class TrainSummary:
@@ -225,6 +227,8 @@ def prepare_run(
             log.info("resuming with %d replicas (was %d)", config.replicas, old.replicas)
         sync = config.mode == "sync"
         starts = read_progress(run, config.shards, config.replicas, sync, newest)
+        if config.mode != "sandblaster":  # its iterations are logged by the coordinator
+            _say_unlogged(run, {r: n for r, n in starts.items() if r < old.replicas})
     else:
         if _resumable(run):
             raise TrainError(
@@ -253,6 +257,39 @@ def _resumable(run: Path) -> bool:
     except (NetpartError, OSError, ValueError):
         return any(run.glob("shard_*.pt"))  # unreadable: leave it to the other checks
     return any(run.glob("shard_*.pt")) and all(shard_path(run, s).exists() for s in range(shards))
+
+
+def _say_unlogged(run: Path, starts: dict[int, int]) -> None:
+    """Warn of the steps a replica trained into every checkpoint without a metrics line of
+    their own: a job killed between a shard's checkpoint and the replica's line (or a torn
+    last line cut). The resume goes on after them; its metrics and report go without them."""
+    for r, start in starts.items():
+        last = _last_logged_step(run / f"metrics_replica{r}.jsonl")
+        if start > last:
+            steps = f"step {start}" if start == last + 1 else f"steps {last + 1}-{start}"
+            log.warning(
+                "replica %d: %s trained (the checkpoints hold their updates) but not logged "
+                "(the job ended before their metrics lines were written); the metrics and "
+                "the report go on without them",
+                r,
+                steps,
+            )
+
+
+def _last_logged_step(path: Path) -> int:
+    """The step of the last whole line of a metrics file (0: no file, or no line yet)."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - METRICS_TAIL_BYTES))
+            tail = fh.read()
+    except OSError:
+        return 0
+    for line in reversed(tail.splitlines()):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue  # torn, or the first line's cut end
+    return 0
 
 
 def _cut_torn_lines(run: Path) -> None:

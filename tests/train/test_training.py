@@ -688,10 +688,11 @@ def test_a_process_role_flushes_subnormals_in_the_threads_it_makes():
     assert threads == 1
 
 
-def test_a_resume_refuses_links_and_cuts_a_torn_metrics_line(sync_run, tmp_path, capsys):
+def test_a_resume_refuses_links_and_cuts_a_torn_metrics_line(sync_run, tmp_path, capsys, caplog):
     """Issue 80, items 9 and 16: a run directory's file replaced by a symbolic link to a file
     outside it is refused before anything is written, the outside file untouched; a metrics
-    file whose last line a killed writer tore goes on with whole lines."""
+    file whose last line a killed writer tore goes on with whole lines; steps the checkpoints
+    hold without a line (a job killed between a checkpoint and the line) are named."""
     _, straight = sync_run
     run = tmp_path / "copy"
     shutil.copytree(straight, run)
@@ -707,6 +708,11 @@ def test_a_resume_refuses_links_and_cuts_a_torn_metrics_line(sync_run, tmp_path,
     metrics_file.unlink()
     lines = (straight / "metrics_replica0.jsonl").read_text().splitlines()
     metrics_file.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])
-    assert main(["train", "--resume", str(run), "--steps", "6"]) == 0
+    other = run / "metrics_replica1.jsonl"  # its last two lines never written
+    other.write_text("".join(x + "\n" for x in other.read_text().splitlines()[:-2]))
+    with caplog.at_level(logging.WARNING, logger="netpart.train.rundir"):
+        assert main(["train", "--resume", str(run), "--steps", "6"]) == 0
     steps = [json.loads(x)["step"] for x in metrics_file.read_text().splitlines()]
     assert steps == [1, 2, 3, 5, 6]  # step 4's torn line cut, the resume's lines whole
+    said = [r.getMessage() for r in caplog.records if "not logged" in r.getMessage()]
+    assert [m.split(" trained")[0] for m in said] == ["replica 0: step 4", "replica 1: steps 3-4"]

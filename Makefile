@@ -25,7 +25,7 @@ demo: $(BIN)/netpart
 	@echo "training report: $(DEMO_OUT)/train/report.md"
 
 # pip byte-compiles what it installs but not an editable install's own package: compiled once
-# here, the suite's ~150 fresh interpreters (torchrun's workers, `python -m netpart` commands)
+# here, the suite's fresh interpreters (torchrun's workers, `python -m netpart` commands)
 # do not each compile netpart again where PYTHONDONTWRITEBYTECODE keeps them from caching it.
 test: $(BIN)/netpart
 	$(BIN)/ruff check netpart tests benchmarks experiments

@@ -252,7 +252,8 @@ class Watch:
         # every shard that died, the first failure first: each is named, each restarted
         others = [k for k, c in enumerate(codes[: config.shards]) if c not in (0, None)]
         dead = (s, *(k for k in others if k != s)) if is_shard else (s,)
-        why = procs.last_error(n + s) if code == REPORTED_ERROR else "no error in its log"
+        unsaid = "no error in its log" if len(dead) == 1 else "no error in their logs"
+        why = procs.last_error(n + s) if code == REPORTED_ERROR else unsaid
         who = _shards_named(dead) if is_shard else "the coordinator"
         if procs.zygote_gone():
             who = "the job's preloaded interpreter (zygote)"

@@ -17,6 +17,7 @@ from netpart.partition.graph import UnitGraph
 from netpart.processes.zygote import Preloaded
 
 BIAS = st.sampled_from([{}, {}, {"bias": False}])  # a weighted layer without a bias, at times
+DROPOUT = st.sampled_from([{}, {}, {}, {"dropout": 0.5}, {"dropout": 0.2}])
 # A weighted layer's activation, leaky_relu with its slope.
 ACTIVATIONS = st.one_of(
     st.sampled_from(["relu", "tanh", "sigmoid", "gelu", "silu", "none"]).map(
@@ -76,6 +77,8 @@ def small_specs(draw: st.DrawFn, max_layers: int = 4) -> ModelSpec:
             spatial = False
     if named:
         layers = [{**layer, "name": f"net.{i}"} for i, layer in enumerate(layers)]
+    for layer in layers[:-1]:  # dropout, at times, on any layer but the last
+        layer.update(draw(DROPOUT))
     try:
         return ModelSpec.from_dict({"name": "random", "input": inp, "layer": layers})
     except SpecError:
@@ -111,6 +114,8 @@ def chain_specs(draw: st.DrawFn) -> ModelSpec:
     else:
         window = {"channels": 2, "kernel": 3, "stride": 1, "padding": 1, "activation": draw(act)}
         layers.append({"kind": top, **window})
+    for layer in layers:  # dropout, at times, below the top
+        layer.update(draw(DROPOUT))
     layers.append({"kind": "dense", "units": draw(st.integers(2, 4)), "activation": "softmax"})
     inp = {
         "channels": draw(st.integers(1, 2)),

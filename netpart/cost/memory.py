@@ -23,11 +23,12 @@ def activation_values(spec: ModelSpec) -> int:
     """Values per example a replica's workers hold at the peak of a step: each layer's
     outputs (forward values, activations, their gradients and copies), its inputs (buffers
     and their gradients), and the windows a locally connected or conv layer unfolds (the
-    patches and their gradient) or an LCN reads."""
+    patches and their gradient) or an LCN reads, and a dropout layer's mask and dropped
+    outputs."""
     total = 0
     for i, layer in enumerate(spec.layers):
         src, out = spec.input_shape(i), spec.shapes[i]
-        total += 6 * out.size + 2 * src.size
+        total += (8 if layer.dropout else 6) * out.size + 2 * src.size
         if layer.kind in ("local", "conv", "lcn"):
             windows = src.channels * layer.kernel**2 * out.height * out.width
             total += (3 if layer.kind != "lcn" else 1) * windows

@@ -14,7 +14,9 @@ what is supported): `Conv2d` (square kernel, one stride and padding for both axe
 (on a flattened input), each with a bias or without, `MaxPool2d`, `AvgPool2d` (zero padding
 counted), `LPPool2d(2)`, netpart.nn's `LocallyConnected2d`, `LocalContrastNorm` and
 `L2Pool2d`, `ReLU`, `LeakyReLU` (its slope), `GELU` (exact), `SiLU`, `Sigmoid`, `Tanh` and
-their functional forms, `Flatten`, `torch.flatten`, `view` and `reshape` into a dense layer.
+their functional forms, `Dropout` (on the output of the layer before it, with netpart's
+plan-independent masks: `netpart.models.dropout`; its functional form is refused, as no mask
+can be given to it), `Flatten`, `torch.flatten`, `view` and `reshape` into a dense layer.
 Each layer of the spec is named by its module's path (`features.0`), so the parameters map
 to the user's names (`ModelSpec.state_names`). A network whose last layer is dense is read as
 a classifier: its outputs are logits, trained with cross-entropy (the spec's `softmax`).
@@ -46,7 +48,7 @@ __all__ = [
 
 SUPPORTED = (
     "Conv2d, Linear, MaxPool2d, AvgPool2d, LPPool2d(2), ReLU, LeakyReLU, GELU, SiLU, Sigmoid, "
-    "Tanh, Flatten, netpart.nn.LocallyConnected2d, netpart.nn.LocalContrastNorm, "
+    "Tanh, Dropout, Flatten, netpart.nn.LocallyConnected2d, netpart.nn.LocalContrastNorm, "
     "netpart.nn.L2Pool2d"
 )
 ACTIVATIONS = ("relu", "leaky_relu", "gelu", "silu", "sigmoid", "tanh")  # functions' names
@@ -286,6 +288,8 @@ class _Walk:
             self._add(path, "pool", _lp_pool(path, m), True, kind)
         elif isinstance(m, netpart_nn.LocalContrastNorm):
             self._add(path, "lcn", {"kernel": m.kernel_size, "eps": m.eps}, True, kind)
+        elif isinstance(m, nn.Dropout):
+            self._dropout(path, m.p)
         elif isinstance(m, nn.LeakyReLU):
             self._activation(path, "leaky_relu", m.negative_slope)
         elif isinstance(m, nn.GELU):
@@ -307,6 +311,12 @@ class _Walk:
             self._activation(node.name, _gelu(node.name, node.kwargs.get("approximate", "none")))
         elif name in ACTIVATIONS:
             self._activation(node.name, name)
+        elif name == "dropout":
+            raise SpecError(
+                f"{self.name}: {node.name} (torch.nn.functional.dropout): write it as an "
+                "nn.Dropout module, whose masks netpart can give in `check` (a function's "
+                "draws from torch's generator cannot be split)"
+            )
         elif name not in ("flatten", "view", "reshape", "contiguous"):
             raise SpecError(
                 f"{self.name}: {node.name} ({name}) is not an operation netpart reads yet; it "
@@ -320,12 +330,30 @@ class _Walk:
         activation = {"activation": "none"} if weighted else {}
         self.out.append({"kind": kind, "name": path, **keys, **activation})
 
+    def _dropout(self, where: str, p: float) -> None:
+        """Dropout on the output of the layer before (netpart's masks, `models.dropout`)."""
+        before = self.out[-1] if self.out else None
+        if before is None or "dropout" in before:
+            what = "the input" if before is None else "a layer's output twice"
+            raise SpecError(
+                f"{self.name}: {where} (Dropout) drops {what}; netpart drops the outputs of a "
+                "layer, once"
+            )
+        if p > 0:
+            before["dropout"] = float(p)
+
     def _activation(self, where: str, name: str, slope: float | None = None) -> None:
         before = self.out[-1] if self.out else None
         if before is None or before.get("activation") != "none":
             raise SpecError(
                 f"{self.name}: {where} ({name}) follows no conv, locally connected or linear "
                 "layer without one; netpart applies an activation to such a layer's output"
+            )
+        if "dropout" in before and name not in ("relu", "leaky_relu"):
+            raise SpecError(
+                f"{self.name}: {where} ({name}) follows a Dropout; netpart drops after the "
+                "activation, which is the same only for relu and leaky_relu: put the "
+                "Dropout after it"
             )
         before["activation"] = name
         if slope is not None:
@@ -352,6 +380,7 @@ def _known() -> tuple[type, ...]:
         nn.Tanh,
         nn.Flatten,
         nn.Identity,
+        nn.Dropout,
         netpart_nn.LocallyConnected2d,
         netpart_nn.LocalContrastNorm,
         netpart_nn.L2Pool2d,

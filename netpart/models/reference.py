@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from netpart.models.dropout import DropoutKey, keep_scale
 from netpart.models.init import init_rows
 from netpart.models.spec import DTYPE_NAMES, LayerSpec, ModelSpec
 from netpart.nn import L2Pool2d, LocalContrastNorm, LocallyConnected2d
@@ -23,6 +24,7 @@ __all__ = [
     "ReferenceModel",
     "activation",
     "build_reference",
+    "dropout_mask",
     "exported_program",
     "reference_loss",
 ]
@@ -115,14 +117,31 @@ class ReferenceModel(nn.Module):
                 mods.append(LocalContrastNorm(layer.kernel, layer.eps))
         self.layers = nn.ModuleList(mods)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, dropout: DropoutKey | None = None) -> torch.Tensor:
+        """The outputs of a batch; `dropout`: a training step's key (its layers' dropout on,
+        the masks every split draws too); None: no dropout (evaluation, export)."""
         x = x.reshape(x.shape[0], *self.spec.input.dims)
-        for layer, mod in zip(self.spec.layers, self.layers, strict=True):
+        for i, (layer, mod) in enumerate(zip(self.spec.layers, self.layers, strict=True)):
             x = activation(layer, mod(x))
+            if layer.dropout and dropout is not None:
+                x = x * dropout_mask(self.spec, i, len(x), dropout, x.dtype)
         return x
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return reference_loss(self.spec, outputs, targets)
+
+
+def dropout_mask(
+    spec: ModelSpec, index: int, batch: int, key: DropoutKey, dtype: torch.dtype
+) -> torch.Tensor:
+    """Layer `index`'s dropout mask for a batch, batch-first in the layer's output shape
+    ([B, C, H, W], or [B, units]): the reference's, and a user module's in `check`."""
+    shape = spec.shapes[index]
+    units = torch.arange(shape.size)
+    mask = keep_scale(spec.layers[index].dropout, index, units, batch, key, dtype).T
+    if not spec.layers[index].is_spatial:
+        return mask
+    return mask.reshape(batch, shape.channels, shape.height, shape.width)
 
 
 def reference_loss(spec: ModelSpec, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

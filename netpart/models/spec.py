@@ -21,6 +21,9 @@ Schema (TOML, or the same structure as JSON)::
     activation = "relu"  # relu | leaky_relu | gelu | silu | sigmoid | tanh | none;
                          # softmax on the last dense layer only
     negative_slope = 0.2 # leaky_relu only (default 0.01, torch's)
+    dropout = 0.5        # optional, any layer: in training, each output value is zeroed
+                         # with this probability and the rest scaled by 1 / (1 - p); the
+                         # masks do not depend on the plan (`netpart.models.dropout`)
     [[layer]]
     kind = "pool"
     mode = "l2"          # max | avg | l2
@@ -135,6 +138,7 @@ class LayerSpec:
     negative_slope: float | None = None  # leaky_relu only
     name: str | None = None  # the layer's path in the user's module (an imported spec)
     bias: bool | None = None  # local, conv, dense: False for a layer without one (None: has)
+    dropout: float | None = None  # any kind: the probability an output is zeroed in training
 
     @property
     def is_spatial(self) -> bool:
@@ -155,6 +159,8 @@ class LayerSpec:
             value = getattr(self, key)
             if value is not None or key not in _OPTIONAL_KEYS:
                 out[key] = value
+        if self.dropout is not None:
+            out["dropout"] = self.dropout
         return out
 
 
@@ -169,6 +175,11 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shapes", _infer_shapes(self))
+        if self.layers and self.layers[-1].dropout:
+            raise SpecError(
+                f"layer {len(self.layers) - 1}: dropout on the last layer would drop the "
+                "model's outputs; put it on a layer below"
+            )
         weighted = range(len(self.layers))
         names = [self.layers[i].name for i in weighted if self.layer_params(i)]
         names = [name for name in names if name is not None]
@@ -282,8 +293,11 @@ class ModelSpec:
 
     def fingerprint(self) -> str:
         """A digest of the architecture (input and layers, not the names of the network or
-        its layers): plans are tied to it."""
-        layers = [{k: v for k, v in ly.to_dict().items() if k != "name"} for ly in self.layers]
+        its layers, nor their dropout, which moves no unit): plans are tied to it."""
+        unplanned = ("name", "dropout")
+        layers = [
+            {k: v for k, v in ly.to_dict().items() if k not in unplanned} for ly in self.layers
+        ]
         body = json.dumps({"input": self.input.to_dict(), "layer": layers}, sort_keys=True)
         return hashlib.sha256(body.encode()).hexdigest()[:16]
 
@@ -328,18 +342,27 @@ def _parse_layer(raw: Any, index: int, source: str) -> LayerSpec:
     where = f"{where} ({kind})"
     allowed = _ALLOWED_KEYS[kind]
     for key in raw:
-        if key not in ("kind", "name") and key not in allowed:
+        if key not in ("kind", "name", "dropout") and key not in allowed:
             raise SpecError(
-                f"{where}: unknown key {key!r}; allowed: kind, name, {', '.join(allowed)}"
+                f"{where}: unknown key {key!r}; allowed: kind, name, dropout, {', '.join(allowed)}"
             )
     try:
         bias = raw.get("bias", True)
         if not isinstance(bias, bool):
             raise SpecError(f"bias must be true or false, got {bias!r}")
         layer = replace(_parse_kind(raw, kind), name=_layer_name(raw.get("name")))
-        return replace(layer, bias=None if bias else False)
+        dropout = _dropout(raw["dropout"]) if "dropout" in raw else None
+        return replace(layer, bias=None if bias else False, dropout=dropout)
     except SpecError as exc:
         raise SpecError(f"{where}: {exc}") from None
+
+
+def _dropout(value: Any) -> float | None:
+    """A dropout probability in [0, 1) (0: none)."""
+    p = _number(value, "dropout", positive=False)
+    if p >= 1:
+        raise SpecError(f"dropout must be below 1 (the probability a value is zeroed), got {p}")
+    return p or None
 
 
 def _layer_name(value: Any) -> str | None:

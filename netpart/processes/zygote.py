@@ -27,13 +27,16 @@ import importlib
 import json
 import logging
 import os
+import queue
 import select
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
+from concurrent.futures import Future
 from pathlib import Path
 from typing import ClassVar
 
@@ -118,7 +121,7 @@ class Preloaded:
         self.module = module
         self.keep = False  # `kept`: serves job after job
         self.errors = tempfile.TemporaryFile()  # noqa: SIM115 - closed by close()
-        self.proc = subprocess.Popen(
+        self.proc = _Spawner.popen(
             [sys.executable, "-m", "netpart.processes.zygote", module, *PRELOAD],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -273,6 +276,38 @@ class Preloaded:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Spawner:
+    """Starts zygotes from a thread that lives as long as this process. The kernel sends the
+    parent-death signal (`die_with_parent`) when the *thread* that forked ends, not the
+    process: a zygote a job's thread started, kept for the next job, was killed as that
+    thread ended. The main thread starts its own; any other hands the start to one thread
+    of this process that never ends."""
+
+    _lock = threading.Lock()
+    _orders: queue.Queue | None = None
+
+    @classmethod
+    def popen(cls, argv: list[str], **kwargs) -> subprocess.Popen:
+        if threading.current_thread() is threading.main_thread():
+            return subprocess.Popen(argv, **kwargs)
+        with cls._lock:
+            if cls._orders is None:
+                cls._orders = queue.Queue()
+                threading.Thread(target=cls._serve, name="zygote-starter", daemon=True).start()
+        started: Future[subprocess.Popen] = Future()
+        cls._orders.put((argv, kwargs, started))
+        return started.result()
+
+    @classmethod
+    def _serve(cls) -> None:
+        while True:
+            argv, kwargs, started = cls._orders.get()
+            try:
+                started.set_result(subprocess.Popen(argv, **kwargs))
+            except BaseException as exc:  # the caller's to raise
+                started.set_exception(exc)
 
 
 class Forked:

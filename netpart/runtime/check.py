@@ -8,6 +8,7 @@ the plan predicts.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +20,8 @@ import torch.distributed as dist
 from netpart.compile.schedule import plan_schedule
 from netpart.cost.memory import activation_values, worker_bytes
 from netpart.errors import PlanError
-from netpart.models.reference import build_reference, reference_loss
+from netpart.models.dropout import DropoutKey, training_key
+from netpart.models.reference import build_reference, dropout_mask, reference_loss
 from netpart.models.spec import ModelSpec
 from netpart.partition.plans import PartitionPlan
 from netpart.processes.launcher import join_group
@@ -80,9 +82,10 @@ def lone_step(spec: ModelSpec, p: PartitionPlan, group, rank: int) -> Callable[[
     x = x.float()
     model = ModelWorker(spec, graph, schedule, 0, seed=0, dtype=torch.float32)
     transport = GlooTransport(group, ranks=[rank])
+    key = training_key(spec, 0, 1)  # its layers' dropout on, as in training
 
     def step() -> None:
-        model.step(x, y, transport, collect_grads=False)
+        model.step(x, y, transport, collect_grads=False, dropout=key)
 
     return step
 
@@ -124,21 +127,25 @@ def compare_with_reference(
     result: StepResult,
     tolerance: float,
     module: torch.nn.Module | None = None,
+    dropout: DropoutKey | None = None,
 ) -> tuple[Difference, ...]:
     """Run the reference step on the same batch and compare loss, outputs and every grad.
 
     With `module` (the user's own, its spec imported from it) that module is the reference:
     it gets the same initial weights under its own parameter names, takes the batch in its
-    input shape, and its gradients are compared name by name."""
+    input shape, and its gradients are compared name by name. `dropout`: the step's key;
+    the user's dropout modules then apply netpart's masks (`netpart.models.dropout`)."""
     reference = build_reference(spec, seed, torch.float64)
     model: torch.nn.Module = reference
     names: dict[str, str] = {}  # the reference's parameter names -> the module's
-    if module is not None:
+    if module is None:
+        out = reference(x, dropout)
+    else:
         names = spec.state_names()
         model = module.double()
         model.load_state_dict({names[k]: v for k, v in reference.state_dict().items()})
-        x = x.reshape(x.shape[0], *spec.input.dims)
-    out = model(x)
+        with _masked_dropout(spec, model, x.shape[0], dropout):
+            out = model(x.reshape(x.shape[0], *spec.input.dims))
     loss = reference_loss(spec, out, y)
     if loss.requires_grad:
         loss.backward()
@@ -151,6 +158,28 @@ def compare_with_reference(
     for name, p in model.named_parameters():
         diffs.append(_diff(f"grad {name}", grads[name], p.grad, tolerance))
     return tuple(diffs)
+
+
+@contextlib.contextmanager
+def _masked_dropout(spec: ModelSpec, module: torch.nn.Module, batch: int, key: DropoutKey | None):
+    """Within the block, the k-th dropout module `module` runs applies the mask of the k-th
+    spec layer with dropout (the chain's order), not torch's random one."""
+    layers = [i for i, layer in enumerate(spec.layers) if layer.dropout]
+    calls = iter(layers)
+
+    def masked(mod, inputs, output):
+        index = next(calls)
+        return inputs[0] * dropout_mask(spec, index, batch, key, inputs[0].dtype)
+
+    hooks = []
+    if key is not None:
+        drops = [m for m in module.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+        hooks = [m.register_forward_hook(masked) for m in drops]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def _byte_rows(sent: np.ndarray, planned: np.ndarray) -> tuple[tuple[int, str, int, int], ...]:
@@ -176,7 +205,8 @@ def check_step(
     require_memory(spec, batch)
     x, y = make_batch(spec, batch, seed)
     result = run_step(spec, plan, x, y, StepOptions(seed=seed, dtype="float64", timeout=timeout))
-    diffs = compare_with_reference(spec, x, y, seed, result, tolerance, module)
+    key = training_key(spec, seed, 1)  # the masks of run_step's one step
+    diffs = compare_with_reference(spec, x, y, seed, result, tolerance, module, key)
     _, schedule = plan_schedule(spec, plan, validate=False)  # run_step validated it
     planned = schedule.traffic() * batch * 8
     sent = np.zeros((len(spec.layers), 2), dtype=np.int64)
@@ -228,7 +258,8 @@ def check_step_distributed(
         graph, schedule = plan_schedule(spec, plan)
         x, y = make_batch(spec, batch, seed)
         worker = ModelWorker(spec, graph, schedule, rank, seed=seed, dtype=torch.float64)
-        mine = worker.step(x, y, GlooTransport())
+        key = training_key(spec, seed, 1)
+        mine = worker.step(x, y, GlooTransport(), dropout=key)
         result = assemble(spec, [mine], batch, torch.float64, check_loss=False)
         for t in (*result.grads.values(), result.outputs):
             dist.all_reduce(t)
@@ -238,7 +269,7 @@ def check_step_distributed(
         dist.all_reduce(sent)
         if rank != 0:
             return None
-        diffs = compare_with_reference(spec, x, y, seed, result, tolerance, module)
+        diffs = compare_with_reference(spec, x, y, seed, result, tolerance, module, key)
         rows = _byte_rows(sent.numpy(), schedule.traffic() * batch * 8)
         return CheckReport(diffs, all(m == p for _, _, m, p in rows), rows)
     finally:

@@ -15,6 +15,7 @@ import torch
 
 from netpart.compile.schedule import SPLIT_MIN_FLOPS, plan_schedule
 from netpart.errors import PeerError, ShapeMismatchError
+from netpart.models.dropout import DropoutKey
 from netpart.models.spec import ModelSpec
 from netpart.partition.plans import PartitionPlan
 from netpart.runtime.result import StepResult, assemble
@@ -117,10 +118,11 @@ def run_step_threads(
     overlap: bool = True,
     split_min_flops: float = SPLIT_MIN_FLOPS,
     split: tuple[bool, ...] | None = None,
+    dropout: DropoutKey | None = None,
 ) -> StepResult:
     """One partitioned step of `spec` by `plan`, workers as threads; the result as `run_step`'s
     (`split_min_flops=0, split=()` makes every program split whatever it can, for tests;
-    `split` as `plan_schedule`'s)."""
+    `split` as `plan_schedule`'s; `dropout`: the step's key, as in training)."""
     graph, schedule = plan_schedule(
         spec, plan, overlap=overlap, split_min_flops=split_min_flops, split=split
     )
@@ -131,7 +133,7 @@ def run_step_threads(
     def work(rank: int) -> None:
         try:
             worker = ModelWorker(spec, graph, schedule, rank, seed=seed, dtype=dtype)
-            results[rank] = worker.step(inputs, targets, transports[rank])
+            results[rank] = worker.step(inputs, targets, transports[rank], dropout=dropout)
         except BaseException as exc:  # surfaced below
             errors.append(exc)
             transports[rank].fail()

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from netpart.compile.program import Instruction
+from netpart.models.dropout import DropoutKey
 from netpart.runtime.transport import Handle, Transport
 
 __all__ = [
@@ -123,6 +124,7 @@ class StepState:
     transport: Transport
     flag: float  # 1.0: this worker asks its replica to stop after the step
     want_accuracy: bool = True
+    dropout: DropoutKey | None = None  # a training step's masks; None: no dropout
     fwd: Activations = field(default_factory=Activations)
     bwd: Gradients = field(default_factory=Gradients)
     posted: dict[Key, list[Handle]] = field(default_factory=dict)  # messages in flight

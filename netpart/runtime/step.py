@@ -34,6 +34,7 @@ from netpart import faults
 from netpart.compile.schedule import NO_SPLITS, SPLIT_MIN_FLOPS, plan_schedule
 from netpart.errors import WorkerFailure
 from netpart.files import write_files
+from netpart.models.dropout import training_key
 from netpart.models.reference import DTYPES
 from netpart.models.spec import ModelSpec
 from netpart.partition.plans import PartitionPlan, load_plan, plan_files
@@ -303,7 +304,8 @@ def step_loop(worker: ModelWorker, transport, batch: dict, steps: int):
             transport.barrier()
         start = time.perf_counter()
         inputs, targets = batch["inputs"], batch["targets"]
-        result = worker.step(inputs, targets, transport, collect_grads=i == steps - 1)
+        key = training_key(worker.spec, worker.seed, i + 1)  # a training step's masks, if any
+        result = worker.step(inputs, targets, transport, collect_grads=i == steps - 1, dropout=key)
         times.append(time.perf_counter() - start)
         after = thread_usage()
         breakdowns.append(result.breakdown)

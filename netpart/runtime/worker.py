@@ -23,6 +23,7 @@ import torch
 from netpart.compile.indices import worker_indices
 from netpart.compile.program import Instruction, Op, Part, Phase
 from netpart.compile.schedule import HaloSchedule
+from netpart.models.dropout import DropoutKey, keep_scale
 from netpart.models.reference import activation
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import UnitGraph
@@ -51,6 +52,7 @@ class ModelWorker:
         dtype: torch.dtype = torch.float32,
     ) -> None:
         self.spec, self.schedule, self.rank, self.dtype = spec, schedule, rank, dtype
+        self.seed = seed  # its initial weights', and a timed step's dropout masks'
         self.program: tuple[Instruction, ...] = schedule.instructions(rank)
         tables = worker_indices(schedule, rank)
         self.owned = list(tables.owned)
@@ -99,6 +101,7 @@ class ModelWorker:
         collect_grads: bool = True,
         stop: bool = False,
         accuracy: bool = True,
+        dropout: DropoutKey | None = None,
     ) -> WorkerResult:
         """One forward/backward pass of the whole batch; grads accumulate in the slices.
 
@@ -107,9 +110,11 @@ class ModelWorker:
         `stop` travels with the loss's one collective: the result's `stop` is True when any
         worker of the replica asked to stop, so they all stop after the same step. Several
         workers get the batch accuracy for free from that collective; a lone worker computes
-        it only with `accuracy`.
+        it only with `accuracy`. `dropout`: the step's key, for layers with dropout (None:
+        none; `netpart.models.dropout`).
         """
-        st = StepState(inputs, targets, transport, 1.0 if stop else 0.0, want_accuracy=accuracy)
+        flag = 1.0 if stop else 0.0
+        st = StepState(inputs, targets, transport, flag, want_accuracy=accuracy, dropout=dropout)
         for ins in self.program:
             self._run[ins.op](st, ins)
         last = len(self.spec.layers) - 1
@@ -233,13 +238,27 @@ class ModelWorker:
                 self._fill_halo(st, layer, self._input_buffer(st.batch, layer))
         t1 = clock()
         if part in (Part.ALL, Part.JOINED):
-            st.fwd.outs[layer] = sl.forward(x)  # not through nn.Module's __call__: no hooks here
+            out = sl.forward(x)  # not through nn.Module's __call__: no hooks here
+            st.fwd.outs[layer] = self._dropped(st, layer, out)
         elif part == Part.INTERIOR:
             st.fwd.pieces[layer] = sl.compute(x, "first")
         else:
-            st.fwd.outs[layer] = sl.place(st.fwd.pieces.pop(layer) + sl.compute(x, "rest"), True, x)
+            out = sl.place(st.fwd.pieces.pop(layer) + sl.compute(x, "rest"), True, x)
+            st.fwd.outs[layer] = self._dropped(st, layer, out)
         st.book.breakdown["fill"] += t1 - t0
         st.book.breakdown["slice"] += clock() - t1
+
+    def _dropped(
+        self, st: StepState, layer: int, out: torch.Tensor, places: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`out` ([rows, B]: the slice's units in units order, or those at `places` of them)
+        times the step's dropout mask of `layer`, if it has one."""
+        p = self.spec.layers[layer].dropout
+        if not p or st.dropout is None:
+            return out
+        units = torch.from_numpy(self.slices[layer].units)
+        units = units if places is None else units[places]
+        return out * keep_scale(p, layer, units, out.shape[1], st.dropout, out.dtype)
 
     def _forward_chain(self, st: StepState, layer: int, part: str) -> None:
         """A producer chain's early units (reading the early units below, or all of the
@@ -269,6 +288,7 @@ class ModelWorker:
         first = part == Part.EARLY
         pieces = sl.compute(x, "first" if first else "rest")
         out = activation(sl.layer, torch.cat([p.reshape(-1, batch) for p in pieces]))
+        out = self._dropped(st, layer, out, sl.positions["first" if first else "rest"])
         st.fwd.parts[(layer, part)] = out
         if first:
             st.fwd.early_out[layer] = rows(out.detach(), self._orders[(layer, "first")])

@@ -87,6 +87,7 @@ def train(
     `netpart.train.process`) forks the first attempt's processes; without it one is started.
     """
     _check_initial(config, initial, resume)
+    _check_dropout(spec, config)
     compiled = compile_plan(spec, plan, shards=config.shards)
     starts = prepare_run(compiled, config, run, resume)
     write_run(spec, plan, config, run, starts, resume, initial)
@@ -113,6 +114,17 @@ def train(
     summary.wall_s = time.monotonic() - t0
     finish_run(compiled, config, run, summary)
     return summary
+
+
+def _check_dropout(spec: ModelSpec, config: TrainConfig) -> None:
+    """Sandblaster's L-BFGS evaluates one function at many points: dropout would make each
+    evaluation another function."""
+    dropped = [i for i, layer in enumerate(spec.layers) if layer.dropout]
+    if dropped and config.mode == "sandblaster":
+        raise TrainError(
+            f"{spec.name}: layer {dropped[0]} has dropout, and Sandblaster's L-BFGS evaluates "
+            "one fixed function; train it with --mode downpour or sync"
+        )
 
 
 def _check_initial(config: TrainConfig, initial: dict | None, resume: bool) -> None:
@@ -174,6 +186,7 @@ def train_under_torchrun(
     the run files first and, once every shard has finished, the model, summary and report
     (the run directory must be shared by the machines)."""
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    _check_dropout(spec, config)
     if world != config.world(plan.workers):
         raise TrainError(
             f"torchrun started {world} processes; this job needs replicas x workers + shards"

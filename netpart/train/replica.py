@@ -33,6 +33,7 @@ from netpart.compile.shards import ShardLayout
 from netpart.data import load_data
 from netpart.errors import RuntimeFailure
 from netpart.files import open_append
+from netpart.models.dropout import training_key
 from netpart.models.reference import DTYPES
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import UnitGraph
@@ -181,7 +182,13 @@ class _StepLoop:
         # A signal reaches a replica's workers at different moments: the flag travels with
         # the loss's collective, so they all stop after the same step.
         result = self.model.step(
-            x, y, self.transport, collect_grads=False, stop=stop, accuracy=job.worker == 0
+            x,
+            y,
+            self.transport,
+            collect_grads=False,
+            stop=stop,
+            accuracy=job.worker == 0,
+            dropout=training_key(job.spec, config.seed, t, job.replica * config.batch),
         )
         t3 = clock()
         self.first_loss = self.first_loss or result.loss

@@ -1,6 +1,7 @@
 """A user's nn.Module read into a spec (issue 78, the import): what is read, what the read
 spec computes against the user's module, and what is refused in one line."""
 
+import re
 import textwrap
 
 import pytest
@@ -153,3 +154,46 @@ def test_what_netpart_cannot_read_is_one_line_naming_it(tmp_path, capsys):
         parse_input("3x32")
     with pytest.raises(SpecError, match=r"FILE\.py:NAME"):
         load_module("no-colon")
+
+
+def test_dropout_modules_drop_the_layer_before_and_what_cannot_be_split_is_refused():
+    """nn.Dropout after a layer (after its activation, or before a relu: they commute) is
+    that layer's dropout; a functional dropout, one on the input, one before a tanh and a
+    second one on the same output are refused in one line each."""
+    net = nn.Sequential(
+        nn.Conv2d(1, 2, 3),
+        nn.Dropout(0.2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Dropout(0.1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+        nn.Tanh(),
+        nn.Dropout(0.5),
+        nn.Linear(4, 3),
+    )
+    spec = import_model(net, parse_input("1x6x6"), "dropped")
+    assert [layer.dropout for layer in spec.layers] == [0.2, 0.1, 0.5, None]
+    assert spec.layers[0].activation == "relu"
+
+    class Functional(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.fc(F.dropout(x, 0.5))
+
+    refused = {
+        "write it as an nn.Dropout module": Functional(),
+        "drops the input": nn.Sequential(nn.Dropout(0.5), nn.Linear(4, 3)),
+        "2 (Dropout) drops a layer's output twice": nn.Sequential(
+            nn.Linear(4, 4), nn.Dropout(0.1), nn.Dropout(0.1), nn.Linear(4, 3)
+        ),
+        "(tanh) follows a Dropout": nn.Sequential(
+            nn.Linear(4, 4), nn.Dropout(0.1), nn.Tanh(), nn.Linear(4, 3)
+        ),
+    }
+    for said, module in refused.items():
+        with pytest.raises(SpecError, match=re.escape(said)):
+            import_model(module, parse_input("4"), "bad")

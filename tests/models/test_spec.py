@@ -1,10 +1,12 @@
 import json
 
 import pytest
+import torch
 from hypothesis import given, settings
 
 from netpart.errors import SpecError
 from netpart.models import ZOO, ModelSpec, load_spec
+from netpart.models.dropout import DropoutKey, keep_scale
 from tests.conftest import small_specs
 
 TOML = """
@@ -215,3 +217,45 @@ def test_a_layer_without_a_bias_counts_and_names_its_weights_alone():
     assert ModelSpec.from_json(spec.to_json()) == spec
     with pytest.raises(SpecError, match="bias must be true or false"):
         ModelSpec.from_dict({**data, "layer": [{**layers[0], "bias": "no"}]})
+
+
+def test_dropout_is_a_layer_s_option_that_moves_no_unit():
+    """`dropout = p` on any layer but the last: written when set, read back, refused outside
+    [0, 1) or on the last layer; plans fit the spec with or without it (the fingerprint)."""
+    layers = [
+        {"kind": "conv", "channels": 2, "kernel": 3, "dropout": 0.25},
+        {"kind": "pool", "kernel": 2, "dropout": 0.5},
+        {"kind": "dense", "units": 3},
+    ]
+    data = {"name": "dr", "input": {"channels": 1, "height": 6, "width": 6}, "layer": layers}
+    spec = ModelSpec.from_dict(data)
+    assert [layer.dropout for layer in spec.layers] == [0.25, 0.5, None]
+    assert spec.to_dict()["layer"][0]["dropout"] == 0.25 and "dropout" not in str(
+        spec.to_dict()["layer"][2]
+    )
+    assert ModelSpec.from_json(spec.to_json()) == spec
+    plain = [{k: v for k, v in layer.items() if k != "dropout"} for layer in layers]
+    assert ModelSpec.from_dict({**data, "layer": plain}).fingerprint() == spec.fingerprint()
+    zero = ModelSpec.from_dict({**data, "layer": [{**layers[0], "dropout": 0}, *layers[1:]]})
+    assert zero.layers[0].dropout is None  # 0: none
+    for bad, message in ((1.0, "below 1"), (-0.1, "non-negative"), ("x", "a non-negative")):
+        with pytest.raises(SpecError, match=message):
+            ModelSpec.from_dict({**data, "layer": [{**layers[0], "dropout": bad}, *layers[1:]]})
+    with pytest.raises(SpecError, match="dropout on the last layer"):
+        ModelSpec.from_dict({**data, "layer": [*layers[:2], {**layers[2], "dropout": 0.1}]})
+
+
+def test_dropout_masks_are_the_unit_s_and_sample_s_not_the_split_s():
+    """A unit's mask for a sample is the same whichever slice of units and samples asks for
+    it; about p of the values drop; other steps, layers and seeds draw other masks."""
+    key = DropoutKey(seed=3, step=7, first_sample=0)
+    whole = keep_scale(0.3, 2, torch.arange(1000), 64, key, torch.float64)
+    assert set(whole.unique().tolist()) == {0.0, 1 / 0.7}
+    assert abs(float((whole == 0).double().mean()) - 0.3) < 0.01
+    part = keep_scale(0.3, 2, torch.tensor([5, 999, 17]), 16, DropoutKey(3, 7, 40), torch.float64)
+    assert torch.equal(part, whole[[5, 999, 17]][:, 40:56])
+    for other in (DropoutKey(3, 8), DropoutKey(4, 7)):
+        assert not torch.equal(
+            keep_scale(0.3, 2, torch.arange(1000), 64, other, torch.float64), whole
+        )
+    assert not torch.equal(keep_scale(0.3, 1, torch.arange(1000), 64, key, torch.float64), whole)

@@ -17,6 +17,7 @@ import torch
 
 from netpart.cli import main
 from netpart.models import build_reference
+from netpart.models.dropout import training_key
 from netpart.models.importer import import_model, parse_input
 from netpart.partition import plan
 from netpart.runtime.check import check_step, compare_with_reference, make_batch
@@ -40,8 +41,9 @@ def test_a_user_s_model_plans_and_its_split_step_equals_the_module_itself(name):
     user_names = {f"grad {n}" for n, _ in make().named_parameters()}
     assert user_names == set(names) - {"loss", "outputs"}  # every gradient, in its names
     x, y = make_batch(spec, 4, seed=2)
-    result = run_step_threads(spec, plan(spec, 3, "metis"), x, y, seed=2)
-    diffs = compare_with_reference(spec, x, y, 2, result, 1e-9, module=make())
+    key = training_key(spec, 2, step=5, first_sample=4)  # the VGG's dropout on, its masks
+    result = run_step_threads(spec, plan(spec, 3, "metis"), x, y, seed=2, dropout=key)
+    diffs = compare_with_reference(spec, x, y, 2, result, 1e-9, module=make(), dropout=key)
     assert all(d.ok for d in diffs), [d for d in diffs if not d.ok]
 
 
@@ -129,7 +131,7 @@ def test_each_user_model_trains_and_its_weights_load_strictly_into_its_class(tmp
     job, state = run_model(run)
     reference = build_reference(job.spec)
     reference.load_state_dict(state)
-    net = make()
+    net = make().eval()  # its dropout off, as the reference evaluates
     net.load_state_dict(torch.load(run / "model.pt", weights_only=True))  # strict
     x = torch.randn(3, *(int(v) for v in shape.split("x")))
     assert torch.allclose(net(x), reference(x), rtol=0, atol=1e-5)

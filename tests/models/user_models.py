@@ -11,7 +11,8 @@ from .plain_lenet import LeNet5
 
 
 class VGGish(nn.Module):
-    """Two VGG blocks of 3x3 convolutions at 3x32x32, then a classifier (narrow widths)."""
+    """Two VGG blocks of 3x3 convolutions at 3x32x32, then a classifier with dropout (narrow
+    widths)."""
 
     def __init__(self):
         super().__init__()
@@ -24,9 +25,14 @@ class VGGish(nn.Module):
             nn.Conv2d(8, 16, 3, padding=1, bias=False),
             nn.GELU(),
             nn.MaxPool2d(2, stride=2),
+            nn.Dropout(0.25),
         )
         self.classifier = nn.Sequential(
-            nn.Flatten(), nn.Linear(16 * 8 * 8, 32), nn.SiLU(), nn.Linear(32, 10)
+            nn.Flatten(),
+            nn.Linear(16 * 8 * 8, 32),
+            nn.SiLU(),
+            nn.Dropout(0.5),
+            nn.Linear(32, 10),
         )
 
     def forward(self, x):

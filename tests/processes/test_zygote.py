@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -121,5 +122,27 @@ def test_a_kept_zygote_busy_with_a_job_is_not_handed_out_nor_closed_under_it(job
         assert sleeper.wait() == -signal.SIGKILL
         busy.release()  # no longer kept: closed now
         assert busy.proc.poll() is not None and Preloaded.kept("zjob") is other
+    finally:
+        Preloaded.close_kept()
+
+
+def test_a_kept_zygote_started_by_a_thread_outlives_the_thread(job_module):
+    """The kernel's parent-death signal follows the thread that forked: a zygote a job's
+    thread started (a training job run in a thread, its restart) was killed when that thread
+    ended, and the next job found it dead. Kept zygotes are started by a thread that lives as
+    long as the process."""
+    log = job_module / "threaded.log"
+    Preloaded.close_kept()
+    made: list[Preloaded] = []
+    starter = threading.Thread(target=lambda: made.append(Preloaded.kept("zjob")))
+    starter.start()
+    starter.join()
+    (zygote,) = made
+    try:
+        (proc,) = zygote.fork(["ok"], [({"ACT": "ok", "RANK": "0"}, log)])
+        assert proc.wait() == 0  # it waited for its import, alive after the thread ended
+        zygote.release()
+        time.sleep(0.2)  # a parent-death signal would have come at once
+        assert zygote.reusable() and Preloaded.kept("zjob") is zygote
     finally:
         Preloaded.close_kept()

@@ -16,6 +16,7 @@ from netpart.compile.schedule import build_schedule, plan_schedule
 from netpart.compile.shards import ShardLayout
 from netpart.errors import ScheduleError, ShapeMismatchError
 from netpart.models import ZOO, build_reference
+from netpart.models.dropout import training_key
 from netpart.models.spec import ModelSpec
 from netpart.partition import METHODS as ALL_METHODS
 from netpart.partition import Granularity, build_unit_graph, plan
@@ -28,17 +29,17 @@ from tests.conftest import chain_specs, small_specs
 METHODS = sorted(ALL_METHODS)  # every partitioner, new ones included
 
 
-def reference_step(spec, inputs, targets, seed=0):
+def reference_step(spec, inputs, targets, seed=0, dropout=None):
     model = build_reference(spec, seed, torch.float64)
-    out = model(inputs)
+    out = model(inputs, dropout)
     loss = model.loss(out, targets)
     if loss.requires_grad:  # a spec of pool/lcn layers only has no parameters
         loss.backward()
     return float(loss.detach()), out.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def assert_equal_to_reference(spec, result, inputs, targets):
-    loss, out, grads = reference_step(spec, inputs, targets)
+def assert_equal_to_reference(spec, result, inputs, targets, dropout=None):
+    loss, out, grads = reference_step(spec, inputs, targets, dropout=dropout)
     scale = max(1.0, abs(loss))
     assert abs(result.loss - loss) <= 1e-9 * scale
     assert torch.allclose(result.outputs.reshape(out.shape), out, rtol=1e-9, atol=1e-9)
@@ -63,8 +64,9 @@ def assert_equal_to_reference(spec, result, inputs, targets):
 def test_partitioned_step_equals_reference(spec, workers, method, batch, seed):
     p = plan(spec, workers, method, granularity=Granularity(spatial_blocks=8, dense_blocks=4))
     x, y = make_batch(spec, batch, seed)
-    result = run_step_threads(spec, p, x, y)
-    assert_equal_to_reference(spec, result, x, y)
+    key = training_key(spec, seed, step=seed % 7 + 1, first_sample=seed % 3 * batch)
+    result = run_step_threads(spec, p, x, y, dropout=key)
+    assert_equal_to_reference(spec, result, x, y, key)  # dropout's masks too, whatever the plan
     # Bytes moved equal the plan's volume: per layer, per direction, per worker.
     graph = build_unit_graph(spec, p.granularity)
     traffic = build_schedule(graph, p.node_map, workers).traffic() * batch * 8
@@ -92,8 +94,11 @@ def test_every_split_of_the_program_equals_the_reference(spec, workers, method, 
     backward) and join the rest, and programs that never do: the same step, exactly."""
     p = plan(spec, workers, method, granularity=Granularity(spatial_blocks=8, dense_blocks=4))
     x, y = make_batch(spec, batch, 7)
-    result = run_step_threads(spec, p, x, y, overlap=overlap, split_min_flops=0.0, split=())
-    assert_equal_to_reference(spec, result, x, y)
+    key = training_key(spec, 7, 1)
+    result = run_step_threads(
+        spec, p, x, y, overlap=overlap, split_min_flops=0.0, split=(), dropout=key
+    )
+    assert_equal_to_reference(spec, result, x, y, key)
 
 
 @given(
@@ -114,8 +119,9 @@ def test_producer_chains_equal_the_reference(spec, workers, method, aligned, bat
     _, schedule = plan_schedule(spec, p, split_min_flops=0.0, split=())
     assume(any(schedule.chains))
     x, y = make_batch(spec, batch, 3)
-    result = run_step_threads(spec, p, x, y, split_min_flops=0.0, split=())
-    assert_equal_to_reference(spec, result, x, y)
+    key = training_key(spec, 3, 2)  # a chain's early and late parts drop as the reference
+    result = run_step_threads(spec, p, x, y, split_min_flops=0.0, split=(), dropout=key)
+    assert_equal_to_reference(spec, result, x, y, key)
     traffic = schedule.traffic() * batch * 8
     for w in range(workers):
         for layer in range(1, len(spec.layers)):

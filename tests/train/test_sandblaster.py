@@ -1,5 +1,6 @@
 """Sandblaster L-BFGS in real processes: a coordinator, shard-side vectors, work units."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from netpart.data import load_data
+from netpart.errors import TrainError
 from netpart.models import load_spec
 from netpart.partition import plan
 from netpart.train import train
@@ -185,3 +187,16 @@ def _until(condition, timeout: float = 60.0) -> bool:
     while not condition() and time.monotonic() < deadline:
         time.sleep(0.02)
     return condition()
+
+
+def test_a_model_with_dropout_is_refused_before_anything_starts(tmp_path):
+    """L-BFGS evaluates one function at many points; dropout makes every evaluation another."""
+    layers = tuple(
+        dataclasses.replace(layer, dropout=0.5 if i == 0 else None)
+        for i, layer in enumerate(SPEC.layers)
+    )
+    dropped = dataclasses.replace(SPEC, layers=layers)
+    cfg = exact_lbfgs(replicas=1, steps=2, units=2, timeout=10)
+    with pytest.raises(TrainError, match="layer 0 has dropout, and Sandblaster's L-BFGS"):
+        train(dropped, plan(dropped, 1), cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()

@@ -1,5 +1,6 @@
 """Training jobs in real processes (gloo): few, bounded, and none leaves a process behind."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ from netpart.compile.compiled import COMPILED
 from netpart.compile.shards import ShardLayout
 from netpart.data import load_data
 from netpart.models import build_reference, load_spec
+from netpart.models.dropout import training_key
 from netpart.partition import build_unit_graph, plan
 from netpart.runtime import WorkerFailure
 from netpart.train import train
@@ -31,6 +33,15 @@ from tests.conftest import count_processes, wait_for_lines
 pytestmark = pytest.mark.timeout(240)
 
 SPEC = load_spec("tiny-local")
+# The sync runs' model: tiny-local with dropout on its first layer and above its second
+# local layer (plan-independent masks: the equalities below hold with dropout on).
+DROPPED = {0: 0.3, 3: 0.2}
+SYNC_SPEC = dataclasses.replace(
+    SPEC,
+    layers=tuple(
+        dataclasses.replace(layer, dropout=DROPPED.get(i)) for i, layer in enumerate(SPEC.layers)
+    ),
+)
 
 
 def alive() -> int:
@@ -71,9 +82,9 @@ LAUNCHER_COMPILES: list[logging.LogRecord] = []  # the sync run's launcher's com
 
 @pytest.fixture(scope="module")
 def sync_run(tmp_path_factory):
-    """Sync SGD, 2 replicas x 2 workers + 3 shards, float64, 4 steps."""
+    """Sync SGD, 2 replicas x 2 workers + 3 shards, float64, 4 steps (dropout on)."""
     run = tmp_path_factory.mktemp("sync") / "run"
-    p = plan(SPEC, 2, "metis")
+    p = plan(SYNC_SPEC, 2, "metis")
     counter = logging.Handler()
     counter.emit = LAUNCHER_COMPILES.append
     compiled_log = logging.getLogger("netpart.compile.compiled")
@@ -81,7 +92,7 @@ def sync_run(tmp_path_factory):
     compiled_log.addHandler(counter)
     compiled_log.setLevel(logging.INFO)
     try:
-        train(SPEC, p, _sync(4), run)
+        train(SYNC_SPEC, p, _sync(4), run)
     finally:
         compiled_log.removeHandler(counter)
         compiled_log.setLevel(level)
@@ -102,13 +113,14 @@ def test_a_job_compiles_its_plan_once_per_process(sync_run):
 def test_sync_equals_single_process_sgd_on_the_concatenated_batch(sync_run):
     _, run = sync_run
     got = torch.load(run / "model.pt", weights_only=True)
-    ref = build_reference(SPEC, 0, torch.float64)
-    data = load_data("synthetic", SPEC, 0, TrainConfig().examples)
+    ref = build_reference(SYNC_SPEC, 0, torch.float64)
+    data = load_data("synthetic", SYNC_SPEC, 0, TrainConfig().examples)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for t in range(1, 5):
         xs, ys = zip(*[data.batch(r, 2, t, 8, torch.float64) for r in range(2)], strict=True)
         opt.zero_grad()
-        ref.loss(ref(torch.cat(xs)), torch.cat(ys)).backward()
+        key = training_key(SYNC_SPEC, TrainConfig().seed, t)  # replica r's samples: r * 8 on
+        ref.loss(ref(torch.cat(xs), key), torch.cat(ys)).backward()
         opt.step()
     for k, v in ref.state_dict().items():
         assert torch.allclose(got[k], v, rtol=0, atol=1e-12), k
@@ -124,11 +136,11 @@ def test_sync_pushes_are_never_stale(sync_run):
 def test_resume_continues_from_identical_parameters(sync_run, tmp_path):
     p, straight = sync_run
     run = tmp_path / "run"
-    train(SPEC, p, _sync(2), run)
+    train(SYNC_SPEC, p, _sync(2), run)
     half = torch.load(run / "model.pt", weights_only=True)
     meta = json.loads((run / "shard_0.json").read_text())
     assert meta["clock"] == 2 and meta["progress"] == {"0": 2, "1": 2}
-    train(SPEC, p, _sync(4), run, resume=True)
+    train(SYNC_SPEC, p, _sync(4), run, resume=True)
     got = torch.load(run / "model.pt", weights_only=True)
     want = torch.load(straight / "model.pt", weights_only=True)
     for k in want:
@@ -143,16 +155,16 @@ def test_sync_resume_after_a_signal_equals_the_uninterrupted_run(sync_run, tmp_p
     parameters as a run never stopped (a stop ends on a step every replica finished)."""
     p, _ = sync_run
     straight, run = tmp_path / "straight", tmp_path / "run"
-    train(SPEC, p, _sync(120), straight)
+    train(SYNC_SPEC, p, _sync(120), straight)
 
     def signal_when_running() -> None:
         wait_for_lines(run / "metrics_replica1.jsonl", 15, poll=0.01)
         os.kill(os.getpid(), signal.SIGTERM)  # the launcher's handler: stop every process
 
     threading.Thread(target=signal_when_running, daemon=True).start()
-    stopped = train(SPEC, p, _sync(120), run)
+    stopped = train(SYNC_SPEC, p, _sync(120), run)
     assert stopped.stopped and max(stopped.steps.values()) < 120
-    train(SPEC, p, _sync(120), run, resume=True)
+    train(SYNC_SPEC, p, _sync(120), run, resume=True)
     got = torch.load(run / "model.pt", weights_only=True)
     want = torch.load(straight / "model.pt", weights_only=True)
     for k in want:

@@ -1,0 +1,82 @@
+"""Dropout whose masks do not depend on the plan.
+
+A value's mask is a hash of what names it in the network, not of where it is computed: the
+run's seed, the step, the layer, the unit (its index in the layer's (C, H, W) order) and the
+sample (its index in the step's whole batch, every replica's samples counted). So a worker
+that owns units 40-79 of a layer draws exactly the masks the single-process reference draws
+for those units, whatever the plan, and the central invariant (a split step equals the
+reference step) holds with dropout on; a sync step over R replicas equals the reference step
+on their concatenated batch. The hash is murmur3's 32-bit finaliser on int64 tensors
+(vectorised: one hash per unit, one per sample, one per value).
+
+torch's own `nn.Dropout` draws from its generator, which no split can reproduce: a user's
+module is compared with netpart's split step by applying these masks in its dropout modules'
+place (`netpart.runtime.check`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from netpart.models.spec import ModelSpec
+
+__all__ = ["DropoutKey", "keep_scale", "training_key"]
+
+_M32 = 0xFFFFFFFF
+_SAMPLE_SALT = 0x9E3779B9  # samples and units hash apart
+
+
+@dataclass(frozen=True)
+class DropoutKey:
+    """What a training step's masks are drawn from: the run's seed, the step's number, and
+    the index of this batch's first sample in the step's whole batch (replica r of R with
+    batches of B: r * B)."""
+
+    seed: int
+    step: int
+    first_sample: int = 0
+
+
+def keep_scale(
+    p: float,
+    layer: int,
+    units: torch.Tensor,
+    batch: int,
+    key: DropoutKey,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """[len(units), batch] of layer `layer`'s outputs `units` (int64 indices) for the key's
+    samples: 0 where a value is dropped (probability `p`), 1 / (1 - p) where it is kept."""
+    seed = _mix(torch.tensor([(key.seed ^ 0x5BD1E995) & _M32], dtype=torch.int64))
+    base = _mix(_mix(seed ^ (key.step & _M32)) ^ layer)
+    per_unit = _mix(base ^ (units.to(torch.int64) & _M32))
+    samples = torch.arange(key.first_sample, key.first_sample + batch, dtype=torch.int64)
+    per_sample = _mix(_mix(samples & _M32) ^ _SAMPLE_SALT)
+    value = _mix((per_unit[:, None] + per_sample[None, :]) & _M32)
+    keep = value >= int(p * (1 << 32))
+    return keep.to(dtype) * (1.0 / (1.0 - p))
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's fmix32 of 32-bit values held in int64 (no product overflows 63 bits)."""
+    x = x ^ (x >> 16)
+    x = _times(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _times(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _times(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for 32-bit x and c, in two 16-bit halves of c."""
+    low, high = c & 0xFFFF, c >> 16
+    return (x * low + (((x * high) & 0xFFFF) << 16)) & _M32
+
+
+def training_key(spec: ModelSpec, seed: int, step: int, first_sample: int = 0) -> DropoutKey | None:
+    """The key of training step `step` of a model of `spec` (its layers' dropout on), or None
+    where no layer has dropout."""
+    if not any(layer.dropout for layer in spec.layers):
+        return None
+    return DropoutKey(seed=seed, step=step, first_sample=first_sample)

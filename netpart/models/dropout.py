@@ -6,7 +6,7 @@ sample (its index in the step's whole batch, every replica's samples counted). S
 that owns units 40-79 of a layer draws exactly the masks the single-process reference draws
 for those units, whatever the plan, and the central invariant (a split step equals the
 reference step) holds with dropout on; a sync step over R replicas equals the reference step
-on their concatenated batch. The hash is murmur3's 32-bit finaliser on int64 tensors
+on their concatenated batch. The hash is a 32-bit xorshift-multiply hash on int64 tensors
 (vectorised: one hash per unit, one per sample, one per value).
 
 torch's own `nn.Dropout` draws from its generator, which no split can reproduce: a user's
@@ -60,18 +60,13 @@ def keep_scale(
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
-    """murmur3's fmix32 of 32-bit values held in int64 (no product overflows 63 bits)."""
+    """A 32-bit xorshift-multiply hash of 32-bit values held in int64 (the form of Wellons'
+    lowbias32, with odd multipliers below 2^31, so that no product overflows)."""
     x = x ^ (x >> 16)
-    x = _times(x, 0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = _times(x, 0xC2B2AE35)
-    return x ^ (x >> 16)
-
-
-def _times(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2^32 for 32-bit x and c, in two 16-bit halves of c."""
-    low, high = c & 0xFFFF, c >> 16
-    return (x * low + (((x * high) & 0xFFFF) << 16)) & _M32
+    x = (x * 0x21F0AAAD) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _M32
+    return x ^ (x >> 15)
 
 
 def training_key(spec: ModelSpec, seed: int, step: int, first_sample: int = 0) -> DropoutKey | None:

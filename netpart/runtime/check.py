@@ -163,18 +163,18 @@ def compare_with_reference(
 @contextlib.contextmanager
 def _masked_dropout(spec: ModelSpec, module: torch.nn.Module, batch: int, key: DropoutKey | None):
     """Within the block, the k-th dropout module `module` runs applies the mask of the k-th
-    spec layer with dropout (the chain's order), not torch's random one."""
-    layers = [i for i, layer in enumerate(spec.layers) if layer.dropout]
-    calls = iter(layers)
+    spec layer with dropout (the chain's order), not torch's random one; with no `key`,
+    none (the reference's step without dropout)."""
+    calls = iter([i for i, layer in enumerate(spec.layers) if layer.dropout])
 
     def masked(mod, inputs, output):
         index = next(calls)
+        if key is None:
+            return inputs[0]
         return inputs[0] * dropout_mask(spec, index, batch, key, inputs[0].dtype)
 
-    hooks = []
-    if key is not None:
-        drops = [m for m in module.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
-        hooks = [m.register_forward_hook(masked) for m in drops]
+    drops = [m for m in module.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    hooks = [m.register_forward_hook(masked) for m in drops]
     try:
         yield
     finally:

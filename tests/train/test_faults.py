@@ -179,8 +179,8 @@ def test_a_stopped_shard_ends_the_job_naming_it(tmp_path, capsys):
         pid = next(int(d) for d in os.listdir("/proc") if d.isdigit() and _stderr_of(d) == log)
         os.kill(pid, signal.SIGSTOP)
 
-    threading.Thread(target=stop_shard_1, daemon=True).start()
-    assert main(_args(run, "--steps", "100000", "--timeout", "3")) == 1
+    threading.Thread(target=stop_shard_1, daemon=True).start()  # long before step 2000
+    assert main(_args(run, "--steps", "2000", "--timeout", "3")) == 1
     assert "shard 1 (rank 5) was stopped (SIGSTOP)" in capsys.readouterr().err
 
 

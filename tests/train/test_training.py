@@ -33,8 +33,8 @@ from tests.conftest import count_processes, wait_for_lines
 pytestmark = pytest.mark.timeout(240)
 
 SPEC = load_spec("tiny-local")
-# The sync runs' model: tiny-local with dropout on its first layer and above its second
-# local layer (plan-independent masks: the equalities below hold with dropout on).
+# The sync runs' model: tiny-local with dropout on the outputs of its two locally connected
+# layers (plan-independent masks: the equalities below hold with dropout on).
 DROPPED = {0: 0.3, 3: 0.2}
 SYNC_SPEC = dataclasses.replace(
     SPEC,
@@ -280,7 +280,7 @@ def test_a_diverging_run_fails_in_one_line_and_writes_no_model(tmp_path, capsys)
 
 def test_sigterm_stops_cleanly_with_a_final_checkpoint(tmp_path, capsys):
     run = tmp_path / "run"
-    args = "train --model tiny-local --workers 2 --replicas 1 --steps 100000 --timeout 20"
+    args = "train --model tiny-local --workers 2 --replicas 1 --steps 2000 --timeout 20"
 
     def signal_when_running() -> None:
         wait_for_lines(run / "metrics_replica0.jsonl", 3)

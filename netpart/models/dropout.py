@@ -72,6 +72,6 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 def training_key(spec: ModelSpec, seed: int, step: int, first_sample: int = 0) -> DropoutKey | None:
     """The key of training step `step` of a model of `spec` (its layers' dropout on), or None
     where no layer has dropout."""
-    if not any(layer.dropout for layer in spec.layers):
+    if not spec.dropout_layers:
         return None
     return DropoutKey(seed=seed, step=step, first_sample=first_sample)

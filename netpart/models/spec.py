@@ -212,6 +212,11 @@ class ModelSpec:
         return sum(self.layer_params(i) for i in range(len(self.layers)))
 
     @property
+    def dropout_layers(self) -> tuple[int, ...]:
+        """The layers with dropout, in order (`netpart.models.dropout`)."""
+        return tuple(i for i, layer in enumerate(self.layers) if layer.dropout)
+
+    @property
     def loss(self) -> str:
         """`cross_entropy` when the last layer is softmax (trained on logits), else `mse`."""
         return "cross_entropy" if self.layers[-1].activation == "softmax" else "mse"

@@ -165,7 +165,7 @@ def _masked_dropout(spec: ModelSpec, module: torch.nn.Module, batch: int, key: D
     """Within the block, the k-th dropout module `module` runs applies the mask of the k-th
     spec layer with dropout (the chain's order), not torch's random one; with no `key`,
     none (the reference's step without dropout)."""
-    calls = iter([i for i, layer in enumerate(spec.layers) if layer.dropout])
+    calls = iter(spec.dropout_layers)
 
     def masked(mod, inputs, output):
         index = next(calls)

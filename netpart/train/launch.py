@@ -119,11 +119,10 @@ def train(
 def _check_dropout(spec: ModelSpec, config: TrainConfig) -> None:
     """Sandblaster's L-BFGS evaluates one function at many points: dropout would make each
     evaluation another function."""
-    dropped = [i for i, layer in enumerate(spec.layers) if layer.dropout]
-    if dropped and config.mode == "sandblaster":
+    if spec.dropout_layers and config.mode == "sandblaster":
         raise TrainError(
-            f"{spec.name}: layer {dropped[0]} has dropout, and Sandblaster's L-BFGS evaluates "
-            "one fixed function; train it with --mode downpour or sync"
+            f"{spec.name}: layer {spec.dropout_layers[0]} has dropout, and Sandblaster's L-BFGS "
+            "evaluates one fixed function; train it with --mode downpour or sync"
         )
 
 

@@ -27,11 +27,14 @@ demo: $(BIN)/netpart
 # pip byte-compiles what it installs but not an editable install's own package: compiled once
 # here, the suite's fresh interpreters (torchrun's workers, `python -m netpart` commands)
 # do not each compile netpart again where PYTHONDONTWRITEBYTECODE keeps them from caching it.
+# Two test processes share the suite (most of its time is spent waiting on processes, sockets
+# and deadlines); the tests marked `alone` measure this machine and run after it, by themselves.
 test: $(BIN)/netpart
 	$(BIN)/ruff check netpart tests benchmarks experiments
 	$(BIN)/ruff format --check netpart tests benchmarks experiments
 	$(BIN)/python -m compileall -q netpart tests
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist worksteal -m "not alone"
+	$(BIN)/python -m pytest -m alone
 
 # Regenerates every CSV/JSON/PNG in experiments/results (validate_sim needs root for its
 # emulated machines; Figure 3 is drawn for experiments/machines/paper-2012.toml).

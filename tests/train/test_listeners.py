@@ -63,18 +63,22 @@ def test_a_local_job_listens_on_a_loopback_of_its_own(tmp_path, argv):
     extra = ["--out", str(tmp_path / "run")] if argv[0] == "train" else []
     cmd = [sys.executable, "-m", "netpart", *argv, *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    opened, networks, refused = set(), set(), 0
+    opened, networks, tried, refused = set(), set(), set(), 0
     try:
         start = time.monotonic()
         while proc.poll() is None and time.monotonic() - start < 90:
+            read = set()  # a namespace's sockets are read once a poll, through any of its pids
             for pid in descendants(proc.pid):
-                if (net := network_of(pid)) and net != ours:
-                    networks.add(net)
+                if (net := network_of(pid)) and net != ours and net not in read:
+                    read.add(net)
                     opened |= listening(pid)
-            for _, _, port in opened - listening():  # a stranger's attempt, from outside
-                with pytest.raises(ConnectionRefusedError), socket.socket() as s:
-                    s.connect(("127.0.0.1", port))
-                refused += 1
+            networks |= read
+            if new := opened - tried:  # each listener once, a stranger's attempt from outside
+                for _, _, port in new - listening():
+                    with pytest.raises(ConnectionRefusedError), socket.socket() as s:
+                        s.connect(("127.0.0.1", port))
+                    refused += 1
+                tried |= new
             time.sleep(0.05)
     finally:
         _, err = finish([proc], timeout=30)[0]

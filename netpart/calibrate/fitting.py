@@ -21,7 +21,16 @@ from netpart.models.spec import ModelSpec
 from netpart.partition.evaluate import reevaluate
 from netpart.partition.plans import PartitionPlan
 
-__all__ = ["Crowd", "Plans", "anchored", "crowd_terms", "fit", "kind_cost", "layer_costs"]
+__all__ = [
+    "Crowd",
+    "Plans",
+    "anchored",
+    "crowd_terms",
+    "fit",
+    "kind_cost",
+    "layer_costs",
+    "with_link",
+]
 
 ANCHOR_LOW, ANCHOR_HIGH = 0.5, 2.0  # bounds of a layer table's factor (`anchored`)
 Plans = list[tuple[ModelSpec, PartitionPlan, PartitionPlan]]  # each model's 1- and 2-worker plan
@@ -108,6 +117,17 @@ def _two_process_terms(plans: Plans, runs, batch: int, model: NetworkModel):
 def _plus(tables: dict, seconds: float) -> dict:
     """Link tables with `seconds` more in every phase."""
     return {k: tuple((b, seconds + t) for b, t in v) for k, v in tables.items()}
+
+
+def with_link(base: NetworkModel, link: dict) -> NetworkModel:
+    """`base` with the link as measured, no overhead fitted yet, and the loss's collective:
+    what a calibration sizes its step runs by before any step is timed (the slice tables
+    alone price no exchange, and a two-machine step of a small model is mostly exchange).
+    `base` itself where no link was measured (one machine)."""
+    if not link["seconds"]:
+        return base
+    terms = _link_terms(link, [])
+    return replace(base, link=terms["link"], gather=terms["gather"])
 
 
 def _link_terms(link: dict, runs: list[dict], in_step: float = 0.0) -> dict:

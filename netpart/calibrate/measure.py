@@ -62,7 +62,7 @@ import torch
 
 from netpart.calibrate import CALIBRATION_MODELS, CHECK_MODEL, SLICE_MODELS
 from netpart.calibrate.ddp_step import replica_steps
-from netpart.calibrate.fitting import Crowd, Plans, fit, kind_cost, layer_costs
+from netpart.calibrate.fitting import Crowd, Plans, fit, kind_cost, layer_costs, with_link
 from netpart.calibrate.pstables import PsTables, per_size
 from netpart.calibrate.speed import SpeedProbe, probe_once
 from netpart.calibrate.trace import SliceTimes, measure_slices
@@ -279,6 +279,8 @@ def _runs(
     say,
     load: list[LoadSample],
     between: Callable[[int], None] = lambda done: None,
+    *,
+    sized_by: NetworkModel,
 ):
     """Each model's steps on 1 and 2 processes (and 2 exchanging only; and on each count of
     `wide`: {workers: each model's plan}), with their figures, and the speed probe of
@@ -286,12 +288,12 @@ def _runs(
     round the models `repeats` times, so a model's runs are spread over the whole stage (this
     machine's slow spells last seconds to minutes and would otherwise fall on every run of
     one model); a case's time is the median of its runs, each run's probe recorded beside
-    it. A run times at least `steps` steps and about CALIBRATION_S of them (by the slice
-    tables' prediction). `between`: called after each round with the rounds done (the
-    parameter server's passes)."""
+    it. A run times at least `steps` steps and about CALIBRATION_S of them (by `sized_by`'s
+    prediction: the slice tables and the measured link). `between`: called after each round
+    with the rounds done (the parameter server's passes)."""
 
     def count(spec, p) -> int:
-        predicted = reevaluate(spec, p, batch, base).metrics.predicted_step_s
+        predicted = reevaluate(spec, p, batch, sized_by).metrics.predicted_step_s
         return timed_steps(predicted, steps, CALIBRATION_S)[0]
 
     cases = []
@@ -412,7 +414,10 @@ def calibrate(
     ps_timer.time_after()
     plans, wide = _plans(specs, batch, runner.machines)
     between = ps_timer.between_rounds(repeats)
-    runs, probes = _runs(plans, wide, batch, steps, repeats, runner, base, say, load, between)
+    sized_by = with_link(base, link)
+    runs, probes = _runs(
+        plans, wide, batch, steps, repeats, runner, base, say, load, between, sized_by=sized_by
+    )
     ps, ps_raw = ps_timer.result()
     if ps_raw is not None:  # machines of its own: a DDP replica's step too, on one of them
         ps_raw["replica"] = replica_steps(

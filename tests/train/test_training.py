@@ -350,18 +350,19 @@ def test_bad_resume_input_exits_2_and_overwrites_nothing(sync_run, tmp_path, cap
 
 def _torchrun_train(run: Path, restarts: int) -> subprocess.CompletedProcess:
     """`torchrun --standalone --max-restarts RESTARTS` of a tiny-local `netpart train` job of
-    one replica into `run`, shard 1 (rank 3) dying at its 9th update (one replica: shard 1
-    serves worker 1 alone, so its updates come in order and its checkpoint after the 8th
-    holds exactly 8)."""
+    one worker and one replica into `run` (ranks: the worker 0, shards 1 and 2), shard 1
+    (rank 2) dying at its 9th update (one replica: its updates come in order, so its
+    checkpoint after the 8th holds exactly 8). Model workers exchanging under torchrun:
+    test_multinode.py."""
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [
         str(torchrun),
-        *f"--standalone --nproc-per-node 4 --max-restarts {restarts}".split(),
-        *"-m netpart train --model tiny-local --workers 2 --replicas 1 --ps-shards 2".split(),
+        *f"--standalone --nproc-per-node 3 --max-restarts {restarts}".split(),
+        *"-m netpart train --model tiny-local --workers 1 --replicas 1 --ps-shards 2".split(),
         *"--steps 40 --checkpoint-every 4 --timeout 20 --out".split(),
         str(run),
     ]
-    env = {**os.environ, "NETPART_TEST_FAULT": "die:3@9"}
+    env = {**os.environ, "NETPART_TEST_FAULT": "die:2@9"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
 
 
@@ -377,7 +378,7 @@ def test_torchrun_runs_the_job_restarts_a_dead_shard_and_export_loads_back(tmp_p
     assert restart["shard"] == 1 and restart["checkpoint_updates"] == 8
     assert restart["lost_steps"]["0"] >= 1
     assert "held-out synthetic (1000 examples)" in out.stdout and (run / "report.md").exists()
-    assert "[shard 0 (rank 2)]" in out.stderr  # logs name role and rank
+    assert "[shard 0 (rank 1)]" in out.stderr  # logs name role and rank
     m = tmp_path / "m.pt"
     assert main(["export", str(run), "--format", "state_dict", "--out", str(m)]) == 0
     about = json.loads((tmp_path / "m.pt.json").read_text())  # beside it: how it was fed
@@ -393,10 +394,10 @@ def test_torchrun_runs_the_job_restarts_a_dead_shard_and_export_loads_back(tmp_p
 
 def test_torchrun_without_restarts_fails_the_healthy_shard_too(tmp_path):
     """With no restart, the healthy shard 0 exits 1 too (a node running only it must not
-    succeed): torchrun's failure summary lists rank 2 (shard 0) with exit code 1."""
+    succeed): torchrun's failure summary lists rank 1 (shard 0) with exit code 1."""
     out = _torchrun_train(tmp_path / "run", 0)
     assert out.returncode != 0
-    assert re.search(r"rank\s+: 2 \(local_rank: 2\)\s+exitcode\s+: 1 ", out.stderr)
+    assert re.search(r"rank\s+: 1 \(local_rank: 1\)\s+exitcode\s+: 1 ", out.stderr)
 
 
 def test_sigint_to_torchrun_stops_every_process_with_a_final_checkpoint(tmp_path):
@@ -407,8 +408,8 @@ def test_sigint_to_torchrun_stops_every_process_with_a_final_checkpoint(tmp_path
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [
         str(torchrun),
-        *"--standalone --nproc-per-node 3 -m netpart train --model".split(),
-        *"tiny-local --workers 2 --replicas 1 --ps-shards 1 --steps".split(),
+        *"--standalone --nproc-per-node 2 -m netpart train --model".split(),
+        *"tiny-local --workers 1 --replicas 1 --ps-shards 1 --steps".split(),
         *"100000 --out".split(),
         str(run),
         *"--timeout 20".split(),

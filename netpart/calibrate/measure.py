@@ -275,12 +275,10 @@ def _runs(
     steps: int,
     repeats: int,
     runner,
-    base,
+    models: tuple[NetworkModel, NetworkModel],
     say,
     load: list[LoadSample],
-    between: Callable[[int], None] = lambda done: None,
-    *,
-    sized_by: NetworkModel,
+    between: Callable[[int], None],
 ):
     """Each model's steps on 1 and 2 processes (and 2 exchanging only; and on each count of
     `wide`: {workers: each model's plan}), with their figures, and the speed probe of
@@ -288,9 +286,11 @@ def _runs(
     round the models `repeats` times, so a model's runs are spread over the whole stage (this
     machine's slow spells last seconds to minutes and would otherwise fall on every run of
     one model); a case's time is the median of its runs, each run's probe recorded beside
-    it. A run times at least `steps` steps and about CALIBRATION_S of them (by `sized_by`'s
-    prediction: the slice tables and the measured link). `between`: called after each round
-    with the rounds done (the parameter server's passes)."""
+    it. `models`: the slice tables (each run's figures), and the same with the measured link,
+    whose prediction sizes a run: at least `steps` steps and about CALIBRATION_S of them.
+    `between`: called after each round with the rounds done (the parameter server's
+    passes)."""
+    base, sized_by = models
 
     def count(spec, p) -> int:
         predicted = reevaluate(spec, p, batch, sized_by).metrics.predicted_step_s
@@ -414,10 +414,8 @@ def calibrate(
     ps_timer.time_after()
     plans, wide = _plans(specs, batch, runner.machines)
     between = ps_timer.between_rounds(repeats)
-    sized_by = with_link(base, link)
-    runs, probes = _runs(
-        plans, wide, batch, steps, repeats, runner, base, say, load, between, sized_by=sized_by
-    )
+    models = (base, with_link(base, link))  # a run's figures; its length, before it is timed
+    runs, probes = _runs(plans, wide, batch, steps, repeats, runner, models, say, load, between)
     ps, ps_raw = ps_timer.result()
     if ps_raw is not None:  # machines of its own: a DDP replica's step too, on one of them
         ps_raw["replica"] = replica_steps(

@@ -84,7 +84,7 @@ def _estimate(model: str, batch: int) -> dict:
     from netpart.train.config import TrainConfig
 
     spec = load_spec(model)
-    config = TrainConfig(replicas=REPLICAS, shards=WORKERS, batch=batch, steps=STEPS)
+    config = TrainConfig.of(replicas=REPLICAS, shards=WORKERS, batch=batch, steps=STEPS)
     est = estimate(spec, plan(spec, WORKERS, seed=0, batch=batch), **config.memory_job(WORKERS))
     workers = REPLICAS * WORKERS
     return {

@@ -243,7 +243,7 @@ def downpour_step(pairs: int, steps: int, batch: int) -> dict:
     p = plan(spec, 2, "metis")
     lr = 0.01
     base = dict(replicas=1, shards=2, steps=steps, batch=batch, lr=lr, timeout=60)
-    config = TrainConfig(**base, optimizer="sgd")
+    config = TrainConfig.of(**base, optimizer="sgd")
     downpour, local, ratios = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(pairs):

@@ -109,7 +109,7 @@ def run_one(spec, p, layout, algo: dict, steps: int, batch: int, seed: int, out:
     blaster = algo["mode"] == "sandblaster"
     if blaster:  # one update per evaluation of the whole training set
         batch, steps, updates = load_data(DATA, spec, seed).n, SANDBLASTER_ITERATIONS, SNAPSHOTS
-    config = TrainConfig(
+    config = TrainConfig.of(
         replicas=r,
         shards=WORKERS,
         mode=algo["mode"],
@@ -134,7 +134,7 @@ def run_one(spec, p, layout, algo: dict, steps: int, batch: int, seed: int, out:
     else:
         lines = read_metrics(run)
         t0 = min(x["time"] - x["step_s"] for x in lines)
-    held = load_data(DATA, spec, config.seed).held_out_set()
+    held = load_data(DATA, spec, config.run.seed).held_out_set()
     rows = [{"time_s": 0.0, "samples": 0, **_scores(spec, held, _initial_state(spec, seed))}]
     for snap in sorted((run / "snapshots").iterdir()):
         metas = [json.loads(f.read_text()) for f in sorted(snap.glob("shard_*.json"))]

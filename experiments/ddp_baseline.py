@@ -100,7 +100,7 @@ def run_netpart(replicas: int, workers: int, steps: int, out: Path):
     """(step times of replica 0, held-out curve rows, final held-out figures)."""
     spec = load_spec(MODEL)
     p = plan(spec, workers, "metis", seed=0, batch=BATCH)
-    config = TrainConfig(
+    config = TrainConfig.of(
         replicas=replicas,
         shards=1,
         mode="sync",

@@ -192,9 +192,9 @@ def train_layout(args: argparse.Namespace) -> None:
         network,
         args.machines,
         args.machine,
-        batch=args.batch or defaults.batch,
-        n_push=args.n_push or defaults.n_push,
-        n_fetch=args.n_fetch or defaults.n_fetch,
+        batch=args.batch or defaults.data.batch,
+        n_push=args.n_push or defaults.optimiser.n_push,
+        n_fetch=args.n_fetch or defaults.optimiser.n_fetch,
     )
     choice = trainable(advice)
     lay = choice.layout

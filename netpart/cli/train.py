@@ -287,7 +287,7 @@ def _config_flag(parser, defaults):
     """Add a TrainConfig field as a flag whose absence means "the default, or the run's"."""
 
     def add(field: str, kind, text: str, name: str | None = None, *aliases: str) -> None:
-        default = getattr(defaults, field)
+        default = defaults.get(field)
         extra = "" if field == "shards" or default is None else f" (default {default})"
         parser.add_argument(
             name or "--" + field.replace("_", "-"),
@@ -311,7 +311,7 @@ def _processes(args: argparse.Namespace) -> int | None:
 
     if args.workers is None:
         return None  # the job says what is missing
-    config = TrainConfig.from_dict({"shards": args.workers, **_given(args)}, "command line")
+    config = TrainConfig.of(**{"shards": args.workers, **_given(args)})
     return config.world(args.workers)
 
 
@@ -376,7 +376,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 lines(done, stats, total)
 
         job, summary = train_here(request, on_start=tqdm.write, on_progress=progress)
-    for line in summary_lines(summary, job.config.data):
+    for line in summary_lines(summary, job.config.data.source):
         echo(line)
     echo(
         f"wrote {job.run}/model.pt and shard checkpoints ({summary.wall_s:.1f} s); "
@@ -414,10 +414,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     run = args.run
     job, state = run_model(run)
     spec, config = job.spec, job.config
-    source = args.data or config.data
-    data = load_data(source, spec, config.seed, config.examples, config.data_layout)
+    source = args.data or config.data.source
+    data = load_data(source, spec, config.run.seed, config.data.examples, config.data.layout)
     x, y = data.held_out_set()
-    result = evaluate(spec, state, x, y, seed=config.seed, batch=args.batch)
+    result = evaluate(spec, state, x, y, seed=config.run.seed, batch=args.batch)
     accuracy = f", accuracy {result['accuracy']:.4f}" if "accuracy" in result else ""
     echo(
         f"{spec.name} from {run} on {source} (held-out, {len(x)} examples): "
@@ -455,7 +455,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     if recorded.is_file():
         fed = json.loads(recorded.read_text())
     else:  # a run that ended before writing it
-        data = load_data(config.data, job.spec, config.seed, config.examples, config.data_layout)
+        data = load_data(
+            config.data.source, job.spec, config.run.seed, config.data.examples, config.data.layout
+        )
         fed = data.preprocessing()
     about = json.dumps({"model": job.spec.name, **fed}, indent=1)
     if args.format == "state_dict":

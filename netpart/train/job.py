@@ -21,7 +21,7 @@ from netpart.cost.step import NetworkModel
 from netpart.errors import PlanError, TrainError
 from netpart.models import load_spec
 from netpart.processes.memory import available_memory
-from netpart.train.config import TrainConfig
+from netpart.train.config import FLAT, TrainConfig
 from netpart.train.loggers import check_loggers
 from netpart.train.rundir import Job, RunLock, TrainSummary, read_job, read_progress
 
@@ -37,38 +37,9 @@ __all__ = [
     "under_torchrun",
 ]
 
-# The TrainConfig fields a command line may give.
-FIELDS = (
-    "replicas",
-    "shards",
-    "mode",
-    "optimizer",
-    "lr",
-    "n_fetch",
-    "n_push",
-    "steps",
-    "batch",
-    "warm_start",
-    "checkpoint_every",
-    "snapshot_every",
-    "data",
-    "seed",
-    "dtype",
-    "timeout",
-    "threads",
-    "placement",
-    "push_norm",
-    "dc_lambda",
-    "units",
-    "history",
-    "line_search",
-    "restarts",
-    "local_update",
-    "data_layout",
-    "eval_every",
-    "log",
-    "init",
-)
+# The TrainConfig fields a command line may give, by their command-line names (all but the
+# synthetic dataset's size).
+FIELDS = tuple(name for name in FLAT if name != "examples")
 FIXED_ON_RESUME = ("mode", "shards", "optimizer", "dtype", "seed", "data", "data_layout")
 DEFAULT_OUT = Path("out/train")
 
@@ -106,13 +77,13 @@ def make_job(request: TrainRequest, *, local: bool = True) -> Job:
     if request.workers < 1:
         raise TrainError(f"--workers {request.workers}: must be an integer >= 1")
     spec = load_spec(request.model, input=request.input)
-    config = TrainConfig.from_dict({"shards": request.workers, **request.given}, "command line")
+    config = TrainConfig.of(**{"shards": request.workers, **request.given})
     initial = _initial_weights(request.model, spec, config)
     check_loggers(config.loggers)  # a missing package fails before planning
     from netpart.data import load_data
 
     load_data(
-        config.data, spec, config.seed, config.examples, config.data_layout
+        config.data.source, spec, config.run.seed, config.data.examples, config.data.layout
     )  # bad data fails before planning
     if request.plan is not None:
         from netpart.partition.plans import load_plan
@@ -126,7 +97,7 @@ def make_job(request: TrainRequest, *, local: bool = True) -> Job:
     if local:  # thousands of processes are refused before minutes of planning
         from netpart.planning.memory import check_crowding, check_process_count
 
-        what = f"--workers {request.workers} x --replicas {config.replicas}"
+        what = f"--workers {request.workers} x --replicas {config.cluster.replicas}"
         processes = config.world(request.workers)
         check_process_count(processes, what, available=available_memory())
         # refused far beyond the cores; short of that, the banner says how they share them
@@ -137,8 +108,8 @@ def make_job(request: TrainRequest, *, local: bool = True) -> Job:
         spec,
         request.workers,
         request.method,
-        seed=config.seed,
-        batch=config.batch,
+        seed=config.run.seed,
+        batch=config.data.batch,
         network=request.network,
         memory=available_memory(),
     )
@@ -149,7 +120,7 @@ def _initial_weights(model: str, spec, config: TrainConfig):
     """With --init module, the user's module's own initial weights (built after
     `torch.manual_seed(--seed)`), under the reference's names; else None (netpart's seeded
     initialisation)."""
-    if config.init != "module":
+    if config.model.init != "module":
         return None
     from netpart.models import importer
 
@@ -158,7 +129,7 @@ def _initial_weights(model: str, spec, config: TrainConfig):
             f"--init module: --model {model} is not a module; give --model FILE.py:NAME (or "
             "start from netpart's seeded weights, --init seed)"
         )
-    return importer.module_weights(model, spec, seed=config.seed)
+    return importer.module_weights(model, spec, seed=config.run.seed)
 
 
 def _resumed(request: TrainRequest) -> Job:
@@ -175,7 +146,7 @@ def _resumed(request: TrainRequest) -> Job:
             f"--resume {run}: the run has no checkpoint (its job ended before the first); "
             f"start it again without --resume, with --out {run} (the directory is reused)"
         )
-    if old.config.mode == "sandblaster":
+    if old.config.cluster.mode == "sandblaster":
         raise TrainError(
             f"--resume {run}: a Sandblaster L-BFGS run cannot be resumed (its curvature "
             "history and iteration count are not checkpointed); start a new --out"
@@ -192,18 +163,22 @@ def _resumed(request: TrainRequest) -> Job:
         )
     for name in FIXED_ON_RESUME:
         given = request.given.get(name)
-        if given is not None and given != getattr(old.config, name):
+        if given is not None and given != old.config.get(name):
             raise TrainError(
-                f"{flag(name)} {given}: the run in {run} has {getattr(old.config, name)}; "
+                f"{flag(name)} {given}: the run in {run} has {old.config.get(name)}; "
                 "resume with the same value or start a new --out"
             )
-    config = TrainConfig.from_dict({**old.config.to_dict(), **request.given})
+    config = old.config.with_flat(**request.given)
     check_loggers(config.loggers)
-    sync = old.config.mode == "sync"
-    reached = min(read_progress(run, old.config.shards, old.config.replicas, sync=sync).values())
-    if config.steps <= reached:
+    sync = old.config.cluster.mode == "sync"
+    reached = min(
+        read_progress(
+            run, old.config.cluster.shards, old.config.cluster.replicas, sync=sync
+        ).values()
+    )
+    if config.run.steps <= reached:
         raise TrainError(
-            f"--steps {config.steps}: the run in {run} is at step {reached} already; give "
+            f"--steps {config.run.steps}: the run in {run} is at step {reached} already; give "
             f"--steps above {reached} to train it further"
         )
     return Job(old.spec, old.plan, config, run, resume=True)
@@ -211,13 +186,13 @@ def _resumed(request: TrainRequest) -> Job:
 
 def banner(job: Job) -> str:
     """One line: what is about to run, and where."""
-    c = job.config
-    processes, cores = c.world(job.plan.workers), os.cpu_count() or 1
+    cluster, opt = job.config.cluster, job.config.optimiser
+    processes, cores = job.config.world(job.plan.workers), os.cpu_count() or 1
     shared = f" on {cores} cores" if processes > cores else ""
     return (
-        f"{job.spec.name}: {c.replicas} replica(s) x {job.plan.workers} worker(s) + {c.shards} "
-        f"shard(s) = {processes} processes{shared}, {c.mode}, {c.optimizer} lr {c.lr}; "
-        f"run directory {job.run}"
+        f"{job.spec.name}: {cluster.replicas} replica(s) x {job.plan.workers} worker(s) + "
+        f"{cluster.shards} shard(s) = {processes} processes{shared}, {cluster.mode}, "
+        f"{opt.name} lr {opt.lr}; run directory {job.run}"
     )
 
 

@@ -5,7 +5,7 @@ checkpoints), the run directory is written, and only then do R x N workers + S s
 coordinator) start, through the one launcher (`netpart.processes.launcher`), watched by the
 fault policy of `netpart.train.supervise`: a worker that fails takes only its replica down; a
 shard that dies is restarted from its last checkpoint with the whole job (up to
-`config.restarts` times); a shard that reports an error, or the coordinator, stops the job
+`config.cluster.restarts` times); a shard that reports an error, or the coordinator, stops the job
 with the last checkpoint intact. A signal stops every process at a step boundary and the
 shards write final checkpoints.
 
@@ -88,13 +88,13 @@ def train(
     """
     _check_initial(config, initial, resume)
     _check_dropout(spec, config)
-    compiled = compile_plan(spec, plan, shards=config.shards)
+    compiled = compile_plan(spec, plan, shards=config.cluster.shards)
     starts = prepare_run(compiled, config, run, resume)
     write_run(spec, plan, config, run, starts, resume, initial)
     preload_plotting()  # for the report, on whatever core the job leaves idle
     summary = TrainSummary(run=run)
     t0 = time.monotonic()
-    total = sum(config.steps - starts.get(r, 0) for r in range(config.replicas))
+    total = sum(config.run.steps - starts.get(r, 0) for r in range(config.cluster.replicas))
     loggers = MetricLoggers(run, config.loggers) if config.loggers else None
     try:
         _attempts(
@@ -119,7 +119,7 @@ def train(
 def _check_dropout(spec: ModelSpec, config: TrainConfig) -> None:
     """Sandblaster's L-BFGS evaluates one function at many points: dropout would make each
     evaluation another function."""
-    if spec.dropout_layers and config.mode == "sandblaster":
+    if spec.dropout_layers and config.cluster.mode == "sandblaster":
         raise TrainError(
             f"{spec.name}: layer {spec.dropout_layers[0]} has dropout, and Sandblaster's L-BFGS "
             "evaluates one fixed function; train it with --mode downpour or sync"
@@ -128,7 +128,7 @@ def _check_dropout(spec: ModelSpec, config: TrainConfig) -> None:
 
 def _check_initial(config: TrainConfig, initial: dict | None, resume: bool) -> None:
     """A new --init module job needs the module's weights (`initial`), and only it does."""
-    if resume or (config.init == "module") == (initial is not None):
+    if resume or (config.model.init == "module") == (initial is not None):
         return
     if initial is None:
         raise TrainError("--init module: the job was given no weights of the module to start from")
@@ -137,9 +137,9 @@ def _check_initial(config: TrainConfig, initial: dict | None, resume: bool) -> N
 
 def _attempts(spec, plan, config, run, how, summary, on_progress, preloaded, loggers) -> None:
     """Start the job's processes, and again from the checkpoints after a shard died (up to
-    `config.restarts` times); `how`: (resume, total steps, each replica's start)."""
+    `config.cluster.restarts` times); `how`: (resume, total steps, each replica's start)."""
     resume, total, starts = how
-    for number in range(config.restarts + 1):
+    for number in range(config.cluster.restarts + 1):
         first = preloaded if number == 0 else None  # forks one attempt's processes
         attempt = Attempt(
             number,
@@ -152,10 +152,12 @@ def _attempts(spec, plan, config, run, how, summary, on_progress, preloaded, log
         died = supervise(run, plan.workers, config, summary, attempt)
         if died is None:
             break
-        starts = read_progress(run, config.shards, config.replicas, config.mode == "sync", True)
+        starts = read_progress(
+            run, config.cluster.shards, config.cluster.replicas, config.cluster.mode == "sync", True
+        )
         lost_steps = []
         for s in died.shards:
-            lost = lost_updates(run, s, starts, config.mode == "sync", died.exit_text(s))
+            lost = lost_updates(run, s, starts, config.cluster.mode == "sync", died.exit_text(s))
             record_restart(run, lost)
             lost_steps.append(lost["lost_steps"])
         log.warning(
@@ -164,7 +166,7 @@ def _attempts(spec, plan, config, run, how, summary, on_progress, preloaded, log
             died.blame,
             "died" if died.blame.startswith("the") else exit_text(died.code),
             number + 1,
-            config.restarts,
+            config.cluster.restarts,
             "; ".join(
                 f"shard {s}: {steps}" for s, steps in zip(died.shards, lost_steps, strict=True)
             ),
@@ -184,14 +186,11 @@ def train_under_torchrun(
     """Play this torchrun process's role in the job; returns its exit code. Shard 0 writes
     the run files first and, once every shard has finished, the model, summary and report
     (the run directory must be shared by the machines)."""
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    rank = int(os.environ["RANK"])
     _check_dropout(spec, config)
-    if world != config.world(plan.workers):
-        raise TrainError(
-            f"torchrun started {world} processes; this job needs replicas x workers + shards"
-            f"{' + 1 coordinator' if config.coordinators else ''} = {config.world(plan.workers)}"
-        )
-    compute_setup(config.threads)
+    _check_world(int(os.environ["WORLD_SIZE"]), config.world(plan.workers), config)
+    cluster = config.cluster
+    compute_setup(cluster.threads)
     join_group(PS_TIMEOUT)  # a signal before the job starts ends the process at once
     stop = stop_on_signals()
     placement = job_placement(config, plan.workers)
@@ -203,12 +202,14 @@ def train_under_torchrun(
     resume = resume or (restarted and any(run.glob("shard_*.pt")))
     mine = rank == first_shard
     splits = split_min_flops(placement, rank)
-    compiled = compile_plan(spec, plan, shards=config.shards, validate=mine, split_min_flops=splits)
+    compiled = compile_plan(
+        spec, plan, shards=cluster.shards, validate=mine, split_min_flops=splits
+    )
     _check_initial(config, initial, resume)
     how = (resume, restarted, initial)
     _prepare_on_first_shard(compiled, config, run, how, mine, placement)
-    sync = config.mode == "sync"
-    starts = read_progress(run, config.shards, config.replicas, sync, restarted) if resume else {}
+    sync = cluster.mode == "sync"
+    starts = read_progress(run, cluster.shards, cluster.replicas, sync, restarted) if resume else {}
     job = Job(spec, plan, config, run, resume, tuple(starts.items()))
     t0 = time.monotonic()
     role = placement.roles[rank]
@@ -219,7 +220,7 @@ def train_under_torchrun(
         if bar is not None:
             bar.close()
         sys.stderr.flush()
-    if role.kind == WORKER and role.worker == 0 and config.mode != "sandblaster":
+    if role.kind == WORKER and role.worker == 0 and cluster.mode != "sandblaster":
         lines = (run / f"metrics_replica{role.replica}.jsonl").read_text().splitlines()
         last = json.loads(lines[-1]) if lines else {"step": 0, "loss": float("nan")}
         echo(f"replica {role.replica}: step {last['step']}, loss {last['loss']:.4g}")
@@ -233,6 +234,16 @@ def train_under_torchrun(
     return 0
 
 
+def _check_world(world: int, needed: int, config: TrainConfig) -> None:
+    """TrainError (one line) where torchrun started another number of processes than the
+    job takes."""
+    if world != needed:
+        raise TrainError(
+            f"torchrun started {world} processes; this job needs replicas x workers + shards"
+            f"{' + 1 coordinator' if config.coordinators else ''} = {needed}"
+        )
+
+
 def _finish_on_first_shard(compiled, config, run: Path, summary: TrainSummary, echo) -> None:
     """Shard 0, once every shard has finished: the model, summary, report and logs."""
     finish_run(compiled, config, run, summary)
@@ -241,7 +252,7 @@ def _finish_on_first_shard(compiled, config, run: Path, summary: TrainSummary, e
         loggers.replay()
         loggers.close()
     if summary.held_out:
-        echo(held_out_line(summary.held_out, config.data))
+        echo(held_out_line(summary.held_out, config.data.source))
     for restart in summary.restarts:
         echo(restart_line(restart))
     echo(f"wrote {run}/model.pt; report: {run}/report.md")
@@ -258,8 +269,8 @@ def _prepare_on_first_shard(compiled, config, run, how, mine: bool, placement) -
             _HELD.append(RunLock(run).__enter__())  # held until this process ends
             starts = prepare_run(compiled, config, run, resume, newest=restarted)
             if restarted:  # what each shard restored from an older checkpoint lost
-                sync = config.mode == "sync"
-                for s in range(config.shards):
+                sync = config.cluster.mode == "sync"
+                for s in range(config.cluster.shards):
                     lost = lost_updates(run, s, starts, sync, "died (torchrun restarted the job)")
                     if any(lost["lost_steps"].values()):
                         record_restart(run, lost)
@@ -280,11 +291,11 @@ def _bar(config: TrainConfig, start: int, rank: int, placement, echo: Echo):
     """The progress bar: on the process that is worker 0 of replica 0 (it writes that
     replica's metrics; on one machine, and usually on several, it is rank 0); where no bar
     can be drawn, a `ProgressLines` line every PROGRESS_EVERY_S through `echo`."""
-    if rank != placement.worker_rank(0, 0) or config.mode == "sandblaster":
+    if rank != placement.worker_rank(0, 0) or config.cluster.mode == "sandblaster":
         return None, None
     from tqdm import tqdm
 
-    total = config.steps - start
+    total = config.run.steps - start
     bar = tqdm(total=total, desc="train", unit="step", disable=None)
     lines = ProgressLines(PROGRESS_EVERY_S, say=echo) if bar.disable else None
     done = [0]
@@ -293,7 +304,7 @@ def _bar(config: TrainConfig, start: int, rank: int, placement, echo: Echo):
         done[0] += 1
         stats = {
             "loss": line["loss"],
-            "samples_s": config.replicas * config.batch / max(line["step_s"], 1e-9),
+            "samples_s": config.cluster.replicas * config.data.batch / max(line["step_s"], 1e-9),
             "step_ms": line["step_s"] * 1e3,
             "mb": (line["halo_bytes"] + line["ps_bytes"]) * done[0] / 1e6,
             "replicas": 1,  # replica 0's own steps

@@ -82,7 +82,7 @@ def log_as(who: str) -> None:
 def job_placement(config: TrainConfig, workers: int, node: str | None = None) -> Placement:
     """The placement of this job: the node id of every rank (torchrun's GROUP_RANK; 0 when
     spawned locally) is gathered over the default group as a number, then placed by
-    `config.placement`.
+    `config.cluster.placement`.
 
     The gather is the group's first exchange and waits at most twice the start-up deadline
     (the default group's own timeout is a day, for the shards): a connection that is not the
@@ -98,7 +98,12 @@ def job_placement(config: TrainConfig, workers: int, node: str | None = None) ->
     wait_bounded(gather, 2 * config.start_timeout, "the job's start-up exchange", why)
     hosts = [f"node{k}" for k in nodes.tolist()]
     return place(
-        hosts, config.replicas, workers, config.shards, config.placement, config.coordinators
+        hosts,
+        config.cluster.replicas,
+        workers,
+        config.cluster.shards,
+        config.cluster.placement,
+        config.coordinators,
     )
 
 
@@ -136,9 +141,9 @@ def play_role(
     replica writes them), for a progress bar.
     """
     spec, config = job.spec, job.config
-    halo_timeout = datetime.timedelta(seconds=config.timeout)
-    shard_ranks = [placement.shard_rank(s) for s in range(config.shards)]
-    members = [placement.replica_ranks(r) for r in range(config.replicas)] + [shard_ranks]
+    halo_timeout = datetime.timedelta(seconds=config.cluster.timeout)
+    shard_ranks = [placement.shard_rank(s) for s in range(config.cluster.shards)]
+    members = [placement.replica_ranks(r) for r in range(config.cluster.replicas)] + [shard_ranks]
     *groups, shard_group = new_groups(members, timeout=halo_timeout)  # checked before use
     role = placement.roles[rank]
     yield_io_threads()  # the new groups' I/O threads
@@ -163,7 +168,7 @@ def play_role(
             run=job.run,
             start=dict(job.starts).get(r, 0),
         )
-        if config.mode == "sandblaster":
+        if config.cluster.mode == "sandblaster":
             run_unit_worker(replica)
         else:
             run_worker(replica, stop, on_step)
@@ -188,7 +193,7 @@ def main() -> int:
         signal.signal(sig, signal.SIG_DFL)
     try:
         job = read_job(args.run, args.resume)
-        compute_setup(job.config.threads)
+        compute_setup(job.config.cluster.threads)
         faults.point(rank, -1)
         # the launcher holds start-up to its deadline until the placement is known
         join_group(PS_TIMEOUT, started=False)
@@ -201,7 +206,7 @@ def main() -> int:
         compiled = compile_plan(
             job.spec,
             job.plan,
-            shards=job.config.shards,
+            shards=job.config.cluster.shards,
             validate=False,
             split_min_flops=split_min_flops(placement, rank),
         )

@@ -80,21 +80,26 @@ class ReplicaJob:
 
     def build(self) -> tuple[ModelWorker, GlooTransport, ShardClient]:
         """The worker's model slices, its transport and its client."""
-        dtype = DTYPES[self.config.dtype]
+        dtype = DTYPES[self.config.run.dtype]
         model = ModelWorker(
-            self.spec, self.graph, self.schedule, self.worker, seed=self.config.seed, dtype=dtype
+            self.spec,
+            self.graph,
+            self.schedule,
+            self.worker,
+            seed=self.config.run.seed,
+            dtype=dtype,
         )
         tensors = model.param_tensors()
         if sum(t.numel() for t in tensors) != self.layout.worker_size(self.worker):
             raise RuntimeError(f"worker {self.worker}: slices and shard layout disagree on sizes")
         transport = GlooTransport(self.group, ranks=self.placement.replica_ranks(self.replica))
-        shard_ranks = [self.placement.shard_rank(s) for s in range(self.config.shards)]
+        shard_ranks = [self.placement.shard_rank(s) for s in range(self.config.cluster.shards)]
         # Downpour never waits for a push; a courier posts requests and flags fetched values
         # the moment they arrive. With local steps the parameters already hold this worker's
         # updates, so a fetch can wait to be completed until its slot is needed (two steps
         # on): requests are posted from the step loop, and no courier threads compete with it
         # for the GIL and the cores.
-        background = self.config.mode == "downpour" and not self.config.local_steps
+        background = self.config.cluster.mode == "downpour" and not self.config.local_steps
         client = ShardClient(
             self.layout,
             worker=self.worker,
@@ -112,7 +117,7 @@ class ReplicaJob:
 def run_worker(
     job: ReplicaJob, stop: threading.Event, on_step: Callable[[dict], None] | None = None
 ) -> None:
-    """Train until `config.steps` (or a stop agreed by the replica); then push what is left
+    """Train until `config.run.steps` (or a stop agreed by the replica); then push what is left
     and say goodbye to the shards.
 
     Downpour keeps up to `IN_FLIGHT` requests in flight: fetched values are used from the
@@ -124,7 +129,7 @@ def run_worker(
     loop = _StepLoop(job, on_step)
     t = job.start
     try:
-        for t in range(job.start + 1, job.config.steps + 1):
+        for t in range(job.start + 1, job.config.run.steps + 1):
             faults.point(job.rank, t)
             if loop.step(t, stop=stop.is_set()):
                 log.info("stopping after step %d", t)
@@ -144,11 +149,11 @@ class _StepLoop:
         self.model, self.transport, self.client = job.build()
         faults.point(job.rank, 0)
         self.data = load_data(
-            config.data, job.spec, config.seed, config.examples, config.data_layout
+            config.data.source, job.spec, config.run.seed, config.data.examples, config.data.layout
         )
-        self.sync = config.mode == "sync"
-        late = replica > 0 and not self.sync and job.start < config.warm_start
-        warm = config.warm_start if late else 0
+        self.sync = config.cluster.mode == "sync"
+        late = replica > 0 and not self.sync and job.start < config.optimiser.warm_start
+        warm = config.optimiser.warm_start if late else 0
         if warm:
             log.info("waiting for replica 0's %d warm-start steps", warm)
         client = self.client
@@ -157,18 +162,20 @@ class _StepLoop:
         local = config.local_steps
         buffers = client.push_buffers(1 if self.sync else IN_FLIGHT + 1)
         # Local steps between pushes apply each step's own gradient: backward writes it apart.
-        apart = local and (config.n_push > 1 or config.push_norm > 0)
+        apart = local and (config.optimiser.n_push > 1 or config.optimiser.push_norm > 0)
         scratch = torch.zeros_like(buffers[0]) if apart else None
         self.grads = GradBuffers(self.model, buffers, scratch)
         self.requests = Requests(
-            client, self.model, self.grads, config.lr if local else None, first
+            client, self.model, self.grads, config.optimiser.lr if local else None, first
         )
         self.metrics = _Metrics(job) if job.worker == 0 else None
         self.first_loss = 0.0  # this job's first step's: a loss far above it has diverged
         self.held_out = None
-        if replica == 0 and config.eval_every > 0:
+        if replica == 0 and config.run.eval_every > 0:
             path = job.run / "eval.jsonl" if job.worker == 0 else None
-            self.held_out = HeldOut(job.spec, self.data, config.batch, DTYPES[config.dtype], path)
+            self.held_out = HeldOut(
+                job.spec, self.data, config.data.batch, DTYPES[config.run.dtype], path
+            )
 
     def step(self, t: int, stop: bool) -> bool:
         """Step `t`: settle what arrived, compute on the batch, push and fetch as due; True
@@ -177,7 +184,9 @@ class _StepLoop:
         t0 = clock()
         self.requests.settle(IN_FLIGHT)  # only what has arrived
         t1 = clock()
-        x, y = self.data.batch(job.replica, config.replicas, t, config.batch, DTYPES[config.dtype])
+        x, y = self.data.batch(
+            job.replica, config.cluster.replicas, t, config.data.batch, DTYPES[config.run.dtype]
+        )
         t2 = clock()
         # A signal reaches a replica's workers at different moments: the flag travels with
         # the loss's collective, so they all stop after the same step.
@@ -188,7 +197,7 @@ class _StepLoop:
             collect_grads=False,
             stop=stop,
             accuracy=job.worker == 0,
-            dropout=training_key(job.spec, config.seed, t, job.replica * config.batch),
+            dropout=training_key(job.spec, config.run.seed, t, job.replica * config.data.batch),
         )
         t3 = clock()
         self.first_loss = self.first_loss or result.loss
@@ -202,8 +211,10 @@ class _StepLoop:
                 "training diverged"
             )
         self.requests.stepped()
-        pushed = self.sync or push_due(t, config.n_push, config.push_norm, self.grads.flat)
-        fetched = self.sync or t % config.n_fetch == 0
+        pushed = self.sync or push_due(
+            t, config.optimiser.n_push, config.optimiser.push_norm, self.grads.flat
+        )
+        fetched = self.sync or t % config.optimiser.n_fetch == 0
         if pushed or fetched:
             self.requests.post(t, pushed, fetched, wait=self.sync)
         t4 = clock()
@@ -214,7 +225,7 @@ class _StepLoop:
             if self.on_step is not None:
                 self.on_step(line)
         if self.held_out is not None and (
-            t % config.eval_every == 0 or t == config.steps or result.stop
+            t % config.run.eval_every == 0 or t == config.run.steps or result.stop
         ):
             self.held_out(t, self.model, self.transport)
         return result.stop
@@ -308,10 +319,10 @@ class _Metrics:
 
     def __init__(self, job: ReplicaJob) -> None:
         self.replica, self.config = job.replica, job.config
-        size = torch.empty(0, dtype=DTYPES[job.config.dtype]).element_size()
+        size = torch.empty(0, dtype=DTYPES[job.config.run.dtype]).element_size()
         halo_values = sum(len(u) for layer in job.schedule.sends for u in layer.values())
         self.size = size
-        self.halo_bytes = 2 * halo_values * job.config.batch * size  # fwd + bwd, all workers
+        self.halo_bytes = 2 * halo_values * job.config.data.batch * size  # fwd + bwd, all workers
         self.ps_values = sum(job.layout.worker_size(w) for w in range(job.layout.workers))
         self.scale = self.ps_values / max(1, job.layout.worker_size(job.worker))
         self.received = 0  # the client's count of values received at the last line
@@ -338,7 +349,7 @@ class _Metrics:
             "loss": result.loss,
             "accuracy": result.accuracy,
             "staleness": staleness if staleness >= 0 else None,
-            "samples": self.config.batch,
+            "samples": self.config.data.batch,
             "step_s": sum(times),
             "compute_s": step_s - halo_s,
             "halo_s": halo_s,

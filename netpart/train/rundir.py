@@ -101,9 +101,9 @@ def checkpoint_meta(spec: ModelSpec, plan: PartitionPlan, config: TrainConfig) -
     return {
         "schema_version": 1,
         "fingerprint": spec.fingerprint(),
-        "layout": layout_key(plan, config.shards),
-        "optimizer": config.optimizer,
-        "dtype": config.dtype,
+        "layout": layout_key(plan, config.cluster.shards),
+        "optimizer": config.optimiser.name,
+        "dtype": config.run.dtype,
     }
 
 
@@ -183,7 +183,7 @@ def run_model(run: Path, from_shards: bool = False) -> tuple[Job, dict[str, torc
                 f"{run / 'model.pt'}: not a model file netpart wrote ({type(exc).__name__} from "
                 f"torch.load); rebuild it from the shard checkpoints with `netpart export {run}`"
             ) from None
-    compiled = compile_plan(job.spec, job.plan, shards=job.config.shards, validate=False)
+    compiled = compile_plan(job.spec, job.plan, shards=job.config.cluster.shards, validate=False)
     return job, model_from_shards(job.spec, job.plan, job.config, run, compiled.layout)
 
 
@@ -221,14 +221,16 @@ def prepare_run(
         _cut_torn_lines(run)
         old = read_job(run).config
         meta = checkpoint_meta(spec, plan, config)
-        for s in range(config.shards):  # every checkpoint must load before anything is written
+        for s in range(config.cluster.shards):  # every checkpoint loads before anything is written
             load_shard(run, s, meta, int(layout.shard_sizes()[s]))
-        if old.replicas != config.replicas:
-            log.info("resuming with %d replicas (was %d)", config.replicas, old.replicas)
-        sync = config.mode == "sync"
-        starts = read_progress(run, config.shards, config.replicas, sync, newest)
-        if config.mode != "sandblaster":  # its iterations are logged by the coordinator
-            _say_unlogged(run, {r: n for r, n in starts.items() if r < old.replicas})
+        if old.cluster.replicas != config.cluster.replicas:
+            log.info(
+                "resuming with %d replicas (was %d)", config.cluster.replicas, old.cluster.replicas
+            )
+        sync = config.cluster.mode == "sync"
+        starts = read_progress(run, config.cluster.shards, config.cluster.replicas, sync, newest)
+        if config.cluster.mode != "sandblaster":  # its iterations are logged by the coordinator
+            _say_unlogged(run, {r: n for r, n in starts.items() if r < old.cluster.replicas})
     else:
         if _resumable(run):
             raise TrainError(
@@ -245,7 +247,7 @@ def prepare_run(
             for name in RUN_OUTPUTS:
                 for path in run.glob(name):
                     path.unlink(missing_ok=True)
-        starts = dict.fromkeys(range(config.replicas), 0)
+        starts = dict.fromkeys(range(config.cluster.replicas), 0)
     return starts
 
 
@@ -253,7 +255,7 @@ def _resumable(run: Path) -> bool:
     """Whether `run` holds a run every shard of which wrote a checkpoint (one that did not
     cannot be resumed, and a new job may start over in it)."""
     try:
-        shards = read_job(run).config.shards
+        shards = read_job(run).config.cluster.shards
     except (NetpartError, OSError, ValueError):
         return any(run.glob("shard_*.pt"))  # unreadable: leave it to the other checks
     return any(run.glob("shard_*.pt")) and all(shard_path(run, s).exists() for s in range(shards))
@@ -350,7 +352,7 @@ def write_run(
         "schema_version": SCHEMA_VERSION,
         "model": spec.name,
         "fingerprint": spec.fingerprint(),
-        "layout": layout_key(plan, config.shards),
+        "layout": layout_key(plan, config.cluster.shards),
         "workers": plan.workers,
         "config": config.to_dict(),
     }
@@ -365,7 +367,7 @@ def write_run(
     for note in run.glob("diverged_*.json"):  # a new job: it has not diverged
         note.unlink()
     if not resume:
-        for r in range(config.replicas):
+        for r in range(config.cluster.replicas):
             (run / f"metrics_replica{r}.jsonl").unlink(missing_ok=True)
 
 
@@ -381,16 +383,18 @@ def _check_diverged(run: Path, config: TrainConfig) -> None:
         if note["replica"] >= 0
         else "a shard's values were not finite"
     )
-    if not all(shard_path(run, s).exists() for s in range(config.shards)):
+    if not all(shard_path(run, s).exists() for s in range(config.cluster.shards)):
         raise RuntimeFailure(
             f"training diverged: {what}, before the first checkpoint; start again with a "
-            f"lower --lr than {config.lr:g} (--out {run} is reused)"
+            f"lower --lr than {config.optimiser.lr:g} (--out {run} is reused)"
         )
-    steps = read_progress(run, config.shards, config.replicas, config.mode == "sync")
+    steps = read_progress(
+        run, config.cluster.shards, config.cluster.replicas, config.cluster.mode == "sync"
+    )
     at = ", ".join(f"replica {r} at step {s}" for r, s in steps.items())
     raise RuntimeFailure(
         f"training diverged: {what}; the checkpoints in {run} keep the last state before it "
-        f"({at}): resume from there with a lower --lr than {config.lr:g} (--resume {run})"
+        f"({at}): resume from there with a lower --lr than {config.optimiser.lr:g} (--resume {run})"
     )
 
 
@@ -398,7 +402,7 @@ def check_lost(summary: TrainSummary, config) -> None:
     """WorkerFailure when every replica was lost (what the launcher and the shards saw),
     unless the user stopped the job: its replicas then end as their links close (a shard
     killed as the stop came, say), and its checkpoints are what a resume goes on from."""
-    if len(summary.lost) == config.replicas and not summary.stopped:
+    if len(summary.lost) == config.cluster.replicas and not summary.stopped:
         raise WorkerFailure(
             "every replica was lost: "
             + "; ".join(f"replica {r}: {why}" for r, why in sorted(summary.lost.items()))
@@ -414,7 +418,8 @@ def finish_run(compiled: CompiledPlan, config, run: Path, summary: TrainSummary)
         summary.final_loss[line["replica"]] = line["loss"]
     restarts = run / "restarts.json"  # shards restarted from a checkpoint, what each lost
     summary.restarts = json.loads(restarts.read_text()) if restarts.exists() else []
-    for s in range(config.shards):  # replicas a shard dropped (under torchrun: the only record)
+    # replicas a shard dropped (under torchrun: the only record)
+    for s in range(config.cluster.shards):
         if not shard_path(run, s).exists():  # the job ended before its first checkpoint
             continue
         for r, why in shard_meta(run, s).get("lost", {}).items():
@@ -430,10 +435,12 @@ def finish_run(compiled: CompiledPlan, config, run: Path, summary: TrainSummary)
     save_model(run / "model.pt", user_state(compiled.spec, state))
     write_atomic(run / "summary.json", json.dumps(summary.to_dict(), indent=1).encode())
     try:
-        data = load_data(config.data, spec, config.seed, config.examples, config.data_layout)
+        data = load_data(
+            config.data.source, spec, config.run.seed, config.data.examples, config.data.layout
+        )
         # how a user's own model is fed and what its outputs mean (`netpart export` states it)
         write_atomic(run / "data.json", json.dumps(data.preprocessing(), indent=1).encode())
-        summary.held_out = evaluate(spec, state, *data.held_out_set(), seed=config.seed)
+        summary.held_out = evaluate(spec, state, *data.held_out_set(), seed=config.run.seed)
     except (DataError, OSError) as exc:  # the data went away during the run
         log.warning("no held-out evaluation: %s", exc)
     if summary.held_out and not math.isfinite(summary.held_out["loss"]):

@@ -51,7 +51,7 @@ def _bounds(batch: int, units: int) -> list[int]:
 def run_coordinator(
     config, placement: Placement, rank: int, run: Path, stop: threading.Event | None = None
 ) -> dict:
-    """Drive L-BFGS for `config.steps` iterations (or until `stop` is set, at an iteration's
+    """Drive L-BFGS for `config.run.steps` iterations (or until `stop` is set, at an iteration's
     end); returns the scheduling figures."""
     return Coordinator(config, placement, rank, run, stop).run()
 
@@ -95,13 +95,15 @@ class Coordinator:
         self, config, placement: Placement, rank: int, run: Path, stop: threading.Event | None
     ) -> None:
         self.config, self.placement, self.rank, self.stop = config, placement, rank, stop
-        self.shards = ShardCommands([placement.shard_rank(s) for s in range(config.shards)], rank)
-        ranks = [placement.replica_ranks(r) for r in range(config.replicas)]
+        self.shards = ShardCommands(
+            [placement.shard_rank(s) for s in range(config.cluster.shards)], rank
+        )
+        ranks = [placement.replica_ranks(r) for r in range(config.cluster.replicas)]
         self.units = UnitChannel(rank, ranks)
         self.lost: set[int] = set()
         self.busy: dict[int, tuple[int, int, bool]] = {}  # replica -> (unit, evaluation, backup)
         self.stats = {
-            "units_by_replica": [0] * config.replicas,
+            "units_by_replica": [0] * config.cluster.replicas,
             "backups_sent": 0,
             "backups_won": 0,
             "evaluations": 0,
@@ -118,21 +120,23 @@ class Coordinator:
         driver = LBFGSDriver(
             self.shards,
             self.evaluate,
-            lr=config.lr,
-            history=config.history,
-            line_search=None if config.line_search == "none" else "armijo",
+            lr=config.optimiser.lr,
+            history=config.optimiser.history,
+            line_search=None if config.optimiser.line_search == "none" else "armijo",
             should_stop=None if self.stop is None else self.stop.is_set,
         )
         try:
-            result = driver.run(config.steps)
+            result = driver.run(config.run.steps)
         finally:
             self.metrics.close()
         while self.busy:  # replicas still on a unit report it before the goodbye (gloo sends
-            r, *_, why = self.units.next_report(config.timeout, self.busy)  # block until received)
+            r, *_, why = self.units.next_report(
+                config.cluster.timeout, self.busy
+            )  # block until received)
             self.busy.pop(r, None)
             if why is not None:
                 self._lose(r, why)
-        for r in range(config.replicas):
+        for r in range(config.cluster.replicas):
             if r not in self.lost:
                 self._assign(r, bye=True)
         self.shards.call(Op.STOP)
@@ -158,7 +162,7 @@ class Coordinator:
         An evaluation a lost replica left incomplete at the shards is done again."""
         while True:
             loss = self._evaluate_once()
-            missing = max(self.shards.call(Op.WAIT, float(self.config.units)))
+            missing = max(self.shards.call(Op.WAIT, float(self.config.optimiser.units)))
             if not missing:
                 break
             self.stats["redone"] += 1
@@ -184,14 +188,16 @@ class Coordinator:
         """Hand the units out until each is reported once; the loss they report."""
         self.eval_id += 1
         self.shards.call(Op.BEGIN, float(self.eval_id))
-        ev = _Evaluation(self.config.units)
-        replicas = range(self.config.replicas)
+        ev = _Evaluation(self.config.optimiser.units)
+        replicas = range(self.config.cluster.replicas)
         free = collections.deque(r for r in replicas if r not in self.lost | set(self.busy))
-        while len(ev.done) < self.config.units:
+        while len(ev.done) < self.config.optimiser.units:
             self._hand_out(ev, free)
-            if len(self.lost) == self.config.replicas:
+            if len(self.lost) == self.config.cluster.replicas:
                 raise RuntimeFailure("every replica was lost")
-            r, u, eval_id, loss_sum, why = self.units.next_report(self.config.timeout, self.busy)
+            r, u, eval_id, loss_sum, why = self.units.next_report(
+                self.config.cluster.timeout, self.busy
+            )
             if why is not None:
                 self._lose(r, why, ev)
                 continue
@@ -201,7 +207,7 @@ class Coordinator:
                 ev.done[u] = loss_sum
                 self.stats["units_by_replica"][r] += 1
                 self.stats["backups_won"] += int(backup)
-        return sum(ev.done.values()) / self.config.batch
+        return sum(ev.done.values()) / self.config.data.batch
 
     def _lose(self, replica: int, why: str, ev: _Evaluation | None = None) -> None:
         """`replica` is gone: forget it, and re-issue the unit it held."""
@@ -253,9 +259,11 @@ def run_unit_worker(job: ReplicaJob) -> None:
     config, replica, worker, rank = job.config, job.replica, job.worker, job.rank
     model, transport, client = job.build()
     load = model.bind_values  # the parameters become views of the fetched values
-    data = load_data(config.data, job.spec, config.seed, config.examples, config.data_layout)
-    ids = data.indices(0, 1, 1, config.batch)  # the batch every evaluation works on
-    bounds = _bounds(config.batch, config.units)
+    data = load_data(
+        config.data.source, job.spec, config.run.seed, config.data.examples, config.data.layout
+    )
+    ids = data.indices(0, 1, 1, config.data.batch)  # the batch every evaluation works on
+    bounds = _bounds(config.data.batch, config.optimiser.units)
     coordinator = job.placement.coordinator_rank()
     fetched, done_units = None, 0
     while not (got := next_unit(coordinator)).bye:
@@ -266,10 +274,10 @@ def run_unit_worker(job: ReplicaJob) -> None:
         faults.point(rank, done_units)  # test hook: a slow replica sleeps here
         done_units += 1
         part = ids[bounds[unit] : bounds[unit + 1]]
-        x, y = data.examples(part, DTYPES[config.dtype])
+        x, y = data.examples(part, DTYPES[config.run.dtype])
         model.zero_grad()
         result = model.step(x, y, transport, collect_grads=False)
-        push = client.request(unit, model.flat_grads() * (len(part) / config.batch), extra=ev)
+        push = client.request(unit, model.flat_grads() * (len(part) / config.data.batch), extra=ev)
         if worker == 0:
             report_unit(coordinator, rank, replica, got, result.loss * len(part))
         client.complete(push)

@@ -68,39 +68,43 @@ def initial_values(
 def shard_mode(
     config: TrainConfig, state: ShardState, workers: tuple[int, ...]
 ) -> tuple[Mode, UpdateRule | None]:
-    """The mode object of `config.mode` and the update rule over the shard's values (and
+    """The mode object of `config.cluster.mode` and the update rule over the shard's values (and
     optimizer state); `workers`: the model workers the shard serves."""
-    if config.mode == "sandblaster":  # the coordinator moves x by vector operations
-        vectors = ShardVectors(state.values, config.history)
-        return Sandblaster(vectors, workers, config.timeout), None
+    if config.cluster.mode == "sandblaster":  # the coordinator moves x by vector operations
+        vectors = ShardVectors(state.values, config.optimiser.history)
+        return Sandblaster(vectors, workers, config.cluster.timeout), None
     rule = make_rule(config.optim, state.values, state.state)
-    if config.mode == "sync":
+    if config.cluster.mode == "sync":
         return Sync(), rule
-    return Downpour(DelayCompensation(config.dc_lambda) if config.dc_lambda else None), rule
+    return Downpour(
+        DelayCompensation(config.optimiser.dc_lambda) if config.optimiser.dc_lambda else None
+    ), rule
 
 
 def serve_shard(job, layout: ShardLayout, shard: int, rank: int, stop, placement) -> ShardServer:
     """Serve shard `shard` of `job` until the replicas are done; returns the server."""
     spec, plan, config, run = job.spec, job.plan, job.config, job.run
-    dtype = DTYPES[config.dtype]
+    dtype = DTYPES[config.run.dtype]
     meta = checkpoint_meta(spec, plan, config)
     size = int(layout.shard_sizes()[shard])
     if job.resume:
         state = load_shard(run, shard, meta, size)
         state.values = state.values.to(dtype)
-        _catch_up(state, dict(job.starts), config.mode == "sync")
+        _catch_up(state, dict(job.starts), config.cluster.mode == "sync")
     else:
-        start = read_initial(run) if config.init == "module" else None
-        values = initial_values(spec, layout, shard, config.seed, dtype, start)
+        start = read_initial(run) if config.model.init == "module" else None
+        values = initial_values(spec, layout, shard, config.run.seed, dtype, start)
         state = ShardState(values=values, state=None)
     mode, rule = shard_mode(config, state, tuple(layout.peers(shard)))
-    coordinator = placement.coordinator_rank() if config.mode == "sandblaster" else -1
-    setup = ShardSetup(layout, shard, config.replicas, rank, placement.worker_rank, coordinator)
+    coordinator = placement.coordinator_rank() if config.cluster.mode == "sandblaster" else -1
+    setup = ShardSetup(
+        layout, shard, config.cluster.replicas, rank, placement.worker_rank, coordinator
+    )
     server = ShardServer(setup, state, mode, rule)
     checkpoints = Checkpoints(server, run, meta, config, rank)  # before any update
     log.info("%d values, serving workers %s", size, server.workers)
     try:
-        server.serve(stop, grace=config.timeout)
+        server.serve(stop, grace=config.cluster.timeout)
     finally:
         failed = checkpoints.close(final=_final_figures(server))  # on disk, or why not
     if failed is not None:
@@ -129,7 +133,7 @@ class Checkpoints:
 
     def __init__(self, server: ShardServer, run: Path, meta: dict, config: TrainConfig, rank: int):
         self.server, self.run, self.meta, self.rank = server, run, meta, rank
-        self.every, self.snapshot_every = config.checkpoint_every, config.snapshot_every
+        self.every, self.snapshot_every = config.run.checkpoint_every, config.run.snapshot_every
         self.seen = server.state.updates
         self.writes = 0
         self.wrote = False  # whether this job wrote the current checkpoint

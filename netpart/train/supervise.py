@@ -78,18 +78,18 @@ def supervise(
 ) -> Died | None:
     """Start the job's processes and apply the fault policy until they have all ended.
 
-    Returns the shard to restart when one died and the attempt's number < `config.restarts`;
+    Returns the shard to restart when one died and the attempt's number < `config.cluster.restarts`;
     raises WorkerFailure when a shard or the coordinator failed otherwise, KeyboardInterrupt
     after a second signal."""
     logs = [run / "logs" / f"rank{r}.log" for r in range(config.world(workers))]
     args = ["--run", str(run), *(["--resume"] if attempt.resume else [])]
-    read = Progress(run, config.replicas, attempt.loggers)
+    read = Progress(run, config.cluster.replicas, attempt.loggers)
     watch = Watch(config, workers, summary)
     job = Processes(
         "netpart.train.process",
         args,
         logs,
-        grace=config.timeout + STOP_MARGIN,  # shards wait `timeout` for workers, then write
+        grace=config.cluster.timeout + STOP_MARGIN,  # shards wait `timeout` for workers, then write
         new_session=True,
         preloaded=attempt.preloaded,
         env={RESTART_ENV: str(attempt.number)},

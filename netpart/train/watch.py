@@ -72,12 +72,12 @@ def resume_hint(run: Path, config: TrainConfig) -> str:
     """Where the last checkpoint is and how to go on from it — only what is true."""
     if not any(run.glob("shard_*.pt")):
         return f"no checkpoint was written in {run} (a new job may reuse it)"
-    if not all((run / f"shard_{s}.pt").exists() for s in range(config.shards)):
+    if not all((run / f"shard_{s}.pt").exists() for s in range(config.cluster.shards)):
         return (
             f"not every shard wrote a checkpoint in {run}, so it cannot be resumed (a new job "
             f"may start over in it: the same command with --out {run})"
         )
-    if config.mode == "sandblaster":
+    if config.cluster.mode == "sandblaster":
         return f"the last checkpoint's parameters are in {run} (Sandblaster cannot resume)"
     return f"the last checkpoint is in {run} (continue with --resume {run})"
 
@@ -87,7 +87,7 @@ class Watch:
 
     def __init__(self, config: TrainConfig, workers: int, summary: TrainSummary) -> None:
         self.config, self.workers, self.summary = config, workers, summary
-        self.n_workers = config.replicas * workers
+        self.n_workers = config.cluster.replicas * workers
         self.failed: tuple[int, int] | None = None  # (shard, code) that failed first
         self.startup: tuple[int, int] | None = None  # (rank, code) that ended while starting
         self.unjoined: list[int] = []  # ranks still running that had not joined then
@@ -101,10 +101,10 @@ class Watch:
 
     def name(self, rank: int) -> str:
         """Rank `rank`'s role on one machine (the ranks are in placement order)."""
-        n, c = self.n_workers, self.config
+        n = self.n_workers
         if rank < n:
             return f"replica {rank // self.workers} worker {rank % self.workers} (rank {rank})"
-        if rank < n + c.shards:
+        if rank < n + self.config.cluster.shards:
             return f"shard {rank - n} (rank {rank})"
         return f"the coordinator (rank {rank})"
 
@@ -128,7 +128,7 @@ class Watch:
         if self.failed is None:  # after a shard failed, workers die of it: not replica losses
             self._note_lost(procs, codes[:n], ready, now)
         for r, since in self.lost_at.items():  # mates of a lost worker get `timeout` to notice
-            if now - since > self.config.timeout:
+            if now - since > self.config.cluster.timeout:
                 procs.kill(list(range(r * workers, (r + 1) * workers)))
         if all(c is not None for c in codes[:n]) and not procs.stopping.is_set():
             procs.stop()  # every worker has ended: the shards write and stop
@@ -162,7 +162,7 @@ class Watch:
         stopped = set(procs.stopped_ranks())
         self.stopped_since = {k: self.stopped_since.get(k, now) for k in stopped}
         for k, since in list(self.stopped_since.items()):
-            if now - since <= self.config.timeout:
+            if now - since <= self.config.cluster.timeout:
                 continue
             if k < self.n_workers:
                 r = k // self.workers
@@ -233,7 +233,7 @@ class Watch:
             k, seconds = self.frozen
             raise WorkerFailure(
                 f"{self.name(k)} was stopped (SIGSTOP) for {seconds:.0f} s, "
-                f"longer than --timeout {config.timeout:g}; "
+                f"longer than --timeout {config.cluster.timeout:g}; "
                 f"{resume_hint(run, config)}"
             )
         return self._shard_verdict(procs, run, attempt)
@@ -245,12 +245,12 @@ class Watch:
         if failed is None and any(c != 0 for c in codes):  # failed after the last poll
             failed = next((s, c) for s, c in enumerate(codes) if c != 0)
         if failed is None:  # replicas lost since the last poll
-            self._note_lost(procs, procs.codes()[:n], set(range(config.replicas)), 0.0)
+            self._note_lost(procs, procs.codes()[:n], set(range(config.cluster.replicas)), 0.0)
             return None
         s, code = failed
-        is_shard = s < config.shards
+        is_shard = s < config.cluster.shards
         # every shard that died, the first failure first: each is named, each restarted
-        others = [k for k, c in enumerate(codes[: config.shards]) if c not in (0, None)]
+        others = [k for k, c in enumerate(codes[: config.cluster.shards]) if c not in (0, None)]
         dead = (s, *(k for k in others if k != s)) if is_shard else (s,)
         unsaid = "no error in its log" if len(dead) == 1 else "no error in their logs"
         why = procs.last_error(n + s) if code == REPORTED_ERROR else unsaid
@@ -260,19 +260,22 @@ class Watch:
             why = "it forked the job's processes, which died with it"
         died = is_shard and code != REPORTED_ERROR
         has_checkpoint = all((run / f"shard_{k}.pt").exists() for k in dead)
-        if died and config.mode != "sandblaster" and has_checkpoint and attempt < config.restarts:
+        cluster = config.cluster
+        if died and cluster.mode != "sandblaster" and has_checkpoint and attempt < cluster.restarts:
             if procs.signalled.is_set():  # the user's stop came as it died: stop, not restart
                 log.warning("%s %s as the job was stopped: not restarting it", who, exit_text(code))
                 self.summary.stopped = True
                 return None
             return Died(dead, code, why, who)
-        if died and config.mode == "sandblaster":
+        if died and config.cluster.mode == "sandblaster":
             why += " (Sandblaster does not restart shards)"
         elif died and not has_checkpoint:
             why += " (no checkpoint to restart it from yet)"
         elif died:
             why += (
-                f" (all {config.restarts} restarts used)" if config.restarts else " (--restarts 0)"
+                f" (all {config.cluster.restarts} restarts used)"
+                if config.cluster.restarts
+                else " (--restarts 0)"
             )
         ended = "died" if procs.zygote_gone() else exit_text(code)
         raise WorkerFailure(f"{who} {ended}: {why}; {resume_hint(run, config)}")

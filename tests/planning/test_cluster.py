@@ -106,8 +106,8 @@ def test_train_machines_trains_the_fastest_parameter_server_layout(tmp_path, cap
     assert main(argv) == 0
     assert f"--machines 4: training {choice.layout}" in capsys.readouterr().out
     job, lay = json.loads((run / "train.json").read_text()), choice.layout
-    config = job["config"]
-    assert (job["workers"], config["replicas"], config["shards"], config["mode"]) == (
+    cluster = job["config"]["cluster"]
+    assert (job["workers"], cluster["replicas"], cluster["shards"], cluster["mode"]) == (
         lay.workers,
         lay.replicas,
         lay.shards,

@@ -14,10 +14,10 @@ from netpart.train.config import TrainConfig
 def test_the_estimate_grows_with_replicas_and_precision():
     spec = load_spec("digits-mlp")
     p = plan(spec, 2, "metis")
-    one = fit.estimate(spec, p, **TrainConfig(replicas=1, shards=2).memory_job(p.workers))
-    two = fit.estimate(spec, p, **TrainConfig(replicas=2, shards=2).memory_job(p.workers))
+    one = fit.estimate(spec, p, **TrainConfig.of(replicas=1, shards=2).memory_job(p.workers))
+    two = fit.estimate(spec, p, **TrainConfig.of(replicas=2, shards=2).memory_job(p.workers))
     wide = fit.estimate(
-        spec, p, **TrainConfig(replicas=2, shards=2, dtype="float64").memory_job(p.workers)
+        spec, p, **TrainConfig.of(replicas=2, shards=2, dtype="float64").memory_job(p.workers)
     )
     assert two.workers_bytes == 2 * one.workers_bytes and two.processes == one.processes + 2
     assert wide.total > two.total > one.total > 0
@@ -28,7 +28,7 @@ def test_the_estimate_grows_with_replicas_and_precision():
 def test_a_job_that_cannot_fit_is_refused_with_its_figures():
     spec = load_spec("digits-mlp")
     p = plan(spec, 2, "metis")
-    config = TrainConfig(replicas=2, shards=2)
+    config = TrainConfig.of(replicas=2, shards=2)
     need = fit.estimate(spec, p, **config.memory_job(p.workers)).total
     fit.check_fits(spec, p, available=need + 1, **config.memory_job(p.workers))
     with pytest.raises(TrainError, match=r"needs about .* GiB on this machine \(6 processes"):
@@ -91,7 +91,7 @@ def test_the_estimate_is_within_1_5x_of_a_real_job_s_peak(tmp_path):
     assert proc.returncode == 0, err.decode()[-500:]
     spec = load_spec("tiny-local")
     p = plan(spec, 2)
-    est = fit.estimate(spec, p, **TrainConfig(replicas=2, shards=2, batch=512).memory_job(2))
+    est = fit.estimate(spec, p, **TrainConfig.of(replicas=2, shards=2, batch=512).memory_job(2))
     assert peak[0] / 1.5 <= est.total <= peak[0] * 1.5, (est.total, peak[0])
 
 

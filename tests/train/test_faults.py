@@ -59,7 +59,7 @@ def _stopped_run(out: Path, steps: int = 40) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=stop_when_running, daemon=True).start()
-    cfg = TrainConfig(replicas=2, shards=2, steps=400, batch=8, checkpoint_every=10)
+    cfg = TrainConfig.of(replicas=2, shards=2, steps=400, batch=8, checkpoint_every=10)
     summary = train(SPEC, plan(SPEC, 2, "metis"), cfg, out)
     assert summary.stopped
 
@@ -238,7 +238,7 @@ def test_training_data_deleted_during_the_run_loses_nothing_trained(tmp_path):
         target=lambda: (wait_for_lines(run / "metrics_replica0.jsonl", 1), data.unlink()),
         daemon=True,
     ).start()
-    cfg = TrainConfig(replicas=1, shards=2, steps=60, batch=8, data=str(data))
+    cfg = TrainConfig.of(replicas=1, shards=2, steps=60, batch=8, data=str(data))
     summary = train(SPEC, plan(SPEC, 2, "metis"), cfg, run)
     assert not data.exists() and summary.held_out is None
     assert (run / "model.pt").exists() and (run / "summary.json").exists()
@@ -340,7 +340,7 @@ def test_a_stop_that_comes_as_a_shard_dies_stops_the_job_instead_of_restarting_i
     run.mkdir()
     for s in range(2):
         (run / f"shard_{s}.pt").write_bytes(b"")  # every shard has a checkpoint to restart from
-    config = TrainConfig(replicas=1, shards=2, restarts=3)
+    config = TrainConfig.of(replicas=1, shards=2, restarts=3)
     summary = TrainSummary(run=run)
     signalled = threading.Event()
     procs = SimpleNamespace(

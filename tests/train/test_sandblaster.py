@@ -37,7 +37,7 @@ def no_orphans():
 
 def exact_lbfgs(replicas: int, steps: int, units: int, timeout: float) -> TrainConfig:
     """Full-batch L-BFGS on digits in float64 with torch's fixed step, on 2 shards."""
-    return TrainConfig(
+    return TrainConfig.of(
         replicas=replicas,
         shards=2,
         mode="sandblaster",
@@ -79,7 +79,7 @@ def test_distributed_sandblaster_equals_torch_lbfgs_and_sends_only_scalars(tmp_p
 
 def test_a_slow_replica_gets_fewer_units_and_backups_finish_the_batch(tmp_path, monkeypatch):
     monkeypatch.setenv("NETPART_TEST_FAULT", "slow:1@0.4")  # rank 1 = replica 1: 0.4 s a unit
-    cfg = TrainConfig(
+    cfg = TrainConfig.of(
         replicas=2,
         shards=1,
         mode="sandblaster",

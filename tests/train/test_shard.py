@@ -52,7 +52,7 @@ def test_a_failed_checkpoint_write_fails_the_shard_and_keeps_the_last_one(tmp_pa
     rule = make_rule(Optimizer("sgd", 0.1), values)
     setup = ShardSetup(layout, 0, 1, 5, lambda r, w: 0)
     server = ShardServer(setup, ShardState(values, None), Downpour(), rule, group=_Nobody())
-    config = TrainConfig(replicas=1, checkpoint_every=1)
+    config = TrainConfig.of(replicas=1, checkpoint_every=1)
     checkpoints = Checkpoints(server, tmp_path, {"model": "tiny-mlp"}, config, rank=5)
     sidecar = tmp_path / "shard_0.json"
     _push(server, 1)

@@ -63,7 +63,7 @@ def no_orphans():
 
 
 def _sync(steps):
-    return TrainConfig(
+    return TrainConfig.of(
         replicas=2,
         shards=3,
         mode="sync",
@@ -114,12 +114,12 @@ def test_sync_equals_single_process_sgd_on_the_concatenated_batch(sync_run):
     _, run = sync_run
     got = torch.load(run / "model.pt", weights_only=True)
     ref = build_reference(SYNC_SPEC, 0, torch.float64)
-    data = load_data("synthetic", SYNC_SPEC, 0, TrainConfig().examples)
+    data = load_data("synthetic", SYNC_SPEC, 0, TrainConfig().data.examples)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for t in range(1, 5):
         xs, ys = zip(*[data.batch(r, 2, t, 8, torch.float64) for r in range(2)], strict=True)
         opt.zero_grad()
-        key = training_key(SYNC_SPEC, TrainConfig().seed, t)  # replica r's samples: r * 8 on
+        key = training_key(SYNC_SPEC, TrainConfig().run.seed, t)  # replica r's samples: r * 8 on
         ref.loss(ref(torch.cat(xs), key), torch.cat(ys)).backward()
         opt.step()
     for k, v in ref.state_dict().items():
@@ -184,7 +184,7 @@ def test_downpour_with_local_steps_and_one_replica_is_single_process_sgd(
     its values are mixed with the CURRENT answers of the others."""
     p = plan(SPEC, 2, "metis")
     steps = 9
-    cfg = TrainConfig(
+    cfg = TrainConfig.of(
         replicas=1,
         shards=shards,
         optimizer="sgd",
@@ -201,7 +201,7 @@ def test_downpour_with_local_steps_and_one_replica_is_single_process_sgd(
     train(SPEC, p, cfg, run)
     got = torch.load(run / "model.pt", weights_only=True)
     ref = build_reference(SPEC, 0, torch.float64)
-    data = load_data("synthetic", SPEC, 0, cfg.examples)
+    data = load_data("synthetic", SPEC, 0, cfg.data.examples)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     losses = []
     for t in range(1, steps + 1):
@@ -226,7 +226,7 @@ def test_downpour_with_local_steps_and_one_replica_is_single_process_sgd(
 
 def test_downpour_lowers_the_loss_and_pushes_reach_only_their_shards(tmp_path):
     p = plan(SPEC, 2, "metis")
-    cfg = TrainConfig(replicas=2, shards=2, steps=40, n_push=2, n_fetch=3, lr=0.05, timeout=30)
+    cfg = TrainConfig.of(replicas=2, shards=2, steps=40, n_push=2, n_fetch=3, lr=0.05, timeout=30)
     summary = train(SPEC, p, cfg, tmp_path / "run")
     first = metrics(tmp_path / "run")[0]
     for r in (0, 1):
@@ -249,7 +249,7 @@ def test_downpour_lowers_the_loss_and_pushes_reach_only_their_shards(tmp_path):
 def test_a_dead_replica_does_not_stop_training(tmp_path, monkeypatch, mode):
     monkeypatch.setenv("NETPART_TEST_FAULT", "die:3@5")  # replica 1, worker 1, step 5
     p = plan(SPEC, 2, "metis")
-    cfg = TrainConfig(replicas=2, shards=2, steps=30, lr=0.05, timeout=10, mode=mode)
+    cfg = TrainConfig.of(replicas=2, shards=2, steps=30, lr=0.05, timeout=10, mode=mode)
     summary = train(SPEC, p, cfg, tmp_path / "run")
     # The worker that died is named, not its mate that failed because it was gone.
     assert list(summary.lost) == [1] and summary.lost[1] == "worker 1 exited with code 17"
@@ -319,7 +319,8 @@ def test_bad_resume_input_exits_2_and_overwrites_nothing(sync_run, tmp_path, cap
     lbfgs = tmp_path / "lbfgs"  # a Sandblaster run: refused until its history is checkpointed
     shutil.copytree(straight, lbfgs)
     manifest = json.loads((lbfgs / "train.json").read_text())
-    manifest["config"].update(mode="sandblaster", optimizer="lbfgs", units=1)
+    manifest["config"]["cluster"]["mode"] = "sandblaster"
+    manifest["config"]["optimiser"].update(name="lbfgs", units=1)
     (lbfgs / "train.json").write_text(json.dumps(manifest))
     assert main(["train", "--resume", str(lbfgs)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -433,7 +434,7 @@ def test_a_dead_shard_stops_the_job_with_its_last_checkpoint_intact(tmp_path, mo
     monkeypatch.setenv("NETPART_TEST_FAULT", "die:3@9")  # shard 1 (rank 1*2+1), 9th update
     p = plan(SPEC, 2, "metis")
     # One replica: shard 1 serves worker 1 alone, so its updates come in order.
-    cfg = TrainConfig(
+    cfg = TrainConfig.of(
         replicas=1, shards=2, steps=200, lr=0.05, timeout=10, checkpoint_every=4, restarts=0
     )
     with pytest.raises(
@@ -455,7 +456,7 @@ def test_a_dead_shard_is_restarted_from_its_checkpoint_and_training_goes_on(
     restarted, not only the first (issue 80, item 13)."""
     monkeypatch.setenv("NETPART_TEST_FAULT", fault)
     p = plan(SPEC, 2, "metis")
-    cfg = TrainConfig(replicas=1, shards=2, steps=60, lr=0.05, timeout=10, checkpoint_every=4)
+    cfg = TrainConfig.of(replicas=1, shards=2, steps=60, lr=0.05, timeout=10, checkpoint_every=4)
     summary = train(SPEC, p, cfg, tmp_path / "run")
     assert sorted(r["shard"] for r in summary.restarts) == dead
     for restart in summary.restarts:
@@ -483,7 +484,7 @@ def test_a_killed_zygote_is_blamed_and_the_job_restarted_from_its_checkpoints(tm
 
     run = tmp_path / "run"
     p = plan(SPEC, 2, "metis")
-    cfg = TrainConfig(replicas=1, shards=2, steps=120, lr=0.05, timeout=10, checkpoint_every=4)
+    cfg = TrainConfig.of(replicas=1, shards=2, steps=120, lr=0.05, timeout=10, checkpoint_every=4)
     out = {}
     job = threading.Thread(target=lambda: out.update(summary=train(SPEC, p, cfg, run)))
     job.start()
@@ -526,7 +527,7 @@ def _is_zygote(proc: Path) -> bool:
 def test_eval_reports_held_out_digits_accuracy(tmp_path, capsys):
     run = tmp_path / "run"
     p = plan(SPEC, 2, "metis")
-    cfg = TrainConfig(
+    cfg = TrainConfig.of(
         replicas=2, shards=2, steps=120, lr=0.05, data="digits", timeout=30, snapshot_every=80
     )
     train(SPEC, p, cfg, run)
@@ -572,7 +573,7 @@ def test_norm_triggered_pushes_and_dc_asgd_train(tmp_path):
     p = plan(SPEC, 2, "metis")
     updates = {}
     for name, norm in (("eager", 1e-9), ("lazy", 1e9)):  # every step; every 5th step
-        cfg = TrainConfig(
+        cfg = TrainConfig.of(
             replicas=2,
             shards=2,
             steps=40,

@@ -13,7 +13,8 @@ partitioned step is checked against it.
         nn.Flatten(), nn.Linear(8 * 14 * 14, 10),
     )
 
-Square windows, one stride and one padding for both axes, as netpart's spec has them.
+Windows, strides and paddings are one integer for both axes or (height, width), as torch's
+own layers take them (LocalContrastNorm's window is square).
 """
 
 from __future__ import annotations
@@ -22,9 +23,17 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["L2_POOL_EPS", "L2Pool2d", "LocalContrastNorm", "LocallyConnected2d", "out_size"]
+__all__ = ["L2_POOL_EPS", "L2Pool2d", "LocalContrastNorm", "LocallyConnected2d", "out_size", "pair"]
 
 L2_POOL_EPS = 1e-6  # sqrt(sum x^2 + eps): keeps the gradient finite where a window is all zero
+
+
+Size = int | tuple[int, int]
+
+
+def pair(value: Size) -> tuple[int, int]:
+    """(height, width) of a size given as one integer for both or as the pair."""
+    return (value, value) if isinstance(value, int) else (int(value[0]), int(value[1]))
 
 
 def out_size(size: int, kernel: int, stride: int, padding: int) -> int:
@@ -46,22 +55,18 @@ class LocallyConnected2d(nn.Module):
         self,
         in_channels: int,
         out_channels: int,
-        in_size: int | tuple[int, int],
-        kernel_size: int,
-        stride: int = 1,
-        padding: int = 0,
+        in_size: Size,
+        kernel_size: Size,
+        stride: Size = 1,
+        padding: Size = 0,
         bias: bool = True,
     ) -> None:
         super().__init__()
-        h, w = (in_size, in_size) if isinstance(in_size, int) else in_size
+        (h, w), (kh, kw), (sh, sw), (ph, pw) = map(pair, (in_size, kernel_size, stride, padding))
         self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
-        self.out_shape = (
-            out_channels,
-            out_size(h, kernel_size, stride, padding),
-            out_size(w, kernel_size, stride, padding),
-        )
+        self.out_shape = (out_channels, out_size(h, kh, sh, ph), out_size(w, kw, sw, pw))
         _, oh, ow = self.out_shape
-        fan_in = in_channels * kernel_size**2
+        fan_in = in_channels * kh * kw
         self.weight = nn.Parameter(torch.empty(oh * ow, fan_in, out_channels))
         self.bias = nn.Parameter(torch.zeros(out_channels, oh, ow)) if bias else None
         # each patch's input rows, in unfold's (channel, ky, kx) order; size: the padding.
@@ -71,7 +76,7 @@ class LocallyConnected2d(nn.Module):
         size = in_channels * h * w
         ids = torch.arange(1, size + 1, dtype=torch.float64, device="cpu")
         ids = ids.reshape(1, in_channels, h, w)
-        rows = F.unfold(ids, kernel_size, padding=padding, stride=stride)[0]
+        rows = F.unfold(ids, (kh, kw), padding=(ph, pw), stride=(sh, sw))[0]
         rows = torch.where(rows > 0, rows - 1, size).long().t().reshape(-1)  # [L*K]
         self.register_buffer("rows", rows, persistent=False)
         bound = fan_in**-0.5  # as torch's Linear and Conv2d start: U(-1/sqrt(fan_in), ...)
@@ -95,9 +100,9 @@ class L2Pool2d(nn.Module):
 
     def __init__(
         self,
-        kernel_size: int,
-        stride: int | None = None,
-        padding: int = 0,
+        kernel_size: Size,
+        stride: Size | None = None,
+        padding: Size = 0,
         eps: float = L2_POOL_EPS,
     ) -> None:
         super().__init__()
@@ -105,10 +110,10 @@ class L2Pool2d(nn.Module):
         self.stride = kernel_size if stride is None else stride
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        k, s, p = self.kernel_size, self.stride, self.padding
-        if p:  # explicit padding: torch's pools limit padding to half the kernel
-            x = F.pad(x, (p, p, p, p))
-        return torch.sqrt(F.avg_pool2d(x * x, k, s) * (k * k) + self.eps)
+        (kh, kw), s, (ph, pw) = pair(self.kernel_size), pair(self.stride), pair(self.padding)
+        if ph or pw:  # explicit padding: torch's pools limit padding to half the kernel
+            x = F.pad(x, (pw, pw, ph, ph))
+        return torch.sqrt(F.avg_pool2d(x * x, (kh, kw), s) * (kh * kw) + self.eps)
 
 
 class LocalContrastNorm(nn.Module):

@@ -28,6 +28,19 @@ ACTIVATIONS = st.one_of(
 
 
 @st.composite
+def windows(draw: st.DrawFn, pad_most: int) -> tuple:
+    """A kernel, stride and padding: square at times, else [height, width] each (a stride at
+    most the kernel, a padding below it and at most `pad_most`, per axis)."""
+    if draw(st.booleans()):
+        k = draw(st.integers(1, 3))
+        return k, draw(st.integers(1, min(k, 2))), draw(st.integers(0, min(k - 1, pad_most)))
+    ks = [draw(st.integers(1, 3)) for _ in range(2)]
+    strides = [draw(st.integers(1, min(k, 2))) for k in ks]
+    pads = [draw(st.integers(0, min(k - 1, pad_most))) for k in ks]
+    return ks, strides, pads
+
+
+@st.composite
 def small_specs(draw: st.DrawFn, max_layers: int = 4) -> ModelSpec:
     """Random valid specs mixing local, conv, pool, lcn and dense layers, a few units each."""
     flat = draw(st.booleans().map(lambda b: b and draw(st.integers(0, 3)) == 0))
@@ -47,26 +60,27 @@ def small_specs(draw: st.DrawFn, max_layers: int = 4) -> ModelSpec:
         kinds = ["local", "conv", "pool", "lcn", "dense"] if spatial else ["dense"]
         kind = draw(st.sampled_from(kinds))
         if kind in ("local", "conv"):
+            kernel, stride, padding = draw(windows(pad_most=1))
             layers.append(
                 {
                     "kind": kind,
                     "channels": draw(st.integers(1, 3)),
-                    "kernel": (k := draw(st.integers(1, 3))),
-                    "stride": draw(st.integers(1, min(k, 2))),
-                    "padding": draw(st.integers(0, 1)),
+                    "kernel": kernel,
+                    "stride": stride,
+                    "padding": padding,
                     **draw(ACTIVATIONS),
                     **draw(BIAS),
                 }
             )
         elif kind == "pool":
-            k = draw(st.integers(1, 3))
+            kernel, stride, padding = draw(windows(pad_most=2))
             layers.append(
                 {
                     "kind": "pool",
                     "mode": draw(st.sampled_from(["max", "avg", "l2"])),
-                    "kernel": k,
-                    "stride": draw(st.integers(1, min(k, 2))),
-                    "padding": draw(st.integers(0, k - 1)),
+                    "kernel": kernel,
+                    "stride": stride,
+                    "padding": padding,
                 }
             )
         elif kind == "lcn":
@@ -132,15 +146,15 @@ def reads(spec: ModelSpec, index: int, unit: tuple[int, int, int]) -> list[tuple
     if layer.kind == "dense":
         return list(itertools.product(range(src.channels), range(src.height), range(src.width)))
     if layer.kind == "lcn":
-        k, s, p = layer.kernel, 1, layer.kernel // 2
+        (kh, kw), (sh, sw), (ph, pw) = (layer.kernel,) * 2, (1, 1), (layer.kernel // 2,) * 2
     else:
-        k, s, p = layer.kernel, layer.stride, layer.padding
+        (kh, kw), (sh, sw), (ph, pw) = layer.kernel_hw, layer.stride_hw, layer.padding_hw
     chans = [c] if layer.kind == "pool" else range(src.channels)
     out = []
     for ch in chans:
-        for dy in range(k):
-            for dx in range(k):
-                yy, xx = y * s - p + dy, x * s - p + dx
+        for dy in range(kh):
+            for dx in range(kw):
+                yy, xx = y * sh - ph + dy, x * sw - pw + dx
                 if 0 <= yy < src.height and 0 <= xx < src.width:
                     out.append((ch, yy, xx))
     return out

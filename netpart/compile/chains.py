@@ -40,11 +40,11 @@ def units_read(spec: ModelSpec, index: int, units: np.ndarray) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     if not spec.layers[index].is_spatial:
         return np.arange(src.size, dtype=np.int64)
-    k, s, p = read_window(spec, index)
+    (kh, kw), (sh, sw), (ph, pw) = read_window(spec, index)
     c, yx = np.divmod(np.asarray(units, dtype=np.int64), out.height * out.width)
     y, x = np.divmod(yx, out.width)
-    y0, y1 = np.clip(y * s - p, 0, src.height), np.clip(y * s - p + k, 0, src.height)
-    x0, x1 = np.clip(x * s - p, 0, src.width), np.clip(x * s - p + k, 0, src.width)
+    y0, y1 = np.clip(y * sh - ph, 0, src.height), np.clip(y * sh - ph + kh, 0, src.height)
+    x0, x1 = np.clip(x * sw - pw, 0, src.width), np.clip(x * sw - pw + kw, 0, src.width)
     pool = spec.layers[index].kind == "pool"
     ch = c if pool else np.zeros_like(c)
     diff = np.zeros((src.channels if pool else 1, src.height + 1, src.width + 1), np.int64)

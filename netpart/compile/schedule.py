@@ -385,9 +385,9 @@ def interior_units(graph: UnitGraph, owned: tuple, index: int, worker: int) -> n
     out = spec.shapes[index]
     c, yx = np.divmod(mine, out.height * out.width)
     y, x = np.divmod(yx, out.width)
-    k, st, p = read_window(spec, index)
-    y0, y1 = np.clip(y * st - p, 0, src.height), np.clip(y * st - p + k, 0, src.height)
-    x0, x1 = np.clip(x * st - p, 0, src.width), np.clip(x * st - p + k, 0, src.width)
+    (kh, kw), (sh, sw), (ph, pw) = read_window(spec, index)
+    y0, y1 = np.clip(y * sh - ph, 0, src.height), np.clip(y * sh - ph + kh, 0, src.height)
+    x0, x1 = np.clip(x * sw - pw, 0, src.width), np.clip(x * sw - pw + kw, 0, src.width)
     ch = c if pool else np.zeros_like(c)
     count = table[ch, y1, x1] - table[ch, y0, x1] - table[ch, y1, x0] + table[ch, y0, x0]
     return mine[count == 0]

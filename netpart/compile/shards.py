@@ -101,7 +101,7 @@ def layer_pieces(
         return pieces + ([ParamPiece(index, "bias", kind, 0, 0, units, len(units))] if bias else [])
     if kind not in ("local", "conv"):
         return []
-    k_in = src.channels * layer.kernel**2
+    k_in = src.channels * layer.window
     pieces = []
     if groups is None:
         groups = channel_groups(spec, index, units, blocks)
@@ -128,7 +128,7 @@ def piece_index(spec: ModelSpec, piece: ParamPiece) -> np.ndarray:
         if piece.param == "bias":
             return piece.rows.astype(np.int64)
         return (piece.rows[:, None] * src.size + np.arange(src.size)[None, :]).ravel()
-    k_in = src.channels * layer.kernel**2
+    k_in = src.channels * layer.window
     if piece.kind == "conv":
         if piece.param == "bias":
             return ch

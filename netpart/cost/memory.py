@@ -30,7 +30,7 @@ def activation_values(spec: ModelSpec) -> int:
         src, out = spec.input_shape(i), spec.shapes[i]
         total += (8 if layer.dropout else 6) * out.size + 2 * src.size
         if layer.kind in ("local", "conv", "lcn"):
-            windows = src.channels * layer.kernel**2 * out.height * out.width
+            windows = src.channels * layer.window * out.height * out.width
             total += (3 if layer.kind != "lcn" else 1) * windows
     return total
 

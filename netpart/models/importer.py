@@ -10,13 +10,14 @@ to a spec layer and, later, its parameters to the user's names; a forward that b
 data cannot be traced symbolically and is refused in one line.
 
 What is recognised (anything else ends in one line naming the module's path, its type and
-what is supported): `Conv2d` (square kernel, one stride and padding for both axes), `Linear`
-(on a flattened input), each with a bias or without, `MaxPool2d`, `AvgPool2d` (zero padding
-counted), `LPPool2d(2)`, netpart.nn's `LocallyConnected2d`, `LocalContrastNorm` and
-`L2Pool2d`, `ReLU`, `LeakyReLU` (its slope), `GELU` (exact), `SiLU`, `Sigmoid`, `Tanh` and
-their functional forms, `Dropout` (on the output of the layer before it, with netpart's
-plan-independent masks: `netpart.models.dropout`; its functional form is refused, as no mask
-can be given to it), `Flatten`, `torch.flatten`, `view` and `reshape` into a dense layer.
+what is supported): `Conv2d` (any kernel, stride and padding per axis), `Linear` (on a
+flattened input), each with a bias or without, `MaxPool2d`, `AvgPool2d` (zero padding
+counted), `LPPool2d(2)` (their windows, strides and paddings per axis too), netpart.nn's
+`LocallyConnected2d`, `LocalContrastNorm` and `L2Pool2d`, `ReLU`, `LeakyReLU` (its slope),
+`GELU` (exact), `SiLU`, `Sigmoid`, `Tanh` and their functional forms, `Dropout` (on the
+output of the layer before it, with netpart's plan-independent masks:
+`netpart.models.dropout`; its functional form is refused, as no mask can be given to it),
+`Flatten`, `torch.flatten`, `view` and `reshape` into a dense layer.
 Each layer of the spec is named by its module's path (`features.0`), so the parameters map
 to the user's names (`ModelSpec.state_names`). A network whose last layer is dense is read as
 a classifier: its outputs are logits, trained with cross-entropy (the spec's `softmax`).
@@ -275,14 +276,14 @@ class _Walk:
         elif isinstance(m, nn.Linear):
             self._add(path, "dense", {"units": m.out_features}, m.bias is not None, kind)
         elif isinstance(m, netpart_nn.LocallyConnected2d):
-            keys = {"channels": m.out_shape[0], "kernel": m.kernel_size}
-            keys |= {"stride": m.stride, "padding": m.padding}
+            keys = {"channels": m.out_shape[0], "kernel": _size(m.kernel_size)}
+            keys |= {"stride": _size(m.stride), "padding": _size(m.padding)}
             self._add(path, "local", keys, m.bias is not None, kind)
         elif isinstance(m, nn.MaxPool2d | nn.AvgPool2d):
             self._add(path, "pool", _pool(path, m), True, kind)
         elif isinstance(m, netpart_nn.L2Pool2d):
-            keys = {"mode": "l2", "kernel": m.kernel_size, "stride": m.stride}
-            keys |= {"padding": m.padding}
+            keys = {"mode": "l2", "kernel": _size(m.kernel_size), "stride": _size(m.stride)}
+            keys |= {"padding": _size(m.padding)}
             self._add(path, "pool", keys | _eps(m.eps), True, kind)
         elif isinstance(m, nn.LPPool2d):
             self._add(path, "pool", _lp_pool(path, m), True, kind)
@@ -387,21 +388,28 @@ def _known() -> tuple[type, ...]:
     )
 
 
+def _size(value: Any) -> int | list[int]:
+    """A module's kernel, stride or padding as the spec takes it: one integer where both
+    axes have it, else [height, width]."""
+    if isinstance(value, int):
+        return value
+    h, w = (int(v) for v in value)
+    return h if h == w else [h, w]
+
+
 def _conv(path: str, m: Any) -> dict:
-    square = {m.kernel_size[0], m.kernel_size[1]}
-    strides, pads = {m.stride[0], m.stride[1]}, m.padding
-    if isinstance(pads, str) or len(square) > 1 or len(strides) > 1 or len(set(pads)) > 1:
+    if isinstance(m.padding, str):
         raise SpecError(
-            f"{path} (Conv2d): kernel {m.kernel_size}, stride {m.stride}, padding {m.padding}; "
-            "netpart reads square kernels with one stride and one padding for both axes yet"
+            f"{path} (Conv2d): padding {m.padding!r}; netpart reads numeric padding (give "
+            "padding=k // 2 for 'same' with an odd kernel)"
         )
     if m.groups != 1 or set(m.dilation) != {1} or m.padding_mode != "zeros":
         raise SpecError(f"{path} (Conv2d): groups, dilation and padding_mode are not read yet")
     return {
         "channels": m.out_channels,
-        "kernel": m.kernel_size[0],
-        "stride": m.stride[0],
-        "padding": pads[0],
+        "kernel": _size(m.kernel_size),
+        "stride": _size(m.stride),
+        "padding": _size(m.padding),
     }
 
 
@@ -411,9 +419,9 @@ def _pool(path: str, m: Any) -> dict:
     def one(v):
         return v if isinstance(v, int) else (v[0] if len(set(v)) == 1 else None)
 
-    kernel, stride, padding = one(m.kernel_size), one(m.stride), one(m.padding)
-    if None in (kernel, stride, padding) or m.ceil_mode:
-        raise SpecError(f"{path} ({type(m).__name__}): square windows, floor mode only, yet")
+    kernel, stride, padding = _size(m.kernel_size), _size(m.stride), _size(m.padding)
+    if m.ceil_mode:
+        raise SpecError(f"{path} ({type(m).__name__}): floor mode only (ceil_mode=False), yet")
     if isinstance(m, nn.AvgPool2d) and (not m.count_include_pad or m.divisor_override):
         raise SpecError(f"{path} (AvgPool2d): netpart's average counts the zero padding")
     if isinstance(m, nn.MaxPool2d) and one(m.dilation) != 1:
@@ -425,17 +433,17 @@ def _pool(path: str, m: Any) -> dict:
 def _lp_pool(path: str, m: Any) -> dict:
     """`LPPool2d(2, k, s)`: the L2 pool without eps or padding (sqrt(sum x^2))."""
     kernel, stride = m.kernel_size, m.stride if m.stride is not None else m.kernel_size
-    square = all(isinstance(v, int) or len(set(v)) == 1 for v in (kernel, stride))
-    if float(m.norm_type) != 2.0 or not square or m.ceil_mode:
+    if float(m.norm_type) != 2.0 or m.ceil_mode:
         raise SpecError(
-            f"{path} (LPPool2d): norm_type {m.norm_type}; netpart reads LPPool2d(2) with square "
-            "windows, floor mode"
+            f"{path} (LPPool2d): norm_type {m.norm_type}; netpart reads LPPool2d(2), floor mode"
         )
-
-    def one(v):
-        return v if isinstance(v, int) else v[0]
-
-    return {"mode": "l2", "kernel": one(kernel), "stride": one(stride), "padding": 0, "eps": 0.0}
+    return {
+        "mode": "l2",
+        "kernel": _size(kernel),
+        "stride": _size(stride),
+        "padding": 0,
+        "eps": 0.0,
+    }
 
 
 def _eps(eps: float) -> dict:

@@ -19,19 +19,19 @@ __all__ = ["init_rows"]
 def init_rows(spec: ModelSpec, seed: int, index: int, rows: np.ndarray) -> np.ndarray:
     """Initial weights of layer `index` for the given rows, float64, shape [len(rows), *row_shape].
 
-    Local: row = output position, row shape [Cin*k*k, Cout]. Dense: row = output unit, row shape
-    [n_in]. Conv: the single row 0, shape [Cout, Cin, k, k]. Values ~ N(0, 1/fan_in).
+    Local: row = output position, row shape [Cin*kh*kw, Cout]. Dense: row = output unit, row
+    shape [n_in]. Conv: the single row 0, shape [Cout, Cin, kh, kw]. Values ~ N(0, 1/fan_in).
     """
     layer, src = spec.layers[index], spec.input_shape(index)
     if layer.kind == "local":
-        fan_in = src.channels * layer.kernel**2
+        fan_in = src.channels * layer.window
         row_shape: tuple[int, ...] = (fan_in, layer.channels)
     elif layer.kind == "dense":
         fan_in = src.size
         row_shape = (fan_in,)
     elif layer.kind == "conv":
-        fan_in = src.channels * layer.kernel**2
-        row_shape = (layer.channels, src.channels, layer.kernel, layer.kernel)
+        fan_in = src.channels * layer.window
+        row_shape = (layer.channels, src.channels, *layer.kernel_hw)
     else:
         raise ValueError(f"layer {index} ({layer.kind}) has no weights")
     count = math.prod(row_shape)

@@ -56,13 +56,14 @@ class Pool2d(nn.Module):
 
     def __init__(self, layer: LayerSpec) -> None:
         super().__init__()
-        self.mode, self.kernel = layer.mode, layer.kernel
-        self.stride, self.padding = layer.stride, layer.padding
+        self.mode, self.kernel = layer.mode, layer.kernel_hw
+        self.stride, self.padding = layer.stride_hw, layer.padding_hw
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        k, s, p = self.kernel, self.stride, self.padding
-        if p:  # explicit padding: torch's pools limit padding to half the kernel
-            x = F.pad(x, (p, p, p, p), value=float("-inf") if self.mode == "max" else 0.0)
+        k, s, (ph, pw) = self.kernel, self.stride, self.padding
+        if ph or pw:  # explicit padding: torch's pools limit padding to half the kernel
+            fill = float("-inf") if self.mode == "max" else 0.0
+            x = F.pad(x, (pw, pw, ph, ph), value=fill)
         if self.mode == "max":
             return F.max_pool2d(x, k, s)
         return F.avg_pool2d(x, k, s)

@@ -14,9 +14,9 @@ Schema (TOML, or the same structure as JSON)::
                          # spec's layers have one); a weighted layer's parameters export as
                          # features.0.weight and features.0.bias
     channels = 8         # local, conv: output channels
-    kernel = 5           # local, conv, pool, lcn: square receptive field
-    stride = 1           # local, conv (default 1), pool (default = kernel)
-    padding = 0          # local, conv, pool (zeros; never sent between workers)
+    kernel = 5           # local, conv, pool, lcn: receptive field, square (5) or [height, width]
+    stride = 1           # local, conv (default 1), pool (default = kernel); or [height, width]
+    padding = 0          # local, conv, pool (zeros; never sent between workers); or [height, width]
     bias = false         # local, conv, dense: a layer without a bias (default true)
     activation = "relu"  # relu | leaky_relu | gelu | silu | sigmoid | tanh | none;
                          # softmax on the last dense layer only
@@ -129,9 +129,9 @@ class LayerSpec:
     kind: str
     channels: int | None = None
     units: int | None = None
-    kernel: int | None = None
-    stride: int | None = None
-    padding: int = 0
+    kernel: int | tuple[int, int] | None = None  # a pair (height, width) where they differ
+    stride: int | tuple[int, int] | None = None
+    padding: int | tuple[int, int] = 0
     activation: str = "none"
     mode: str | None = None
     eps: float | None = None  # lcn; pool l2 (None: netpart.nn.L2_POOL_EPS)
@@ -143,6 +143,25 @@ class LayerSpec:
     @property
     def is_spatial(self) -> bool:
         return self.kind in SPATIAL_KINDS
+
+    @property
+    def kernel_hw(self) -> tuple[int, int]:
+        """The window's (height, width)."""
+        return _pair(self.kernel)
+
+    @property
+    def stride_hw(self) -> tuple[int, int]:
+        return _pair(self.stride)
+
+    @property
+    def padding_hw(self) -> tuple[int, int]:
+        return _pair(self.padding)
+
+    @property
+    def window(self) -> int:
+        """Positions of one channel a window covers (kernel height x width)."""
+        kh, kw = self.kernel_hw
+        return kh * kw
 
     @property
     def has_bias(self) -> bool:
@@ -158,7 +177,7 @@ class LayerSpec:
         for key in _ALLOWED_KEYS[self.kind]:
             value = getattr(self, key)
             if value is not None or key not in _OPTIONAL_KEYS:
-                out[key] = value
+                out[key] = list(value) if isinstance(value, tuple) else value
         if self.dropout is not None:
             out["dropout"] = self.dropout
         return out
@@ -200,9 +219,9 @@ class ModelSpec:
         layer, src, out = self.layers[index], self.input_shape(index), self.shapes[index]
         bias = int(layer.has_bias)
         if layer.kind == "local":
-            return out.height * out.width * out.channels * (src.channels * layer.kernel**2 + bias)
+            return out.height * out.width * out.channels * (src.channels * layer.window + bias)
         if layer.kind == "conv":
-            return out.channels * (src.channels * layer.kernel**2 + bias)
+            return out.channels * (src.channels * layer.window + bias)
         if layer.kind == "dense":
             return (src.size + bias) * layer.units
         return 0
@@ -308,6 +327,53 @@ class ModelSpec:
 
 
 # ---- parsing ---------------------------------------------------------------------------------
+def _pair(value: int | tuple[int, int]) -> tuple[int, int]:
+    return value if isinstance(value, tuple) else (value, value)
+
+
+def _size(value: Any, what: str, minimum: int = 1) -> int | tuple[int, int]:
+    """A kernel, stride or padding: one integer for both axes, or [height, width] (kept as
+    one integer where the two are equal: a square layer's spec and fingerprint as before)."""
+    if isinstance(value, list | tuple):
+        if len(value) != 2:
+            raise SpecError(f"{what} must be an integer or [height, width], got {value!r}")
+        h, w = (_positive_int(v, what, minimum) for v in value)
+        return h if h == w else (h, w)
+    return _positive_int(value, what, minimum)
+
+
+def _window_output(layer: LayerSpec, src: Shape, where: str) -> Shape:
+    """The output shape of a windowed layer (local, conv, pool) on `src`; SpecError naming
+    the axis where a stride, padding or kernel does not fit."""
+    sizes = []
+    for axis, k, s, p, n in zip(
+        ("height", "width"),
+        layer.kernel_hw,
+        layer.stride_hw,
+        layer.padding_hw,
+        (src.height, src.width),
+        strict=True,
+    ):
+        across = (
+            "" if isinstance(layer.kernel, int) and isinstance(layer.stride, int) else f" ({axis})"
+        )
+        if s > k:
+            raise SpecError(
+                f"{where}: stride {s} is larger than kernel {k}{across}, so inputs between "
+                "windows would never be read; use stride <= kernel"
+            )
+        if p >= k:
+            raise SpecError(f"{where}: padding {p} must be smaller than kernel {k}{across}")
+        if k > n + 2 * p:
+            raise SpecError(
+                f"{where}: kernel {k}{across} is larger than its input {src.height}x{src.width}"
+                f"{f' padded by {p}' if p else ''}; use a smaller kernel or more padding"
+            )
+        sizes.append((n + 2 * p - k) // s + 1)
+    channels = layer.channels if layer.kind in ("local", "conv") else src.channels
+    return Shape(channels, *sizes)
+
+
 def _positive_int(value: Any, what: str, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise SpecError(f"{what} must be an integer >= {minimum}, got {value!r}")
@@ -386,9 +452,9 @@ def _parse_kind(raw: dict, kind: str) -> LayerSpec:
         return LayerSpec(
             kind,
             channels=_positive_int(raw.get("channels"), "channels"),
-            kernel=_positive_int(raw.get("kernel"), "kernel"),
-            stride=_positive_int(raw.get("stride", 1), "stride"),
-            padding=_positive_int(raw.get("padding", 0), "padding", minimum=0),
+            kernel=_size(raw.get("kernel"), "kernel"),
+            stride=_size(raw.get("stride", 1), "stride"),
+            padding=_size(raw.get("padding", 0), "padding", minimum=0),
             **_activation(raw),
         )
     if kind == "dense":
@@ -397,14 +463,14 @@ def _parse_kind(raw: dict, kind: str) -> LayerSpec:
         mode = raw.get("mode", "max")
         if mode not in POOL_MODES:
             raise SpecError(f"mode {mode!r} is not one of {', '.join(POOL_MODES)}")
-        kernel = _positive_int(raw.get("kernel"), "kernel")
+        kernel = _size(raw.get("kernel"), "kernel")
         if "eps" in raw and mode != "l2":
             raise SpecError("eps applies to mode l2 only")
         return LayerSpec(
             kind,
             kernel=kernel,
-            stride=_positive_int(raw.get("stride", kernel), "stride"),
-            padding=_positive_int(raw.get("padding", 0), "padding", minimum=0),
+            stride=_size(raw.get("stride", kernel), "stride"),
+            padding=_size(raw.get("padding", 0), "padding", minimum=0),
             mode=mode,
             eps=_number(raw["eps"], "eps", positive=False) if "eps" in raw else None,
         )
@@ -459,28 +525,12 @@ def _infer_shapes(spec: ModelSpec) -> tuple[Shape, ...]:
                     "vector (after a dense layer or a features input); move it before the dense "
                     "layers"
                 )
-            k = layer.kernel
             if layer.kind == "lcn":
-                if k % 2 == 0:
+                if (k := layer.kernel) % 2 == 0:
                     raise SpecError(f"{where}: lcn kernel must be odd (same-size output), got {k}")
                 out = Shape(src.channels, src.height, src.width)
             else:
-                s, p = layer.stride, layer.padding
-                if s > k:
-                    raise SpecError(
-                        f"{where}: stride {s} is larger than kernel {k}, so inputs between "
-                        "windows would never be read; use stride <= kernel"
-                    )
-                if p >= k:
-                    raise SpecError(f"{where}: padding {p} must be smaller than kernel {k}")
-                h_in, w_in = src.height + 2 * p, src.width + 2 * p
-                if k > h_in or k > w_in:
-                    raise SpecError(
-                        f"{where}: kernel {k} is larger than its input {src.height}x{src.width}"
-                        f"{f' padded by {p}' if p else ''}; use a smaller kernel or more padding"
-                    )
-                channels = layer.channels if layer.kind in ("local", "conv") else src.channels
-                out = Shape(channels, (h_in - k) // s + 1, (w_in - k) // s + 1)
+                out = _window_output(layer, src, where)
         shapes.append(out)
         src = out
     return tuple(shapes)

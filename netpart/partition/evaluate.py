@@ -203,7 +203,7 @@ def _worker_params(graph: UnitGraph, node_map: np.ndarray, workers: int) -> np.n
             group = np.arange(lb.count) // (lb.ny * lb.nx)
             holds = np.zeros((workers, lb.nc), dtype=bool)
             holds[node_map[ids], group] = True
-            per_channel = src.channels * layer.kernel**2 + 1
+            per_channel = src.channels * layer.window + 1
             out += holds.astype(np.int64) @ (np.diff(lb.cbounds) * per_channel)
     return out
 
@@ -226,7 +226,8 @@ def input_values(
             continue
         if kind not in ("local", "conv", "pool"):
             continue
-        window = read_window(spec, lb.index)[0] ** 2
+        (kh, kw), _, _ = read_window(spec, lb.index)
+        window = kh * kw
         if kind == "pool":  # one window of the unit's own channel
             reads = graph.units[ids] * window
         else:  # one window of every input channel per position of a channel group

@@ -145,19 +145,20 @@ def flops_per_unit(spec: ModelSpec, index: int) -> int:
     """Forward+backward FLOPs per output unit (backward ~2x forward with weights, ~1x without)."""
     layer, src = spec.layers[index], spec.input_shape(index)
     if layer.kind in ("local", "conv"):
-        return 3 * (2 * src.channels * layer.kernel**2 + 2)
+        return 3 * (2 * src.channels * layer.window + 2)
     if layer.kind == "dense":
         return 3 * (2 * src.size + 2)
     if layer.kind == "pool":
-        return 2 * (2 * layer.kernel**2 + 1)
-    return 2 * (4 * layer.kernel**2 + 4)
+        return 2 * (2 * layer.window + 1)
+    return 2 * (4 * layer.window + 4)
 
 
 def aligned_pool(spec: ModelSpec, index: int) -> bool:
-    """True when layer `index` is a pool whose windows tile its input (kernel = stride, no
-    padding): an input cut at stride x the pool's cut sends the pool nothing."""
+    """True when layer `index` is a pool whose square windows tile its input (kernel = stride,
+    no padding): an input cut at stride x the pool's cut sends the pool nothing."""
     layer = spec.layers[index]
-    return layer.kind == "pool" and layer.kernel == layer.stride and layer.padding == 0
+    square = isinstance(layer.kernel, int)
+    return layer.kind == "pool" and square and layer.kernel == layer.stride and not layer.padding
 
 
 def _layer_blocks(spec: ModelSpec, granularity: Granularity) -> tuple[LayerBlocks, ...]:

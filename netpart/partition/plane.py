@@ -71,13 +71,15 @@ def _halo_per_cell(spec: ModelSpec, spatial: int, rows: int) -> float:
     """Values a straight cut one cell long makes the spatial readers exchange.
 
     A reader with window (k, s) makes its two sides share k - s rows of its input, each
-    carrying that layer's channels; one cell is H_{l-1} / rows positions of its input.
+    carrying that layer's channels; one cell is H_{l-1} / rows positions of its input. A
+    rectangular window shares kh - sh rows across one cut and kw - sw columns across the
+    other: the mean of the two (every edge of the grid weighs the same).
     """
     total = 0.0
     for i in range(1, spatial):
-        k, s, _ = read_window(spec, i)
+        (kh, kw), (sh, sw), _ = read_window(spec, i)
         src = spec.input_shape(i)
-        total += src.channels * max(k - s, 0) * src.height / rows
+        total += src.channels * (max(kh - sh, 0) + max(kw - sw, 0)) / 2 * src.height / rows
     return total
 
 

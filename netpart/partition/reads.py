@@ -18,12 +18,14 @@ from netpart.partition.blocks import LayerBlocks
 __all__ = ["edge_count", "needed_boxes", "read_edges", "read_window", "symmetric_csr"]
 
 
-def read_window(spec: ModelSpec, index: int) -> tuple[int, int, int]:
-    """(kernel, stride, padding) through which spatial layer `index` reads its input."""
+def read_window(spec: ModelSpec, index: int) -> tuple[tuple[int, int], ...]:
+    """((kernel), (stride), (padding)), each (height, width), through which spatial layer
+    `index` reads its input."""
     layer = spec.layers[index]
     if layer.kind == "lcn":
-        return layer.kernel, 1, layer.kernel // 2
-    return layer.kernel, layer.stride, layer.padding
+        k = layer.kernel
+        return (k, k), (1, 1), (k // 2, k // 2)
+    return layer.kernel_hw, layer.stride_hw, layer.padding_hw
 
 
 def needed_boxes(spec: ModelSpec, index: int, boxes: np.ndarray) -> np.ndarray:
@@ -34,16 +36,16 @@ def needed_boxes(spec: ModelSpec, index: int, boxes: np.ndarray) -> np.ndarray:
     if not layer.is_spatial:
         full = np.array([0, src.channels, 0, src.height, 0, src.width], dtype=np.int64)
         return np.broadcast_to(full, (n, 6)).copy()
-    k, s, p = read_window(spec, index)
+    (kh, kw), (sh, sw), (ph, pw) = read_window(spec, index)
     need = np.empty((n, 6), dtype=np.int64)
     if layer.kind == "pool":
         need[:, 0:2] = boxes[:, 0:2]
     else:
         need[:, 0], need[:, 1] = 0, src.channels
-    need[:, 2] = np.clip(boxes[:, 2] * s - p, 0, src.height)
-    need[:, 3] = np.clip((boxes[:, 3] - 1) * s - p + k, 0, src.height)
-    need[:, 4] = np.clip(boxes[:, 4] * s - p, 0, src.width)
-    need[:, 5] = np.clip((boxes[:, 5] - 1) * s - p + k, 0, src.width)
+    need[:, 2] = np.clip(boxes[:, 2] * sh - ph, 0, src.height)
+    need[:, 3] = np.clip((boxes[:, 3] - 1) * sh - ph + kh, 0, src.height)
+    need[:, 4] = np.clip(boxes[:, 4] * sw - pw, 0, src.width)
+    need[:, 5] = np.clip((boxes[:, 5] - 1) * sw - pw + kw, 0, src.width)
     return need
 
 

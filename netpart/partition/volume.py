@@ -110,24 +110,30 @@ def workers_per_layer(graph: UnitGraph, workers: int) -> np.ndarray:
     return np.array([min(workers, lb.count) for lb in graph.layers], dtype=np.int64)
 
 
-def _covered(a: np.ndarray, b: np.ndarray, k: int, s: int, p: int, n_in: int) -> np.ndarray:
-    """Input rows read by output rows [a, b) through windows (k, s, p), clipped to [0, n_in).
+def _covered(a: np.ndarray, b: np.ndarray, window: tuple[int, int, int], n_in: int) -> np.ndarray:
+    """Input rows read by output rows [a, b) through one axis's windows (kernel, stride,
+    padding), clipped to [0, n_in).
 
     Specs guarantee stride <= kernel, so the windows of a contiguous range form one interval.
     """
+    k, s, p = window
     return np.maximum(0, np.minimum((b - 1) * s - p + k, n_in) - np.maximum(a * s - p, 0))
 
 
-def _tiling_halo(h: int, w: int, parts: int, k: int, s: int, p: int, h_in: int, w_in: int) -> float:
-    """Smallest sum_t |N(t)| - |N(all)| (positions) over brick tilings of h x w into `parts`."""
-    full = _covered(np.array([0]), np.array([h]), k, s, p, h_in)[0]
-    full *= _covered(np.array([0]), np.array([w]), k, s, p, w_in)[0]
+def _tiling_halo(
+    h: int, w: int, parts: int, wy: tuple[int, int, int], wx: tuple[int, int, int], n_in: tuple
+) -> float:
+    """Smallest sum_t |N(t)| - |N(all)| (positions) over brick tilings of h x w into `parts`
+    (`wy`, `wx`: each axis's window; `n_in`: the input's height and width)."""
+    h_in, w_in = n_in
+    full = _covered(np.array([0]), np.array([h]), wy, h_in)[0]
+    full *= _covered(np.array([0]), np.array([w]), wx, w_in)[0]
     best = np.inf
-    for rows, cols, n_r, n_c in ((h, w, h_in, w_in), (w, h, w_in, h_in)):
+    for rows, cols, n_r, n_c, wr, wc in ((h, w, h_in, w_in, wy, wx), (w, h, w_in, h_in, wx, wy)):
 
-        def row_cost(c: int, cols: int = cols, n_c: int = n_c) -> int:
+        def row_cost(c: int, cols: int = cols, n_c: int = n_c, wc: tuple = wc) -> int:
             xe = (np.arange(c + 1) * cols) // c
-            return int(_covered(xe[:-1], xe[1:], k, s, p, n_c).sum())
+            return int(_covered(xe[:-1], xe[1:], wc, n_c).sum())
 
         for bands in range(1, min(parts, rows) + 1):
             per_band = np.full(bands, parts // bands) + (np.arange(bands) < parts % bands)
@@ -138,7 +144,7 @@ def _tiling_halo(h: int, w: int, parts: int, k: int, s: int, p: int, h_in: int, 
             edges = edges.astype(np.int64)
             if np.any(np.diff(edges) < 1):
                 continue
-            band_rows = _covered(edges[:-1], edges[1:], k, s, p, n_r)
+            band_rows = _covered(edges[:-1], edges[1:], wr, n_r)
             cost = {c: row_cost(c) for c in set(per_band.tolist())}
             total = int((band_rows * np.array([cost[c] for c in per_band.tolist()])).sum())
             best = min(best, total - full)
@@ -177,9 +183,10 @@ def _bounds(spec: ModelSpec, q: tuple[int, ...]) -> tuple[int, ...]:
 
 def _spatial_bound(spec: ModelSpec, index: int, parts: int) -> int:
     layer, src, o = spec.layers[index], spec.input_shape(index), spec.shapes[index]
-    k, s, p = read_window(spec, index)
-    n_all = _covered(np.array([0]), np.array([o.height]), k, s, p, src.height)[0]
-    n_all *= _covered(np.array([0]), np.array([o.width]), k, s, p, src.width)[0]
+    (kh, kw), (sh, sw), (ph, pw) = read_window(spec, index)
+    wy, wx = (kh, sh, ph), (kw, sw, pw)
+    n_all = _covered(np.array([0]), np.array([o.height]), wy, src.height)[0]
+    n_all *= _covered(np.array([0]), np.array([o.width]), wx, src.width)[0]
     options = [
         tiles
         for groups in range(1, min(parts, o.channels) + 1)
@@ -187,7 +194,8 @@ def _spatial_bound(spec: ModelSpec, index: int, parts: int) -> int:
         if max(tiles) <= o.height * o.width
     ]
     needed = sorted({m for tiles in options for m in tiles})
-    halo = {m: _tiling_halo(o.height, o.width, m, k, s, p, src.height, src.width) for m in needed}
+    n_in = (src.height, src.width)
+    halo = {m: _tiling_halo(o.height, o.width, m, wy, wx, n_in) for m in needed}
     best = np.inf
     for tiles in options:
         costs = sorted(halo[m] for m in tiles)

@@ -38,24 +38,25 @@ __all__ = ["LayerSlice", "build_slice", "window_index"]
 def window_index(
     spec: ModelSpec, index: int, positions: np.ndarray, channels: np.ndarray | None, pad_slot: int
 ) -> np.ndarray:
-    """Flat input indices [len(positions), C*k*k] read by output positions of layer `index`.
+    """Flat input indices [len(positions), C*kh*kw] read by output positions of layer `index`.
 
     Order (channel, ky, kx) as in `torch.nn.functional.unfold`; reads outside the input point
-    at `pad_slot`. `channels` restricts to one channel per position (pool), giving [Q, k*k].
+    at `pad_slot`. `channels` restricts to one channel per position (pool), giving
+    [Q, kh*kw].
     """
     src, out = spec.input_shape(index), spec.shapes[index]
-    k, s, p = read_window(spec, index)
+    (kh, kw), (sh, sw), (ph, pw) = read_window(spec, index)
     y, x = np.divmod(positions, out.width)
-    iy = y[:, None] * s - p + np.arange(k)[None, :]  # [Q, k]
-    ix = x[:, None] * s - p + np.arange(k)[None, :]
+    iy = y[:, None] * sh - ph + np.arange(kh)[None, :]  # [Q, kh]
+    ix = x[:, None] * sw - pw + np.arange(kw)[None, :]  # [Q, kw]
     inside = ((iy >= 0) & (iy < src.height))[:, :, None] & ((ix >= 0) & (ix < src.width))[:, None]
-    pos = iy[:, :, None] * src.width + ix[:, None, :]  # [Q, k, k]
+    pos = iy[:, :, None] * src.width + ix[:, None, :]  # [Q, kh, kw]
     hw = src.height * src.width
     if channels is not None:
         idx = channels[:, None, None] * hw + pos
-        return np.where(inside, idx, pad_slot).reshape(len(positions), k * k)
+        return np.where(inside, idx, pad_slot).reshape(len(positions), kh * kw)
     idx = np.arange(src.channels)[None, :, None, None] * hw + pos[:, None]
-    return np.where(inside[:, None], idx, pad_slot).reshape(len(positions), src.channels * k * k)
+    return np.where(inside[:, None], idx, pad_slot).reshape(len(positions), src.channels * kh * kw)
 
 
 class LayerSlice(nn.Module):
@@ -300,7 +301,7 @@ class ConvSlice(_GroupedSlice):
     def __init__(self, spec, index, units, blocks, seed, dtype, first=None) -> None:
         super().__init__(spec, index, units, blocks, first)
         self.weights, self.biases = _grouped_params(spec, seed, self.pieces, dtype, local=False)
-        self.kernel, self.stride, _ = read_window(spec, index)
+        self.kernel, self.stride, _ = read_window(spec, index)  # (height, width) each
         self.src = spec.input_shape(index)
         # per part: the gather's index, and per output piece (its groups, the input box
         # [C, h, w] they convolve or None for patches [K, Q], its output positions)
@@ -333,9 +334,8 @@ class ConvSlice(_GroupedSlice):
         return [t for pair in zip(self.weights, self.biases, strict=True) for t in pair]
 
     def _kernels(self, groups: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The groups' kernels [channels, C, k, k] and biases [channels], stacked."""
-        k = self.kernel
-        weights = [self.weights[g].view(-1, self.src.channels, k, k) for g in groups]
+        """The groups' kernels [channels, C, kh, kw] and biases [channels], stacked."""
+        weights = [self.weights[g].view(-1, self.src.channels, *self.kernel) for g in groups]
         biases = [self.biases[g].view(-1) for g in groups]
         if len(groups) == 1:
             return weights[0], biases[0]
@@ -352,8 +352,8 @@ class ConvSlice(_GroupedSlice):
 
     @property
     def n_k(self) -> int:
-        """Input values one output position reads (C * k * k)."""
-        return self.src.channels * self.kernel**2
+        """Input values one output position reads (C * kh * kw)."""
+        return self.src.channels * self.kernel[0] * self.kernel[1]
 
     def _plan_part(self, part: str, runs) -> list[np.ndarray]:
         """Cut the part's runs into rectangles and patches (`_reads`): the groups whose runs
@@ -399,10 +399,10 @@ def _input_box(
     over `channels` (None: every input channel); reads outside the input point at
     `pad_slot`."""
     y0, y1, x0, x1 = rect
-    k, s, p = read_window(spec, index)
+    (kh, kw), (sh, sw), (ph, pw) = read_window(spec, index)
     src = spec.input_shape(index)
-    iy = np.arange(y0 * s - p, (y1 - 1) * s - p + k)
-    ix = np.arange(x0 * s - p, (x1 - 1) * s - p + k)
+    iy = np.arange(y0 * sh - ph, (y1 - 1) * sh - ph + kh)
+    ix = np.arange(x0 * sw - pw, (x1 - 1) * sw - pw + kw)
     inside = ((iy >= 0) & (iy < src.height))[:, None] & ((ix >= 0) & (ix < src.width))[None, :]
     plane = iy[:, None] * src.width + ix[None, :]
     channels = np.arange(src.channels) if channels is None else channels
@@ -488,7 +488,7 @@ class PoolSlice(_UnitSlice):
     def __init__(self, spec, index, units, first=None) -> None:
         super().__init__(spec, index, units, first)
         layer = spec.layers[index]
-        self.mode, self.k2 = layer.mode, layer.kernel**2
+        self.mode, self.k2 = layer.mode, layer.window
         self.eps = L2_POOL_EPS if layer.eps is None else layer.eps  # l2
         pad = self.n_in + 1 if self.mode == "max" else self.n_in
         idx = window_index(spec, index, self.position, self.channel, pad)

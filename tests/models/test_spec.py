@@ -93,6 +93,22 @@ def test_fingerprint_ignores_name_but_not_structure():
         ([{"kind": "lcn", "kernel": 4}], None, "lcn kernel must be odd"),
         ([{"kind": "pool", "kernel": 2, "stride": 3}], None, "stride 3 is larger than kernel 2"),
         (
+            [{"kind": "conv", "channels": 2, "kernel": [3, 2], "stride": [1, 3]}],
+            None,
+            "stride 3 is larger than kernel 2 (width)",
+        ),
+        (
+            [{"kind": "conv", "channels": 2, "kernel": [3, 7]}],
+            None,
+            "kernel 7 (width) is larger than its input 6x6",
+        ),
+        (
+            [{"kind": "pool", "kernel": [2, 2, 2]}],
+            None,
+            "kernel must be an integer or [height, width]",
+        ),
+        ([{"kind": "lcn", "kernel": [3, 5]}], None, "kernel must be an integer >= 1"),
+        (
             [{"kind": "dense", "units": 3, "activation": "softmax"}, {"kind": "dense", "units": 2}],
             None,
             "softmax is only allowed on the last layer",
@@ -259,3 +275,28 @@ def test_dropout_masks_are_the_unit_s_and_sample_s_not_the_split_s():
             keep_scale(0.3, 2, torch.arange(1000), 64, other, torch.float64), whole
         )
     assert not torch.equal(keep_scale(0.3, 1, torch.arange(1000), 64, key, torch.float64), whole)
+
+
+def test_a_window_s_sides_stride_and_padding_may_differ_and_a_square_one_is_as_before():
+    """kernel, stride and padding take [height, width]; equal sides read as one number, so
+    a square spec written either way has one fingerprint."""
+    layers = [
+        {"kind": "conv", "channels": 2, "kernel": [3, 5], "stride": [1, 2], "padding": [1, 0]},
+        {"kind": "pool", "kernel": [2, 1], "padding": [0, 0]},
+    ]
+    spec = ModelSpec.from_dict(
+        {"name": "r", "input": {"channels": 1, "height": 8, "width": 9}, "layer": layers}
+    )
+    assert [(s.height, s.width) for s in spec.shapes] == [(8, 3), (4, 3)]
+    conv, pool = spec.layers
+    assert (conv.kernel, conv.stride, conv.padding) == ((3, 5), (1, 2), (1, 0))
+    assert (pool.kernel_hw, pool.stride_hw, pool.padding) == ((2, 1), (2, 1), 0)
+    assert spec.layer_params(0) == 2 * (1 * 3 * 5 + 1)
+    assert ModelSpec.from_json(spec.to_json()) == spec  # [h, w] in JSON
+    square = {"kind": "conv", "channels": 2, "kernel": 3}
+    twice = {**square, "kernel": [3, 3], "stride": [1, 1]}
+    inp = {"channels": 1, "height": 8, "width": 8}
+    one, two = (
+        ModelSpec.from_dict({"name": "s", "input": inp, "layer": [x]}) for x in (square, twice)
+    )
+    assert one.fingerprint() == two.fingerprint() and two.layers[0].kernel == 3

@@ -117,9 +117,9 @@ def test_init_module_starts_training_from_the_user_s_own_initial_weights(tmp_pat
     assert "--init module: --model tiny-mlp is not a module" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["VGGish", "distbelief", "MLP"])
+@pytest.mark.parametrize("name", ["VGGish", "distbelief", "MLP", "rectangles"])
 def test_each_user_model_trains_and_its_weights_load_strictly_into_its_class(tmp_path, name):
-    """The other three models train too (2 workers x 2 replicas on generated examples), and
+    """The other models train too (2 workers x 2 replicas on generated examples), and
     the run's model.pt loads strictly into the user's class, giving the reference's logits."""
     make, shape = MODELS[name]
     run = tmp_path / "run"

@@ -52,6 +52,22 @@ def distbelief():
     )
 
 
+def rectangles():
+    """Windows, strides and paddings that differ between the axes, on a spectrogram-shaped
+    input (1x20x32), as audio models take them."""
+    return nn.Sequential(
+        nn.Conv2d(1, 4, (3, 5), stride=(1, 2), padding=(1, 0)),  # 4x20x14
+        nn.ReLU(),
+        nn.MaxPool2d((2, 1)),  # 4x10x14
+        LocallyConnected2d(4, 3, (10, 14), kernel_size=(3, 2), stride=(1, 2)),  # 3x8x7
+        nn.Tanh(),
+        nn.AvgPool2d((2, 3), stride=2, padding=(0, 1)),  # 3x4x4
+        nn.LPPool2d(2, (1, 2)),  # 3x4x2
+        nn.Flatten(),
+        nn.Linear(3 * 4 * 2, 5),
+    )
+
+
 class MLP(nn.Module):
     """Features in, classes out (the speech model's shape, small)."""
 
@@ -70,4 +86,5 @@ MODELS = {
     "VGGish": (VGGish, "3x32x32"),
     "distbelief": (distbelief, "3x16x16"),
     "MLP": (MLP, "40"),
+    "rectangles": (rectangles, "1x20x32"),
 }

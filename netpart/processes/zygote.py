@@ -66,7 +66,8 @@ def die_with_parent() -> None:  # pragma: no cover - runs in a child
 
 
 class Preloaded:
-    """A started zygote that imports `module` (and PRELOAD) while the caller does other work;
+    """A started zygote that imports `module` (and `preload`: PRELOAD unless given, for a job
+    that runs autograd) while the caller does other work;
     `fork` runs the job's processes from it, once. `close` reaps it (and kills it if no job
     came): use it as a context manager.
 
@@ -78,21 +79,23 @@ class Preloaded:
     _kept: ClassVar[dict[tuple, Preloaded]] = {}
 
     @classmethod
-    def kept(cls, module: str, new_session: bool = False) -> Preloaded:
+    def kept(
+        cls, module: str, new_session: bool = False, preload: tuple[str, ...] = PRELOAD
+    ) -> Preloaded:
         """This process's kept zygote of `module`, started now if there is none that can
         serve a job: one per working directory and per value of the variables that act on
         imports (IMPORT_ENV); a child takes this process's environment as it is at the fork."""
         imports = frozenset((k, v) for k, v in os.environ.items() if k.startswith(IMPORT_ENV))
-        key = (module, new_session, os.getcwd(), hash(imports))
+        key = (module, new_session, preload, os.getcwd(), hash(imports))
         zygote = cls._kept.get(key)
         if zygote is not None and not zygote.reusable():
             zygote = None
         if zygote is None:
             if not cls._kept:
                 atexit.register(cls.close_kept)
-            for other in [k for k in cls._kept if k[:2] == key[:2]]:  # busy, dead, or stale
+            for other in [k for k in cls._kept if k[:3] == key[:3]]:  # busy, dead, or stale
                 cls._kept.pop(other).retire()
-            zygote = cls._kept[key] = cls(module, new_session)
+            zygote = cls._kept[key] = cls(module, new_session, preload)
             zygote.keep = True
         return zygote
 
@@ -117,12 +120,14 @@ class Preloaded:
         while cls._kept:
             cls._kept.popitem()[1].close()
 
-    def __init__(self, module: str, new_session: bool = False) -> None:
+    def __init__(
+        self, module: str, new_session: bool = False, preload: tuple[str, ...] = PRELOAD
+    ) -> None:
         self.module = module
         self.keep = False  # `kept`: serves job after job
         self.errors = tempfile.TemporaryFile()  # noqa: SIM115 - closed by close()
         self.proc = _Spawner.popen(
-            [sys.executable, "-m", "netpart.processes.zygote", module, *PRELOAD],
+            [sys.executable, "-m", "netpart.processes.zygote", module, *preload],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.errors,

@@ -13,6 +13,7 @@ import pytest
 from netpart.processes.zygote import SHARED_LOOPBACK, Preloaded
 
 pytestmark = pytest.mark.timeout(120)
+# The job below runs no autograd: its zygotes import it alone, not torch (PRELOAD).
 
 JOB = """
 import os, sys, time
@@ -45,7 +46,7 @@ def job_module(tmp_path, monkeypatch):
 def test_forked_processes_report_their_exit_codes_and_log_their_output(job_module):
     acts = ["ok", "exit3", "raise"]
     logs = [job_module / f"rank{k}.log" for k in range(3)]
-    with Preloaded("zjob") as zygote:
+    with Preloaded("zjob", preload=()) as zygote:
         procs = zygote.fork(
             ["a", "b"], [({"ACT": a, "RANK": str(k)}, logs[k]) for k, a in enumerate(acts)]
         )
@@ -57,7 +58,7 @@ def test_forked_processes_report_their_exit_codes_and_log_their_output(job_modul
 def test_a_job_without_a_network_of_its_own_is_told_so(job_module, caplog):
     """Where the kernel refuses the zygote a private network namespace, the job runs on the
     machine's loopback, and the launcher says so (the zygote writes why to its stderr)."""
-    with Preloaded("zjob") as zygote:
+    with Preloaded("zjob", preload=()) as zygote:
         zygote.errors.write(f"{SHARED_LOOPBACK} (unshare: Operation not permitted)\n".encode())
         (proc,) = zygote.fork([], [({"ACT": "ok", "RANK": "0"}, job_module / "r.log")])
         assert proc.wait() == 0
@@ -66,7 +67,7 @@ def test_a_job_without_a_network_of_its_own_is_told_so(job_module, caplog):
 
 def test_signals_reach_a_forked_process_and_none_outlives_the_interpreter(job_module):
     logs = [job_module / f"rank{k}.log" for k in range(2)]
-    with Preloaded("zjob") as zygote:
+    with Preloaded("zjob", preload=()) as zygote:
         procs = zygote.fork([], [({"ACT": "sleep", "RANK": str(k)}, logs[k]) for k in range(2)])
         procs[0].send_signal(signal.SIGTERM)
         assert procs[0].wait() == -signal.SIGTERM
@@ -83,10 +84,12 @@ def test_a_kept_zygote_runs_job_after_job_and_is_replaced_once_it_cannot(job_mod
     """`Preloaded.kept`: one torch import for every step job of a launcher; a zygote that
     died (or whose job left a child running) is not handed out again."""
     log = job_module / "kept.log"
-    zygote = Preloaded.kept("zjob")
+    zygote = Preloaded.kept("zjob", preload=())
     try:
         for act, code in (("ok", 0), ("exit3", 3), ("raise", 1)):
-            assert Preloaded.kept("zjob") is zygote  # the same interpreter, job after job
+            assert (
+                Preloaded.kept("zjob", preload=()) is zygote
+            )  # the same interpreter, job after job
             (proc,) = zygote.fork([act], [({"ACT": act, "RANK": "0"}, log)])
             assert proc.wait() == code
             zygote.release()
@@ -99,7 +102,7 @@ def test_a_kept_zygote_runs_job_after_job_and_is_replaced_once_it_cannot(job_mod
         assert proc.wait() == -signal.SIGKILL
         zygote.release()
         assert zygote.proc.pid not in Preloaded.kept_pids()
-        again = Preloaded.kept("zjob")
+        again = Preloaded.kept("zjob", preload=())
         assert again is not zygote and again.proc.pid != zygote.proc.pid
     finally:
         Preloaded.close_kept()
@@ -110,10 +113,10 @@ def test_a_kept_zygote_busy_with_a_job_is_not_handed_out_nor_closed_under_it(job
     """Two jobs of one module at once (threads of one launcher): the second gets a zygote of
     its own; the first's job runs on, and its zygote closes once that job releases it."""
     log = job_module / "busy.log"
-    busy = Preloaded.kept("zjob")
+    busy = Preloaded.kept("zjob", preload=())
     try:
         (sleeper,) = busy.fork([], [({"ACT": "sleep", "RANK": "0"}, log)])
-        other = Preloaded.kept("zjob")
+        other = Preloaded.kept("zjob", preload=())
         assert other is not busy and sleeper.poll() is None  # not killed under its job
         (proc,) = other.fork([], [({"ACT": "ok", "RANK": "1"}, log)])
         assert proc.wait() == 0
@@ -121,7 +124,7 @@ def test_a_kept_zygote_busy_with_a_job_is_not_handed_out_nor_closed_under_it(job
         sleeper.kill()
         assert sleeper.wait() == -signal.SIGKILL
         busy.release()  # no longer kept: closed now
-        assert busy.proc.poll() is not None and Preloaded.kept("zjob") is other
+        assert busy.proc.poll() is not None and Preloaded.kept("zjob", preload=()) is other
     finally:
         Preloaded.close_kept()
 
@@ -134,7 +137,7 @@ def test_a_kept_zygote_started_by_a_thread_outlives_the_thread(job_module):
     log = job_module / "threaded.log"
     Preloaded.close_kept()
     made: list[Preloaded] = []
-    starter = threading.Thread(target=lambda: made.append(Preloaded.kept("zjob")))
+    starter = threading.Thread(target=lambda: made.append(Preloaded.kept("zjob", preload=())))
     starter.start()
     starter.join()
     (zygote,) = made
@@ -143,6 +146,6 @@ def test_a_kept_zygote_started_by_a_thread_outlives_the_thread(job_module):
         assert proc.wait() == 0  # it waited for its import, alive after the thread ended
         zygote.release()
         time.sleep(0.2)  # a parent-death signal would have come at once
-        assert zygote.reusable() and Preloaded.kept("zjob") is zygote
+        assert zygote.reusable() and Preloaded.kept("zjob", preload=()) is zygote
     finally:
         Preloaded.close_kept()

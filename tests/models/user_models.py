@@ -11,15 +11,15 @@ from .plain_lenet import LeNet5
 
 
 class VGGish(nn.Module):
-    """Two VGG blocks of 3x3 convolutions at 3x32x32, then a classifier with dropout (narrow
-    widths)."""
+    """Two VGG blocks of 3x3 convolutions at 3x32x32 (one of them 3x5, wider than tall),
+    then a classifier with dropout (narrow widths)."""
 
     def __init__(self):
         super().__init__()
         self.features = nn.Sequential(
             nn.Conv2d(3, 8, 3, padding=1),
             nn.ReLU(inplace=True),
-            nn.Conv2d(8, 8, 3, padding=1),
+            nn.Conv2d(8, 8, (3, 5), padding=(1, 2)),
             nn.LeakyReLU(0.1),
             nn.MaxPool2d(2),
             nn.Conv2d(8, 16, 3, padding=1, bias=False),

@@ -17,6 +17,7 @@ from netpart.models.spec import BYTES_PER_VALUE, ModelSpec
 from netpart.partition.graph import UnitGraph, build_unit_graph, narrow
 from netpart.partition.plans import LayerFigures, PartitionPlan, PlanMetrics, WorkerFigures
 from netpart.partition.reads import read_window
+from netpart.partition.rectangles import convolved_shares
 from netpart.partition.volume import layer_lower_bounds, layer_traffic, workers_per_layer
 
 __all__ = [
@@ -77,7 +78,7 @@ def evaluate(
         compute_s=float(min(compute.sum(), path)),
         exchange_s=float(max(path - compute.sum(), 0.0)),
     )
-    times = (compute, exchange, split, hideable)
+    times = (compute, exchange, split, hideable, convolved_shares(graph, node_map))
     layers = tuple(
         _layer_figures(graph, i, spread, used, per_layer_volume, lower, imbalance, times)
         for i in range(nlayers)
@@ -149,7 +150,7 @@ def _imbalance(graph: UnitGraph, flops: np.ndarray, share: np.ndarray) -> np.nda
 
 def _layer_figures(graph, i, spread, used, volume, lower, imbalance, times) -> LayerFigures:
     """Layer `i`'s figures from the per-layer arrays of `evaluate`."""
-    compute, exchange, split, hideable = times
+    compute, exchange, split, hideable, convolved = times
     return LayerFigures(
         name=graph.spec.layer_name(i),
         shape=str(graph.spec.shapes[i]),
@@ -163,6 +164,7 @@ def _layer_figures(graph, i, spread, used, volume, lower, imbalance, times) -> L
         exchange_s=float(exchange[i]),
         split=bool(split[i]),
         hideable_s=float(hideable[i]),
+        convolved=convolved[i],
     )
 
 

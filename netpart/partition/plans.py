@@ -115,6 +115,8 @@ class LayerFigures:
     exchange_s: float
     split: bool = True  # the runtime splits it to hide its halo (netpart.cost.overlap)
     hideable_s: float = 0.0  # the work its split could run beside its halo (busiest worker)
+    # conv: the share of its outputs torch's convolution computes, the rest gathered patches
+    convolved: float | None = None
 
 
 @dataclass(frozen=True)

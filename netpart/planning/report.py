@@ -88,10 +88,12 @@ def layer_table(plan: PartitionPlan) -> str:
                 f"{ly.compute_s * 1e3:.2f}",
                 f"{ly.exchange_s * 1e3:.2f}",
                 split_label(ly),
+                "-" if ly.convolved is None else f"{ly.convolved:.0%}",
             ]
         )
     headers = ["layer", "shape", "blocks", "volume", "bound", "vol/bound", "imbalance"]
-    table = _table([*headers, "compute ms", "exposed exchange ms", "split"], rows)
+    more = ["compute ms", "exposed exchange ms", "split", "by convolution"]
+    table = _table([*headers, *more], rows)
     return table + "\n\n" + EXPOSED_NOTE
 
 
@@ -108,7 +110,9 @@ EXPOSED_NOTE = (
     "time the step waits for, the rest travelling while interior units compute, so a layer "
     "that moves values can show 0.00; split: whether workers on machines of their own split "
     "the layer to hide its halo, which pays when the halo's time exceeds what splitting adds "
-    "to the work beside it, in brackets)"
+    "to the work beside it, in brackets; by convolution: the share of a conv layer's outputs "
+    "torch's own convolution computes, on each worker's rectangles of the plane, the rest "
+    "multiplying gathered patches where the cut is irregular)"
 )
 
 

@@ -30,6 +30,7 @@ from netpart.models.spec import ModelSpec
 from netpart.nn import L2_POOL_EPS
 from netpart.partition.blocks import LayerBlocks
 from netpart.partition.reads import read_window
+from netpart.partition.rectangles import plane_rectangles
 from netpart.runtime.rows import rows
 
 __all__ = ["LayerSlice", "build_slice", "window_index"]
@@ -285,18 +286,16 @@ class LocalSlice(_GroupedSlice):
         return out
 
 
-MIN_CONVOLVED = 16  # output positions a rectangle needs to run as a convolution of its own
-
-
 class ConvSlice(_GroupedSlice):
     """Tied filters; each worker holds its groups' kernels. A run's positions are cut into
     rectangles of the output plane (all of it for a tile or a stripe); each rectangle of at
-    least MIN_CONVOLVED positions runs PyTorch's own convolution on the input rectangle it
-    reads (halo and zero padding included), and the positions left over (an irregular cut's
-    edges) multiply their gathered patches, [cg, K] @ [K, Q * B]. Each output piece is
-    in the order torch writes it: a convolution's position-major ([Q * cg, B], from its
-    channels-last output), the patches' channel-major ([cg, Q, B]); the placing puts the rows
-    in units order. Each part reads `x` through one gather."""
+    least MIN_CONVOLVED positions (`netpart.partition.rectangles`) runs PyTorch's own
+    convolution on the input rectangle it reads (halo and zero padding included), and the
+    positions left over (an irregular cut's edges) multiply their gathered patches,
+    [cg, K] @ [K, Q * B]. Each output piece is in the order torch writes it: a convolution's
+    position-major ([Q * cg, B], from its channels-last output), the patches' channel-major
+    ([cg, Q, B]); the placing puts the rows in units order. Each part reads `x` through one
+    gather."""
 
     def __init__(self, spec, index, units, blocks, seed, dtype, first=None) -> None:
         super().__init__(spec, index, units, blocks, first)
@@ -408,36 +407,6 @@ def _input_box(
     channels = np.arange(src.channels) if channels is None else channels
     idx = channels[:, None, None] * (src.height * src.width) + plane[None]
     return torch.from_numpy(np.where(inside[None], idx, pad_slot).astype(np.int64))
-
-
-def plane_rectangles(
-    positions: np.ndarray, width: int, least: int = MIN_CONVOLVED
-) -> tuple[list[tuple[int, int, int, int]], np.ndarray]:
-    """Sorted output positions of a plane `width` wide cut into rectangles (y0, y1, x0, x1)
-    of at least `least` positions: each row's runs of columns, merged down the rows while a
-    run keeps its columns; and the indices (into `positions`) of the positions left over."""
-    if len(positions) == 0:
-        return [], np.zeros(0, dtype=np.int64)
-    y, x = np.divmod(positions, width)
-    new = np.ones(len(positions), dtype=bool)  # a row segment starts here
-    new[1:] = (y[1:] != y[:-1]) | (x[1:] != x[:-1] + 1)
-    starts = np.flatnonzero(new)
-    ends = np.append(starts[1:], len(positions))
-    seg = np.stack([y[starts], x[starts], x[ends - 1] + 1], axis=1)  # [S, (y, x0, x1)]
-    by = np.lexsort((seg[:, 0], seg[:, 2], seg[:, 1]))  # columns, then row
-    seg, first = seg[by], starts[by]
-    cut = np.ones(len(seg), dtype=bool)  # a rectangle starts here
-    cut[1:] = (seg[1:, 1:] != seg[:-1, 1:]).any(axis=1) | (seg[1:, 0] != seg[:-1, 0] + 1)
-    bounds = np.append(np.flatnonzero(cut), len(seg))
-    rects, kept = [], np.zeros(len(positions), dtype=bool)
-    for a, b in itertools.pairwise(bounds.tolist()):  # a loop over rectangles, not units
-        y0, x0, x1 = (int(v) for v in seg[a])
-        y1 = int(seg[b - 1, 0]) + 1
-        if (y1 - y0) * (x1 - x0) >= least:
-            rects.append((y0, y1, x0, x1))
-            for i in range(a, b):  # its rows' segments
-                kept[first[i] : first[i] + (x1 - x0)] = True
-    return rects, np.flatnonzero(~kept)
 
 
 class DenseSlice(LayerSlice):

@@ -20,9 +20,9 @@ from netpart.models.dropout import training_key
 from netpart.models.spec import ModelSpec
 from netpart.partition import METHODS as ALL_METHODS
 from netpart.partition import Granularity, build_unit_graph, plan
+from netpart.partition.rectangles import plane_rectangles
 from netpart.runtime.check import make_batch
 from netpart.runtime.inprocess import ThreadTransport, run_step_threads
-from netpart.runtime.slices import plane_rectangles
 from netpart.runtime.worker import ModelWorker
 from tests.conftest import chain_specs, small_specs
 
@@ -316,11 +316,14 @@ def test_a_conv_run_that_is_a_rectangle_runs_torch_s_convolution_and_others_gath
     )
     x, y = make_batch(spec, 3, seed=4)
     shares = {}
-    for method, workers in (("tiles", 4), ("tiles", 1), ("random", 3)):
+    for method, workers in (("tiles", 4), ("tiles", 1), ("random", 3), ("metis", 3)):
         p = plan(spec, workers, method)
         graph, schedule = plan_schedule(spec, p)
         convs = [ModelWorker(spec, graph, schedule, w).slices[0] for w in range(workers)]
         shares[(method, workers)] = [c.convolved() for c in convs if len(c.units)]
+        # the plan's report states the same share (`netpart.partition.rectangles`)
+        done = sum(c.convolved() * len(c.units) for c in convs if len(c.units))
+        assert p.layers[0].convolved == pytest.approx(done / spec.shapes[0].size, abs=1e-12)
         assert_equal_to_reference(spec, run_step_threads(spec, p, x, y), x, y)
     assert shares[("tiles", 1)] == [1.0]
     # 4 tiles of an 11x9 plane, balanced to a unit: rectangles but for a few moved units

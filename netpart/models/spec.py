@@ -328,6 +328,7 @@ class ModelSpec:
 
 # ---- parsing ---------------------------------------------------------------------------------
 def _pair(value: int | tuple[int, int]) -> tuple[int, int]:
+    # netpart.nn.pair's twin: the spec is read without importing torch (planning needs none)
     return value if isinstance(value, tuple) else (value, value)
 
 
@@ -354,9 +355,8 @@ def _window_output(layer: LayerSpec, src: Shape, where: str) -> Shape:
         (src.height, src.width),
         strict=True,
     ):
-        across = (
-            "" if isinstance(layer.kernel, int) and isinstance(layer.stride, int) else f" ({axis})"
-        )
+        square = all(isinstance(v, int) for v in (layer.kernel, layer.stride, layer.padding))
+        across = "" if square else f" ({axis})"
         if s > k:
             raise SpecError(
                 f"{where}: stride {s} is larger than kernel {k}{across}, so inputs between "

@@ -407,7 +407,6 @@ def summary_lines(summary, data: str) -> list[str]:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from netpart.data import load_data
     from netpart.train.run_report import evaluate
     from netpart.train.rundir import run_model
 
@@ -415,7 +414,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     job, state = run_model(run)
     spec, config = job.spec, job.config
     source = args.data or config.data.source
-    data = load_data(source, spec, config.run.seed, config.data.examples, config.data.layout)
+    data = config.dataset(spec, source)
     x, y = data.held_out_set()
     result = evaluate(spec, state, x, y, seed=config.run.seed, batch=args.batch)
     accuracy = f", accuracy {result['accuracy']:.4f}" if "accuracy" in result else ""
@@ -442,7 +441,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     import torch
 
-    from netpart.data import load_data
     from netpart.files import write_atomic
     from netpart.models.reference import exported_program
     from netpart.ps.checkpoint import save_model
@@ -455,9 +453,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if recorded.is_file():
         fed = json.loads(recorded.read_text())
     else:  # a run that ended before writing it
-        data = load_data(
-            config.data.source, job.spec, config.run.seed, config.data.examples, config.data.layout
-        )
+        data = config.dataset(job.spec)
         fed = data.preprocessing()
     about = json.dumps({"model": job.spec.name, **fed}, indent=1)
     if args.format == "state_dict":

@@ -287,6 +287,14 @@ class TrainConfig:
     def world(self, workers: int) -> int:
         return self.cluster.replicas * workers + self.cluster.shards + self.coordinators
 
+    def dataset(self, spec: Any, source: str | None = None) -> Any:
+        """The job's data for `spec` (`netpart.data.load_data`: DataError in one line), from
+        its data section and seed; `source` instead of the section's (`netpart eval --data`)."""
+        from netpart.data import load_data
+
+        data = self.data
+        return load_data(source or data.source, spec, self.run.seed, data.examples, data.layout)
+
     def memory_job(self, workers: int) -> dict[str, Any]:
         """This job on `workers` workers as `netpart.planning.memory.estimate` reads it."""
         return {

@@ -80,11 +80,7 @@ def make_job(request: TrainRequest, *, local: bool = True) -> Job:
     config = TrainConfig.of(**{"shards": request.workers, **request.given})
     initial = _initial_weights(request.model, spec, config)
     check_loggers(config.loggers)  # a missing package fails before planning
-    from netpart.data import load_data
-
-    load_data(
-        config.data.source, spec, config.run.seed, config.data.examples, config.data.layout
-    )  # bad data fails before planning
+    config.dataset(spec)  # bad data fails before planning
     if request.plan is not None:
         from netpart.partition.plans import load_plan
 
@@ -170,12 +166,7 @@ def _resumed(request: TrainRequest) -> Job:
             )
     config = old.config.with_flat(**request.given)
     check_loggers(config.loggers)
-    sync = old.config.cluster.mode == "sync"
-    reached = min(
-        read_progress(
-            run, old.config.cluster.shards, old.config.cluster.replicas, sync=sync
-        ).values()
-    )
+    reached = min(read_progress(run, old.config.cluster).values())
     if config.run.steps <= reached:
         raise TrainError(
             f"--steps {config.run.steps}: the run in {run} is at step {reached} already; give "

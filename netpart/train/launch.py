@@ -152,9 +152,7 @@ def _attempts(spec, plan, config, run, how, summary, on_progress, preloaded, log
         died = supervise(run, plan.workers, config, summary, attempt)
         if died is None:
             break
-        starts = read_progress(
-            run, config.cluster.shards, config.cluster.replicas, config.cluster.mode == "sync", True
-        )
+        starts = read_progress(run, config.cluster, newest=True)
         lost_steps = []
         for s in died.shards:
             lost = lost_updates(run, s, starts, config.cluster.mode == "sync", died.exit_text(s))
@@ -208,8 +206,7 @@ def train_under_torchrun(
     _check_initial(config, initial, resume)
     how = (resume, restarted, initial)
     _prepare_on_first_shard(compiled, config, run, how, mine, placement)
-    sync = cluster.mode == "sync"
-    starts = read_progress(run, cluster.shards, cluster.replicas, sync, restarted) if resume else {}
+    starts = read_progress(run, cluster, newest=restarted) if resume else {}
     job = Job(spec, plan, config, run, resume, tuple(starts.items()))
     t0 = time.monotonic()
     role = placement.roles[rank]

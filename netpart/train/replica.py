@@ -30,7 +30,6 @@ import torch.distributed as dist
 from netpart import faults
 from netpart.compile.schedule import HaloSchedule
 from netpart.compile.shards import ShardLayout
-from netpart.data import load_data
 from netpart.errors import RuntimeFailure
 from netpart.files import open_append
 from netpart.models.dropout import training_key
@@ -148,9 +147,7 @@ class _StepLoop:
         self.job, self.on_step = job, on_step
         self.model, self.transport, self.client = job.build()
         faults.point(job.rank, 0)
-        self.data = load_data(
-            config.data.source, job.spec, config.run.seed, config.data.examples, config.data.layout
-        )
+        self.data = config.dataset(job.spec)
         self.sync = config.cluster.mode == "sync"
         late = replica > 0 and not self.sync and job.start < config.optimiser.warm_start
         warm = config.optimiser.warm_start if late else 0

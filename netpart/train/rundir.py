@@ -31,7 +31,6 @@ import torch
 
 from netpart.compile.compiled import CompiledPlan, compile_plan
 from netpart.compile.shards import ShardLayout
-from netpart.data import load_data
 from netpart.errors import DataError, NetpartError, RuntimeFailure, TrainError, WorkerFailure
 from netpart.files import foreign_entries, open_append, write_atomic, write_files
 from netpart.models.spec import ModelSpec
@@ -43,7 +42,7 @@ from netpart.ps.checkpoint import (
     shard_meta,
     shard_path,
 )
-from netpart.train.config import SCHEMA_VERSION, TrainConfig, layout_key
+from netpart.train.config import SCHEMA_VERSION, ClusterConfig, TrainConfig, layout_key
 from netpart.train.run_report import evaluate, read_metrics, write_report
 
 __all__ = [
@@ -149,18 +148,17 @@ def read_initial(run: Path) -> dict[str, torch.Tensor]:
         raise TrainError(f"{run / 'initial.pt'}: unreadable ({type(exc).__name__})") from None
 
 
-def read_progress(
-    run: Path, shards: int, replicas: int, sync: bool = False, newest: bool = False
-) -> dict[int, int]:
-    """Per replica, the step a resumed replica restarts after: the last step every shard has
-    from it (downpour), or the last step every shard applied (sync: replicas move together,
-    and one added on resume joins them there). `newest`: the furthest any shard recorded
-    (a restart after a shard died: its updates since its checkpoint are lost, not redone).
+def read_progress(run: Path, cluster: ClusterConfig, newest: bool = False) -> dict[int, int]:
+    """Per replica of `cluster`, the step a resumed replica restarts after: the last step
+    every shard has from it (downpour), or the last step every shard applied (sync: replicas
+    move together, and one added on resume joins them there). `newest`: the furthest any
+    shard recorded (a restart after a shard died: its updates since its checkpoint are lost,
+    not redone).
     Read from the checkpoints themselves (`shard_meta`); TrainError if one is missing or
     unreadable (a run is never read as being at step 0)."""
-    out = {r: 0 for r in range(replicas)}
-    pick = max if newest else min
-    for s in range(shards):
+    out = {r: 0 for r in range(cluster.replicas)}
+    pick, sync = (max if newest else min), cluster.mode == "sync"
+    for s in range(cluster.shards):
         meta = shard_meta(run, s)
         prog = {int(r): int(v) for r, v in meta.get("progress", {}).items()}
         for r in out:
@@ -227,8 +225,7 @@ def prepare_run(
             log.info(
                 "resuming with %d replicas (was %d)", config.cluster.replicas, old.cluster.replicas
             )
-        sync = config.cluster.mode == "sync"
-        starts = read_progress(run, config.cluster.shards, config.cluster.replicas, sync, newest)
+        starts = read_progress(run, config.cluster, newest)
         if config.cluster.mode != "sandblaster":  # its iterations are logged by the coordinator
             _say_unlogged(run, {r: n for r, n in starts.items() if r < old.cluster.replicas})
     else:
@@ -388,9 +385,7 @@ def _check_diverged(run: Path, config: TrainConfig) -> None:
             f"training diverged: {what}, before the first checkpoint; start again with a "
             f"lower --lr than {config.optimiser.lr:g} (--out {run} is reused)"
         )
-    steps = read_progress(
-        run, config.cluster.shards, config.cluster.replicas, config.cluster.mode == "sync"
-    )
+    steps = read_progress(run, config.cluster)
     at = ", ".join(f"replica {r} at step {s}" for r, s in steps.items())
     raise RuntimeFailure(
         f"training diverged: {what}; the checkpoints in {run} keep the last state before it "
@@ -435,9 +430,7 @@ def finish_run(compiled: CompiledPlan, config, run: Path, summary: TrainSummary)
     save_model(run / "model.pt", user_state(compiled.spec, state))
     write_atomic(run / "summary.json", json.dumps(summary.to_dict(), indent=1).encode())
     try:
-        data = load_data(
-            config.data.source, spec, config.run.seed, config.data.examples, config.data.layout
-        )
+        data = config.dataset(spec)
         # how a user's own model is fed and what its outputs mean (`netpart export` states it)
         write_atomic(run / "data.json", json.dumps(data.preprocessing(), indent=1).encode())
         summary.held_out = evaluate(spec, state, *data.held_out_set(), seed=config.run.seed)

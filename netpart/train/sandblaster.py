@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 from netpart import faults
-from netpart.data import load_data
 from netpart.errors import RuntimeFailure
 from netpart.files import open_append
 from netpart.models.reference import DTYPES
@@ -259,9 +258,7 @@ def run_unit_worker(job: ReplicaJob) -> None:
     config, replica, worker, rank = job.config, job.replica, job.worker, job.rank
     model, transport, client = job.build()
     load = model.bind_values  # the parameters become views of the fetched values
-    data = load_data(
-        config.data.source, job.spec, config.run.seed, config.data.examples, config.data.layout
-    )
+    data = config.dataset(job.spec)
     ids = data.indices(0, 1, 1, config.data.batch)  # the batch every evaluation works on
     bounds = _bounds(config.data.batch, config.optimiser.units)
     coordinator = job.placement.coordinator_rank()

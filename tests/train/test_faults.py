@@ -149,9 +149,10 @@ def test_resume_reads_each_shard_s_progress_from_its_checkpoint(tmp_path, capsys
     (run / "shard_1.json").write_text('{"progress": {}}')
     assert main(["train", "--resume", str(run), "--steps", "400", "--mode", "sync"]) == 2
     assert "--mode sync: the run" in capsys.readouterr().err
+    from netpart.train.config import ClusterConfig
     from netpart.train.rundir import read_progress
 
-    got = read_progress(run, 2, 2)
+    got = read_progress(run, ClusterConfig(replicas=2, shards=2))
     assert got == {0: min(want["0"], got[0]), 1: min(want["1"], got[1])} and min(got.values()) > 0
 
 

@@ -147,6 +147,7 @@ class ShardServer:
         self._updated = threading.Event()  # the update count reached `_wake_at`
         self._wake_at = 1
         self._keep_at, self._kept = 0, None  # a copy to take at that update count (`keep_at`)
+        self._keep_every = 0  # and again every so many updates after it (0: once)
         self.lost: dict[int, str] = {}  # replica -> why
         self.done: dict[tuple[int, int], None] = {}  # peers that said goodbye
         self.pushed = {
@@ -276,7 +277,8 @@ class ShardServer:
             if self.state.updates >= self._wake_at:
                 self._updated.set()
             if self._keep_at and self.state.updates >= self._keep_at:
-                self._kept, self._keep_at = self._copy(), 0
+                self._kept = self._copy()
+                self._keep_at = self._keep_at + self._keep_every if self._keep_every else 0
 
     def answer(self, link: Link, kind: int, step: int, extra: int) -> bool:
         """Answer a taken request as its kind says; True after a goodbye."""
@@ -438,11 +440,12 @@ class ShardServer:
         with self.cond:
             return self._copy()
 
-    def keep_at(self, updates: int) -> None:
+    def keep_at(self, updates: int, every: int = 0) -> None:
         """Copy the state when the update count first reaches `updates`, on the update path
-        (a snapshot of exactly that update, not of a later one); `kept` hands it over."""
+        (a snapshot of exactly that update, not of a later one), and with `every` again at
+        each `every` updates after it (each copy replacing the last); `kept` hands it over."""
         with self.cond:
-            self._keep_at, self._kept = updates, None
+            self._keep_at, self._kept, self._keep_every = updates, None, every
 
     def kept(self) -> ShardState | None:
         with self.cond:

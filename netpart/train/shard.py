@@ -128,13 +128,19 @@ class Checkpoints:
     consistent state and writes it: no peer's thread waits for a write, and the server calls
     nothing back. A failed write makes the server fail (`serve` raises); `close` says why.
     Test hook: with a fault set for this rank, the thread looks at every update and reaches
-    fault point n after update n (a shard "dies" after that many updates), and checkpoint
-    write number k may fail with ENOSPC (`netpart.faults`)."""
+    fault point n after update n (a shard "dies" after that many updates), each checkpoint
+    holds exactly the update count it fell due at and is written before any later fault
+    point (however far the thread lags behind the server), and checkpoint write number k may
+    fail with ENOSPC (`netpart.faults`)."""
 
     def __init__(self, server: ShardServer, run: Path, meta: dict, config: TrainConfig, rank: int):
         self.server, self.run, self.meta, self.rank = server, run, meta, rank
         self.every, self.snapshot_every = config.run.checkpoint_every, config.run.snapshot_every
         self.seen = server.state.updates
+        # a test's death after update n finds each checkpoint before it at its own count
+        self.exact = faults.active(rank) and not self.snapshot_every
+        if self.exact:
+            server.keep_at((self.seen // self.every + 1) * self.every, every=self.every)
         self.writes = 0
         self.wrote = False  # whether this job wrote the current checkpoint
         self.froze = False
@@ -163,9 +169,14 @@ class Checkpoints:
     def _look(self, updates: int) -> None:
         """Updates up to `updates` were applied: reach their fault points, and write what
         fell due (one checkpoint and one snapshot at most: a checkpoint of the state as it is now,
-        a snapshot of the state the server kept at its update count)."""
+        a snapshot of the state the server kept at its update count; with `exact`, each
+        checkpoint as the server kept it at its own count, written before the next fault
+        point)."""
         due, snapshot = False, None
         for k in range(self.seen + 1, updates + 1):
+            if due and self.exact:
+                self._write(self.run, self._kept_at(k - 1), self.meta)  # before a later death
+                due = False
             faults.point(self.rank, k)
             due |= k % self.every == 0
             if self.snapshot_every and k % self.snapshot_every == 0:
@@ -178,7 +189,13 @@ class Checkpoints:
             state = kept if exact else self.server.snapshot()
             self._write(where, state, {**self.meta, "time": time.time()})
         if due:
-            self._write(self.run, self.server.snapshot(), self.meta)
+            now = self._kept_at(updates) if self.exact else self.server.snapshot()
+            self._write(self.run, now, self.meta)
+
+    def _kept_at(self, updates: int) -> ShardState:
+        """The state the server kept at exactly `updates` (a test's checkpoint), else now."""
+        kept = self.server.kept()
+        return kept if kept is not None and kept.updates == updates else self.server.snapshot()
 
     def _write(self, where: Path, state: ShardState, meta: dict) -> None:
         if self.error is not None or self._diverged(state):

@@ -351,3 +351,11 @@ def test_a_kept_copy_holds_exactly_the_update_it_was_asked_for():
     assert server.state.updates == len(pushes) and kept is not None and kept.updates == 3
     assert torch.equal(kept.values, alone.state.values)
     assert not torch.equal(kept.values, server.state.values)
+    # with `every`, a copy at each multiple after it, the last replacing the one before
+    again = _server("downpour", replicas=1)
+    again.keep_at(2, every=4)  # copies at 2, 6 and 10; not at the pushes between
+    seen = []
+    for i, (step, w) in enumerate(pushes):
+        _push(again, 0, w, step, torch.full((n[w],), float(i + 1), dtype=torch.float64))
+        seen.append(None if again.kept() is None else again.kept().updates)
+    assert seen == [None, 2, 2, 2, 2, 6, 6, 6, 6, 10]

@@ -38,8 +38,8 @@ from pathlib import Path
 from harness import parser, role_out, write_results
 
 from netpart.calibrate.speed import SpeedProbe
-from netpart.cost.machine import Machine, read_machine
-from netpart.cost.step import NetworkModel
+from netpart.cost.machine import Machine
+from netpart.cost.sheet import MachineSheet, read_sheet
 from netpart.files import write_atomic
 from netpart.models import load_spec
 from netpart.partition.planner import plan
@@ -91,7 +91,7 @@ print(json.dumps({"stamps": stamps, "parts": parts}))
 DDP_PARTS = ("data_s", "forward_s", "backward_s", "update_s", "cpu_s")
 
 
-def on_share(machine: Machine, share: float, link_bps: float) -> Machine:
+def on_share(machine: MachineSheet, share: float, link_bps: float) -> MachineSheet:
     """`machine` held to `share` of its core, on a link of `link_bps`."""
     kinds = {
         k: replace(
@@ -255,7 +255,7 @@ def chosen(layouts, names: str | None) -> list:
     return [known[n] for n in want]
 
 
-def mp_steps(spec, layouts, network: NetworkModel) -> dict[int, float]:
+def mp_steps(spec, layouts, network: Machine) -> dict[int, float]:
     """The model-parallel step the planner predicts at each N of `layouts` (all-reduce: 1)."""
     counts = {f.layout.workers for f in layouts}
     return {
@@ -274,9 +274,9 @@ def repredict(path: Path, out: Path, profile: Path | None = None) -> int:
         result["profile"] = str(profile)
     profile = result["profile"]
     if profile:
-        network = NetworkModel.from_profile(Path(profile).read_text(), profile)
+        network = Machine.from_profile(Path(profile).read_text(), profile)
     else:
-        network = Machine.from_dict(result["machine"]).to_network()
+        network = MachineSheet.from_dict(result["machine"]).to_machine()
     spec = load_spec(result["model"])
     advice = advise(spec, result["machines"], network, batch=BATCH)
     now = {str(f.layout): f for f in advice.layouts}
@@ -353,10 +353,10 @@ def main(argv=None) -> int:
     if args.repredict is not None:
         return repredict(args.repredict, args.out or args.repredict, args.profile)
     link = netns.rate_bps(args.link)
-    machine = on_share(read_machine(HOST), args.cpu, link)
-    network = machine.to_network()
+    machine = on_share(read_sheet(HOST), args.cpu, link)
+    network = machine.to_machine()
     if args.profile is not None:
-        network = NetworkModel.from_profile(args.profile.read_text(), str(args.profile))
+        network = Machine.from_profile(args.profile.read_text(), str(args.profile))
     spec = load_spec(args.model)
     advice = advise(spec, args.machines, network, batch=BATCH)
     layouts = chosen(advice.layouts, args.layouts)

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from netpart.calibrate.emulated import WARMUP, EmulatedRunner  # noqa: E402
-from netpart.cost.step import NetworkModel  # noqa: E402
+from netpart.cost.machine import Machine  # noqa: E402
 from netpart.models import load_spec  # noqa: E402
 from netpart.partition import plan  # noqa: E402
 from netpart.testbed import cgroups, netns  # noqa: E402
@@ -88,7 +88,7 @@ def _variants(spec, single, n: int, rate: float, one_s: float) -> dict:
     """The N-worker plan made for this machine (its rate from the 1-worker plan `single`'s
     step, `one_s`), and the same node map with every layer split and with none."""
     flops = sum(sum(w.flops) for w in single.per_worker)
-    net = NetworkModel(bandwidth_bps=rate, flops_per_s=flops * BATCH / one_s)
+    net = Machine(bandwidth_bps=rate, flops_per_s=flops * BATCH / one_s)
     auto = plan(spec, n, "metis", batch=BATCH, network=net)
     every = replace(auto, layers=tuple(replace(layer, split=True) for layer in auto.layers))
     return {"auto": auto, "split": every, "joined": auto, "exchange": auto}

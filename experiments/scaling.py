@@ -24,7 +24,7 @@ import re
 import sys
 from pathlib import Path
 
-from netpart.cost.machine import Machine, machine_toml, read_machine
+from netpart.cost.sheet import MachineSheet, read_sheet, sheet_toml
 from netpart.files import write_atomic
 from netpart.models import load_spec
 from netpart.partition import plan
@@ -47,13 +47,15 @@ PAPER = (
 )
 
 
-def curves(machine: Machine, models, counts, batch: int = 32, band: float = BAND) -> list[dict]:
+def curves(
+    machine: MachineSheet, models, counts, batch: int = 32, band: float = BAND
+) -> list[dict]:
     """One row per model and worker count: the predicted step on `machine`, its speedup over
     1 worker, and the speedups with the compute rate x/÷ `band` (the same plans)."""
     nets = {
-        "": machine.to_network(),
-        "slow": machine.faster(1 / band).to_network(),
-        "fast": machine.faster(band).to_network(),
+        "": machine.to_machine(),
+        "slow": machine.faster(1 / band).to_machine(),
+        "fast": machine.faster(band).to_machine(),
     }
     rows = []
     for model in models:
@@ -82,14 +84,14 @@ def curves(machine: Machine, models, counts, batch: int = 32, band: float = BAND
     return rows
 
 
-def speedup_at(machine: Machine, model: str, n: int, batch: int) -> float:
+def speedup_at(machine: MachineSheet, model: str, n: int, batch: int) -> float:
     spec = load_spec(model)
-    net = machine.to_network()
+    net = machine.to_machine()
     one = plan(spec, 1, seed=0, batch=batch, network=net).metrics.predicted_step_s
     return one / plan(spec, n, seed=0, batch=batch, network=net).metrics.predicted_step_s
 
 
-def fit_rate(machine: Machine, model: str, n: int, target: float, batch: int) -> Machine:
+def fit_rate(machine: MachineSheet, model: str, n: int, target: float, batch: int) -> MachineSheet:
     """`machine` with the compute rate (every kind alike) at which `model`'s speedup at `n`
     workers is `target`: bisection on the rate's logarithm (a faster machine computes less
     per byte it sends, so its speedup is lower)."""
@@ -135,7 +137,7 @@ def _counts(rows: list[dict]) -> list[int]:
     return sorted({r["workers"] for r in rows})
 
 
-def plot(rows: list[dict], machine: Machine, path: Path) -> None:
+def plot(rows: list[dict], machine: MachineSheet, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -207,13 +209,13 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
-    machine = read_machine(args.machine)
+    machine = read_sheet(args.machine)
     if args.fit:
         model, n, target = parse_fit(args.fit)
         machine = fit_rate(machine, model, n, target, args.batch)
         if args.write_machine is not None:  # drawn as the file states it (6 figures)
-            write_atomic(args.write_machine, machine_toml(machine).encode())
-            machine = read_machine(args.write_machine)
+            write_atomic(args.write_machine, sheet_toml(machine).encode())
+            machine = read_sheet(args.write_machine)
             print(f"wrote {args.write_machine}")
         print(
             f"fitted: {machine.flops_per_s / 1e9:.4g} GFLOP/s per worker puts {model} at "

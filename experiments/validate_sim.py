@@ -41,7 +41,7 @@ from netpart.calibrate.emulated import TIMEOUT, EmulatedRunner, free_port  # noq
 from netpart.calibrate.measure import CALIBRATION_MODELS, calibrate  # noqa: E402
 from netpart.calibrate.profile import profile_json  # noqa: E402
 from netpart.calibrate.speed import SpeedProbe  # noqa: E402
-from netpart.cost import NetworkModel  # noqa: E402
+from netpart.cost.machine import Machine  # noqa: E402
 from netpart.files import write_atomic  # noqa: E402
 from netpart.models import load_spec  # noqa: E402
 from netpart.partition import plan  # noqa: E402
@@ -140,13 +140,13 @@ def main(argv=None) -> int:
     return 0
 
 
-def _profile(args, hosts, groups, runner, path: Path) -> tuple[NetworkModel, str]:
+def _profile(args, hosts, groups, runner, path: Path) -> tuple[Machine, str]:
     """The emulated machines calibrated (through the runner or torchrun) into `path`: the
     model and the profile's text."""
     if args.via == "torchrun":
         _calibrate_torchrun(hosts, groups, args.calibrate, args.share, path)
         profile = path.read_text()
-        return NetworkModel.from_profile(profile, str(path)), profile
+        return Machine.from_profile(profile, str(path)), profile
     cal = tuple(args.calibrate.split(","))
     model, details = calibrate(cal, say=_say, runner=runner, repeats=REPEATS)
     profile = profile_json(model, details)

@@ -16,7 +16,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from netpart.cost.step import KindCost, LayerCost, NetworkModel
+from netpart.cost.machine import Machine
+from netpart.cost.tables import KindCost, LayerCost
 from netpart.models.spec import ModelSpec
 from netpart.partition.evaluate import reevaluate
 from netpart.partition.plans import PartitionPlan
@@ -92,7 +93,7 @@ def _lstsq(
     return [float(v) for v in np.maximum(sol, low)]
 
 
-def _two_process_terms(plans: Plans, runs, batch: int, model: NetworkModel):
+def _two_process_terms(plans: Plans, runs, batch: int, model: Machine):
     """(collective_s, parallel_slowdown, in-step seconds per phase): what two-process steps
     hold beyond the model so far (the planner's own prediction, overlap included), fitted to
     a constant + a share of the compute + a cost per exchange phase (a phase in a step, with
@@ -119,7 +120,7 @@ def _plus(tables: dict, seconds: float) -> dict:
     return {k: tuple((b, seconds + t) for b, t in v) for k, v in tables.items()}
 
 
-def with_link(base: NetworkModel, link: dict) -> NetworkModel:
+def with_link(base: Machine, link: dict) -> Machine:
     """`base` with the link as measured, no overhead fitted yet, and the loss's collective:
     what a calibration sizes its step runs by before any step is timed (the slice tables
     alone price no exchange, and a two-machine step of a small model is mostly exchange).
@@ -141,7 +142,7 @@ def _link_terms(link: dict, runs: list[dict], in_step: float = 0.0) -> dict:
     raw = {int(k): tuple(zip(sizes * int(k), t, strict=True)) for k, t in link["seconds"].items()}
     two = [r["two"] for r in runs]
     phases = [2.0 * len(x["phase_bytes"]) for x in two]
-    one_peer = NetworkModel(link=raw)
+    one_peer = Machine(link=raw)
     wire = [2.0 * float(one_peer.phase_s(np.array(x["phase_bytes"])).sum()) for x in two]
     exchange = [x["exchange_s"] for x in two]
     rest = [e - w for e, w in zip(exchange, wire, strict=True)]
@@ -159,13 +160,13 @@ def _link_terms(link: dict, runs: list[dict], in_step: float = 0.0) -> dict:
 
 
 def fit(
-    base: NetworkModel,
+    base: Machine,
     plans: Plans,
     runs: list[dict],
     batch: int,
     link: dict,
     crowd: Crowd | None = None,
-) -> NetworkModel:
+) -> Machine:
     """The terms beyond the slice tables, fitted to `runs` (`netpart.calibrate.measure`'s)
     and `link` (bytes per peer, seconds per number of peers), every equation weighted by 1 /
     its measurement (relative errors count: a small model weighs as much as a large one):
@@ -208,7 +209,7 @@ def fit(
     return replace(model, crowd=crowd_terms(model, crowd, batch)) if crowd else model
 
 
-def anchored(model: NetworkModel, plans: Plans, one_s: list[float], batch: int) -> NetworkModel:
+def anchored(model: Machine, plans: Plans, one_s: list[float], batch: int) -> Machine:
     """`model` with each calibration model's own layer tables scaled so that its one-process
     step is predicted as measured (`one_s`; the prediction is linear in the tables). The
     step, the median of runs spread over the calibration, moves little from one calibration
@@ -233,7 +234,7 @@ def anchored(model: NetworkModel, plans: Plans, one_s: list[float], batch: int) 
     return replace(model, layers=layers)
 
 
-def crowd_terms(model: NetworkModel, crowd: Crowd, batch: int) -> tuple:
+def crowd_terms(model: Machine, crowd: Crowd, batch: int) -> tuple:
     """The profile's `crowd`: per number of workers, what its steps held beyond `model`
     (fitted at 2), fitted to seconds per step + a further slowdown of compute (its
     regressor: the prediction's own change per unit of `parallel_slowdown`, so compute off

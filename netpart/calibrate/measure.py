@@ -43,7 +43,7 @@ probe is the profile's `probe_s`, against which `netpart run` says how fast the 
 
 The fitting itself is `netpart.calibrate.fitting` (pure).
 
-The result is a `NetworkModel` whose `profile` names the file; `netpart.calibrate.profile`
+The result is a `Machine` whose `profile` names the file; `netpart.calibrate.profile`
 writes it with every measurement it was fitted to, so a profile can be checked by hand.
 Between the measurements the machine's load is sampled, each case's runs spread recorded and,
 last, the model's predictions set against measured steps of the calibration models and of
@@ -68,7 +68,7 @@ from netpart.calibrate.speed import SpeedProbe, probe_once
 from netpart.calibrate.trace import SliceTimes, measure_slices
 from netpart.calibrate.trust import LoadSample, sample
 from netpart.cost.exchange import PsExchange
-from netpart.cost.step import PROFILE_SCHEMA, NetworkModel
+from netpart.cost.machine import PROFILE_SCHEMA, Machine
 from netpart.models import load_spec
 from netpart.models.spec import BYTES_PER_VALUE, ModelSpec
 from netpart.partition import build_unit_graph, plan
@@ -243,7 +243,7 @@ def _compute_points(specs, batch: int, runner: Runner, say: Progress) -> tuple[d
     return points, per_layer
 
 
-def _figures(spec: ModelSpec, p: PartitionPlan, batch: int, net: NetworkModel) -> dict:
+def _figures(spec: ModelSpec, p: PartitionPlan, batch: int, net: Machine) -> dict:
     """What the fit needs of a plan: the busiest worker's bytes each way in each layer's
     exchange (two phases each: forward and backward), compute by the slice tables alone
     (slowest worker per layer), and its joined layers."""
@@ -275,7 +275,7 @@ def _runs(
     steps: int,
     repeats: int,
     runner,
-    models: tuple[NetworkModel, NetworkModel],
+    models: tuple[Machine, Machine],
     say,
     load: list[LoadSample],
     between: Callable[[int], None],
@@ -394,7 +394,7 @@ def calibrate(
     repeats: int = 5,
     slice_models: tuple[str, ...] = SLICE_MODELS,
     check_model: str | None = CHECK_MODEL,
-) -> tuple[NetworkModel, dict]:
+) -> tuple[Machine, dict]:
     """The calibrated model of the machines `runner` runs on (this one by default), and
     every measurement it was fitted to (`slice_models`: their slices only), the machine's
     load between measurements, each case's runs' spread, and the model's predictions
@@ -406,7 +406,7 @@ def calibrate(
     points, per_layer = _compute_points(specs + extra, batch, runner, say)
     kinds = {k: kind_cost(v) for k, v in sorted(points.items())}
     layers = layer_costs(per_layer, kinds)
-    base = NetworkModel(kinds=kinds, layers=layers, overlap=runner.overlap)
+    base = Machine(kinds=kinds, layers=layers, overlap=runner.overlap)
     link, wire_bps = _link(runner, say)
     # the parameter server's first pass now, the others between and after the steps' rounds
     ps_timer = PsTables(runner, say, wire_bps=wire_bps, runs=repeats)
@@ -475,7 +475,7 @@ def run_spreads(runs: list[dict]) -> list[float]:
 
 
 def _check(
-    plans: Plans, runs: list[dict], model: NetworkModel, batch: int, how, check_model: str | None
+    plans: Plans, runs: list[dict], model: Machine, batch: int, how, check_model: str | None
 ) -> list[dict]:
     """Predicted against measured steps: the calibration models' (their runs) and, on 1 and
     2 processes, `check_model`'s, which the model was not fitted on (its median of
@@ -514,7 +514,7 @@ def _check(
     return rows
 
 
-def _anchors(specs: list[ModelSpec], base: NetworkModel, model: NetworkModel) -> dict:
+def _anchors(specs: list[ModelSpec], base: Machine, model: Machine) -> dict:
     """Per calibration model, the median factor its layer tables were scaled by
     (`fitting.anchored`): its one-process step against its slices timed alone."""
     out = {}

@@ -15,12 +15,12 @@ import torch
 
 from netpart.calibrate.measure import PROBE_SWING, SCHEMA_VERSION
 from netpart.cost.machine import Machine
-from netpart.cost.step import NetworkModel
+from netpart.cost.sheet import MachineSheet
 
 __all__ = ["check_lines", "host_machine", "profile_json", "profile_lines"]
 
 
-def profile_lines(model: NetworkModel, details: dict) -> list[str]:
+def profile_lines(model: Machine, details: dict) -> list[str]:
     """What a calibration fitted, in a few lines for the console (with a warning where the
     machine's speed moved while it was measured)."""
     out = []
@@ -61,7 +61,7 @@ def profile_lines(model: NetworkModel, details: dict) -> list[str]:
     return out
 
 
-def host_machine(model: NetworkModel) -> Machine:
+def host_machine(model: Machine) -> MachineSheet:
     """This host as `model` measured it: a machine description (absolute figures) named
     after the host, stating when and with which torch."""
     when = time.strftime("%Y-%m-%d %H:%M %Z")
@@ -70,7 +70,7 @@ def host_machine(model: NetworkModel) -> Machine:
         f"{torch.__version__}): one worker on one thread; the link between two "
         "processes of this host"
     )
-    return Machine.from_network(
+    return MachineSheet.from_machine(
         model,
         name=platform.node() or "this-host",
         about=about,
@@ -78,7 +78,7 @@ def host_machine(model: NetworkModel) -> Machine:
     )
 
 
-def profile_json(model: NetworkModel, details: dict) -> str:
+def profile_json(model: Machine, details: dict) -> str:
     """The profile file: the model (what `--profile` reads), the machine description it
     makes (what `--machine` reads), and what it was fitted to."""
     return json.dumps(

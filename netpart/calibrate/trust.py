@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from netpart.cost.step import NetworkModel
+from netpart.cost.machine import Machine
 
 __all__ = [
     "BUSY_CORES",
@@ -91,7 +91,7 @@ def sample(seconds: float = 1.0) -> LoadSample:
     return LoadSample(wall, busy / clock / wall, steal / total if total else 0.0, load)
 
 
-def implausible(model: NetworkModel) -> list[str]:
+def implausible(model: Machine) -> list[str]:
     """The fitted terms outside what a quiet machine gives, in words."""
     terms = {
         "compute slowdown with two workers": 1 + model.parallel_slowdown,
@@ -120,7 +120,7 @@ class Verdict:
         return "" if self.trusted else "calibrated on a busy machine: " + "; ".join(self.reasons)
 
 
-def verdict(samples: list[LoadSample], spreads: list[float], model: NetworkModel) -> Verdict:
+def verdict(samples: list[LoadSample], spreads: list[float], model: Machine) -> Verdict:
     """The verdict of the machine's load between measurements (`samples`: the median
     decides, one outlier does not), the runs' spread (each case's slowest over fastest: the
     median decides) and the fitted terms."""

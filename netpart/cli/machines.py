@@ -122,9 +122,9 @@ def _advice(spec, network, machines: int, machine_file, **given):
 
     memory = 0.0
     if machine_file is not None:
-        from netpart.cost.machine import read_machine
+        from netpart.cost.sheet import read_sheet
 
-        memory = read_machine(machine_file).memory_bytes
+        memory = read_sheet(machine_file).memory_bytes
     return advise_for_machines(spec, machines, network, memory_per_machine=memory, **given)
 
 
@@ -168,7 +168,7 @@ def train_layout(args: argparse.Namespace) -> None:
     """`train --machines M`: set --workers, --replicas, --ps-shards and --mode to the fastest
     parameter-server layout `plan --machines M` predicts for the same machine (--profile,
     --machine, or the built-in model), and say which and why."""
-    from netpart.cost.machine import load_network
+    from netpart.cost.sheet import load_machine
     from netpart.models import load_spec
     from netpart.planning.cluster import trainable
     from netpart.train.config import TrainConfig
@@ -186,7 +186,7 @@ def train_layout(args: argparse.Namespace) -> None:
     if args.model is None:
         raise PlanError("--machines needs --model (the model whose layouts it weighs)")
     spec, defaults = load_spec(args.model, input=args.input), TrainConfig()
-    network = load_network(args.profile, machine=args.machine)
+    network = load_machine(args.profile, machine=args.machine)
     advice = _advice(
         spec,
         network,

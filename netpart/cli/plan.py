@@ -17,7 +17,7 @@ from netpart.cli.common import (
     seed_int,
 )
 from netpart.cli.machines import machines_options, plan_cluster, sweep
-from netpart.cost.machine import load_network
+from netpart.cost.sheet import load_machine
 from netpart.errors import PlanError
 from netpart.processes.memory import available_memory
 
@@ -230,7 +230,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from netpart.planning.report import report_markdown
 
     spec = load_spec(args.model, input=args.input)
-    network = load_network(args.profile, args.net, args.machine)
+    network = load_machine(args.profile, args.net, args.machine)
     if [args.workers, args.sweep, args.machines].count(None) != 2:
         raise PlanError(
             "give one of --workers N, --sweep COUNTS (several counts) or --machines M (how "

@@ -18,7 +18,7 @@ from netpart.cli.common import (
     timeout_s,
 )
 from netpart.cli.testbed import add_testbed_arg
-from netpart.cost.machine import load_network
+from netpart.cost.sheet import load_machine
 from netpart.files import write_atomic
 from netpart.processes.memory import available_memory
 
@@ -175,7 +175,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     from netpart.calibrate.measure import LocalRunner
     from netpart.calibrate.profile import check_lines, host_machine, profile_json, profile_lines
-    from netpart.cost.machine import machine_toml
+    from netpart.cost.sheet import sheet_toml
     from netpart.errors import PlanError
     from netpart.models import load_spec
     from netpart.runtime.check import require_memory, under_torchrun
@@ -220,7 +220,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             model = replace(model, ps=ps)
     write_atomic(args.out, profile_json(model, details).encode())
     machine = args.out.with_suffix(".machine.toml")
-    write_atomic(machine, machine_toml(host_machine(model)).encode())
+    write_atomic(machine, sheet_toml(host_machine(model)).encode())
     for line in profile_lines(model, details) + check_lines(details):
         echo(line)
     if model.caveat:
@@ -360,7 +360,7 @@ def _run_plan(args: argparse.Namespace):
     from netpart.partition.evaluate import reevaluate
 
     spec, p = plan_for_run(args)
-    network = replace(load_network(args.profile, machine=args.machine), overlap=args.split)
+    network = replace(load_machine(args.profile, machine=args.machine), overlap=args.split)
     p = p or plan(
         spec,
         args.workers,

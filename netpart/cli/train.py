@@ -18,7 +18,7 @@ from netpart.cli.common import (
     timeout_s,
 )
 from netpart.cli.testbed import add_testbed_arg
-from netpart.cost.machine import load_network
+from netpart.cost.sheet import load_machine
 
 __all__ = ["register"]
 
@@ -329,7 +329,7 @@ def _request(args: argparse.Namespace):
     given = _given(args)
     network = None
     if args.resume is None and args.plan is None:
-        network = load_network(args.profile, machine=args.machine)
+        network = load_machine(args.profile, machine=args.machine)
     return TrainRequest(
         model=args.model,
         input=args.input,

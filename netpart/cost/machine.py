@@ -1,366 +1,366 @@
-"""A machine description: what one model worker's machine and its link can do, in absolute
-figures, so that a prediction is for a machine a user names, not for this host that hour.
+"""A machine: what one model worker's machine and its link can do, the figures every
+prediction reads. Defaults (1 Gbit/s, 50 us, 20 GFLOP/s) or `--net` figures; a machine
+description file (`netpart.cost.sheet`: absolute rates, overheads and link figures, by hand
+or from `netpart calibrate`) gives per-kind two-point slice tables; a calibrated profile
+(`--profile FILE`) the slice tables, link tables and fixed costs this host measured.
 
-A description is a small TOML (or JSON) file, schema version 1 (docs/planning.md has the
-schema), written by hand from a spec sheet or by `netpart calibrate` from its measurements:
-
-    schema_version = 1
-    name = "paper-2012"
-    about = "what it stands for, and what was assumed"
-    [compute]
-    rate = "95 GFLOP/s"      # sustained per worker, forward + backward FLOPs
-    overhead = "20 us"       # per layer slice per step (a call's fixed cost)
-    per_value = "1 ns"       # per input value a slice reads (gather and scatter), x batch
-    threads = 16             # cores a worker computes on (recorded, not modelled)
-    [compute.kinds.dense]    # optional: a layer kind's own rate and overhead
-    rate = "120 GFLOP/s"
-    [network]
-    bandwidth = "1 Gbit/s"   # per worker link, each way
-    latency = "100 us"       # per exchange phase
-    message = "50 us"        # per message: a phase with k peers pays k of them
-    [step]
-    overhead = "1 ms"        # per step beyond its layers (loss, bookkeeping)
-    [memory]
-    per_worker = "48 GiB"    # recorded; plans state it beside their estimate
-
-Every figure takes a unit (`GFLOP/s`, `Gbit/s`, `us`, `GiB`, ...); a key that is not in the
-schema, a figure without a unit or with the wrong kind of unit is refused in one line naming
-the key. `to_network` gives the `NetworkModel` the planner predicts with.
+A calibrated machine (`netpart calibrate` writes it; `--profile FILE` reads it) refines the terms
+with what this machine measured: compute(l, w) = the time of a slice of that layer (its
+`ModelSpec.layer_key`, where the calibration timed slices of it: `LayerCost`), else of that
+kind, and FLOPs read off the measured slices (x (1 + parallel_slowdown) with more than one
+worker: processes that share a machine's memory and cores) + fill_s_per_value x the input
+values the slice reads (`partition.planner.input_values`: its gather, its gradient's
+scatter); an exchange phase's time read off `link`, the runtime's exchange measured per size
+and number of peers (latency + bytes / bandwidth where it has none); all x `slice_scale`
+(slices in a step against slices timed alone), less `joined_saving_s` for a layer with no
+halo (the runtime runs it in one autograd graph with the layer below); and `fixed` =
+`step_fixed_s` (loss, interpreter) + with more than one worker, the loss's collective read
+off `gather` (measured per number of workers: piecewise linear, the last segment's rate
+beyond it) + `collective_s` (what else a step of more than one worker costs once). Where the
+calibration stepped more than two workers, `crowd` adds what those steps held beyond that:
+per number of workers a further compute slowdown and seconds per step (corrections: either
+may be negative; machines that share a host slow down as more of them run at once), linear
+in between, the largest count's beyond.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from netpart.cost.exchange import PsExchange
+from netpart.cost.overlap import SPLIT_COST
+from netpart.cost.tables import FORWARD_SHARE, KindCost, LayerCost, read_table, table_points
+from netpart.cost.units import quantity
 from netpart.errors import PlanError
+from netpart.models.spec import BYTES_PER_VALUE
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
-from netpart.cost.step import NetworkModel
-from netpart.cost.tables import KindCost
-from netpart.cost.units import EXAMPLES, quantity
-from netpart.models.spec import LAYER_KINDS
+__all__ = ["PROFILE_SCHEMA", "Machine"]
 
-__all__ = [
-    "MACHINE_SCHEMA",
-    "KindRate",
-    "Machine",
-    "load_network",
-    "machine_toml",
-    "read_machine",
-]
-
-MACHINE_SCHEMA = 1
-_LARGEST = 1e18  # FLOPs: the far end of a rate's two-point table (read linearly in between)
-_KEYS = {
-    "": {"schema_version", "name", "about", "compute", "network", "step", "memory"},
-    "compute": {"rate", "overhead", "per_value", "threads", "kinds"},
-    "kind": {"rate", "overhead", "per_value"},
-    "network": {"bandwidth", "latency", "message"},
-    "step": {"overhead"},
-    "memory": {"per_worker"},
-}
-
-
-@dataclass(frozen=True)
-class KindRate:
-    """A layer kind's compute: a slice of f FLOPs that reads v input values (both x batch)
-    takes overhead_s + f / flops_per_s + v x per_value_s (gathering its inputs, scattering
-    their gradients)."""
-
-    flops_per_s: float
-    overhead_s: float = 0.0
-    per_value_s: float = 0.0
-
-    def seconds(self, flops: np.ndarray) -> np.ndarray:
-        return self.overhead_s + np.asarray(flops, dtype=np.float64) / self.flops_per_s
+# What a prediction from figures no machine measured says of itself: a calibrated profile
+# predicted steps within 15% in most cases measured (docs/measurements.md), the defaults
+# are a guess at a machine.
+CALIBRATE_FOR = "calibrate (`netpart calibrate`) for figures within about 15%"
+PROFILE_SCHEMA = 2  # 2: a kind's per_value counts the values a slice reads (1: its input buffer)
 
 
 @dataclass(frozen=True)
 class Machine:
-    """One worker's machine and link (module docstring); every figure in SI units."""
+    """Cluster figures the prediction uses. Defaults: 1 Gbit/s Ethernet, 50 µs, 20 GFLOP/s,
+    no fixed costs; a calibrated profile adds per-kind compute and the runtime's fixed costs
+    (module docstring), and names itself in `profile`."""
 
-    name: str
-    flops_per_s: float
-    overhead_s: float = 0.0
-    per_value_s: float = 0.0
-    kinds: dict[str, KindRate] = field(default_factory=dict)
-    threads: int = 1
-    bandwidth_bps: float = 1e9
-    latency_s: float = 50e-6
-    message_s: float = 0.0
-    step_overhead_s: float = 0.0
-    memory_bytes: float = 0.0  # 0: not stated
-    about: str = ""
+    bandwidth_bps: float = 1e9  # bits per second, per worker link
+    latency_s: float = 50e-6  # per exchange phase
+    message_s: float = 0.0  # per message: a phase with k peers pays k of them (no `link`)
+    flops_per_s: float = 20e9  # sustained per worker (kinds not in `kinds`)
+    kinds: dict[str, KindCost] = field(default_factory=dict)
+    layers: dict[str, LayerCost] = field(default_factory=dict)  # by `ModelSpec.layer_key`
+    fill_s_per_value: float = 0.0  # gathering a slice's input / scattering its gradient
+    step_fixed_s: float = 0.0  # per step
+    collective_s: float = 0.0  # per step with more than one worker, beyond `gather`
+    parallel_slowdown: float = 0.0  # compute is (1 + this) x slower with more than one worker
+    slice_scale: float = 1.0  # a slice in a step against the same slice timed alone
+    joined_saving_s: float = 0.0  # per layer run in one autograd graph with the one below
+    probe_s: float = 0.0  # median speed probe (CPU s) of the calibration runs (0: not measured)
+    overlap: bool = True  # machines of their own: halo hidden behind interior compute
+    split_cost: float = SPLIT_COST  # a split's extra work, of the work it hides behind
+    # peers -> (bytes each way in all, seconds) of a phase with that many peers, sorted
+    link: dict[int, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    # (workers, seconds) of the loss's collective among that many, sorted
+    gather: tuple[tuple[float, float], ...] = ()
+    # (workers >= 3, slowdown, seconds) of steps at that many workers beyond the 2-worker fit
+    # (corrections: either may be negative)
+    crowd: tuple[tuple[float, float, float], ...] = ()
+    ps: PsExchange | None = None  # the parameter server's exchange, measured (`cost.exchange`)
+    profile: str = ""  # the profile these figures came from ("": defaults or --net)
+    machine: str = ""  # the machine description file they came from (`cost.sheet`)
+    caveat: str = ""  # why the profile may not be trusted (`netpart calibrate --force`)
 
-    def rate(self, kind: str) -> KindRate:
-        """The compute of layers of `kind`: its own figures, else the machine's."""
-        default = KindRate(self.flops_per_s, self.overhead_s, self.per_value_s)
-        return self.kinds.get(kind, default)
-
-    def faster(self, factor: float) -> Machine:
-        """The same machine with every compute rate `factor` times its own (the overheads
-        and the link kept): the sensitivity of a fitted rate."""
-        kinds = {k: replace(r, flops_per_s=r.flops_per_s * factor) for k, r in self.kinds.items()}
-        return replace(self, flops_per_s=self.flops_per_s * factor, kinds=kinds)
-
-    def to_network(self, source: str = "") -> NetworkModel:
-        """The planner's model of this machine: per kind a two-point slice table that reads
-        exactly overhead + FLOPs / rate, the link's latency, per-message cost and bandwidth,
-        the step's overhead; halos overlap interior compute (machines of their own)."""
-        kinds = {}
-        for kind in LAYER_KINDS:
-            r = self.rate(kind)
-            points = ((1.0, float(r.seconds(1.0))), (_LARGEST, float(r.seconds(_LARGEST))))
-            kinds[kind] = KindCost(points, per_value=r.per_value_s)
-        return NetworkModel(
-            bandwidth_bps=self.bandwidth_bps,
-            latency_s=self.latency_s,
-            message_s=self.message_s,
-            flops_per_s=self.flops_per_s,
-            kinds=kinds,
-            step_fixed_s=self.step_overhead_s,
-            overlap=True,
-            machine=f"machine {self.name}" + (f" ({source})" if source else ""),
-        )
-
-    @classmethod
-    def from_network(
-        cls, model: NetworkModel, *, name: str, about: str = "", memory_bytes: float = 0.0
-    ) -> Machine:
-        """The machine a calibrated model measured, in absolute figures: per layer kind the
-        line seconds = overhead + FLOPs / rate through its slice table, fitted to relative
-        errors (small slices count as much as large ones; at least 0 overhead), and its cost
-        per input value; the machine's figures those of its dense slices (else the median
-        kind's); the link's fitted latency and bandwidth; the step's fixed cost. A profile's
-        per-layer tables and its corrections for processes sharing one host are not kept."""
-        kinds = {}
-        for kind, cost in model.kinds.items():
-            f, t = np.array(sorted(cost.points), dtype=np.float64).T
-            rate = float(np.median(f[-3:] / t[-3:]))  # the largest slices' rate
-            overhead = max(0.0, float(np.median(t[:3] - f[:3] / rate)))  # the smallest's rest
-            per_value = cost.per_value + model.fill_s_per_value
-            kinds[kind] = KindRate(rate, overhead, per_value)
-        base = kinds.get("dense") or (
-            sorted(kinds.values(), key=lambda r: r.flops_per_s)[len(kinds) // 2]
-            if kinds
-            else KindRate(model.flops_per_s)
-        )
-        return cls(
-            name=name,
-            about=about,
-            flops_per_s=base.flops_per_s,
-            overhead_s=base.overhead_s,
-            per_value_s=base.per_value_s,
-            kinds=kinds,
-            bandwidth_bps=model.bandwidth_bps,
-            latency_s=model.latency_s,
-            step_overhead_s=model.step_fixed_s,
-            memory_bytes=memory_bytes,
-        )
+    def __hash__(self) -> int:
+        return hash(json.dumps(self.to_dict(), sort_keys=True))
 
     def to_dict(self) -> dict[str, Any]:
-        """The file's content in SI units (JSON; `machine_toml` writes the TOML form)."""
-        kinds = {
-            k: {"rate": r.flops_per_s, "overhead": r.overhead_s, "per_value": r.per_value_s}
-            for k, r in self.kinds.items()
-        }
+        out = asdict(self)
+        if not (self.kinds or self.profile or self.machine):  # uncalibrated: three figures
+            return {k: out[k] for k in ("bandwidth_bps", "latency_s", "flops_per_s")}
+        kinds = {k: c.to_dict() for k, c in self.kinds.items()}
+        layers = {k: c.to_dict() for k, c in self.layers.items()}
+        link = {str(k): [list(p) for p in v] for k, v in self.link.items()}
+        gather = [list(p) for p in self.gather]
+        crowd = [list(p) for p in self.crowd]
+        ps = self.ps.to_dict() if self.ps is not None else None
         return {
-            "schema_version": MACHINE_SCHEMA,
-            "name": self.name,
-            "about": self.about,
-            "compute": {
-                "rate": self.flops_per_s,
-                "overhead": self.overhead_s,
-                "per_value": self.per_value_s,
-                "threads": self.threads,
-                "kinds": kinds,
-            },
-            "network": {
-                "bandwidth": self.bandwidth_bps,
-                "latency": self.latency_s,
-                "message": self.message_s,
-            },
-            "step": {"overhead": self.step_overhead_s},
-            "memory": {"per_worker": self.memory_bytes},
+            **out,
+            "kinds": kinds,
+            "layers": layers,
+            "link": link,
+            "gather": gather,
+            "crowd": crowd,
+            "ps": ps,
         }
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "machine", *, si: bool = True) -> Machine:
-        """A machine from a file's content; PlanError naming the key if it is not one.
-        `si`: plain numbers are SI figures (JSON); a TOML file gives every figure a unit."""
-
-        def fig(raw: Any, unit: str, key: str, *, positive: bool = False) -> float:
-            return _figure(raw, unit, key, where, positive=positive, si=si)
-
-        table = _table(data, "", where)
-        if table.get("schema_version") != MACHINE_SCHEMA:
-            raise PlanError(f"{where}: schema_version must be {MACHINE_SCHEMA}")
-        name = table.get("name")
-        if not isinstance(name, str) or not name:
-            raise PlanError(f"{where}: 'name' must be a non-empty string")
-        compute = _table(table.get("compute"), "compute", where)
-        if "rate" not in compute:
-            raise PlanError(f'{where}: compute.rate is required, e.g. rate = "95 GFLOP/s"')
-        kinds = {}
-        for kind, raw in _table(compute.get("kinds", {}), "compute.kinds", where).items():
-            if kind not in LAYER_KINDS:
-                raise PlanError(
-                    f"{where}: compute.kinds.{kind}: unknown layer kind; use one "
-                    f"of {', '.join(LAYER_KINDS)}"
-                )
-            k = _table(raw, "kind", where, f"compute.kinds.{kind}")
-            kinds[kind] = KindRate(
-                fig(k.get("rate"), "rate", f"compute.kinds.{kind}.rate", positive=True),
-                fig(k.get("overhead", 0), "time", f"compute.kinds.{kind}.overhead"),
-                fig(k.get("per_value", 0), "time", f"compute.kinds.{kind}.per_value"),
-            )
-        threads = compute.get("threads", 1)
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise PlanError(f"{where}: compute.threads must be an integer >= 1")
-        net = _table(table.get("network", {}), "network", where)
-        step = _table(table.get("step", {}), "step", where)
-        memory = _table(table.get("memory", {}), "memory", where)
-        about = table.get("about", "")
-        if not isinstance(about, str):
-            raise PlanError(f"{where}: 'about' must be a string")
+    def from_dict(cls, data: dict[str, Any]) -> Machine:
+        data = dict(data)
+        kinds = {k: KindCost.from_dict(v) for k, v in data.pop("kinds", {}).items()}
+        layers = {str(k): LayerCost.from_dict(v) for k, v in data.pop("layers", {}).items()}
+        profile = str(data.pop("profile", ""))
+        machine = str(data.pop("machine", ""))
+        caveat = str(data.pop("caveat", ""))
+        raw = data.pop("link", {})
+        if not isinstance(raw, dict):
+            raise ValueError("link is {peers: [[bytes, seconds], ...]}")
+        link = {int(k): table_points(v, "link") for k, v in raw.items()}
+        if any(k < 1 or not v for k, v in link.items()):
+            raise ValueError("link needs peers >= 1, each with (bytes, seconds) points")
+        gather = table_points(data.pop("gather", ()), "gather")
+        if any(n < 2 for n, _ in gather):
+            raise ValueError("gather needs (workers >= 2, seconds) points")
+        crowd = _crowd_points(data.pop("crowd", ()))
+        ps = data.pop("ps", None)
+        ps = PsExchange.from_dict(ps) if ps is not None else None
+        overlap = data.pop("overlap", True)
+        if not isinstance(overlap, bool):
+            raise ValueError("overlap is true or false")
+        floats = {k: float(v) for k, v in data.items()}
         return cls(
-            name=name,
-            about=about,
-            threads=threads,
+            **floats,
             kinds=kinds,
-            flops_per_s=fig(compute["rate"], "rate", "compute.rate", positive=True),
-            overhead_s=fig(compute.get("overhead", 0), "time", "compute.overhead"),
-            per_value_s=fig(compute.get("per_value", 0), "time", "compute.per_value"),
-            bandwidth_bps=fig(
-                net.get("bandwidth", "1 Gbit/s"), "bits", "network.bandwidth", positive=True
-            ),
-            latency_s=fig(net.get("latency", "50 us"), "time", "network.latency"),
-            message_s=fig(net.get("message", 0), "time", "network.message"),
-            step_overhead_s=fig(step.get("overhead", 0), "time", "step.overhead"),
-            memory_bytes=fig(memory.get("per_worker", 0), "bytes", "memory.per_worker"),
+            layers=layers,
+            overlap=overlap,
+            link=link,
+            gather=gather,
+            crowd=crowd,
+            ps=ps,
+            profile=profile,
+            machine=machine,
+            caveat=caveat,
         )
 
-
-def _table(raw: Any, kind: str, where: str, key: str | None = None) -> dict:
-    """`raw` as a table whose keys are all in the schema's `kind`; PlanError otherwise."""
-    key = kind if key is None else key
-    if not isinstance(raw, dict):
-        raise PlanError(f"{where}: {key or 'the file'} must be a table")
-    allowed = _KEYS.get(kind)
-    if allowed is not None:
-        for k in raw:
-            if k not in allowed:
-                dotted = f"{key}.{k}" if key else k
-                raise PlanError(
-                    f"{where}: unknown key {dotted!r}; allowed: {', '.join(sorted(allowed))}"
-                )
-    return raw
-
-
-def _figure(
-    raw: Any, unit: str, key: str, where: str, *, positive: bool = False, si: bool = True
-) -> float:
-    """A figure with its unit ('95 GFLOP/s', '50 us'), in SI units; a plain number is an SI
-    figure only where `si` (JSON written by `to_dict`); 0 needs no unit."""
-    example = EXAMPLES[unit]
-    if isinstance(raw, bool) or raw is None:
-        raise PlanError(f"{where}: {key} must be {example}")
-    if isinstance(raw, int | float) and not si and raw != 0:
-        raise PlanError(f"{where}: {key} = {raw!r}: give a unit, {example}")
-    if isinstance(raw, int | float):
-        value = float(raw)
-    else:
+    @classmethod
+    def from_profile(cls, text: str, source: str) -> Machine:
+        """The model of a `netpart calibrate` profile file; PlanError (one line) if it is not
+        one."""
         try:
-            value = quantity(str(raw), unit)
-        except ValueError:
-            raise PlanError(f"{where}: {key} = {raw!r}: give {example}") from None
-    if not np.isfinite(value) or value < 0 or (positive and value == 0):
-        raise PlanError(f"{where}: {key} = {raw!r}: must be {'> 0' if positive else '>= 0'}")
-    return value
+            data = json.loads(text)
+            version = data.get("schema_version") if isinstance(data, dict) else None
+            if version != PROFILE_SCHEMA:
+                raise ValueError(
+                    "schema_version 1 is an older calibration (other values per slice)"
+                    if version == 1
+                    else f"not a netpart calibrate profile (schema_version {PROFILE_SCHEMA})"
+                )
+            model = cls.from_dict({**data["model"], "profile": source})
+        except (ValueError, KeyError, TypeError) as exc:
+            raise PlanError(
+                f"--profile {source}: {exc}; write one with `netpart calibrate --out FILE`"
+            ) from None
+        fixed = (model.fill_s_per_value, model.step_fixed_s, model.collective_s)
+        fixed += tuple(model.fixed_s(round(n)) for n, *_ in model.crowd)
+        slow = (1 + model.parallel_slowdown + s for _, s, _ in model.crowd)
+        if min(model.bandwidth_bps, model.flops_per_s, *slow) <= 0 or min(fixed) < 0:
+            raise PlanError(
+                f"--profile {source}: rates and compute slowdowns must be positive, fixed "
+                "costs >= 0"
+            )
+        return model
+
+    def faster(self, speed: float) -> Machine:
+        """Machines `speed` times as fast as these: slices and FLOP rate scaled, the links and
+        the fixed costs kept (`--net speed=8x`); the parameter server's measured exchange,
+        which holds these machines' CPU, dropped (priced off the links instead)."""
+        scale, flops = self.slice_scale / speed, self.flops_per_s * speed
+        return replace(
+            self, slice_scale=scale, flops_per_s=flops, ps=None if speed != 1 else self.ps
+        )
+
+    def describe(self) -> str:
+        """Which figures a prediction used, in a few words."""
+        wire = f"{self.bandwidth_bps / 1e9:.3g} Gbit/s, {_duration(self.latency_s)}"
+        if self.machine:
+            rate = f"{self.flops_per_s / 1e9:.4g} GFLOP/s per worker"
+            return f"{self.machine}: {rate}, {wire} + {_duration(self.message_s)} per message"
+        if self.profile:
+            peers = "/".join(str(k) for k in sorted(self.link))
+            link = f", link measured with {peers} peers" if self.link else ""
+            if self.gather:
+                link += f", collective with {'/'.join(f'{n:g}' for n, _ in self.gather)} workers"
+            if self.crowd:
+                link += f", steps at {'/'.join(f'{n:g}' for n, *_ in self.crowd)} workers"
+            if self.layers:
+                link += f", {len(self.layers)} layers' own slice tables"
+            if self.ps is not None:
+                ring = " and the all-reduce" if self.ps.allreduce else ""
+                ddp = f", DDP's replica step of {', '.join(sorted(self.ps.replica))}"
+                link += f", the parameter server's exchange{ring} measured"
+                link += ddp if self.ps.replica else ""
+            if self.slice_scale != 1.0:  # fitted, or --net speed=
+                link += f", slice times x{self.slice_scale:.3g}"
+            caveat = f"; WARNING: {self.caveat}" if self.caveat else ""
+            return (
+                f"calibrated profile {self.profile}: {self.bandwidth_bps / 1e9:.3g} Gbit/s, "
+                f"{_duration(self.latency_s)}{link}{caveat}"
+            )
+        return (
+            f"uncalibrated: {self.bandwidth_bps / 1e9:g} Gbit/s, {self.latency_s * 1e6:g} µs, "
+            f"{self.flops_per_s / 1e9:g} GFLOP/s (defaults or --net); {CALIBRATE_FOR}"
+        )
+
+    def worker_compute_s(
+        self,
+        flops: np.ndarray,
+        batch: int,
+        kinds: list[str] | None = None,
+        values: np.ndarray | None = None,
+        keys: list[str] | None = None,
+    ) -> np.ndarray:
+        """[L, P]: each worker's compute per layer, from FLOPs per example [L, P] (and,
+        calibrated, the input values each worker's slice gathers per example [L, P]): read
+        off the layer's own table where `layers` has its key (`ModelSpec.layer_key`), else
+        off its kind's."""
+        out = flops * batch / self.flops_per_s
+        if not self.kinds or kinds is None:
+            return out
+        gathered = np.zeros_like(out) if values is None else values * batch
+        workers = flops.shape[1]
+        crowd = self.crowd_terms(workers)[0]
+        slow = self.slice_scale * (1.0 + (self.parallel_slowdown + crowd if workers > 1 else 0))
+        for layer, kind in enumerate(kinds):
+            own = self.layers.get(keys[layer]) if keys is not None else None
+            cost = self.kinds.get(kind)
+            if own is not None:
+                t = slow * own.seconds(flops[layer] * batch)
+            elif cost is not None:
+                t = slow * cost.seconds(flops[layer] * batch, gathered[layer])
+            else:
+                continue
+            t = t + gathered[layer] * self.fill_s_per_value
+            out[layer] = np.where(flops[layer] > 0, t, 0.0)
+        return out
+
+    def forward_shares(self, kinds: list[str] | None, layers: int) -> np.ndarray:
+        """[L]: the share of each layer's slice time that is its forward pass."""
+        if kinds is None:
+            return np.full(layers, FORWARD_SHARE)
+        return np.array([getattr(self.kinds.get(k), "forward_share", FORWARD_SHARE) for k in kinds])
+
+    def allreduce_s(self, values: int, machines: int) -> float:
+        """The one price of a ring all-reduce of `values` float32 among `machines`, DDP's
+        collective: 2(M-1) phases, each moving 1/M of them to one peer, priced off the link
+        (`phase_s`); where a profile measured the ring on its machines (`ps`), at least what
+        it took there plus the time its CPU kept a machine busy (in a step the replica's
+        compute takes the waits the ring's own work ran in alone), and on machines held to a
+        share of a core, at least a quota period a phase."""
+        if machines <= 1:
+            return 0.0
+        chunk = BYTES_PER_VALUE * values / machines
+        ring = float(2 * (machines - 1) * self.phase_s(np.array([chunk]), 1)[0])
+        if self.ps is None:
+            return ring
+        nbytes = BYTES_PER_VALUE * values
+        timed = self.ps.allreduce_s(machines, nbytes) + self.ps.allreduce_s(
+            machines, nbytes, busy=True
+        )
+        return max(ring, timed, 2 * (machines - 1) * self.ps.period_s)
+
+    def phase_s(self, nbytes: np.ndarray, peers: np.ndarray | int = 1) -> np.ndarray:
+        """Seconds of an exchange phase in which a worker moves `nbytes` (> 0) each way with
+        `peers` others: read off the `link` table of the most peers measured up to `peers`
+        (the fewest measured below them all), or latency + peers x message_s + bytes /
+        bandwidth without one."""
+        nbytes = np.asarray(nbytes, dtype=np.float64)
+        if not self.link:
+            return (
+                self.latency_s
+                + self.message_s * np.asarray(peers)
+                + nbytes * 8 / self.bandwidth_bps
+            )
+        counts = sorted(self.link)
+        pick = np.clip(np.searchsorted(counts, peers, side="right") - 1, 0, None)
+        out = np.zeros_like(nbytes)
+        for i, k in enumerate(counts):
+            out = np.where(pick == i, read_table(self.link[k], nbytes), out)
+        return out
+
+    def gather_s(self, workers: int) -> float:
+        """The loss's collective among `workers` (> 1), read off `gather` (0 unmeasured)."""
+        return float(read_table(self.gather, np.array(float(workers)))) if self.gather else 0.0
+
+    def fixed_s(self, workers: int) -> float:
+        """Per step, beyond layers: the runtime's own cost, and with N > 1 the loss's
+        collective (`gather_s`) and `collective_s`."""
+        if workers <= 1:
+            return self.step_fixed_s
+        crowd = self.crowd_terms(workers)[1]
+        return self.step_fixed_s + self.gather_s(workers) + self.collective_s + crowd
+
+    def crowd_terms(self, workers: int) -> tuple[float, float]:
+        """(further compute slowdown, seconds per step) with `workers`, off `crowd`: none
+        at 2 or fewer, linear between the measured counts, the largest count's beyond it."""
+        if workers <= 2 or not self.crowd:
+            return 0.0, 0.0
+        n, slowdown, seconds = np.array(((2.0, 0.0, 0.0), *self.crowd)).T
+        return float(np.interp(workers, n, slowdown)), float(np.interp(workers, n, seconds))
+
+    @classmethod
+    def parse(cls, text: str, base: Machine | None = None) -> Machine:
+        """`bandwidth=10Gbit,latency=20us,flops=50G,speed=8x` (any subset) over the defaults,
+        or over `base` (a calibrated profile: the cluster's network with this machine's
+        compute, or `speed` times it: every slice that many times faster)."""
+        values: dict[str, float] = {}
+        speed = 1.0
+        for item in filter(None, (t.strip() for t in text.split(","))):
+            key, _, raw = item.partition("=")
+            key, raw = key.strip().lower(), raw.strip().lower()
+            try:
+                if key == "bandwidth":
+                    values["bandwidth_bps"] = quantity(raw, "bits", named=False)
+                elif key == "latency":
+                    values["latency_s"] = quantity(raw, "time", named=False)
+                elif key == "flops":
+                    values["flops_per_s"] = quantity(raw, "rate", named=False)
+                elif key == "speed":  # machines this many times as fast as the profile's
+                    speed = float(raw.removesuffix("x"))
+                else:
+                    raise PlanError(
+                        f"--net: unknown key {key!r}; use bandwidth=1Gbit,latency=50us,flops=20G,"
+                        "speed=8x"
+                    )
+            except ValueError:
+                raise PlanError(
+                    f"--net: cannot read {item!r}; e.g. bandwidth=10Gbit, latency=20us, flops=50G"
+                ) from None
+        if not speed > 0:
+            raise PlanError("--net: speed must be positive, e.g. speed=8x")
+        net = replace(base or cls(), **values, overlap=True)  # a cluster: machines of their own
+        net = net.faster(speed)
+        if {"bandwidth_bps", "latency_s"} & values.keys():
+            # the cluster's network, not the measured one
+            net = replace(net, link={}, gather=(), crowd=(), ps=None)
+        if min(net.bandwidth_bps, net.flops_per_s) <= 0 or net.latency_s < 0:
+            raise PlanError("--net: bandwidth and flops must be positive, latency >= 0")
+        return net
 
 
-def read_machine(path: Path) -> Machine:
-    """The machine described by `path` (TOML, or JSON: a machine's `to_dict`, or a profile
-    `netpart calibrate` wrote, whose "machine" section is read); one-line PlanError."""
-    where = f"--machine {path}"
+def _duration(seconds: float) -> str:
+    """A time in three figures: µs below a millisecond, ms above (a phase on a machine held to
+    a share of a core can take milliseconds)."""
+    if seconds < 0.9995e-3:  # 999.6 µs reads "1 ms", not "1e+03 µs"
+        return f"{seconds * 1e6:.3g} µs"
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def _crowd_points(raw: Any) -> tuple[tuple[float, float, float], ...]:
+    """`crowd` from JSON: [[workers >= 3, slowdown, seconds], ...], sorted (corrections to
+    the two-worker terms: either may be negative; `from_profile` checks what they leave)."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise PlanError(f"{where}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise PlanError(f"{where}: not a text file; give a machine description (.toml)") from None
-    try:
-        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-    except (ValueError, tomllib.TOMLDecodeError) as exc:
-        raise PlanError(f"{where}: cannot parse it: {exc}") from None
-    if isinstance(data, dict) and "machine" in data and "model" in data:  # a calibrate profile
-        data = data["machine"]
-    return Machine.from_dict(data, where, si=path.suffix == ".json")
-
-
-def machine_toml(machine: Machine) -> str:
-    """The TOML form of `machine`, each figure with its unit."""
-    lines = [
-        f"schema_version = {MACHINE_SCHEMA}",
-        f"name = {json.dumps(machine.name)}",
-        f"about = {json.dumps(machine.about)}",
-        "",
-        "[compute]",
-        f'rate = "{machine.flops_per_s / 1e9:.6g} GFLOP/s"',
-        f'overhead = "{machine.overhead_s * 1e6:.6g} us"',
-        f'per_value = "{machine.per_value_s * 1e9:.6g} ns"',
-        f"threads = {machine.threads}",
-    ]
-    for kind, r in sorted(machine.kinds.items()):
-        lines += [
-            "",
-            f"[compute.kinds.{kind}]",
-            f'rate = "{r.flops_per_s / 1e9:.6g} GFLOP/s"',
-            f'overhead = "{r.overhead_s * 1e6:.6g} us"',
-            f'per_value = "{r.per_value_s * 1e9:.6g} ns"',
-        ]
-    lines += [
-        "",
-        "[network]",
-        f'bandwidth = "{machine.bandwidth_bps / 1e9:.6g} Gbit/s"',
-        f'latency = "{machine.latency_s * 1e6:.6g} us"',
-        f'message = "{machine.message_s * 1e6:.6g} us"',
-        "",
-        "[step]",
-        f'overhead = "{machine.step_overhead_s * 1e3:.6g} ms"',
-        "",
-        "[memory]",
-        f'per_worker = "{machine.memory_bytes / 2**30:.6g} GiB"',
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def load_network(profile: Path | None, net: str = "", machine: Path | None = None) -> NetworkModel:
-    """The one reader of a prediction's machine: the NetworkModel of --profile FILE or
-    --machine FILE (checked, one-line errors) with --net's figures over it (the cluster's
-    links, this machine's compute), or of --net alone."""
-    if machine is not None:
-        if profile is not None:
-            raise PlanError("give --profile or --machine, not both (a profile holds a machine)")
-        model = read_machine(machine).to_network(str(machine))
-        return NetworkModel.parse(net, base=model) if net else model
-    if profile is None:
-        return NetworkModel.parse(net) if net else NetworkModel()
-    try:
-        text = profile.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise PlanError(f"--profile {profile}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise PlanError(
-            f"--profile {profile}: not a text file; give a profile `netpart calibrate` wrote"
-        ) from None
-    model = NetworkModel.from_profile(text, str(profile))
-    return NetworkModel.parse(net, base=model) if net else model  # --net: the cluster's links
+        points = tuple(sorted((float(n), float(s), float(t)) for n, s, t in raw))
+    except (TypeError, ValueError):
+        raise ValueError("crowd is [[workers, slowdown, seconds], ...]") from None
+    if any(n < 3 or not np.isfinite([s, t]).all() for n, s, t in points):
+        raise ValueError("crowd needs workers >= 3 and finite slowdown and seconds")
+    return points

@@ -1,6 +1,6 @@
 """Figures with units: the one parser of the quantities a machine is described in.
 
-A machine description's figures (`netpart.cost.machine`: '95 GFLOP/s', '1 Gbit/s', '50 us',
+A machine description's figures (`netpart.cost.sheet`: '95 GFLOP/s', '1 Gbit/s', '50 us',
 '48 GiB'), `--net`'s (`bandwidth=10Gbit,latency=20us,flops=50G`) and a profile's (plain SI
 numbers, written by `netpart calibrate`) all read through `quantity`. A description states
 every unit; `--net` may leave the unit's name out where the prefix says enough ('50G' FLOP/s,

@@ -12,7 +12,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from netpart.cost.step import NetworkModel, split_layers, step_times
+from netpart.cost.machine import Machine
+from netpart.cost.step import split_layers, step_times
 from netpart.models.spec import BYTES_PER_VALUE, ModelSpec
 from netpart.partition.graph import UnitGraph, build_unit_graph, narrow
 from netpart.partition.plans import LayerFigures, PartitionPlan, PlanMetrics, WorkerFigures
@@ -38,7 +39,7 @@ def evaluate(
     node_map: np.ndarray,
     workers: int,
     batch: int,
-    network: NetworkModel,
+    network: Machine,
     capacities: list[float] | None = None,
 ) -> tuple[PlanMetrics, tuple[LayerFigures, ...], tuple[WorkerFigures, ...]]:
     """All figures of an assignment: exact traffic, bound, balance, predicted step time."""
@@ -91,7 +92,7 @@ def step_floor(
     node_map: np.ndarray,
     workers: int,
     batch: int,
-    network: NetworkModel,
+    network: Machine,
     capacities: list[float] | None = None,
 ) -> float:
     """A lower bound on an assignment's predicted step that costs little: the step with no
@@ -333,7 +334,7 @@ def chain_shares(
 
 
 def reevaluate(
-    spec: ModelSpec, plan_: PartitionPlan, batch: int, network: NetworkModel
+    spec: ModelSpec, plan_: PartitionPlan, batch: int, network: Machine
 ) -> PartitionPlan:
     """The same assignment's figures at another batch size or under another network model
     (a calibrated profile): the node map is kept, every metric is recomputed."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from netpart.cost.step import NetworkModel
+from netpart.cost.machine import Machine
 from netpart.errors import PlanError
 from netpart.models.spec import ModelSpec
 from netpart.partition.blocks import Granularity
@@ -47,7 +47,7 @@ def plan(
     *,
     seed: int = 0,
     batch: int = 32,
-    network: NetworkModel | None = None,
+    network: Machine | None = None,
     granularity: Granularity | None = None,
     on_phase: Callable[[str], None] | None = None,
     memory: int | None = None,
@@ -69,7 +69,7 @@ def plan(
         raise PlanError(f"workers must be an integer >= 1, got {workers!r}")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise PlanError(f"batch must be an integer >= 1, got {batch!r}")
-    network = network or NetworkModel()
+    network = network or Machine()
     granularity = granularity or Granularity.for_workers(workers)
     if memory is not None:
         check_size(spec, workers, granularity, memory)
@@ -201,7 +201,7 @@ class Planner:
     workers: int
     seed: int
     batch: int
-    network: NetworkModel
+    network: Machine
     granularity: Granularity
     phase: Callable[[str], None]
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from netpart.cost.step import NetworkModel
+from netpart.cost.machine import Machine
 from netpart.errors import PlanError
 from netpart.models.spec import ModelSpec
 from netpart.partition.blocks import Granularity
@@ -140,7 +140,7 @@ class PartitionPlan:
     seed: int
     options: dict[str, Any]
     batch: int
-    network: NetworkModel
+    network: Machine
     node_map: np.ndarray
     metrics: PlanMetrics
     layers: tuple[LayerFigures, ...]
@@ -212,7 +212,7 @@ class PartitionPlan:
                 seed=int(d["seed"]),
                 options=d["options"],
                 batch=int(d["batch"]),
-                network=NetworkModel.from_dict(d["network"]),
+                network=Machine.from_dict(d["network"]),
                 node_map=np.asarray(node_map, dtype=np.int64),
                 metrics=PlanMetrics(**d["metrics"]),
                 layers=tuple(LayerFigures(**x) for x in d["layers"]),

@@ -4,7 +4,7 @@ each layout predicted on one machine model, and the fastest that fits recommende
 
 docs/planning.md ("How to spend M machines") says in words how a layout is priced. In short,
 per replica step of `batch` examples (every machine alike, its link full duplex;
-`NetworkModel.phase_s` prices a transfer):
+`Machine.phase_s` prices a transfer):
 
 - the model-parallel step is the plan's predicted step for N workers;
 - the parameter-server exchange is read off the profile's measured tables (`PsExchange`,
@@ -14,7 +14,7 @@ per replica step of `batch` examples (every machine alike, its link full duplex;
 - on a share of a core (a cpu quota) a step is at least its CPU over the share plus the
   exchange's busy time, and a ring phase at least a quota period;
 - all-reduce: each replica's step alone (DDP's replica step where calibration timed it),
-  then the ring (`NetworkModel.allreduce_s`, the one price of an all-reduce), then every
+  then the ring (`Machine.allreduce_s`, the one price of an all-reduce), then every
   replica's update (`UPDATE_S_PER_VALUE` a value);
 - memory per machine is `netpart.cost.memory`'s estimate, the one `netpart train` checks.
 """
@@ -27,8 +27,8 @@ import numpy as np
 
 from netpart.compile.shards import ShardLayout
 from netpart.cost.exchange import PsExchange
+from netpart.cost.machine import Machine
 from netpart.cost.memory import BASE_BYTES, activation_values, shard_bytes, worker_bytes
-from netpart.cost.step import NetworkModel
 from netpart.errors import PlanError
 from netpart.models.spec import BYTES_PER_VALUE, ModelSpec
 from netpart.partition.blocks import Granularity
@@ -65,7 +65,7 @@ LOOP_DENSE_SLICES = 1.7
 TIE = 0.05
 
 
-def loop_cpu_s(network: NetworkModel) -> float:
+def loop_cpu_s(network: Machine) -> float:
     """A worker's training loop's own CPU a step on `network`'s machines (module docstring)."""
     dense = network.kinds.get("dense")
     if dense is None:
@@ -150,7 +150,7 @@ class ClusterAdvice:
 def advise_for_machines(
     spec: ModelSpec,
     machines: int,
-    network: NetworkModel,
+    network: Machine,
     *,
     memory_per_machine: float = 0.0,
     blocks_per_worker: int | None = None,
@@ -179,7 +179,7 @@ def advise_for_machines(
 def advise(
     spec: ModelSpec,
     machines: int,
-    network: NetworkModel,
+    network: Machine,
     *,
     batch: int = 32,
     examples: int = 60000,
@@ -238,7 +238,7 @@ class _ModelParallel:
     activations: float  # values per example a replica holds at its peak (`cost.memory`)
 
 
-def _mp_step(spec: ModelSpec, n: int, batch: int, network: NetworkModel) -> _ModelParallel:
+def _mp_step(spec: ModelSpec, n: int, batch: int, network: Machine) -> _ModelParallel:
     p = plan(spec, n, seed=0, batch=batch, network=network)
     graph = build_unit_graph(spec, p.granularity or Granularity.for_workers(n))
     acts = float(activation_values(spec))
@@ -281,7 +281,7 @@ def _ps(
 
 
 def _linked(
-    network: NetworkModel,
+    network: Machine,
     layout: Layout,
     mp: _ModelParallel,
     shards: ShardLayout,
@@ -309,7 +309,7 @@ def _linked(
 
 
 def _measured(
-    network: NetworkModel,
+    network: Machine,
     layout: Layout,
     mp: _ModelParallel,
     shards: ShardLayout,

@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
-from netpart.cost.step import NetworkModel
+from netpart.cost.machine import Machine
 from netpart.errors import PlanError
 from netpart.models.spec import ModelSpec
 from netpart.partition.blocks import Granularity
@@ -107,7 +107,7 @@ def spreadable(
 def sweep(
     spec: ModelSpec,
     counts: list[int],
-    network: NetworkModel,
+    network: Machine,
     *,
     method: str,
     seed: int,

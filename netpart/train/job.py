@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from netpart.cost.step import NetworkModel
+from netpart.cost.machine import Machine
 from netpart.errors import PlanError, TrainError
 from netpart.models import load_spec
 from netpart.processes.memory import available_memory
@@ -55,7 +55,7 @@ class TrainRequest:
     given: dict[str, Any] = field(default_factory=dict)
     method: str = "auto"
     plan: Path | None = None
-    network: NetworkModel | None = None  # what `auto` predicts with (--profile)
+    network: Machine | None = None  # what `auto` predicts with (--profile)
     out: Path | None = None  # a new run's directory (default DEFAULT_OUT); not on a resume
     resume: Path | None = None
     force: bool = False  # start even far more processes than this machine has cores

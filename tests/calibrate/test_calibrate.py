@@ -14,9 +14,10 @@ from netpart.calibrate.fitting import ANCHOR_HIGH, anchored
 from netpart.calibrate.measure import crowd_counts, fit, kind_cost, layer_costs, step_cpu_s
 from netpart.cli import main
 from netpart.compile.schedule import plan_schedule
-from netpart.cost import NetworkModel
-from netpart.cost.machine import read_machine
-from netpart.cost.step import KindCost, LayerCost, layer_times
+from netpart.cost.machine import Machine
+from netpart.cost.sheet import read_sheet
+from netpart.cost.step import layer_times
+from netpart.cost.tables import KindCost, LayerCost
 from netpart.errors import PlanError
 from netpart.models import load_spec
 from netpart.partition import Granularity, build_unit_graph, plan
@@ -26,7 +27,7 @@ from netpart.partition.volume import layer_traffic
 from netpart.planning.sweep import knee, parse_counts
 from tests.conftest import chain_specs
 
-CALIBRATED = NetworkModel(
+CALIBRATED = Machine(
     bandwidth_bps=8e9,
     latency_s=1e-4,
     kinds={"dense": KindCost(((1e4, 1e-4), (1e6, 2e-4), (1e8, 5e-3)))},
@@ -43,18 +44,18 @@ CALIBRATED = NetworkModel(
 )
 
 
-def _profile_text(model: NetworkModel) -> str:
+def _profile_text(model: Machine) -> str:
     return json.dumps({"schema_version": 2, "model": model.to_dict()})
 
 
 def test_a_profile_round_trips_and_an_uncalibrated_model_keeps_its_three_figures():
-    back = NetworkModel.from_profile(_profile_text(CALIBRATED), "p.json")
+    back = Machine.from_profile(_profile_text(CALIBRATED), "p.json")
     assert back == CALIBRATED and back.describe().startswith("calibrated profile p.json:")
-    assert NetworkModel.from_dict(CALIBRATED.to_dict()) == CALIBRATED
+    assert Machine.from_dict(CALIBRATED.to_dict()) == CALIBRATED
     own = replace(CALIBRATED, layers={"dense 64->256 units=256": LayerCost(((1e6, 1e-3),), 1e-4)})
-    assert NetworkModel.from_profile(_profile_text(own), "p.json") == own
+    assert Machine.from_profile(_profile_text(own), "p.json") == own
     assert "1 layers' own slice tables" in own.describe()
-    assert set(NetworkModel().to_dict()) == {"bandwidth_bps", "latency_s", "flops_per_s"}
+    assert set(Machine().to_dict()) == {"bandwidth_bps", "latency_s", "flops_per_s"}
 
 
 @pytest.mark.parametrize(
@@ -64,7 +65,7 @@ def test_a_profile_round_trips_and_an_uncalibrated_model_keeps_its_three_figures
         ('{"schema_version": 3, "model": {}}', "schema_version 2"),
         ('{"schema_version": 1, "model": {}}', "an older calibration.*netpart calibrate"),
         ('{"schema_version": 2}', "model"),
-        (_profile_text(NetworkModel(step_fixed_s=-1.0, profile="x")), "fixed costs >= 0"),
+        (_profile_text(Machine(step_fixed_s=-1.0, profile="x")), "fixed costs >= 0"),
         (_profile_text(replace(CALIBRATED, layers={"x": LayerCost(((1.0, -1.0),))})), "positive"),
         (_profile_text(replace(CALIBRATED, crowd=((2.0, 0.1, 0.0),))), "crowd needs workers >= 3"),
         (_profile_text(replace(CALIBRATED, crowd=((4.0, -1.2, 0.0),))), "slowdowns must be pos"),
@@ -75,7 +76,7 @@ def test_a_profile_round_trips_and_an_uncalibrated_model_keeps_its_three_figures
 )
 def test_a_bad_profile_is_one_line(text, why):
     with pytest.raises(PlanError, match=why) as err:
-        NetworkModel.from_profile(text, "bad.json")
+        Machine.from_profile(text, "bad.json")
     assert "\n" not in str(err.value) and str(err.value).startswith("--profile bad.json")
 
 
@@ -134,19 +135,19 @@ def test_a_phase_is_read_off_the_link_table_and_a_cluster_replaces_it():
     t = CALIBRATED.phase_s(np.array([500.0, 5.5e3, 2e5]))
     assert t[0] == 1e-4 and t[1] == pytest.approx(1.5e-4)  # below: the smallest; interpolated
     assert t[2] == pytest.approx(1.2e-3 + 1e5 * 1e-3 / 9e4)  # above: the last segment's rate
-    slow_first = NetworkModel(link={1: ((1e3, 5e-4), (4e3, 1e-4), (1e4, 2e-4))})
+    slow_first = Machine(link={1: ((1e3, 5e-4), (4e3, 1e-4), (1e4, 2e-4))})
     assert slow_first.phase_s(np.array([1e3]))[0] == 1e-4  # no message costs more than a larger
     two, five = CALIBRATED.phase_s(np.array([1e4, 3e3]), np.array([2, 5]))  # tables 1, 3
     assert two == pytest.approx(2e-4) and five == pytest.approx(4e-4)
     bare = replace(CALIBRATED, link={})
     assert bare.phase_s(np.array([1e6]))[0] == pytest.approx(1e-4 + 8e6 / 8e9)
-    assert NetworkModel.parse("flops=50G", base=CALIBRATED).link == CALIBRATED.link
-    assert NetworkModel.parse("bandwidth=10G", base=CALIBRATED).link == {}  # the cluster's
-    assert NetworkModel.parse("latency=1ms", base=CALIBRATED).gather == ()
+    assert Machine.parse("flops=50G", base=CALIBRATED).link == CALIBRATED.link
+    assert Machine.parse("bandwidth=10G", base=CALIBRATED).link == {}  # the cluster's
+    assert Machine.parse("latency=1ms", base=CALIBRATED).gather == ()
     with pytest.raises(ValueError, match="link needs positive"):
-        NetworkModel.from_dict({**CALIBRATED.to_dict(), "link": {"1": [[1e3, -1.0]]}})
+        Machine.from_dict({**CALIBRATED.to_dict(), "link": {"1": [[1e3, -1.0]]}})
     with pytest.raises(ValueError, match="peers >= 1"):
-        NetworkModel.from_dict({**CALIBRATED.to_dict(), "link": {"0": [[1e3, 1.0]]}})
+        Machine.from_dict({**CALIBRATED.to_dict(), "link": {"0": [[1e3, 1.0]]}})
 
 
 def test_the_collective_is_read_off_its_table_by_the_number_of_workers():
@@ -159,7 +160,7 @@ def test_the_collective_is_read_off_its_table_by_the_number_of_workers():
     assert noisy.fixed_s(2) == pytest.approx(fixed + 3e-3)
     assert replace(CALIBRATED, gather=()).fixed_s(8) == pytest.approx(fixed)
     with pytest.raises(ValueError, match="workers >= 2"):
-        NetworkModel.from_dict({**CALIBRATED.to_dict(), "gather": [[1, 1e-3]]})
+        Machine.from_dict({**CALIBRATED.to_dict(), "gather": [[1, 1e-3]]})
 
 
 def test_steps_at_more_workers_add_their_terms_between_and_beyond_the_counts_measured():
@@ -174,10 +175,10 @@ def test_steps_at_more_workers_add_their_terms_between_and_beyond_the_counts_mea
     assert crowd.worker_compute_s(flops, 32, ["dense"]) == pytest.approx(
         ratio * CALIBRATED.worker_compute_s(flops, 32, ["dense"])
     )
-    back = NetworkModel.from_profile(_profile_text(crowd), "p.json")
+    back = Machine.from_profile(_profile_text(crowd), "p.json")
     assert back == crowd and "steps at 4/8 workers" in back.describe()
-    assert NetworkModel.parse("bandwidth=10G", base=crowd).crowd == ()  # the cluster's own
-    assert NetworkModel.parse("speed=8x", base=crowd).crowd == crowd.crowd
+    assert Machine.parse("bandwidth=10G", base=crowd).crowd == ()  # the cluster's own
+    assert Machine.parse("speed=8x", base=crowd).crowd == crowd.crowd
     assert crowd_counts(2) == [] and crowd_counts(3) == [3] and crowd_counts(4) == [3, 4]
     assert crowd_counts(5) == [3, 4, 5] and crowd_counts(8) == [3, 4, 6, 8]
     assert crowd_counts(64) == [3, 4, 6, 8]
@@ -217,7 +218,7 @@ def test_fit_recovers_the_terms_that_made_the_runs():
     batch, names = 32, ("tiny-mlp", "digits-mlp", "tiny-local")
     specs = [load_spec(n) for n in names]
     plans = [(s, plan(s, 1, "metis", batch=batch), plan(s, 2, "metis", batch=batch)) for s in specs]
-    base = NetworkModel(kinds={"dense": CALIBRATED.kinds["dense"]}, overlap=False)
+    base = Machine(kinds={"dense": CALIBRATED.kinds["dense"]}, overlap=False)
     sizes, seconds = [1e3, 1e4, 1e5, 1e6], [1e-4, 2e-4, 1.1e-3, 1.0e-2]
     link = {
         "sizes": sizes,
@@ -331,7 +332,7 @@ def test_the_calibrated_model_adds_its_terms_to_the_prediction():
     compute, exchange = layer_times(flops, traffic, 32, CALIBRATED, ["dense", "dense"])
     want = 0.9 * 1.2 * KindCost.seconds(CALIBRATED.kinds["dense"], np.array(5e5 * 32))
     assert compute[0] == pytest.approx(float(want)) and compute[1] == 0 and not exchange.any()
-    one = reevaluate(spec, p, 64, NetworkModel())  # another batch and model, same node map
+    one = reevaluate(spec, p, 64, Machine())  # another batch and model, same node map
     assert one.batch == 64 and np.array_equal(one.node_map, p.node_map)
     assert one.metrics.predicted_step_s != m.predicted_step_s
     back = PartitionPlan.from_json(p.to_json(), p.node_map)
@@ -341,7 +342,7 @@ def test_the_calibrated_model_adds_its_terms_to_the_prediction():
 def test_overlap_hides_exchange_behind_interior_compute_and_weight_gradients():
     # One local layer over an input layer; the two workers swap a halo.
     local = KindCost(((1e6, 1e-3), (1e9, 1.0)), forward_share=0.4)
-    net = NetworkModel(bandwidth_bps=8e6, latency_s=0.0, kinds={"local": local})  # 1 MB/s
+    net = Machine(bandwidth_bps=8e6, latency_s=0.0, kinds={"local": local})  # 1 MB/s
     flops = np.array([[1e6, 1e6], [2e6, 2e6]])  # per example; batch 32: 64 ms per slice
     traffic = np.zeros((2, 2, 2))
     traffic[1, 1, 0] = traffic[1, 0, 1] = 250  # per example: 32 KB a phase, 32 ms at 1 MB/s
@@ -393,7 +394,7 @@ def test_chain_shares_are_the_runtime_s_chains_and_err_low(spec, workers, method
         assert feeds[layer, w] == top
         own = len(schedule.owned[layer][w])
         assert late[layer, w] <= 1 - len(schedule.early[layer][w]) / own + 1e-12
-    args = (np.full(late.shape, 1e8), schedule.traffic(), 32, NetworkModel())
+    args = (np.full(late.shape, 1e8), schedule.traffic(), 32, Machine())
     kinds, inner = [layer.kind for layer in spec.layers], np.zeros(late.shape)
     _, without = layer_times(*args, kinds, None, inner)
     _, with_chains = layer_times(*args, kinds, None, inner, (late, feeds))
@@ -409,7 +410,7 @@ def test_a_chain_below_the_lcn_hides_its_halo_in_the_prediction():
     flops = np.zeros(late.shape)
     np.add.at(flops, (graph.layer_of, p.node_map), graph.flops)
     # splits free: what a chain hides, not whether it pays (tests/partition/test_overlap.py)
-    net = replace(NetworkModel.parse("bandwidth=100M,flops=2G"), split_cost=0.0)
+    net = replace(Machine.parse("bandwidth=100M,flops=2G"), split_cost=0.0)
     args = (flops, layer_traffic(graph, p.node_map, 2), 32, net, [ly.kind for ly in spec.layers])
     inner = interior_shares(graph, p.node_map, 2)
     _, without = layer_times(*args, None, inner)
@@ -418,24 +419,24 @@ def test_a_chain_below_the_lcn_hides_its_halo_in_the_prediction():
 
 
 def test_a_cluster_over_a_profile_overlaps_and_a_run_here_does_not():
-    assert NetworkModel().overlap and NetworkModel.parse("bandwidth=1G").overlap
+    assert Machine().overlap and Machine.parse("bandwidth=1G").overlap
     local = replace(CALIBRATED, overlap=False)
-    assert NetworkModel.from_dict(local.to_dict()) == local
-    assert NetworkModel.parse("bandwidth=10G", base=local).overlap
+    assert Machine.from_dict(local.to_dict()) == local
+    assert Machine.parse("bandwidth=10G", base=local).overlap
     with pytest.raises(ValueError, match="overlap"):
-        NetworkModel.from_dict({**local.to_dict(), "overlap": "yes"})
+        Machine.from_dict({**local.to_dict(), "overlap": "yes"})
 
 
 def test_speed_makes_every_slice_of_the_profile_that_many_times_faster():
-    fast = NetworkModel.parse("bandwidth=1Gbit,speed=8x", base=CALIBRATED)
+    fast = Machine.parse("bandwidth=1Gbit,speed=8x", base=CALIBRATED)
     flops = np.array([[5e5, 1e5]])
     want = CALIBRATED.worker_compute_s(flops, 32, ["dense"]) / 8
     assert fast.worker_compute_s(flops, 32, ["dense"]) == pytest.approx(want)
-    assert NetworkModel.parse("speed=2,flops=10G").flops_per_s == 20e9  # in any order
+    assert Machine.parse("speed=2,flops=10G").flops_per_s == 20e9  # in any order
     assert "slice times x0.113" in replace(fast, profile="p.json").describe()  # 0.9 / 8
     for bad in ("speed=0", "speed=fast"):
         with pytest.raises(PlanError, match="--net"):
-            NetworkModel.parse(bad)
+            Machine.parse(bad)
 
 
 def test_calibrate_writes_a_profile_that_plan_and_run_use(tmp_path, capsys, monkeypatch):
@@ -453,7 +454,7 @@ def test_calibrate_writes_a_profile_that_plan_and_run_use(tmp_path, capsys, monk
     assert "layer tables scaled to each model's one-process step" in said
     assert "speed probe over the runs: 10th-90th percentile" in said
     assert "digits-mlp x 2" in said and "(not fitted on)" in said  # its slices only, above
-    model = NetworkModel.from_profile(out.read_text(), str(out))
+    model = Machine.from_profile(out.read_text(), str(out))
     assert model.caveat == "calibrated on a busy machine: a stand-in reason"
     kinds = {layer.kind for name in ("tiny-mlp", "tiny-local") for layer in load_spec(name).layers}
     assert set(model.kinds) == kinds  # a slice table for every kind measured
@@ -490,8 +491,8 @@ def test_calibrate_writes_a_profile_that_plan_and_run_use(tmp_path, capsys, monk
     assert main(cluster) == 0 and ": 1 Gbit/s" in capsys.readouterr().out
     # the machine description beside the profile, and inside it, read by --machine
     machine = tmp_path / "profile.machine.toml"
-    described = read_machine(machine)
-    inside = read_machine(out)  # exact; the TOML states 6 figures
+    described = read_sheet(machine)
+    inside = read_sheet(out)  # exact; the TOML states 6 figures
     assert inside.flops_per_s == pytest.approx(described.flops_per_s, rel=1e-5)
     assert described.flops_per_s > 0
     assert set(described.kinds) == kinds and described.memory_bytes > 0

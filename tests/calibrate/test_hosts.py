@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from netpart.cli import main
-from netpart.cost.step import NetworkModel
+from netpart.cost.machine import Machine
 from netpart.testbed import netns
 from tests.conftest import finish
 
@@ -51,7 +51,7 @@ def test_calibrate_under_torchrun_measures_the_link_between_the_hosts(tmp_path):
     # is that link's (above it by what the token bucket lets small messages gain).
     four_mib = dict(zip(details["link"]["sizes"], details["link"]["seconds"]["1"], strict=True))
     assert 0.85 < four_mib[float(1 << 22)] / wire(1 << 22) < 2.4
-    model = NetworkModel.from_dict(doc["model"])
+    model = Machine.from_dict(doc["model"])
     assert 0.6 < model.bandwidth_bps / (RATE_MBIT * 1e6) < 2, model.bandwidth_bps
     # Steps on one and on two hosts were measured, and their bytes crossed the link.
     (run,) = details["runs"]

@@ -6,11 +6,11 @@ from dataclasses import replace
 from netpart.calibrate import measure, trust
 from netpart.calibrate.trust import LoadSample, implausible, sample, verdict
 from netpart.cli import main
-from netpart.cost.step import NetworkModel
+from netpart.cost.machine import Machine
 
 QUIET = LoadSample(seconds=0.5, others_cores=0.02, steal=0.0, loadavg=0.1)
 BUSY = LoadSample(seconds=0.5, others_cores=0.9, steal=0.0, loadavg=1.2)
-CALIBRATED = NetworkModel(profile="p.json", parallel_slowdown=0.38)
+CALIBRATED = Machine(profile="p.json", parallel_slowdown=0.38)
 
 
 def test_a_quiet_calibration_is_trusted_and_a_busy_one_says_why():
@@ -34,7 +34,7 @@ def test_a_fitted_term_a_quiet_machine_never_gives_is_flagged():
 
 def test_a_profile_kept_with_force_says_so_in_every_prediction():
     marked = replace(CALIBRATED, caveat="calibrated on a busy machine: x")
-    back = NetworkModel.from_dict(marked.to_dict())
+    back = Machine.from_dict(marked.to_dict())
     assert back.caveat == marked.caveat
     assert "WARNING: calibrated on a busy machine" in back.describe()
     assert "WARNING" not in CALIBRATED.describe()

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from netpart.cost.exchange import PsExchange
-from netpart.cost.step import NetworkModel
+from netpart.cost.machine import Machine
 from netpart.cost.tables import KindCost
 from netpart.errors import PlanError
 from netpart.models import load_spec
@@ -43,12 +43,12 @@ def test_the_tables_round_trip_and_read_beyond_what_was_measured():
     # 4 clients: the bytes of 4 through the shard, read off the 2 clients' table
     assert ps.seconds_s("sync", 4, 5e4) == pytest.approx(ps.seconds_s("sync", 2, 1e5))
     assert ps.busy_s("downpour", 1e5) == pytest.approx(5e-4)
-    model = NetworkModel(kinds={}, profile="p.json", ps=ps)
-    again = NetworkModel.from_dict(json.loads(json.dumps(model.to_dict())))
+    model = Machine(kinds={}, profile="p.json", ps=ps)
+    again = Machine.from_dict(json.loads(json.dumps(model.to_dict())))
     assert again.ps == ps and again == model
     assert "the parameter server's exchange measured" in model.describe()
     assert model.faster(8).ps is None and model.faster(1).ps == ps  # other machines' CPU
-    assert NetworkModel.from_dict({**model.to_dict(), "ps": None}).ps is None
+    assert Machine.from_dict({**model.to_dict(), "ps": None}).ps is None
 
 
 def test_the_all_reduce_alone_is_read_off_its_table_and_a_layout_s_ring_costs_that_and_its_cpu():
@@ -69,7 +69,7 @@ def test_the_all_reduce_alone_is_read_off_its_table_and_a_layout_s_ring_costs_th
     with pytest.raises(ValueError, match="allreduce"):
         PsExchange.from_dict({**tables().to_dict(), "allreduce": {"1": [1, 2, 3, 4]}})
     spec = load_spec("tiny-mlp")
-    model = NetworkModel(kinds={}, profile="p.json", ps=ps)
+    model = Machine(kinds={}, profile="p.json", ps=ps)
     assert "the parameter server's exchange and the all-reduce measured" in model.describe()
     one = plan(spec, 1, seed=0, batch=32, network=model).metrics.predicted_step_s
     values = spec.num_params
@@ -116,7 +116,7 @@ def test_on_a_quota_each_of_the_ring_s_phases_costs_at_least_a_period():
     assert tables().period_s == 0.0  # no quota
     spec = load_spec("tiny-mlp")
     values = spec.num_params
-    model = NetworkModel(kinds={}, profile="p.json", ps=ps, latency_s=10e-6)
+    model = Machine(kinds={}, profile="p.json", ps=ps, latency_s=10e-6)
     one = plan(spec, 1, seed=0, batch=32, network=model).metrics.predicted_step_s
     row = next(f for f in advise(spec, 3, model).layouts if f.layout.mode == "allreduce")
     update = values * UPDATE_S_PER_VALUE / 0.25
@@ -135,7 +135,7 @@ def test_a_ddp_replica_s_step_timed_by_calibration_prices_the_all_reduce_replica
     ps = PsExchange.from_dict({**tables().to_dict(), "allreduce": ring, "replica": timed})
     assert PsExchange.from_dict(json.loads(json.dumps(ps.to_dict()))) == ps
     assert ps.replica_s("tiny-mlp") == 0.05 and ps.replica_s("digits-mlp") is None
-    model = NetworkModel(kinds={}, profile="p.json", ps=ps, latency_s=10e-6)
+    model = Machine(kinds={}, profile="p.json", ps=ps, latency_s=10e-6)
     assert "DDP's replica step of tiny-mlp" in model.describe()
     values = load_spec("tiny-mlp").num_params
     ring_3 = max(ps.allreduce_s(3, 4.0 * values), replace(model, ps=None).allreduce_s(values, 3))
@@ -185,20 +185,20 @@ def test_a_ddp_replica_s_step_timed_by_calibration_prices_the_all_reduce_replica
 )
 def test_a_malformed_table_is_refused_in_one_line(tmp_path, bad):
     profile = tmp_path / "p.json"
-    model = NetworkModel(kinds={}, profile="p", ps=tables()).to_dict()
+    model = Machine(kinds={}, profile="p", ps=tables()).to_dict()
     profile.write_text(json.dumps({"schema_version": 2, "model": {**model, "ps": bad}}))
     with pytest.raises(PlanError, match=r"^--profile .*ps") as err:
-        NetworkModel.from_profile(profile.read_text(), str(profile))
+        Machine.from_profile(profile.read_text(), str(profile))
     assert "\n" not in str(err.value)
 
 
 def test_measured_tables_price_sync_as_a_sum_and_downpour_by_what_limits_it():
     spec = load_spec("tiny-mlp")
-    plain = NetworkModel()
+    plain = Machine()
     one = {str(f.layout): f for f in advise(spec, 2, plain, batch=16).layouts}
     nbytes = one["downpour 1x1+1"].link_bytes  # one replica, one shard: a worker's bytes
     compute = plan(spec, 1, seed=0, batch=16, network=plain).metrics.predicted_step_s
-    net = NetworkModel(ps=tables(sync_s=1e-6, down_s=1e-6, busy_s=1e-9))
+    net = Machine(ps=tables(sync_s=1e-6, down_s=1e-6, busy_s=1e-9))
     by = {str(f.layout): f for m in (2, 3) for f in advise(spec, m, net, batch=16).layouts}
     exchange = 1e-6 * nbytes
     assert by["sync 1x1+1"].step_s == pytest.approx(compute + exchange, rel=0.05)
@@ -209,7 +209,7 @@ def test_measured_tables_price_sync_as_a_sum_and_downpour_by_what_limits_it():
     assert two.step_s < 0.7 * exchange
     assert by["downpour 2x1+1"].step_s == pytest.approx(2 * exchange, rel=0.05)
     # where the exchange keeps the machine busy, Downpour pays for it beside the step
-    busy = NetworkModel(ps=tables(sync_s=1e-12, down_s=1e-12, busy_s=1e-6))
+    busy = Machine(ps=tables(sync_s=1e-12, down_s=1e-12, busy_s=1e-6))
     b = {str(f.layout): f for f in advise(spec, 2, busy, batch=16).layouts}
     assert b["downpour 1x1+1"].step_s == pytest.approx(compute + exchange, rel=0.05)
 
@@ -228,9 +228,9 @@ def test_a_worker_spread_over_shards_is_priced_off_its_own_table():
     assert ps.spread_s("sync", 1, 1e5) == ps.seconds_s("sync", 1, 1e5)
     with pytest.raises(ValueError, match=r"ps\.spread"):
         PsExchange.from_dict({**base.to_dict(), "spread": {"sync": {"2": [1.0]}}})
-    by = {str(f.layout): f for f in advise(spec, 3, NetworkModel(ps=ps), batch=16).layouts}
-    alone = {str(f.layout): f for f in advise(spec, 3, NetworkModel(ps=base), batch=16).layouts}
-    two = {str(f.layout): f for f in advise(spec, 2, NetworkModel(ps=ps), batch=16).layouts}
+    by = {str(f.layout): f for f in advise(spec, 3, Machine(ps=ps), batch=16).layouts}
+    alone = {str(f.layout): f for f in advise(spec, 3, Machine(ps=base), batch=16).layouts}
+    two = {str(f.layout): f for f in advise(spec, 2, Machine(ps=ps), batch=16).layouts}
     nbytes = two["downpour 1x1+1"].link_bytes  # one shard holds all the worker's values
     # without the table the two shards' halves price it; with it, the worker's own exchange
     assert alone["downpour 1x1+2"].step_s < 0.7 * 1e-6 * nbytes
@@ -241,9 +241,9 @@ def test_a_sync_step_is_its_measured_exchange_whatever_the_client_spends_on_it()
     """The sync exchange's measured time holds the client's CPU: busy time longer than it
     (a client that spins while it waits) does not lengthen a sync step, only Downpour's."""
     spec = load_spec("tiny-mlp")
-    compute = plan(spec, 1, seed=0, batch=16, network=NetworkModel()).metrics.predicted_step_s
+    compute = plan(spec, 1, seed=0, batch=16, network=Machine()).metrics.predicted_step_s
     ps = tables(sync_s=1e-6, down_s=1e-6, busy_s=3e-6)
-    by = {str(f.layout): f for f in advise(spec, 2, NetworkModel(ps=ps), batch=16).layouts}
+    by = {str(f.layout): f for f in advise(spec, 2, Machine(ps=ps), batch=16).layouts}
     nbytes = by["sync 1x1+1"].link_bytes
     loop = LOOP_CPU_S  # the training loop's own, beside the step either way
     assert by["sync 1x1+1"].step_s == pytest.approx(compute + loop + 1e-6 * nbytes, rel=0.05)
@@ -254,13 +254,13 @@ def test_the_training_loop_is_priced_in_the_machine_s_own_figures():
     """The loop's CPU follows the machine: as many of its smallest dense slices as it took
     where it was measured, so a machine whose slices cost twice as much pays twice the loop
     in every layout; without dense figures, the measured constant."""
-    assert loop_cpu_s(NetworkModel()) == LOOP_CPU_S
+    assert loop_cpu_s(Machine()) == LOOP_CPU_S
     spec = load_spec("tiny-mlp")
     ps = tables(sync_s=1e-6, down_s=1e-6, busy_s=1e-9)
     steps, loops = [], []
     for floor in (0.25e-3, 0.5e-3):
         dense = KindCost(((1.0, floor), (1e9, floor + 0.05)))
-        network = NetworkModel(kinds={"dense": dense}, ps=ps)
+        network = Machine(kinds={"dense": dense}, ps=ps)
         loops.append(loop_cpu_s(network))
         compute = plan(spec, 1, seed=0, batch=16, network=network).metrics.predicted_step_s
         by = {str(f.layout): f for f in advise(spec, 2, network, batch=16).layouts}
@@ -299,12 +299,12 @@ def test_replicas_of_several_shards_are_priced_off_the_mesh_of_clients_and_shard
             PsExchange.from_dict(
                 {**ps.to_dict(), "mesh": {"sync": {key: [1.0] * 4}, "downpour": mesh["downpour"]}}
             )
-    by = {str(f.layout): f for f in advise(spec, 4, NetworkModel(ps=ps), batch=16).layouts}
-    one = {str(f.layout): f for f in advise(spec, 2, NetworkModel(ps=ps), batch=16).layouts}
-    compute = plan(spec, 1, seed=0, batch=16, network=NetworkModel()).metrics.predicted_step_s
+    by = {str(f.layout): f for f in advise(spec, 4, Machine(ps=ps), batch=16).layouts}
+    one = {str(f.layout): f for f in advise(spec, 2, Machine(ps=ps), batch=16).layouts}
+    compute = plan(spec, 1, seed=0, batch=16, network=Machine()).metrics.predicted_step_s
     nbytes = one["sync 1x1+1"].link_bytes  # a worker's bytes
     assert by["sync 2x1+2"].step_s == pytest.approx(compute + LOOP_CPU_S + 3e-6 * nbytes, rel=0.05)
-    three = {str(f.layout): f for f in advise(spec, 3, NetworkModel(ps=ps), batch=16).layouts}
+    three = {str(f.layout): f for f in advise(spec, 3, Machine(ps=ps), batch=16).layouts}
     priced = compute + LOOP_CPU_S + 0.5e-6 * nbytes
     assert three["sync 1x1+2"].step_s == pytest.approx(priced, rel=0.05)
 
@@ -315,7 +315,7 @@ def test_on_a_share_of_a_core_a_step_pays_its_cpu_over_the_share_and_the_exchang
     plus the busy time. A step longer than the quota was timed throttled: its CPU is time x
     share. On whole cores a sync step is its step and exchange, whatever the busy time."""
     spec = load_spec("tiny-mlp")
-    step = plan(spec, 1, seed=0, batch=16, network=NetworkModel()).metrics.predicted_step_s
+    step = plan(spec, 1, seed=0, batch=16, network=Machine()).metrics.predicted_step_s
     whole = tables(sync_s=1e-9, down_s=1e-9, busy_s=1e-8)
     quota = PsExchange.from_dict({**whole.to_dict(), "share": 0.25, "quota_s": 1.0})
     assert quota.to_dict()["share"] == 0.25 and "share" not in whole.to_dict()
@@ -324,7 +324,7 @@ def test_on_a_share_of_a_core_a_step_pays_its_cpu_over_the_share_and_the_exchang
     assert quota.step_cpu_s(8.0) == 2.0 and quota.step_cpu_s(2.0) == 1.0  # x share, >= quota
     assert whole.step_cpu_s(8.0) == 8.0
     by = {
-        name: {str(f.layout): f for f in advise(spec, 2, NetworkModel(ps=ps), batch=16).layouts}
+        name: {str(f.layout): f for f in advise(spec, 2, Machine(ps=ps), batch=16).layouts}
         for name, ps in (("whole", whole), ("quota", quota))
     }
     busy = by["whole"]["downpour 1x1+1"].step_s - step - LOOP_CPU_S  # the loop's own CPU too
@@ -343,7 +343,7 @@ def test_exchanges_timed_after_a_stand_in_step_carry_what_their_price_missed_to_
     """`after`: the stand-in priced as a model's step is, against what it measured; the miss
     is carried over in proportion to the model's step CPU, up to the stand-in's."""
     spec = load_spec("tiny-mlp")
-    compute = plan(spec, 1, seed=0, batch=16, network=NetworkModel()).metrics.predicted_step_s
+    compute = plan(spec, 1, seed=0, batch=16, network=Machine()).metrics.predicted_step_s
     base = tables(sync_s=1e-6, down_s=1e-12, busy_s=1e-9)
     # the stand-in's price (whole cores): sync its step, the loop and the exchange; Downpour
     # its step, the exchange's busy time and the loop, the exchange beside them (shorter)
@@ -364,7 +364,7 @@ def test_exchanges_timed_after_a_stand_in_step_carry_what_their_price_missed_to_
     assert base.after_s("sync", 1, 1, 1e5) is None and "after" not in base.to_dict()
 
     def steps(ps: PsExchange) -> dict[str, float]:
-        layouts = advise(spec, 2, NetworkModel(ps=ps), batch=16).layouts
+        layouts = advise(spec, 2, Machine(ps=ps), batch=16).layouts
         return {str(f.layout): f.step_s for f in layouts}
 
     alone = steps(base)
@@ -372,8 +372,8 @@ def test_exchanges_timed_after_a_stand_in_step_carry_what_their_price_missed_to_
         got = steps(after(stand_in_s, 0.02))
         for name in ("sync 1x1+1", "downpour 1x1+1"):
             assert got[name] == pytest.approx(alone[name] + weight * 0.02, rel=1e-6), name
-    three = advise(spec, 3, NetworkModel(ps=after(0.1, 0.02)), batch=16).layouts
-    before = advise(spec, 3, NetworkModel(ps=base), batch=16).layouts
+    three = advise(spec, 3, Machine(ps=after(0.1, 0.02)), batch=16).layouts
+    before = advise(spec, 3, Machine(ps=base), batch=16).layouts
     by, was = ({str(f.layout): f.step_s for f in rows} for rows in (three, before))
     assert by["sync 2x1+1"] == was["sync 2x1+1"]  # 2 clients of 1 shard not measured: as before
     assert by["sync 1x1+2"] == was["sync 1x1+2"]  # 1x2 neither

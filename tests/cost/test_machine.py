@@ -1,4 +1,4 @@
-"""Machine descriptions: the schema round-trips, a hand-written file with a bad key or unit is
+"""MachineSheet descriptions: the schema round-trips, a hand-written file with a bad key or unit is
 refused in one line naming it, a machine's prediction is what its figures say, and the same
 file draws the same Figure 3 (nothing of this host enters it)."""
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from netpart.cli import main
-from netpart.cost.machine import KindRate, Machine, machine_toml, read_machine
-from netpart.cost.step import NetworkModel
+from netpart.cost.machine import Machine
+from netpart.cost.sheet import KindRate, MachineSheet, read_sheet, sheet_toml
 from netpart.cost.tables import KindCost
 from netpart.errors import PlanError
 
@@ -45,7 +45,7 @@ def write(tmp_path, text: str, name: str = "m.toml") -> Path:
 
 
 def test_a_hand_written_file_reads_in_si_units(tmp_path):
-    m = read_machine(write(tmp_path, GOOD))
+    m = read_sheet(write(tmp_path, GOOD))
     assert m.flops_per_s == 95e9 and m.overhead_s == pytest.approx(20e-6)
     assert m.kinds == {"dense": KindRate(120e9, 0.0)}
     assert m.threads == 16 and m.bandwidth_bps == 10e9 and m.latency_s == pytest.approx(30e-6)
@@ -54,14 +54,14 @@ def test_a_hand_written_file_reads_in_si_units(tmp_path):
 
 
 def test_the_schema_round_trips_through_json_and_toml(tmp_path):
-    m = read_machine(write(tmp_path, GOOD))
-    assert Machine.from_dict(json.loads(json.dumps(m.to_dict()))) == m
-    assert read_machine(write(tmp_path, json.dumps(m.to_dict()), "m.json")) == m
-    again = read_machine(write(tmp_path, machine_toml(m), "again.toml"))
+    m = read_sheet(write(tmp_path, GOOD))
+    assert MachineSheet.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    assert read_sheet(write(tmp_path, json.dumps(m.to_dict()), "m.json")) == m
+    again = read_sheet(write(tmp_path, sheet_toml(m), "again.toml"))
     assert _close(again, m)
 
 
-def _close(a: Machine, b: Machine) -> bool:
+def _close(a: MachineSheet, b: MachineSheet) -> bool:
     da, db = a.to_dict(), b.to_dict()
     for section in ("compute", "network", "step", "memory"):
         for key, value in db[section].items():
@@ -92,7 +92,7 @@ def _close(a: Machine, b: Machine) -> bool:
 def test_a_bad_key_or_unit_is_one_line_naming_it(tmp_path, change, named):
     path = write(tmp_path, GOOD.replace(*change))
     with pytest.raises(PlanError) as exc:
-        read_machine(path)
+        read_sheet(path)
     assert named in str(exc.value) and "\n" not in str(exc.value)
 
 
@@ -104,8 +104,10 @@ def test_the_command_line_refuses_a_bad_machine_in_one_line(tmp_path, capsys):
 
 
 def test_a_machine_predicts_overhead_plus_flops_over_its_rate():
-    m = Machine(name="m", flops_per_s=50e9, overhead_s=1e-4, kinds={"dense": KindRate(100e9, 2e-5)})
-    net = m.to_network()
+    m = MachineSheet(
+        name="m", flops_per_s=50e9, overhead_s=1e-4, kinds={"dense": KindRate(100e9, 2e-5)}
+    )
+    net = m.to_machine()
     flops = np.array([[1e6, 2e7], [3e5, 0.0]])
     got = net.worker_compute_s(flops, 32, kinds=["dense", "local"])
     want = np.array([[2e-5 + 32e6 / 100e9, 2e-5 + 64e7 / 100e9], [1e-4 + 96e5 / 50e9, 0.0]])
@@ -123,8 +125,8 @@ def test_a_calibrated_model_becomes_absolute_rates():
         "dense": KindCost(tuple(zip(f, 3e-5 + f / 40e9, strict=True)), per_value=1e-9),
         "local": KindCost(tuple(zip(f, 1e-5 + f / 10e9, strict=True))),
     }
-    net = NetworkModel(kinds=kinds, bandwidth_bps=2e9, latency_s=7e-5, step_fixed_s=2e-3)
-    m = Machine.from_network(net, name="host")
+    net = Machine(kinds=kinds, bandwidth_bps=2e9, latency_s=7e-5, step_fixed_s=2e-3)
+    m = MachineSheet.from_machine(net, name="host")
     assert m.flops_per_s == pytest.approx(40e9, rel=1e-4)
     assert m.overhead_s == pytest.approx(3e-5, rel=1e-3) and m.per_value_s == 1e-9
     assert m.kinds["local"].flops_per_s == pytest.approx(10e9, rel=1e-4)
@@ -137,7 +139,7 @@ def test_the_paper_machine_draws_the_same_curve_anywhere_any_day():
     sys.path.insert(0, str(ROOT))
     from experiments.scaling import curves
 
-    machine = read_machine(PAPER)
+    machine = read_sheet(PAPER)
     first = curves(machine, ["speech"], [1, 2, 4, 8, 16])
     assert curves(machine, ["speech"], [1, 2, 4, 8, 16]) == first
     committed = json.loads((ROOT / "experiments" / "results" / "figure3.json").read_text())

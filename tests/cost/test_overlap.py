@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from netpart.compile.schedule import plan_schedule
+from netpart.cost.machine import Machine
 from netpart.cost.overlap import apply, choose_splits
-from netpart.cost.step import NetworkModel
 from netpart.models import ZOO
 from netpart.partition import plan
 from netpart.partition.plans import PartitionPlan
@@ -42,7 +42,7 @@ def test_a_slow_link_splits_what_a_fast_one_joins():
     spec = ZOO["bench-local"]
     chosen = {}
     for bandwidth in (1e9, 1e8):
-        net = NetworkModel(bandwidth_bps=bandwidth)
+        net = Machine(bandwidth_bps=bandwidth)
         p = plan(spec, 2, "metis", batch=32, network=net)
         chosen[bandwidth] = [layer.name for layer in p.layers if layer.split]
         assert any(layer.hideable_s > 0 for layer in p.layers)
@@ -56,7 +56,7 @@ def test_a_slow_link_splits_what_a_fast_one_joins():
 
 def test_the_choice_round_trips_and_old_plans_split_everything():
     spec = ZOO["bench-local"]
-    p = plan(spec, 2, "metis", batch=32, network=NetworkModel(bandwidth_bps=1e8))
+    p = plan(spec, 2, "metis", batch=32, network=Machine(bandwidth_bps=1e8))
     back = PartitionPlan.from_json(json.dumps(p.to_dict()), p.node_map)
     assert back == p and [ly.split for ly in back.layers] == [ly.split for ly in p.layers]
     old = p.to_dict()
@@ -67,7 +67,7 @@ def test_the_choice_round_trips_and_old_plans_split_everything():
 
 def test_the_programs_split_only_the_layers_the_plan_chose():
     spec = ZOO["bench-local"]
-    p = plan(spec, 2, "metis", batch=32, network=NetworkModel(bandwidth_bps=1e8))
+    p = plan(spec, 2, "metis", batch=32, network=Machine(bandwidth_bps=1e8))
     _, chosen = plan_schedule(spec, p, validate=False)
     _, every = plan_schedule(spec, p, validate=False, split=())
     split = [layer.split for layer in p.layers]
@@ -85,7 +85,7 @@ def test_the_report_says_which_layers_split_and_what_they_could_hide_behind():
     from netpart.planning.report import layer_table
 
     spec = ZOO["bench-local"]
-    p = plan(spec, 2, "metis", batch=32, network=NetworkModel(bandwidth_bps=1e8))
+    p = plan(spec, 2, "metis", batch=32, network=Machine(bandwidth_bps=1e8))
     lines = [line for line in layer_table(p).splitlines() if line.startswith("|")]
     rows = {line.split("|")[1].strip(): line for line in lines[2:]}
     assert "| split" in lines[0]

@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from netpart.cost import NetworkModel
+from netpart.cost.machine import Machine
 from netpart.models import ZOO
 from netpart.partition import Granularity, build_unit_graph, plan
 from netpart.partition.evaluate import reevaluate, screen, step_floor
@@ -73,7 +73,7 @@ def test_the_screen_never_exceeds_the_evaluated_step(spec, workers, method):
     grain = Granularity(spatial_blocks=16, dense_blocks=4)
     p = plan(spec, workers, method, granularity=grain)
     graph = build_unit_graph(spec, p.granularity)
-    for network in (NetworkModel(), NetworkModel(overlap=False)):
+    for network in (Machine(), Machine(overlap=False)):
         full = reevaluate(spec, p, p.batch, network).metrics
         floor = step_floor(graph, p.node_map, workers, p.batch, network)
         assert floor <= full.predicted_step_s * (1 + 1e-12)
@@ -86,7 +86,7 @@ def test_a_candidate_that_cannot_win_is_skipped_and_recorded():
     """With a step to beat below its lower bound, a candidate is screened out: recorded with
     why, its figures exact but its step a bound, never chosen, and the plan file round trips."""
     spec = ZOO["tiny-local"]
-    runner = Planner(spec, 2, 0, 32, NetworkModel(), Granularity.for_workers(2), lambda _: None)
+    runner = Planner(spec, 2, 0, 32, Machine(), Granularity.for_workers(2), lambda _: None)
     evaluated = runner("tiles", {})
     skipped = runner("metis", {}, beat=1e-9)
     assert skipped.skipped.startswith("its compute alone") and skipped.metrics.exchange_s == 0

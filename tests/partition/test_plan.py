@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from netpart.cost import NetworkModel
+from netpart.cost.machine import Machine
 from netpart.cost.step import layer_times, step_times
 from netpart.errors import PlanError
 from netpart.files import write_files
@@ -113,7 +113,7 @@ def test_fewer_blocks_than_workers_spreads_over_a_subset():
 
 
 def test_step_time_model_by_hand():
-    net = NetworkModel(bandwidth_bps=8e9, latency_s=1e-3, flops_per_s=1e9)
+    net = Machine(bandwidth_bps=8e9, latency_s=1e-3, flops_per_s=1e9)
     flops = np.array([[0, 0], [2e6, 1e6]])  # layer 1: worker 0 has 2 MFLOP per example
     traffic = np.zeros((2, 2, 2), dtype=np.int64)
     traffic[1, 0, 1] = 250  # 250 values x 4 B x batch 4 = 4000 B = 32 kbit -> 4 us at 8 Gbit/s
@@ -126,7 +126,7 @@ def test_step_on_each_workers_timeline_by_hand():
     """Three workers that all exchange with each other, their slowest changing from layer to
     layer: each waits for its own senders only, so the step is shorter than the sum of every
     layer's slowest worker; with balanced workers it is that sum."""
-    net = NetworkModel(bandwidth_bps=1e12, latency_s=1e-3, flops_per_s=1e9)
+    net = Machine(bandwidth_bps=1e12, latency_s=1e-3, flops_per_s=1e9)
     flops = np.array([[3e6, 1e6, 1e6], [1e6, 3e6, 1e6], [1e6, 1e6, 3e6]])  # per example
     traffic = np.zeros((3, 3, 3), dtype=np.int64)
     traffic[1:] = 1 - np.eye(3, dtype=np.int64)  # layers 1 and 2: all to all
@@ -151,20 +151,20 @@ def test_predicted_step_is_at_most_every_layers_slowest_worker(spec, workers, me
 
 
 def test_network_model_parses_units():
-    net = NetworkModel.parse("bandwidth=10Gbit,latency=20us,flops=50G")
+    net = Machine.parse("bandwidth=10Gbit,latency=20us,flops=50G")
     assert (net.bandwidth_bps, net.flops_per_s) == (1e10, 5e10)
     assert net.latency_s == pytest.approx(2e-5)
     with pytest.raises(PlanError, match="unknown key 'rate'"):
-        NetworkModel.parse("rate=3")
+        Machine.parse("rate=3")
     with pytest.raises(PlanError, match="cannot read"):
-        NetworkModel.parse("bandwidth=fast")
+        Machine.parse("bandwidth=fast")
 
 
 def test_described_times_read_in_a_unit_that_fits():
-    phase = NetworkModel(latency_s=2.07e-3, profile="p.json").describe()
+    phase = Machine(latency_s=2.07e-3, profile="p.json").describe()
     assert "2.07 ms" in phase and "e+" not in phase  # a phase at 0.3 of a core, not 2.07e+03 µs
-    assert "999 µs" in NetworkModel(latency_s=999e-6, profile="p.json").describe()
-    assert "1 ms" in NetworkModel(latency_s=999.6e-6, profile="p.json").describe()
+    assert "999 µs" in Machine(latency_s=999e-6, profile="p.json").describe()
+    assert "1 ms" in Machine(latency_s=999.6e-6, profile="p.json").describe()
 
 
 @pytest.mark.parametrize("method", ["metis", "tiles", "random"])

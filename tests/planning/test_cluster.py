@@ -7,7 +7,7 @@ import json
 import pytest
 
 from netpart.cli import main
-from netpart.cost.step import NetworkModel
+from netpart.cost.machine import Machine
 from netpart.errors import PlanError
 from netpart.models import load_spec
 from netpart.models.spec import BYTES_PER_VALUE
@@ -19,7 +19,7 @@ from netpart.planning.cluster import (
     trainable,
 )
 
-NET = NetworkModel(bandwidth_bps=1e9, latency_s=50e-6, message_s=20e-6)
+NET = Machine(bandwidth_bps=1e9, latency_s=50e-6, message_s=20e-6)
 
 
 def test_a_ring_all_reduce_is_2_m_minus_1_phases_of_a_machines_share():
@@ -89,7 +89,7 @@ def test_plan_machines_prints_and_writes_the_advice(tmp_path, capsys):
 def test_train_machines_trains_the_fastest_parameter_server_layout(tmp_path, capsys):
     """`train --machines M` runs what `plan --machines M` ranks first among the layouts
     netpart trains (all-reduce is DDP's), and says so; it refuses a layout given besides."""
-    advice = advise(load_spec("digits-mlp"), 4, NetworkModel(), batch=32, max_workers=4)
+    advice = advise(load_spec("digits-mlp"), 4, Machine(), batch=32, max_workers=4)
     choice = trainable(advice)
     assert choice.layout.mode != "allreduce" and choice.fits
     assert all(
@@ -123,7 +123,7 @@ def test_downpour_carries_push_and_fetch_beside_its_step_and_sync_waits_for_each
     """On a slow link: Downpour 1x1+1's step is one push-and-fetch (both ways at once, beside
     the compute), sync's the compute, the push, the update and the fetch in turn."""
     spec = load_spec("tiny-mlp")
-    slow = NetworkModel(bandwidth_bps=1e6, latency_s=50e-6)
+    slow = Machine(bandwidth_bps=1e6, latency_s=50e-6)
     by = {str(f.layout): f for f in advise(spec, 2, slow, batch=16).layouts}
     down, sync = by["downpour 1x1+1"], by["sync 1x1+1"]
     phase = float(slow.phase_s(down.link_bytes, 1))

@@ -4,7 +4,8 @@ For calibration (`netpart.calibrate.measure`: the slice tables) and the emulated
 validation: a plan for N workers cannot be run as N busy processes on a small machine, but
 each worker's slice of each layer can be built
 and run alone, one at a time, on one thread, exactly as the worker would run it (same slice
-classes, full-size input buffer, backward through the input for every layer but the first).
+classes, full-size input buffer, backward through the input for every layer but the first; a
+whole conv, pool or LCN layer on its input planes, `LayerSlice.plane`).
 Weights are a constant (building reference initialisations of a 1.7B-parameter model would
 take longer than timing it); the arithmetic is the same.
 """
@@ -84,7 +85,12 @@ def measure_slices(
                 units = schedule.owned[i][w]
                 if len(units):
                     layer_slice = build_slice(spec, i, units, graph.layers[i], None, dtype)
-                    fwd[i, w], bwd[i, w] = _time_slice(layer_slice, x, share)
+                    if layer_slice.plane:  # a whole layer: on planes, as the worker runs it
+                        planes = _planes(spec, i, x)
+                        timed = _time_slice(layer_slice, planes, share, layer_slice.forward_plane)
+                    else:
+                        timed = _time_slice(layer_slice, x, share)
+                    fwd[i, w], bwd[i, w] = timed
                     del layer_slice
                 if on_slice is not None:
                     on_slice(i * workers + w + 1, layers * workers)
@@ -93,22 +99,34 @@ def measure_slices(
     return SliceTimes(fwd, bwd, batch)
 
 
-def _time_slice(layer_slice, x: torch.Tensor, share: float = 1.0) -> tuple[float, float]:
+def _planes(spec: ModelSpec, index: int, x: torch.Tensor) -> torch.Tensor:
+    """Layer `index`'s input buffer `x` [n + 2, B] as the planes [B, C, H, W] a worker holding
+    the whole layer below passes it (contiguous; a fresh leaf but for the first layer)."""
+    src = spec.input_shape(index)
+    planes = x.detach()[: src.size].T.reshape(-1, src.channels, src.height, src.width)
+    return planes.contiguous().requires_grad_(index > 0)
+
+
+def _time_slice(
+    layer_slice, x: torch.Tensor, share: float = 1.0, forward: Callable | None = None
+) -> tuple[float, float]:
     """(forward, backward) seconds: the best of two runs after a warm-up run (which also
     allocates and first-touches the gradients); for slices under REPEAT_BELOW_S, of at least
     three runs that take TIMED_LEAST_S in all (at most MOST_RUNS). Each run counts at least
     its CPU time / `share`: under a cpu quota the best wall time of a short run is one that
     found the period's quota unspent (a run at a whole core's speed), and in a step every
-    slice pays its share of the throttling."""
+    slice pays its share of the throttling. `forward` runs the slice (its module call by
+    default)."""
+    forward = layer_slice if forward is None else forward
     runs: list[tuple[float, float]] = []
     while len(runs) <= MOST_RUNS:
         x.grad = None
-        forward, out = time_call(lambda: layer_slice(x), thread=True)
-        backward, _ = time_call(
+        ahead, out = time_call(lambda: forward(x), thread=True)
+        behind, _ = time_call(
             lambda o=out: o.requires_grad and torch.autograd.backward(o, torch.ones_like(o)),
             thread=True,
         )
-        runs.append(tuple(max(t.seconds, t.cpu / share) for t in (forward, backward)))
+        runs.append(tuple(max(t.seconds, t.cpu / share) for t in (ahead, behind)))
         del out
         for p in layer_slice.parameters():
             p.grad = None

@@ -54,19 +54,20 @@ def keep_scale(
     per_unit = _mix(base ^ (units.to(torch.int64) & _M32))
     samples = torch.arange(key.first_sample, key.first_sample + batch, dtype=torch.int64)
     per_sample = _mix(_mix(samples & _M32) ^ _SAMPLE_SALT)
-    value = _mix((per_unit[:, None] + per_sample[None, :]) & _M32)
+    value = _mix((per_unit[:, None] + per_sample[None, :]).bitwise_and_(_M32), fresh=True)
     keep = value >= int(p * (1 << 32))
-    return keep.to(dtype) * (1.0 / (1.0 - p))
+    return keep.to(dtype).mul_(1.0 / (1.0 - p))
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
+def _mix(x: torch.Tensor, *, fresh: bool = False) -> torch.Tensor:
     """A 32-bit xorshift-multiply hash of 32-bit values held in int64 (the form of Wellons'
-    lowbias32, with odd multipliers below 2^31, so that no product overflows)."""
-    x = x ^ (x >> 16)
-    x = (x * 0x21F0AAAD) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x735A2D97) & _M32
-    return x ^ (x >> 15)
+    lowbias32, with odd multipliers below 2^31, so that no product overflows); `fresh`: `x`
+    is the caller's to overwrite (the hash runs in place)."""
+    x = x.bitwise_xor_(x >> 16) if fresh else x ^ (x >> 16)
+    x.mul_(0x21F0AAAD).bitwise_and_(_M32)
+    x.bitwise_xor_(x >> 15)
+    x.mul_(0x735A2D97).bitwise_and_(_M32)
+    return x.bitwise_xor_(x >> 15)
 
 
 def training_key(spec: ModelSpec, seed: int, step: int, first_sample: int = 0) -> DropoutKey | None:

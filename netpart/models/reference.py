@@ -26,6 +26,7 @@ __all__ = [
     "build_reference",
     "dropout_mask",
     "exported_program",
+    "layer_module",
     "reference_loss",
 ]
 
@@ -74,49 +75,48 @@ class _Dense(nn.Linear):
         return super().forward(x.flatten(1))
 
 
+def layer_module(spec: ModelSpec, index: int) -> nn.Module:
+    """Layer `index` of `spec` as a plain module on [B, C, H, W] (dense: any shape, flattened),
+    its activation and dropout left out: the reference's, and a model worker's where it
+    computes a whole layer (`netpart.runtime.slices`)."""
+    layer, src, out = spec.layers[index], spec.input_shape(index), spec.shapes[index]
+    if layer.kind == "local":
+        size = (src.height, src.width)
+        return LocallyConnected2d(
+            src.channels,
+            out.channels,
+            size,
+            layer.kernel,
+            layer.stride,
+            layer.padding,
+            bias=layer.has_bias,
+        )
+    if layer.kind == "conv":
+        return nn.Conv2d(
+            src.channels,
+            out.channels,
+            layer.kernel,
+            layer.stride,
+            layer.padding,
+            bias=layer.has_bias,
+        )
+    if layer.kind == "dense":
+        return _Dense(src.size, layer.units, bias=layer.has_bias)
+    if layer.kind == "pool" and layer.mode == "l2":
+        eps = {} if layer.eps is None else {"eps": layer.eps}
+        return L2Pool2d(layer.kernel, layer.stride, layer.padding, **eps)
+    if layer.kind == "pool":
+        return Pool2d(layer)
+    return LocalContrastNorm(layer.kernel, layer.eps)
+
+
 class ReferenceModel(nn.Module):
     """The whole network in one process; `forward` returns the last layer's pre-softmax output."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
-        mods: list[nn.Module] = []
-        for i, layer in enumerate(spec.layers):
-            src, out = spec.input_shape(i), spec.shapes[i]
-            if layer.kind == "local":
-                size = (src.height, src.width)
-                mods.append(
-                    LocallyConnected2d(
-                        src.channels,
-                        out.channels,
-                        size,
-                        layer.kernel,
-                        layer.stride,
-                        layer.padding,
-                        bias=layer.has_bias,
-                    )
-                )
-            elif layer.kind == "conv":
-                mods.append(
-                    nn.Conv2d(
-                        src.channels,
-                        out.channels,
-                        layer.kernel,
-                        layer.stride,
-                        layer.padding,
-                        bias=layer.has_bias,
-                    )
-                )
-            elif layer.kind == "dense":
-                mods.append(_Dense(src.size, layer.units, bias=layer.has_bias))
-            elif layer.kind == "pool" and layer.mode == "l2":
-                eps = {} if layer.eps is None else {"eps": layer.eps}
-                mods.append(L2Pool2d(layer.kernel, layer.stride, layer.padding, **eps))
-            elif layer.kind == "pool":
-                mods.append(Pool2d(layer))
-            else:
-                mods.append(LocalContrastNorm(layer.kernel, layer.eps))
-        self.layers = nn.ModuleList(mods)
+        self.layers = nn.ModuleList(layer_module(spec, i) for i in range(len(spec.layers)))
 
     def forward(self, x: torch.Tensor, dropout: DropoutKey | None = None) -> torch.Tensor:
         """The outputs of a batch; `dropout`: a training step's key (its layers' dropout on,

@@ -25,7 +25,7 @@ from netpart.compile.shards import (
     piece_index,
     piece_initial,
 )
-from netpart.models.reference import activation
+from netpart.models.reference import activation, layer_module
 from netpart.models.spec import ModelSpec
 from netpart.nn import L2_POOL_EPS
 from netpart.partition.blocks import LayerBlocks
@@ -33,7 +33,9 @@ from netpart.partition.reads import read_window
 from netpart.partition.rectangles import plane_rectangles
 from netpart.runtime.rows import rows
 
-__all__ = ["LayerSlice", "build_slice", "window_index"]
+__all__ = ["PLANE_KINDS", "LayerSlice", "build_slice", "window_index"]
+
+PLANE_KINDS = ("conv", "pool", "lcn")  # the kinds a worker holding a whole layer runs on planes
 
 
 def window_index(
@@ -85,9 +87,17 @@ class LayerSlice(nn.Module):
         self._orders: dict[bool, torch.Tensor] = {}  # split? -> permutation into units order
         self._in_order: dict[bool, bool] = {}  # split? -> the permutation is the identity
         self.positions: dict[str, torch.Tensor] = {}  # part -> its rows' places in units
+        # Every unit of a conv, pool or LCN layer: the whole layer runs on planes
+        # (`forward_plane`), as the plain module runs it.
+        self.plane = len(units) == out.size and self.layer.kind in PLANE_KINDS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.place(self.compute(x, "all"), False, x)
+
+    def forward_plane(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole layer (`plane`) on its input planes x [B, C, H, W], activated: its
+        outputs [B, C', H', W'] by torch's own kernel, no gather and no transposes."""
+        raise NotImplementedError
 
     def compute(self, x: torch.Tensor, part: str) -> list[torch.Tensor]:
         raise NotImplementedError
@@ -300,7 +310,7 @@ class ConvSlice(_GroupedSlice):
     def __init__(self, spec, index, units, blocks, seed, dtype, first=None) -> None:
         super().__init__(spec, index, units, blocks, first)
         self.weights, self.biases = _grouped_params(spec, seed, self.pieces, dtype, local=False)
-        self.kernel, self.stride, _ = read_window(spec, index)  # (height, width) each
+        self.kernel, self.stride, self.padding = read_window(spec, index)  # (height, width) each
         self.src = spec.input_shape(index)
         # per part: the gather's index, and per output piece (its groups, the input box
         # [C, h, w] they convolve or None for patches [K, Q], its output positions)
@@ -326,6 +336,12 @@ class ConvSlice(_GroupedSlice):
                 y = torch.addmm(self.biases[g], self.weights[g], values.view(self.n_k, -1))
                 out.append(y.view(-1, count, batch))
         return out
+
+    def forward_plane(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self._kernels(tuple(range(len(self.groups))))
+        bias = bias if self.layer.has_bias else None
+        y = F.conv2d(x, weight, bias, stride=self.stride, padding=self.padding)
+        return activation(self.layer, y)
 
     def param_tensors(self):
         if not self.spec.layers[self.index].has_bias:
@@ -446,9 +462,13 @@ class _UnitSlice(LayerSlice):
             "rest": np.flatnonzero(~inner),
         }
         self._set_orders({p: [u] for p, u in self._part_units.items()})
+        self._module = layer_module(spec, index) if self.plane else None  # no weights
 
     def compute(self, x: torch.Tensor, part: str) -> list[torch.Tensor]:
         return [self._units(x, part)] if len(self._part_units[part]) else []
+
+    def forward_plane(self, x: torch.Tensor) -> torch.Tensor:
+        return activation(self.layer, self._module(x))
 
 
 class PoolSlice(_UnitSlice):

@@ -228,6 +228,8 @@ class ModelWorker:
         if part in (Part.EARLY, Part.LATE):
             return self._forward_chain(st, layer, part)
         t0 = clock()
+        if sl.plane and part in (Part.ALL, Part.JOINED):
+            return self._forward_plane(st, layer, part)
         if part == Part.JOINED:
             x = self._joined_input(st, layer)
         elif part != Part.BOUNDARY:
@@ -245,6 +247,29 @@ class ModelWorker:
         else:
             out = sl.place(st.fwd.pieces.pop(layer) + sl.compute(x, "rest"), True, x)
             st.fwd.outs[layer] = self._dropped(st, layer, out)
+        st.book.breakdown["fill"] += t1 - t0
+        st.book.breakdown["slice"] += clock() - t1
+
+    def _forward_plane(self, st: StepState, layer: int, part: str) -> None:
+        """A whole conv, pool or LCN layer on planes [B, C, H, W] (`LayerSlice.plane`): its
+        input the batch itself, the planes of a whole layer below computed so (views, no
+        copies), or the input buffer (the layer below's owned units and the halo) seen as
+        planes; its outputs kept as planes, seen as [units, B] by whatever reads them."""
+        sl, clock = self.slices[layer], time.perf_counter
+        t0 = clock()
+        batch, src = st.batch, self.spec.input_shape(layer)
+        planes = (batch, src.channels, src.height, src.width)
+        if layer == 0:
+            x = st.inputs.reshape(planes).to(self.dtype)
+        elif part == Part.JOINED and len(self.owned[layer - 1]) == src.size:
+            x = st.fwd.outs[layer - 1].T.reshape(planes)  # every unit below, in order
+        else:
+            buf = self._joined_input(st, layer) if part == Part.JOINED else None
+            buf = self._fill_input(st, layer, halo=True) if buf is None else buf
+            x = buf[: src.size].T.reshape(planes)
+        t1 = clock()
+        out = sl.forward_plane(x).reshape(batch, -1).T  # [units, B], a view of the planes
+        st.fwd.outs[layer] = self._dropped(st, layer, out)  # keeps the planes' layout
         st.book.breakdown["fill"] += t1 - t0
         st.book.breakdown["slice"] += clock() - t1
 

@@ -5,6 +5,7 @@ and plans; tests/test_runtime_processes.py runs the same worker code over gloo i
 """
 
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from netpart.models.dropout import training_key
 from netpart.models.spec import ModelSpec
 from netpart.partition import METHODS as ALL_METHODS
 from netpart.partition import Granularity, build_unit_graph, plan
+from netpart.partition.evaluate import evaluate
 from netpart.partition.rectangles import plane_rectangles
 from netpart.runtime.check import make_batch
 from netpart.runtime.inprocess import ThreadTransport, run_step_threads
@@ -329,6 +331,44 @@ def test_a_conv_run_that_is_a_rectangle_runs_torch_s_convolution_and_others_gath
     # 4 tiles of an 11x9 plane, balanced to a unit: rectangles but for a few moved units
     assert min(shares[("tiles", 4)]) >= 0.75
     assert max(shares[("random", 3)]) == 0.0  # a random cut leaves no rectangle of 16
+
+
+@pytest.mark.parametrize("kinds", [("conv", "pool"), ("lcn", "conv")])
+def test_a_worker_holding_a_whole_layer_runs_it_on_planes(kinds):
+    """A conv, pool or LCN layer one worker holds whole runs as the plain module runs it, on
+    [B, C, H, W] planes: read from the input buffer where the layer below is split (its halo
+    received), from the planes of a whole layer below without a copy. Equal to the reference,
+    with dropout on, and the bytes the plan moves."""
+    first = {
+        "conv": {"kind": "conv", "channels": 3, "kernel": [3, 2], "padding": [1, 0]},
+        "lcn": {"kind": "lcn", "kernel": 3},
+    }[kinds[0]]
+    second = {
+        "conv": {"kind": "conv", "channels": 2, "kernel": 3, "stride": 2, "dropout": 0.3},
+        "pool": {"kind": "pool", "kernel": 2, "mode": "max", "dropout": 0.3},
+    }[kinds[1]]
+    layers = [first, second, {"kind": "dense", "units": 3, "activation": "softmax"}]
+    spec = ModelSpec.from_dict(
+        {"name": "w", "input": {"channels": 2, "height": 9, "width": 8}, "layer": layers}
+    )
+    p = plan(spec, 2, "tiles")
+    graph = build_unit_graph(spec, p.granularity)
+
+    def moved(node_map):
+        metrics, figures, per_worker = evaluate(graph, node_map, 2, p.batch, p.network)
+        return replace(p, node_map=node_map, metrics=metrics, layers=figures, per_worker=per_worker)
+
+    split = moved(np.where(graph.layer_of == 1, 0, p.node_map))  # layer 1 whole, 0 split
+    x, y = make_batch(spec, 3, seed=5)
+    key = training_key(spec, 5, 1)
+    _, schedule = plan_schedule(spec, split)
+    planes = [[s.plane for s in ModelWorker(spec, graph, schedule, w).slices] for w in (0, 1)]
+    assert planes[0][1] and not planes[0][0] and not any(planes[1])
+    result = run_step_threads(spec, split, x, y, dropout=key)
+    assert_equal_to_reference(spec, result, x, y, key)
+    assert result.received[0][(1, "forward")] > 0  # the halo, read through the planes
+    whole = moved(np.where(graph.layer_of <= 1, 0, p.node_map))  # layers 0 and 1 whole
+    assert_equal_to_reference(spec, run_step_threads(spec, whole, x, y, dropout=key), x, y, key)
 
 
 @given(st.integers(1, 9), st.integers(1, 9), st.integers(0, 2**16), st.integers(1, 6))

@@ -12,7 +12,9 @@ probe is the profile's `probe_s`, against which `netpart run` says how fast the 
    larger layers the tables then reach) run alone with the runtime's slice classes
    (`measure_slices`), the fastest of SLICE_PASSES passes: per layer kind, a table of (FLOPs
    x batch, seconds) points, the seconds per input value a slice gathers where they lower
-   the table's error, and the forward pass's median share of a slice.
+   the table's error, and the forward pass's median share of a slice. A conv slice goes to
+   the "conv" table where torch's convolution computes most of its outputs, else to the
+   `PATCHES` table (tiles and a random cut of models with conv layers are timed for them).
 2. Link: 2 processes (and, where the runner has the machines, up to `LINK_WORLD`) exchanging
    messages of `LINK_SIZES` with every other process, both ways, through the runtime's
    transport (`run_link`): seconds per size and number of peers; and the loss's collective
@@ -68,13 +70,14 @@ from netpart.calibrate.speed import SpeedProbe, probe_once
 from netpart.calibrate.trace import SliceTimes, measure_slices
 from netpart.calibrate.trust import LoadSample, sample
 from netpart.cost.exchange import PsExchange
-from netpart.cost.machine import PROFILE_SCHEMA, Machine
+from netpart.cost.machine import PATCHES, PROFILE_SCHEMA, Machine
 from netpart.models import load_spec
 from netpart.models.spec import BYTES_PER_VALUE, ModelSpec
 from netpart.partition import build_unit_graph, plan
-from netpart.partition.evaluate import input_values, reevaluate
+from netpart.partition.evaluate import input_values, per_layer_worker, reevaluate
 from netpart.partition.graph import UnitGraph
 from netpart.partition.plans import PartitionPlan
+from netpart.partition.rectangles import convolved_units
 from netpart.partition.volume import layer_traffic
 from netpart.runtime.check import make_batch
 from netpart.runtime.step import (
@@ -100,6 +103,7 @@ __all__ = [
     "kind_cost",
     "layer_costs",
     "run_spreads",
+    "slice_points",
     "step_cpu_s",
 ]
 
@@ -126,10 +130,14 @@ def layer_flops(graph: UnitGraph, p: PartitionPlan) -> np.ndarray:
 
 def _plan_arrays(spec: ModelSpec, p: PartitionPlan) -> tuple[np.ndarray, ...]:
     """Per example, of each worker's slice of each layer: FLOPs [L, P], the units it sends
-    each other worker [L, P, P] (sender, receiver) and the input values it reads [L, P]."""
+    each other worker [L, P, P] (sender, receiver), the input values it reads [L, P] and the
+    share of its outputs torch's convolution computes [L, P] (conv layers)."""
     graph = build_unit_graph(spec, p.granularity)
     traffic = layer_traffic(graph, p.node_map, p.workers)
-    return layer_flops(graph, p), traffic, input_values(graph, p.node_map, p.workers, traffic)
+    values = input_values(graph, p.node_map, p.workers, traffic)
+    units = per_layer_worker(graph, p.node_map, p.workers, graph.units)
+    convolved = convolved_units(graph, p.node_map, p.workers) / np.maximum(units, 1)
+    return layer_flops(graph, p), traffic, values, convolved
 
 
 class Runner(Protocol):
@@ -216,12 +224,12 @@ def _fastest(timings: list[SliceTimes]) -> SliceTimes:
     return SliceTimes(fwd, bwd, timings[0].batch)
 
 
-def _compute_points(specs, batch: int, runner: Runner, say: Progress) -> tuple[dict, dict]:
+def slice_points(specs, batch: int, runner: Runner, say: Progress) -> tuple[dict, dict]:
     """Per kind, (FLOPs x batch, input values gathered x batch, seconds fwd+bwd, forward
     share) of every slice of 1- to 3-worker plans, and per layer (`ModelSpec.layer_key`),
     (FLOPs x batch, seconds) of its slices: per slice the faster of SLICE_PASSES timings, one
     per pass over all the models (a slow moment of the machine lasts seconds)."""
-    plans = {spec.name: [plan(spec, n, "metis", batch=batch) for n in (1, 2, 3)] for spec in specs}
+    plans = {spec.name: _slice_plans(spec, batch) for spec in specs}
     passes = []
     for k in range(SLICE_PASSES):
         passes.append([runner.slices(spec, plans[spec.name], batch) for spec in specs])
@@ -231,27 +239,43 @@ def _compute_points(specs, batch: int, runner: Runner, say: Progress) -> tuple[d
     for m, spec in enumerate(specs):
         for i, p in enumerate(plans[spec.name]):
             times = _fastest([timed[m][i] for timed in passes])
-            flops, _, values = (a * batch for a in _plan_arrays(spec, p))
+            flops, _, values, convolved = _plan_arrays(spec, p)
+            flops, values = flops * batch, values * batch
             seconds = times.forward + times.backward
             for layer, kind in enumerate(layer.kind for layer in spec.layers):
                 for w in np.flatnonzero(flops[layer] > 0):
                     t = seconds[layer, w]
-                    points.setdefault(kind, []).append(
+                    path = PATCHES if kind == "conv" and convolved[layer, w] < 0.5 else kind
+                    points.setdefault(path, []).append(
                         (flops[layer, w], values[layer, w], t, times.forward[layer, w] / t)
                     )
-                    per_layer.setdefault(spec.layer_key(layer), []).append((flops[layer, w], t))
+                    if path != PATCHES:  # a layer's own table: what its whole slices run
+                        key = spec.layer_key(layer)
+                        per_layer.setdefault(key, []).append((flops[layer, w], t))
     return points, per_layer
+
+
+def _slice_plans(spec: ModelSpec, batch: int) -> list[PartitionPlan]:
+    """The plans whose slices calibration times: METIS over 1, 2 and 3 workers, and for a
+    model with conv layers tiles over 2 and 3 (their rectangles convolve: the "conv" table)
+    and a random cut over 2 (its slices multiply gathered patches: the `PATCHES` table)."""
+    plans = [plan(spec, n, "metis", batch=batch) for n in (1, 2, 3)]
+    if any(layer.kind == "conv" for layer in spec.layers):
+        plans += [plan(spec, n, "tiles", batch=batch) for n in (2, 3)]
+        plans.append(plan(spec, 2, "random", batch=batch))
+    return plans
 
 
 def _figures(spec: ModelSpec, p: PartitionPlan, batch: int, net: Machine) -> dict:
     """What the fit needs of a plan: the busiest worker's bytes each way in each layer's
     exchange (two phases each: forward and backward), compute by the slice tables alone
     (slowest worker per layer), and its joined layers."""
-    flops, traffic, values = _plan_arrays(spec, p)
+    flops, traffic, values, convolved = _plan_arrays(spec, p)
     busiest = np.maximum(traffic.sum(axis=1), traffic.sum(axis=2)).max(axis=1)
     kinds = [layer.kind for layer in spec.layers]
     keys = spec.layer_keys()
-    compute = net.worker_compute_s(flops, batch, kinds, values, keys).max(axis=1)
+    compute = net.worker_compute_s(flops, batch, kinds, values, keys, convolved=convolved)
+    compute = compute.max(axis=1)
     joined = traffic.sum(axis=(1, 2)) == 0
     return {
         "joined": int(joined[1:].sum()),
@@ -403,7 +427,7 @@ def calibrate(
     load = [sample(LOAD_SAMPLE_S)]
     specs = [load_spec(m) for m in models]
     extra = [load_spec(m) for m in slice_models if m not in models]
-    points, per_layer = _compute_points(specs + extra, batch, runner, say)
+    points, per_layer = slice_points(specs + extra, batch, runner, say)
     kinds = {k: kind_cost(v) for k, v in sorted(points.items())}
     layers = layer_costs(per_layer, kinds)
     base = Machine(kinds=kinds, layers=layers, overlap=runner.overlap)

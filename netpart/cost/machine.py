@@ -38,7 +38,11 @@ from netpart.cost.units import quantity
 from netpart.errors import PlanError
 from netpart.models.spec import BYTES_PER_VALUE
 
-__all__ = ["PROFILE_SCHEMA", "Machine"]
+__all__ = ["PATCHES", "PROFILE_SCHEMA", "Machine"]
+
+# The table of conv slices that multiply gathered patches (an irregular cut's positions); the
+# "conv" table holds those torch's convolution computes (rectangles of the plane, whole layers).
+PATCHES = "conv-patches"
 
 # What a prediction from figures no machine measured says of itself: a calibrated profile
 # predicted steps within 15% in most cases measured (docs/measurements.md), the defaults
@@ -217,11 +221,15 @@ class Machine:
         kinds: list[str] | None = None,
         values: np.ndarray | None = None,
         keys: list[str] | None = None,
+        *,
+        convolved: np.ndarray | None = None,
     ) -> np.ndarray:
         """[L, P]: each worker's compute per layer, from FLOPs per example [L, P] (and,
         calibrated, the input values each worker's slice gathers per example [L, P]): read
         off the layer's own table where `layers` has its key (`ModelSpec.layer_key`), else
-        off its kind's."""
+        off its kind's. `convolved` [L, P]: the share of each worker's conv outputs torch's
+        convolution computes; where the machine has a `PATCHES` table the rest is read off
+        it (each path's table at its own share of the work)."""
         out = flops * batch / self.flops_per_s
         if not self.kinds or kinds is None:
             return out
@@ -232,12 +240,17 @@ class Machine:
         for layer, kind in enumerate(kinds):
             own = self.layers.get(keys[layer]) if keys is not None else None
             cost = self.kinds.get(kind)
-            if own is not None:
-                t = slow * own.seconds(flops[layer] * batch)
-            elif cost is not None:
-                t = slow * cost.seconds(flops[layer] * batch, gathered[layer])
-            else:
+            if own is None and cost is None:
                 continue
+            work, reads = flops[layer] * batch, gathered[layer]
+            patches = self.kinds.get(PATCHES) if kind == "conv" else None
+            if patches is None or convolved is None:
+                t = slow * _table_s(own, cost, work, reads)
+            else:
+                s = convolved[layer]
+                by_conv = np.where(s > 0, _table_s(own, cost, work * s, reads * s), 0.0)
+                rest = patches.seconds(work * (1 - s), reads * (1 - s))
+                t = slow * (by_conv + np.where(s < 1, rest, 0.0))
             t = t + gathered[layer] * self.fill_s_per_value
             out[layer] = np.where(flops[layer] > 0, t, 0.0)
         return out
@@ -344,6 +357,14 @@ class Machine:
         if min(net.bandwidth_bps, net.flops_per_s) <= 0 or net.latency_s < 0:
             raise PlanError("--net: bandwidth and flops must be positive, latency >= 0")
         return net
+
+
+def _table_s(
+    own: LayerCost | None, cost: KindCost | None, work: np.ndarray, reads: np.ndarray
+) -> np.ndarray:
+    """Seconds of slices of `work` FLOPs reading `reads` values: off a layer's own table
+    where it has one (FLOPs alone), else off its kind's."""
+    return own.seconds(work) if own is not None else cost.seconds(work, reads)
 
 
 def _duration(seconds: float) -> str:

@@ -15,8 +15,8 @@ schema), written by hand from a spec sheet or by `netpart calibrate` from its me
     overhead = "20 us"       # per layer slice per step (a call's fixed cost)
     per_value = "1 ns"       # per input value a slice reads (gather and scatter), x batch
     threads = 16             # cores a worker computes on (recorded, not modelled)
-    [compute.kinds.dense]    # optional: a layer kind's own rate and overhead
-    rate = "120 GFLOP/s"
+    [compute.kinds.dense]    # optional: a layer kind's own rate and overhead (conv-patches:
+    rate = "120 GFLOP/s"     # conv outputs an irregular cut leaves to gathered patches)
     [network]
     bandwidth = "1 Gbit/s"   # per worker link, each way
     latency = "100 us"       # per exchange phase
@@ -46,7 +46,7 @@ try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
-from netpart.cost.machine import Machine
+from netpart.cost.machine import PATCHES, Machine
 from netpart.cost.tables import KindCost
 from netpart.cost.units import EXAMPLES, quantity
 from netpart.models.spec import LAYER_KINDS
@@ -119,7 +119,7 @@ class MachineSheet:
         exactly overhead + FLOPs / rate, the link's latency, per-message cost and bandwidth,
         the step's overhead; halos overlap interior compute (machines of their own)."""
         kinds = {}
-        for kind in LAYER_KINDS:
+        for kind in (*LAYER_KINDS, PATCHES) if PATCHES in self.kinds else LAYER_KINDS:
             r = self.rate(kind)
             points = ((1.0, float(r.seconds(1.0))), (_LARGEST, float(r.seconds(_LARGEST))))
             kinds[kind] = KindCost(points, per_value=r.per_value_s)
@@ -214,10 +214,10 @@ class MachineSheet:
             raise PlanError(f'{where}: compute.rate is required, e.g. rate = "95 GFLOP/s"')
         kinds = {}
         for kind, raw in _table(compute.get("kinds", {}), "compute.kinds", where).items():
-            if kind not in LAYER_KINDS:
+            if kind not in (*LAYER_KINDS, PATCHES):
                 raise PlanError(
                     f"{where}: compute.kinds.{kind}: unknown layer kind; use one "
-                    f"of {', '.join(LAYER_KINDS)}"
+                    f"of {', '.join(LAYER_KINDS)} or {PATCHES}"
                 )
             k = _table(raw, "kind", where, f"compute.kinds.{kind}")
             kinds[kind] = KindRate(

@@ -36,12 +36,14 @@ from netpart.models.spec import BYTES_PER_VALUE
 __all__ = ["layer_times", "split_layers", "step_times"]
 
 
-def _worker_times(flops, traffic, batch, net, kinds, values, interior, chains, keys):
+def _worker_times(
+    flops, traffic, batch, net, kinds, values, interior, chains, keys, convolved=None
+):
     """Per layer and worker [L, P]: compute, one direction's exchange time, the work that
     hides the forward and the backward exchange, and the forward share of compute; and ([L]
     the layers split, [L, P] the work a split could hide behind, both ways)."""
     flops = np.asarray(flops, dtype=np.float64)
-    work = net.worker_compute_s(flops, batch, kinds, values, keys)
+    work = net.worker_compute_s(flops, batch, kinds, values, keys, convolved=convolved)
     if net.joined_saving_s:  # a layer with no halo runs in one graph with the layer below
         joined = traffic.sum(axis=(1, 2)) == 0
         joined[0] = False
@@ -73,6 +75,8 @@ def step_times(
     interior: np.ndarray | None = None,
     chains: tuple[np.ndarray, np.ndarray] | None = None,
     keys: list[str] | None = None,
+    *,
+    convolved: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, float]:
     """(compute_s[l], exchange_s[l], path_s): the slowest worker's time in each layer
     (exchange: what overlap leaves exposed) and the step's layers on each worker's own
@@ -84,11 +88,12 @@ def step_times(
     per example (for a calibrated model) and `interior` [L, P] the share of each worker's
     units of each layer that read no halo (for overlap; none hidden without it), `chains`
     the producer chains' (late share, layer whose exchange it hides) [L, P] each
-    (`netpart.partition.planner.chain_shares`), and `keys` each layer's
-    `ModelSpec.layer_key` (a calibrated model's own tables of those layers).
+    (`netpart.partition.planner.chain_shares`), `keys` each layer's `ModelSpec.layer_key`
+    (a calibrated model's own tables of those layers), and `convolved` [L, P] the share of
+    each worker's conv outputs torch's convolution computes (`Machine.worker_compute_s`).
     """
     work, phase, hide_fwd, hide_bwd, share, _ = _worker_times(
-        flops, traffic, batch, net, kinds, values, interior, chains, keys
+        flops, traffic, batch, net, kinds, values, interior, chains, keys, convolved
     )
     exp_f, exp_b = np.maximum(phase - hide_fwd, 0.0), np.maximum(phase - hide_bwd, 0.0)
     fwd, bwd = work * share, work * (1.0 - share)

@@ -7,7 +7,9 @@ acoustic model (440 inputs, 4 x 2560 sigmoid, 8192-way softmax, ~42M parameters)
 1.7B parameters (the largest with a 21841-way output, as for ImageNet-21k). The
 benchmark models: `digits-mlp` (64-256-256-10, the data-parallel comparison's job on
 scikit-learn's digits) and `bench-local` / `bench-local-wide` (mid-size locally connected
-nets, 10M and 32M parameters, on 3x48x48 input, for the runtime and calibration figures).
+nets, 10M and 32M parameters, on 3x48x48 input, for the runtime and calibration figures);
+`cifar-cnn` (two 3x3 conv layers with max pooling on 3x32x32 input: calibration times its
+slices for the conv kind's tables, both torch's convolution and gathered patches).
 """
 
 from __future__ import annotations
@@ -88,6 +90,17 @@ _ZOO_DICTS: dict[str, dict[str, Any]] = {
         "layer": [
             {"kind": "dense", "units": 256, "activation": "relu"},
             {"kind": "dense", "units": 256, "activation": "relu"},
+            {"kind": "dense", "units": 10, "activation": "softmax"},
+        ],
+    },
+    "cifar-cnn": {
+        "name": "cifar-cnn",
+        "input": {"channels": 3, "height": 32, "width": 32},
+        "layer": [
+            {"kind": "conv", "channels": 32, "kernel": 3, "padding": 1, "activation": "relu"},
+            {"kind": "pool", "mode": "max", "kernel": 2},
+            {"kind": "conv", "channels": 64, "kernel": 3, "padding": 1, "activation": "relu"},
+            {"kind": "pool", "mode": "max", "kernel": 2},
             {"kind": "dense", "units": 10, "activation": "softmax"},
         ],
     },

@@ -18,7 +18,7 @@ from netpart.models.spec import BYTES_PER_VALUE, ModelSpec
 from netpart.partition.graph import UnitGraph, build_unit_graph, narrow
 from netpart.partition.plans import LayerFigures, PartitionPlan, PlanMetrics, WorkerFigures
 from netpart.partition.reads import read_window
-from netpart.partition.rectangles import convolved_shares
+from netpart.partition.rectangles import convolved_units
 from netpart.partition.volume import layer_lower_bounds, layer_traffic, workers_per_layer
 
 __all__ = [
@@ -57,13 +57,16 @@ def evaluate(
     interior = interior_shares(graph, node_map, workers, crossing)
     chains = chain_shares(graph, node_map, workers, crossing)
     keys = spec.layer_keys()
+    units = per_layer_worker(graph, node_map, workers, graph.units)
+    convolved = convolved_units(graph, node_map, workers) / np.maximum(units, 1)
     args = (flops / speed[None, :], traffic, batch, network, kinds, values)
     # path <= compute.sum() + exchange.sum(); nothing hides a halo without overlap
     hiding = (interior, chains) if network.overlap else (None, None)
-    compute, exchange, path = step_times(*args, *hiding, keys)
+    compute, exchange, path = step_times(*args, *hiding, keys, convolved=convolved)
     # What to split where the workers have machines of their own (on one host none is).
+    on_own = replace(network, overlap=True)
     split, hideable = split_layers(
-        *args[:3], replace(network, overlap=True), *args[4:], interior, chains, keys
+        *args[:3], on_own, *args[4:], interior, chains, keys, convolved=convolved
     )
     fixed = network.fixed_s(workers)
     lower = layer_lower_bounds(spec, used.sum(axis=1))
@@ -79,7 +82,11 @@ def evaluate(
         compute_s=float(min(compute.sum(), path)),
         exchange_s=float(max(path - compute.sum(), 0.0)),
     )
-    times = (compute, exchange, split, hideable, convolved_shares(graph, node_map))
+    shares = [
+        float(convolved[i] @ units[i] / lb.shape.size) if lb.kind == "conv" else None
+        for i, lb in enumerate(graph.layers)
+    ]  # the share of each conv layer's outputs torch's convolution computes
+    times = (compute, exchange, split, hideable, shares)
     layers = tuple(
         _layer_figures(graph, i, spread, used, per_layer_volume, lower, imbalance, times)
         for i in range(nlayers)
@@ -104,8 +111,10 @@ def step_floor(
     none = np.zeros((len(graph.layers), workers, workers))
     kinds = [layer.kind for layer in spec.layers]
     values = input_values(graph, node_map, workers, none)
+    units = per_layer_worker(graph, node_map, workers, graph.units)
+    convolved = convolved_units(graph, node_map, workers) / np.maximum(units, 1)
     args = (flops / speed[None, :], none, batch, network, kinds, values)
-    _, _, path = step_times(*args, keys=spec.layer_keys())
+    _, _, path = step_times(*args, keys=spec.layer_keys(), convolved=convolved)
     return float(path + network.fixed_s(workers))
 
 

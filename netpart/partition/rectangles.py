@@ -2,8 +2,9 @@
 of a channel group cut into rectangles of the plane (`plane_rectangles`), each run as one
 convolution over the input box it reads; the positions no rectangle of MIN_CONVOLVED holds (an
 irregular cut's edges) multiply gathered patches instead (`netpart.runtime.slices.ConvSlice`).
-`convolved_shares` gives, per conv layer of a plan, the share of its outputs on the first path,
-as the plan's report states it.
+`convolved_units` counts, per conv layer and worker of a plan, the outputs on the first path:
+the cost model prices the two paths apart by it, and the plan's report states each conv
+layer's share.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 
 from netpart.partition.graph import UnitGraph
 
-__all__ = ["MIN_CONVOLVED", "convolved_shares", "plane_rectangles"]
+__all__ = ["MIN_CONVOLVED", "convolved_units", "plane_rectangles"]
 
 MIN_CONVOLVED = 16  # output positions a rectangle needs to run as a convolution of its own
 
@@ -49,24 +50,21 @@ def plane_rectangles(
     return rects, np.flatnonzero(~kept)
 
 
-def convolved_shares(graph: UnitGraph, node_map: np.ndarray) -> list[float | None]:
-    """Per layer, the share of a conv layer's outputs torch's convolution computes under
-    `node_map` (None for other kinds): each worker's positions of each channel group, cut as
-    its slice cuts them."""
-    out: list[float | None] = []
-    for lb in graph.layers:
+def convolved_units(graph: UnitGraph, node_map: np.ndarray, workers: int) -> np.ndarray:
+    """[L, P]: per conv layer and worker, how many of its owned outputs torch's convolution
+    computes under `node_map` (0 for other kinds): each worker's positions of each channel
+    group, cut as its slice cuts them."""
+    done = np.zeros((len(graph.layers), workers))
+    for i, lb in enumerate(graph.layers):
         if lb.kind != "conv":
-            out.append(None)
             continue
         owners = node_map[lb.ids].reshape(lb.nc, lb.ny, lb.nx)
         heights, widths = np.diff(lb.ybounds), np.diff(lb.xbounds)
         plane = np.repeat(np.repeat(owners, heights, axis=1), widths, axis=2)  # [groups, H, W]
         channels = np.diff(lb.cbounds)
-        done = 0
         for g in range(lb.nc):
             flat = plane[g].ravel()
             for w in np.unique(flat):  # a loop over workers, not units
                 rects, _ = plane_rectangles(np.flatnonzero(flat == w), lb.shape.width)
-                done += channels[g] * sum((y1 - y0) * (x1 - x0) for y0, y1, x0, x1 in rects)
-        out.append(float(done / lb.shape.size))
-    return out
+                done[i, w] += channels[g] * sum((y1 - y0) * (x1 - x0) for y0, y1, x0, x1 in rects)
+    return done

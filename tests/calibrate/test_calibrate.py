@@ -11,15 +11,24 @@ from hypothesis import strategies as st
 
 from netpart.calibrate import trust
 from netpart.calibrate.fitting import ANCHOR_HIGH, anchored
-from netpart.calibrate.measure import crowd_counts, fit, kind_cost, layer_costs, step_cpu_s
+from netpart.calibrate.measure import (
+    crowd_counts,
+    fit,
+    kind_cost,
+    layer_costs,
+    slice_points,
+    step_cpu_s,
+)
+from netpart.calibrate.trace import SliceTimes
 from netpart.cli import main
 from netpart.compile.schedule import plan_schedule
-from netpart.cost.machine import Machine
+from netpart.cost.machine import PATCHES, Machine
 from netpart.cost.sheet import read_sheet
 from netpart.cost.step import layer_times
 from netpart.cost.tables import KindCost, LayerCost
 from netpart.errors import PlanError
 from netpart.models import load_spec
+from netpart.models.spec import ModelSpec
 from netpart.partition import Granularity, build_unit_graph, plan
 from netpart.partition.evaluate import chain_shares, interior_shares, reevaluate
 from netpart.partition.plans import PartitionPlan
@@ -123,6 +132,72 @@ def test_a_layer_with_its_own_table_is_read_off_it_and_the_others_off_their_kind
     )  # without the layers' keys: their kind's table
     p = plan(spec, 2, "stripe", batch=32, network=CALIBRATED)
     assert reevaluate(spec, p, 32, net).metrics.compute_s > p.metrics.compute_s
+
+
+CONV = ModelSpec.from_dict(
+    {
+        "name": "convs",
+        "input": {"channels": 2, "height": 12, "width": 12},
+        "layer": [
+            {"kind": "conv", "channels": 4, "kernel": 3, "padding": 1},
+            {"kind": "pool", "kernel": 2},
+            {"kind": "dense", "units": 3, "activation": "softmax"},
+        ],
+    }
+)
+
+
+def test_a_conv_layer_s_two_paths_are_priced_each_off_its_own_table():
+    """Torch's convolution and gathered patches run at different rates: a worker's share of
+    each is read off its table at that share of the work; without a patches table the conv
+    table prices both."""
+    conv = KindCost(((1e3, 1e-4), (1e9, 1e-4 + 1e9 / 40e9)))
+    patches = KindCost(((1e3, 3e-4), (1e9, 3e-4 + 1e9 / 10e9)))
+    net = Machine(kinds={"conv": conv, PATCHES: patches})
+    flops, kinds = np.array([[1e6, 1e6, 1e6]]), ["conv"]
+    got = net.worker_compute_s(flops, 32, kinds, convolved=np.array([[1.0, 0.0, 0.25]]))
+    whole = 32e6
+    assert got[0, 0] == pytest.approx(float(conv.seconds(np.array([whole]))[0]))
+    assert got[0, 1] == pytest.approx(float(patches.seconds(np.array([whole]))[0]))
+    mixed = conv.seconds(np.array([whole / 4])) + patches.seconds(np.array([whole * 3 / 4]))
+    assert got[0, 2] == pytest.approx(float(mixed[0]))
+    alone = Machine(kinds={"conv": conv})
+    assert alone.worker_compute_s(flops, 32, kinds, convolved=np.array([[1.0, 0.0, 0.25]])) == (
+        pytest.approx(alone.worker_compute_s(flops, 32, kinds))
+    )
+    # a plan: tiles convolve, a random cut gathers patches, and each is priced so
+    tiles = plan(CONV, 2, "tiles", batch=32, network=net)
+    scattered = plan(CONV, 2, "random", batch=32, network=net)
+    assert tiles.layers[0].convolved == 1.0 and scattered.layers[0].convolved == 0.0
+    slow = replace(
+        net,
+        kinds={
+            "conv": conv,
+            PATCHES: replace(patches, points=tuple((f, 10 * s) for f, s in patches.points)),
+        },
+    )
+    assert reevaluate(CONV, tiles, 32, slow).layers[0].compute_s == tiles.layers[0].compute_s
+    assert reevaluate(CONV, scattered, 32, slow).layers[0].compute_s > 5 * (
+        scattered.layers[0].compute_s
+    )
+
+
+def test_calibration_times_conv_slices_into_the_conv_and_the_patches_tables():
+    """METIS's regions convolve (the conv table), a random cut multiplies patches (the
+    patches table); a layer's own table holds its convolved slices alone."""
+
+    class Timed:  # every slice 1 ms: where each lands is the question
+        def slices(self, spec, plans, batch):
+            times = []
+            for p in plans:
+                ones = np.full((len(spec.layers), p.workers), 1e-3)
+                times.append(SliceTimes(ones, ones, batch))
+            return times
+
+    points, per_layer = slice_points([CONV], 8, Timed(), lambda _: None)
+    assert len(points["conv"]) >= 1 + 2 + 3  # one worker's whole layer, 2 and 3 tiles
+    assert len(points[PATCHES]) >= 2  # the random cut's two workers
+    assert len(per_layer[CONV.layer_key(0)]) == len(points["conv"])
 
 
 def test_layer_tables_are_made_for_layers_timed_at_two_sizes_and_floored_at_their_kind():

@@ -1,4 +1,4 @@
-"""MachineSheet descriptions: the schema round-trips, a hand-written file with a bad key or unit is
+"""Machine description files: the schema round-trips, a hand-written file with a bad key or unit is
 refused in one line naming it, a machine's prediction is what its figures say, and the same
 file draws the same Figure 3 (nothing of this host enters it)."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from netpart.cli import main
-from netpart.cost.machine import Machine
+from netpart.cost.machine import PATCHES, Machine
 from netpart.cost.sheet import KindRate, MachineSheet, read_sheet, sheet_toml
 from netpart.cost.tables import KindCost
 from netpart.errors import PlanError
@@ -167,3 +167,15 @@ def test_the_figure3_experiment_writes_its_files(tmp_path):
     assert rows[1]["band_low"] <= rows[1]["speedup"] <= rows[1]["band_high"]
     assert (tmp_path / "figure3.png").read_bytes()[:4] == b"\x89PNG"
     assert "| tiny-local |" in (tmp_path / "figure3.md").read_text()
+
+
+def test_a_file_may_price_a_conv_layer_s_gathered_patches_apart(tmp_path):
+    text = GOOD + '[compute.kinds.conv-patches]\nrate = "5 GFLOP/s"\noverhead = "50 us"\n'
+    sheet = read_sheet(write(tmp_path, text))
+    rate = sheet.kinds[PATCHES]
+    assert (rate.flops_per_s, rate.overhead_s) == pytest.approx((5e9, 5e-5), rel=1e-12)
+    again = read_sheet(write(tmp_path, sheet_toml(sheet), "again.toml"))
+    assert again == sheet
+    machine = sheet.to_machine()
+    assert float(machine.kinds[PATCHES].seconds(np.array([5e9]))[0]) == pytest.approx(1 + 5e-5)
+    assert PATCHES not in read_sheet(write(tmp_path, GOOD, "plain.toml")).to_machine().kinds

@@ -49,8 +49,8 @@ def keep_scale(
 ) -> torch.Tensor:
     """[len(units), batch] of layer `layer`'s outputs `units` (int64 indices) for the key's
     samples: 0 where a value is dropped (probability `p`), 1 / (1 - p) where it is kept."""
-    seed = _mix(torch.tensor([(key.seed ^ 0x5BD1E995) & _M32], dtype=torch.int64))
-    base = _mix(_mix(seed ^ (key.step & _M32)) ^ layer)
+    seed = _mix_one((key.seed ^ 0x5BD1E995) & _M32)
+    base = _mix_one(_mix_one(seed ^ (key.step & _M32)) ^ layer)
     per_unit = _mix(base ^ (units.to(torch.int64) & _M32))
     samples = torch.arange(key.first_sample, key.first_sample + batch, dtype=torch.int64)
     per_sample = _mix(_mix(samples & _M32) ^ _SAMPLE_SALT)
@@ -68,6 +68,15 @@ def _mix(x: torch.Tensor, *, fresh: bool = False) -> torch.Tensor:
     x.bitwise_xor_(x >> 15)
     x.mul_(0x735A2D97).bitwise_and_(_M32)
     return x.bitwise_xor_(x >> 15)
+
+
+def _mix_one(x: int) -> int:
+    """`_mix` of one value (a Python int: the key's hashes cost no tensor)."""
+    x ^= x >> 16
+    x = (x * 0x21F0AAAD) & _M32
+    x ^= x >> 15
+    x = (x * 0x735A2D97) & _M32
+    return x ^ (x >> 15)
 
 
 def training_key(spec: ModelSpec, seed: int, step: int, first_sample: int = 0) -> DropoutKey | None:

@@ -146,8 +146,9 @@ class ShardServer:
         self._ending = threading.Event()  # something that may end serving happened
         self._updated = threading.Event()  # the update count reached `_wake_at`
         self._wake_at = 1
-        self._keep_at, self._kept = 0, None  # a copy to take at that update count (`keep_at`)
+        self._keep_at = 0  # a copy to take at that update count (`keep_at`)
         self._keep_every = 0  # and again every so many updates after it (0: once)
+        self._kept: dict[int, ShardState] = {}  # update count -> the copy taken there
         self.lost: dict[int, str] = {}  # replica -> why
         self.done: dict[tuple[int, int], None] = {}  # peers that said goodbye
         self.pushed = {
@@ -277,7 +278,7 @@ class ShardServer:
             if self.state.updates >= self._wake_at:
                 self._updated.set()
             if self._keep_at and self.state.updates >= self._keep_at:
-                self._kept = self._copy()
+                self._kept[self._keep_at] = self._copy()
                 self._keep_at = self._keep_at + self._keep_every if self._keep_every else 0
 
     def answer(self, link: Link, kind: int, step: int, extra: int) -> bool:
@@ -443,13 +444,21 @@ class ShardServer:
     def keep_at(self, updates: int, every: int = 0) -> None:
         """Copy the state when the update count first reaches `updates`, on the update path
         (a snapshot of exactly that update, not of a later one), and with `every` again at
-        each `every` updates after it (each copy replacing the last); `kept` hands it over."""
+        each `every` updates after it; `kept` hands a copy over. Copies are kept until a
+        later one is handed over, so a reader that lags finds each count's own."""
         with self.cond:
-            self._keep_at, self._kept, self._keep_every = updates, None, every
+            self._keep_at, self._kept, self._keep_every = updates, {}, every
 
-    def kept(self) -> ShardState | None:
+    def kept(self, updates: int | None = None) -> ShardState | None:
+        """The copy taken at `updates` (None: the latest taken), older copies dropped; None
+        where there is none."""
         with self.cond:
-            return self._kept
+            if not self._kept:
+                return None
+            at = max(self._kept) if updates is None else updates
+            for older in [k for k in self._kept if k < at]:
+                del self._kept[older]
+            return self._kept.get(at)
 
     def _copy(self) -> ShardState:
         s = self.state

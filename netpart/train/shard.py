@@ -194,8 +194,8 @@ class Checkpoints:
 
     def _kept_at(self, updates: int) -> ShardState:
         """The state the server kept at exactly `updates` (a test's checkpoint), else now."""
-        kept = self.server.kept()
-        return kept if kept is not None and kept.updates == updates else self.server.snapshot()
+        kept = self.server.kept(updates)
+        return kept if kept is not None else self.server.snapshot()
 
     def _write(self, where: Path, state: ShardState, meta: dict) -> None:
         if self.error is not None or self._diverged(state):

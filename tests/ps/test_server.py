@@ -351,7 +351,7 @@ def test_a_kept_copy_holds_exactly_the_update_it_was_asked_for():
     assert server.state.updates == len(pushes) and kept is not None and kept.updates == 3
     assert torch.equal(kept.values, alone.state.values)
     assert not torch.equal(kept.values, server.state.values)
-    # with `every`, a copy at each multiple after it, the last replacing the one before
+    # with `every`, a copy at each multiple after it, the latest handed over by default
     again = _server("downpour", replicas=1)
     again.keep_at(2, every=4)  # copies at 2, 6 and 10; not at the pushes between
     seen = []
@@ -359,3 +359,11 @@ def test_a_kept_copy_holds_exactly_the_update_it_was_asked_for():
         _push(again, 0, w, step, torch.full((n[w],), float(i + 1), dtype=torch.float64))
         seen.append(None if again.kept() is None else again.kept().updates)
     assert seen == [None, 2, 2, 2, 2, 6, 6, 6, 6, 10]
+    # a reader that lags (a checkpoint thread behind the server) still finds each count's
+    # own copy, until it has taken a later one
+    late = _server("downpour", replicas=1)
+    late.keep_at(2, every=4)
+    for i, (step, w) in enumerate(pushes):
+        _push(late, 0, w, step, torch.full((n[w],), float(i + 1), dtype=torch.float64))
+    assert [late.kept(k).updates for k in (2, 6, 10)] == [2, 6, 10]
+    assert late.kept(6) is None and late.kept().updates == 10  # older copies dropped

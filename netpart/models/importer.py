@@ -17,7 +17,10 @@ counted), `LPPool2d(2)` (their windows, strides and paddings per axis too), netp
 `GELU` (exact), `SiLU`, `Sigmoid`, `Tanh` and their functional forms, `Dropout` (on the
 output of the layer before it, with netpart's plan-independent masks:
 `netpart.models.dropout`; its functional form is refused, as no mask can be given to it),
-`Flatten`, `torch.flatten`, `view` and `reshape` into a dense layer.
+`Flatten`, `torch.flatten`, `view` and `reshape` into a dense layer; `+`, `torch.add` and
+`x.add(y)` of two layers' outputs (an `add` layer: a residual addition) and `torch.cat` along
+channels (a `concat` layer), a layer that reads an earlier output than the last naming it in
+its `inputs` (a layer graph: `netpart.models.spec`).
 Each layer of the spec is named by its module's path (`features.0`), so the parameters map
 to the user's names (`ModelSpec.state_names`). A network whose last layer is dense is read as
 a classifier: its outputs are logits, trained with cross-entropy (the spec's `softmax`).
@@ -50,7 +53,7 @@ __all__ = [
 SUPPORTED = (
     "Conv2d, Linear, MaxPool2d, AvgPool2d, LPPool2d(2), ReLU, LeakyReLU, GELU, SiLU, Sigmoid, "
     "Tanh, Dropout, Flatten, netpart.nn.LocallyConnected2d, netpart.nn.LocalContrastNorm, "
-    "netpart.nn.L2Pool2d"
+    "netpart.nn.L2Pool2d, + and torch.cat of layers' outputs"
 )
 ACTIVATIONS = ("relu", "leaky_relu", "gelu", "silu", "sigmoid", "tanh")  # functions' names
 
@@ -214,7 +217,9 @@ class _Walk:
         self.graph, self.name = graph, name
         self.modules = dict(graph.named_modules())
         self.out: list[dict] = []
-        self.last = None  # the node whose value the next layer must read
+        self.at: dict[Any, int] = {}  # node -> the spec layer its value is (-1: the input)
+        self.node: Any = None  # the node being read
+        self.read: int = -1  # the layer it reads (its first input's)
 
     def check_modules(self) -> None:
         """SpecError naming the first module call netpart does not read."""
@@ -229,7 +234,7 @@ class _Walk:
     def layers(self) -> list[dict]:
         for node in self.graph.graph.nodes:
             if node.op == "placeholder":
-                self.last = node
+                self.at[node] = -1
             elif node.op in ("call_module", "call_function", "call_method"):
                 self._node(node)
         return self.out
@@ -239,17 +244,42 @@ class _Walk:
         if meta is None or not hasattr(meta, "shape"):
             return  # x.size(0) and the like: not a layer
         reads = [a for a in node.all_input_nodes if "tensor_meta" in a.meta]
-        if reads != [self.last]:
+        if not reads:
+            raise SpecError(f"{self.name}: {node.name} reads no layer's output (a constant)")
+        self.node, self.read = node, self.at[reads[0]]
+        self.at[node] = self.read  # until it makes a layer of its own
+        if _merge(node) is not None:
+            self._merge(node, _merge(node), reads)
+        elif len(reads) != 1:
             raise SpecError(
-                f"{self.name}: {node.name} reads {', '.join(r.name for r in reads)}, not the "
-                "layer before it: branching networks are not read yet"
+                f"{self.name}: {node.name} reads {', '.join(r.name for r in reads)}; netpart "
+                "merges outputs by addition (+, torch.add) or torch.cat along channels"
             )
-        self.last = node
-        if node.op == "call_module":
+        elif node.op == "call_module":
             self._flat_into(node, reads[0])
             self._module(node.target, self.modules[node.target])
         else:
             self._function(node)
+
+    def _merge(self, node: Any, kind: str, reads: list) -> None:
+        """A residual addition or a concatenation along channels: a layer of its own that
+        reads the layers its operands are."""
+        if kind == "add" and (len(reads) < 2 or node.kwargs.get("alpha", 1) != 1):
+            raise SpecError(
+                f"{self.name}: {node.name} adds a constant or a scaled operand; netpart adds "
+                "layers' outputs as they are"
+            )
+        if kind == "concat":
+            dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+            rank = len(node.meta["tensor_meta"].shape)
+            if dim not in (1, 1 - rank):
+                raise SpecError(
+                    f"{self.name}: {node.name} (torch.cat) joins along dim {dim}; netpart "
+                    "concatenates channels (dim 1)"
+                )
+            reads = list(node.args[0])
+        self.out.append({"kind": kind, "inputs": [self.at[r] for r in reads], "activation": "none"})
+        self.at[node] = len(self.out) - 1
 
     def _flat_into(self, node: Any, read: Any) -> None:
         """A Linear must read a flat [batch, features] input: netpart's dense layer reads the
@@ -329,11 +359,27 @@ class _Walk:
         if weighted and not bias:
             keys = {**keys, "bias": False}
         activation = {"activation": "none"} if weighted else {}
-        self.out.append({"kind": kind, "name": path, **keys, **activation})
+        inputs = {} if self.read == len(self.out) - 1 else {"inputs": [self.read]}
+        self.out.append({"kind": kind, "name": path, **keys, **activation, **inputs})
+        self.at[self.node] = len(self.out) - 1
+
+    def _applied(self) -> dict | None:
+        """The layer an activation or a dropout applies to: the one the node reads, where
+        nothing else reads that value (else the layer's output would change under a reader
+        of it)."""
+        if self.read < 0:
+            return None
+        (read,) = [a for a in self.node.all_input_nodes if "tensor_meta" in a.meta]
+        if len(read.users) > 1:
+            raise SpecError(
+                f"{self.name}: {self.node.name} applies to {read.name}, which other operations "
+                "read too; netpart applies an activation or a dropout to a layer's only output"
+            )
+        return self.out[self.read]
 
     def _dropout(self, where: str, p: float) -> None:
-        """Dropout on the output of the layer before (netpart's masks, `models.dropout`)."""
-        before = self.out[-1] if self.out else None
+        """Dropout on the output of the layer it reads (netpart's masks, `models.dropout`)."""
+        before = self._applied()
         if before is None or "dropout" in before:
             what = "the input" if before is None else "a layer's output twice"
             raise SpecError(
@@ -344,11 +390,12 @@ class _Walk:
             before["dropout"] = float(p)
 
     def _activation(self, where: str, name: str, slope: float | None = None) -> None:
-        before = self.out[-1] if self.out else None
+        before = self._applied()
         if before is None or before.get("activation") != "none":
             raise SpecError(
-                f"{self.name}: {where} ({name}) follows no conv, locally connected or linear "
-                "layer without one; netpart applies an activation to such a layer's output"
+                f"{self.name}: {where} ({name}) follows no conv, locally connected, linear, "
+                "add or cat layer without one; netpart applies an activation to such a "
+                "layer's output"
             )
         if "dropout" in before and name not in ("relu", "leaky_relu"):
             raise SpecError(
@@ -359,6 +406,22 @@ class _Walk:
         before["activation"] = name
         if slope is not None:
             before["negative_slope"] = float(slope)
+
+
+def _merge(node: Any) -> str | None:
+    """ "add" for a residual addition (`+`, `torch.add`, `x.add(y)`), "concat" for
+    `torch.cat`, else None."""
+    import operator
+
+    import torch
+
+    if node.op == "call_function" and node.target in (operator.add, operator.iadd, torch.add):
+        return "add"
+    if node.op == "call_method" and node.target in ("add", "add_"):
+        return "add"
+    if node.op == "call_function" and node.target in (torch.cat, torch.concat):
+        return "concat"
+    return None
 
 
 def _known() -> tuple[type, ...]:
@@ -474,6 +537,10 @@ def spec_toml(spec: ModelSpec) -> str:
     """`spec` as the TOML a user reads and edits (docs/spec.md)."""
 
     def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, list):
+            return f"[{', '.join(value(x) for x in v)}]"
         return f'"{v}"' if isinstance(v, str) else repr(v)
 
     inp = ", ".join(f"{k} = {v}" for k, v in spec.input.to_dict().items())

@@ -20,6 +20,8 @@ from netpart.nn import L2Pool2d, LocalContrastNorm, LocallyConnected2d
 
 __all__ = [
     "DTYPES",
+    "Add",
+    "Concat",
     "Pool2d",
     "ReferenceModel",
     "activation",
@@ -75,6 +77,23 @@ class _Dense(nn.Linear):
         return super().forward(x.flatten(1))
 
 
+class Add(nn.Module):
+    """The sum of its inputs (a residual addition)."""
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        out = xs[0]
+        for x in xs[1:]:
+            out = out + x
+        return out
+
+
+class Concat(nn.Module):
+    """Its inputs' channels side by side (dim 1), in order."""
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        return torch.cat(xs, dim=1)
+
+
 def layer_module(spec: ModelSpec, index: int) -> nn.Module:
     """Layer `index` of `spec` as a plain module on [B, C, H, W] (dense: any shape, flattened),
     its activation and dropout left out: the reference's, and a model worker's where it
@@ -107,11 +126,16 @@ def layer_module(spec: ModelSpec, index: int) -> nn.Module:
         return L2Pool2d(layer.kernel, layer.stride, layer.padding, **eps)
     if layer.kind == "pool":
         return Pool2d(layer)
+    if layer.kind == "add":
+        return Add()
+    if layer.kind == "concat":
+        return Concat()
     return LocalContrastNorm(layer.kernel, layer.eps)
 
 
 class ReferenceModel(nn.Module):
-    """The whole network in one process; `forward` returns the last layer's pre-softmax output."""
+    """The whole network in one process, its layers in order, each reading the layers its
+    spec names (`ModelSpec.sources`); `forward` returns the last layer's pre-softmax output."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -122,11 +146,13 @@ class ReferenceModel(nn.Module):
         """The outputs of a batch; `dropout`: a training step's key (its layers' dropout on,
         the masks every split draws too); None: no dropout (evaluation, export)."""
         x = x.reshape(x.shape[0], *self.spec.input.dims)
+        outs: list[torch.Tensor] = []
         for i, (layer, mod) in enumerate(zip(self.spec.layers, self.layers, strict=True)):
-            x = activation(layer, mod(x))
+            y = activation(layer, mod(*(x if s < 0 else outs[s] for s in self.spec.sources(i))))
             if layer.dropout and dropout is not None:
-                x = x * dropout_mask(self.spec, i, len(x), dropout, x.dtype)
-        return x
+                y = y * dropout_mask(self.spec, i, len(y), dropout, y.dtype)
+            outs.append(y)
+        return outs[-1]
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return reference_loss(self.spec, outputs, targets)
@@ -140,7 +166,7 @@ def dropout_mask(
     shape = spec.shapes[index]
     units = torch.arange(shape.size)
     mask = keep_scale(spec.layers[index].dropout, index, units, batch, key, dtype).T
-    if not spec.layers[index].is_spatial:
+    if spec.is_flat(index):
         return mask
     return mask.reshape(batch, shape.channels, shape.height, shape.width)
 

@@ -1,6 +1,7 @@
 """Model specs: frozen, validated descriptions of a layered network.
 
-A `ModelSpec` is an input shape and a sequence of layers. Every layer maps a (C, H, W) activation
+A `ModelSpec` is an input shape and a sequence of layers, each reading the one before it or
+the earlier layers it names (a layer graph). Every layer maps a (C, H, W) activation
 to a (C', H', W'); dense layers flatten their input and produce (units, 1, 1). A spec is validated
 when it is constructed, so every `ModelSpec` in the program describes a network that can be built.
 
@@ -38,6 +39,9 @@ Schema (TOML, or the same structure as JSON)::
     kind = "dense"
     units = 10
     activation = "softmax"
+
+A layer may name the layers it reads, `inputs = [2, 4]` (indices, names or "input"); `add`
+(equal shapes, summed) and `concat` (channels side by side) merge two or more (docs/spec.md).
 """
 
 from __future__ import annotations
@@ -49,12 +53,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from netpart.errors import SpecError
+from netpart.models.geometry import MERGE_KINDS, Shape, infer_shapes
 
 __all__ = [
     "ACTIVATIONS",
     "BYTES_PER_VALUE",
     "DTYPE_NAMES",
     "LAYER_KINDS",
+    "MERGE_KINDS",
     "InputSpec",
     "LayerSpec",
     "ModelSpec",
@@ -76,26 +82,11 @@ _ALLOWED_KEYS = {
     "dense": ("units", "activation", "negative_slope", "bias"),
     "pool": ("mode", "kernel", "stride", "padding", "eps"),
     "lcn": ("kernel", "eps"),
+    "add": ("activation", "negative_slope"),
+    "concat": ("activation", "negative_slope"),
 }
+_INPUT = -1  # a layer's `inputs` entry for the network's input
 _OPTIONAL_KEYS = ("negative_slope", "eps", "bias")  # written only when not their default
-
-
-@dataclass(frozen=True)
-class Shape:
-    """An activation shape per example: channels x height x width (dense: units x 1 x 1)."""
-
-    channels: int
-    height: int
-    width: int
-
-    @property
-    def size(self) -> int:
-        return self.channels * self.height * self.width
-
-    def __str__(self) -> str:
-        if self.height == self.width == 1:
-            return f"{self.channels}"
-        return f"{self.channels}x{self.height}x{self.width}"
 
 
 @dataclass(frozen=True)
@@ -139,6 +130,8 @@ class LayerSpec:
     name: str | None = None  # the layer's path in the user's module (an imported spec)
     bias: bool | None = None  # local, conv, dense: False for a layer without one (None: has)
     dropout: float | None = None  # any kind: the probability an output is zeroed in training
+    # the layers it reads, by index (-1: the network's input); None: the layer before it
+    inputs: tuple[int, ...] | None = None
 
     @property
     def is_spatial(self) -> bool:
@@ -180,6 +173,8 @@ class LayerSpec:
                 out[key] = list(value) if isinstance(value, tuple) else value
         if self.dropout is not None:
             out["dropout"] = self.dropout
+        if self.inputs is not None:
+            out["inputs"] = [i if i >= 0 else "input" for i in self.inputs]
         return out
 
 
@@ -193,7 +188,9 @@ class ModelSpec:
     shapes: tuple[Shape, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shapes", _infer_shapes(self))
+        sources = [self.sources(i) for i in range(len(self.layers))]
+        shapes = infer_shapes(self.input.shape, self.input.flat, self.layers, sources)
+        object.__setattr__(self, "shapes", shapes)
         if self.layers and self.layers[-1].dropout:
             raise SpecError(
                 f"layer {len(self.layers) - 1}: dropout on the last layer would drop the "
@@ -210,9 +207,41 @@ class ModelSpec:
             )
 
     # ---- derived figures -------------------------------------------------------------------
+    def sources(self, index: int) -> tuple[int, ...]:
+        """The layers layer `index` reads, in order (-1: the network's input)."""
+        inputs = self.layers[index].inputs
+        return inputs if inputs is not None else (index - 1,)
+
     def input_shape(self, index: int) -> Shape:
-        """The shape layer `index` reads: the network input for layer 0."""
-        return self.input.shape if index == 0 else self.shapes[index - 1]
+        """The shape layer `index` reads (its first input's): the network input for layer 0."""
+        first = self.sources(index)[0]
+        return self.input.shape if first < 0 else self.shapes[first]
+
+    def is_flat(self, index: int) -> bool:
+        """Whether layer `index`'s output is a flat vector (a dense layer's, or a merge of
+        flat ones) rather than planes."""
+        while self.layers[index].kind in MERGE_KINDS:
+            index = self.sources(index)[0]
+            if index < 0:
+                return self.input.flat
+        return not self.layers[index].is_spatial
+
+    @property
+    def is_chain(self) -> bool:
+        """Every layer reads the one before it, and only it."""
+        return all(self.sources(i) == (i - 1,) for i in range(len(self.layers)))
+
+    def require_chain(self, doing: str) -> None:
+        """SpecError (one line) where the layers branch: what `doing` cannot take yet."""
+        if self.is_chain:
+            return
+        i = next(i for i in range(len(self.layers)) if self.sources(i) != (i - 1,))
+        reads = ", ".join("the input" if s < 0 else f"layer {s}" for s in self.sources(i))
+        raise SpecError(
+            f"{self.name}: layer {i} ({self.layers[i].kind}) reads {reads}: {doing} takes a "
+            "chain of layers today; a layer graph that branches is imported and checked when "
+            "it loads, not yet planned"
+        )
 
     def layer_params(self, index: int) -> int:
         """Trainable parameters of layer `index` (weights and biases)."""
@@ -310,6 +339,7 @@ class ModelSpec:
             raise SpecError(f"{source}: the spec needs at least one [[layer]] table")
         inp = _parse_input(data.get("input"), source)
         layers = tuple(_parse_layer(raw, i, source) for i, raw in enumerate(layers_raw))
+        layers = _resolve_inputs(layers, layers_raw, source)
         try:
             return cls(name=name, input=inp, layers=layers)
         except SpecError as exc:
@@ -341,37 +371,6 @@ def _size(value: Any, what: str, minimum: int = 1) -> int | tuple[int, int]:
         h, w = (_positive_int(v, what, minimum) for v in value)
         return h if h == w else (h, w)
     return _positive_int(value, what, minimum)
-
-
-def _window_output(layer: LayerSpec, src: Shape, where: str) -> Shape:
-    """The output shape of a windowed layer (local, conv, pool) on `src`; SpecError naming
-    the axis where a stride, padding or kernel does not fit."""
-    sizes = []
-    for axis, k, s, p, n in zip(
-        ("height", "width"),
-        layer.kernel_hw,
-        layer.stride_hw,
-        layer.padding_hw,
-        (src.height, src.width),
-        strict=True,
-    ):
-        square = all(isinstance(v, int) for v in (layer.kernel, layer.stride, layer.padding))
-        across = "" if square else f" ({axis})"
-        if s > k:
-            raise SpecError(
-                f"{where}: stride {s} is larger than kernel {k}{across}, so inputs between "
-                "windows would never be read; use stride <= kernel"
-            )
-        if p >= k:
-            raise SpecError(f"{where}: padding {p} must be smaller than kernel {k}{across}")
-        if k > n + 2 * p:
-            raise SpecError(
-                f"{where}: kernel {k}{across} is larger than its input {src.height}x{src.width}"
-                f"{f' padded by {p}' if p else ''}; use a smaller kernel or more padding"
-            )
-        sizes.append((n + 2 * p - k) // s + 1)
-    channels = layer.channels if layer.kind in ("local", "conv") else src.channels
-    return Shape(channels, *sizes)
 
 
 def _positive_int(value: Any, what: str, minimum: int = 1) -> int:
@@ -408,14 +407,16 @@ def _parse_layer(raw: Any, index: int, source: str) -> LayerSpec:
     if not isinstance(raw, dict) or "kind" not in raw:
         raise SpecError(f"{where}: each [[layer]] needs a 'kind' ({' | '.join(LAYER_KINDS)})")
     kind = raw["kind"]
-    if kind not in LAYER_KINDS:
-        raise SpecError(f"{where}: unknown kind {kind!r}; use one of {', '.join(LAYER_KINDS)}")
+    if kind not in (*LAYER_KINDS, *MERGE_KINDS):
+        kinds = ", ".join((*LAYER_KINDS, *MERGE_KINDS))
+        raise SpecError(f"{where}: unknown kind {kind!r}; use one of {kinds}")
     where = f"{where} ({kind})"
     allowed = _ALLOWED_KEYS[kind]
     for key in raw:
-        if key not in ("kind", "name", "dropout") and key not in allowed:
+        if key not in ("kind", "name", "dropout", "inputs") and key not in allowed:
             raise SpecError(
-                f"{where}: unknown key {key!r}; allowed: kind, name, dropout, {', '.join(allowed)}"
+                f"{where}: unknown key {key!r}; allowed: kind, name, dropout, inputs, "
+                f"{', '.join(allowed)}"
             )
     try:
         bias = raw.get("bias", True)
@@ -474,8 +475,57 @@ def _parse_kind(raw: dict, kind: str) -> LayerSpec:
             mode=mode,
             eps=_number(raw["eps"], "eps", positive=False) if "eps" in raw else None,
         )
+    if kind in MERGE_KINDS:
+        return LayerSpec(kind, **_activation({"activation": "none", **raw}))
     eps = _number(raw.get("eps", 0.01), "eps", positive=True)
     return LayerSpec(kind, kernel=_positive_int(raw.get("kernel"), "kernel"), eps=eps)
+
+
+def _resolve_inputs(
+    layers: tuple[LayerSpec, ...], raws: list, source: str
+) -> tuple[LayerSpec, ...]:
+    """Each layer's `inputs` as indices of earlier layers: an index, "input" (the network's
+    input) or a layer's `name` (one that no other layer carries); None where it reads the
+    layer before it alone (the default). SpecError naming the layer and the input."""
+    named: dict[str, list[int]] = {}
+    for i, layer in enumerate(layers):
+        if layer.name is not None:
+            named.setdefault(layer.name, []).append(i)
+    out = []
+    for i, (layer, raw) in enumerate(zip(layers, raws, strict=True)):
+        where = f"{source}: layer {i} ({layer.kind})"
+        given = raw.get("inputs")
+        if given is None:
+            if layer.kind in MERGE_KINDS:
+                raise SpecError(f"{where}: give the layers it merges, e.g. inputs = [2, 4]")
+            out.append(layer)
+            continue
+        if not isinstance(given, list) or not given:
+            raise SpecError(f"{where}: inputs is a list of layers, e.g. inputs = [2, 4]")
+        inputs = tuple(_input_index(v, i, named, where) for v in given)
+        if layer.kind in MERGE_KINDS and len(inputs) < 2:
+            raise SpecError(f"{where}: an {layer.kind} merges two inputs or more")
+        if layer.kind not in MERGE_KINDS and len(inputs) != 1:
+            raise SpecError(f"{where}: a {layer.kind} layer reads one input; merge them first")
+        out.append(replace(layer, inputs=None if inputs == (i - 1,) else inputs))
+    return tuple(out)
+
+
+def _input_index(value: Any, index: int, named: dict[str, list[int]], where: str) -> int:
+    """One entry of layer `index`'s `inputs` as a layer index (-1: the network's input)."""
+    if value == "input":
+        return _INPUT
+    if isinstance(value, str):
+        found = named.get(value, [])
+        if len(found) != 1:
+            why = "no layer carries it" if not found else "two layers carry it"
+            raise SpecError(f"{where}: input {value!r}: {why}; name a layer by its index")
+        value = found[0]
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < index:
+        raise SpecError(
+            f'{where}: input {value!r} is not an earlier layer (0 to {index - 1}) or "input"'
+        )
+    return value
 
 
 def _number(value: Any, what: str, positive: bool) -> float:
@@ -502,35 +552,3 @@ def _activation(raw: dict) -> dict[str, Any]:
     if not number or not math.isfinite(slope):
         raise SpecError(f"negative_slope must be a number, got {slope!r}")
     return {"activation": value, "negative_slope": float(slope)}
-
-
-# ---- geometry --------------------------------------------------------------------------------
-def _infer_shapes(spec: ModelSpec) -> tuple[Shape, ...]:
-    """Output shape of every layer; raises SpecError for geometry that cannot exist."""
-    shapes: list[Shape] = []
-    src = spec.input.shape
-    flat_input = spec.input.flat
-    n = len(spec.layers)
-    for i, layer in enumerate(spec.layers):
-        where = f"layer {i} ({layer.kind})"
-        if layer.activation == "softmax" and (i != n - 1 or layer.kind != "dense"):
-            raise SpecError(f"{where}: softmax is only allowed on the last layer, a dense one")
-        if layer.kind == "dense":
-            out = Shape(layer.units, 1, 1)
-            flat_input = True
-        else:
-            if flat_input:
-                raise SpecError(
-                    f"{where}: a spatial layer needs an image input, but its input is a flat "
-                    "vector (after a dense layer or a features input); move it before the dense "
-                    "layers"
-                )
-            if layer.kind == "lcn":
-                if (k := layer.kernel) % 2 == 0:
-                    raise SpecError(f"{where}: lcn kernel must be odd (same-size output), got {k}")
-                out = Shape(src.channels, src.height, src.width)
-            else:
-                out = _window_output(layer, src, where)
-        shapes.append(out)
-        src = out
-    return tuple(shapes)

@@ -229,7 +229,9 @@ def build_unit_graph(spec: ModelSpec, granularity: Granularity | None = None) ->
     """Blocks, FLOPs, sizes and symmetric CSR adjacency for `spec` (vectorised numpy).
 
     The last graph built is kept (a plan's candidates of one granularity, and the command
-    that reports the plan, share it): graphs are immutable (their arrays are read-only)."""
+    that reports the plan, share it): graphs are immutable (their arrays are read-only).
+    A spec whose layers branch is refused (SpecError, one line): the graph is a chain's."""
+    spec.require_chain("planning")
     return _build(spec, granularity or Granularity())
 
 

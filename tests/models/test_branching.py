@@ -1,0 +1,212 @@
+"""Layer graphs that branch (issue 79, the spec and the import): a layer names its inputs,
+`add` and `concat` merge them; a user's residual network imports as written and its reference
+computes what the user's module computes; what does not fit is one line naming both branches;
+planning refuses a branching spec in one line (not planned yet)."""
+
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from netpart.cli import main
+from netpart.errors import SpecError
+from netpart.models import build_reference, load_spec
+from netpart.models.importer import import_model, parse_input
+from netpart.models.spec import ModelSpec
+
+
+class Block(nn.Module):
+    """A ResNet basic block without normalisation: an identity shortcut, or a 1x1 stride-2
+    projection where the shape changes."""
+
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        same = stride == 1 and cin == cout
+        self.shortcut = nn.Identity() if same else nn.Conv2d(cin, cout, 1, stride, bias=False)
+
+    def forward(self, x):
+        out = self.conv2(F.relu(self.conv1(x)))
+        return F.relu(out + self.shortcut(x))
+
+
+class Residual(nn.Module):
+    """A small ResNet with an inception-style concatenation before its classifier."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.layer1 = Block(8, 8, 1)
+        self.layer2 = Block(8, 16, 2)
+        self.wide = nn.Conv2d(16, 4, 1)
+        self.tall = nn.Conv2d(16, 4, 3, padding=1)
+        self.pool = nn.AvgPool2d(4)
+        self.fc = nn.Linear(24 * 4 * 4, 10)
+
+    def forward(self, x):
+        x = self.layer2(self.layer1(F.relu(self.stem(x))))
+        x = torch.cat([x, self.wide(x), torch.tanh(self.tall(x))], dim=1)
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+def test_a_residual_network_imports_as_written_and_its_reference_is_the_module():
+    user = Residual().double()
+    spec = import_model(user, parse_input("3x32x32"), "Residual")
+    kinds = [layer.kind for layer in spec.layers]
+    assert kinds.count("add") == 2 and kinds.count("concat") == 1 and not spec.is_chain
+    add = spec.layers[kinds.index("add")]
+    assert add.activation == "relu" and spec.sources(kinds.index("add")) == (2, 0)
+    projection = next(layer for layer in spec.layers if layer.name == "layer2.shortcut")
+    assert (projection.kernel, projection.stride) == (1, 2)  # skips inputs: a branch may
+    reference = build_reference(spec, dtype=torch.float64)
+    theirs, names = dict(user.named_parameters()), spec.state_names()
+    assert sorted(names.values()) == sorted(theirs)  # every weight, under the user's name
+    with torch.no_grad():
+        for name, value in reference.named_parameters():
+            value.copy_(theirs[names[name]])
+    x = torch.randn(3, 3, 32, 32, dtype=torch.float64)
+    ours, want = reference(x), user(x)
+    assert torch.allclose(ours, want, rtol=0, atol=1e-12)
+    ours.square().sum().backward()
+    want.square().sum().backward()
+    for name, value in reference.named_parameters():
+        assert torch.allclose(value.grad, theirs[names[name]].grad, rtol=1e-10, atol=1e-12)
+
+
+def test_the_import_command_writes_the_layer_graph_and_planning_refuses_it(tmp_path, capsys):
+    net = tmp_path / "net.py"
+    net.write_text(
+        textwrap.dedent(
+            """
+            from torch import nn
+
+            class Net(nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.a = nn.Conv2d(3, 4, 3, padding=1)
+                    self.b = nn.Conv2d(4, 4, 3, padding=1, bias=False)
+                    self.fc = nn.Linear(4 * 8 * 8, 3)
+
+                def forward(self, x):
+                    y = self.a(x).relu()
+                    return self.fc((self.b(y) + y).relu().flatten(1))
+            """
+        )
+    )
+    out = tmp_path / "net.toml"
+    assert main(["import", f"{net}:Net", "--input", "3x8x8", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "inputs = [1, 0]" in text and "bias = false" in text
+    spec = load_spec(out)
+    assert spec == import_model_of(net)
+    capsys.readouterr()
+    assert main(["plan", "--model", str(out), "--workers", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "layer 2 (add) reads layer 1, layer 0" in err
+    assert "not yet planned" in err
+
+
+def import_model_of(path):
+    from netpart.models.importer import load_module
+
+    return import_model(load_module(f"{path}:Net"), parse_input("3x8x8"), "Net")
+
+
+CONV = {"kind": "conv", "channels": 4, "kernel": 3, "padding": 1}
+
+
+def _spec(*layers):
+    return {"name": "g", "input": {"channels": 2, "height": 8, "width": 8}, "layer": list(layers)}
+
+
+@pytest.mark.parametrize(
+    "layers, said",
+    [
+        (
+            [CONV, {**CONV, "stride": 2}, {"kind": "add", "inputs": [0, 1]}],
+            "layer 2 (add): layer 0 (4x8x8) and layer 1 (4x4x4) differ; an add needs equal",
+        ),
+        (
+            [CONV, {**CONV, "stride": 2}, {"kind": "concat", "inputs": [0, 1]}],
+            "layer 0 (4x8x8) and layer 1 (4x4x4) differ in height or width",
+        ),
+        ([CONV, {"kind": "add"}], "give the layers it merges"),
+        ([CONV, {"kind": "add", "inputs": [0]}], "an add merges two inputs or more"),
+        ([CONV, {**CONV, "inputs": [0, "input"]}], "a conv layer reads one input"),
+        ([CONV, {**CONV, "inputs": [1]}], "input 1 is not an earlier layer (0 to 0)"),
+        ([CONV, {**CONV, "inputs": ["nope"]}], "input 'nope': no layer carries it"),
+        ([CONV, {**CONV, "inputs": ["input"]}, CONV], "layer 0 (conv): no layer reads its output"),
+        ([CONV, {"kind": "dense", "units": 4}, {"kind": "add", "inputs": [0, 1]}], "one is flat"),
+    ],
+)
+def test_a_layer_graph_that_does_not_fit_is_one_line_naming_both_branches(layers, said):
+    with pytest.raises(SpecError, match=None) as err:
+        ModelSpec.from_dict(_spec(*layers), "g.toml")
+    assert said in str(err.value) and "\n" not in str(err.value)
+
+
+def test_inputs_name_layers_by_index_name_or_input_and_round_trip():
+    spec = ModelSpec.from_dict(
+        _spec(
+            {**CONV, "name": "a"},
+            {**CONV, "name": "b"},
+            {"kind": "add", "inputs": ["a", 1], "activation": "relu"},
+            {**CONV, "channels": 2, "inputs": ["input"]},
+            {"kind": "concat", "inputs": [2, 3]},
+            {"kind": "dense", "units": 3, "activation": "softmax"},
+        )
+    )
+    assert spec.sources(2) == (0, 1) and spec.sources(3) == (-1,) and spec.sources(1) == (0,)
+    assert spec.shapes[4].channels == 6 and spec.layers[1].inputs is None
+    assert ModelSpec.from_dict(spec.to_dict()) == spec
+    chain = ModelSpec.from_dict(_spec(CONV, {**CONV, "inputs": [0]}))
+    assert chain.is_chain and chain.to_dict() == ModelSpec.from_dict(_spec(CONV, CONV)).to_dict()
+
+
+def test_what_the_import_cannot_merge_is_one_line():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(2, 2, 3, padding=1)
+
+        def forward(self, x):
+            return x + self.conv(x) * 0.5
+
+    class Constant(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(2, 2, 3, padding=1)
+
+        def forward(self, x):
+            return self.conv(x) + 1.0
+
+    class Rows(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(2, 2, 3, padding=1)
+
+        def forward(self, x):
+            return torch.cat([x, self.conv(x)], dim=2)
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(2, 2, 3, padding=1)
+
+        def forward(self, x):
+            y = self.conv(x)
+            return y + torch.relu(y)
+
+    said = {
+        Scaled: "mul (mul) is not an operation netpart reads yet",
+        Constant: "adds a constant or a scaled operand",
+        Rows: "joins along dim 2; netpart concatenates channels (dim 1)",
+        Shared: "which other operations read too",
+    }
+    for make, words in said.items():
+        with pytest.raises(SpecError) as err:
+            import_model(make(), parse_input("2x6x6"), make.__name__)
+        assert words in str(err.value) and "\n" not in str(err.value), err.value

@@ -212,8 +212,11 @@ def cmd_models(args: argparse.Namespace) -> int:
     width = max(map(len, ZOO))
     echo(f"{'model':<{width}} {'params':>15}  {'input':<10} layers")
     for name, spec in ZOO.items():
-        kinds = " ".join(layer.kind for layer in spec.layers)
-        echo(f"{name:<{width}} {spec.num_params:>15,}  {spec.input.shape!s:<10} {kinds}")
+        kinds = [layer.kind for layer in spec.layers]
+        if len(kinds) > 12:  # a deep network: how many of each kind
+            counts = {kind: kinds.count(kind) for kind in dict.fromkeys(kinds)}
+            kinds = [f"{count} {kind}" for kind, count in counts.items()]
+        echo(f"{name:<{width}} {spec.num_params:>15,}  {spec.input.shape!s:<10} {' '.join(kinds)}")
     return 0
 
 

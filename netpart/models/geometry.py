@@ -34,11 +34,11 @@ class Shape:
         return f"{self.channels}x{self.height}x{self.width}"
 
 
-def window_output(layer: Any, src: Shape, where: str) -> Shape:
+def window_output(layer: Any, src: Shape, where: str, *, skips: bool = False) -> Shape:
     """The output shape of a windowed layer (local, conv, pool) on `src`; SpecError naming
     the axis where a stride, padding or kernel does not fit. A stride above the kernel (inputs
-    between windows never read) is taken on a branch only (a residual block's 1x1, stride-2
-    projection): a chain's planner assumes every unit is read."""
+    between windows never read) is taken where `skips` (a layer graph: a residual block's 1x1,
+    stride-2 projection); a chain's planner assumes every unit is read."""
     sizes = []
     for axis, k, s, p, n in zip(
         ("height", "width"),
@@ -50,7 +50,7 @@ def window_output(layer: Any, src: Shape, where: str) -> Shape:
     ):
         square = all(isinstance(v, int) for v in (layer.kernel, layer.stride, layer.padding))
         across = "" if square else f" ({axis})"
-        if s > k and layer.inputs is None:  # a branch's 1x1 projection skips inputs
+        if s > k and not skips:
             raise SpecError(
                 f"{where}: stride {s} is larger than kernel {k}{across}, so inputs between "
                 "windows would never be read; use stride <= kernel"
@@ -75,6 +75,7 @@ def infer_shapes(
     shapes: list[Shape] = []
     flat: list[bool] = []  # each layer's output is a flat vector
     n = len(layers)
+    skips = any(reads != (i - 1,) for i, reads in enumerate(sources))  # a layer graph
     read_by: set[int] = set()
     for i, layer in enumerate(layers):
         where = f"layer {i} ({layer.kind})"
@@ -85,6 +86,9 @@ def infer_shapes(
         flats = [flat_input if s < 0 else flat[s] for s in sources[i]]
         if layer.kind in MERGE_KINDS:
             out = _merged(layer.kind, sources[i], srcs, flats, where)
+            flat.append(flats[0])
+        elif layer.kind == "batchnorm":  # its input's shape, per channel
+            out = srcs[0]
             flat.append(flats[0])
         elif layer.kind == "dense":
             out = Shape(layer.units, 1, 1)
@@ -102,7 +106,7 @@ def infer_shapes(
                     raise SpecError(f"{where}: lcn kernel must be odd (same-size output), got {k}")
                 out = Shape(src.channels, src.height, src.width)
             else:
-                out = window_output(layer, src, where)
+                out = window_output(layer, src, where, skips=skips)
             flat.append(False)
         shapes.append(out)
     unread = [i for i in range(n - 1) if i not in read_by]

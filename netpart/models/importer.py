@@ -18,7 +18,9 @@ counted), `LPPool2d(2)` (their windows, strides and paddings per axis too), netp
 output of the layer before it, with netpart's plan-independent masks:
 `netpart.models.dropout`; its functional form is refused, as no mask can be given to it),
 `Flatten`, `torch.flatten`, `view` and `reshape` into a dense layer; `+`, `torch.add` and
-`x.add(y)` of two layers' outputs (an `add` layer: a residual addition) and `torch.cat` along
+`x.add(y)` of two layers' outputs (an `add` layer: a residual addition), `BatchNorm1d` and
+`BatchNorm2d` (a `batchnorm` layer, torch's defaults of affine and running statistics), and
+`torch.cat` along
 channels (a `concat` layer), a layer that reads an earlier output than the last naming it in
 its `inputs` (a layer graph: `netpart.models.spec`).
 Each layer of the spec is named by its module's path (`features.0`), so the parameters map
@@ -53,7 +55,7 @@ __all__ = [
 SUPPORTED = (
     "Conv2d, Linear, MaxPool2d, AvgPool2d, LPPool2d(2), ReLU, LeakyReLU, GELU, SiLU, Sigmoid, "
     "Tanh, Dropout, Flatten, netpart.nn.LocallyConnected2d, netpart.nn.LocalContrastNorm, "
-    "netpart.nn.L2Pool2d, + and torch.cat of layers' outputs"
+    "netpart.nn.L2Pool2d, BatchNorm1d, BatchNorm2d, + and torch.cat of layers' outputs"
 )
 ACTIVATIONS = ("relu", "leaky_relu", "gelu", "silu", "sigmoid", "tanh")  # functions' names
 
@@ -174,6 +176,8 @@ def import_model(module: Any, input_shape: dict[str, int], name: str) -> ModelSp
     walk.check_modules()  # an unsupported module is named before anything runs
     dtype = next((q.dtype for q in module.parameters() if q.is_floating_point()), torch.float32)
     example = torch.zeros(1, *input_shape.values(), dtype=dtype)
+    modes = {m: m.training for m in module.modules()}  # shapes read in eval mode: a batch
+    graph.eval()  # norm neither needs two examples nor moves the user's running statistics
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # ShapeProp prints its traceback
             ShapeProp(graph).propagate(example)
@@ -182,6 +186,9 @@ def import_model(module: Any, input_shape: dict[str, int], name: str) -> ModelSp
             f"{name}: its forward fails on an input of {_shape(input_shape)} "
             f"({_line(exc.__cause__ or exc)}); is --input one example's shape?"
         ) from None
+    finally:
+        for m, training in modes.items():
+            m.train(training)
     layers = walk.layers()
     if not layers:
         raise SpecError(f"{name}: no layer netpart knows ({SUPPORTED})")
@@ -319,6 +326,8 @@ class _Walk:
             self._add(path, "pool", _lp_pool(path, m), True, kind)
         elif isinstance(m, netpart_nn.LocalContrastNorm):
             self._add(path, "lcn", {"kernel": m.kernel_size, "eps": m.eps}, True, kind)
+        elif isinstance(m, nn.BatchNorm1d | nn.BatchNorm2d):
+            self._add(path, "batchnorm", _batchnorm(path, m), True, kind)
         elif isinstance(m, nn.Dropout):
             self._dropout(path, m.p)
         elif isinstance(m, nn.LeakyReLU):
@@ -424,6 +433,17 @@ def _merge(node: Any) -> str | None:
     return None
 
 
+def _batchnorm(path: str, m: Any) -> dict:
+    """A BatchNorm1d/2d as torch trains it by default: a scale and shift per channel, running
+    statistics updated with a fixed momentum; anything else is refused in one line."""
+    if not (m.affine and m.track_running_stats) or m.momentum is None:
+        raise SpecError(
+            f"{path} ({type(m).__name__}): netpart reads a batch norm with affine=True, "
+            "track_running_stats=True and a momentum (torch's defaults)"
+        )
+    return {"eps": float(m.eps), "momentum": float(m.momentum), "activation": "none"}
+
+
 def _known() -> tuple[type, ...]:
     """The module types `_Walk` reads."""
     from torch import nn
@@ -445,6 +465,8 @@ def _known() -> tuple[type, ...]:
         nn.Flatten,
         nn.Identity,
         nn.Dropout,
+        nn.BatchNorm1d,
+        nn.BatchNorm2d,
         netpart_nn.LocallyConnected2d,
         netpart_nn.LocalContrastNorm,
         netpart_nn.L2Pool2d,

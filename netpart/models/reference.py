@@ -126,6 +126,9 @@ def layer_module(spec: ModelSpec, index: int) -> nn.Module:
         return L2Pool2d(layer.kernel, layer.stride, layer.padding, **eps)
     if layer.kind == "pool":
         return Pool2d(layer)
+    if layer.kind == "batchnorm":
+        norm = nn.BatchNorm1d if spec.is_flat(index) else nn.BatchNorm2d
+        return norm(src.channels, eps=layer.eps, momentum=layer.momentum)
     if layer.kind == "add":
         return Add()
     if layer.kind == "concat":

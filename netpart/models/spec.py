@@ -39,6 +39,9 @@ Schema (TOML, or the same structure as JSON)::
     kind = "dense"
     units = 10
     activation = "softmax"
+    [[layer]]
+    kind = "batchnorm"   # per channel (per feature after a dense layer), as torch's
+    eps = 1e-5           # BatchNorm2d/1d: a scale and shift, running statistics (momentum)
 
 A layer may name the layers it reads, `inputs = [2, 4]` (indices, names or "input"); `add`
 (equal shapes, summed) and `concat` (channels side by side) merge two or more (docs/spec.md).
@@ -57,6 +60,7 @@ from netpart.models.geometry import MERGE_KINDS, Shape, infer_shapes
 
 __all__ = [
     "ACTIVATIONS",
+    "BATCHNORM",
     "BYTES_PER_VALUE",
     "DTYPE_NAMES",
     "LAYER_KINDS",
@@ -68,6 +72,7 @@ __all__ = [
 ]
 
 LAYER_KINDS = ("local", "conv", "dense", "pool", "lcn")
+BATCHNORM = "batchnorm"  # a kind read, checked and run by the reference; not yet planned
 DTYPE_NAMES = ("float32", "float64")  # what a model may run in (`reference.DTYPES`)
 ACTIVATIONS = ("relu", "leaky_relu", "gelu", "silu", "sigmoid", "tanh", "none", "softmax")
 DEFAULT_SLOPE = 0.01  # leaky_relu's negative slope when a spec names none (torch's default)
@@ -84,6 +89,7 @@ _ALLOWED_KEYS = {
     "lcn": ("kernel", "eps"),
     "add": ("activation", "negative_slope"),
     "concat": ("activation", "negative_slope"),
+    "batchnorm": ("eps", "momentum", "activation", "negative_slope"),
 }
 _INPUT = -1  # a layer's `inputs` entry for the network's input
 _OPTIONAL_KEYS = ("negative_slope", "eps", "bias")  # written only when not their default
@@ -132,6 +138,7 @@ class LayerSpec:
     dropout: float | None = None  # any kind: the probability an output is zeroed in training
     # the layers it reads, by index (-1: the network's input); None: the layer before it
     inputs: tuple[int, ...] | None = None
+    momentum: float | None = None  # batchnorm: the running statistics' update weight
 
     @property
     def is_spatial(self) -> bool:
@@ -220,7 +227,7 @@ class ModelSpec:
     def is_flat(self, index: int) -> bool:
         """Whether layer `index`'s output is a flat vector (a dense layer's, or a merge of
         flat ones) rather than planes."""
-        while self.layers[index].kind in MERGE_KINDS:
+        while self.layers[index].kind in (*MERGE_KINDS, BATCHNORM):
             index = self.sources(index)[0]
             if index < 0:
                 return self.input.flat
@@ -231,8 +238,15 @@ class ModelSpec:
         """Every layer reads the one before it, and only it."""
         return all(self.sources(i) == (i - 1,) for i in range(len(self.layers)))
 
-    def require_chain(self, doing: str) -> None:
-        """SpecError (one line) where the layers branch: what `doing` cannot take yet."""
+    def require_plannable(self, doing: str) -> None:
+        """SpecError (one line) where the layers branch or normalise a batch: what `doing`
+        cannot take yet."""
+        norm = next((i for i, ly in enumerate(self.layers) if ly.kind == BATCHNORM), None)
+        if norm is not None:
+            raise SpecError(
+                f"{self.name}: layer {norm} (batchnorm): {doing} takes no batch normalisation "
+                "today; a spec with it is imported and checked when it loads, not yet planned"
+            )
         if self.is_chain:
             return
         i = next(i for i in range(len(self.layers)) if self.sources(i) != (i - 1,))
@@ -253,6 +267,8 @@ class ModelSpec:
             return out.channels * (src.channels * layer.window + bias)
         if layer.kind == "dense":
             return (src.size + bias) * layer.units
+        if layer.kind == BATCHNORM:
+            return 2 * src.channels  # a scale and a shift per channel (per feature: flat)
         return 0
 
     @property
@@ -277,6 +293,16 @@ class ModelSpec:
             for i, layer in enumerate(self.layers)
             if layer.name is not None and self.layer_params(i)
             for param in (("weight", "bias") if layer.has_bias else ("weight",))
+        }
+
+    def buffer_names(self) -> dict[str, str]:
+        """The reference module's buffers (a batchnorm's running statistics and its count of
+        batches) -> their names in the user's module, for the layers that carry a `name`."""
+        return {
+            f"layers.{i}.{buffer}": f"{layer.name}.{buffer}"
+            for i, layer in enumerate(self.layers)
+            if layer.name is not None and layer.kind == BATCHNORM
+            for buffer in ("running_mean", "running_var", "num_batches_tracked")
         }
 
     def layer_name(self, index: int) -> str:
@@ -407,8 +433,8 @@ def _parse_layer(raw: Any, index: int, source: str) -> LayerSpec:
     if not isinstance(raw, dict) or "kind" not in raw:
         raise SpecError(f"{where}: each [[layer]] needs a 'kind' ({' | '.join(LAYER_KINDS)})")
     kind = raw["kind"]
-    if kind not in (*LAYER_KINDS, *MERGE_KINDS):
-        kinds = ", ".join((*LAYER_KINDS, *MERGE_KINDS))
+    if kind not in (*LAYER_KINDS, BATCHNORM, *MERGE_KINDS):
+        kinds = ", ".join((*LAYER_KINDS, BATCHNORM, *MERGE_KINDS))
         raise SpecError(f"{where}: unknown kind {kind!r}; use one of {kinds}")
     where = f"{where} ({kind})"
     allowed = _ALLOWED_KEYS[kind]
@@ -477,6 +503,13 @@ def _parse_kind(raw: dict, kind: str) -> LayerSpec:
         )
     if kind in MERGE_KINDS:
         return LayerSpec(kind, **_activation({"activation": "none", **raw}))
+    if kind == BATCHNORM:
+        eps = _number(raw.get("eps", 1e-5), "eps", positive=True)
+        momentum = _number(raw.get("momentum", 0.1), "momentum", positive=False)
+        if momentum > 1:
+            raise SpecError(f"momentum must be at most 1, got {momentum}")
+        activation = _activation({"activation": "none", **raw})
+        return LayerSpec(kind, eps=eps, momentum=momentum, **activation)
     eps = _number(raw.get("eps", 0.01), "eps", positive=True)
     return LayerSpec(kind, kernel=_positive_int(raw.get("kernel"), "kernel"), eps=eps)
 

@@ -9,7 +9,10 @@ benchmark models: `digits-mlp` (64-256-256-10, the data-parallel comparison's jo
 scikit-learn's digits) and `bench-local` / `bench-local-wide` (mid-size locally connected
 nets, 10M and 32M parameters, on 3x48x48 input, for the runtime and calibration figures);
 `cifar-cnn` (two 3x3 conv layers with max pooling on 3x32x32 input: calibration times its
-slices for the conv kind's tables, both torch's convolution and gathered patches).
+slices for the conv kind's tables, both torch's convolution and gathered patches). The
+residual networks `resnet-20` (CIFAR, 3x32x32, projection shortcuts) and `resnet-50`
+(torchvision's, 3x224x224) are layer graphs with batch normalisation: read and checked, not
+yet planned.
 """
 
 from __future__ import annotations
@@ -58,6 +61,58 @@ def _bench_local(name: str, c1: int, c2: int) -> dict[str, Any]:
     }
 
 
+def _resnet(name: str, size: int, widths: tuple[int, ...], blocks: tuple[int, ...]) -> dict:
+    """He et al.'s residual network as torchvision writes it, its layers named as there (so a
+    state_dict loads into that class): at 224 the ImageNet stem (7x7/2 conv, 3x3/2 max pool)
+    and bottleneck blocks (1x1, 3x3 with the stride, 1x1 to 4x the width); at 32 the CIFAR
+    stem (3x3 conv) and basic blocks (two 3x3, the first with the stride). A block whose shape
+    changes adds a 1x1 projection (conv, batch norm) of its input; global average pooling, a
+    dense classifier."""
+    layers: list[dict[str, Any]] = []
+
+    def put(kind: str, where: str | None = None, **keys: Any) -> int:
+        layers.append({"kind": kind, **({"name": where} if where else {}), **keys})
+        return len(layers) - 1
+
+    def conv(where: str, channels: int, kernel: int, stride: int = 1, **extra: Any) -> int:
+        padding = kernel // 2
+        keys = {"channels": channels, "kernel": kernel, "stride": stride, "padding": padding}
+        return put("conv", where, **keys, bias=False, activation="none", **extra)
+
+    imagenet = size == 224
+    conv("conv1", widths[0], 7 if imagenet else 3, 2 if imagenet else 1)
+    x = put("batchnorm", "bn1", activation="relu")
+    if imagenet:
+        x = put("pool", "maxpool", mode="max", kernel=3, stride=2, padding=1)
+    channels = widths[0]
+    for s, (width, count) in enumerate(zip(widths, blocks, strict=True)):
+        out = width * 4 if imagenet else width
+        for b in range(count):
+            stride, block = (2 if s and not b else 1), f"layer{s + 1}.{b}"
+            if imagenet:
+                conv(f"{block}.conv1", width, 1)
+                put("batchnorm", f"{block}.bn1", activation="relu")
+                conv(f"{block}.conv2", width, 3, stride)
+                put("batchnorm", f"{block}.bn2", activation="relu")
+                conv(f"{block}.conv3", out, 1)
+                body = put("batchnorm", f"{block}.bn3")
+            else:
+                conv(f"{block}.conv1", width, 3, stride)
+                put("batchnorm", f"{block}.bn1", activation="relu")
+                conv(f"{block}.conv2", width, 3)
+                body = put("batchnorm", f"{block}.bn2")
+            shortcut = x
+            if stride != 1 or channels != out:
+                conv(f"{block}.downsample.0", out, 1, stride, inputs=[x])
+                shortcut = put("batchnorm", f"{block}.downsample.1")
+            x = put("add", inputs=[body, shortcut], activation="relu")
+            channels = out
+    plane = size // (32 if imagenet else 4)
+    put("pool", "avgpool", mode="avg", kernel=plane)
+    put("dense", "fc", units=1000 if imagenet else 10, activation="softmax")
+    return {"name": name, "input": {"channels": 3, "height": size, "width": size}, "layer": layers}
+
+
 _ZOO_DICTS: dict[str, dict[str, Any]] = {
     "tiny-mlp": {
         "name": "tiny-mlp",
@@ -104,6 +159,8 @@ _ZOO_DICTS: dict[str, dict[str, Any]] = {
             {"kind": "dense", "units": 10, "activation": "softmax"},
         ],
     },
+    "resnet-20": _resnet("resnet-20", 32, (16, 32, 64), (3, 3, 3)),
+    "resnet-50": _resnet("resnet-50", 224, (64, 128, 256, 512), (3, 4, 6, 3)),
     "bench-local": _bench_local("bench-local", 24, 32),
     "bench-local-wide": _bench_local("bench-local-wide", 48, 64),
     "image-80m": _image("image-80m", 12, 24, 48, 1000),

@@ -230,8 +230,8 @@ def build_unit_graph(spec: ModelSpec, granularity: Granularity | None = None) ->
 
     The last graph built is kept (a plan's candidates of one granularity, and the command
     that reports the plan, share it): graphs are immutable (their arrays are read-only).
-    A spec whose layers branch is refused (SpecError, one line): the graph is a chain's."""
-    spec.require_chain("planning")
+    A spec whose layers branch or normalise a batch is refused (SpecError, one line)."""
+    spec.require_plannable("planning")
     return _build(spec, granularity or Granularity())
 
 
@@ -249,6 +249,7 @@ class GraphSize:
 
 def graph_size(spec: ModelSpec, granularity: Granularity) -> GraphSize:
     """The `GraphSize` of the graph `build_unit_graph` would build, without building it."""
+    spec.require_plannable("planning")
     layers = _layer_blocks(spec, granularity)
     box = np.concatenate([_boxes(lb) for lb in layers])
     edges = sum(edge_count(spec, layers[i], layers[i - 1], box) for i in range(1, len(layers)))

@@ -65,6 +65,7 @@ def plan(
     blocks, or a plan that would not fit, are refused before any graph is built (a library
     caller may plan idle workers, as the tests do).
     """
+    spec.require_plannable("planning")  # SpecError: a layer graph, a batch norm
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise PlanError(f"workers must be an integer >= 1, got {workers!r}")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:

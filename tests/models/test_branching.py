@@ -1,7 +1,8 @@
-"""Layer graphs that branch (issue 79, the spec and the import): a layer names its inputs,
-`add` and `concat` merge them; a user's residual network imports as written and its reference
-computes what the user's module computes; what does not fit is one line naming both branches;
-planning refuses a branching spec in one line (not planned yet)."""
+"""Layer graphs that branch and batch normalisation (issue 79, the spec and the import): a
+layer names its inputs, `add` and `concat` merge them, `batchnorm` normalises per channel; a
+user's ResNet imports as written and its reference computes what the user's module computes
+(train and eval); what does not fit is one line naming both branches; planning refuses such a
+spec in one line (not planned yet)."""
 
 import textwrap
 
@@ -210,3 +211,123 @@ def test_what_the_import_cannot_merge_is_one_line():
         with pytest.raises(SpecError) as err:
             import_model(make(), parse_input("2x6x6"), make.__name__)
         assert words in str(err.value) and "\n" not in str(err.value), err.value
+
+
+class NormedBlock(nn.Module):
+    """torchvision's BasicBlock, as written: conv-bn-relu-conv-bn, a 1x1 conv + bn projection
+    where the shape changes, the addition, a relu."""
+
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x):
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        return self.relu(out)
+
+
+class NormedResNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.layer1 = NormedBlock(8, 8, 1)
+        self.layer2 = NormedBlock(8, 16, 2)
+        self.avgpool = nn.AvgPool2d(8)
+        self.fc = nn.Linear(16, 10)
+        self.head = nn.BatchNorm1d(10, momentum=0.2)
+
+    def forward(self, x):
+        x = torch.relu(self.bn1(self.conv1(x)))
+        x = self.avgpool(self.layer2(self.layer1(x)))
+        return self.head(self.fc(torch.flatten(x, 1)))
+
+
+def test_a_resnet_with_batch_norm_imports_and_its_reference_trains_and_evaluates_as_it(tmp_path):
+    """Batch statistics in training (and the running statistics they update), the running
+    statistics in evaluation: the reference equals the user's module in float64."""
+    user = NormedResNet().double()
+    spec = import_model(user, parse_input("3x16x16"), "NormedResNet")
+    norms = [i for i, layer in enumerate(spec.layers) if layer.kind == "batchnorm"]
+    assert len(norms) == 7 and spec.layers[norms[-1]].momentum == 0.2
+    assert spec.num_params == sum(p.numel() for p in user.parameters())
+    reference = build_reference(spec, dtype=torch.float64)
+    names = {**spec.state_names(), **spec.buffer_names()}
+    assert sorted(names.values()) == sorted(user.state_dict())  # every entry, its own name
+    theirs = user.state_dict()
+    reference.load_state_dict({ours: theirs[name] for ours, name in names.items()})
+    x = torch.randn(6, 3, 16, 16, dtype=torch.float64)
+    for step in range(2):  # training: batch statistics; the running ones move alike
+        ours, want = reference(x * (step + 1)), user(x * (step + 1))
+        assert torch.allclose(ours, want, rtol=0, atol=1e-10)
+        ours.square().sum().backward()
+        want.square().sum().backward()
+    params = dict(user.named_parameters())
+    for name, value in reference.named_parameters():
+        assert torch.allclose(value.grad, params[spec.state_names()[name]].grad, atol=1e-9)
+    after = user.state_dict()
+    for ours, name in spec.buffer_names().items():
+        assert torch.allclose(reference.state_dict()[ours].double(), after[name].double())
+    reference.eval(), user.eval()
+    assert torch.allclose(reference(x), user(x), rtol=0, atol=1e-10)
+    with pytest.raises(SpecError, match=r"layer 1 \(batchnorm\): planning takes no batch"):
+        from netpart.partition import plan
+
+        plan(spec, 2)
+
+
+class ResNet20(nn.Module):
+    """He et al.'s CIFAR ResNet-20 with projection shortcuts, written as torchvision writes
+    its ResNets."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(16)
+        self.relu = nn.ReLU(inplace=True)
+        stages, cin = [], 16
+        for s, width in enumerate((16, 32, 64)):
+            blocks = []
+            for b in range(3):
+                blocks.append(NormedBlock(cin, width, 2 if s and not b else 1))
+                cin = width
+            stages.append(nn.Sequential(*blocks))
+        self.layer1, self.layer2, self.layer3 = stages
+        self.avgpool = nn.AvgPool2d(8)
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.layer3(self.layer2(self.layer1(x)))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def test_the_zoo_resnets_are_the_resnets_users_write():
+    """resnet-20 is what importing a user's CIFAR ResNet-20 gives, names and all; resnet-50
+    has torchvision's parameter count and names (its state_dict loads into that class)."""
+    user = ResNet20()
+    spec = import_model(user, parse_input("3x32x32"), "ResNet20")
+    zoo = load_spec("resnet-20")
+    assert spec.fingerprint() == zoo.fingerprint() and spec.layers == zoo.layers
+    assert zoo.num_params == sum(p.numel() for p in user.parameters()) == 272_474
+    big = load_spec("resnet-50")
+    assert big.num_params == 25_557_032  # torchvision.models.resnet50()
+    names = {**big.state_names(), **big.buffer_names()}
+    assert len(names) == 320  # torchvision's resnet50().state_dict() holds 320 entries
+    assert {"conv1.weight", "layer4.2.bn3.running_var", "layer3.0.downsample.1.bias"} <= set(
+        names.values()
+    )

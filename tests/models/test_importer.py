@@ -110,7 +110,7 @@ def test_what_netpart_cannot_read_is_one_line_naming_it(tmp_path, capsys):
                 def __init__(self):
                     super().__init__()
                     self.conv = nn.Conv2d(3, 4, 3)
-                    self.norm = nn.BatchNorm2d(4)
+                    self.norm = nn.LayerNorm([4, 6, 6])
 
                 def forward(self, x):
                     return self.norm(self.conv(x))
@@ -134,7 +134,7 @@ def test_what_netpart_cannot_read_is_one_line_naming_it(tmp_path, capsys):
         )
     )
     cases = {
-        "Normed": "norm (BatchNorm2d) is not a layer netpart reads yet; it reads Conv2d",
+        "Normed": "norm (LayerNorm) is not a layer netpart reads yet; it reads Conv2d",
         "lstm": "a LSTM is not a layer netpart reads yet",
         "Looping": "its forward cannot be traced",
         "unflattened": "reads a 1x2x6x6 tensor; netpart's dense layer reads a flattened",

@@ -9,7 +9,7 @@ with what this machine measured: compute(l, w) = the time of a slice of that lay
 `ModelSpec.layer_key`, where the calibration timed slices of it: `LayerCost`), else of that
 kind, and FLOPs read off the measured slices (x (1 + parallel_slowdown) with more than one
 worker: processes that share a machine's memory and cores) + fill_s_per_value x the input
-values the slice reads (`partition.planner.input_values`: its gather, its gradient's
+values the slice reads (`partition.evaluate.input_values`: its gather, its gradient's
 scatter); an exchange phase's time read off `link`, the runtime's exchange measured per size
 and number of peers (latency + bytes / bandwidth where it has none); all x `slice_scale`
 (slices in a step against slices timed alone), less `joined_saving_s` for a layer with no

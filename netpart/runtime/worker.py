@@ -227,9 +227,9 @@ class ModelWorker:
         sl, clock = self.slices[layer], time.perf_counter
         if part in (Part.EARLY, Part.LATE):
             return self._forward_chain(st, layer, part)
-        t0 = clock()
         if sl.plane and part in (Part.ALL, Part.JOINED):
             return self._forward_plane(st, layer, part)
+        t0 = clock()
         if part == Part.JOINED:
             x = self._joined_input(st, layer)
         elif part != Part.BOUNDARY:

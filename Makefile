@@ -1,4 +1,5 @@
-# The two commands of the README: `make demo` and `make test` (both create .venv first).
+# The two commands of the README: `make demo` and `make test` (both create .venv first; netpart
+# is built with the venv's own setuptools, the build-system's, not in an environment of its own).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
@@ -10,8 +11,8 @@ DEMO_OUT ?= out/demo
 $(BIN)/netpart: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q "$(TORCH_SPEC)" "setuptools>=77"
+	$(BIN)/pip install -q --no-build-isolation -e ".[dev]"
 	@touch $@
 
 # The demo plans image-80m over 16 workers, then trains a small locally connected model on the

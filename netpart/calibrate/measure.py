@@ -418,11 +418,13 @@ def calibrate(
     repeats: int = 5,
     slice_models: tuple[str, ...] = SLICE_MODELS,
     check_model: str | None = CHECK_MODEL,
+    ps_largest: float | None = None,
 ) -> tuple[Machine, dict]:
     """The calibrated model of the machines `runner` runs on (this one by default), and
     every measurement it was fitted to (`slice_models`: their slices only), the machine's
     load between measurements, each case's runs' spread, and the model's predictions
-    against measured steps (`check_model`: also one model it was not fitted on)."""
+    against measured steps (`check_model`: also one model it was not fitted on);
+    `ps_largest`: the parameter server's largest exchange timed (bytes; None: PS_SIZES')."""
     runner = runner or LocalRunner()
     load = [sample(LOAD_SAMPLE_S)]
     specs = [load_spec(m) for m in models]
@@ -433,7 +435,7 @@ def calibrate(
     base = Machine(kinds=kinds, layers=layers, overlap=runner.overlap)
     link, wire_bps = _link(runner, say)
     # the parameter server's first pass now, the others between and after the steps' rounds
-    ps_timer = PsTables(runner, say, wire_bps=wire_bps, runs=repeats)
+    ps_timer = PsTables(runner, say, wire_bps=wire_bps, runs=repeats, largest=ps_largest)
     ps_timer.time_pass()
     ps_timer.time_after()
     plans, wide = _plans(specs, batch, runner.machines)

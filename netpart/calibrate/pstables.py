@@ -84,11 +84,13 @@ PS_CLIENTS = 4  # of each shard, at most
 PS_SHARDS = 5  # of each client, at most (a 6-machine testbed: 1 to 5)
 
 
-def ps_sizes(wire_bps: float) -> tuple[int, ...]:
-    """The PS_SIZES timed on a link of `wire_bps` (bits/s; 0: unknown, all of them)."""
+def ps_sizes(wire_bps: float, largest: float | None = None) -> tuple[int, ...]:
+    """The PS_SIZES timed on a link of `wire_bps` (bits/s; 0: unknown, all of them), none
+    above `largest` bytes where given (`netpart calibrate --ps-up-to`)."""
+    sizes = tuple(b for b in PS_SIZES if largest is None or b <= largest)
     if not wire_bps > 0:
-        return PS_SIZES
-    return tuple(b for b in PS_SIZES if b <= PS_ALWAYS or 8 * b / wire_bps <= PS_WIRE_S)
+        return sizes
+    return tuple(b for b in sizes if b <= PS_ALWAYS or 8 * b / wire_bps <= PS_WIRE_S)
 
 
 def ps_repeats(size: int, runs: int = PS_RUNS) -> int:
@@ -109,11 +111,12 @@ def ps_tables(
     wire_bps: float = 0.0,
     runs: int = PS_RUNS,
     passes: int | None = None,
+    largest: float | None = None,
 ) -> tuple[PsExchange | None, dict | None]:
     """The tables and their raw JSON, or (None, None) where the runner cannot measure them;
-    `wire_bps`: the link's measured rate (`ps_sizes`); `runs`: `ps_repeats`'; every pass
+    `wire_bps` and `largest`: which sizes (`ps_sizes`); `runs`: `ps_repeats`'; every pass
     back to back (`PsTables` spreads them over a calibration)."""
-    tables = PsTables(runner, say, wire_bps=wire_bps, runs=runs, passes=passes)
+    tables = PsTables(runner, say, wire_bps=wire_bps, runs=runs, passes=passes, largest=largest)
     tables.time_after()
     return tables.result()
 
@@ -122,8 +125,9 @@ class PsTables:
     """The parameter server's tables of one calibration, timed in `passes` passes where the
     calibration puts them (`time_pass`, `between_rounds`), and the exchanges after a stand-in
     step (`time_after`); `result` times the passes still due and takes each size's median.
-    `passes`: PS_PASSES, or as many as `runs` where fewer (a quicker, noisier calibration).
-    Inert where `runner` cannot measure them (no `ps`, or one machine)."""
+    `passes`: PS_PASSES, or as many as `runs` where fewer (a quicker, noisier calibration);
+    `largest`: no size above it (`ps_sizes`). Inert where `runner` cannot measure them (no
+    `ps`, or one machine)."""
 
     def __init__(
         self,
@@ -133,6 +137,7 @@ class PsTables:
         wire_bps: float = 0.0,
         runs: int = PS_RUNS,
         passes: int | None = None,
+        largest: float | None = None,
     ) -> None:
         passes = min(PS_PASSES, runs) if passes is None else passes
         if passes < 1:
@@ -140,7 +145,7 @@ class PsTables:
         self.able = hasattr(runner, "ps") and runner.machines >= 2
         self._runner, self._say, self._wire_bps, self._runs = runner, say, wire_bps, runs
         self.passes = passes
-        self.sizes = ps_sizes(wire_bps)
+        self.sizes = ps_sizes(wire_bps, largest)
         self.pairs = [
             (c, s)
             for c in range(1, PS_CLIENTS + 1)
@@ -192,7 +197,7 @@ class PsTables:
         """Time every pair after a stand-in step (`ps.after`), once."""
         if self.able and self._after is None:
             self._after = _after(
-                self._runner, self._say, self.pairs, wire_bps=self._wire_bps, runs=self._runs
+                self._runner, self._say, self.pairs, timed=self.sizes, runs=self._runs
             )
 
     def result(self) -> tuple[PsExchange | None, dict | None]:
@@ -291,12 +296,12 @@ def _after(
     say: Callable[[str], None],
     pairs: list[tuple[int, int]],
     *,
-    wire_bps: float,
+    timed: tuple[int, ...],
     runs: int,
 ) -> dict:
     """`ps.after` (`netpart.cost.exchange`): each mode and pair's exchanges, each client
-    running the stand-in step before each request; a call per size and pair."""
-    timed = ps_sizes(wire_bps)
+    running the stand-in step before each request, at the AFTER_SIZES of the sizes `timed`;
+    a call per size and pair."""
     sizes = [b for b in AFTER_SIZES if b in timed]
     after: dict = {"sizes": sizes, "stand_in_s": STAND_IN_S, "seconds": {}}
     for mode in PS_MODES:

@@ -18,6 +18,7 @@ __all__ = [
     "add_force_arg",
     "add_launch_args",
     "add_profile_arg",
+    "byte_size",
     "capacities",
     "check_writable",
     "echo",
@@ -86,6 +87,19 @@ def timeout_s(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"give {MIN_TIMEOUT:g} s to a week ({MAX_TIMEOUT:g} s), got {text}"
         )
+    return value
+
+
+def byte_size(text: str) -> float:
+    """A size in bytes with its unit ('16MB', '4 MiB'), above 0 (`netpart.cost.units`)."""
+    from netpart.cost.units import quantity
+
+    try:
+        value = quantity(text, "bytes")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size such as 16MB, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text!r}")
     return value
 
 

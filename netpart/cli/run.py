@@ -10,6 +10,7 @@ from pathlib import Path
 from netpart.cli.common import (
     add_launch_args,
     add_profile_arg,
+    byte_size,
     check_writable,
     echo,
     per_worker_stats,
@@ -139,6 +140,15 @@ def _calibrate_parser(sub) -> None:
         help="under torchrun: seconds a host waits for a peer's message (default 120)",
     )
     k.add_argument(
+        "--ps-up-to",
+        type=byte_size,
+        default=None,
+        metavar="SIZE",
+        help="under torchrun: time the parameter server's exchanges up to SIZE (e.g. 16MB; "
+        "default all, to 40 MB); larger ones are priced off the table's last segment: "
+        "a quicker calibration for models whose exchanges are smaller",
+    )
+    k.add_argument(
         "--share",
         type=float,
         default=1.0,
@@ -262,6 +272,7 @@ def _trusted_calibration(args, models, extra, runner):
             slice_models=extra,
             runner=runner,
             check_model=args.check_model or None,
+            ps_largest=args.ps_up_to,
         )
         load = [LoadSample(**x) for x in details["load"]]
         judged = verdict(load, run_spreads(details["runs"]), model)

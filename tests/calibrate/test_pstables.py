@@ -156,6 +156,8 @@ def test_sizes_the_link_takes_seconds_over_are_not_timed():
     assert ps_sizes(1e9) == ps_sizes(0.0) == PS_SIZES  # 40 MB: 0.32 s on 1 Gbit/s
     assert ps_sizes(100e6) == PS_SIZES[:-1]  # 40 MB: 3.2 s; 16 MB: 1.28 s
     assert ps_sizes(1e6)[-1] == 4_000_000  # those up to 4 MB on any link
+    assert ps_sizes(1e9, largest=16e6) == PS_SIZES[:-1]  # --ps-up-to 16MB
+    assert ps_sizes(1e6, largest=1e6)[-1] == 1_000_000
     runner = Runner(machines=2)
     _, raw = ps_tables(runner, lambda line: None, wire_bps=100e6)
     assert raw["sizes"] == list(PS_SIZES[:-1]) and len(raw["seconds"]["sync"]["1"]) == 9

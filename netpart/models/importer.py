@@ -271,11 +271,14 @@ class _Walk:
     def _merge(self, node: Any, kind: str, reads: list) -> None:
         """A residual addition or a concatenation along channels: a layer of its own that
         reads the layers its operands are."""
-        if kind == "add" and (len(reads) < 2 or node.kwargs.get("alpha", 1) != 1):
-            raise SpecError(
-                f"{self.name}: {node.name} adds a constant or a scaled operand; netpart adds "
-                "layers' outputs as they are"
-            )
+        if kind == "add":  # its operands, one output twice included (x + x)
+            operands = [*node.args[:2], *([node.kwargs["other"]] if "other" in node.kwargs else [])]
+            reads = [a for a in operands if getattr(a, "meta", {}).get("tensor_meta") is not None]
+            if len(reads) != 2 or len(operands) != 2 or node.kwargs.get("alpha", 1) != 1:
+                raise SpecError(
+                    f"{self.name}: {node.name} adds a constant or a scaled operand; netpart "
+                    "adds layers' outputs as they are"
+                )
         if kind == "concat":
             dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
             rank = len(node.meta["tensor_meta"].shape)
@@ -285,7 +288,8 @@ class _Walk:
                     "concatenates channels (dim 1)"
                 )
             reads = list(node.args[0])
-        self.out.append({"kind": kind, "inputs": [self.at[r] for r in reads], "activation": "none"})
+        inputs = [_input(self.at[r]) for r in reads]
+        self.out.append({"kind": kind, "inputs": inputs, "activation": "none"})
         self.at[node] = len(self.out) - 1
 
     def _flat_into(self, node: Any, read: Any) -> None:
@@ -368,7 +372,7 @@ class _Walk:
         if weighted and not bias:
             keys = {**keys, "bias": False}
         activation = {"activation": "none"} if weighted else {}
-        inputs = {} if self.read == len(self.out) - 1 else {"inputs": [self.read]}
+        inputs = {} if self.read == len(self.out) - 1 else {"inputs": [_input(self.read)]}
         self.out.append({"kind": kind, "name": path, **keys, **activation, **inputs})
         self.at[self.node] = len(self.out) - 1
 
@@ -415,6 +419,11 @@ class _Walk:
         before["activation"] = name
         if slope is not None:
             before["negative_slope"] = float(slope)
+
+
+def _input(layer: int) -> int | str:
+    """A spec's name of what a layer reads: an earlier layer's index, or "input"."""
+    return "input" if layer < 0 else layer
 
 
 def _merge(node: Any) -> str | None:

@@ -7,15 +7,23 @@ spec in one line (not planned yet)."""
 import textwrap
 
 import pytest
+import tomllib
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
 
 from netpart.cli import main
 from netpart.errors import SpecError
 from netpart.models import build_reference, load_spec
-from netpart.models.importer import import_model, parse_input
+from netpart.models.importer import import_model, parse_input, spec_toml
 from netpart.models.spec import ModelSpec
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
 
 class Block(nn.Module):
@@ -331,3 +339,97 @@ def test_the_zoo_resnets_are_the_resnets_users_write():
     assert {"conv1.weight", "layer4.2.bn3.running_var", "layer3.0.downsample.1.bias"} <= set(
         names.values()
     )
+
+
+class GraphNet(nn.Module):
+    """A user's module computing a random layer graph: each step reads the last output (and,
+    merging, an earlier one): a conv, a batch norm, `+` or `torch.cat`, maybe a relu."""
+
+    def __init__(self, steps, channels, classes=3):
+        super().__init__()
+        self.steps = steps  # (kind, inputs, relu), inputs into the outputs so far (0: input)
+        self.mods = nn.ModuleDict()
+        shapes = [channels]
+        for k, (kind, inputs, _) in enumerate(steps):
+            c = shapes[inputs[0]]
+            if kind in ("conv1", "conv3"):
+                out = c + k % 2 + 1
+                size = 1 if kind == "conv1" else 3
+                self.mods[str(k)] = nn.Conv2d(c, out, size, padding=size // 2, bias=k % 3 > 0)
+            elif kind == "bn":
+                out = c
+                self.mods[str(k)] = nn.BatchNorm2d(c)
+            elif kind == "add":
+                out = c
+            else:
+                out = sum(shapes[i] for i in inputs)
+            shapes.append(out)
+        self.fc = nn.LazyLinear(classes)
+
+    def forward(self, x):
+        outs = [x]
+        for k, (kind, inputs, relu) in enumerate(self.steps):
+            xs = [outs[i] for i in inputs]
+            if kind == "add":
+                y = xs[0] + xs[1]
+            elif kind == "cat":
+                y = torch.cat(xs, dim=1)
+            else:
+                y = self.mods[str(k)](xs[0])
+            outs.append(torch.relu(y) if relu else y)
+        return self.fc(torch.flatten(outs[-1], 1))
+
+
+@st.composite
+def graph_programs(draw):
+    """Steps of a `GraphNet`: every step reads the output before it, a merge one earlier too
+    (or the same again; an add where the channels agree)."""
+    channels = [draw(st.integers(1, 3))]
+    steps = []
+    for k in range(draw(st.integers(2, 7))):
+        last = len(channels) - 1
+        kind = draw(st.sampled_from(["conv1", "conv3", "bn", "add", "cat"]))
+        same = [i for i in range(last + 1) if channels[i] == channels[last]]  # x + x too
+        if kind in ("add", "cat"):
+            other = draw(st.sampled_from(same if kind == "add" else list(range(last + 1))))
+            inputs = (last, other)
+        else:
+            inputs = (last,)
+        relu = draw(st.booleans())
+        steps.append((kind, inputs, relu))
+        if kind in ("conv1", "conv3"):
+            channels.append(channels[last] + k % 2 + 1)
+        elif kind == "cat":
+            channels.append(channels[last] + channels[inputs[1]])
+        else:
+            channels.append(channels[last])
+    return channels[0], steps
+
+
+@given(graph_programs(), st.integers(0, 2**16))
+@settings(max_examples=25, deadline=None)
+def test_random_layer_graphs_import_and_their_reference_computes_the_module(program, seed):
+    """Any graph of convs, batch norms, additions and concatenations a user writes imports
+    into a spec that round-trips (dict and TOML), and whose reference, given the user's
+    weights and buffers, computes the user's outputs and gradients in training (float64)."""
+    channels, steps = program
+    torch.manual_seed(seed)
+    user = GraphNet(steps, channels).double()
+    x = torch.randn(4, channels, 5, 6, dtype=torch.float64)
+    user(x)  # the lazy classifier takes its size
+    spec = import_model(user, parse_input(f"{channels}x5x6"), "GraphNet")
+    assert ModelSpec.from_dict(spec.to_dict()) == spec
+    assert ModelSpec.from_dict(tomllib.loads(spec_toml(spec))) == spec
+    merges = sum(kind in ("add", "cat") for kind, _, _ in steps)
+    assert spec.is_chain == (merges == 0 and all(len(i) == 1 for _, i, _ in steps))
+    reference = build_reference(spec, dtype=torch.float64)
+    theirs = user.state_dict()
+    names = {**spec.state_names(), **spec.buffer_names()}
+    reference.load_state_dict({ours: theirs[name] for ours, name in names.items()})
+    ours, want = reference(x), user(x)
+    assert torch.allclose(ours, want, rtol=0, atol=1e-10)
+    ours.sum().backward()
+    want.sum().backward()
+    params = dict(user.named_parameters())
+    for name, value in reference.named_parameters():
+        assert torch.allclose(value.grad, params[spec.state_names()[name]].grad, atol=1e-9)

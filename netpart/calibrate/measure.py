@@ -429,10 +429,7 @@ def calibrate(
     load = [sample(LOAD_SAMPLE_S)]
     specs = [load_spec(m) for m in models]
     extra = [load_spec(m) for m in slice_models if m not in models]
-    points, per_layer = slice_points(specs + extra, batch, runner, say)
-    kinds = {k: kind_cost(v) for k, v in sorted(points.items())}
-    layers = layer_costs(per_layer, kinds)
-    base = Machine(kinds=kinds, layers=layers, overlap=runner.overlap)
+    base, slices = _slice_machine(specs + extra, batch, runner, say)
     link, wire_bps = _link(runner, say)
     # the parameter server's first pass now, the others between and after the steps' rounds
     ps_timer = PsTables(runner, say, wire_bps=wire_bps, runs=repeats, largest=ps_largest)
@@ -451,7 +448,6 @@ def calibrate(
     probe = float(np.median(probes))
     crowd = _crowd(specs, wide, runs)
     model = replace(fit(base, plans, runs, batch, link, crowd), probe_s=probe, ps=ps)
-    slices = {k: [[float(x) for x in pt] for pt in v] for k, v in sorted(points.items())}
     check = _check(plans, runs, model, batch, (runner, steps, repeats), check_model)
     details = {
         "batch": batch,
@@ -470,6 +466,16 @@ def calibrate(
         "ps": ps_raw,
     }
     return model, details
+
+
+def _slice_machine(specs, batch: int, runner: Runner, say: Progress) -> tuple[Machine, dict]:
+    """The machine of the slice tables alone (per kind, and per layer timed at two sizes or
+    more), and the points they were made of, as the profile records them."""
+    points, per_layer = slice_points(specs, batch, runner, say)
+    kinds = {k: kind_cost(v) for k, v in sorted(points.items())}
+    base = Machine(kinds=kinds, layers=layer_costs(per_layer, kinds), overlap=runner.overlap)
+    slices = {k: [[float(x) for x in pt] for pt in v] for k, v in sorted(points.items())}
+    return base, slices
 
 
 def _link(runner: Runner, say: Progress) -> tuple[dict, float]:

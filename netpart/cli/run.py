@@ -133,6 +133,15 @@ def _calibrate_parser(sub) -> None:
         help="runs of each step measurement (median; default 5); the parameter server's "
         "exchanges are timed as often in proportion (fewer: a quicker, noisier calibration)",
     )
+    _host_args(k)
+    _trust_args(k)
+    add_testbed_arg(k)
+    k.set_defaults(func=cmd_calibrate, torch=True)
+
+
+def _host_args(k: argparse.ArgumentParser) -> None:
+    """Where a calibration runs: torchrun's hosts (their messages, the parameter server's
+    exchanges between them) and a machine held to a share of a core."""
     k.add_argument(
         "--timeout",
         type=timeout_s,
@@ -155,9 +164,6 @@ def _calibrate_parser(sub) -> None:
         help="each process's share of a core where a cpu quota (a container's cgroup) holds it "
         "below one: a slice then takes at least its CPU time / share (default 1)",
     )
-    _trust_args(k)
-    add_testbed_arg(k)
-    k.set_defaults(func=cmd_calibrate, torch=True)
 
 
 def _trust_args(k: argparse.ArgumentParser) -> None:

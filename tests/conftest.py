@@ -1,4 +1,5 @@
-"""Shared test helpers: random small specs (hypothesis) and a brute-force unit-level recount."""
+"""Shared test helpers: random small specs (hypothesis), a brute-force unit-level recount, and
+a spec's reference holding a user's module's weights."""
 
 from __future__ import annotations
 
@@ -255,3 +256,27 @@ def wait_for_lines(path: Path, count: int, timeout: float = 60.0, poll: float = 
         not path.exists() or path.read_text().count("\n") < count
     ):
         time.sleep(poll)
+
+
+def users_reference(spec: ModelSpec, user):
+    """`spec`'s reference module in float64 holding the parameters and buffers of `user` (the
+    module it was imported from), read under the user's names (`ModelSpec.state_names`,
+    `buffer_names`)."""
+    import torch
+
+    from netpart.models import build_reference
+
+    reference = build_reference(spec, dtype=torch.float64)
+    theirs = user.state_dict()
+    names = {**spec.state_names(), **spec.buffer_names()}
+    reference.load_state_dict({ours: theirs[name] for ours, name in names.items()})
+    return reference
+
+
+def assert_grads_equal(spec: ModelSpec, reference, user, atol: float) -> None:
+    """Every gradient of `reference` equal to the user's of the same parameter."""
+    import torch
+
+    theirs, names = dict(user.named_parameters()), spec.state_names()
+    for name, value in reference.named_parameters():
+        assert torch.allclose(value.grad, theirs[names[name]].grad, rtol=1e-10, atol=atol), name

@@ -4,8 +4,6 @@ user's ResNet imports as written and its reference computes what the user's modu
 (train and eval); what does not fit is one line naming both branches; planning refuses such a
 spec in one line (not planned yet)."""
 
-import textwrap
-
 import pytest
 import tomllib
 import torch
@@ -16,9 +14,10 @@ from torch.nn import functional as F
 
 from netpart.cli import main
 from netpart.errors import SpecError
-from netpart.models import build_reference, load_spec
+from netpart.models import load_spec
 from netpart.models.importer import import_model, parse_input, spec_toml
 from netpart.models.spec import ModelSpec
+from tests.conftest import assert_grads_equal, users_reference
 
 try:
     import tomllib
@@ -70,58 +69,30 @@ def test_a_residual_network_imports_as_written_and_its_reference_is_the_module()
     assert add.activation == "relu" and spec.sources(kinds.index("add")) == (2, 0)
     projection = next(layer for layer in spec.layers if layer.name == "layer2.shortcut")
     assert (projection.kernel, projection.stride) == (1, 2)  # skips inputs: a branch may
-    reference = build_reference(spec, dtype=torch.float64)
-    theirs, names = dict(user.named_parameters()), spec.state_names()
-    assert sorted(names.values()) == sorted(theirs)  # every weight, under the user's name
-    with torch.no_grad():
-        for name, value in reference.named_parameters():
-            value.copy_(theirs[names[name]])
+    names = spec.state_names()
+    assert sorted(names.values()) == sorted(dict(user.named_parameters()))  # every weight
+    reference = users_reference(spec, user)
     x = torch.randn(3, 3, 32, 32, dtype=torch.float64)
     ours, want = reference(x), user(x)
     assert torch.allclose(ours, want, rtol=0, atol=1e-12)
     ours.square().sum().backward()
     want.square().sum().backward()
-    for name, value in reference.named_parameters():
-        assert torch.allclose(value.grad, theirs[names[name]].grad, rtol=1e-10, atol=1e-12)
+    assert_grads_equal(spec, reference, user, atol=1e-12)
 
 
 def test_the_import_command_writes_the_layer_graph_and_planning_refuses_it(tmp_path, capsys):
-    net = tmp_path / "net.py"
-    net.write_text(
-        textwrap.dedent(
-            """
-            from torch import nn
-
-            class Net(nn.Module):
-                def __init__(self):
-                    super().__init__()
-                    self.a = nn.Conv2d(3, 4, 3, padding=1)
-                    self.b = nn.Conv2d(4, 4, 3, padding=1, bias=False)
-                    self.fc = nn.Linear(4 * 8 * 8, 3)
-
-                def forward(self, x):
-                    y = self.a(x).relu()
-                    return self.fc((self.b(y) + y).relu().flatten(1))
-            """
-        )
-    )
     out = tmp_path / "net.toml"
-    assert main(["import", f"{net}:Net", "--input", "3x8x8", "--out", str(out)]) == 0
+    target = "tests.models.user_models:Skip"
+    assert main(["import", target, "--input", "3x8x8", "--out", str(out)]) == 0
     text = out.read_text()
     assert "inputs = [1, 0]" in text and "bias = false" in text
     spec = load_spec(out)
-    assert spec == import_model_of(net)
+    assert spec == load_spec(target, input="3x8x8")
     capsys.readouterr()
     assert main(["plan", "--model", str(out), "--workers", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "layer 2 (add) reads layer 1, layer 0" in err
     assert "not yet planned" in err
-
-
-def import_model_of(path):
-    from netpart.models.importer import load_module
-
-    return import_model(load_module(f"{path}:Net"), parse_input("3x8x8"), "Net")
 
 
 CONV = {"kind": "conv", "channels": 4, "kernel": 3, "padding": 1}
@@ -273,20 +244,16 @@ def test_a_resnet_with_batch_norm_imports_and_its_reference_trains_and_evaluates
     norms = [i for i, layer in enumerate(spec.layers) if layer.kind == "batchnorm"]
     assert len(norms) == 7 and spec.layers[norms[-1]].momentum == 0.2
     assert spec.num_params == sum(p.numel() for p in user.parameters())
-    reference = build_reference(spec, dtype=torch.float64)
     names = {**spec.state_names(), **spec.buffer_names()}
     assert sorted(names.values()) == sorted(user.state_dict())  # every entry, its own name
-    theirs = user.state_dict()
-    reference.load_state_dict({ours: theirs[name] for ours, name in names.items()})
+    reference = users_reference(spec, user)
     x = torch.randn(6, 3, 16, 16, dtype=torch.float64)
     for step in range(2):  # training: batch statistics; the running ones move alike
         ours, want = reference(x * (step + 1)), user(x * (step + 1))
         assert torch.allclose(ours, want, rtol=0, atol=1e-10)
         ours.square().sum().backward()
         want.square().sum().backward()
-    params = dict(user.named_parameters())
-    for name, value in reference.named_parameters():
-        assert torch.allclose(value.grad, params[spec.state_names()[name]].grad, atol=1e-9)
+    assert_grads_equal(spec, reference, user, atol=1e-9)
     after = user.state_dict()
     for ours, name in spec.buffer_names().items():
         assert torch.allclose(reference.state_dict()[ours].double(), after[name].double())
@@ -422,14 +389,9 @@ def test_random_layer_graphs_import_and_their_reference_computes_the_module(prog
     assert ModelSpec.from_dict(tomllib.loads(spec_toml(spec))) == spec
     merges = sum(kind in ("add", "cat") for kind, _, _ in steps)
     assert spec.is_chain == (merges == 0 and all(len(i) == 1 for _, i, _ in steps))
-    reference = build_reference(spec, dtype=torch.float64)
-    theirs = user.state_dict()
-    names = {**spec.state_names(), **spec.buffer_names()}
-    reference.load_state_dict({ours: theirs[name] for ours, name in names.items()})
+    reference = users_reference(spec, user)
     ours, want = reference(x), user(x)
     assert torch.allclose(ours, want, rtol=0, atol=1e-10)
     ours.sum().backward()
     want.sum().backward()
-    params = dict(user.named_parameters())
-    for name, value in reference.named_parameters():
-        assert torch.allclose(value.grad, params[spec.state_names()[name]].grad, atol=1e-9)
+    assert_grads_equal(spec, reference, user, atol=1e-9)

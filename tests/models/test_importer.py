@@ -11,9 +11,10 @@ from torch.nn import functional as F
 
 from netpart.cli import main
 from netpart.errors import SpecError
-from netpart.models import build_reference, load_spec
+from netpart.models import load_spec
 from netpart.models.importer import import_model, load_module, parse_input
 from netpart.nn import L2Pool2d, LocalContrastNorm, LocallyConnected2d
+from tests.conftest import users_reference
 
 
 class LeNet(nn.Module):
@@ -63,11 +64,7 @@ def test_a_user_s_module_reads_into_a_spec_whose_reference_computes_what_it_does
     assert [layer.kind for layer in spec.layers] == kinds
     assert spec.layers[-1].activation == "softmax"  # logits: a classifier
     # The spec's reference module with the user's weights computes the user's logits.
-    reference = build_reference(spec, dtype=torch.float64)
-    theirs, names = dict(user.named_parameters()), spec.state_names()
-    with torch.no_grad():
-        for name, value in reference.named_parameters():
-            value.copy_(theirs[names[name]])
+    reference = users_reference(spec, user)
     x = torch.randn(4, *(int(v) for v in shape.split("x")), dtype=torch.float64)
     assert torch.allclose(reference(x), user(x), rtol=0, atol=1e-12)
 

@@ -74,10 +74,9 @@ from netpart.cost.machine import PATCHES, PROFILE_SCHEMA, Machine
 from netpart.models import load_spec
 from netpart.models.spec import BYTES_PER_VALUE, ModelSpec
 from netpart.partition import build_unit_graph, plan
-from netpart.partition.evaluate import input_values, per_layer_worker, reevaluate
+from netpart.partition.evaluate import convolved_shares, input_values, reevaluate
 from netpart.partition.graph import UnitGraph
 from netpart.partition.plans import PartitionPlan
-from netpart.partition.rectangles import convolved_units
 from netpart.partition.volume import layer_traffic
 from netpart.runtime.check import make_batch
 from netpart.runtime.step import (
@@ -135,8 +134,7 @@ def _plan_arrays(spec: ModelSpec, p: PartitionPlan) -> tuple[np.ndarray, ...]:
     graph = build_unit_graph(spec, p.granularity)
     traffic = layer_traffic(graph, p.node_map, p.workers)
     values = input_values(graph, p.node_map, p.workers, traffic)
-    units = per_layer_worker(graph, p.node_map, p.workers, graph.units)
-    convolved = convolved_units(graph, p.node_map, p.workers) / np.maximum(units, 1)
+    convolved = convolved_shares(graph, p.node_map, p.workers)
     return layer_flops(graph, p), traffic, values, convolved
 
 

@@ -24,6 +24,7 @@ from netpart.partition.volume import layer_lower_bounds, layer_traffic, workers_
 __all__ = [
     "Crossing",
     "chain_shares",
+    "convolved_shares",
     "evaluate",
     "input_values",
     "interior_shares",
@@ -58,7 +59,7 @@ def evaluate(
     chains = chain_shares(graph, node_map, workers, crossing)
     keys = spec.layer_keys()
     units = per_layer_worker(graph, node_map, workers, graph.units)
-    convolved = convolved_units(graph, node_map, workers) / np.maximum(units, 1)
+    convolved = convolved_shares(graph, node_map, workers)
     args = (flops / speed[None, :], traffic, batch, network, kinds, values)
     # path <= compute.sum() + exchange.sum(); nothing hides a halo without overlap
     hiding = (interior, chains) if network.overlap else (None, None)
@@ -111,8 +112,7 @@ def step_floor(
     none = np.zeros((len(graph.layers), workers, workers))
     kinds = [layer.kind for layer in spec.layers]
     values = input_values(graph, node_map, workers, none)
-    units = per_layer_worker(graph, node_map, workers, graph.units)
-    convolved = convolved_units(graph, node_map, workers) / np.maximum(units, 1)
+    convolved = convolved_shares(graph, node_map, workers)
     args = (flops / speed[None, :], none, batch, network, kinds, values)
     _, _, path = step_times(*args, keys=spec.layer_keys(), convolved=convolved)
     return float(path + network.fixed_s(workers))
@@ -218,6 +218,14 @@ def _worker_params(graph: UnitGraph, node_map: np.ndarray, workers: int) -> np.n
             per_channel = src.channels * layer.window + 1
             out += holds.astype(np.int64) @ (np.diff(lb.cbounds) * per_channel)
     return out
+
+
+def convolved_shares(graph: UnitGraph, node_map: np.ndarray, workers: int) -> np.ndarray:
+    """[L, P]: the share of each worker's outputs of each conv layer torch's convolution
+    computes (`partition.rectangles.convolved_units`; the rest multiply gathered patches),
+    0 for other kinds: what the cost model prices each path by."""
+    units = per_layer_worker(graph, node_map, workers, graph.units)
+    return convolved_units(graph, node_map, workers) / np.maximum(units, 1)
 
 
 def input_values(

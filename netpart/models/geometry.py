@@ -69,9 +69,11 @@ def window_output(layer: Any, src: Shape, where: str, *, skips: bool = False) ->
 
 def infer_shapes(
     shape: Shape, flat_input: bool, layers: Sequence[Any], sources: Sequence[tuple[int, ...]]
-) -> tuple[Shape, ...]:
+) -> tuple[tuple[Shape, ...], tuple[bool, ...]]:
     """Output shape of every layer (`LayerSpec`s reading `sources`, -1 the input of `shape`,
-    a flat vector where `flat_input`); SpecError for geometry that cannot exist."""
+    a flat vector where `flat_input`), and whether each output is a flat vector (a dense
+    layer's, or a merge or batch norm of flat ones) rather than planes; SpecError for
+    geometry that cannot exist."""
     shapes: list[Shape] = []
     flat: list[bool] = []  # each layer's output is a flat vector
     n = len(layers)
@@ -115,7 +117,7 @@ def infer_shapes(
             f"layer {unread[0]} ({layers[unread[0]].kind}): no layer reads its output; "
             "the last layer is the model's output, every other one feeds a layer"
         )
-    return tuple(shapes)
+    return tuple(shapes), tuple(flat)
 
 
 def _merged(

@@ -20,9 +20,8 @@ output of the layer before it, with netpart's plan-independent masks:
 `Flatten`, `torch.flatten`, `view` and `reshape` into a dense layer; `+`, `torch.add` and
 `x.add(y)` of two layers' outputs (an `add` layer: a residual addition), `BatchNorm1d` and
 `BatchNorm2d` (a `batchnorm` layer, torch's defaults of affine and running statistics), and
-`torch.cat` along
-channels (a `concat` layer), a layer that reads an earlier output than the last naming it in
-its `inputs` (a layer graph: `netpart.models.spec`).
+`torch.cat` along channels (a `concat` layer), a layer that reads an earlier output than the
+last naming it in its `inputs` (a layer graph: `netpart.models.spec`).
 Each layer of the spec is named by its module's path (`features.0`), so the parameters map
 to the user's names (`ModelSpec.state_names`). A network whose last layer is dense is read as
 a classifier: its outputs are logits, trained with cross-entropy (the spec's `softmax`).
@@ -255,8 +254,9 @@ class _Walk:
             raise SpecError(f"{self.name}: {node.name} reads no layer's output (a constant)")
         self.node, self.read = node, self.at[reads[0]]
         self.at[node] = self.read  # until it makes a layer of its own
-        if _merge(node) is not None:
-            self._merge(node, _merge(node), reads)
+        merge = _merge(node)
+        if merge is not None:
+            self._merge(node, merge, reads)
         elif len(reads) != 1:
             raise SpecError(
                 f"{self.name}: {node.name} reads {', '.join(r.name for r in reads)}; netpart "

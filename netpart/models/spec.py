@@ -193,11 +193,13 @@ class ModelSpec:
     input: InputSpec
     layers: tuple[LayerSpec, ...]
     shapes: tuple[Shape, ...] = field(init=False, repr=False, compare=False)
+    flats: tuple[bool, ...] = field(init=False, repr=False, compare=False)  # `is_flat`
 
     def __post_init__(self) -> None:
         sources = [self.sources(i) for i in range(len(self.layers))]
-        shapes = infer_shapes(self.input.shape, self.input.flat, self.layers, sources)
+        shapes, flats = infer_shapes(self.input.shape, self.input.flat, self.layers, sources)
         object.__setattr__(self, "shapes", shapes)
+        object.__setattr__(self, "flats", flats)
         if self.layers and self.layers[-1].dropout:
             raise SpecError(
                 f"layer {len(self.layers) - 1}: dropout on the last layer would drop the "
@@ -227,11 +229,7 @@ class ModelSpec:
     def is_flat(self, index: int) -> bool:
         """Whether layer `index`'s output is a flat vector (a dense layer's, or a merge of
         flat ones) rather than planes."""
-        while self.layers[index].kind in (*MERGE_KINDS, BATCHNORM):
-            index = self.sources(index)[0]
-            if index < 0:
-                return self.input.flat
-        return not self.layers[index].is_spatial
+        return self.flats[index]
 
     @property
     def is_chain(self) -> bool:

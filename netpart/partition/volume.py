@@ -9,7 +9,9 @@ Lower bound per layer, for q workers sharing it (a plan reports it for the q it 
 dense readers all-gather their input, (q-1)*n; spatial readers need at least the halo of the
 best regular tiling of their output into q tiles (channel groups, each cut into row bands of
 near-equal tile counts), each input unit owned by one of the tiles that read it:
-sum_t |input read by t| - |input read by anyone|.
+sum_t |input read by t| - |input read by anyone|. A group with more tiles than output
+positions (a small layer on many workers) splits some positions' channels: each tile past
+one per position reads at least the smallest single position's window again.
 """
 
 from __future__ import annotations
@@ -187,15 +189,23 @@ def _spatial_bound(spec: ModelSpec, index: int, parts: int) -> int:
     wy, wx = (kh, sh, ph), (kw, sw, pw)
     n_all = _covered(np.array([0]), np.array([o.height]), wy, src.height)[0]
     n_all *= _covered(np.array([0]), np.array([o.width]), wx, src.width)[0]
+    positions = o.height * o.width
     options = [
         tiles
         for groups in range(1, min(parts, o.channels) + 1)
         for tiles in _compositions(parts, groups)
-        if max(tiles) <= o.height * o.width
+        if layer.kind != "pool" or max(tiles) <= positions
     ]
     needed = sorted({m for tiles in options for m in tiles})
     n_in = (src.height, src.width)
-    halo = {m: _tiling_halo(o.height, o.width, m, wy, wx, n_in) for m in needed}
+    halo = {m: _tiling_halo(o.height, o.width, min(m, positions), wy, wx, n_in) for m in needed}
+    if any(m > positions for m in needed):
+        # More tiles than positions: some positions' channels are split between tiles, and
+        # each tile past one per position reads at least the smallest window again.
+        smallest = _covered(np.arange(o.height), np.arange(1, o.height + 1), wy, src.height).min()
+        smallest *= _covered(np.arange(o.width), np.arange(1, o.width + 1), wx, src.width).min()
+        for m in needed:
+            halo[m] += max(m - positions, 0) * int(smallest)
     best = np.inf
     for tiles in options:
         costs = sorted(halo[m] for m in tiles)

@@ -90,3 +90,26 @@ def test_spatial_bound_is_the_halo_of_a_regular_tiling():
     assert layer_lower_bounds(spec, np.array([2, 2])).tolist() == [0, 40]
     # Four 4x4 tiles each read 6x6: 4 * 36 - 100 = 44 (strips would give 4 * 40 - 100 = 60).
     assert layer_lower_bounds(spec, np.array([4, 4])).tolist() == [0, 88]
+
+
+def test_a_layer_on_more_workers_than_output_positions_keeps_a_true_bound():
+    """Four workers share a local layer of 2 channels x 3 positions: no brick tiling of 3
+    positions has 4 tiles, and two channel groups of 2 tiles each (bound 12) miss the plan
+    that splits one position's channels (two tiles of 4 inputs past the 3 positions')."""
+    from netpart.models import ModelSpec
+
+    spec = ModelSpec.from_dict(
+        {
+            "name": "t",
+            "input": {"channels": 1, "height": 8, "width": 5},
+            "layer": [
+                {"kind": "pool", "kernel": 2},
+                {"kind": "lcn", "kernel": 1},
+                {"kind": "local", "channels": 2, "kernel": 2},
+            ],
+        }
+    )
+    # Three positions' windows (2x2 of a 4x2 input): halo(3) = 3 * 4 - 8 = 4, plus 4.
+    assert layer_lower_bounds(spec, np.array([1, 1, 4])).tolist() == [0, 0, 8]
+    p = plan(spec, 4, "metis", granularity=Granularity(spatial_blocks=16, dense_blocks=4))
+    assert p.metrics.lower_bound <= p.metrics.volume

@@ -140,10 +140,23 @@ def chain_specs(draw: st.DrawFn) -> ModelSpec:
     return ModelSpec.from_dict({"name": "chain", "input": inp, "layer": layers})
 
 
-def reads(spec: ModelSpec, index: int, unit: tuple[int, int, int]) -> list[tuple[int, int, int]]:
-    """Input units (c, y, x) that output unit `unit` of layer `index` reads: explicit loops."""
-    layer, src = spec.layers[index], spec.input_shape(index)
+def reads(
+    spec: ModelSpec, index: int, unit: tuple[int, int, int], slot: int = 0
+) -> list[tuple[int, int, int]]:
+    """Units (c, y, x) of input `slot` that output unit `unit` of layer `index` reads:
+    explicit loops."""
+    layer = spec.layers[index]
+    source = spec.sources(index)[slot]
+    src = spec.input.shape if source < 0 else spec.shapes[source]
     c, y, x = unit
+    if layer.kind in ("add", "batchnorm"):
+        return [(c, y, x)]
+    if layer.kind == "concat":
+        before = sum(
+            (spec.input.shape if s < 0 else spec.shapes[s]).channels
+            for s in spec.sources(index)[:slot]
+        )
+        return [(c - before, y, x)] if before <= c < before + src.channels else []
     if layer.kind == "dense":
         return list(itertools.product(range(src.channels), range(src.height), range(src.width)))
     if layer.kind == "lcn":
@@ -174,19 +187,103 @@ def unit_owner(graph: UnitGraph, node_map: np.ndarray, index: int) -> dict:
 
 
 def brute_force_volume(graph: UnitGraph, node_map: np.ndarray) -> list[int]:
-    """Per-layer forward volume: distinct (input unit, remote reader worker) pairs."""
+    """Per-layer forward volume: distinct (source unit, remote reader worker) pairs, for
+    each layer a layer reads (the network's input is data: none); a concat that reads one
+    layer twice counts each of its inputs apart."""
     spec = graph.spec
     out = [0]
     for i in range(1, len(spec.layers)):
         dst_owner = unit_owner(graph, node_map, i)
-        src_owner = unit_owner(graph, node_map, i - 1)
         pairs = set()
-        for unit, d in dst_owner.items():
-            for src in reads(spec, i, unit):
-                if src_owner[src] != d:
-                    pairs.add((src, d))
+        for slot, source in enumerate(spec.sources(i)):
+            if source < 0:
+                continue
+            src_owner = unit_owner(graph, node_map, source)
+            apart = slot if spec.layers[i].kind == "concat" else source
+            for unit, d in dst_owner.items():
+                for src in reads(spec, i, unit, slot):
+                    if src_owner[src] != d:
+                        pairs.add((source, apart, src, d))
         out.append(len(pairs))
     return out
+
+
+@st.composite
+def graph_specs(draw: st.DrawFn, max_steps: int = 6) -> ModelSpec:
+    """Random layer graphs: windowed layers (conv, local, pool, lcn) and batch norms reading
+    any layer of the current resolution, adds of equal shapes, concats, a ResNet's
+    downsampling block (a 3x3, stride-2 conv and a 1x1, stride-2 projection of one layer,
+    added), every unread layer concatenated at the end, a dense top at times."""
+    h, w = draw(st.integers(4, 9)), draw(st.integers(4, 9))
+    layers: list[dict] = []
+    shapes: list[tuple[int, int, int]] = []
+    unread: list[int] = []
+    stage = 0  # the first layer of the current resolution
+
+    def put(layer: dict, shape: tuple[int, int, int], inputs: list[int]) -> int:
+        for i in inputs:
+            if i in unread:
+                unread.remove(i)
+        layers.append({**layer, "inputs": inputs} if inputs else layer)
+        shapes.append(shape)
+        unread.append(len(layers) - 1)
+        return len(layers) - 1
+
+    def close() -> None:
+        if len(unread) > 1:
+            c = sum(shapes[i][0] for i in unread)
+            put({"kind": "concat"}, (c, *shapes[unread[0]][1:]), list(unread))
+
+    c = draw(st.integers(1, 3))
+    put({"kind": "conv", "channels": c, "kernel": 3, "padding": 1}, (c, h, w), [])
+    for _ in range(draw(st.integers(1, max_steps))):
+        now = list(range(stage, len(layers)))
+        op = draw(st.sampled_from(["conv", "local", "pool", "lcn", "batchnorm", "add", "concat"]))
+        if draw(st.integers(0, 5)) == 0 and min(shapes[-1][1:]) >= 4:
+            op = "down"
+        src = draw(st.sampled_from(sorted(set(unread) & set(now)) or now))
+        cs, hs, ws = shapes[src]
+        if op in ("conv", "local"):
+            k = draw(st.sampled_from([1, 3]))
+            ch = draw(st.integers(1, 3))
+            layer = {"kind": op, "channels": ch, "kernel": k, "padding": k // 2}
+            put({**layer, **draw(BIAS)}, (ch, hs, ws), [src])
+        elif op == "pool":
+            mode = draw(st.sampled_from(["max", "avg", "l2"]))
+            put(
+                {"kind": "pool", "mode": mode, "kernel": 3, "stride": 1, "padding": 1},
+                (cs, hs, ws),
+                [src],
+            )
+        elif op == "lcn":
+            put({"kind": "lcn", "kernel": 3}, (cs, hs, ws), [src])
+        elif op == "batchnorm":
+            put({"kind": "batchnorm"}, (cs, hs, ws), [src])
+        elif op == "add":
+            same = [i for i in now if shapes[i] == shapes[src] and i != src]
+            other = draw(st.sampled_from(same)) if same else src  # x + x at times
+            put({"kind": "add"}, shapes[src], [src, other])
+        elif op == "concat":
+            other = draw(st.sampled_from(now))
+            put({"kind": "concat"}, (cs + shapes[other][0], hs, ws), [src, other])
+        else:  # a downsampling residual block on the one unread layer of this resolution
+            close()
+            x = unread[0]
+            ch = draw(st.integers(1, 3))
+            hh, ww = (shapes[x][1] + 1) // 2, (shapes[x][2] + 1) // 2
+            a = put(
+                {"kind": "conv", "channels": ch, "kernel": 3, "stride": 2, "padding": 1},
+                (ch, hh, ww),
+                [x],
+            )
+            b = put({"kind": "conv", "channels": ch, "kernel": 1, "stride": 2}, (ch, hh, ww), [x])
+            put({"kind": "add"}, (ch, hh, ww), [a, b])
+            stage = a
+    close()
+    if draw(st.booleans()):
+        put({"kind": "dense", "units": draw(st.integers(1, 4))}, (1, 1, 1), [len(layers) - 1])
+    inp = {"channels": draw(st.integers(1, 2)), "height": h, "width": w}
+    return ModelSpec.from_dict({"name": "graph", "input": inp, "layer": layers})
 
 
 # Every process this test session starts inherits this variable (through the zygote and a

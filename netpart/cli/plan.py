@@ -271,7 +271,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         files["report.md"] = report.encode()
         files.update(figs)
         write_files(args.out, files)
-    _show(main_plan, shards, comparison)
+    _show(spec, main_plan, shards, comparison)
     if files:
         echo(f"wrote {', '.join(files)} to {args.out}")
     return 0
@@ -293,7 +293,7 @@ def _check_out(out: Path | None) -> None:
         )
 
 
-def _show(main_plan, shards, comparison: list) -> None:
+def _show(spec, main_plan, shards, comparison: list) -> None:
     """The plan on the terminal: summary, candidates, layers, shards, comparison."""
     from netpart.planning.report import (
         auto_table,
@@ -307,7 +307,7 @@ def _show(main_plan, shards, comparison: list) -> None:
     if main_plan.candidates:
         echo(auto_table(main_plan))
         echo()
-    echo(layer_table(main_plan))
+    echo(layer_table(main_plan, spec))
     echo()
     echo(f"parameter server: {shards.shards} shards")
     echo(shard_table(shards))
@@ -423,9 +423,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     plan.check_model(spec)
     from netpart.compile.schedule import plan_schedule
 
-    plan_schedule(spec, plan)  # what `train --plan` checks: the two files belong together
+    if spec.runnable:  # what `train --plan` checks: the two files belong together
+        plan_schedule(spec, plan)
     echo(summary_line(plan))
-    echo(layer_table(plan))
+    echo(layer_table(plan, spec))
     return 0
 
 

@@ -302,6 +302,7 @@ def build_schedule(
     layer in `split` (all when empty) whose work on a worker reaches `split_min_flops` per
     example, and join layers that exchange nothing to the layer below."""
     spec = graph.spec
+    spec.require_runnable("the runtime")  # SpecError: a layer graph, a batch norm
     owned = owned_units(graph, node_map, workers)
     sends: list[dict[tuple[int, int], np.ndarray]] = [{}]
     for index in range(1, len(graph.layers)):

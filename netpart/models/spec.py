@@ -236,14 +236,20 @@ class ModelSpec:
         """Every layer reads the one before it, and only it."""
         return all(self.sources(i) == (i - 1,) for i in range(len(self.layers)))
 
-    def require_plannable(self, doing: str) -> None:
+    @property
+    def runnable(self) -> bool:
+        """Whether the runtime takes this spec: a chain of layers without batch norm."""
+        return self.is_chain and all(ly.kind != BATCHNORM for ly in self.layers)
+
+    def require_runnable(self, doing: str) -> None:
         """SpecError (one line) where the layers branch or normalise a batch: what `doing`
-        cannot take yet."""
+        (the runtime: check, run, train) cannot take yet; such a spec is planned."""
         norm = next((i for i, ly in enumerate(self.layers) if ly.kind == BATCHNORM), None)
         if norm is not None:
             raise SpecError(
                 f"{self.name}: layer {norm} (batchnorm): {doing} takes no batch normalisation "
-                "today; a spec with it is imported and checked when it loads, not yet planned"
+                "today; a spec with it is imported, checked when it loads and planned "
+                "(netpart plan), not yet run"
             )
         if self.is_chain:
             return
@@ -251,8 +257,8 @@ class ModelSpec:
         reads = ", ".join("the input" if s < 0 else f"layer {s}" for s in self.sources(i))
         raise SpecError(
             f"{self.name}: layer {i} ({self.layers[i].kind}) reads {reads}: {doing} takes a "
-            "chain of layers today; a layer graph that branches is imported and checked when "
-            "it loads, not yet planned"
+            "chain of layers today; a layer graph that branches is imported, checked when it "
+            "loads and planned (netpart plan), not yet run"
         )
 
     def layer_params(self, index: int) -> int:

@@ -28,19 +28,26 @@ def quantile_cut(weights: np.ndarray, shares: np.ndarray) -> np.ndarray:
 
 def _connection(graph: UnitGraph, layer: int, node_map: np.ndarray, workers: int) -> np.ndarray:
     """[blocks of `layer`, workers]: the edge weight from each block of the layer to the
-    blocks each worker owns — its sources (the layer below) and its readers (the layer
-    above), from the read edges of the two reader layers (no adjacency needed)."""
+    blocks each worker owns — its sources and its readers, from the read edges of the layer
+    and of the layers that read it (no adjacency needed)."""
     reader, read, units = graph.reads
     cuts, lb = graph.read_cuts, graph.layers[layer]
     conn = np.zeros(lb.count * workers)
     sides = [(cuts[layer], cuts[layer + 1], reader, read)]  # the layer reads its sources
-    if layer + 1 < len(graph.layers):
-        sides.append((cuts[layer + 1], cuts[layer + 2], read, reader))  # it is read above
+    spec = graph.spec
+    for above in range(layer + 1, len(graph.layers)):
+        if layer in spec.sources(above):  # it is read above
+            sides.append((cuts[above], cuts[above + 1], read, reader))
     small = narrow(node_map)
     wide = np.int32 if lb.count * workers < 2**31 else np.int64
     for a, b, mine, other in sides:
-        key = (mine[a:b].astype(wide) - lb.first) * workers + small[other[a:b]]
-        conn += np.bincount(key, weights=units[a:b], minlength=lb.count * workers)
+        if a == b:
+            continue
+        ours = slice(a, b)
+        if mine is read and len(spec.sources(int(graph.layer_of[reader[a]]))) > 1:
+            ours = a + np.flatnonzero((read[a:b] >= lb.first) & (read[a:b] < lb.first + lb.count))
+        key = (mine[ours].astype(wide) - lb.first) * workers + small[other[ours]]
+        conn += np.bincount(key, weights=units[ours], minlength=lb.count * workers)
     return conn.reshape(lb.count, workers)
 
 
@@ -103,7 +110,7 @@ def follow_pools(
     spec = graph.spec
     for lb in reversed(graph.layers[:-1]):
         i = lb.index
-        if not (spec.layers[i].is_spatial and aligned_pool(spec, i + 1)):
+        if spec.is_flat(i) or not aligned_pool(spec, i + 1) or spec.sources(i + 1) != (i,):
             continue
         pool, stride = graph.layers[i + 1], spec.layers[i + 1].stride
         b = graph.box[lb.ids]
@@ -128,7 +135,7 @@ def follow_pools(
         balanced = loads.max() / fair <= worst
         if not balanced:
             continue
-        touched = [i, i + 1]
+        touched = [i, *(j for j in range(i + 1, len(graph.layers)) if i in spec.sources(j))]
         before = int(layer_traffic(graph, node_map, workers, touched).sum())
         if int(layer_traffic(graph, followed, workers, touched).sum()) < before:
             node_map = followed

@@ -17,7 +17,7 @@ from netpart.cost.step import split_layers, step_times
 from netpart.models.spec import BYTES_PER_VALUE, ModelSpec
 from netpart.partition.graph import UnitGraph, build_unit_graph, narrow
 from netpart.partition.plans import LayerFigures, PartitionPlan, PlanMetrics, WorkerFigures
-from netpart.partition.reads import read_window
+from netpart.partition.reads import read_pairs, read_window
 from netpart.partition.rectangles import convolved_units
 from netpart.partition.volume import layer_lower_bounds, layer_traffic, workers_per_layer
 
@@ -204,18 +204,19 @@ def _worker_params(graph: UnitGraph, node_map: np.ndarray, workers: int) -> np.n
     spec = graph.spec
     out = np.zeros(workers, dtype=np.int64)
     for lb in graph.layers:
-        layer, src = spec.layers[lb.index], spec.input_shape(lb.index)
+        layer = spec.layers[lb.index]
         ids = lb.ids
         if layer.kind in ("local", "dense"):  # untied: every unit has its own weights
             per_unit = spec.layer_params(lb.index) // lb.shape.size
             units = np.bincount(node_map[ids], weights=graph.units[ids], minlength=workers)
             out += units.astype(np.int64) * per_unit
-        elif layer.kind == "conv":
-            # A worker needs the kernel of every output channel it computes any unit of.
+        elif layer.kind in ("conv", "batchnorm"):
+            # A worker needs the kernel (a batch norm: the scale and shift) of every output
+            # channel it computes any unit of.
             group = np.arange(lb.count) // (lb.ny * lb.nx)
             holds = np.zeros((workers, lb.nc), dtype=bool)
             holds[node_map[ids], group] = True
-            per_channel = src.channels * layer.window + 1
+            per_channel = spec.layer_params(lb.index) // lb.shape.channels
             out += holds.astype(np.int64) @ (np.diff(lb.cbounds) * per_channel)
     return out
 
@@ -238,7 +239,8 @@ def input_values(
     spec = graph.spec
     owned = per_layer_worker(graph, node_map, workers, graph.units)
     out = traffic.sum(axis=1).astype(np.float64)  # halo received, per layer and worker
-    out[1:] += owned[:-1]
+    for index, _, source in read_pairs(spec):
+        out[index] += owned[source]
     for lb in graph.layers:
         kind, ids = spec.layers[lb.index].kind, lb.ids
         if kind == "dense":
@@ -308,11 +310,14 @@ def chain_shares(
 
     Every worker at once: a chain's wanted blocks are its worker's own, so one mask over the
     blocks holds every worker's; the read edges come grouped by their reader's layer, and a
-    chain walks down one layer at a time (tops highest first: a layer feeds one top)."""
+    chain walks down one layer at a time (tops highest first: a layer feeds one top).
+    A layer graph has no chains (every share 0, every feed -1)."""
+    shape = (len(graph.layers), workers)
+    if not graph.spec.is_chain:
+        return np.zeros(shape), np.full(shape, -1, dtype=np.int64)
     c = crossing or Crossing.of(graph, node_map)
     hi, lo, _ = graph.reads  # (reader, read)
     cross, cuts = c.cross, c.cuts
-    shape = (len(graph.layers), workers)
     total = per_layer_worker(graph, node_map, workers, graph.units)
     receives, sends = np.zeros(shape, dtype=bool), np.zeros(shape, dtype=bool)
     for layer in range(1, len(graph.layers)):  # a layer's edges: one slice, no gathers

@@ -4,9 +4,10 @@ Each layer's output (C x H x W; dense layers C x 1 x 1) is cut into a regular gr
 `nc` channel groups x `ny` row bands x `nx` column bands, with bounds split as evenly as integers
 allow. A block is one vertex; block ids are contiguous per layer, ordered (group, row, column).
 Vertex weight is the block's forward+backward FLOPs per example, vertex size its activation
-values per example; an edge joins a block to every block of the previous layer it reads, and its
-weight is the number of units read. The network input is data, not a layer: every worker reads the
-input pixels it needs from its batch, so layer 0 has no in-edges.
+values per example; an edge joins a block to every block of its layer's sources it reads (the
+layer below in a chain; in a layer graph, the layers it names: a skip edge joins a merge to a
+block far below), and its weight is the number of units read. The network input is data, not a
+layer: every worker reads the input pixels it needs from its batch, so it makes no edges.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 
 from netpart.models.spec import ModelSpec
 from netpart.partition.blocks import Granularity, LayerBlocks, even_bounds
-from netpart.partition.reads import edge_count, read_edges, symmetric_csr
+from netpart.partition.reads import edge_count, read_edges, read_pairs, symmetric_csr
 
 __all__ = [
     "GraphSize",
@@ -78,7 +79,8 @@ class UnitGraph:
     def _csr(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The CSR arrays, built on first use (METIS and the balance repair need them; the
         figures of a plan read `reads`)."""
-        arrays = symmetric_csr(*self.reads, self.layers)
+        sources = [tuple(sorted(set(self.spec.sources(i)) - {-1})) for i in range(len(self.layers))]
+        arrays = symmetric_csr(*self.reads, self.layers, sources)
         for array in arrays:
             array.flags.writeable = False
         return arrays
@@ -142,7 +144,9 @@ class UnitGraph:
 
 
 def flops_per_unit(spec: ModelSpec, index: int) -> int:
-    """Forward+backward FLOPs per output unit (backward ~2x forward with weights, ~1x without)."""
+    """Forward+backward FLOPs per output unit (backward ~2x forward with weights, ~1x without;
+    an add one sum per extra input, a concat a copy, a batch norm its statistics, the
+    normalisation and the affine map, and their gradients)."""
     layer, src = spec.layers[index], spec.input_shape(index)
     if layer.kind in ("local", "conv"):
         return 3 * (2 * src.channels * layer.window + 2)
@@ -150,6 +154,12 @@ def flops_per_unit(spec: ModelSpec, index: int) -> int:
         return 3 * (2 * src.size + 2)
     if layer.kind == "pool":
         return 2 * (2 * layer.window + 1)
+    if layer.kind == "add":
+        return 2 * len(spec.sources(index))
+    if layer.kind == "concat":
+        return 2
+    if layer.kind == "batchnorm":
+        return 2 * 8
     return 2 * (4 * layer.window + 4)
 
 
@@ -158,7 +168,14 @@ def aligned_pool(spec: ModelSpec, index: int) -> bool:
     no padding): an input cut at stride x the pool's cut sends the pool nothing."""
     layer = spec.layers[index]
     square = isinstance(layer.kernel, int)
-    return layer.kind == "pool" and square and layer.kernel == layer.stride and not layer.padding
+    alone = len(spec.sources(index)) == 1
+    return (
+        layer.kind == "pool"
+        and alone
+        and square
+        and layer.kernel == layer.stride
+        and not layer.padding
+    )
 
 
 def _layer_blocks(spec: ModelSpec, granularity: Granularity) -> tuple[LayerBlocks, ...]:
@@ -167,10 +184,16 @@ def _layer_blocks(spec: ModelSpec, granularity: Granularity) -> tuple[LayerBlock
     bounds: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # filled last layer first
     for i in range(n - 1, -1, -1):
         layer, shape = spec.layers[i], spec.shapes[i]
-        nc, ny, nx = granularity.grid(shape, dense=not layer.is_spatial)
+        nc, ny, nx = granularity.grid(shape, dense=spec.is_flat(i))
         cb = even_bounds(shape.channels, nc)
         yb, xb = even_bounds(shape.height, ny), even_bounds(shape.width, nx)
-        if granularity.align_pools and layer.is_spatial and i + 1 < n and aligned_pool(spec, i + 1):
+        if (
+            granularity.align_pools
+            and not spec.is_flat(i)
+            and i + 1 < n
+            and aligned_pool(spec, i + 1)
+            and spec.sources(i + 1) == (i,)
+        ):
             stride = spec.layers[i + 1].stride
             pool_c, pool_y, pool_x = bounds[0]
             # The pool's channel groups where that keeps the layer near the blocks it wants (a
@@ -230,8 +253,7 @@ def build_unit_graph(spec: ModelSpec, granularity: Granularity | None = None) ->
 
     The last graph built is kept (a plan's candidates of one granularity, and the command
     that reports the plan, share it): graphs are immutable (their arrays are read-only).
-    A spec whose layers branch or normalise a batch is refused (SpecError, one line)."""
-    spec.require_plannable("planning")
+    A layer graph's skip edges join a layer to the sources it names."""
     return _build(spec, granularity or Granularity())
 
 
@@ -239,22 +261,33 @@ def build_unit_graph(spec: ModelSpec, granularity: Granularity | None = None) ->
 class GraphSize:
     """What a graph will hold, known before it is built: its blocks, the blocks of its
     widest layer (the most workers that can each own a part of one layer) and that layer's
-    name, and its read edges (counted per reader block)."""
+    name, its read edges (counted per reader block), and its distinct block grids and their
+    blocks (what METIS weighs for a layer graph: `netpart.partition.stacks`)."""
 
     blocks: int
     widest: int
     widest_layer: str
     edges: int
+    grids: int
+    grid_blocks: int
 
 
 def graph_size(spec: ModelSpec, granularity: Granularity) -> GraphSize:
     """The `GraphSize` of the graph `build_unit_graph` would build, without building it."""
-    spec.require_plannable("planning")
     layers = _layer_blocks(spec, granularity)
     box = np.concatenate([_boxes(lb) for lb in layers])
-    edges = sum(edge_count(spec, layers[i], layers[i - 1], box) for i in range(1, len(layers)))
+    edges = sum(
+        edge_count(spec, layers[i], layers[source], box, slot)
+        for i, slot, source in read_pairs(spec)
+    )
     wide = max(layers, key=lambda lb: lb.count)
-    return GraphSize(len(box), wide.count, spec.layer_name(wide.index), edges)
+    grids = {
+        (lb.shape, tuple(lb.cbounds), tuple(lb.ybounds), tuple(lb.xbounds)): lb.count
+        for lb in layers
+    }
+    return GraphSize(
+        len(box), wide.count, spec.layer_name(wide.index), edges, len(grids), sum(grids.values())
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -265,7 +298,7 @@ def _build(spec: ModelSpec, granularity: Granularity) -> UnitGraph:
     units = (box[:, 1] - box[:, 0]) * (box[:, 3] - box[:, 2]) * (box[:, 5] - box[:, 4])
     per_unit = np.array([flops_per_unit(spec, i) for i in range(len(layers))], dtype=np.int64)
     flops = units * per_unit[layer_of]
-    parts = [list(read_edges(spec, layers[i], layers[i - 1], box)) for i in range(1, len(layers))]
+    parts = [_layer_reads(spec, layers, box, i) for i in range(1, len(layers))]
     rd, sr, wt = (_joined(parts, k) for k in range(3))
     graph = UnitGraph(
         spec=spec,
@@ -280,6 +313,31 @@ def _build(spec: ModelSpec, granularity: Granularity) -> UnitGraph:
     for array in (layer_of, box, flops, units, rd, sr, wt):
         array.flags.writeable = False
     return graph
+
+
+def _layer_reads(
+    spec: ModelSpec, layers: tuple[LayerBlocks, ...], box: np.ndarray, index: int
+) -> list[np.ndarray]:
+    """Layer `index`'s read edges from all its sources, each reader's sources ascending
+    (one source: as read; several, a merge: sorted, and a source read twice, `x + x`, one
+    edge of the summed units)."""
+    reads = [
+        read_edges(spec, layers[index], layers[source], box, slot)
+        for reader, slot, source in read_pairs(spec)
+        if reader == index
+    ]
+    if not reads:
+        empty = np.zeros(0, dtype=np.int32)
+        return [empty, empty, empty]
+    if len(reads) == 1:
+        return list(reads[0])
+    rd, sr, wt = (np.concatenate([r[k] for r in reads]) for k in range(3))
+    order = np.lexsort((sr, rd))
+    rd, sr, wt = rd[order], sr[order], wt[order]
+    first = np.ones(len(rd), dtype=bool)
+    first[1:] = (rd[1:] != rd[:-1]) | (sr[1:] != sr[:-1])
+    at = np.flatnonzero(first)
+    return [rd[at], sr[at], np.add.reduceat(wt, at) if len(at) else wt]
 
 
 def narrow(node_map: np.ndarray) -> np.ndarray:

@@ -23,6 +23,7 @@ from netpart.partition.balance import follow_pools, quantile_cut, rebalance
 from netpart.partition.graph import UnitGraph
 from netpart.partition.metis import part_graph
 from netpart.partition.plane import blocks_from_plane, build_plane
+from netpart.partition.stacks import stack_graph
 
 __all__ = ["ALIGNED", "METHODS", "METHOD_OPTIONS", "assign", "default_bands"]
 
@@ -38,7 +39,8 @@ def _metis(
     ncuts: int = 1,
     niter: int = 10,
 ) -> np.ndarray:
-    """METIS with one balance constraint per layer, then a per-layer balance repair.
+    """METIS with one balance constraint per layer, then a per-layer balance repair. On a
+    layer graph, the layers of one block grid are stacked (`stacks`): one constraint each.
 
     `algorithm` "recursive" (default; edge-cut objective) or "kway" (objective "vol" by
     default, or "cut"). On the image models recursive bisection gives lower true volume and runs
@@ -48,28 +50,28 @@ def _metis(
     """
     if objective is None:
         objective = "cut" if algorithm == "recursive" else "vol"
-    counts = np.array([lb.count for lb in graph.layers])
-    small = counts < workers
-    column = np.cumsum(~small) - 1
-    ncon = int((~small).sum()) + int(small.any())
-    column[small] = ncon - 1
-    if not (~small).any():
-        column[:] = 0
-        ncon = 1
-    vwgt = np.zeros((graph.num_vertices, ncon), dtype=np.int64)
-    vwgt[np.arange(graph.num_vertices), column[graph.layer_of]] = graph.flops
+    if graph.spec.is_chain:
+        of = None
+        adjacency = (graph.xadj, graph.adjncy, graph.adjwgt)
+        vwgt, vsize = graph.vertex_weights(), graph.units
+    else:  # a layer graph: the layers of one block grid cut alike (`stacks`)
+        stacks = stack_graph(graph)
+        of = stacks.of
+        adjacency = (stacks.xadj, stacks.adjncy, stacks.adjwgt)
+        vwgt, vsize = stacks.vwgt, stacks.vsize
+    vwgt = _shared_small(vwgt, workers)
+    ncon = vwgt.shape[1]
     tpwgts = None
     if capacities is not None:
         cap = np.asarray(capacities, dtype=np.float64)
         tpwgts = np.repeat((cap / cap.sum())[:, None], ncon, axis=1)
     ubvec = np.full(ncon, 1.0 + imbalance)
     parts = part_graph(
-        graph.xadj,
-        graph.adjncy,
+        *adjacency[:2],
         vwgt,
         workers,
-        vsize=graph.units,
-        adjwgt=graph.adjwgt,
+        vsize=vsize,
+        adjwgt=adjacency[2],
         tpwgts=tpwgts,
         ubvec=ubvec,
         algorithm=algorithm,
@@ -77,10 +79,24 @@ def _metis(
         seed=seed,
         ncuts=ncuts,
         niter=niter,
-        symmetric=True,  # a UnitGraph's adjacency: both directions of every read edge
+        symmetric=True,  # both directions of every read edge, by construction
     ).parts
+    if of is not None:
+        parts = parts[of]
     share = None if capacities is None else np.asarray(capacities, float) / np.sum(capacities)
     return rebalance(graph, parts, workers, imbalance, share)
+
+
+def _shared_small(vwgt: np.ndarray, workers: int) -> np.ndarray:
+    """The balance constraints (columns of `vwgt`), those with fewer weighted vertices than
+    workers summed into one shared last column: such a layer cannot be balanced over every
+    worker, and sharing lets METIS spread them over a subset instead of failing to balance."""
+    small = (vwgt > 0).sum(axis=0) < workers
+    if not small.any():
+        return vwgt
+    if small.all():
+        return vwgt.sum(axis=1, keepdims=True)
+    return np.concatenate([vwgt[:, ~small], vwgt[:, small].sum(axis=1, keepdims=True)], axis=1)
 
 
 def _metis_aligned(
@@ -102,7 +118,7 @@ def _metis_aligned(
     if capacities is not None:
         share = np.asarray(capacities, dtype=np.float64) / np.sum(capacities)
     out = np.empty(graph.num_vertices, dtype=np.int64)
-    spatial = [lb for lb in graph.layers if graph.spec.layers[lb.index].is_spatial]
+    spatial = [lb for lb in graph.layers if not graph.spec.is_flat(lb.index)]
     if spatial:
         plane = build_plane(graph.spec)
         ncon = plane.vwgt.shape[1]
@@ -121,7 +137,7 @@ def _metis_aligned(
             niter=niter,
         ).parts
         blocks_from_plane(graph, plane, cell_owner, workers, out)
-    for lb in graph.layers[len(spatial) :]:
+    for lb in (lb for lb in graph.layers if graph.spec.is_flat(lb.index)):
         out[lb.ids] = quantile_cut(graph.flops[lb.ids].astype(np.float64), share)
     out = rebalance(graph, out, workers, imbalance, share)
     return follow_pools(graph, out, workers, share) if graph.granularity.align_pools else out
@@ -142,7 +158,7 @@ def _spatial(graph: UnitGraph, workers: int, seed: int) -> np.ndarray:
     out = np.empty(graph.num_vertices, dtype=np.int64)
     for lb in graph.layers:
         ids = lb.ids
-        if graph.spec.layers[lb.index].is_spatial:
+        if not graph.spec.is_flat(lb.index):
             b = graph.box[ids]
             cy = (b[:, 2] + b[:, 3]) / 2.0 / lb.shape.height
             cx = (b[:, 4] + b[:, 5]) / 2.0 / lb.shape.width
@@ -197,7 +213,7 @@ def _tiles(
     for lb in graph.layers:
         ids = lb.ids
         w = graph.flops[ids].astype(np.float64)
-        if not graph.spec.layers[lb.index].is_spatial:
+        if graph.spec.is_flat(lb.index):
             out[ids] = quantile_cut(w, share)
             continue
         b = graph.box[ids]

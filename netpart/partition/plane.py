@@ -67,7 +67,7 @@ def _grid_adjacency(ny: int, nx: int, weight: int) -> tuple[np.ndarray, np.ndarr
     return xadj, v.astype(np.int64), np.full(len(v), max(1, weight), dtype=np.int64)
 
 
-def _halo_per_cell(spec: ModelSpec, spatial: int, rows: int) -> float:
+def _halo_per_cell(spec: ModelSpec, rows: int) -> float:
     """Values a straight cut one cell long makes the spatial readers exchange.
 
     A reader with window (k, s) makes its two sides share k - s rows of its input, each
@@ -76,7 +76,9 @@ def _halo_per_cell(spec: ModelSpec, spatial: int, rows: int) -> float:
     other: the mean of the two (every edge of the grid weighs the same).
     """
     total = 0.0
-    for i in range(1, spatial):
+    for i in range(1, len(spec.layers)):
+        if spec.is_flat(i) or spec.sources(i)[0] < 0:  # no halo: flat, or reads the input
+            continue
         (kh, kw), (sh, sw), _ = read_window(spec, i)
         src = spec.input_shape(i)
         total += src.channels * (max(kh - sh, 0) + max(kw - sw, 0)) / 2 * src.height / rows
@@ -95,7 +97,7 @@ def _distinct(columns: list[np.ndarray]) -> np.ndarray:
 
 def plane_shape(spec: ModelSpec, max_cells: int = MAX_CELLS) -> tuple[int, int]:
     """(rows, columns) of the plane: the finest spatial layer's, fewer beyond `max_cells`."""
-    spatial = [i for i, layer in enumerate(spec.layers) if layer.is_spatial]
+    spatial = [i for i in range(len(spec.layers)) if not spec.is_flat(i)]
     rows = max(spec.shapes[i].height for i in spatial)
     cols = max(spec.shapes[i].width for i in spatial)
     scale = min(1.0, math.sqrt(max_cells / (rows * cols)))
@@ -109,9 +111,9 @@ def layer_weights(spec: ModelSpec, ny: int, nx: int) -> np.ndarray:
     so every layer spans the whole plane; each column sums to its layer's FLOPs.
     """
     out = []
-    for i, layer in enumerate(spec.layers):
-        if not layer.is_spatial:
-            break
+    for i in range(len(spec.layers)):
+        if spec.is_flat(i):
+            continue
         shape = spec.shapes[i]
         ry = _overlap(
             np.arange(shape.height), np.arange(1, shape.height + 1), ny / shape.height, ny
@@ -134,8 +136,7 @@ def build_plane(spec: ModelSpec, max_cells: int = MAX_CELLS) -> Plane:
     ny, nx = plane_shape(spec, max_cells)
     w = _distinct(list(layer_weights(spec, ny, nx).T))
     w = np.maximum(1, np.rint(w * (1e6 / w.max(axis=0)))).astype(np.int64)
-    spatial = sum(1 for layer in spec.layers if layer.is_spatial)
-    halo = _halo_per_cell(spec, spatial, ny)
+    halo = _halo_per_cell(spec, ny)
     xadj, adjncy, adjwgt = _grid_adjacency(ny, nx, round(halo))
     return Plane(ny, nx, w, xadj, adjncy, adjwgt)
 
@@ -162,7 +163,7 @@ def blocks_from_plane(
     onehot[np.arange(plane.cells), cell_owner] = 1.0
     onehot = onehot.reshape(plane.ny, plane.nx, workers)
     for lb in graph.layers:
-        if not graph.spec.layers[lb.index].is_spatial:
+        if graph.spec.is_flat(lb.index):
             continue
         share = _shares(lb, plane, onehot).reshape(lb.ny * lb.nx, workers)
         if lb.nc == 1:

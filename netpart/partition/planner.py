@@ -65,7 +65,6 @@ def plan(
     blocks, or a plan that would not fit, are refused before any graph is built (a library
     caller may plan idle workers, as the tests do).
     """
-    spec.require_plannable("planning")  # SpecError: a layer graph, a batch norm
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise PlanError(f"workers must be an integer >= 1, got {workers!r}")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
@@ -128,15 +127,20 @@ METIS_MOST_WEIGHTS = 20_000_000
 
 
 def _metis_too_big(spec: ModelSpec, granularity: Granularity) -> str:
-    """Why METIS on the unit graph is not worth running for `spec`, or "" if it is."""
+    """Why METIS on the unit graph is not worth running for `spec`, or "" if it is (a layer
+    graph's: one constraint per block grid over the stacked blocks, `partition.stacks`)."""
     if len(spec.layers) <= 32:  # 16,384 blocks a layer at most: under the limit
         return ""
-    blocks = graph_size(spec, granularity).blocks
-    weights = blocks * len(spec.layers)
+    size = graph_size(spec, granularity)
+    if spec.is_chain:
+        constraints, blocks, what = len(spec.layers), size.blocks, "one a layer"
+    else:
+        constraints, blocks, what = size.grids, size.grid_blocks, "one a block grid"
+    weights = blocks * constraints
     if weights <= METIS_MOST_WEIGHTS:
         return ""
     return (
-        f"{len(spec.layers):,} balance constraints (one a layer) over {blocks:,} blocks are "
+        f"{constraints:,} balance constraints ({what}) over {blocks:,} blocks are "
         f"{weights:,} weights, more than METIS weighs in minutes ({METIS_MOST_WEIGHTS:,})"
     )
 
@@ -173,7 +177,7 @@ def auto_candidates(spec: ModelSpec, workers: int) -> list[tuple[str, dict[str, 
     with spatial layers; METIS and `stripe` for the rest."""
     if workers == 1:  # every method gives the one worker everything
         return [("metis", {})]
-    if not any(layer.is_spatial for layer in spec.layers):
+    if all(spec.is_flat(i) for i in range(len(spec.layers))):
         return [("metis", {}), ("stripe", {})]
     out: list[tuple[str, dict[str, Any]]] = [("metis", {}), ("metis-aligned", {}), ("tiles", {})]
     bands = default_bands(workers)

@@ -1,12 +1,16 @@
 """Exact halo traffic of an assignment, and the lower bound it is compared with.
 
 Traffic is counted at unit level, as the runtime sends it: in layer l's forward pass, worker s
-sends worker d each unit of layer l-1 that s owns and that some unit owned by d reads, once,
-however many of d's units read it. The backward pass sends the same number of gradient values
-the other way. Units are activation values per example.
+sends worker d each unit of layer l's sources (the layer below in a chain) that s owns and that
+some unit owned by d reads, once, however many of d's units read it. The backward pass sends
+the same number of gradient values the other way. Units are activation values per example. In
+a layer graph each reader layer's traffic is counted for it: a unit two layers of one worker
+read (a residual block's input, read by its first conv and by the add) counts for both; a layer
+reading one layer twice (x + x) receives it once, but a concat counts each input apart.
 
 Lower bound per layer, for q workers sharing it (a plan reports it for the q it uses):
-dense readers all-gather their input, (q-1)*n; spatial readers need at least the halo of the
+dense readers all-gather their input, (q-1)*n; a merge or a batch norm reads pointwise, and
+placed with its sources sends nothing (bound 0); spatial readers need at least the halo of the
 best regular tiling of their output into q tiles (channel groups, each cut into row bands of
 near-equal tile counts), each input unit owned by one of the tiles that read it:
 sum_t |input read by t| - |input read by anyone|. A group with more tiles than output
@@ -23,7 +27,15 @@ import numpy as np
 from netpart.models.spec import ModelSpec
 from netpart.partition.blocks import LayerBlocks
 from netpart.partition.graph import UnitGraph
-from netpart.partition.reads import needed_boxes, read_window
+from netpart.partition.reads import (
+    CHANNELWISE,
+    channel_offset,
+    needed_boxes,
+    read_pairs,
+    read_rows,
+    read_window,
+    source_shape,
+)
 
 __all__ = ["coverage", "layer_lower_bounds", "layer_traffic", "workers_per_layer"]
 
@@ -31,19 +43,26 @@ __all__ = ["coverage", "layer_lower_bounds", "layer_traffic", "workers_per_layer
 def layer_traffic(
     graph: UnitGraph, node_map: np.ndarray, workers: int, readers: list[int] | None = None
 ) -> np.ndarray:
-    """T[l, s, d]: units of layer l-1 sent from worker s to worker d for layer l (T[0] = 0);
-    with `readers`, only those layers' (the others stay 0)."""
+    """T[l, s, d]: units of layer l's sources sent from worker s to worker d for layer l
+    (0 for what layers read of the network's input); with `readers`, only those layers' (the
+    others stay 0)."""
     spec = graph.spec
     out = np.zeros((len(graph.layers), workers, workers), dtype=np.int64)
-    chosen = range(1, len(graph.layers)) if readers is None else [i for i in readers if i > 0]
-    for reader in (graph.layers[i] for i in chosen if i < len(graph.layers)):
-        source = graph.layers[reader.index - 1]
-        if spec.layers[reader.index].is_spatial:
-            t = _spatial_traffic(graph, reader.index, node_map, workers)
+    chosen = None if readers is None else set(readers)
+    done = set()
+    for index, slot, source in read_pairs(spec):
+        if chosen is not None and index not in chosen:
+            continue
+        if (index, source) in done and spec.layers[index].kind != "concat":
+            continue  # x + x: the same units, sent once
+        done.add((index, source))
+        if spec.layers[index].kind == "dense":
+            reader = graph.layers[index]
+            t = _dense_traffic(graph, reader, graph.layers[source], node_map, workers)
         else:
-            t = _dense_traffic(graph, reader, source, node_map, workers)
+            t = _spatial_traffic(graph, index, node_map, workers, slot)
         np.fill_diagonal(t, 0)
-        out[reader.index] = t
+        out[index] += t
     return out
 
 
@@ -57,40 +76,51 @@ def _dense_traffic(
 
 
 def coverage(
-    graph: UnitGraph, index: int, node_map: np.ndarray, workers: int
+    graph: UnitGraph, index: int, node_map: np.ndarray, workers: int, slot: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Which input units of spatial layer `index` each worker reads: (covered, slab_bounds).
+    """Which units of input `slot` of windowed or pointwise layer `index` each worker reads:
+    (covered, slab_bounds).
 
     covered[w, j, y, x] is True when worker w's blocks of the layer read position (y, x) of
-    the input in channel slab j = [slab_bounds[j], slab_bounds[j+1]): the reader's channel
-    groups for a channel-wise reader (pool), else one slab of all channels. Computed with
-    difference arrays over every reader block's (rectangular) window at once.
+    the input in channel slab j = [slab_bounds[j], slab_bounds[j+1]) (the input's channels):
+    the reader's channel groups for a channel-wise reader (pool, merge, batch norm), else one
+    slab of all channels. Computed with difference arrays over every reader block's
+    (rectangular) window at once; rows and columns no window reads (a stride above the
+    kernel) are left out.
     """
     spec = graph.spec
     reader = graph.layers[index]
-    source = graph.layers[index - 1]
+    source_shape_ = source_shape(spec, index, slot)
     rb = graph.box[reader.ids]
-    need = needed_boxes(spec, index, rb)
-    h, w = source.shape.height, source.shape.width
-    if spec.layers[index].kind == "pool":
+    need = needed_boxes(spec, index, rb, slot)
+    h, w = source_shape_.height, source_shape_.width
+    if spec.layers[index].kind in CHANNELWISE:
         slab_of = np.searchsorted(reader.cbounds, rb[:, 0], side="right") - 1
-        slab_bounds = reader.cbounds
+        offset = channel_offset(spec, index, slot)
+        slab_bounds = np.clip(reader.cbounds - offset, 0, source_shape_.channels)
     else:
         slab_of = np.zeros(len(rb), dtype=np.int64)
-        slab_bounds = np.array([0, source.shape.channels])
+        slab_bounds = np.array([0, source_shape_.channels])
     dst = node_map[reader.ids]
     diff = np.zeros((workers, len(slab_bounds) - 1, h + 1, w + 1), dtype=np.int32)
     for ys, xs, sign in ((2, 4, 1), (2, 5, -1), (3, 4, -1), (3, 5, 1)):
         np.add.at(diff, (dst, slab_of, need[:, ys], need[:, xs]), sign)
-    return diff.cumsum(axis=2).cumsum(axis=3)[:, :, :h, :w] > 0, slab_bounds
+    covered = diff.cumsum(axis=2).cumsum(axis=3)[:, :, :h, :w] > 0
+    (kh, kw), (sh, sw), (ph, pw) = read_window(spec, index)
+    out = spec.shapes[index]
+    rows = np.diff(read_rows((kh, sh, ph), out.height, h)) > 0
+    cols = np.diff(read_rows((kw, sw, pw), out.width, w)) > 0
+    if not (rows.all() and cols.all()):
+        covered &= rows[:, None] & cols[None, :]
+    return covered, slab_bounds
 
 
 def _spatial_traffic(
-    graph: UnitGraph, index: int, node_map: np.ndarray, workers: int
+    graph: UnitGraph, index: int, node_map: np.ndarray, workers: int, slot: int = 0
 ) -> np.ndarray:
-    """Counts per (owner, reader) of the covered input units."""
-    covered, slab_bounds = coverage(graph, index, node_map, workers)
-    source = graph.layers[index - 1]
+    """Counts per (owner, reader) of the covered units of input `slot`."""
+    covered, slab_bounds = coverage(graph, index, node_map, workers, slot)
+    source = graph.layers[graph.spec.sources(index)[slot]]
     h, w = source.shape.height, source.shape.width
     owners = source.owner_grid(node_map)  # [G, H, W]
     cb = source.cbounds
@@ -99,6 +129,8 @@ def _spatial_traffic(
         lo, hi = slab_bounds[j], slab_bounds[j + 1]
         overlap = np.clip(np.minimum(cb[1:], hi) - np.maximum(cb[:-1], lo), 0, None)
         groups = np.nonzero(overlap)[0]
+        if len(groups) == 0:  # a concat's reader channels that are another input's
+            continue
         # m[pos, s] = channels at pos (within this slab) that worker s owns.
         idx = np.arange(h * w)[None, :] * workers + owners[groups].reshape(len(groups), -1)
         weights = np.broadcast_to(overlap[groups][:, None], idx.shape)
@@ -114,12 +146,13 @@ def workers_per_layer(graph: UnitGraph, workers: int) -> np.ndarray:
 
 def _covered(a: np.ndarray, b: np.ndarray, window: tuple[int, int, int], n_in: int) -> np.ndarray:
     """Input rows read by output rows [a, b) through one axis's windows (kernel, stride,
-    padding), clipped to [0, n_in).
-
-    Specs guarantee stride <= kernel, so the windows of a contiguous range form one interval.
-    """
+    padding), clipped to [0, n_in): the span of their windows, less the rows in it no window
+    reads (a stride above the kernel)."""
     k, s, p = window
-    return np.maximum(0, np.minimum((b - 1) * s - p + k, n_in) - np.maximum(a * s - p, 0))
+    prefix = read_rows(window, int(np.max(b, initial=1)), n_in)
+    lo = np.clip(a * s - p, 0, n_in)
+    hi = np.clip((b - 1) * s - p + k, lo, n_in)
+    return prefix[hi] - prefix[lo]
 
 
 def _tiling_halo(
@@ -176,11 +209,19 @@ def _bounds(spec: ModelSpec, q: tuple[int, ...]) -> tuple[int, ...]:
     """layer_lower_bounds, memoised: `auto` evaluates several plans of one model and P."""
     out = [0] * len(spec.layers)
     for i in range(1, len(spec.layers)):
-        parts, layer, src = q[i], spec.layers[i], spec.input_shape(i)
-        if parts <= 1:
+        parts, layer = q[i], spec.layers[i]
+        if parts <= 1 or layer.kind in ("add", "concat", "batchnorm"):
             continue
-        out[i] = (parts - 1) * src.size if not layer.is_spatial else _spatial_bound(spec, i, parts)
+        if layer.kind == "dense":
+            out[i] = sum((parts - 1) * s.size for s in _read_shapes(spec, i))
+        else:
+            out[i] = _spatial_bound(spec, i, parts) if spec.sources(i)[0] >= 0 else 0
     return tuple(out)
+
+
+def _read_shapes(spec: ModelSpec, index: int) -> list:
+    """The shapes of the layers layer `index` reads (not the network's input: data)."""
+    return [spec.shapes[s] for s in spec.sources(index) if s >= 0]
 
 
 def _spatial_bound(spec: ModelSpec, index: int, parts: int) -> int:

@@ -71,9 +71,11 @@ def summary_line(plan: PartitionPlan) -> str:
     )
 
 
-def layer_table(plan: PartitionPlan) -> str:
+def layer_table(plan: PartitionPlan, spec: ModelSpec | None = None) -> str:
+    """The per-layer figures; for a layer graph (`spec` given, its layers branching) a
+    `reads` column draws the graph: the layers each one reads."""
     rows = []
-    for ly in plan.layers:
+    for i, ly in enumerate(plan.layers):
         ratio = ly.volume / ly.lower_bound if ly.lower_bound else float("nan")
         note = "" if ly.blocks >= plan.workers else f" (on {ly.workers_used} of {plan.workers})"
         rows.append(
@@ -91,7 +93,12 @@ def layer_table(plan: PartitionPlan) -> str:
                 "-" if ly.convolved is None else f"{ly.convolved:.0%}",
             ]
         )
+        if spec is not None and not spec.is_chain:
+            reads = ", ".join("input" if s < 0 else str(s) for s in spec.sources(i))
+            rows[-1].insert(1, reads)
     headers = ["layer", "shape", "blocks", "volume", "bound", "vol/bound", "imbalance"]
+    if spec is not None and not spec.is_chain:
+        headers.insert(1, "reads")
     more = ["compute ms", "exposed exchange ms", "split", "by convolution"]
     table = _table([*headers, *more], rows)
     return table + "\n\n" + EXPOSED_NOTE
@@ -189,12 +196,14 @@ def report_markdown(
     lines = _summary_lines(spec, plan)
     if plan.candidates:
         lines += ["## How auto chose", "", auto_table(plan), ""]
-    lines += ["## Layers", "", layer_table(plan), ""]
+    lines += ["## Layers", "", layer_table(plan, spec), ""]
     lines += [
         "Volume counts each unit once per remote worker that reads it (forward pass; the "
-        "backward pass sends as many gradients back). The bound per layer: dense layers "
-        "all-gather their input, (q-1)·n; spatial layers need the halo of the best regular "
-        "tiling into q tiles, q being the number of workers the plan spreads the layer over.",
+        "backward pass sends as many gradients back; in a layer graph, once for each layer "
+        "that reads it). The bound per layer: dense layers all-gather their input, (q-1)·n; "
+        "spatial layers need the halo of the best regular tiling into q tiles, q being the "
+        "number of workers the plan spreads the layer over; a merge or a batch norm, placed "
+        "with its inputs, sends nothing (0).",
         "",
         "## Workers",
         "",

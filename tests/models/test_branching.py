@@ -80,7 +80,9 @@ def test_a_residual_network_imports_as_written_and_its_reference_is_the_module()
     assert_grads_equal(spec, reference, user, atol=1e-12)
 
 
-def test_the_import_command_writes_the_layer_graph_and_planning_refuses_it(tmp_path, capsys):
+def test_the_import_command_writes_the_layer_graph_which_plans_and_the_runtime_refuses(
+    tmp_path, capsys
+):
     out = tmp_path / "net.toml"
     target = "tests.models.user_models:Skip"
     assert main(["import", target, "--input", "3x8x8", "--out", str(out)]) == 0
@@ -89,10 +91,21 @@ def test_the_import_command_writes_the_layer_graph_and_planning_refuses_it(tmp_p
     spec = load_spec(out)
     assert spec == load_spec(target, input="3x8x8")
     capsys.readouterr()
-    assert main(["plan", "--model", str(out), "--workers", "2"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "layer 2 (add) reads layer 1, layer 0" in err
-    assert "not yet planned" in err
+    planned = tmp_path / "plan"
+    assert main(["plan", "--model", str(out), "--workers", "2", "--out", str(planned)]) == 0
+    assert (planned / "plan.json").exists() and (planned / "node_map.npy").exists()
+    capsys.readouterr()
+    runs = [
+        ["check", "--model", str(out), "--workers", "2"],
+        ["run", "--model", str(out), "--workers", "2", "--steps", "1"],
+        ["train", "--model", str(out), "--workers", "2", "--out", str(tmp_path / "run")],
+    ]
+    for argv in runs:
+        assert main(argv) == 2, argv[0]
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "layer 2 (add) reads layer 1, layer 0" in err
+        assert "planned (netpart plan), not yet run" in err
+    assert not (tmp_path / "run").exists()
 
 
 CONV = {"kind": "conv", "channels": 4, "kernel": 3, "padding": 1}
@@ -259,10 +272,12 @@ def test_a_resnet_with_batch_norm_imports_and_its_reference_trains_and_evaluates
         assert torch.allclose(reference.state_dict()[ours].double(), after[name].double())
     reference.eval(), user.eval()
     assert torch.allclose(reference(x), user(x), rtol=0, atol=1e-10)
-    with pytest.raises(SpecError, match=r"layer 1 \(batchnorm\): planning takes no batch"):
-        from netpart.partition import plan
+    with pytest.raises(SpecError, match=r"layer 1 \(batchnorm\): the runtime takes no batch"):
+        from netpart.compile.schedule import build_schedule
+        from netpart.partition import build_unit_graph, plan
 
-        plan(spec, 2)
+        p = plan(spec, 2)
+        build_schedule(build_unit_graph(spec, p.granularity), p.node_map, 2)
 
 
 class ResNet20(nn.Module):

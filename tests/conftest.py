@@ -188,8 +188,7 @@ def unit_owner(graph: UnitGraph, node_map: np.ndarray, index: int) -> dict:
 
 def brute_force_volume(graph: UnitGraph, node_map: np.ndarray) -> list[int]:
     """Per-layer forward volume: distinct (source unit, remote reader worker) pairs, for
-    each layer a layer reads (the network's input is data: none); a concat that reads one
-    layer twice counts each of its inputs apart."""
+    each layer a layer reads (the network's input is data: none), a layer read twice once."""
     spec = graph.spec
     out = [0]
     for i in range(1, len(spec.layers)):
@@ -199,11 +198,10 @@ def brute_force_volume(graph: UnitGraph, node_map: np.ndarray) -> list[int]:
             if source < 0:
                 continue
             src_owner = unit_owner(graph, node_map, source)
-            apart = slot if spec.layers[i].kind == "concat" else source
             for unit, d in dst_owner.items():
                 for src in reads(spec, i, unit, slot):
                     if src_owner[src] != d:
-                        pairs.add((source, apart, src, d))
+                        pairs.add((source, src, d))
         out.append(len(pairs))
     return out
 

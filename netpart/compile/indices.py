@@ -15,7 +15,7 @@ import numpy as np
 
 from netpart.compile.schedule import HaloSchedule
 
-__all__ = ["WorkerIndices", "worker_indices"]
+__all__ = ["WorkerIndices", "owned_inputs", "worker_indices"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -29,9 +29,26 @@ class WorkerIndices:
     early: dict[int, np.ndarray]  # chain layer -> its early units
     late: dict[int, np.ndarray]  # chain layer -> the rest of its owned units
     feeds: frozenset[int]  # layers whose layer above is computed in chain parts
-    sends: tuple[dict[int, np.ndarray], ...]  # [layer] peer -> positions in owned[layer - 1]
-    recvs: tuple[dict[int, np.ndarray], ...]  # [layer] peer -> units of layer - 1
+    # [layer] peer -> positions among the units it owns of the layer's input space (in a
+    # chain, owned[layer - 1]; in a layer graph, its inputs' owned units end to end)
+    sends: tuple[dict[int, np.ndarray], ...]
+    recvs: tuple[dict[int, np.ndarray], ...]  # [layer] peer -> units of the input space
     early_sends: dict[int, dict[int, np.ndarray]]  # [layer] peer -> positions in early[layer-1]
+
+
+def owned_inputs(schedule: HaloSchedule, rank: int, layer: int) -> np.ndarray:
+    """The units of layer `layer`'s input space worker `rank` owns, sorted: its units of
+    each layer the input space holds, at that layer's offset."""
+    if not schedule.inputs:
+        return schedule.owned[layer - 1][rank]
+    parts, at = [], 0
+    for s in schedule.inputs[layer]:
+        if s >= 0:
+            parts.append(schedule.owned[s][rank] + at)
+            at += sum(len(u) for u in schedule.owned[s])
+        else:
+            at += schedule.input_units
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 def worker_indices(schedule: HaloSchedule, rank: int) -> WorkerIndices:
@@ -50,7 +67,8 @@ def worker_indices(schedule: HaloSchedule, rank: int) -> WorkerIndices:
     recvs: list[dict[int, np.ndarray]] = [{}]
     for i in range(1, layers):
         mine = schedule.sends[i].items()
-        sends.append({d: np.searchsorted(owned[i - 1], u) for (s, d), u in mine if s == rank})
+        held = owned_inputs(schedule, rank, i)
+        sends.append({d: np.searchsorted(held, u) for (s, d), u in mine if s == rank})
         recvs.append({s: u for (s, d), u in mine if d == rank})
     early_sends = {
         i + 1: {

@@ -174,11 +174,20 @@ def parse_program(text: str) -> tuple[Instruction, ...]:
     return tuple(Instruction.from_str(line) for line in text.splitlines() if line.strip())
 
 
-def check_program(program: tuple[Instruction, ...], layers: int, worker: int = 0) -> None:
-    """Raise ScheduleError unless `program` (one worker's, for a model of `layers` layers)
-    computes every layer forward and then backward exactly once, sends only what it has
-    computed, uses a halo only after waiting for it, and ends with nothing in flight."""
-    check = _Checker(layers, worker)
+def check_program(
+    program: tuple[Instruction, ...],
+    layers: int,
+    worker: int = 0,
+    *,
+    sources: tuple[tuple[int, ...], ...] | None = None,
+) -> None:
+    """Raise ScheduleError unless `program` (one worker's, for a model of `layers` layers
+    whose layer l reads the layers `sources[l]`: the layer below by default) computes every
+    layer forward and then backward exactly once, sends only what it has computed, uses a
+    halo only after waiting for it, and ends with nothing in flight."""
+    if sources is None:
+        sources = tuple((i - 1,) if i else () for i in range(layers))
+    check = _Checker(layers, worker, sources)
     for k, ins in enumerate(program):
         why = check(ins)
         if why is not None:
@@ -196,8 +205,12 @@ class _Checker:
     """What a program did so far; called with each instruction, it says why that one may
     not come next (None: it may)."""
 
-    def __init__(self, layers: int, worker: int) -> None:
+    def __init__(self, layers: int, worker: int, sources: tuple[tuple[int, ...], ...]) -> None:
         self.layers, self.worker = layers, worker
+        self.sources = sources  # per layer: the layers it reads
+        self.readers = tuple(
+            tuple(r for r in range(layers) if i in sources[r]) for i in range(layers)
+        )
         self.fwd: list[set[Part]] = [set() for _ in range(layers)]
         self.bwd: list[set[Part]] = [set() for _ in range(layers)]
         self.posted: set[tuple[int, Phase]] = set()
@@ -266,9 +279,9 @@ class _Checker:
             return "a message outside the exchange of its layer"
         if joined:
             return "a message outside the exchange of its layer"
-        below = self.fwd[ins.layer - 1]
+        below = [self.fwd[s] for s in self.sources[ins.layer]]
         computed = (
-            _complete(below, Phase.FORWARD) or Part.EARLY in below
+            all(_complete(b, Phase.FORWARD) or Part.EARLY in b for b in below)
             if ins.phase == Phase.FORWARD
             else {Part.ALL, Part.INPUT} & self.bwd[ins.layer]
         )
@@ -281,16 +294,18 @@ class _Checker:
         return (layer, phase) not in self.posted or (layer, phase) in self.waited
 
     def _input_ready(self, layer: int, part: Part) -> bool:
-        below = self.fwd[layer - 1] if layer else {Part.ALL}
+        below = [self.fwd[s] for s in self.sources[layer]]
         if part == Part.EARLY:  # reads the early units below, or any of the whole layer
-            return _complete(below, Phase.FORWARD) or Part.EARLY in below
-        whole = _complete(below, Phase.FORWARD)
+            return all(_complete(b, Phase.FORWARD) or Part.EARLY in b for b in below)
+        whole = all(_complete(b, Phase.FORWARD) for b in below)
         return whole and (part != Part.LATE or Part.EARLY in self.fwd[layer])
 
     def _grad_ready(self, layer: int, part: Part) -> bool:
-        above = layer + 1
-        if above >= self.layers:
-            return True
+        """Every layer that reads this one has given its gradient (and, from other workers,
+        had it come in)."""
+        return all(self._given(above, part) for above in self.readers[layer])
+
+    def _given(self, above: int, part: Part) -> bool:
         started = {Part.ALL, Part.INPUT, Part.THROUGH} & self.bwd[above]
         if part == Part.LATE:  # its gradients come from this worker alone
             return bool(started) or Part.LATE in self.bwd[above]

@@ -1,10 +1,12 @@
 """HaloSchedule: who owns which units, who sends whom what, and each worker's program.
 
-Units of layer l are numbered by their flat index in the layer's (C, H, W) output. For each
-layer l >= 1 the schedule lists, for every ordered pair of workers (s, d), the sorted units of
-layer l-1 that s owns and d reads: in the forward pass s sends their activations to d, in the
-backward pass d sends their gradients back to s. Each list is one message per phase, so every
-send has exactly one matching receive of the same length.
+Units of layer l are numbered by their flat index in the layer's (C, H, W) output. A layer's
+*input space* is the outputs of the layers it reads end to end (`ModelSpec.input_layers`; in
+a chain, the layer below). For each layer l >= 1 the schedule lists, for every ordered pair of
+workers (s, d), the sorted units of l's input space that s owns and d reads: in the forward
+pass s sends their activations to d, in the backward pass d sends their gradients back to s.
+Each list is one message per phase, so every send has exactly one matching receive of the
+same length. The network's input is data every worker holds: it is never sent.
 
 `instructions(w)` is worker w's *program*: the exact sequence of compute steps, message posts
 and waits the runtime's worker interprets (it derives nothing itself). All messages of a
@@ -65,13 +67,26 @@ class HaloSchedule:
     chains: tuple[
         tuple[tuple[int, int], ...], ...
     ] = ()  # per worker: (a, b), netpart.compile.chains
+    # per layer, the layers its input space holds (-1: the network's input); a layer graph,
+    # or a chain with batch norm, splits no layer and joins none (() : a chain)
+    inputs: tuple[tuple[int, ...], ...] = ()
+    graph: bool = False
+    input_units: int = 0  # the network input's units (a layer graph's input spaces hold it)
+
+    def input_layers(self, layer: int) -> tuple[int, ...]:
+        """The layers (>= 0) whose units layer `layer`'s input space holds."""
+        if not self.inputs:
+            return (layer - 1,) if layer else ()
+        return tuple(s for s in self.inputs[layer] if s >= 0)
 
     def joined(self, worker: int, layer: int) -> bool:
         """Whether `worker` owns every unit of the layer below `layer` and exchanges nothing
         for `layer` in either direction: then `layer` reads the layer below inside one
         autograd graph (no leaf, no copy), and its backward flows on without a call of its
-        own. Every layer of a lone worker is joined."""
+        own. Every layer of a lone worker of a chain is joined (a layer graph joins none)."""
         if not self.overlap or layer == 0 or any(worker in pair for pair in self.sends[layer]):
+            return False
+        if self.graph:
             return False
         below = self.owned[layer - 1]
         return len(below[worker]) == sum(len(u) for u in below)
@@ -81,6 +96,8 @@ class HaloSchedule:
         halo travels, the boundary units once it is in (both parts must be non-empty)."""
         if not self.overlap or not self.kinds or self.kinds[layer] == "dense" or layer == 0:
             return False
+        if self.graph:
+            return False
         if not any(d == worker for (_, d) in self.sends[layer]) or not self._worth(worker, layer):
             return False
         inner = len(self.interior[layer][worker])
@@ -89,7 +106,7 @@ class HaloSchedule:
     def split_backward(self, worker: int, layer: int) -> bool:
         """Whether `worker` sends layer `layer`'s input gradients before its weight gradients
         (only a layer with weights that owes gradients to other workers)."""
-        if not self.overlap or not self.kinds or layer == 0:
+        if not self.overlap or not self.kinds or layer == 0 or self.graph:
             return False
         owes = any(d == worker for (_, d) in self.sends[layer])
         return (
@@ -205,7 +222,7 @@ class HaloSchedule:
         well ordered (`check_program`), and (with `plan`) the per-layer and per-worker volumes
         equal the figures recorded in the plan."""
         for layer in range(1, len(self.sends)):
-            owner = _owner_of_units(self.owned[layer - 1])
+            owner = self._input_owner(layer)
             for (s, d), units in self.sends[layer].items():
                 if s == d or not (0 <= s < self.workers and 0 <= d < self.workers):
                     raise ScheduleError(f"layer {layer}: message {s} -> {d} has no valid peer")
@@ -222,7 +239,8 @@ class HaloSchedule:
         received: dict[tuple, int] = {}
         for w in range(self.workers):
             program = self.instructions(w)
-            check_program(program, len(self.sends), w)
+            sources = tuple(self.input_layers(i) for i in range(len(self.sends)))
+            check_program(program, len(self.sends), w, sources=sources)
             for ins in program:
                 if ins.op not in ("send", "recv"):
                     continue
@@ -268,6 +286,16 @@ class HaloSchedule:
                     "belong together"
                 )
 
+    def _input_owner(self, layer: int) -> np.ndarray:
+        """The owner of every unit of `layer`'s input space (-1: the network's input)."""
+        if not self.inputs:
+            return _owner_of_units(self.owned[layer - 1])
+        parts = [
+            _owner_of_units(self.owned[s]) if s >= 0 else np.full(self.input_units, -1)
+            for s in self.inputs[layer]
+        ]
+        return np.concatenate(parts)
+
     def traffic(self) -> np.ndarray:
         """[L, P, P] units per example, as `netpart.partition.volume.layer_traffic` counts them."""
         t = np.zeros((len(self.sends), self.workers, self.workers), dtype=np.int64)
@@ -302,21 +330,25 @@ def build_schedule(
     layer in `split` (all when empty) whose work on a worker reaches `split_min_flops` per
     example, and join layers that exchange nothing to the layer below."""
     spec = graph.spec
-    spec.require_runnable("the runtime")  # SpecError: a layer graph, a batch norm
     owned = owned_units(graph, node_map, workers)
     sends: list[dict[tuple[int, int], np.ndarray]] = [{}]
     for index in range(1, len(graph.layers)):
         sends.append(_layer_sends(graph, index, owned, node_map, workers))
     kinds = tuple(layer.kind for layer in spec.layers)
+    plain = spec.is_chain and "batchnorm" not in kinds
     interior = tuple(
-        tuple(interior_units(graph, owned, index, w) for w in range(workers))
+        tuple(
+            interior_units(graph, owned, index, w) if plain else owned[index][w][:0]
+            for w in range(workers)
+        )
         for index in range(len(graph.layers))
     )
     flops = np.zeros((len(graph.layers), workers))
     np.add.at(flops, (graph.layer_of, node_map), graph.flops)
     early, chains = (), ()
-    if overlap:
+    if overlap and plain:
         early, chains = producer_chains(spec, owned, tuple(sends), flops, split_min_flops, split)
+    inputs = () if spec.is_chain else tuple(spec.input_layers(i) for i in range(len(kinds)))
     return HaloSchedule(
         workers,
         owned,
@@ -329,28 +361,40 @@ def build_schedule(
         split,
         early,
         chains,
+        inputs,
+        graph=not plain,
+        input_units=spec.input.shape.size,
     )
 
 
 def _layer_sends(
     graph: UnitGraph, index: int, owned: tuple, node_map: np.ndarray, workers: int
 ) -> dict[tuple[int, int], np.ndarray]:
-    """The halo of layer `index`'s input: (sender, receiver) -> the units the receiver reads
-    from the sender's part of layer `index - 1` (sorted)."""
-    n = graph.layers[index - 1].shape.size
-    owner = np.empty(n, dtype=np.int64)
-    for w in range(workers):
-        owner[owned[index - 1][w]] = w
-    if graph.spec.layers[index].is_spatial:
-        covered, slab_bounds = coverage(graph, index, node_map, workers)
+    """The halo of layer `index`'s input: (sender, receiver) -> the units of the layer's
+    input space (`ModelSpec.input_layers`) the receiver reads from the sender's parts of the
+    layers it reads (sorted)."""
+    spec = graph.spec
+    n = spec.input_size(index)
+    owner = np.full(n, -1, dtype=np.int64)  # -1: the network's input, held by every worker
+    needed = np.zeros((workers, n), dtype=bool)
+    readers = np.bincount(node_map[graph.layers[index].ids], minlength=workers) > 0
+    for slot, source in enumerate(spec.sources(index)):
+        if source < 0:
+            continue
+        at, size = spec.input_offset(index, source), graph.layers[source].shape.size
+        for w in range(workers):
+            owner[at + owned[source][w]] = w
+        if spec.layers[index].kind == "dense":
+            needed[:, at : at + size] |= readers[:, None]
+            continue
+        covered, slab_bounds = coverage(graph, index, node_map, workers, slot)
         # Expand slabs to channels: needed[w, c, y, x].
-        needed = np.repeat(covered, np.diff(slab_bounds), axis=1).reshape(workers, n)
-    else:
-        readers = np.bincount(node_map[graph.layers[index].ids], minlength=workers) > 0
-        needed = np.broadcast_to(readers[:, None], (workers, n))
+        expanded = np.repeat(covered, np.diff(slab_bounds), axis=1).reshape(workers, -1)
+        start = slab_bounds[0] * (size // graph.layers[source].shape.channels)
+        needed[:, at + start : at + start + expanded.shape[1]] |= expanded
     msgs: dict[tuple[int, int], np.ndarray] = {}
     for d in range(workers):
-        units = np.nonzero(needed[d] & (owner != d))[0]
+        units = np.nonzero(needed[d] & (owner != d) & (owner >= 0))[0]
         if len(units) == 0:
             continue
         src = owner[units]

@@ -2,7 +2,8 @@
 
 A worker holds its parameters as *pieces*, one tensor per (layer, weight|bias, channel group):
 a locally connected group's filters for the positions it owns, a dense layer's rows for the
-neurons it owns, or a conv channel group's kernel (the only piece two workers can share).
+neurons it owns, a conv channel group's kernel, or a batch norm channel group's scale and
+shift (the two pieces several workers can share).
 
 The parameter space is *worker-major*: worker 0's pieces in order, then the pieces of worker 1
 no earlier worker holds, and so on. Shard s holds the range [bounds[s], bounds[s+1]) of that
@@ -60,8 +61,9 @@ class ParamPiece:
 
     @property
     def shared(self) -> bool:
-        """Conv kernels are tied: every worker computing channel group c0..c1 holds a copy."""
-        return self.kind == "conv"
+        """Conv kernels and batch norms' scales and shifts are tied: every worker computing
+        channel group c0..c1 holds a copy."""
+        return self.kind in ("conv", "batchnorm")
 
 
 def channel_groups(
@@ -99,6 +101,14 @@ def layer_pieces(
         n_in = src.size
         pieces = [ParamPiece(index, "weight", kind, 0, 0, units, len(units) * n_in)]
         return pieces + ([ParamPiece(index, "bias", kind, 0, 0, units, len(units))] if bias else [])
+    if kind == "batchnorm":
+        if groups is None:
+            groups = channel_groups(spec, index, units, blocks)
+        return [
+            ParamPiece(index, param, kind, c0, c1, empty, c1 - c0)
+            for c0, c1, _, _ in groups
+            for param in ("weight", "bias")
+        ]
     if kind not in ("local", "conv"):
         return []
     k_in = src.channels * layer.window
@@ -124,6 +134,8 @@ def piece_index(spec: ModelSpec, piece: ParamPiece) -> np.ndarray:
     layer, src = spec.layers[piece.layer], spec.input_shape(piece.layer)
     out = spec.shapes[piece.layer]
     ch = np.arange(piece.c0, piece.c1)
+    if piece.kind == "batchnorm":
+        return ch
     if piece.kind == "dense":
         if piece.param == "bias":
             return piece.rows.astype(np.int64)
@@ -145,6 +157,8 @@ def piece_initial(spec: ModelSpec, seed: int, piece: ParamPiece) -> np.ndarray:
     """The reference's initial values of `piece`, float64, flat in the piece's element order."""
     if piece.param == "bias":
         return np.zeros(piece.size)
+    if piece.kind == "batchnorm":  # torch's BatchNorm: a scale of 1
+        return np.ones(piece.size)
     if piece.kind == "dense":
         return init_rows(spec, seed, piece.layer, piece.rows).reshape(-1)
     if piece.kind == "conv":

@@ -221,6 +221,26 @@ class ModelSpec:
         inputs = self.layers[index].inputs
         return inputs if inputs is not None else (index - 1,)
 
+    def input_layers(self, index: int) -> tuple[int, ...]:
+        """The distinct layers layer `index` reads, in order of first reading (-1: the
+        network's input): its input space is their outputs end to end (`input_offset`)."""
+        return tuple(dict.fromkeys(self.sources(index)))
+
+    def input_offset(self, index: int, source: int) -> int:
+        """Where `source`'s units begin in layer `index`'s input space."""
+        offset = 0
+        for s in self.input_layers(index):
+            if s == source:
+                return offset
+            offset += (self.input.shape if s < 0 else self.shapes[s]).size
+        raise ValueError(f"layer {index} does not read {source}")
+
+    def input_size(self, index: int) -> int:
+        """Units in layer `index`'s input space (its distinct inputs' outputs end to end)."""
+        return sum(
+            (self.input.shape if s < 0 else self.shapes[s]).size for s in self.input_layers(index)
+        )
+
     def input_shape(self, index: int) -> Shape:
         """The shape layer `index` reads (its first input's): the network input for layer 0."""
         first = self.sources(index)[0]

@@ -63,7 +63,9 @@ def stack_graph(graph: UnitGraph) -> Stacks:
     w = np.concatenate([units[keep], units[keep]]).astype(np.int64)
     order = np.lexsort((v, u))
     u, v, w = u[order], v[order], w[order]
-    starts = np.flatnonzero(np.concatenate([[True], (u[1:] != u[:-1]) | (v[1:] != v[:-1])]))
+    first = np.ones(len(u), dtype=bool)
+    first[1:] = (u[1:] != u[:-1]) | (v[1:] != v[:-1])
+    starts = np.flatnonzero(first)
     u, v, w = u[starts], v[starts], np.add.reduceat(w, starts) if len(w) else w
     xadj = np.zeros(vertices + 1, dtype=np.int64)
     np.cumsum(np.bincount(u, minlength=vertices), out=xadj[1:])

@@ -6,7 +6,7 @@ some unit owned by d reads, once, however many of d's units read it. The backwar
 the same number of gradient values the other way. Units are activation values per example. In
 a layer graph each reader layer's traffic is counted for it: a unit two layers of one worker
 read (a residual block's input, read by its first conv and by the add) counts for both; a layer
-reading one layer twice (x + x) receives it once, but a concat counts each input apart.
+reading one layer twice (x + x, a concat of x and x) receives each unit once.
 
 Lower bound per layer, for q workers sharing it (a plan reports it for the q it uses):
 dense readers all-gather their input, (q-1)*n; a merge or a batch norm reads pointwise, and
@@ -53,12 +53,15 @@ def layer_traffic(
     for index, slot, source in read_pairs(spec):
         if chosen is not None and index not in chosen:
             continue
-        if (index, source) in done and spec.layers[index].kind != "concat":
+        if (index, source) in done:
             continue  # x + x: the same units, sent once
         done.add((index, source))
+        slots = [k for k, s in enumerate(spec.sources(index)) if s == source]
         if spec.layers[index].kind == "dense":
             reader = graph.layers[index]
             t = _dense_traffic(graph, reader, graph.layers[source], node_map, workers)
+        elif len(slots) > 1 and spec.layers[index].kind == "concat":
+            t = _union_traffic(graph, index, node_map, workers, slots)
         else:
             t = _spatial_traffic(graph, index, node_map, workers, slot)
         np.fill_diagonal(t, 0)
@@ -137,6 +140,24 @@ def _spatial_traffic(
         m = np.bincount(idx.ravel(), weights=weights.ravel(), minlength=h * w * workers)
         t += covered[:, j].reshape(workers, -1).astype(np.float64) @ m.reshape(h * w, workers)
     return np.rint(t.T).astype(np.int64)  # [s, d]
+
+
+def _union_traffic(
+    graph: UnitGraph, index: int, node_map: np.ndarray, workers: int, slots: list[int]
+) -> np.ndarray:
+    """Counts per (owner, reader) of the units of one source that several inputs of layer
+    `index` read (a concat of one layer twice), each unit once per reader."""
+    source = graph.layers[graph.spec.sources(index)[slots[0]]]
+    n = source.shape.size
+    needed = np.zeros((workers, n), dtype=bool)
+    for slot in slots:
+        covered, slab_bounds = coverage(graph, index, node_map, workers, slot)
+        expanded = np.repeat(covered, np.diff(slab_bounds), axis=1).reshape(workers, -1)
+        start = slab_bounds[0] * (n // source.shape.channels)
+        needed[:, start : start + expanded.shape[1]] |= expanded
+    owner = np.repeat(source.owner_grid(node_map), np.diff(source.cbounds), axis=0).ravel()
+    t = np.stack([np.bincount(owner[needed[d]], minlength=workers) for d in range(workers)])
+    return t.T.astype(np.int64)  # [s, d]
 
 
 def workers_per_layer(graph: UnitGraph, workers: int) -> np.ndarray:

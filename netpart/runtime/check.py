@@ -141,7 +141,7 @@ def compare_with_reference(
     if module is None:
         out = reference(x, dropout)
     else:
-        names = spec.state_names()
+        names = {**spec.state_names(), **spec.buffer_names()}
         model = module.double()
         model.load_state_dict({names[k]: v for k, v in reference.state_dict().items()})
         with _masked_dropout(spec, model, x.shape[0], dropout):
@@ -157,6 +157,10 @@ def compare_with_reference(
     grads = {names.get(k, k): g for k, g in result.grads.items()}
     for name, p in model.named_parameters():
         diffs.append(_diff(f"grad {name}", grads[name], p.grad, tolerance))
+    buffers = dict(model.named_buffers())
+    for ours, got in result.statistics.items():  # the batch norms' running statistics
+        name = names.get(ours, ours)
+        diffs.append(_diff(name, got, buffers[name].detach(), tolerance))
     return tuple(diffs)
 
 
@@ -263,6 +267,14 @@ def check_step_distributed(
         result = assemble(spec, [mine], batch, torch.float64, check_loss=False)
         for t in (*result.grads.values(), result.outputs):
             dist.all_reduce(t)
+        for name in sorted(result.statistics):  # each channel's, from the ranks holding it
+            held = torch.zeros_like(result.statistics[name])
+            for ours, channels, _ in mine.statistics:
+                if ours == name:
+                    held[torch.from_numpy(channels)] = 1.0
+            dist.all_reduce(result.statistics[name])
+            dist.all_reduce(held)
+            result.statistics[name] /= held.clamp(min=1.0)
         sent = torch.zeros(len(spec.layers), 2, dtype=torch.int64)
         for (layer, phase), v in mine.sent.items():
             sent[layer, 0 if phase == "forward" else 1] += v

@@ -34,6 +34,9 @@ class StepResult:
     breakdowns: list[list[dict[str, float]]] = field(default_factory=list)  # worker, step -> s
     threads: list[list[dict[str, float]]] = field(default_factory=list)  # worker, step -> s
     accuracy: float | None = None  # cross-entropy: share of the batch whose target logit is max
+    # batch norms' running statistics by reference buffer name (each channel's from a worker
+    # holding it: every holder computes the same)
+    statistics: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def slowest_steps(self) -> np.ndarray:
         """Seconds of each timed step on its slowest worker (the step's wall time)."""
@@ -59,6 +62,12 @@ def assemble(
                 0, torch.from_numpy(np.asarray(idx)), values.reshape(-1)
             )
         outputs[:, torch.from_numpy(r.output_units)] = r.outputs
+    statistics: dict[str, torch.Tensor] = {}
+    for r in ordered:
+        for name, channels, values in r.statistics:
+            channels_of = spec.shapes[int(name.split(".")[1])].channels
+            held = statistics.setdefault(name, torch.zeros(channels_of, dtype=dtype))
+            held[torch.from_numpy(np.asarray(channels))] = values.to(dtype)
     losses = {round(r.loss, 12) for r in results}
     if check_loss and len(losses) > 1:
         raise RuntimeError(f"workers disagree on the loss: {sorted(losses)}")
@@ -77,6 +86,7 @@ def assemble(
         exchange_s=[r.exchange_s for r in ordered],
         hidden_s=[r.hidden_s for r in ordered],
         accuracy=results[0].accuracy,
+        statistics=statistics,
     )
 
 
@@ -103,6 +113,15 @@ def load_worker_result(path: Path) -> tuple[WorkerResult, list[dict], list[dict]
             (int(k[0]), k[1]): int(v) for k, v in zip(d["recv_keys"], d["received"], strict=True)
         },
         step_times=[float(t) for t in d["step_times"]],
+        statistics=[
+            (n, i.numpy(), v)
+            for n, i, v in zip(
+                d.get("stat_names", []),
+                d.get("stat_indices", []),
+                d.get("stat_values", []),
+                strict=True,
+            )
+        ],
         **timings,
     )
     return (
@@ -138,6 +157,9 @@ def save_worker_result(
             "names": [n for n, _, _ in r.grads],
             "indices": [torch.from_numpy(np.asarray(i)) for _, i, _ in r.grads],
             "values": [v for _, _, v in r.grads],
+            "stat_names": [n for n, _, _ in r.statistics],
+            "stat_indices": [torch.from_numpy(np.asarray(i)) for _, i, _ in r.statistics],
+            "stat_values": [v for _, _, v in r.statistics],
             "sent_keys": [[k[0], k[1]] for k in r.sent],
             "sent": list(r.sent.values()),
             "recv_keys": [[k[0], k[1]] for k in r.received],

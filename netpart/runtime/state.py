@@ -54,6 +54,8 @@ class WorkerResult:
     breakdown: dict[str, float] = field(default_factory=dict)  # category -> seconds
     accuracy: float | None = None  # cross-entropy: share of the batch whose target logit is max
     stop: bool = False  # some worker of the replica asked to stop after this step
+    # batch norms' running statistics it holds: (reference buffer name, channels, values)
+    statistics: list[tuple[str, np.ndarray, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass

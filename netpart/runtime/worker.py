@@ -6,9 +6,11 @@ time: compute a layer (or part of one), post a halo send or receive, wait for a 
 messages, compute the loss. It derives no order of its own, so what runs is what was
 validated.
 
-Forward, a layer's input buffer holds the owned units of the layer below and the halo received
-from their owners; backward, the gradient w.r.t. halo inputs goes back to their owners, which
-add it to the gradients of their own units. The loss over a distributed output layer
+Forward, a layer's input buffer holds the owned units of the layer below (in a layer graph, of
+every layer it reads, end to end: its input space) and the halo received from their owners;
+backward, the gradient w.r.t. halo inputs goes back to their owners, which add it to the
+gradients of their own units (a layer read by several adds theirs up). The loss over a
+distributed output layer
 (`runtime.loss`) costs one all-gather of a few values per example and equals the reference's.
 """
 
@@ -29,7 +31,7 @@ from netpart.models.spec import ModelSpec
 from netpart.partition.graph import UnitGraph
 from netpart.runtime.loss import OutputLoss
 from netpart.runtime.rows import RowIndex, rows
-from netpart.runtime.slices import LayerSlice, build_slice
+from netpart.runtime.slices import BatchNormSlice, LayerSlice, build_slice
 from netpart.runtime.state import Ledger, StepState, WorkerResult, book_key
 from netpart.runtime.transport import Handle, Transport
 
@@ -76,6 +78,22 @@ class ModelWorker:
         # Per layer: what this worker sends (positions in its owned outputs) and receives
         # (units of the input buffer); contiguous ones move as views.
         self._owned_t = [RowIndex(u) for u in self.owned]
+        # Per layer: the layers its input space holds, with where this worker's units of
+        # each land in the input buffer (-1: the network's input, every unit).
+        self._into = [
+            [
+                (s, RowIndex(self.owned[s] + spec.input_offset(i, s)) if s >= 0 else None)
+                for s in spec.input_layers(i)
+            ]
+            for i in range(len(spec.layers))
+        ]
+        # Per layer read by several, or a graph's: each message's rows by the layer they
+        # belong to (backward, the gradients owed to this worker's units of each).
+        self._split_sends = {
+            i: {d: self._by_input(i, pos) for d, pos in tables.sends[i].items()}
+            for i in range(1, len(spec.layers))
+            if spec.input_layers(i) != (i - 1,)
+        }
         self._buffers: dict[tuple, torch.Tensor] = {}
         self.sends = [{d: RowIndex(u) for d, u in peers.items()} for peers in tables.sends]
         self.recvs = [{s: RowIndex(u) for s, u in peers.items()} for peers in tables.recvs]
@@ -88,6 +106,19 @@ class ModelWorker:
             Op.WAIT: self._wait,
             Op.LOSS: self._loss,
         }
+
+    def _by_input(self, layer: int, positions: np.ndarray) -> list[tuple[int, RowIndex, RowIndex]]:
+        """(input layer, the message's rows of it, their positions among this worker's
+        units of it) for a message of `layer` sending `positions` of its owned inputs."""
+        out, first = [], 0
+        for s in self.spec.input_layers(layer):
+            if s < 0:
+                continue
+            n = len(self.owned[s])
+            mine = (positions >= first) & (positions < first + n)
+            out.append((s, RowIndex(np.flatnonzero(mine)), RowIndex(positions[mine] - first)))
+            first += n
+        return out
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for params in self._params for p in params]
@@ -124,6 +155,7 @@ class ModelWorker:
             outputs=st.fwd.outs[last].detach().T,
             output_units=self.owned[-1],
             grads=self.collect_grads() if collect_grads else [],
+            statistics=self.collect_statistics() if collect_grads else [],
             **st.book.figures(),
             accuracy=st.accuracy,
             stop=st.stop,
@@ -133,9 +165,15 @@ class ModelWorker:
         """(loss, accuracy) of a batch with no backward pass (held-out data): the forward
         instructions and the loss; every worker of the replica runs the same messages."""
         st = StepState(inputs, targets, transport, 0.0, want_accuracy=True)
-        for ins in self.program:
-            if ins.phase == Phase.FORWARD:  # the loss is a forward instruction
-                self._run[ins.op](st, ins)
+        for s in self.slices:  # batch norms use their running statistics
+            s.train(False)
+        try:
+            for ins in self.program:
+                if ins.phase == Phase.FORWARD:  # the loss is a forward instruction
+                    self._run[ins.op](st, ins)
+        finally:
+            for s in self.slices:
+                s.train(True)
         return st.loss, st.accuracy
 
     def exchange_only(self, batch: int, transport: Transport) -> float:
@@ -170,6 +208,16 @@ class ModelWorker:
             (name, idx, grad.detach().clone())
             for s in self.slices
             for name, idx, grad in s.param_slices()
+        ]
+
+    def collect_statistics(self) -> list[tuple[str, np.ndarray, torch.Tensor]]:
+        """(reference buffer name, channels, values) of every batch norm's running
+        statistics this worker holds (copies)."""
+        return [
+            (f"layers.{s.index}.{name}", s.held, values.detach().clone())
+            for s in self.slices
+            if isinstance(s, BatchNormSlice)
+            for name, values in (("running_mean", s.running_mean), ("running_var", s.running_var))
         ]
 
     def param_tensors(self) -> list[torch.Tensor]:
@@ -225,6 +273,8 @@ class ModelWorker:
 
     def _forward(self, st: StepState, layer: int, part: str) -> None:
         sl, clock = self.slices[layer], time.perf_counter
+        if isinstance(sl, BatchNormSlice):
+            sl.transport = st.transport
         if part in (Part.EARLY, Part.LATE):
             return self._forward_chain(st, layer, part)
         if sl.plane and part in (Part.ALL, Part.JOINED):
@@ -337,7 +387,13 @@ class ModelWorker:
             buf[: flat.shape[0]] = flat
             return buf
         buf = self._input_buffer(st.batch, layer)
-        self._owned_t[layer - 1].put_(buf, st.fwd.outs[layer - 1].detach())
+        for source, into in self._into[layer]:
+            if source >= 0:
+                into.put_(buf, st.fwd.outs[source].detach())
+            else:  # the network's input, which every worker holds
+                at = self.spec.input_offset(layer, -1)
+                flat = st.inputs.reshape(st.batch, -1).T
+                buf[at : at + flat.shape[0]] = flat
         if halo:
             self._fill_halo(st, layer, buf)
         x = buf.detach().requires_grad_(True)
@@ -392,10 +448,18 @@ class ModelWorker:
             gx = leaf.grad if leaf is not None else None
         t1 = clock()
         st.book.breakdown["slice"] += t1 - t0
+        settle = getattr(self.slices[layer], "settle", None)
+        if settle is not None:  # a batch norm's collective, if its backward did not run it
+            settle()
         if layer == 0:
             return
         gx = gx if gx is not None else torch.zeros_like(leaf)
-        st.bwd.grad[layer - 1] = self._owned_t[layer - 1].take(gx)
+        for source, into in self._into[layer]:
+            if source < 0:
+                continue
+            mine = into.take(gx)
+            had = st.bwd.grad.get(source)  # a layer read by several: their gradients add up
+            st.bwd.grad[source] = mine if had is None else had + mine
         st.bwd.back[layer] = {s: units.take(gx) for s, units in self.recvs[layer].items()}
         st.book.breakdown["fill"] += clock() - t1
 
@@ -424,7 +488,7 @@ class ModelWorker:
         if ins.phase == Phase.FORWARD and below not in st.fwd.outs:  # sent before the late units
             payload = self._early_sends[ins.layer][ins.peer].take(st.fwd.early_out[below])
         elif ins.phase == Phase.FORWARD:
-            payload = self.sends[ins.layer][ins.peer].take(st.fwd.outs[below].detach())
+            payload = self.sends[ins.layer][ins.peer].take(self._owned_inputs(st, ins.layer))
         else:
             payload = st.bwd.back[ins.layer][ins.peer]
         st.book.breakdown["fill"] += time.perf_counter() - t0
@@ -454,7 +518,12 @@ class ModelWorker:
         t0 = time.perf_counter()
         st.transport.wait(st.posted.pop(key))
         t1 = time.perf_counter()
-        if ins.phase == Phase.BACKWARD:  # the gradients owed to this worker's units of layer - 1
+        if ins.phase == Phase.BACKWARD and ins.layer in self._split_sends:
+            for d, parts in self._split_sends[ins.layer].items():
+                halo = self._halo(ins.layer, Phase.BACKWARD, d, st.batch)
+                for source, rows_of, pos in parts:
+                    pos.add_(st.bwd.grad[source], rows_of.take(halo))
+        elif ins.phase == Phase.BACKWARD:  # the gradients owed to its units of layer - 1
             grad = st.bwd.grad[ins.layer - 1]
             for d, pos in self.sends[ins.layer].items():
                 pos.add_(grad, self._halo(ins.layer, Phase.BACKWARD, d, st.batch))
@@ -478,6 +547,12 @@ class ModelWorker:
             st.book.exchange[(ins.layer + 1, "loss")] = spent
         st.book.breakdown["loss"] += spent
 
+    def _owned_inputs(self, st: StepState, layer: int) -> torch.Tensor:
+        """This worker's units of `layer`'s input space, end to end ([rows, B], detached):
+        what its messages of the layer take their rows from."""
+        outs = [st.fwd.outs[s].detach() for s in self.spec.input_layers(layer) if s >= 0]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
     # ---- buffers ---------------------------------------------------------------------------
     def _input_buffer(self, batch: int, layer: int) -> torch.Tensor:
         """Layer `layer`'s input buffer [n + 2, B], allocated once per batch size: row n is
@@ -486,7 +561,7 @@ class ModelWorker:
         key = ("input", layer, batch)
         buf = self._buffers.get(key)
         if buf is None:
-            n = self.spec.input_shape(layer).size
+            n = self.spec.input_size(layer)
             buf = self._buffers[key] = torch.zeros(n + 2, batch, dtype=self.dtype)
             buf[n + 1] = float("-inf")
         return buf

@@ -77,7 +77,6 @@ def make_job(request: TrainRequest, *, local: bool = True) -> Job:
     if request.workers < 1:
         raise TrainError(f"--workers {request.workers}: must be an integer >= 1")
     spec = load_spec(request.model, input=request.input)
-    spec.require_runnable("train")
     config = TrainConfig.of(**{"shards": request.workers, **request.given})
     initial = _initial_weights(request.model, spec, config)
     check_loggers(config.loggers)  # a missing package fails before planning

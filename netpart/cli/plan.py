@@ -423,8 +423,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     plan.check_model(spec)
     from netpart.compile.schedule import plan_schedule
 
-    if spec.runnable:  # what `train --plan` checks: the two files belong together
-        plan_schedule(spec, plan)
+    plan_schedule(spec, plan)  # what `train --plan` checks: the two files belong together
     echo(summary_line(plan))
     echo(layer_table(plan, spec))
     return 0

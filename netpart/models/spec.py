@@ -256,31 +256,6 @@ class ModelSpec:
         """Every layer reads the one before it, and only it."""
         return all(self.sources(i) == (i - 1,) for i in range(len(self.layers)))
 
-    @property
-    def runnable(self) -> bool:
-        """Whether the runtime takes this spec: a chain of layers without batch norm."""
-        return self.is_chain and all(ly.kind != BATCHNORM for ly in self.layers)
-
-    def require_runnable(self, doing: str) -> None:
-        """SpecError (one line) where the layers branch or normalise a batch: what `doing`
-        (the runtime: check, run, train) cannot take yet; such a spec is planned."""
-        norm = next((i for i, ly in enumerate(self.layers) if ly.kind == BATCHNORM), None)
-        if norm is not None:
-            raise SpecError(
-                f"{self.name}: layer {norm} (batchnorm): {doing} takes no batch normalisation "
-                "today; a spec with it is imported, checked when it loads and planned "
-                "(netpart plan), not yet run"
-            )
-        if self.is_chain:
-            return
-        i = next(i for i in range(len(self.layers)) if self.sources(i) != (i - 1,))
-        reads = ", ".join("the input" if s < 0 else f"layer {s}" for s in self.sources(i))
-        raise SpecError(
-            f"{self.name}: layer {i} ({self.layers[i].kind}) reads {reads}: {doing} takes a "
-            "chain of layers today; a layer graph that branches is imported, checked when it "
-            "loads and planned (netpart plan), not yet run"
-        )
-
     def layer_params(self, index: int) -> int:
         """Trainable parameters of layer `index` (weights and biases)."""
         layer, src, out = self.layers[index], self.input_shape(index), self.shapes[index]

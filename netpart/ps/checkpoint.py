@@ -156,11 +156,20 @@ def load_shard(run: Path, shard: int, expect: dict[str, Any], size: int) -> Shar
 def export_state_dict(
     spec: ModelSpec, layout: ShardLayout, shard_values: list[torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """The reference module's parameters from the shards' flat values."""
+    """The reference module's parameters from the shards' flat values (its buffers, a batch
+    norm's running statistics, as torch's BatchNorm starts them: the shards hold none)."""
     flat = torch.cat(shard_values)
     with torch.device("meta"):  # shapes only, no memory
         shapes = {k: v.shape for k, v in ReferenceModel(spec).state_dict().items()}
     out = {k: torch.empty(int(np.prod(s)), dtype=flat.dtype) for k, s in shapes.items()}
+    for k, v in out.items():
+        if k.endswith("running_var"):
+            v.fill_(1.0)
+        elif k.endswith(("running_mean", "num_batches_tracked")):
+            v.zero_()
+    out.update(
+        {k: torch.zeros((), dtype=torch.int64) for k in shapes if k.endswith("batches_tracked")}
+    )
     for w in range(layout.workers):
         for piece, off in zip(layout.pieces[w], layout.offsets[w], strict=True):
             idx = torch.from_numpy(piece_index(spec, piece))

@@ -220,6 +220,26 @@ class ModelWorker:
             for name, values in (("running_mean", s.running_mean), ("running_var", s.running_var))
         ]
 
+    def batches_tracked(self) -> dict[int, int]:
+        """Each batch norm's count of batches it normalised in training, by layer."""
+        norms = (s for s in self.slices if isinstance(s, BatchNormSlice))
+        return {s.index: s.num_batches_tracked for s in norms}
+
+    def load_statistics(self, state: dict[str, torch.Tensor]) -> None:
+        """Set the running statistics (and counts of batches) this worker holds from `state`
+        (reference buffer name -> the whole layer's, as `rundir.read_statistics` gives)."""
+        for s in self.slices:
+            if not isinstance(s, BatchNormSlice):
+                continue
+            held = torch.from_numpy(s.held)
+            for name, mine in (("running_mean", s.running_mean), ("running_var", s.running_var)):
+                full = state.get(f"layers.{s.index}.{name}")
+                if full is not None:
+                    mine.copy_(full[held].to(mine.dtype))
+            tracked = state.get(f"layers.{s.index}.num_batches_tracked")
+            if tracked is not None:
+                s.num_batches_tracked = int(tracked)
+
     def param_tensors(self) -> list[torch.Tensor]:
         """The worker's parameter values, one tensor per piece, in the layout's piece order
         (its flat vector is these end to end; fetched values are copied into them)."""

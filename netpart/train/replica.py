@@ -42,6 +42,7 @@ from netpart.runtime.worker import ModelWorker
 from netpart.train.config import TrainConfig
 from netpart.train.heldout import HeldOut
 from netpart.train.placement import Placement
+from netpart.train.rundir import read_statistics, save_statistics
 
 __all__ = [
     "FLUSH_S",
@@ -167,6 +168,14 @@ class _StepLoop:
         )
         self.metrics = _Metrics(job) if job.worker == 0 else None
         self.first_loss = 0.0  # this job's first step's: a loss far above it has diverged
+        # Replica 0's batch norms' running statistics are the model's (`train.rundir`).
+        norms = any(layer.kind == "batchnorm" for layer in job.spec.layers)
+        self.keeps_statistics = replica == 0 and norms
+        if self.keeps_statistics and job.start > 0:
+            kept, at = read_statistics(job.run, job.spec, job.layout.workers)
+            if at is not None and at != job.start:
+                log.warning("running statistics from step %d, resuming at %d", at, job.start)
+            self.model.load_statistics(kept)
         self.held_out = None
         if replica == 0 and config.run.eval_every > 0:
             path = job.run / "eval.jsonl" if job.worker == 0 else None
@@ -221,14 +230,23 @@ class _StepLoop:
             line = self.metrics.line(t, result, client.staleness, times, pushed, client.received)
             if self.on_step is not None:
                 self.on_step(line)
+        if self.keeps_statistics and t % config.run.checkpoint_every == 0:
+            self.save_statistics(t)
         if self.held_out is not None and (
             t % config.run.eval_every == 0 or t == config.run.steps or result.stop
         ):
             self.held_out(t, self.model, self.transport)
         return result.stop
 
+    def save_statistics(self, t: int) -> None:
+        """Write this worker's running statistics after step `t` (replica 0)."""
+        entries = self.model.collect_statistics()
+        save_statistics(self.job.run, self.job.worker, t, entries, self.model.batches_tracked())
+
     def finish(self, t: int) -> None:
         """Push what is left after step `t`, and say goodbye to the shards."""
+        if self.keeps_statistics:
+            self.save_statistics(t)
         if self.requests.unpushed:
             self.client.request(t, self.grads.flat, ahead=self.requests.ahead)
         self.client.close()

@@ -81,6 +81,7 @@ def evaluate(
 
     model = build_reference(spec, seed)
     model.load_state_dict({k: v.float() for k, v in state.items()})
+    model.eval()  # batch norms: their running statistics
     loss_sum, correct = 0.0, 0
     for lo in range(0, len(x), max(1, batch)):
         xb = torch.from_numpy(np.ascontiguousarray(x[lo : lo + batch])).float()

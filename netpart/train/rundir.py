@@ -2,8 +2,16 @@
 
 Files (written atomically): `train.json` (schema in `netpart.train.config`), `spec.json`,
 `plan.json` + `node_map.npy`, `start.json` (each replica's first step), the shard checkpoints
-(`netpart.ps.checkpoint`), `metrics_replica<r>.jsonl`, and at the end `model.pt`,
-`summary.json` and the report. `prepare_run` refuses, before anything is written, a resume of
+(`netpart.ps.checkpoint`), `metrics_replica<r>.jsonl`, for a model with batch norm
+`statistics_w<k>.pt` (the running statistics replica 0's worker k holds, at the steps the
+shards checkpoint and at the end), and at the end `model.pt`, `summary.json` and the report.
+
+Batch norms' running statistics are not trained by gradients, so they do not live on the
+parameter server: every replica's workers keep their own as torch's BatchNorm keeps them
+(each channel's, on the workers holding a part of it), and replica 0's are the model's —
+written with each checkpoint's step, read back by a resumed replica 0, and exported beside
+the parameters (`model_from_shards`), as a single process training on replica 0's batches
+would have them. `prepare_run` refuses, before anything is written, a resume of
 another model, layout or optimizer, a corrupt checkpoint, or a fresh run into a directory that
 holds one already; `finish_run` writes what a finished (or stopped) job leaves behind.
 
@@ -59,7 +67,10 @@ __all__ = [
     "read_initial",
     "read_job",
     "read_progress",
+    "read_statistics",
     "run_model",
+    "save_statistics",
+    "statistics_path",
     "user_state",
     "write_run",
 ]
@@ -174,7 +185,8 @@ def run_model(run: Path, from_shards: bool = False) -> tuple[Job, dict[str, torc
     if not from_shards and (run / "model.pt").exists():
         try:
             saved = torch.load(run / "model.pt", weights_only=True)
-            reference = {user: ours for ours, user in job.spec.state_names().items()}
+            names = {**job.spec.state_names(), **job.spec.buffer_names()}
+            reference = {user: ours for ours, user in names.items()}
             return job, {reference.get(k, k): v for k, v in saved.items()}
         except Exception as exc:  # a torn or foreign file: torch's message runs to many lines
             raise TrainError(
@@ -188,17 +200,84 @@ def run_model(run: Path, from_shards: bool = False) -> tuple[Job, dict[str, torc
 def user_state(spec: ModelSpec, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A reference `state_dict` under the names of the module `spec` was imported from (the
     reference's own for a zoo or spec model): what a run's model.pt holds."""
-    names = spec.state_names()
+    names = {**spec.state_names(), **spec.buffer_names()}
     return {names.get(k, k): v for k, v in state.items()}
 
 
 def model_from_shards(
     spec: ModelSpec, plan: PartitionPlan, config: TrainConfig, run: Path, layout: ShardLayout
 ) -> dict[str, torch.Tensor]:
-    """The reference `state_dict` of a run, from its shard checkpoints (each one checked)."""
+    """The reference `state_dict` of a run, from its shard checkpoints (each one checked)
+    and its batch norms' running statistics (`read_statistics`)."""
     meta = checkpoint_meta(spec, plan, config)
     values = [load_shard(run, s, meta, int(n)).values for s, n in enumerate(layout.shard_sizes())]
-    return export_state_dict(spec, layout, values)
+    state = export_state_dict(spec, layout, values)
+    kept, _ = read_statistics(run, spec, plan.workers)
+    for name, value in kept.items():
+        state[name] = value.to(state[name].dtype)
+    return state
+
+
+def statistics_path(run: Path, worker: int) -> Path:
+    return run / f"statistics_w{worker}.pt"
+
+
+def save_statistics(
+    run: Path, worker: int, step: int, entries: list[tuple[str, object, torch.Tensor]], tracked
+) -> None:
+    """Replica 0's worker `worker`'s running statistics after step `step` (`entries`:
+    (reference buffer name, channels, values); `tracked`: each batch norm's count of
+    batches, by layer), atomically."""
+    buf = io.BytesIO()
+    torch.save(
+        {
+            "step": step,
+            "names": [n for n, _, _ in entries],
+            "channels": [torch.as_tensor(c, dtype=torch.int64) for _, c, _ in entries],
+            "values": [v for _, _, v in entries],
+            "tracked": {str(k): int(v) for k, v in tracked.items()},
+        },
+        buf,
+    )
+    write_atomic(statistics_path(run, worker), buf.getvalue())
+
+
+def read_statistics(
+    run: Path, spec: ModelSpec, workers: int
+) -> tuple[dict[str, torch.Tensor], int | None]:
+    """(the batch norms' running statistics and counts of batches replica 0's workers last
+    wrote, by reference buffer name; the step they were written at, None if none were).
+    TrainError for a file that is not one netpart wrote, or workers at different steps."""
+    out: dict[str, torch.Tensor] = {}
+    steps = set()
+    for w in range(workers):
+        path = statistics_path(run, w)
+        if not path.exists():
+            continue
+        try:
+            d = torch.load(path, weights_only=True)
+            entries = zip(d["names"], d["channels"], d["values"], strict=True)
+            steps.add(int(d["step"]))
+            for name, channels, values in entries:
+                channels_of = spec.shapes[int(name.split(".")[1])].channels
+                default = 0.0 if name.endswith("mean") else 1.0
+                full = out.setdefault(
+                    name, torch.full((channels_of,), default, dtype=values.dtype)
+                )
+                full[channels] = values.to(full.dtype)
+            for layer, count in d["tracked"].items():
+                out[f"layers.{layer}.num_batches_tracked"] = torch.tensor(count)
+        except Exception as exc:  # a torn or foreign file: torch's message runs to many lines
+            raise TrainError(
+                f"{path}: not a statistics file netpart wrote ({type(exc).__name__}); "
+                "resume from a clean run directory"
+            ) from None
+    if len(steps) > 1:
+        raise TrainError(
+            f"{run}: replica 0's workers wrote their running statistics at different steps "
+            f"({sorted(steps)}); the run stopped while writing them"
+        )
+    return out, (steps.pop() if steps else None)
 
 
 def prepare_run(

@@ -103,3 +103,26 @@ class Skip(nn.Module):
     def forward(self, x):
         y = self.a(x).relu()
         return self.fc((self.b(y) + y).relu().flatten(1))
+
+
+class NormedSkip(nn.Module):
+    """A residual block with batch norm after each conv and a 1x1 stride-2 projection
+    shortcut, then a batch-normed classifier, at 3x8x8 (torchvision's block, small)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1, bias=False)
+        self.bn0 = nn.BatchNorm2d(4)
+        self.conv1 = nn.Conv2d(4, 6, 3, stride=2, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(6)
+        self.conv2 = nn.Conv2d(6, 6, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(6)
+        self.downsample = nn.Sequential(nn.Conv2d(4, 6, 1, stride=2, bias=False), nn.BatchNorm2d(6))
+        self.fc = nn.Linear(6 * 4 * 4, 3)
+        self.head = nn.BatchNorm1d(3)
+
+    def forward(self, x):
+        x = F.relu(self.bn0(self.stem(x)))
+        out = self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
+        out = F.relu(out + self.downsample(x))
+        return self.head(self.fc(out.flatten(1)))

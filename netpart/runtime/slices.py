@@ -35,7 +35,8 @@ from netpart.runtime.rows import rows
 
 __all__ = ["PLANE_KINDS", "LayerSlice", "build_slice", "window_index"]
 
-PLANE_KINDS = ("conv", "pool", "lcn")  # the kinds a worker holding a whole layer runs on planes
+# the kinds a worker holding a whole layer runs on planes
+PLANE_KINDS = ("conv", "pool", "lcn", "add", "concat", "batchnorm")
 
 
 def window_index(
@@ -96,7 +97,8 @@ class LayerSlice(nn.Module):
 
     def forward_plane(self, x: torch.Tensor) -> torch.Tensor:
         """The whole layer (`plane`) on its input planes x [B, C, H, W], activated: its
-        outputs [B, C', H', W'] by torch's own kernel, no gather and no transposes."""
+        outputs [B, C', H', W'] by torch's own kernel, no gather and no transposes (a merge:
+        `x` the list of its inputs' planes, in its inputs' order)."""
         raise NotImplementedError
 
     def compute(self, x: torch.Tensor, part: str) -> list[torch.Tensor]:
@@ -542,6 +544,14 @@ class MergeSlice(_UnitSlice):
     def _units(self, x: torch.Tensor, part: str) -> torch.Tensor:
         return rows(x, self._index[part]).sum(dim=1)  # [U, inputs, B] -> [U, B]
 
+    def forward_plane(self, x: list[torch.Tensor]) -> torch.Tensor:
+        if self.layer.kind == "concat":
+            return activation(self.layer, torch.cat(x, dim=1))
+        out = x[0]
+        for more in x[1:]:
+            out = out + more
+        return activation(self.layer, out)
+
 
 def _merge_index(
     spec: ModelSpec, index: int, channel: np.ndarray, position: np.ndarray
@@ -640,6 +650,23 @@ class BatchNormSlice(LayerSlice):
             self.num_batches_tracked += 1
         dtype = xs.dtype
         return mean[self._channel].to(dtype), var[self._channel].to(dtype)
+
+    def forward_plane(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole layer on planes by torch's batch norm (a worker alone in its replica:
+        no other worker's sums to add)."""
+        if self.training:
+            self.num_batches_tracked += 1
+        y = F.batch_norm(
+            x,
+            self.running_mean,
+            self.running_var,
+            torch.cat(list(self.weights)),
+            torch.cat(list(self.biases)),
+            training=self.training,
+            momentum=self.momentum,
+            eps=self.eps,
+        )
+        return activation(self.layer, y)
 
     def reduced(self) -> None:
         """The backward's collective ran (`_AllReduceSum.backward`)."""

@@ -63,6 +63,9 @@ class Activations:
     """The forward pass's tensors, per layer."""
 
     outs: dict[int, torch.Tensor] = field(default_factory=dict)  # owned outputs [U, B]
+    # a whole layer's outputs as planes [B, C, H, W] (`outs` is a view of them): a whole
+    # layer above reads these, not the view, so autograd sees no transposes between them
+    planes: dict[int, torch.Tensor] = field(default_factory=dict)
     leaves: dict[int, torch.Tensor] = field(default_factory=dict)  # its input (autograd leaf)
     pieces: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # interior outputs
     # Producer chains: each part's activated outputs (its backward root), the early and late

@@ -297,7 +297,8 @@ class ModelWorker:
             sl.transport = st.transport
         if part in (Part.EARLY, Part.LATE):
             return self._forward_chain(st, layer, part)
-        if sl.plane and part in (Part.ALL, Part.JOINED):
+        alone = not isinstance(sl, BatchNormSlice) or st.transport.size == 1
+        if sl.plane and alone and part in (Part.ALL, Part.JOINED):
             return self._forward_plane(st, layer, part)
         t0 = clock()
         if part == Part.JOINED:
@@ -331,17 +332,49 @@ class ModelWorker:
         planes = (batch, src.channels, src.height, src.width)
         if layer == 0:
             x = st.inputs.reshape(planes).to(self.dtype)
+        elif self.spec.layers[layer].inputs is not None:  # a layer graph's: its inputs' planes
+            x = self._input_planes(st, layer, part)
         elif part == Part.JOINED and len(self.owned[layer - 1]) == src.size:
-            x = st.fwd.outs[layer - 1].T.reshape(planes)  # every unit below, in order
+            x = self._planes_of(st, layer - 1, planes)  # every unit below, in order
         else:
             buf = self._joined_input(st, layer) if part == Part.JOINED else None
             buf = self._fill_input(st, layer, halo=True) if buf is None else buf
             x = buf[: src.size].T.reshape(planes)
         t1 = clock()
-        out = sl.forward_plane(x).reshape(batch, -1).T  # [units, B], a view of the planes
+        y = sl.forward_plane(x)
+        out = y.reshape(batch, -1).T  # [units, B], a view of the planes
         st.fwd.outs[layer] = self._dropped(st, layer, out)  # keeps the planes' layout
+        if st.fwd.outs[layer] is out:  # no dropout: the planes themselves are the outputs
+            st.fwd.planes[layer] = y
         st.book.breakdown["fill"] += t1 - t0
         st.book.breakdown["slice"] += clock() - t1
+
+    def _input_planes(self, st: StepState, layer: int, part: str):
+        """A layer graph's layer's input as planes [B, C, H, W]: each input layer's outputs
+        (joined: this worker computed all of them) or its part of the input buffer (the owned
+        units and the halo); a merge gets the list of them, in its inputs' order."""
+        batch = st.batch
+        if part != Part.JOINED:
+            buf = self._fill_input(st, layer, halo=True)
+        found = {}
+        for source in self.spec.input_layers(layer):
+            shape = self.spec.input.shape if source < 0 else self.spec.shapes[source]
+            planes = (batch, shape.channels, shape.height, shape.width)
+            if source < 0:
+                found[source] = st.inputs.reshape(planes).to(self.dtype)
+            elif part == Part.JOINED:
+                found[source] = self._planes_of(st, source, planes)
+            else:
+                at = self.spec.input_offset(layer, source)
+                found[source] = buf[at : at + shape.size].T.reshape(planes)
+        xs = [found[s] for s in self.spec.sources(layer)]
+        return xs if self.spec.layers[layer].kind in ("add", "concat") else xs[0]
+
+    def _planes_of(self, st: StepState, layer: int, planes: tuple) -> torch.Tensor:
+        """The outputs of `layer` (all of it computed here) as planes `planes`: the planes it
+        was computed as, else its [units, B] outputs seen as planes."""
+        found = st.fwd.planes.get(layer)
+        return found if found is not None else st.fwd.outs[layer].T.reshape(planes)
 
     def _dropped(
         self, st: StepState, layer: int, out: torch.Tensor, places: torch.Tensor | None = None
@@ -424,14 +457,18 @@ class ModelWorker:
         """The layer's input as a function of the layer below's outputs (one autograd graph):
         no leaf, no copy into a buffer when this worker owns the whole layer below, else the
         owned rows written in place into a fresh alias of the reused buffer (no clone)."""
-        prev = st.fwd.outs[layer - 1]
+        (source,) = self.spec.input_layers(layer)  # one: a merge joins on planes
+        if source < 0:  # a layer graph's layer reading the network's input
+            prev = st.inputs.reshape(st.batch, -1).T.to(self.dtype)
+        else:
+            prev = st.fwd.outs[source]
         buf = self._input_buffer(st.batch, layer)
         n = buf.shape[0] - 2
-        if len(self.owned[layer - 1]) == n:  # every unit, in order
+        if source < 0 or len(self.owned[source]) == n:  # every unit, in order
             if self.spec.layers[layer].kind == "dense":  # reads no padding rows
                 return prev
             return torch.cat([prev, buf[n:]])
-        return buf.detach().index_copy_(0, self._owned_t[layer - 1].index, prev)
+        return buf.detach().index_copy_(0, self._owned_t[source].index, prev)
 
     def _fill_halo(self, st: StepState, layer: int, buf: torch.Tensor) -> None:
         """Copy received halo into the input buffer (contiguous ones were received there)."""
@@ -447,6 +484,7 @@ class ModelWorker:
         if part == Part.THROUGH:  # joined to the layer below: its backward computes this one too
             root = st.bwd.pending or (st.fwd.outs[layer], st.bwd.grad.get(layer), [])
             st.bwd.pending = (root[0], root[1], root[2] + self._params[layer])
+            self._release(st, layer)
             return
         if part == Part.WEIGHTS:
             out, grad, params = st.bwd.roots.pop(layer)
@@ -473,6 +511,7 @@ class ModelWorker:
             settle()
         if layer == 0:
             return
+        self._release(st, layer)
         gx = gx if gx is not None else torch.zeros_like(leaf)
         for source, into in self._into[layer]:
             if source < 0:
@@ -482,6 +521,16 @@ class ModelWorker:
             st.bwd.grad[source] = mine if had is None else had + mine
         st.bwd.back[layer] = {s: units.take(gx) for s, units in self.recvs[layer].items()}
         st.book.breakdown["fill"] += clock() - t1
+
+    def _release(self, st: StepState, layer: int) -> None:
+        """Let go of `layer`'s forward tensors once its backward has begun: autograd keeps
+        what it still needs and frees it as it goes, so the step's memory does not peak
+        with every activation held to its end (which made the allocator return pages to the
+        system and fault them back in every step). The last layer's outputs are the step's
+        result."""
+        if layer < len(self.spec.layers) - 1:
+            st.fwd.outs.pop(layer, None)
+        st.fwd.planes.pop(layer, None)
 
     def _backward_chain(self, st: StepState, layer: int, part: str) -> None:
         """One part of a producer chain's layer backward, from that part's own outputs: the

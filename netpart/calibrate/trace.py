@@ -23,7 +23,7 @@ from netpart.compile.schedule import plan_schedule
 from netpart.models.spec import ModelSpec
 from netpart.partition.plans import PartitionPlan
 from netpart.processes.memory import keep_freed_memory
-from netpart.runtime.slices import build_slice
+from netpart.runtime.build import build_slice
 from netpart.timing import time_call
 
 __all__ = ["SliceTimes", "measure_slices"]

@@ -9,7 +9,7 @@ which of the early units each message of the chain sends.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -34,6 +34,14 @@ class WorkerIndices:
     sends: tuple[dict[int, np.ndarray], ...]
     recvs: tuple[dict[int, np.ndarray], ...]  # [layer] peer -> units of the input space
     early_sends: dict[int, dict[int, np.ndarray]]  # [layer] peer -> positions in early[layer-1]
+    # [layer] (input layer, where its owned units land in the input space; None: the
+    # network's input, every unit) for each layer its input space holds
+    into: tuple[tuple[tuple[int, np.ndarray | None], ...], ...] = ()
+    # [layer] peer -> (input layer, the message's rows of it, their positions among the
+    # owned units of it), for a layer whose input space is not the layer below's alone
+    split_sends: dict[int, dict[int, list[tuple[int, np.ndarray, np.ndarray]]]] = field(
+        default_factory=dict
+    )
 
 
 def owned_inputs(schedule: HaloSchedule, rank: int, layer: int) -> np.ndarray:
@@ -49,6 +57,36 @@ def owned_inputs(schedule: HaloSchedule, rank: int, layer: int) -> np.ndarray:
         else:
             at += schedule.input_units
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def _into(schedule: HaloSchedule, owned: tuple, layer: int) -> tuple:
+    """(input layer, where this worker's units of it land in `layer`'s input space) for each
+    layer the input space holds (None for the network's input: every unit)."""
+    if not schedule.inputs:
+        return ((layer - 1, owned[layer - 1]),) if layer else ((-1, None),)
+    out, at = [], 0
+    for s in schedule.inputs[layer]:
+        if s < 0:
+            out.append((s, None))
+            at += schedule.input_units
+        else:
+            out.append((s, owned[s] + at))
+            at += sum(len(u) for u in schedule.owned[s])
+    return tuple(out)
+
+
+def _by_input(
+    schedule: HaloSchedule, owned: tuple, layer: int, positions: np.ndarray
+) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """(input layer, the message's rows of it, their positions among this worker's units of
+    it) for a message of `layer` sending `positions` of its owned inputs."""
+    out, first = [], 0
+    for s in schedule.input_layers(layer):
+        n = len(owned[s])
+        mine = (positions >= first) & (positions < first + n)
+        out.append((s, np.flatnonzero(mine), positions[mine] - first))
+        first += n
+    return out
 
 
 def worker_indices(schedule: HaloSchedule, rank: int) -> WorkerIndices:
@@ -77,8 +115,16 @@ def worker_indices(schedule: HaloSchedule, rank: int) -> WorkerIndices:
         for i, e in early.items()
         if i + 1 < layers
     }
+    into = tuple(_into(schedule, owned, i) for i in range(layers))
+    split_sends = {
+        i: {d: _by_input(schedule, owned, i, pos) for d, pos in sends[i].items()}
+        for i in range(1, layers)
+        if schedule.input_layers(i) != (i - 1,) or (schedule.inputs and -1 in schedule.inputs[i])
+    }
     return WorkerIndices(
         rank=rank,
+        into=into,
+        split_sends=split_sends,
         owned=owned,
         first=first,
         early=early,

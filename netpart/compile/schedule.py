@@ -87,9 +87,7 @@ class HaloSchedule:
         if not self.overlap or layer == 0 or any(worker in pair for pair in self.sends[layer]):
             return False
         if self.graph:  # only a worker holding every layer: one autograd graph
-            return all(
-                len(units[worker]) == sum(len(u) for u in units) for units in self.owned
-            )
+            return all(len(units[worker]) == sum(len(u) for u in units) for units in self.owned)
         below = self.owned[layer - 1]
         return len(below[worker]) == sum(len(u) for u in below)
 

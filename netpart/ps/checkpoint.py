@@ -6,6 +6,11 @@ written to a temporary file and renamed, so a crash never leaves a torn checkpoi
 `shard_<s>.json` sidecar repeats the meta for cheap reading (the .pt's meta is authoritative).
 Loading uses `torch.load(weights_only=True)`. `export_state_dict` reassembles the reference
 module's `state_dict` from the shards through the layout's piece indices.
+
+`statistics_w<k>.pt` holds the batch norms' running statistics replica 0's worker k keeps
+(not the shards': they are not trained by gradients; docs/training.md), written at the
+steps the shards checkpoint and at the end, read back by a resumed replica 0 and by the
+export (`read_statistics`).
 """
 
 from __future__ import annotations
@@ -31,11 +36,14 @@ __all__ = [
     "export_state_dict",
     "keep_previous",
     "load_shard",
+    "read_statistics",
     "restore_previous",
     "save_model",
     "save_shard",
+    "save_statistics",
     "shard_meta",
     "shard_path",
+    "statistics_path",
 ]
 
 
@@ -187,3 +195,63 @@ def save_model(path: Path, state: dict[str, torch.Tensor]) -> None:
 def _short(exc: BaseException) -> str:
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return text.split(". ")[0][:160]
+
+
+def statistics_path(run: Path, worker: int) -> Path:
+    return run / f"statistics_w{worker}.pt"
+
+
+def save_statistics(
+    run: Path, worker: int, step: int, entries: list[tuple[str, object, torch.Tensor]], tracked
+) -> None:
+    """Replica 0's worker `worker`'s running statistics after step `step` (`entries`:
+    (reference buffer name, channels, values); `tracked`: each batch norm's count of
+    batches, by layer), atomically."""
+    buf = io.BytesIO()
+    torch.save(
+        {
+            "step": step,
+            "names": [n for n, _, _ in entries],
+            "channels": [torch.as_tensor(c, dtype=torch.int64) for _, c, _ in entries],
+            "values": [v for _, _, v in entries],
+            "tracked": {str(k): int(v) for k, v in tracked.items()},
+        },
+        buf,
+    )
+    write_atomic(statistics_path(run, worker), buf.getvalue())
+
+
+def read_statistics(
+    run: Path, spec: ModelSpec, workers: int
+) -> tuple[dict[str, torch.Tensor], int | None]:
+    """(the batch norms' running statistics and counts of batches replica 0's workers last
+    wrote, by reference buffer name; the step they were written at, None if none were).
+    TrainError for a file that is not one netpart wrote, or workers at different steps."""
+    out: dict[str, torch.Tensor] = {}
+    steps = set()
+    for w in range(workers):
+        path = statistics_path(run, w)
+        if not path.exists():
+            continue
+        try:
+            d = torch.load(path, weights_only=True)
+            entries = zip(d["names"], d["channels"], d["values"], strict=True)
+            steps.add(int(d["step"]))
+            for name, channels, values in entries:
+                channels_of = spec.shapes[int(name.split(".")[1])].channels
+                default = 0.0 if name.endswith("mean") else 1.0
+                full = out.setdefault(name, torch.full((channels_of,), default, dtype=values.dtype))
+                full[channels] = values.to(full.dtype)
+            for layer, count in d["tracked"].items():
+                out[f"layers.{layer}.num_batches_tracked"] = torch.tensor(count)
+        except Exception as exc:  # a torn or foreign file: torch's message runs to many lines
+            raise TrainError(
+                f"{path}: not a statistics file netpart wrote ({type(exc).__name__}); "
+                "resume from a clean run directory"
+            ) from None
+    if len(steps) > 1:
+        raise TrainError(
+            f"{run}: replica 0's workers wrote their running statistics at different steps "
+            f"({sorted(steps)}); the run stopped while writing them"
+        )
+    return out, (steps.pop() if steps else None)

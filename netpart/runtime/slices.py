@@ -33,7 +33,17 @@ from netpart.partition.reads import read_window
 from netpart.partition.rectangles import plane_rectangles
 from netpart.runtime.rows import rows
 
-__all__ = ["PLANE_KINDS", "LayerSlice", "build_slice", "window_index"]
+__all__ = [
+    "PLANE_KINDS",
+    "ConvSlice",
+    "DenseSlice",
+    "LayerSlice",
+    "LcnSlice",
+    "LocalSlice",
+    "PoolSlice",
+    "UnitSlice",
+    "window_index",
+]
 
 # the kinds a worker holding a whole layer runs on planes
 PLANE_KINDS = ("conv", "pool", "lcn", "add", "concat", "batchnorm")
@@ -147,7 +157,7 @@ class LayerSlice(nn.Module):
         pairs = zip(self.pieces, grads, strict=True)
         return [(p.name, piece_index(self.spec, p), g) for p, g in pairs]
 
-    def _set_orders(self, placed: dict[str, list[np.ndarray]]) -> None:
+    def set_orders(self, placed: dict[str, list[np.ndarray]]) -> None:
         """Per part, the concatenated pieces' unit positions; per mode (split or not) the
         permutation of the pieces' rows into units order."""
         for part, where in placed.items():
@@ -215,7 +225,7 @@ class LocalSlice(_GroupedSlice):
             torch.from_numpy(window_index(spec, index, pos, None, self.n_in))
             for _, _, pos, _ in self.groups
         ]
-        self._set_orders(  # each run's rows: (position, channel)
+        self.set_orders(  # each run's rows: (position, channel)
             {
                 part: [self._out_index[g][a:b].reshape(-1) for g, a, b in runs]
                 for part, runs in self._part_runs.items()
@@ -318,7 +328,7 @@ class ConvSlice(_GroupedSlice):
         # [C, h, w] they convolve or None for patches [K, Q], its output positions)
         self._reads: dict[str, tuple[torch.Tensor, list[tuple[tuple, tuple | None, int]]]] = {}
         placed = {part: self._plan_part(part, runs) for part, runs in self._part_runs.items()}
-        self._set_orders(placed)  # rectangles' rows position-major, patches' channel-major
+        self.set_orders(placed)  # rectangles' rows position-major, patches' channel-major
 
     def compute(self, x: torch.Tensor, part: str) -> list[torch.Tensor]:
         if part not in self._reads:
@@ -438,7 +448,7 @@ class DenseSlice(LayerSlice):
         zeros = torch.zeros(len(units), 1, dtype=dtype)
         self.has_bias = spec.layers[index].has_bias
         self.bias = nn.Parameter(zeros) if self.has_bias else zeros  # zeros: no bias
-        self._set_orders({"all": [np.arange(len(units))]})
+        self.set_orders({"all": [np.arange(len(units))]})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] != self.n_in:  # a buffer with padding rows (a joined input has none):
@@ -452,7 +462,7 @@ class DenseSlice(LayerSlice):
         return [self.weight, self.bias] if self.has_bias else [self.weight]
 
 
-class _UnitSlice(LayerSlice):
+class UnitSlice(LayerSlice):
     """Pool and LCN: no weights; parts are subsets of the owned units."""
 
     def __init__(self, spec, index, units, first=None) -> None:
@@ -463,7 +473,7 @@ class _UnitSlice(LayerSlice):
             "first": np.flatnonzero(inner),
             "rest": np.flatnonzero(~inner),
         }
-        self._set_orders({p: [u] for p, u in self._part_units.items()})
+        self.set_orders({p: [u] for p, u in self._part_units.items()})
         self._module = layer_module(spec, index) if self.plane else None  # no weights
 
     def compute(self, x: torch.Tensor, part: str) -> list[torch.Tensor]:
@@ -473,7 +483,7 @@ class _UnitSlice(LayerSlice):
         return activation(self.layer, self._module(x))
 
 
-class PoolSlice(_UnitSlice):
+class PoolSlice(UnitSlice):
     """Per-unit windows over the unit's own channel: max, average or L2."""
 
     def __init__(self, spec, index, units, first=None) -> None:
@@ -494,7 +504,7 @@ class PoolSlice(_UnitSlice):
         return torch.sqrt((win * win).sum(dim=1) + self.eps)
 
 
-class LcnSlice(_UnitSlice):
+class LcnSlice(UnitSlice):
     """(x - mean) / sqrt(var + eps), mean and var over the k x k window and all channels.
 
     As in the reference: average over channels first, then over each unit's window of
@@ -531,164 +541,6 @@ class LcnSlice(_UnitSlice):
         return (rows(x, centre) - mean) / torch.sqrt(var + self.eps)
 
 
-class MergeSlice(_UnitSlice):
-    """Add and concat: each owned unit the sum of the same unit of every input (add), or the
-    unit of the input whose channels hold it (concat), gathered from the input space (the
-    inputs' outputs end to end)."""
-
-    def __init__(self, spec, index, units, first=None) -> None:
-        super().__init__(spec, index, units, first)
-        idx = _merge_index(spec, index, self.channel, self.position)
-        self._index = {p: torch.from_numpy(idx[sel]) for p, sel in self._part_units.items()}
-
-    def _units(self, x: torch.Tensor, part: str) -> torch.Tensor:
-        return rows(x, self._index[part]).sum(dim=1)  # [U, inputs, B] -> [U, B]
-
-    def forward_plane(self, x: list[torch.Tensor]) -> torch.Tensor:
-        if self.layer.kind == "concat":
-            return activation(self.layer, torch.cat(x, dim=1))
-        out = x[0]
-        for more in x[1:]:
-            out = out + more
-        return activation(self.layer, out)
-
-
-def _merge_index(
-    spec: ModelSpec, index: int, channel: np.ndarray, position: np.ndarray
-) -> np.ndarray:
-    """[U, k]: where each output unit of merge `index` reads in its input space (an add: k
-    inputs; a concat: the one input holding the unit's channel)."""
-    layer, columns, first = spec.layers[index], [], 0
-    for source in spec.sources(index):
-        shape = spec.input.shape if source < 0 else spec.shapes[source]
-        at = spec.input_offset(index, source)
-        if layer.kind == "add":
-            columns.append(at + channel * (shape.height * shape.width) + position)
-            continue
-        inside = (channel >= first) & (channel < first + shape.channels)
-        unit = at + (channel - first) * (shape.height * shape.width) + position
-        columns = [np.where(inside, unit, columns[0])] if columns else [unit]
-        first += shape.channels
-    return np.stack(columns, axis=1)
-
-
-class _AllReduceSum(torch.autograd.Function):
-    """A sum over the workers of a replica, and its gradient: the sum of theirs. `owner` (a
-    batch norm slice) is told that the backward's collective ran."""
-
-    @staticmethod
-    def forward(ctx, tensor, transport, owner):
-        ctx.transport, ctx.owner = transport, owner
-        return transport.all_reduce(tensor.detach().clone(), "sum")
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.owner.reduced()
-        return ctx.transport.all_reduce(grad.contiguous().clone(), "sum"), None, None
-
-
-class BatchNormSlice(LayerSlice):
-    """Batch normalisation of the owned units: in training, each channel's mean and variance
-    over the batch and the whole plane, from every worker's partial sums (one all-reduce of
-    [2, C] values forward, and its gradient's backward, over the replica's workers: a
-    worker holding none of the layer takes part with zeros), the running statistics updated
-    as torch's BatchNorm updates them; in evaluation, the running statistics. Each worker
-    holding part of a channel holds its scale, shift and running statistics (the same
-    values on each: they see the same sums). Never split."""
-
-    def __init__(self, spec, index, units, blocks, seed, dtype, first=None) -> None:
-        super().__init__(spec, index, units)
-        del seed, first
-        layer = spec.layers[index]
-        self.eps, self.momentum = layer.eps, layer.momentum
-        self.groups = channel_groups(spec, index, units, blocks)
-        self.pieces = layer_pieces(spec, index, units, blocks, self.groups)
-        sizes = [c1 - c0 for c0, c1, _, _ in self.groups]
-        self.weights = nn.ParameterList(nn.Parameter(torch.ones(n, dtype=dtype)) for n in sizes)
-        self.biases = nn.ParameterList(nn.Parameter(torch.zeros(n, dtype=dtype)) for n in sizes)
-        held = np.concatenate([np.arange(c0, c1) for c0, c1, _, _ in self.groups] or [[]])
-        self.held = held.astype(np.int64)
-        self.running_mean = torch.zeros(len(held), dtype=dtype)
-        self.running_var = torch.ones(len(held), dtype=dtype)
-        self.num_batches_tracked = 0
-        self._channel = torch.from_numpy(self.channel.astype(np.int64))
-        self._local = torch.from_numpy(np.searchsorted(held, self.channel).astype(np.int64))
-        self._index = torch.from_numpy(units.astype(np.int64))  # its input's units: the same
-        self.channels = spec.shapes[index].channels
-        self.transport = None  # the step's, set by the worker before the forward pass
-        self._owes = False  # the backward's collective has not run yet
-        self._set_orders({"all": [np.arange(len(units))]})
-
-    def compute(self, x: torch.Tensor, part: str) -> list[torch.Tensor]:
-        xs = rows(x, self._index)  # [U, B]
-        if self.training:
-            mean, var = self._batch_statistics(xs)
-        else:
-            mean, var = self.running_mean[self._local], self.running_var[self._local]
-        if not len(self.units):
-            return []
-        scale = torch.cat(list(self.weights))[self._local] * torch.rsqrt(var + self.eps)
-        shift = torch.cat(list(self.biases))[self._local]
-        return [(xs - mean[:, None]) * scale[:, None] + shift[:, None]]
-
-    def _batch_statistics(self, xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each owned unit's channel's batch mean and (biased) variance, and the running
-        statistics updated."""
-        count = xs.shape[1] * self.hw  # values a channel holds in the replica's batch
-        local = torch.stack([xs.sum(dim=1), (xs * xs).sum(dim=1)]).to(torch.float64)
-        sums = local.new_zeros(2, self.channels).index_add(1, self._channel, local)
-        if self.transport is not None and self.transport.size > 1:
-            sums = _AllReduceSum.apply(sums, self.transport, self)
-            self._owes = True
-        mean = sums[0] / count
-        var = sums[1] / count - mean * mean
-        with torch.no_grad():
-            held = torch.from_numpy(self.held)
-            m, unbiased = self.momentum, var[held] * count / max(count - 1, 1)
-            self.running_mean.mul_(1 - m).add_(m * mean[held].to(self.running_mean.dtype))
-            self.running_var.mul_(1 - m).add_(m * unbiased.to(self.running_var.dtype))
-            self.num_batches_tracked += 1
-        dtype = xs.dtype
-        return mean[self._channel].to(dtype), var[self._channel].to(dtype)
-
-    def forward_plane(self, x: torch.Tensor) -> torch.Tensor:
-        """The whole layer on planes by torch's batch norm (a worker alone in its replica:
-        no other worker's sums to add)."""
-        if self.training:
-            self.num_batches_tracked += 1
-        y = F.batch_norm(
-            x,
-            self.running_mean,
-            self.running_var,
-            torch.cat(list(self.weights)),
-            torch.cat(list(self.biases)),
-            training=self.training,
-            momentum=self.momentum,
-            eps=self.eps,
-        )
-        return activation(self.layer, y)
-
-    def reduced(self) -> None:
-        """The backward's collective ran (`_AllReduceSum.backward`)."""
-        self._owes = False
-
-    def settle(self) -> None:
-        """After this layer's backward: take part in its collective if autograd did not run
-        it (a worker holding none of the layer, or none of its outputs' gradients)."""
-        if self._owes:
-            self.transport.all_reduce(torch.zeros(2, self.channels, dtype=torch.float64), "sum")
-            self._owes = False
-
-    def param_tensors(self):
-        return [t for pair in zip(self.weights, self.biases, strict=True) for t in pair]
-
-    def statistics(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """(channel, running mean, running variance) of every channel it holds."""
-        return [
-            (int(c), self.running_mean[k], self.running_var[k]) for k, c in enumerate(self.held)
-        ]
-
-
 def _initial(spec: ModelSpec, seed: int | None, piece: ParamPiece) -> np.ndarray:
     """The reference's initial values; with seed None a constant (float32, no random draws:
     for timing slices of models too large to initialise quickly)."""
@@ -716,30 +568,3 @@ def _grouped_params(
         return weights, zeros
     biases.extend(nn.Parameter(z) for z in zeros)
     return weights, biases
-
-
-def build_slice(
-    spec: ModelSpec,
-    index: int,
-    units: np.ndarray,
-    blocks: LayerBlocks,
-    seed: int | None,
-    dtype: torch.dtype,
-    first: np.ndarray | None = None,
-) -> LayerSlice:
-    """The slice of layer `index` holding `units`, with the reference's initial weights
-    (constant ones with `seed` None); `first` (a subset of `units`) enables its parts."""
-    kind = spec.layers[index].kind
-    if kind == "local":
-        return LocalSlice(spec, index, units, blocks, seed, dtype, first)
-    if kind == "conv":
-        return ConvSlice(spec, index, units, blocks, seed, dtype, first)
-    if kind == "dense":
-        return DenseSlice(spec, index, units, blocks, seed, dtype, first)
-    if kind == "pool":
-        return PoolSlice(spec, index, units, first)
-    if kind in ("add", "concat"):
-        return MergeSlice(spec, index, units, first)
-    if kind == "batchnorm":
-        return BatchNormSlice(spec, index, units, blocks, seed, dtype, first)
-    return LcnSlice(spec, index, units, first)

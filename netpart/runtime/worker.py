@@ -29,9 +29,11 @@ from netpart.models.dropout import DropoutKey, keep_scale
 from netpart.models.reference import activation
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import UnitGraph
+from netpart.runtime.batchnorm import BatchNormSlice, collect_statistics
+from netpart.runtime.build import build_slice
 from netpart.runtime.loss import OutputLoss
 from netpart.runtime.rows import RowIndex, rows
-from netpart.runtime.slices import BatchNormSlice, LayerSlice, build_slice
+from netpart.runtime.slices import LayerSlice
 from netpart.runtime.state import Ledger, StepState, WorkerResult, book_key
 from netpart.runtime.transport import Handle, Transport
 
@@ -78,21 +80,14 @@ class ModelWorker:
         # Per layer: what this worker sends (positions in its owned outputs) and receives
         # (units of the input buffer); contiguous ones move as views.
         self._owned_t = [RowIndex(u) for u in self.owned]
-        # Per layer: the layers its input space holds, with where this worker's units of
-        # each land in the input buffer (-1: the network's input, every unit).
+        # A layer graph's input spaces: where each input's units land, and which rows of a
+        # message are the gradients owed to which input (`WorkerIndices.into`).
         self._into = [
-            [
-                (s, RowIndex(self.owned[s] + spec.input_offset(i, s)) if s >= 0 else None)
-                for s in spec.input_layers(i)
-            ]
-            for i in range(len(spec.layers))
+            [(s, None if u is None else RowIndex(u)) for s, u in layer] for layer in tables.into
         ]
-        # Per layer read by several, or a graph's: each message's rows by the layer they
-        # belong to (backward, the gradients owed to this worker's units of each).
         self._split_sends = {
-            i: {d: self._by_input(i, pos) for d, pos in tables.sends[i].items()}
-            for i in range(1, len(spec.layers))
-            if spec.input_layers(i) != (i - 1,)
+            i: {d: [(s, RowIndex(r), RowIndex(p)) for s, r, p in parts] for d, parts in m.items()}
+            for i, m in tables.split_sends.items()
         }
         self._buffers: dict[tuple, torch.Tensor] = {}
         self.sends = [{d: RowIndex(u) for d, u in peers.items()} for peers in tables.sends]
@@ -106,19 +101,6 @@ class ModelWorker:
             Op.WAIT: self._wait,
             Op.LOSS: self._loss,
         }
-
-    def _by_input(self, layer: int, positions: np.ndarray) -> list[tuple[int, RowIndex, RowIndex]]:
-        """(input layer, the message's rows of it, their positions among this worker's
-        units of it) for a message of `layer` sending `positions` of its owned inputs."""
-        out, first = [], 0
-        for s in self.spec.input_layers(layer):
-            if s < 0:
-                continue
-            n = len(self.owned[s])
-            mine = (positions >= first) & (positions < first + n)
-            out.append((s, RowIndex(np.flatnonzero(mine)), RowIndex(positions[mine] - first)))
-            first += n
-        return out
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for params in self._params for p in params]
@@ -155,7 +137,7 @@ class ModelWorker:
             outputs=st.fwd.outs[last].detach().T,
             output_units=self.owned[-1],
             grads=self.collect_grads() if collect_grads else [],
-            statistics=self.collect_statistics() if collect_grads else [],
+            statistics=collect_statistics(self.slices) if collect_grads else [],
             **st.book.figures(),
             accuracy=st.accuracy,
             stop=st.stop,
@@ -209,36 +191,6 @@ class ModelWorker:
             for s in self.slices
             for name, idx, grad in s.param_slices()
         ]
-
-    def collect_statistics(self) -> list[tuple[str, np.ndarray, torch.Tensor]]:
-        """(reference buffer name, channels, values) of every batch norm's running
-        statistics this worker holds (copies)."""
-        return [
-            (f"layers.{s.index}.{name}", s.held, values.detach().clone())
-            for s in self.slices
-            if isinstance(s, BatchNormSlice)
-            for name, values in (("running_mean", s.running_mean), ("running_var", s.running_var))
-        ]
-
-    def batches_tracked(self) -> dict[int, int]:
-        """Each batch norm's count of batches it normalised in training, by layer."""
-        norms = (s for s in self.slices if isinstance(s, BatchNormSlice))
-        return {s.index: s.num_batches_tracked for s in norms}
-
-    def load_statistics(self, state: dict[str, torch.Tensor]) -> None:
-        """Set the running statistics (and counts of batches) this worker holds from `state`
-        (reference buffer name -> the whole layer's, as `rundir.read_statistics` gives)."""
-        for s in self.slices:
-            if not isinstance(s, BatchNormSlice):
-                continue
-            held = torch.from_numpy(s.held)
-            for name, mine in (("running_mean", s.running_mean), ("running_var", s.running_var)):
-                full = state.get(f"layers.{s.index}.{name}")
-                if full is not None:
-                    mine.copy_(full[held].to(mine.dtype))
-            tracked = state.get(f"layers.{s.index}.num_batches_tracked")
-            if tracked is not None:
-                s.num_batches_tracked = int(tracked)
 
     def param_tensors(self) -> list[torch.Tensor]:
         """The worker's parameter values, one tensor per piece, in the layout's piece order
@@ -523,11 +475,9 @@ class ModelWorker:
         st.book.breakdown["fill"] += clock() - t1
 
     def _release(self, st: StepState, layer: int) -> None:
-        """Let go of `layer`'s forward tensors once its backward has begun: autograd keeps
-        what it still needs and frees it as it goes, so the step's memory does not peak
-        with every activation held to its end (which made the allocator return pages to the
-        system and fault them back in every step). The last layer's outputs are the step's
-        result."""
+        """Let go of `layer`'s forward tensors once its backward has begun (autograd frees
+        what it saved as it goes): held to the step's end, every step's memory peaked and the
+        allocator faulted its pages back in. The last layer's outputs are the result."""
         if layer < len(self.spec.layers) - 1:
             st.fwd.outs.pop(layer, None)
         st.fwd.planes.pop(layer, None)

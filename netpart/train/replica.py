@@ -36,13 +36,14 @@ from netpart.models.dropout import training_key
 from netpart.models.reference import DTYPES
 from netpart.models.spec import ModelSpec
 from netpart.partition.graph import UnitGraph
+from netpart.ps.checkpoint import read_statistics, save_statistics
 from netpart.ps.client import ShardClient, Ticket
+from netpart.runtime.batchnorm import batches_tracked, collect_statistics, load_statistics
 from netpart.runtime.transport import GlooTransport
 from netpart.runtime.worker import ModelWorker
 from netpart.train.config import TrainConfig
 from netpart.train.heldout import HeldOut
 from netpart.train.placement import Placement
-from netpart.train.rundir import read_statistics, save_statistics
 
 __all__ = [
     "FLUSH_S",
@@ -175,7 +176,7 @@ class _StepLoop:
             kept, at = read_statistics(job.run, job.spec, job.layout.workers)
             if at is not None and at != job.start:
                 log.warning("running statistics from step %d, resuming at %d", at, job.start)
-            self.model.load_statistics(kept)
+            load_statistics(self.model.slices, kept)
         self.held_out = None
         if replica == 0 and config.run.eval_every > 0:
             path = job.run / "eval.jsonl" if job.worker == 0 else None
@@ -240,8 +241,9 @@ class _StepLoop:
 
     def save_statistics(self, t: int) -> None:
         """Write this worker's running statistics after step `t` (replica 0)."""
-        entries = self.model.collect_statistics()
-        save_statistics(self.job.run, self.job.worker, t, entries, self.model.batches_tracked())
+        slices = self.model.slices
+        tracked = batches_tracked(slices)
+        save_statistics(self.job.run, self.job.worker, t, collect_statistics(slices), tracked)
 
     def finish(self, t: int) -> None:
         """Push what is left after step `t`, and say goodbye to the shards."""

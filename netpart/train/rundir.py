@@ -46,6 +46,7 @@ from netpart.partition.plans import PartitionPlan, load_plan, plan_files
 from netpart.ps.checkpoint import (
     export_state_dict,
     load_shard,
+    read_statistics,
     save_model,
     shard_meta,
     shard_path,
@@ -67,10 +68,7 @@ __all__ = [
     "read_initial",
     "read_job",
     "read_progress",
-    "read_statistics",
     "run_model",
-    "save_statistics",
-    "statistics_path",
     "user_state",
     "write_run",
 ]
@@ -216,68 +214,6 @@ def model_from_shards(
     for name, value in kept.items():
         state[name] = value.to(state[name].dtype)
     return state
-
-
-def statistics_path(run: Path, worker: int) -> Path:
-    return run / f"statistics_w{worker}.pt"
-
-
-def save_statistics(
-    run: Path, worker: int, step: int, entries: list[tuple[str, object, torch.Tensor]], tracked
-) -> None:
-    """Replica 0's worker `worker`'s running statistics after step `step` (`entries`:
-    (reference buffer name, channels, values); `tracked`: each batch norm's count of
-    batches, by layer), atomically."""
-    buf = io.BytesIO()
-    torch.save(
-        {
-            "step": step,
-            "names": [n for n, _, _ in entries],
-            "channels": [torch.as_tensor(c, dtype=torch.int64) for _, c, _ in entries],
-            "values": [v for _, _, v in entries],
-            "tracked": {str(k): int(v) for k, v in tracked.items()},
-        },
-        buf,
-    )
-    write_atomic(statistics_path(run, worker), buf.getvalue())
-
-
-def read_statistics(
-    run: Path, spec: ModelSpec, workers: int
-) -> tuple[dict[str, torch.Tensor], int | None]:
-    """(the batch norms' running statistics and counts of batches replica 0's workers last
-    wrote, by reference buffer name; the step they were written at, None if none were).
-    TrainError for a file that is not one netpart wrote, or workers at different steps."""
-    out: dict[str, torch.Tensor] = {}
-    steps = set()
-    for w in range(workers):
-        path = statistics_path(run, w)
-        if not path.exists():
-            continue
-        try:
-            d = torch.load(path, weights_only=True)
-            entries = zip(d["names"], d["channels"], d["values"], strict=True)
-            steps.add(int(d["step"]))
-            for name, channels, values in entries:
-                channels_of = spec.shapes[int(name.split(".")[1])].channels
-                default = 0.0 if name.endswith("mean") else 1.0
-                full = out.setdefault(
-                    name, torch.full((channels_of,), default, dtype=values.dtype)
-                )
-                full[channels] = values.to(full.dtype)
-            for layer, count in d["tracked"].items():
-                out[f"layers.{layer}.num_batches_tracked"] = torch.tensor(count)
-        except Exception as exc:  # a torn or foreign file: torch's message runs to many lines
-            raise TrainError(
-                f"{path}: not a statistics file netpart wrote ({type(exc).__name__}); "
-                "resume from a clean run directory"
-            ) from None
-    if len(steps) > 1:
-        raise TrainError(
-            f"{run}: replica 0's workers wrote their running statistics at different steps "
-            f"({sorted(steps)}); the run stopped while writing them"
-        )
-    return out, (steps.pop() if steps else None)
 
 
 def prepare_run(

@@ -1,7 +1,7 @@
 """Issue 79's training figures: a user's narrow ResNet-20 with batch norm
-(`experiments/resnet20.py:narrow`) trained by `netpart train` over 2 model workers x 2
-replicas, Downpour and synchronous SGD, on procedural images (`--data shapes`, 3x32x32, ten
-classes), beside one plain PyTorch process training the same module on the same samples:
+(`tests/models/user_models.py:narrow_resnet20`) trained by `netpart train` over 2 model
+workers x 2 replicas, Downpour and synchronous SGD, on procedural images (`--data shapes`,
+3x32x32, ten classes), beside one plain PyTorch process training the same module on the same samples:
 the same initial weights (netpart's seeded ones, loaded into the module), the same optimiser
 (Adagrad, lr 0.01), the two replicas' batches of each step one after the other (batch 32,
 twice the steps). Held-out accuracy on the 1,000 held-out images, each model in eval mode
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -28,16 +29,16 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # experiments.resnet20
+sys.path.insert(0, str(ROOT))  # tests.models.user_models
 
-from experiments.resnet20 import narrow  # noqa: E402
 from netpart.files import write_atomic  # noqa: E402
 from netpart.models import build_reference, load_spec  # noqa: E402
 from netpart.train.config import TrainConfig  # noqa: E402
 from netpart.train.run_report import evaluate  # noqa: E402
+from tests.models.user_models import narrow_resnet20  # noqa: E402
 
 RESULTS = ROOT / "experiments" / "results"
-MODEL = f"{ROOT / 'experiments' / 'resnet20.py'}:narrow"
+MODEL = "tests.models.user_models:narrow_resnet20"
 INPUT, DATA, BATCH, LR, SEED = "3x32x32", "shapes", 32, 0.01, 0
 
 
@@ -51,7 +52,8 @@ def netpart_run(mode: str, steps: int) -> dict:
     if run.exists():
         subprocess.run(["rm", "-rf", str(run)], check=True)
     t0 = time.monotonic()
-    subprocess.run(argv, check=True, capture_output=True, text=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the module's package
+    subprocess.run(argv, check=True, capture_output=True, text=True, cwd=ROOT, env=env)
     wall = time.monotonic() - t0
     summary = json.loads((run / "summary.json").read_text())
     return {"wall_s": wall, "held_out": summary["held_out"], "run": run}
@@ -59,7 +61,7 @@ def netpart_run(mode: str, steps: int) -> dict:
 
 def plain_run(spec, steps: int) -> tuple[dict, dict]:
     """One plain PyTorch process: the same module, weights, optimiser and samples."""
-    module = narrow()
+    module = narrow_resnet20()
     names = {**spec.state_names(), **spec.buffer_names()}
     initial = build_reference(spec, SEED).state_dict()
     module.load_state_dict({names[k]: v for k, v in initial.items()}, strict=True)
@@ -83,7 +85,7 @@ def exported_logits_agree(spec, run: Path) -> float:
     """model.pt into the user's class (strict), eval mode: the largest difference of its
     logits from netpart's reference module holding the same state, on held-out images."""
     saved = torch.load(run / "model.pt", weights_only=True)
-    module = narrow()
+    module = narrow_resnet20()
     module.load_state_dict(saved, strict=True)
     module.eval()
     names = {**spec.state_names(), **spec.buffer_names()}
@@ -101,7 +103,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="steps a replica")
     args = parser.parse_args()
     spec = load_spec(MODEL, input=INPUT)
-    out: dict = {"model": "narrow ResNet-20 (experiments/resnet20.py)", "steps": args.steps}
+    out: dict = {"model": f"narrow ResNet-20 ({MODEL})", "steps": args.steps}
     out["params"] = spec.num_params
     for mode in ("sync", "downpour"):
         got = netpart_run(mode, args.steps)

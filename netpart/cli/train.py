@@ -448,7 +448,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     job, state = run_model(args.run, from_shards=True)
     config = job.config
-    count = f"{sum(v.numel() for v in state.values()):,} parameters"
+    count = f"{job.spec.num_params:,} parameters"  # not a batch norm's running statistics
     recorded = args.run / "data.json"  # how the model was fed, what its outputs mean
     if recorded.is_file():
         fed = json.loads(recorded.read_text())

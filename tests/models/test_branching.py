@@ -18,6 +18,8 @@ from netpart.models import load_spec
 from netpart.models.importer import import_model, parse_input, spec_toml
 from netpart.models.spec import ModelSpec
 from tests.conftest import assert_grads_equal, users_reference
+from tests.models.user_models import BasicBlock as NormedBlock
+from tests.models.user_models import ResNet20
 
 try:
     import tomllib
@@ -197,33 +199,6 @@ def test_what_the_import_cannot_merge_is_one_line():
         assert words in str(err.value) and "\n" not in str(err.value), err.value
 
 
-class NormedBlock(nn.Module):
-    """torchvision's BasicBlock, as written: conv-bn-relu-conv-bn, a 1x1 conv + bn projection
-    where the shape changes, the addition, a relu."""
-
-    def __init__(self, cin, cout, stride):
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.relu = nn.ReLU(inplace=True)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.downsample = None
-        if stride != 1 or cin != cout:
-            self.downsample = nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
-            )
-
-    def forward(self, x):
-        identity = x
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        if self.downsample is not None:
-            identity = self.downsample(x)
-        out += identity
-        return self.relu(out)
-
-
 class NormedResNet(nn.Module):
     def __init__(self):
         super().__init__()
@@ -264,32 +239,6 @@ def test_a_resnet_with_batch_norm_imports_and_its_reference_trains_and_evaluates
         assert torch.allclose(reference.state_dict()[ours].double(), after[name].double())
     reference.eval(), user.eval()
     assert torch.allclose(reference(x), user(x), rtol=0, atol=1e-10)
-
-
-class ResNet20(nn.Module):
-    """He et al.'s CIFAR ResNet-20 with projection shortcuts, written as torchvision writes
-    its ResNets."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 16, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(16)
-        self.relu = nn.ReLU(inplace=True)
-        stages, cin = [], 16
-        for s, width in enumerate((16, 32, 64)):
-            blocks = []
-            for b in range(3):
-                blocks.append(NormedBlock(cin, width, 2 if s and not b else 1))
-                cin = width
-            stages.append(nn.Sequential(*blocks))
-        self.layer1, self.layer2, self.layer3 = stages
-        self.avgpool = nn.AvgPool2d(8)
-        self.fc = nn.Linear(64, 10)
-
-    def forward(self, x):
-        x = self.relu(self.bn1(self.conv1(x)))
-        x = self.layer3(self.layer2(self.layer1(x)))
-        return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
 def test_the_zoo_resnets_are_the_resnets_users_write():

@@ -1,7 +1,9 @@
-"""Models as a PyTorch user writes them (issue 78's acceptance): a LeNet-5, a VGG-style CNN,
-the DistBelief locally connected network built from netpart.nn, and an MLP; each with the
+"""Models as a PyTorch user writes them (issues 78 and 79): a LeNet-5, a VGG-style CNN, the
+DistBelief locally connected network built from netpart.nn, an MLP, residual networks with
+and without batch norm, and a CIFAR ResNet-20 as torchvision writes its ResNets; each with the
 one example's shape netpart reads it at (`--input`)."""
 
+import torch
 from torch import nn
 from torch.nn import functional as F
 
@@ -126,3 +128,59 @@ class NormedSkip(nn.Module):
         out = self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
         out = F.relu(out + self.downsample(x))
         return self.head(self.fc(out.flatten(1)))
+
+
+class BasicBlock(nn.Module):
+    """torchvision's BasicBlock, as written: conv-bn-relu-conv-bn, a 1x1 conv + bn projection
+    where the shape changes, the addition, a relu."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        identity = x if self.downsample is None else self.downsample(x)
+        out += identity
+        return self.relu(out)
+
+
+class ResNet20(nn.Module):
+    """He et al.'s CIFAR ResNet-20 (three stages of three basic blocks, projection
+    shortcuts), written as torchvision writes its ResNets; its widths a parameter."""
+
+    def __init__(self, width: int = 16, classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        stages, cin = [], width
+        for s, w in enumerate((width, 2 * width, 4 * width)):
+            blocks = []
+            for b in range(3):
+                blocks.append(BasicBlock(cin, w, 2 if s and not b else 1))
+                cin = w
+            stages.append(nn.Sequential(*blocks))
+        self.layer1, self.layer2, self.layer3 = stages
+        self.avgpool = nn.AvgPool2d(8)
+        self.fc = nn.Linear(4 * width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.layer3(self.layer2(self.layer1(x)))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def narrow_resnet20() -> ResNet20:
+    """ResNet-20 at widths 8, 16 and 32 (68,786 parameters)."""
+    return ResNet20(width=8)

@@ -1,5 +1,6 @@
-"""Planning layer graphs: the unit graph's skip edges and multi-source reads, exact traffic
-and the bound on random branching specs, every method, METIS's stacks, the zoo's ResNets."""
+"""Planning layer graphs: the unit graph's skip edges and multi-source reads, exact traffic on
+random branching specs, METIS's stacks, the zoo's ResNets (every method's plan of a layer
+graph against its bound: tests/partition/test_volume.py)."""
 
 import numpy as np
 import pytest
@@ -71,18 +72,6 @@ def _blocks(g, index):
                 for x in range(x0, x1):
                     out[(c, y, x)] = b
     return out
-
-
-@given(graph_specs(), st.integers(1, 4), st.sampled_from(METHODS))
-@settings(max_examples=40, deadline=None)
-def test_every_method_plans_a_layer_graph_and_the_bound_holds(spec, workers, method):
-    p = plan(spec, workers, method, granularity=Granularity(spatial_blocks=16, dense_blocks=4))
-    g = build_unit_graph(spec, p.granularity)
-    per_layer = brute_force_volume(g, p.node_map)
-    assert p.metrics.volume == sum(per_layer)
-    assert [ly.volume for ly in p.layers] == per_layer
-    assert p.metrics.lower_bound <= p.metrics.volume
-    assert p.node_map.min() >= 0 and p.node_map.max() < workers
 
 
 def test_metis_cuts_the_layers_of_one_grid_alike():

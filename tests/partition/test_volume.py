@@ -10,7 +10,7 @@ from netpart.partition import Granularity, build_unit_graph, plan
 from netpart.partition.evaluate import input_values
 from netpart.partition.volume import layer_lower_bounds, layer_traffic
 from netpart.runtime.slices import window_index
-from tests.conftest import brute_force_volume, small_specs
+from tests.conftest import brute_force_volume, graph_specs, small_specs
 
 METHODS = sorted(ALL_METHODS)  # every partitioner, new ones included
 
@@ -52,9 +52,11 @@ def test_input_values_count_what_each_worker_s_slice_gathers(spec, workers, seed
             assert got[i, w] == want, (i, layer.kind, w)
 
 
-@given(small_specs(), st.integers(1, 4), st.sampled_from(METHODS))
-@settings(max_examples=60, deadline=None)
+@given(st.one_of(small_specs(), graph_specs()), st.integers(1, 4), st.sampled_from(METHODS))
+@settings(max_examples=100, deadline=None)
 def test_plan_volume_recounts_and_respects_the_bound(spec, workers, method):
+    """Every method's plan of a chain or a layer graph: its volume recounted unit by unit,
+    at least the bound."""
     p = plan(spec, workers, method, granularity=Granularity(spatial_blocks=16, dense_blocks=4))
     g = build_unit_graph(spec, p.granularity)
     per_layer = brute_force_volume(g, p.node_map)

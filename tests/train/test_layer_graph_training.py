@@ -14,25 +14,17 @@ from netpart.partition import plan
 from netpart.train import train
 from netpart.train.config import TrainConfig
 from tests.models.user_models import NormedSkip
-from tests.train.test_training import no_orphans  # noqa: F401 - no process outlives a test
+from tests.train.test_training import (
+    no_orphans,  # noqa: F401 - no process outlives a test
+    sync_config,
+)
 
 TARGET = "tests.models.user_models:NormedSkip"
 SPEC = load_spec(TARGET, input="3x8x8")
 
 
 def _sync(steps: int) -> TrainConfig:
-    return TrainConfig.of(
-        replicas=2,
-        shards=2,
-        mode="sync",
-        optimizer="sgd",
-        lr=0.1,
-        steps=steps,
-        batch=8,
-        dtype="float64",
-        timeout=30,
-        checkpoint_every=2,
-    )
+    return sync_config(steps, shards=2, checkpoint_every=2)
 
 
 @pytest.fixture(scope="module")

@@ -62,19 +62,22 @@ def no_orphans():
     assert alive() == 0, "a training process outlived its test"
 
 
-def _sync(steps):
-    return TrainConfig.of(
-        replicas=2,
-        shards=3,
-        mode="sync",
-        optimizer="sgd",
-        lr=0.1,
-        steps=steps,
-        batch=8,
-        dtype="float64",
-        timeout=30,
-        checkpoint_every=1,
-    )
+def sync_config(steps: int, **changes) -> TrainConfig:
+    """Sync SGD, 2 replicas + 3 shards, float64, batch 8, a checkpoint every update (fields
+    `changes` changed): the sync runs' job."""
+    flat = {
+        "replicas": 2,
+        "shards": 3,
+        "mode": "sync",
+        "optimizer": "sgd",
+        "lr": 0.1,
+        "steps": steps,
+        "batch": 8,
+        "dtype": "float64",
+        "timeout": 30,
+        "checkpoint_every": 1,
+    }
+    return TrainConfig.of(**{**flat, **changes})
 
 
 LAUNCHER_COMPILES: list[logging.LogRecord] = []  # the sync run's launcher's compilations
@@ -92,7 +95,7 @@ def sync_run(tmp_path_factory):
     compiled_log.addHandler(counter)
     compiled_log.setLevel(logging.INFO)
     try:
-        train(SYNC_SPEC, p, _sync(4), run)
+        train(SYNC_SPEC, p, sync_config(4), run)
     finally:
         compiled_log.removeHandler(counter)
         compiled_log.setLevel(level)
@@ -136,11 +139,11 @@ def test_sync_pushes_are_never_stale(sync_run):
 def test_resume_continues_from_identical_parameters(sync_run, tmp_path):
     p, straight = sync_run
     run = tmp_path / "run"
-    train(SYNC_SPEC, p, _sync(2), run)
+    train(SYNC_SPEC, p, sync_config(2), run)
     half = torch.load(run / "model.pt", weights_only=True)
     meta = json.loads((run / "shard_0.json").read_text())
     assert meta["clock"] == 2 and meta["progress"] == {"0": 2, "1": 2}
-    train(SYNC_SPEC, p, _sync(4), run, resume=True)
+    train(SYNC_SPEC, p, sync_config(4), run, resume=True)
     got = torch.load(run / "model.pt", weights_only=True)
     want = torch.load(straight / "model.pt", weights_only=True)
     for k in want:
@@ -155,16 +158,16 @@ def test_sync_resume_after_a_signal_equals_the_uninterrupted_run(sync_run, tmp_p
     parameters as a run never stopped (a stop ends on a step every replica finished)."""
     p, _ = sync_run
     straight, run = tmp_path / "straight", tmp_path / "run"
-    train(SYNC_SPEC, p, _sync(120), straight)
+    train(SYNC_SPEC, p, sync_config(120), straight)
 
     def signal_when_running() -> None:
         wait_for_lines(run / "metrics_replica1.jsonl", 15, poll=0.01)
         os.kill(os.getpid(), signal.SIGTERM)  # the launcher's handler: stop every process
 
     threading.Thread(target=signal_when_running, daemon=True).start()
-    stopped = train(SYNC_SPEC, p, _sync(120), run)
+    stopped = train(SYNC_SPEC, p, sync_config(120), run)
     assert stopped.stopped and max(stopped.steps.values()) < 120
-    train(SYNC_SPEC, p, _sync(120), run, resume=True)
+    train(SYNC_SPEC, p, sync_config(120), run, resume=True)
     got = torch.load(run / "model.pt", weights_only=True)
     want = torch.load(straight / "model.pt", weights_only=True)
     for k in want:

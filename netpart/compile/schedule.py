@@ -335,7 +335,7 @@ def build_schedule(
     for index in range(1, len(graph.layers)):
         sends.append(_layer_sends(graph, index, owned, node_map, workers))
     kinds = tuple(layer.kind for layer in spec.layers)
-    plain = spec.is_chain and "batchnorm" not in kinds
+    plain = spec.hides_halo
     interior = tuple(
         tuple(
             interior_units(graph, owned, index, w) if plain else owned[index][w][:0]

@@ -256,6 +256,13 @@ class ModelSpec:
         """Every layer reads the one before it, and only it."""
         return all(self.sources(i) == (i - 1,) for i in range(len(self.layers)))
 
+    @property
+    def hides_halo(self) -> bool:
+        """Whether the runtime may hide a halo behind other work (split a layer, run producer
+        chains, join a layer to the one below): a chain without batch norm, whose layers
+        each have one reader and whose slices compute in parts."""
+        return self.is_chain and all(layer.kind != BATCHNORM for layer in self.layers)
+
     def layer_params(self, index: int) -> int:
         """Trainable parameters of layer `index` (weights and biases)."""
         layer, src, out = self.layers[index], self.input_shape(index), self.shapes[index]

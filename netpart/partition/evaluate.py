@@ -62,13 +62,13 @@ def evaluate(
     convolved = convolved_shares(graph, node_map, workers)
     args = (flops / speed[None, :], traffic, batch, network, kinds, values)
     # path <= compute.sum() + exchange.sum(); nothing hides a halo without overlap
-    hiding = (interior, chains) if network.overlap else (None, None)
+    # A layer graph (or batch norm) hides no halo: the runtime splits none of its layers.
+    hidden = (interior, chains) if spec.hides_halo else (None, None)
+    hiding = hidden if network.overlap else (None, None)
     compute, exchange, path = step_times(*args, *hiding, keys, convolved=convolved)
     # What to split where the workers have machines of their own (on one host none is).
     on_own = replace(network, overlap=True)
-    split, hideable = split_layers(
-        *args[:3], on_own, *args[4:], interior, chains, keys, convolved=convolved
-    )
+    split, hideable = split_layers(*args[:3], on_own, *args[4:], *hidden, keys, convolved=convolved)
     fixed = network.fixed_s(workers)
     lower = layer_lower_bounds(spec, used.sum(axis=1))
     per_layer_volume = traffic.sum(axis=(1, 2))

@@ -114,6 +114,10 @@ class LayerSlice(nn.Module):
     def compute(self, x: torch.Tensor, part: str) -> list[torch.Tensor]:
         raise NotImplementedError
 
+    def settle(self) -> None:
+        """After the layer's backward: a slice whose backward takes part in a collective
+        takes part in it if autograd did not (a batch norm's); others have nothing to do."""
+
     def place(self, pieces: list[torch.Tensor], split: bool, x: torch.Tensor) -> torch.Tensor:
         """The pieces' rows (each [rows, ..., B]) in `units` order, activated: [len(units), B]
         (the activation runs once on the whole output, not once per piece)."""

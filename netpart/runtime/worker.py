@@ -458,9 +458,7 @@ class ModelWorker:
             gx = leaf.grad if leaf is not None else None
         t1 = clock()
         st.book.breakdown["slice"] += t1 - t0
-        settle = getattr(self.slices[layer], "settle", None)
-        if settle is not None:  # a batch norm's collective, if its backward did not run it
-            settle()
+        self.slices[layer].settle()  # a batch norm's collective, if its backward did not run it
         if layer == 0:
             return
         self._release(st, layer)

@@ -106,3 +106,17 @@ def test_resnet_20_plans_within_its_bound(workers, method):
     assert p.metrics.max_layer_imbalance <= 1.25
     g = build_unit_graph(ZOO["resnet-20"], p.granularity)
     assert p.metrics.volume == int(layer_traffic(g, p.node_map, workers).sum())
+
+
+def test_a_layer_graph_s_prediction_hides_no_halo():
+    """The runtime splits no layer of a layer graph (nor runs producer chains in it): its
+    prediction on machines of their own hides nothing, and its report splits nothing."""
+    from dataclasses import replace
+
+    from netpart.cost.machine import Machine
+
+    spec = ZOO["resnet-20"]
+    alone = plan(spec, 4, "tiles", network=replace(Machine(), overlap=True))
+    shared = plan(spec, 4, "tiles", network=replace(Machine(), overlap=False))
+    assert not any(layer.split for layer in alone.layers)
+    assert alone.metrics.predicted_step_s == pytest.approx(shared.metrics.predicted_step_s)

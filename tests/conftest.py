@@ -211,7 +211,8 @@ def graph_specs(draw: st.DrawFn, max_steps: int = 6) -> ModelSpec:
     """Random layer graphs: windowed layers (conv, local, pool, lcn) and batch norms reading
     any layer of the current resolution, adds of equal shapes, concats, a ResNet's
     downsampling block (a 3x3, stride-2 conv and a 1x1, stride-2 projection of one layer,
-    added), every unread layer concatenated at the end, a dense top at times."""
+    added), every unread layer concatenated at the end, a dense top at times (or two dense
+    layers of the planes added or concatenated, maybe batch-normed, under it)."""
     h, w = draw(st.integers(4, 9)), draw(st.integers(4, 9))
     layers: list[dict] = []
     shapes: list[tuple[int, int, int]] = []
@@ -278,7 +279,16 @@ def graph_specs(draw: st.DrawFn, max_steps: int = 6) -> ModelSpec:
             put({"kind": "add"}, (ch, hh, ww), [a, b])
             stage = a
     close()
-    if draw(st.booleans()):
+    top = draw(st.sampled_from(["none", "dense", "branches"]))
+    if top == "branches":  # two dense layers of the planes, merged, batch-normed at times
+        k, last = draw(st.integers(1, 4)), len(layers) - 1
+        a = put({"kind": "dense", "units": k}, (k, 1, 1), [last])
+        b = put({"kind": "dense", "units": k, **draw(ACTIVATIONS)}, (k, 1, 1), [last])
+        merge = draw(st.sampled_from(["add", "concat"]))
+        put({"kind": merge}, (k if merge == "add" else 2 * k, 1, 1), [a, b])
+        if draw(st.booleans()):
+            put({"kind": "batchnorm"}, shapes[-1], [len(layers) - 1])
+    if top != "none":
         put({"kind": "dense", "units": draw(st.integers(1, 4))}, (1, 1, 1), [len(layers) - 1])
     inp = {"channels": draw(st.integers(1, 2)), "height": h, "width": w}
     return ModelSpec.from_dict({"name": "graph", "input": inp, "layer": layers})

@@ -195,6 +195,7 @@ def plan_for_run(args: argparse.Namespace):
     from netpart.processes.memory import available_memory
 
     spec = load_spec(args.model, input=args.input)
+    spec.require_batch(args.batch)
     # before any planning
     what = f"--workers {args.workers}"
     check_process_count(args.workers, what, available=available_memory())

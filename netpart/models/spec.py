@@ -263,6 +263,19 @@ class ModelSpec:
         each have one reader and whose slices compute in parts."""
         return self.is_chain and all(layer.kind != BATCHNORM for layer in self.layers)
 
+    def require_batch(self, batch: int) -> None:
+        """SpecError (one line) where a batch norm would see one value per channel in a
+        training step of `batch` examples (torch's BatchNorm refuses it: there is nothing to
+        normalise)."""
+        for i, layer in enumerate(self.layers):
+            shape = self.shapes[i]
+            if layer.kind == BATCHNORM and batch * shape.height * shape.width < 2:
+                raise SpecError(
+                    f"{self.name}: layer {i} (batchnorm) sees one value per channel in a batch "
+                    f"of {batch} (as torch's BatchNorm, it cannot normalise one); use a batch "
+                    "of 2 or more"
+                )
+
     def layer_params(self, index: int) -> int:
         """Trainable parameters of layer `index` (weights and biases)."""
         layer, src, out = self.layers[index], self.input_shape(index), self.shapes[index]

@@ -80,6 +80,8 @@ class BatchNormSlice(LayerSlice):
         """Each owned unit's channel's batch mean and (biased) variance, and the running
         statistics updated."""
         count = xs.shape[1] * self.hw  # values a channel holds in the replica's batch
+        if count < 2:  # as torch's BatchNorm: nothing to normalise
+            raise ValueError(f"layer {self.index}: one value per channel to normalise")
         local = torch.stack([xs.sum(dim=1), (xs * xs).sum(dim=1)]).to(torch.float64)
         sums = local.new_zeros(2, self.channels).index_add(1, self._channel, local)
         if self.transport is not None and self.transport.size > 1:

@@ -78,6 +78,7 @@ def make_job(request: TrainRequest, *, local: bool = True) -> Job:
         raise TrainError(f"--workers {request.workers}: must be an integer >= 1")
     spec = load_spec(request.model, input=request.input)
     config = TrainConfig.of(**{"shards": request.workers, **request.given})
+    spec.require_batch(config.data.batch)
     initial = _initial_weights(request.model, spec, config)
     check_loggers(config.loggers)  # a missing package fails before planning
     config.dataset(spec)  # bad data fails before planning

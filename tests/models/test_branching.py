@@ -345,3 +345,15 @@ def test_random_layer_graphs_import_and_their_reference_computes_the_module(prog
     ours.sum().backward()
     want.sum().backward()
     assert_grads_equal(spec, reference, user, atol=1e-9)
+
+
+def test_a_batch_norm_of_one_value_per_channel_is_refused_in_one_line(tmp_path, capsys):
+    """A batch of 1 under a batch norm after a dense layer: torch's BatchNorm1d refuses to
+    train it; check and train say so before any process starts."""
+    target = "tests.models.user_models:NormedSkip"
+    base = ["--model", target, "--input", "3x8x8", "--workers", "2", "--batch", "1"]
+    assert main(["check", *base]) == 2
+    assert main(["train", *base, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 2 and err.count("(batchnorm) sees one value per channel") == 2
+    assert not (tmp_path / "run").exists()

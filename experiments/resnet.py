@@ -1,12 +1,13 @@
 """Issue 79's training figures: a user's narrow ResNet-20 with batch norm
 (`tests/models/user_models.py:narrow_resnet20`) trained by `netpart train` over 2 model
 workers x 2 replicas, Downpour and synchronous SGD, on procedural images (`--data shapes`,
-3x32x32, ten classes), beside one plain PyTorch process training the same module on the same samples:
-the same initial weights (netpart's seeded ones, loaded into the module), the same optimiser
-(Adagrad, lr 0.01), the two replicas' batches of each step one after the other (batch 32,
-twice the steps). Held-out accuracy on the 1,000 held-out images, each model in eval mode
-(the batch norms' running statistics); and each run's model.pt loaded strictly into the
-user's class, whose eval-mode logits are compared with netpart's reference module's.
+3x32x32, ten classes), beside one plain PyTorch process training the same module on the
+same samples: the same initial weights (netpart's seeded ones, loaded into the module), the
+same optimiser (Adagrad, lr 0.01), the two replicas' batches of each step one after the
+other (batch 32, twice the steps). Held-out accuracy on the 1,000 held-out images, each
+model in eval mode (the batch norms' running statistics); and each run's model.pt loaded
+strictly into the user's class, whose eval-mode logits are compared with netpart's
+reference module's.
 
     python experiments/resnet.py                 # 300 steps a replica, ~8 min here
     python experiments/resnet.py --steps 40      # a quick look

@@ -376,16 +376,19 @@ def _layer_sends(
     spec = graph.spec
     n = spec.input_size(index)
     owner = np.full(n, -1, dtype=np.int64)  # -1: the network's input, held by every worker
-    needed = np.zeros((workers, n), dtype=bool)
-    readers = np.bincount(node_map[graph.layers[index].ids], minlength=workers) > 0
+    dense = spec.layers[index].kind == "dense"
+    if dense:  # a worker holding any of its neurons reads all of its input (no copy per worker)
+        readers = np.bincount(node_map[graph.layers[index].ids], minlength=workers) > 0
+        needed = np.broadcast_to(readers[:, None], (workers, n))
+    else:
+        needed = np.zeros((workers, n), dtype=bool)
     for slot, source in enumerate(spec.sources(index)):
         if source < 0:
             continue
         at, size = spec.input_offset(index, source), graph.layers[source].shape.size
         for w in range(workers):
             owner[at + owned[source][w]] = w
-        if spec.layers[index].kind == "dense":
-            needed[:, at : at + size] |= readers[:, None]
+        if dense:
             continue
         covered, slab_bounds = coverage(graph, index, node_map, workers, slot)
         # Expand slabs to channels: needed[w, c, y, x].

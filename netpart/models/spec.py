@@ -5,46 +5,11 @@ the earlier layers it names (a layer graph). Every layer maps a (C, H, W) activa
 to a (C', H', W'); dense layers flatten their input and produce (units, 1, 1). A spec is validated
 when it is constructed, so every `ModelSpec` in the program describes a network that can be built.
 
-Schema (TOML, or the same structure as JSON)::
-
-    name = "my-net"
-    input = { channels = 3, height = 32, width = 32 }   # or: input = { features = 440 }
-    [[layer]]
-    kind = "local"       # local (untied weights) | conv (tied) | dense | pool | lcn
-    name = "features.0"  # optional, any layer: its path in the user's module (an imported
-                         # spec's layers have one); a weighted layer's parameters export as
-                         # features.0.weight and features.0.bias
-    channels = 8         # local, conv: output channels
-    kernel = 5           # local, conv, pool, lcn: receptive field, square (5) or [height, width]
-    stride = 1           # local, conv (default 1), pool (default = kernel); or [height, width]
-    padding = 0          # local, conv, pool (zeros; never sent between workers); or [height, width]
-    bias = false         # local, conv, dense: a layer without a bias (default true)
-    activation = "relu"  # relu | leaky_relu | gelu | silu | sigmoid | tanh | none;
-                         # softmax on the last dense layer only
-    negative_slope = 0.2 # leaky_relu only (default 0.01, torch's)
-    dropout = 0.5        # optional, any layer: in training, each output value is zeroed
-                         # with this probability and the rest scaled by 1 / (1 - p); the
-                         # masks do not depend on the plan (`netpart.models.dropout`)
-    [[layer]]
-    kind = "pool"
-    mode = "l2"          # max | avg | l2
-    kernel = 2
-    eps = 0.0            # l2 only: sqrt(sum x^2 + eps) (default netpart.nn.L2_POOL_EPS, 1e-6;
-                         # 0 is torch's LPPool2d(2))
-    [[layer]]
-    kind = "lcn"         # local contrast normalisation over a kernel x kernel window (odd kernel)
-    kernel = 5
-    eps = 0.01           # (x - mean) / sqrt(var + eps), mean and var over window and channels
-    [[layer]]
-    kind = "dense"
-    units = 10
-    activation = "softmax"
-    [[layer]]
-    kind = "batchnorm"   # per channel (per feature after a dense layer), as torch's
-    eps = 1e-5           # BatchNorm2d/1d: a scale and shift, running statistics (momentum)
-
-A layer may name the layers it reads, `inputs = [2, 4]` (indices, names or "input"); `add`
-(equal shapes, summed) and `concat` (channels side by side) merge two or more (docs/spec.md).
+The schema (TOML, or the same structure as JSON: `input`, then `[[layer]]` tables with a
+`kind` and its keys) is documented once, in docs/spec.md, with every key, its default and
+what it means; `to_dict` and `from_dict` round-trip it (`models.importer.spec_toml` writes
+it as TOML). A layer may name the layers it reads, `inputs = [2, 4]` (indices, names or
+"input"); `add` (equal shapes, summed) and `concat` (channels side by side) merge two or more.
 """
 
 from __future__ import annotations

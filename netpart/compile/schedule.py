@@ -32,7 +32,7 @@ from netpart.models.spec import BYTES_PER_VALUE, ModelSpec
 from netpart.partition.graph import UnitGraph, build_unit_graph, owned_units
 from netpart.partition.plans import PartitionPlan
 from netpart.partition.reads import read_window
-from netpart.partition.volume import coverage
+from netpart.partition.volume import needed_units
 
 __all__ = [
     "NO_SPLITS",
@@ -380,21 +380,18 @@ def _layer_sends(
     if dense:  # a worker holding any of its neurons reads all of its input (no copy per worker)
         readers = np.bincount(node_map[graph.layers[index].ids], minlength=workers) > 0
         needed = np.broadcast_to(readers[:, None], (workers, n))
+    elif spec.sources(index) == spec.input_layers(index) == (index - 1,):  # a chain's layer
+        needed = needed_units(graph, index, node_map, workers)
     else:
         needed = np.zeros((workers, n), dtype=bool)
-    for slot, source in enumerate(spec.sources(index)):
-        if source < 0:
-            continue
-        at, size = spec.input_offset(index, source), graph.layers[source].shape.size
+        for slot, source in enumerate(spec.sources(index)):
+            if source >= 0:
+                at, size = spec.input_offset(index, source), graph.layers[source].shape.size
+                needed[:, at : at + size] |= needed_units(graph, index, node_map, workers, slot)
+    for source in (s for s in spec.input_layers(index) if s >= 0):
+        at = spec.input_offset(index, source)
         for w in range(workers):
             owner[at + owned[source][w]] = w
-        if dense:
-            continue
-        covered, slab_bounds = coverage(graph, index, node_map, workers, slot)
-        # Expand slabs to channels: needed[w, c, y, x].
-        expanded = np.repeat(covered, np.diff(slab_bounds), axis=1).reshape(workers, -1)
-        start = slab_bounds[0] * (size // graph.layers[source].shape.channels)
-        needed[:, at + start : at + start + expanded.shape[1]] |= expanded
     msgs: dict[tuple[int, int], np.ndarray] = {}
     for d in range(workers):
         units = np.nonzero(needed[d] & (owner != d) & (owner >= 0))[0]

@@ -37,7 +37,7 @@ from netpart.partition.reads import (
     source_shape,
 )
 
-__all__ = ["coverage", "layer_lower_bounds", "layer_traffic", "workers_per_layer"]
+__all__ = ["coverage", "layer_lower_bounds", "layer_traffic", "needed_units", "workers_per_layer"]
 
 
 def layer_traffic(
@@ -142,19 +142,32 @@ def _spatial_traffic(
     return np.rint(t.T).astype(np.int64)  # [s, d]
 
 
+def needed_units(
+    graph: UnitGraph, index: int, node_map: np.ndarray, workers: int, slot: int = 0
+) -> np.ndarray:
+    """[workers, units of input `slot`'s layer]: which of them each worker's blocks of layer
+    `index` read (`coverage`, its slabs expanded to channels)."""
+    source = graph.layers[graph.spec.sources(index)[slot]]
+    n = source.shape.size
+    covered, slab_bounds = coverage(graph, index, node_map, workers, slot)
+    expanded = np.repeat(covered, np.diff(slab_bounds), axis=1).reshape(workers, -1)
+    if expanded.shape[1] == n:  # every channel of the input (a chain's layer)
+        return expanded
+    out = np.zeros((workers, n), dtype=bool)
+    start = slab_bounds[0] * (n // source.shape.channels)
+    out[:, start : start + expanded.shape[1]] = expanded
+    return out
+
+
 def _union_traffic(
     graph: UnitGraph, index: int, node_map: np.ndarray, workers: int, slots: list[int]
 ) -> np.ndarray:
     """Counts per (owner, reader) of the units of one source that several inputs of layer
     `index` read (a concat of one layer twice), each unit once per reader."""
     source = graph.layers[graph.spec.sources(index)[slots[0]]]
-    n = source.shape.size
-    needed = np.zeros((workers, n), dtype=bool)
+    needed = np.zeros((workers, source.shape.size), dtype=bool)
     for slot in slots:
-        covered, slab_bounds = coverage(graph, index, node_map, workers, slot)
-        expanded = np.repeat(covered, np.diff(slab_bounds), axis=1).reshape(workers, -1)
-        start = slab_bounds[0] * (n // source.shape.channels)
-        needed[:, start : start + expanded.shape[1]] |= expanded
+        needed |= needed_units(graph, index, node_map, workers, slot)
     owner = np.repeat(source.owner_grid(node_map), np.diff(source.cbounds), axis=0).ravel()
     t = np.stack([np.bincount(owner[needed[d]], minlength=workers) for d in range(workers)])
     return t.T.astype(np.int64)  # [s, d]

@@ -77,6 +77,7 @@ def step_times(
     keys: list[str] | None = None,
     *,
     convolved: np.ndarray | None = None,
+    collectives: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, float]:
     """(compute_s[l], exchange_s[l], path_s): the slowest worker's time in each layer
     (exchange: what overlap leaves exposed) and the step's layers on each worker's own
@@ -89,21 +90,31 @@ def step_times(
     units of each layer that read no halo (for overlap; none hidden without it), `chains`
     the producer chains' (late share, layer whose exchange it hides) [L, P] each
     (`netpart.partition.planner.chain_shares`), `keys` each layer's `ModelSpec.layer_key`
-    (a calibrated model's own tables of those layers), and `convolved` [L, P] the share of
-    each worker's conv outputs torch's convolution computes (`Machine.worker_compute_s`).
+    (a calibrated model's own tables of those layers), `convolved` [L, P] the share of
+    each worker's conv outputs torch's convolution computes (`Machine.worker_compute_s`),
+    and `collectives` [L] the seconds of a collective every worker takes part in after the
+    layer's compute, forward and again backward (a batch norm's statistics: each worker
+    waits for the slowest, then for the collective).
     """
     work, phase, hide_fwd, hide_bwd, share, _ = _worker_times(
         flops, traffic, batch, net, kinds, values, interior, chains, keys, convolved
     )
     exp_f, exp_b = np.maximum(phase - hide_fwd, 0.0), np.maximum(phase - hide_bwd, 0.0)
     fwd, bwd = work * share, work * (1.0 - share)
+    joint = np.zeros(len(work)) if collectives is None else np.asarray(collectives, float)
     t = np.zeros(work.shape[1])
     for layer in range(len(work)):  # forward: the halo of the layer, then its compute
         t = _arrive(t, traffic[layer], exp_f[layer]) + fwd[layer]
+        if joint[layer]:
+            t = np.full_like(t, t.max() + joint[layer])
     t = np.full_like(t, t.max())  # the loss: one collective among all
     for layer in range(len(work) - 1, -1, -1):  # backward: compute, then gradients back
-        t = _arrive(t + bwd[layer], traffic[layer].T, exp_b[layer])
-    return work.max(axis=1), (exp_f + exp_b).max(axis=1), float(t.max())
+        t = t + bwd[layer]
+        if joint[layer]:
+            t = np.full_like(t, t.max() + joint[layer])
+        t = _arrive(t, traffic[layer].T, exp_b[layer])
+    exchange = (exp_f + exp_b).max(axis=1) + 2 * joint
+    return work.max(axis=1), exchange, float(t.max())
 
 
 def split_layers(*args, **kwargs) -> tuple[np.ndarray, np.ndarray]:

@@ -28,6 +28,7 @@ __all__ = [
     "evaluate",
     "input_values",
     "interior_shares",
+    "norm_collectives",
     "per_layer_worker",
     "reevaluate",
     "screen",
@@ -65,7 +66,10 @@ def evaluate(
     # A layer graph (or batch norm) hides no halo: the runtime splits none of its layers.
     hidden = (interior, chains) if spec.hides_halo else (None, None)
     hiding = hidden if network.overlap else (None, None)
-    compute, exchange, path = step_times(*args, *hiding, keys, convolved=convolved)
+    joint = norm_collectives(spec, workers, network)
+    compute, exchange, path = step_times(
+        *args, *hiding, keys, convolved=convolved, collectives=joint
+    )
     # What to split where the workers have machines of their own (on one host none is).
     on_own = replace(network, overlap=True)
     split, hideable = split_layers(*args[:3], on_own, *args[4:], *hidden, keys, convolved=convolved)
@@ -93,6 +97,19 @@ def evaluate(
         for i in range(nlayers)
     )
     return metrics, layers, _worker_figures(graph, node_map, traffic, flops)
+
+
+def norm_collectives(spec: ModelSpec, workers: int, network: Machine) -> np.ndarray:
+    """[L]: each batch norm's collective among the replica's workers, one direction: an
+    all-reduce of each channel's two sums (float64: four float32 values a channel)."""
+    return np.array(
+        [
+            network.allreduce_s(4 * spec.shapes[i].channels, workers)
+            if layer.kind == "batchnorm"
+            else 0.0
+            for i, layer in enumerate(spec.layers)
+        ]
+    )
 
 
 def step_floor(

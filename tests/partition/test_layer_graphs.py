@@ -120,3 +120,23 @@ def test_a_layer_graph_s_prediction_hides_no_halo():
     shared = plan(spec, 4, "tiles", network=replace(Machine(), overlap=False))
     assert not any(layer.split for layer in alone.layers)
     assert alone.metrics.predicted_step_s == pytest.approx(shared.metrics.predicted_step_s)
+
+
+def test_a_batch_norm_s_collectives_are_priced():
+    """Each batch norm's all-reduce of its channels' sums, among the replica's workers, once
+    forward and once backward: its layer's exchange and the step (none on one worker)."""
+    import numpy as np
+
+    from netpart.cost.step import step_times
+
+    spec = ZOO["resnet-20"]
+    p = plan(spec, 2, "tiles")
+    for i, (layer, figures) in enumerate(zip(spec.layers, p.layers, strict=True)):
+        if layer.kind == "batchnorm":
+            want = 2 * p.network.allreduce_s(4 * spec.shapes[i].channels, 2)
+            assert figures.volume == 0 and figures.exchange_s == pytest.approx(want)
+    assert p.network.allreduce_s(4 * 16, 1) == 0.0
+    flops, traffic = np.ones((3, 2)), np.zeros((3, 2, 2), dtype=np.int64)
+    _, _, alone = step_times(flops, traffic, 1, p.network)
+    _, exchange, joined = step_times(flops, traffic, 1, p.network, collectives=[0, 0.5, 0])
+    assert joined == pytest.approx(alone + 1.0) and exchange.tolist() == [0, 1.0, 0]

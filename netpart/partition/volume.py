@@ -183,9 +183,11 @@ def _covered(a: np.ndarray, b: np.ndarray, window: tuple[int, int, int], n_in: i
     padding), clipped to [0, n_in): the span of their windows, less the rows in it no window
     reads (a stride above the kernel)."""
     k, s, p = window
-    prefix = read_rows(window, int(np.max(b, initial=1)), n_in)
+    if s <= k:  # the windows of a contiguous range form one interval: all of it is read
+        return np.maximum(0, np.minimum((b - 1) * s - p + k, n_in) - np.maximum(a * s - p, 0))
     lo = np.clip(a * s - p, 0, n_in)
     hi = np.clip((b - 1) * s - p + k, lo, n_in)
+    prefix = read_rows(window, int(np.max(b, initial=1)), n_in)
     return prefix[hi] - prefix[lo]
 
 

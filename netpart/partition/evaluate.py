@@ -87,16 +87,21 @@ def evaluate(
         compute_s=float(min(compute.sum(), path)),
         exchange_s=float(max(path - compute.sum(), 0.0)),
     )
-    shares = [
-        float(convolved[i] @ units[i] / lb.shape.size) if lb.kind == "conv" else None
-        for i, lb in enumerate(graph.layers)
-    ]  # the share of each conv layer's outputs torch's convolution computes
-    times = (compute, exchange, split, hideable, shares)
+    times = (compute, exchange, split, hideable, _convolved_layers(graph, convolved, units))
     layers = tuple(
         _layer_figures(graph, i, spread, used, per_layer_volume, lower, imbalance, times)
         for i in range(nlayers)
     )
     return metrics, layers, _worker_figures(graph, node_map, traffic, flops)
+
+
+def _convolved_layers(graph: UnitGraph, convolved: np.ndarray, units: np.ndarray) -> list:
+    """[L]: the share of each conv layer's outputs torch's convolution computes (None for
+    other kinds), from each worker's share (`convolved_shares`) and units."""
+    return [
+        float(convolved[i] @ units[i] / lb.shape.size) if lb.kind == "conv" else None
+        for i, lb in enumerate(graph.layers)
+    ]
 
 
 def norm_collectives(spec: ModelSpec, workers: int, network: Machine) -> np.ndarray:

@@ -15,7 +15,7 @@ import numpy as np
 
 from netpart.compile.schedule import HaloSchedule
 
-__all__ = ["WorkerIndices", "owned_inputs", "worker_indices"]
+__all__ = ["WorkerIndices", "worker_indices"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,21 +44,6 @@ class WorkerIndices:
     )
 
 
-def owned_inputs(schedule: HaloSchedule, rank: int, layer: int) -> np.ndarray:
-    """The units of layer `layer`'s input space worker `rank` owns, sorted: its units of
-    each layer the input space holds, at that layer's offset."""
-    if not schedule.inputs:
-        return schedule.owned[layer - 1][rank]
-    parts, at = [], 0
-    for s in schedule.inputs[layer]:
-        if s >= 0:
-            parts.append(schedule.owned[s][rank] + at)
-            at += sum(len(u) for u in schedule.owned[s])
-        else:
-            at += schedule.input_units
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
-
 def _into(schedule: HaloSchedule, owned: tuple, layer: int) -> tuple:
     """(input layer, where this worker's units of it land in `layer`'s input space) for each
     layer the input space holds (None for the network's input: every unit)."""
@@ -73,6 +58,14 @@ def _into(schedule: HaloSchedule, owned: tuple, layer: int) -> tuple:
             out.append((s, owned[s] + at))
             at += sum(len(u) for u in schedule.owned[s])
     return tuple(out)
+
+
+def _held(into: tuple) -> np.ndarray:
+    """The units of a layer's input space a worker owns, sorted (`_into`'s, end to end)."""
+    parts = [units for _, units in into if units is not None]
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 def _by_input(
@@ -101,11 +94,12 @@ def worker_indices(schedule: HaloSchedule, rank: int) -> WorkerIndices:
         for i in range(layers)
     )
     chains = schedule.chains[rank] if schedule.overlap and schedule.chains else ()
+    into = tuple(_into(schedule, owned, i) for i in range(layers))
     sends: list[dict[int, np.ndarray]] = [{}]
     recvs: list[dict[int, np.ndarray]] = [{}]
     for i in range(1, layers):
         mine = schedule.sends[i].items()
-        held = owned_inputs(schedule, rank, i)
+        held = _held(into[i])
         sends.append({d: np.searchsorted(held, u) for (s, d), u in mine if s == rank})
         recvs.append({s: u for (s, d), u in mine if d == rank})
     early_sends = {
@@ -115,7 +109,6 @@ def worker_indices(schedule: HaloSchedule, rank: int) -> WorkerIndices:
         for i, e in early.items()
         if i + 1 < layers
     }
-    into = tuple(_into(schedule, owned, i) for i in range(layers))
     split_sends = {
         i: {d: _by_input(schedule, owned, i, pos) for d, pos in sends[i].items()}
         for i in range(1, layers)

@@ -67,8 +67,9 @@ class HaloSchedule:
     chains: tuple[
         tuple[tuple[int, int], ...], ...
     ] = ()  # per worker: (a, b), netpart.compile.chains
-    # per layer, the layers its input space holds (-1: the network's input); a layer graph,
-    # or a chain with batch norm, splits no layer and joins none (() : a chain)
+    # per layer, the layers its input space holds (-1: the network's input; () : a chain);
+    # `graph`: a layer graph, or a chain with batch norm, which splits no layer and joins
+    # layers only for a worker holding every layer
     inputs: tuple[tuple[int, ...], ...] = ()
     graph: bool = False
     input_units: int = 0  # the network input's units (a layer graph's input spaces hold it)

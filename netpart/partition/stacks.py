@@ -25,8 +25,9 @@ __all__ = ["Stacks", "stack_graph"]
 
 @dataclass(frozen=True, eq=False)
 class Stacks:
-    """The contracted graph: `of[v]` the vertex of block v, `column[s]` the constraint of
-    stack s (one per grid), weights [vertices, stacks], sizes, and symmetric CSR."""
+    """The contracted graph: `of[v]` the vertex of block v, `vwgt` [vertices, grids] (a
+    vertex's FLOPs in its grid's column: one constraint per grid), `vsize` its units, and
+    the symmetric CSR adjacency (`xadj`, `adjncy`, `adjwgt`)."""
 
     of: np.ndarray
     vwgt: np.ndarray
@@ -69,7 +70,7 @@ def stack_graph(graph: UnitGraph) -> Stacks:
     u, v, w = u[starts], v[starts], np.add.reduceat(w, starts) if len(w) else w
     xadj = np.zeros(vertices + 1, dtype=np.int64)
     np.cumsum(np.bincount(u, minlength=vertices), out=xadj[1:])
-    return Stacks(of, np.maximum(vwgt, 0), vsize, xadj, v.astype(np.int64), w)
+    return Stacks(of, vwgt, vsize, xadj, v.astype(np.int64), w)
 
 
 def _layer_first(graph: UnitGraph) -> np.ndarray:
